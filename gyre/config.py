@@ -1,0 +1,61 @@
+"""The root of Gyre's structured config: one typed field per Hydra group, registered in the ConfigStore.
+
+Hydra composes `conf/` against these dataclasses, so unknown keys and wrong types fail at
+composition. Value checks live in each component's `__post_init__`; `validate` runs them and
+names the offending key with its full dotted path (e.g. `cluster.cell_nodes`). The library never
+reads YAML itself: entry points receive a composed DictConfig and call `validate`. A run's output
+directory is Hydra's (`hydra.run.dir`), not a Gyre key.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from gyre.errors import ConfigError
+from gyre.launch.config import ClusterConfig
+from gyre.models.config import ModelConfig
+from gyre.scheduler.config import SchedulerConfig
+
+
+@dataclass(kw_only=True)
+class GyreConfig:
+    """Everything a Gyre run needs; each group owns its section."""
+
+    cluster: ClusterConfig = MISSING
+    model: ModelConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    seed: int = 0
+    """Seed for every random generator of the run."""
+    num_steps: int = 2
+    """RL steps (optimizer steps on the core cell) to run."""
+
+    def __post_init__(self):
+        if self.num_steps < 1:
+            raise ConfigError("num_steps", f"must be >= 1, got {self.num_steps}")
+
+
+def register_configs() -> None:
+    """Register the root schema; its typed fields check every group's YAML merged into them."""
+    ConfigStore.instance().store(name="gyre_schema", node=GyreConfig)
+
+
+def validate(cfg: DictConfig) -> GyreConfig:
+    """Turn a composed config into typed objects, running every component's value checks.
+
+    Raises:
+        ConfigError: naming the full dotted key of the first value that cannot run.
+    """
+    sections: dict[str, Any] = {}
+    for f in fields(GyreConfig):
+        node = cfg[f.name]
+        if not isinstance(node, DictConfig):
+            sections[f.name] = node
+            continue
+        try:
+            sections[f.name] = OmegaConf.to_object(node)
+        except ConfigError as e:
+            raise e.under(f.name) from None
+    return GyreConfig(**sections)
+

@@ -1,0 +1,1 @@
+"""Models: the architecture family shared by the trainer (megatron-core) and the builtin engine."""

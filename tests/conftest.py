@@ -1,0 +1,35 @@
+"""Shared pytest set-up: marker gating for `gpu` and `slurm` tests, and single-threaded torch."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _slurm_reachable() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=10).returncode == 0
+
+
+def pytest_collection_modifyitems(config, items):
+    need_gpu = any("gpu" in item.keywords for item in items)
+    need_slurm = any("slurm" in item.keywords for item in items)
+    skip_gpu = need_gpu and not _cuda_available()
+    skip_slurm = need_slurm and not _slurm_reachable()
+    for item in items:
+        if skip_gpu and "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA; none on this machine"))
+        if skip_slurm and "slurm" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs the dev Slurm cluster: run tools/slurm-dev up"))

@@ -1,0 +1,82 @@
+"""The config tree composes against the structured schema and rejects what cannot run, naming the key."""
+
+import subprocess
+import sys
+
+import hydra
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from gyre.config import GyreConfig, validate
+from gyre.errors import ConfigError
+from gyre.launch.train import CONF_DIR
+
+
+def compose(*overrides: str):
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra.compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param((), id="defaults"),
+        pytest.param(("cluster=slurm",), id="slurm-cluster"),
+        pytest.param(("scheduler=async",), id="async"),
+        pytest.param(("scheduler=colocate", "scheduler.staleness=0"), id="colocate-on-policy"),
+        pytest.param(("+experiment=smoke",), id="smoke-preset"),
+    ],
+)
+def test_valid_configs_compose_and_validate(overrides):
+    assert isinstance(validate(compose(*overrides)), GyreConfig)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        pytest.param("cluster.cell_nodes=0", "cluster.cell_nodes", id="zero-cell-nodes"),
+        pytest.param("cluster.num_cells=0", "cluster.num_cells", id="no-cells"),
+        pytest.param("cluster.backend=k8s", "cluster.backend", id="unknown-backend"),
+        pytest.param("scheduler.staleness=-1", "scheduler.staleness", id="negative-staleness"),
+        pytest.param("scheduler.mode=sync", "scheduler.mode", id="unknown-mode"),
+        pytest.param("num_steps=0", "num_steps", id="no-steps"),
+    ],
+)
+def test_bad_values_name_their_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(override))
+    assert err.value.key == key
+
+
+def test_unknown_key_and_wrong_type_fail_at_composition():
+    with pytest.raises(ConfigCompositionException, match="bogus"):
+        compose("cluster.bogus=1")
+    with pytest.raises(ConfigCompositionException) as err:
+        compose("cluster.cell_nodes=many")
+    assert isinstance(err.value.__cause__, (ValidationError, ConfigKeyError))
+
+
+def _gyre_train(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from gyre.launch.train import main; main()", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_unknown_group_option_lists_the_valid_ones():
+    out = _gyre_train("scheduler=foo", "--cfg", "job")
+    assert out.returncode != 0
+    for word in ("scheduler", "elastic", "async", "colocate"):
+        assert word in out.stderr
+
+
+def test_cli_cfg_job_prints_only_validated_configs():
+    bad = _gyre_train("cluster.cell_nodes=0", "--cfg", "job")
+    assert bad.returncode != 0 and "cluster.cell_nodes" in bad.stderr
+    good = _gyre_train("scheduler=colocate", "--cfg", "job")
+    assert good.returncode == 0 and "mode: colocate" in good.stdout
+
+
+def test_cli_run_says_the_coordinator_is_not_built(tmp_path):
+    out = _gyre_train(f"hydra.run.dir={tmp_path}")
+    assert out.returncode != 0
+    assert "coordinator is not built yet" in out.stderr
