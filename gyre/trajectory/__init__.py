@@ -1,0 +1,1 @@
+"""Trajectory processor: from an execution's records to packed training samples (pure, no I/O)."""
