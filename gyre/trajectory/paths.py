@@ -4,7 +4,8 @@ A path runs from a branch root to a leaf call (one not fully continued by a chil
 the leaf's input+output, and its targets are the output tokens of every call on the chain that the
 next call kept (so every output token of a kept call is a target on at least one path). A path's
 class is its leaf's: main, main_summary (a compaction summary closes a main segment), subagent,
-subagent_summary; paths ending in an auxiliary call or a duplicate re-send are excluded.
+subagent_summary; paths ending in an auxiliary call or a duplicate re-send, or without a single
+target, are excluded.
 
 Selected paths often share a prefix; a target shared with an earlier selected path (same token
 after the same prefix, i.e. the same node of the token tree) is kept in both sequences for context
@@ -33,7 +34,7 @@ class Path:
     path_class: str | None
     """One of PATH_CLASSES, or None when excluded."""
     excluded: str | None
-    """Why the path is never trained (auxiliary, duplicate), or None."""
+    """Why the path is never trained (auxiliary, duplicate, no_targets), or None."""
     leaf_call_id: str
     leaf_seq: int
     agent_id: str
@@ -86,18 +87,20 @@ def make_paths(tree: CallTree) -> list[Path]:
             chain.append(tree.nodes[chain[-1]].parent)
         chain = tuple(reversed(chain))
         root = tree.nodes[chain[0]]
+        num_targets = sum(e - s for _, s, e in target_spans(tree, chain))
         if node.duplicate_of is not None:
             excluded = "duplicate"
         elif node.kind == "auxiliary":
             excluded = "auxiliary"
+        elif num_targets == 0:
+            excluded = "no_targets"
         else:
             excluded = None
         spawner = tree.nodes[root.spawned_by].record.call_id if root.spawned_by is not None else None
         paths.append(Path(
             chain=chain, path_class=None if excluded else _CLASS_OF_KIND[node.kind], excluded=excluded,
             leaf_call_id=node.record.call_id, leaf_seq=node.record.seq, agent_id=node.record.agent_id,
-            spawned_by=spawner, num_tokens=node.end,
-            num_targets=sum(e - s for _, s, e in target_spans(tree, chain))))
+            spawned_by=spawner, num_tokens=node.end, num_targets=num_targets))
     return paths
 
 
