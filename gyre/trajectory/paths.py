@@ -138,7 +138,7 @@ def make_path_sample(tree: CallTree, path: Path) -> PathSample:
             raise TrajectoryError(f"path to {path.leaf_call_id}: tokens {start}..{end} differ from "
                                   f"the output of call {r.call_id} they were matched to")
         mask[start:end] = True
-        logprobs[start:end] = r.logprobs[:n]
+        logprobs[start:end] = np.minimum(r.logprobs[:n], 0)  # records tolerate rounding just above 0
         versions[start:end] = r.output_versions()[:n]
     return PathSample(execution_id=tree.execution_id, leaf_call_id=path.leaf_call_id,
                       path_class=path.path_class, tokens=tokens, target_mask=mask,

@@ -74,14 +74,16 @@ class Thread:
         return Thread(self.ex, self.agent_id, self.parent_agent_id, self.tokens.copy())
 
 
-def make_claude_like(execution_id: str = "bench", *, scale: float = 1.0, seed: int = 0,
-                     num_compactions: int = 3, num_subagents: int = 6) -> SyntheticExecution:
-    """~700K unique tokens over ~400 calls at scale 1 (tokens scale linearly, call count fixed).
+def make_claude_like(execution_id: str = "bench", *, scale: float = 1.0, seed: int = 0, num_compactions: int = 3,
+                     num_subagents: int = 6, num_rewinds: int = 0) -> SyntheticExecution:
+    """~700K unique tokens over ~430 calls at scale 1 (tokens scale linearly, call count fixed).
 
     Main agent: num_compactions + 1 segments of 70 turns, each but the last closed by a summary
-    call; after every segment's 35th turn a sub-agent of 20 turns (every other one spawns a nested
-    sub-agent of 10 turns and the first compacts once); one duplicate re-send after a broken
-    stream per segment; one auxiliary title call.
+    call; after a segment's 35th turn sub-agents of 20 turns (every other one spawns a nested
+    sub-agent of 10 turns, the first compacts once); one duplicate re-send after a broken stream
+    per segment; one auxiliary title call. In the last num_rewinds segments, turn 60 clears the
+    tool result of turn 45 (as a harness trimming old tool output does), which abandons turns
+    46..59 as a branch sharing turns 0..45 with the continuing path.
     """
     ex = SyntheticExecution(execution_id, seed)
     s = lambda n: max(1, int(n * scale))  # noqa: E731
@@ -97,7 +99,11 @@ def make_claude_like(execution_id: str = "bench", *, scale: float = 1.0, seed: i
                 ex.call(MAIN_AGENT, None, broken, ex.policy(s(150)))  # the stream broke; the harness re-sends
                 main.turn(s(400), s(1200), is_retry=True)
                 continue
-            main.turn(s(400), s(1200), split_version=(turn == 50))
+            if turn == 60 and seg > num_compactions - num_rewinds:
+                main.tokens = np.concatenate((main.tokens[:cleared[0]], ex.context(s(20)), main.tokens[cleared[1]:]))
+            r = main.turn(s(400), s(1200), split_version=(turn == 50))
+            if turn == 45:
+                cleared = (r.num_tokens, main.tokens.size)  # turn 45's tool result spans [cleared)
             if turn == 35 and spawned < num_subagents:
                 for _ in range(max(1, num_subagents // (num_compactions + 1))):
                     if spawned < num_subagents:

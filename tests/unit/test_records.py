@@ -133,8 +133,9 @@ def _kw(**over):
     (dict(kind_hint="title"), "kind_hint 'title' is not one of main, summary"),
     (dict(finish_reason="eos"), "finish_reason 'eos'"),
     (dict(agent_id="sa1"), "only the main agent has no parent"),
+    (dict(hints={"header": object()}), "hints must be JSON-serialisable"),
 ], ids=["short-logprobs", "positive-logprob", "int64", "empty-input", "short-spans", "overlap-spans",
-        "bad-kind", "bad-finish", "orphan-subagent"])
+        "bad-kind", "bad-finish", "orphan-subagent", "hints-not-json"])
 def test_record_contract_violations_name_the_problem(over, match):
     with pytest.raises(RecordError, match=match):
         CallRecord(**_kw(**over))
