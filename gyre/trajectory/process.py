@@ -77,6 +77,8 @@ class GroupResult:
     samples: list[TrainingSample]
     excluded: Counter = field(default_factory=Counter)
     """Executions not trained, by reason."""
+    excluded_executions: list[tuple[str | None, str]] = field(default_factory=list)
+    """(execution id, reason) of each execution not trained (id None when it had no records)."""
     left_out: Counter = field(default_factory=Counter)
     counts: TokenCounts = field(default_factory=TokenCounts)
     rewards: dict[str, float] = field(default_factory=dict)
@@ -154,6 +156,7 @@ def process_group(executions: list[tuple[list[CallRecord], Evaluation]], config:
                 group.left_out += result.left_out
         if reason is not None:
             group.excluded[reason] += 1
+            group.excluded_executions.append((records[0].execution_id if records else None, reason))
             continue
         if result.execution_id in valid:
             raise TrajectoryError(f"execution {result.execution_id!r} appears twice in one group")
@@ -162,6 +165,7 @@ def process_group(executions: list[tuple[list[CallRecord], Evaluation]], config:
     group.advantages, reason = group_advantages(group.rewards, config)
     if reason is not None:
         group.excluded[reason] += len(valid)
+        group.excluded_executions.extend((eid, reason) for eid in valid)
         return group
     for eid, result in valid.items():
         group.counts += result.counts

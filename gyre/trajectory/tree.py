@@ -90,6 +90,10 @@ def _sorted_checked(records: list[CallRecord]) -> tuple[list[CallRecord], list[i
     for a, b in zip(ordered, ordered[1:]):
         if a.seq == b.seq:
             raise TrajectoryError(f"seq {a.seq} used by calls {a.call_id!r} and {b.call_id!r}")
+    for a, b in zip(ordered, ordered[1:]):
+        if b.started_at < a.started_at:
+            raise TrajectoryError(f"seq order contradicts start times: seq {b.seq} ({b.call_id!r}) started "
+                                  f"{a.started_at - b.started_at:.3f} s before seq {a.seq} ({a.call_id!r})")
     ids = [r.call_id for r in ordered]
     if len(set(ids)) != len(ids):
         dup = sorted({c for c in ids if ids.count(c) > 1})
@@ -179,7 +183,8 @@ def build_call_tree(records: list[CallRecord]) -> CallTree:
     """Reconstruct the call tree of one execution's records (any file order).
 
     Raises:
-        TrajectoryError: no records, several executions, or a seq or call id used twice.
+        TrajectoryError: no records, several executions, a seq or call id used twice, or seq
+            numbers out of order with start times (the proxy numbers calls as they arrive).
     """
     ordered, missing = _sorted_checked(records)
     nodes = [CallNode(record=r, kind=resolve_kind(r)) for r in ordered]

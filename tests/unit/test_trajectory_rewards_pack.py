@@ -64,6 +64,8 @@ def test_group_counts_every_exclusion_and_normalises_after_them():
         ([], Evaluation("finished", 0.5)),
     ], TrajectoryConfig())
     assert group.excluded == {"evaluator_error": 1, "budget_exhausted": 1, "bad_records": 1}
+    assert group.excluded_executions == [("crash", "evaluator_error"), ("slow", "budget_exhausted"),
+                                         (None, "bad_records")]
     assert group.rewards == {"ok1": 1.0, "ok2": 0.2}
     assert group.advantages == pytest.approx({"ok1": 1.0, "ok2": -1.0}, rel=1e-4)
     assert {s.path.execution_id for s in group.samples} == {"ok1", "ok2"}

@@ -138,10 +138,13 @@ def test_file_order_does_not_matter():
 
 @pytest.mark.parametrize("mutate,match", [
     (lambda rs: rs + [dataclasses.replace(rs[3], call_id="x")], "seq 3 used by calls"),
-    (lambda rs: rs + [dataclasses.replace(rs[3], seq=99)], "call ids recorded more than once: c3"),
-    (lambda rs: rs + [dataclasses.replace(rs[0], execution_id="other", seq=50, call_id="y")], "several executions"),
+    (lambda rs: rs + [dataclasses.replace(rs[3], seq=99, started_at=2e9)], "call ids recorded more than once: c3"),
+    (lambda rs: rs + [dataclasses.replace(rs[0], execution_id="other", seq=50, call_id="y", started_at=2e9)],
+     "several executions"),
     (lambda rs: [], "no records"),
-], ids=["duplicate-seq", "duplicate-call-id", "mixed-executions", "empty"])
+    (lambda rs: rs[:4] + [dataclasses.replace(rs[4], seq=5), dataclasses.replace(rs[5], seq=4)] + rs[6:],
+     "seq order contradicts start times: seq 5"),
+], ids=["duplicate-seq", "duplicate-call-id", "mixed-executions", "empty", "seq-out-of-order"])
 def test_contradictory_records_are_a_clear_error(mutate, match):
     with pytest.raises(TrajectoryError, match=match):
         build_call_tree(mutate(hand_built()))
