@@ -84,6 +84,18 @@ class CallRecord:
         if problem is not None:
             raise RecordError(f"record {self.execution_id}/{self.call_id} (seq {self.seq}): {problem}")
 
+    @classmethod
+    def build(cls, *, input_ids, output_ids, logprobs, versions, **fields) -> "CallRecord":
+        """A record from plain sequences (what an HTTP handler holds): ids and log-probs as lists,
+        `versions` as one weight version per output token (runs become VersionSpans).
+
+        Raises:
+            RecordError: as the constructor does.
+        """
+        return cls(input_ids=np.asarray(input_ids, dtype=np.int32), output_ids=np.asarray(output_ids, dtype=np.int32),
+                   logprobs=np.asarray(logprobs, dtype=np.float32), version_spans=make_version_spans(versions),
+                   **fields)
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.size + self.output_ids.size)
@@ -94,6 +106,16 @@ class CallRecord:
         for span in self.version_spans:
             versions[span.start:span.end] = span.version
         return versions
+
+
+def make_version_spans(versions) -> tuple[VersionSpan, ...]:
+    """Runs of equal weight versions, one entry per output token, as VersionSpans."""
+    v = np.asarray(versions, dtype=np.int64)
+    if v.size == 0:
+        return ()
+    starts = np.concatenate(([0], np.flatnonzero(v[1:] != v[:-1]) + 1))
+    ends = np.concatenate((starts[1:], [v.size]))
+    return tuple(VersionSpan(int(a), int(b), int(v[a])) for a, b in zip(starts, ends))
 
 
 def _problem(r: CallRecord) -> str | None:

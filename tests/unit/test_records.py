@@ -144,3 +144,30 @@ def test_record_contract_violations_name_the_problem(over, match):
 def test_output_versions_expand_spans():
     r = CallRecord(**_kw(version_spans=(VersionSpan(0, 1, 4), VersionSpan(1, 3, 5))))
     assert r.output_versions().tolist() == [4, 5, 5]
+
+
+def test_build_from_plain_sequences_as_a_proxy_would():
+    r = CallRecord.build(execution_id="e", call_id="rid-1", seq=0, agent_id="main", parent_agent_id=None,
+                         kind_hint="unknown", input_ids=[5, 6, 7], output_ids=[8, 9, 10, 11],
+                         logprobs=[-0.1, -0.2, -0.3, -0.4], versions=[3, 3, 4, 4], finish_reason="length",
+                         hints={"x-claude-code-agent-id": None})
+    assert r.input_ids.dtype == np.int32 and r.logprobs.dtype == np.float32
+    assert r.version_spans == (VersionSpan(0, 2, 3), VersionSpan(2, 4, 4))
+    fields = {k: v for k, v in _kw().items() if k not in ("input_ids", "output_ids", "logprobs", "version_spans")}
+    with pytest.raises(RecordError, match="cover 3 of 4"):
+        CallRecord.build(**fields, input_ids=[1], output_ids=[1, 2, 3, 4], logprobs=[-1.0] * 4, versions=[1, 1, 1])
+
+
+def test_concurrent_appends_from_threads_stay_whole_lines(tmp_path):
+    """The proxy may append from an executor thread per request: lines must never interleave."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    records = _conversation(n_turns=20)
+    path = tmp_path / "ex.jsonl"
+    with RecordWriter(path, fsync=False) as w, ThreadPoolExecutor(4) as pool:
+        list(pool.map(w.append, records))
+    back, stats = read_records(path)
+    assert stats.num_torn == 0 and not stats.invalid
+    assert sorted(r.call_id for r in back) == sorted(r.call_id for r in records)
+    by_id = {r.call_id: r for r in records}
+    assert all(_same(b, by_id[b.call_id]) for b in back)
