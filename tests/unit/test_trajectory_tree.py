@@ -200,3 +200,18 @@ def test_torn_file_loses_only_the_last_call(tmp_path):
     result = process_execution(back, TrajectoryConfig())
     assert result.excluded is None
     assert "c18" in [s.leaf_call_id for s in result.samples]  # c19 lost: c18 is now the final main leaf
+
+
+def test_benchmark_execution_has_the_promised_shape():
+    """tools/bench/trajectory.py's execution, tiny: 3 compactions, 6 sub-agents (2 nested, 1 compacting),
+    4 duplicate re-sends, 1 auxiliary call, 1 rewound main branch."""
+    from collections import Counter
+
+    from gyre.trajectory.synthetic import make_claude_like
+
+    records = make_claude_like(scale=0.02, num_rewinds=1).records
+    paths = make_paths(build_call_tree(records))
+    assert len(records) == 429
+    assert Counter(p.path_class or p.excluded for p in paths) == {
+        "main": 2, "main_summary": 3, "subagent": 8, "subagent_summary": 1, "duplicate": 4, "auxiliary": 1}
+    assert all(p.spawned_by is not None for p in paths if p.agent_id != "main")
