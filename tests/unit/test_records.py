@@ -60,14 +60,17 @@ def test_torn_last_line_is_skipped_and_counted_nothing_else_lost(tmp_path, cut):
     assert all(_same(a, b) for a, b in zip(records, back))
 
 
-def test_writer_reopening_a_torn_file_cuts_the_tail_then_appends(tmp_path):
+@pytest.mark.parametrize("tail", [b'{"v": 1, "call_id": "half', b"\0" * 300 + b"\n"],
+                         ids=["half-line", "zero-filled-line"])
+def test_writer_reopening_a_torn_file_cuts_the_tail_then_appends(tmp_path, tail):
+    """A crash leaves half a line, or (power loss before the data blocks) zeros up to a newline."""
     records = _conversation()
     path = tmp_path / "ex.jsonl"
     with RecordWriter(path, fsync=False) as w:
         for r in records[:-1]:
             w.append(r)
     with open(path, "ab") as f:
-        f.write(b'{"v": 1, "call_id": "half')  # the crash
+        f.write(tail)
     with RecordWriter(path, fsync=False) as w:
         assert w.num_truncated_bytes > 0
         w.append(records[-1])

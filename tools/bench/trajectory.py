@@ -14,7 +14,7 @@ Prints a table, then ONE JSON object on the last line:
   input_tokens   summed input length of all calls (what the records describe)
 Targets on the 2-core dev machine: seconds <= 2, peak_mb <= 1024, ratio_2x <= 2.2.
 
-Usage: PYTHONPATH=. python tools/bench/trajectory.py [--repeats 3] [--max-paths 5] [--rewinds 1]
+Usage: PYTHONPATH=. python tools/bench/trajectory.py [--repeats 5] [--max-paths 5] [--rewinds 1]
 """
 
 import argparse
@@ -57,7 +57,7 @@ def peak_mb(scale: float, rewinds: int, config: TrajectoryConfig) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-paths", type=int, default=5)
     ap.add_argument("--rewinds", type=int, default=1)
     args = ap.parse_args()
