@@ -71,7 +71,8 @@ def parse_generate(body, vocab_size: int, context_len: int, encode=None) -> Gene
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise BadRequest(f"input_ids has {len(bad)} ids outside the vocabulary [0, {vocab_size}), e.g. {bad[0]}")
-    sp = body.get("sampling_params") or {}
+    sp = body.get("sampling_params")
+    sp = {} if sp is None else sp
     if not isinstance(sp, dict):
         raise BadRequest("sampling_params must be an object")
     max_new = _number(sp, "max_new_tokens", 128, lo=0, integer=True)
