@@ -135,7 +135,7 @@ class BuiltinEngineServer:
                     snap, final = await queue.get()
                     if final:
                         return web.json_response(snap)
-            async with sse_response(request, sep="\n") as sse:
+            async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
                 final = False
                 while not final:
                     snap, final = await queue.get()
