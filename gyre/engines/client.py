@@ -170,8 +170,9 @@ class EngineClient:
 async def migrate_prefix(src: EngineClient, dst: EngineClient, input_ids: list[int], extra_key: str | None = None) -> dict:
     """Move the KV of `input_ids`' cached prefix from `src` to `dst` over Mooncake.
 
-    Returns {"transferred_tokens", "recomputed_tokens"}: what `dst` got from `src`, and what it will
-    still compute itself (the rest of `input_ids`).
+    Returns {"transferred_tokens", "recomputed_tokens"}: the page-aligned prefix `dst` got from
+    `src`, and the rest of `input_ids` that `dst` must compute itself. (A /generate on exactly
+    `input_ids` still recomputes its last page: the next token needs one forward.)
     """
     export = await src.export_kv(input_ids, extra_key)
     n = 0

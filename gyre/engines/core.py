@@ -63,14 +63,12 @@ class Request:
 
 class EngineCore:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_version: str, *,
-                 max_running_requests: int, max_prefill_tokens: int, page_size: int, prefix_cache_tokens: int,
-                 eos_token_id: int | None = None):  # fmt: skip
+                 max_running_requests: int, max_prefill_tokens: int, page_size: int, prefix_cache_tokens: int):  # fmt: skip
         check_weights(cfg, weights)
         self.cfg = cfg
         self.weights: dict[str, torch.Tensor] | None = weights
         self.weight_version = weight_version
         self.max_running, self.max_prefill = max_running_requests, max_prefill_tokens
-        self.eos_token_id = eos_token_id
         self.cache = PrefixCache(page_size, prefix_cache_tokens)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -114,7 +112,8 @@ class EngineCore:
         running, waiting = len(self.running), len(self.waiting) + len(self._incoming)
         used = sum(r.kv.length for r in list(self.running) if r.kv is not None)
         return {"num_running_reqs": running, "num_waiting_reqs": waiting, "num_used_tokens": used,
-                "num_cached_tokens": self.cache.num_tokens, "paused": self.paused}  # fmt: skip
+                "num_cached_tokens": self.cache.num_tokens, "paused": self.paused,
+                "num_steps": self.num_steps}  # fmt: skip
 
     # --- the loop -----------------------------------------------------------------------------
     def _can_run(self) -> bool:
@@ -176,7 +175,10 @@ class EngineCore:
             if not req.prefilled:
                 req.prefilled = True
                 self._cache_kv(req)
-            self._advance(req, item.logits)
+            if req.params.max_new_tokens == 0:  # prefill only (e.g. to warm the prefix cache)
+                self._finish(req, {"type": "length", "length": 0})
+            else:
+                self._advance(req, item.logits)
 
     def _advance(self, req: Request, logits: torch.Tensor) -> None:
         tok, logprob = sample(logits, req.params, req.gen)
@@ -184,8 +186,7 @@ class EngineCore:
         req.logprobs.append(logprob)
         req.versions.append(self.weight_version)
         p = req.params
-        stops = set(p.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None and not p.ignore_eos else set())
-        if tok in stops:
+        if tok in p.stop_token_ids:
             self._finish(req, {"type": "stop", "matched": tok})
         elif len(req.output_ids) >= p.max_new_tokens or len(req.tokens) >= self.cfg.max_seq_len:
             self._finish(req, {"type": "length", "length": len(req.output_ids)})

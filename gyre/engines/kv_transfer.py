@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 
 from gyre.engines.core import EngineRequestError
-from gyre.transfer import BufferLayout, TransferEndpoint
+from gyre.transfer import TransferEndpoint
 
 MAX_EXPORTS = 8
 
@@ -36,34 +36,19 @@ class KVExporter:
             return self._endpoint
 
     def publish(self, kv: torch.Tensor) -> dict:
-        tensors = {"kv": kv.contiguous()}
-        layout = BufferLayout.for_tensors(tensors)
-        buf = torch.empty(layout.nbytes, dtype=torch.uint8)
-        layout.pack(tensors, buf)
-        addr = self.endpoint.register(buf)
+        descriptor, buf = self.endpoint.publish_tensors({"kv": kv.contiguous()})
         export_id = str(next(self._ids))
         with self._lock:
             self._exports[export_id] = buf
             while len(self._exports) > MAX_EXPORTS:
                 self._endpoint.unregister(self._exports.popitem(last=False)[1])
-        return {"export_id": export_id, "session_id": self.endpoint.session_id, "address": addr, "layout": layout.to_json()}
+        return {"export_id": export_id, **descriptor}
 
     def release(self, export_id: str) -> None:
         with self._lock:
             buf = self._exports.pop(export_id, None)
         if buf is not None:
             self.endpoint.unregister(buf)
-
-    def read_tensors(self, session_id: str, address: int, layout_json: dict) -> dict[str, torch.Tensor]:
-        """Read a peer's published buffer; returns owned copies of its tensors."""
-        layout = BufferLayout.from_json(layout_json)
-        buf = torch.empty(layout.nbytes, dtype=torch.uint8)
-        self.endpoint.register(buf)
-        try:
-            self.endpoint.read(session_id, address, buf)
-        finally:
-            self.endpoint.unregister(buf)
-        return {k: v.clone() for k, v in layout.unpack(buf).items()}
 
     def close(self) -> None:
         if self._endpoint is not None:
@@ -75,7 +60,7 @@ async def import_kv_pages(server, body: dict) -> int:
 
 
     cfg = server.model_cfg
-    tensors = await asyncio.to_thread(server.exporter.read_tensors, body["session_id"], int(body["address"]), body["layout"])
+    tensors = await asyncio.to_thread(server.exporter.endpoint.fetch_tensors, body)
     kv, ids, n = tensors.get("kv"), body["input_ids"], int(body["num_tokens"])
     want = (cfg.num_layers, 2, n, cfg.num_query_groups, cfg.head_dim)
     if kv is None or tuple(kv.shape) != want or kv.dtype != torch.float32:

@@ -89,7 +89,6 @@ def parse_generate(body, vocab_size: int, context_len: int, encode=None) -> Gene
         top_p=float(_number(sp, "top_p", 1.0, lo=1e-9, hi=1.0)),
         top_k=_number(sp, "top_k", -1, lo=-1, integer=True),
         stop_token_ids=tuple(_int_list(sp.get("stop_token_ids") or [], "sampling_params.stop_token_ids")),
-        ignore_eos=bool(sp.get("ignore_eos", False)),
         seed=seed,
     )
     rid = body.get("rid") or uuid.uuid4().hex

@@ -53,7 +53,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+    """Generation stops after any of these; the builtin engine has no implicit EOS (the proxy passes
+    the tokenizer's stop_token_ids), so SGLang's `ignore_eos` is accepted and has no effect."""
     seed: int | None = None
 
 

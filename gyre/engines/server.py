@@ -26,6 +26,7 @@ from gyre.engines.config import EngineConfig
 from gyre.engines.core import EngineCore, EngineRequestError, Request
 from gyre.engines.kv_transfer import KVExporter, import_kv_pages
 from gyre.engines.protocol import BadRequest, make_response, parse_generate
+from gyre.errors import GyreError
 from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer
@@ -75,7 +76,6 @@ class BuiltinEngineServer:
             model_cfg, weights, engine_cfg.weight_version,
             max_running_requests=engine_cfg.max_running_requests, max_prefill_tokens=engine_cfg.max_prefill_tokens,
             page_size=engine_cfg.page_size, prefix_cache_tokens=engine_cfg.prefix_cache_tokens,
-            eos_token_id=None,
         )  # fmt: skip
         self.exporter = KVExporter()
         self._scratch = tempfile.mkdtemp(prefix="gyre-engine-")
@@ -191,17 +191,17 @@ class BuiltinEngineServer:
         body = await _json(request)
         try:
             if body.get("load_format") == "gyre_transfer":
-                weights = await asyncio.to_thread(self.exporter.read_tensors, body["session_id"], int(body["address"]), body["layout"])
+                weights = await asyncio.to_thread(self.exporter.endpoint.fetch_tensors, body)
             else:
                 blobs = body.get("serialized_named_tensors")
                 if not isinstance(blobs, list) or not blobs:
                     raise BadRequest("missing serialized_named_tensors (base64 safetensors) or load_format=gyre_transfer")
                 weights = {}
                 for b in blobs:
-                    weights.update(load_safetensors(base64.b64decode(b)))
-        except (KeyError, TypeError, ValueError) as e:
+                    weights.update({k: v.clone() for k, v in load_safetensors(base64.b64decode(b)).items()})
+        except (KeyError, TypeError, ValueError, GyreError) as e:
             raise BadRequest(f"bad weight payload: {e!r}") from None
-        response = await self._apply_weights(body, {k: v.clone() for k, v in weights.items()})
+        response = await self._apply_weights(body, weights)
         self._source = None  # only in memory now: release() will spill to scratch
         return response
 

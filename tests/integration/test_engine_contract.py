@@ -85,10 +85,12 @@ def test_engine_logprobs_equal_a_full_sequence_forward(server):
 
 def test_repeated_prefix_reports_cached_tokens(server):
     async def body(c):
-        await c.generate(PROMPT + [7] * 40, {"max_new_tokens": 2})
-        return await c.generate(PROMPT + [7] * 40 + [1, 2, 3], {"max_new_tokens": 2})
+        warm = await c.generate(PROMPT + [7] * 40, {"max_new_tokens": 0})  # prefill only
+        return warm, await c.generate(PROMPT + [7] * 40 + [1, 2, 3], {"max_new_tokens": 2})
 
-    assert run(body, server.url)["meta_info"]["cached_tokens"] > 0
+    warm, again = run(body, server.url)
+    assert warm["meta_info"]["completion_tokens"] == 0 and warm["meta_info"]["finish_reason"]["type"] == "length"
+    assert again["meta_info"]["cached_tokens"] > 0
 
 
 async def _first_chunk_then(c, rid, action, max_new=2000):
@@ -198,6 +200,44 @@ def test_update_mid_generation_reports_per_span_versions(server):
     spans = last["meta_info"]["weight_version_spans"]
     assert up["weight_version"] == "mid" and spans[-1]["weight_version"] == "mid" and len(spans) == 2
     assert spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 300
+
+
+def test_update_from_a_published_buffer_over_mooncake(server):
+    """The trainer's path: pack weights into a registered buffer, let the engine read it."""
+    builtin_only(server)
+    from gyre.transfer import TransferEndpoint
+
+    trainer = TransferEndpoint()
+    descriptor, buf = trainer.publish_tensors(init_weights(MODEL, 2))
+    try:
+        async def body(c):
+            before = await c.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0})
+            up = await c.update_weights_from_tensor(weight_version="v2", load_format="gyre_transfer", **descriptor)
+            after = await c.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0})
+            await c.update_weights_from_tensor(weight_version="v0", load_format="gyre_transfer",
+                                               **trainer.publish_tensors(init_weights(MODEL, SEED))[0])  # fmt: skip
+            return before, up, after
+
+        before, up, after = run(body, server.url)
+    finally:
+        trainer.close()
+    ref = sequence_logprobs(MODEL, init_weights(MODEL, 2), PROMPT + after["output_ids"])[len(PROMPT) - 1 :]
+    got = torch.tensor([e[0] for e in after["meta_info"]["output_token_logprobs"]])
+    assert up["weight_version"] == "v2" == after["meta_info"]["weight_version"]
+    assert after["output_ids"] != before["output_ids"] and float((got - ref).abs().max()) <= 1e-5
+
+
+def test_concurrent_requests_share_engine_steps(server):
+    """Continuous batching: 8 requests of 16 tokens take about 16 steps together, not 128."""
+    builtin_only(server)
+
+    async def body(c):
+        steps0 = (await c.loads())["loads"][0]["num_steps"]
+        outs = await asyncio.gather(*[c.generate(PROMPT[i:], {"max_new_tokens": 16, "ignore_eos": True}) for i in range(8)])
+        return (await c.loads())["loads"][0]["num_steps"] - steps0, outs
+
+    steps, outs = run(body, server.url)
+    assert all(o["meta_info"]["completion_tokens"] == 16 for o in outs) and steps < 48
 
 
 def test_release_and_resume_memory(server):
