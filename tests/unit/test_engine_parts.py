@@ -106,3 +106,15 @@ def test_engine_config_names_bad_keys(kwargs, key):
     with pytest.raises(ConfigError) as err:
         EngineConfig(**kwargs)
     assert err.value.key == key
+
+
+def test_engine_group_composes_for_both_backends():
+    from gyre.config import validate
+    from tests.unit.test_config import compose
+
+    assert validate(compose()).engine.backend == "builtin"
+    sg = validate(compose("engine=sglang", "engine.model_path=/models/q", "engine.mooncake_master=10.0.0.1:50051")).engine
+    assert sg.backend == "sglang" and sg.enable_hicache and sg.page_size == 64
+    with pytest.raises(ConfigError) as err:
+        validate(compose("engine.max_running_requests=0"))
+    assert err.value.key == "engine.max_running_requests"
