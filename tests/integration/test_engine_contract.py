@@ -294,3 +294,35 @@ def test_unknown_fields_are_ignored(server):
     out = run(lambda c: c.post("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "frobnicate": 1},
                                               "lora_path": None, "no_such_field": [1]}), server.url)  # fmt: skip
     assert out["meta_info"]["completion_tokens"] == 2
+
+
+def test_text_input_is_tokenized_by_the_engine(server):
+    builtin_only(server)  # SGLang's count depends on its model's tokenizer
+    out = run(lambda c: c.post("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 1}}), server.url)
+    assert out["meta_info"]["prompt_tokens"] == 5
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    async def body(c):
+        async for _ in c.generate_stream(PROMPT, {"max_new_tokens": 2000, "ignore_eos": True}, rid="gone"):
+            break  # leaving the stream closes the connection
+        for _ in range(100):
+            if (await c.loads())["loads"][0]["num_running_reqs"] == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert run(body, server.url)
+
+
+def test_nccl_weight_updates_point_to_the_mooncake_path(server):
+    builtin_only(server)
+
+    async def body(c):
+        try:
+            await c.post("/update_weights_from_distributed", {"names": []})
+        except EngineHTTPError as e:
+            return e
+
+    err = run(body, server.url)
+    assert err.status == 400 and "gyre_transfer" in err.body
