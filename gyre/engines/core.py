@@ -12,6 +12,7 @@ as commands, so they never race a forward pass.
 """
 
 import concurrent.futures
+import logging
 import random
 import threading
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from gyre.engines.runner import SamplingParams, SeqKV, StepItem, run_step, sampl
 from gyre.errors import GyreError
 from gyre.models.config import ModelConfig
 from gyre.models.transformer import check_weights
+
+log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache")
@@ -135,7 +138,12 @@ class EngineCore:
                 except Exception as e:  # delivered to the caller, never kills the loop
                     fut.set_exception(e)
             if self._can_run():
-                self._step()
+                try:
+                    self._step()
+                except Exception as e:  # a failed step ends its batch, not the server
+                    log.exception("engine step failed; aborting %d running requests", len(self.running))
+                    for r in list(self.running):
+                        self._finish(r, {"type": "abort", "message": f"engine error: {e!r}"})
         for r in self.running + self.waiting:
             self._finish(r, {"type": "abort", "message": "engine shut down"})
 

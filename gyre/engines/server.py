@@ -126,7 +126,10 @@ class BuiltinEngineServer:
         def emit(req: Request, final: bool) -> None:  # engine thread: snapshot, then hand over
             if final or g.stream:
                 snap = make_response(req, self._text(req.output_ids), self.core.weight_version, g.return_logprob, time.monotonic() - t0)
-                loop.call_soon_threadsafe(queue.put_nowait, (snap, final))
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, (snap, final))
+                except RuntimeError:  # the server's loop is closed: shutting down, nobody to tell
+                    pass
 
         self.core.submit(Request(g.rid, g.input_ids, g.params, emit, extra_key=g.extra_key))
         try:
