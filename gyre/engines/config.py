@@ -38,6 +38,8 @@ class EngineConfig:
     """SGLang tensor parallelism (GPUs per server)."""
     mem_fraction_static: float = 0.85
     """SGLang: GPU memory fraction for weights + KV pool."""
+    enable_memory_saver: bool = True
+    """SGLang: needed for /release_memory_occupation (a cell switching to TRAIN frees the GPU)."""
     enable_hicache: bool = True
     """SGLang: hierarchical KV cache (GPU -> host -> L3 store)."""
     hicache_storage_backend: str = "mooncake"

@@ -31,7 +31,9 @@ def make_sglang_command(cfg: EngineConfig, port: int, python: str = sys.executab
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(cfg.model_path), "--host", cfg.host,
            "--port", str(port), "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
            "--page-size", str(cfg.page_size), "--load-format", cfg.load_format,
-           "--weight-version", cfg.weight_version, "--enable-memory-saver"]  # fmt: skip
+           "--weight-version", cfg.weight_version]  # fmt: skip
+    if cfg.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
     if cfg.enable_hicache:
         cmd += ["--enable-hierarchical-cache", "--hicache-ratio", str(cfg.hicache_ratio),
                 "--hicache-write-policy", cfg.hicache_write_policy,
