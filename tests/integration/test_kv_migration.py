@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from gyre.engines.client import EngineClient, EngineHTTPError, migrate_prefix
-from tests.integration.engine_fixtures import run, start_builtin
+from gyre.models.transformer import init_weights, sequence_logprobs
+from tests.integration.engine_fixtures import MODEL, SEED, run, start_builtin
 
 
 @pytest.fixture(scope="module")
 def engines():
-    a = start_builtin()
+    a = start_builtin(max_prefill_tokens=512)  # the 2,000-token prefill runs in 4 chunks
     try:
-        b = start_builtin()
+        b = start_builtin(max_prefill_tokens=512)
     except BaseException:
         a.stop()
         raise
@@ -40,6 +41,8 @@ def test_a_2000_token_prefix_moves_from_a_to_b(engines):
     lp = lambda out: out["meta_info"]["output_token_logprobs"][0]  # noqa: E731
     assert lp(on_b) == lp(again)  # identical: same KV bytes, same computation
     assert lp(on_b)[1] == lp(first)[1] and abs(lp(on_b)[0] - lp(first)[0]) <= 1e-5
+    ref = sequence_logprobs(MODEL, init_weights(MODEL, SEED), prefix + [lp(first)[1]])[-1]
+    assert abs(float(ref) - lp(first)[0]) <= 1e-5  # chunked prefill == one full forward
 
 
 def test_kv_from_other_weights_is_refused(engines):
