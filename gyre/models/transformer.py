@@ -75,15 +75,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate [T, heads, hd] by position, non-interleaved halves (HF `rotate_half`)."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd))
+def rope_tables(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, hd] for non-interleaved halves (HF `rotate_half`); computed once per forward."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :].to(x.dtype)
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :].to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    angles = torch.cat([angles, angles], -1)[:, None, :]
+    return angles.cos(), angles.sin()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, hd] by the positions `cos`/`sin` were made for."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
@@ -115,13 +118,14 @@ def forward_tokens(
     """
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
     x = weights["embed_tokens.weight"][ids]
+    cos, sin = rope_tables(positions, hd, cfg.rotary_base)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         h = rms_norm(x, weights[p + "input_layernorm.weight"], cfg.norm_epsilon)
         q = (h @ weights[p + "self_attn.q_proj.weight"].T).view(-1, nh, hd)
         k = (h @ weights[p + "self_attn.k_proj.weight"].T).view(-1, nkv, hd)
         v = (h @ weights[p + "self_attn.v_proj.weight"].T).view(-1, nkv, hd)
-        q, k = rope(q, positions, cfg.rotary_base), rope(k, positions, cfg.rotary_base)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         x = x + attend_fn(i, q, k, v) @ weights[p + "self_attn.o_proj.weight"].T
         h = rms_norm(x, weights[p + "post_attention_layernorm.weight"], cfg.norm_epsilon)
         gate = F.silu(h @ weights[p + "mlp.gate_proj.weight"].T)
