@@ -52,6 +52,9 @@ class EngineConfig:
     """Mooncake transport: `tcp` here, `rdma` on InfiniBand clusters."""
     load_format: str = "auto"
     """SGLang --load-format (`dummy` for random weights in tests)."""
+    scripted_policy: str | None = None
+    """Builtin, tests only: JSON rules file of a scripted policy (gyre.engines.scripted) that forces
+    the emitted tokens for matching prompts; log-probs stay the model's."""
     extra_args: list[str] = field(default_factory=list)
     """Extra sglang.launch_server flags, passed through verbatim."""
 

@@ -22,6 +22,7 @@ import torch
 
 from gyre.engines.prefix_cache import PrefixCache
 from gyre.engines.runner import SamplingParams, SeqKV, StepItem, run_step, sample
+from gyre.engines.scripted import forced_logprob
 from gyre.errors import GyreError
 from gyre.models.config import ModelConfig
 from gyre.models.transformer import check_weights
@@ -54,6 +55,8 @@ class Request:
     kv_clean: bool = True
     """All of `kv` was computed with the current weights (only then may it enter the prefix cache)."""
     prefilled: bool = False
+    forced: list[int] | None = None
+    """Tokens to emit instead of sampling (scripted policy in tests; log-probs stay the model's)."""
     gen: torch.Generator = field(default_factory=torch.Generator)
 
     def __post_init__(self):
@@ -189,7 +192,12 @@ class EngineCore:
                 self._advance(req, item.logits)
 
     def _advance(self, req: Request, logits: torch.Tensor) -> None:
-        tok, logprob = sample(logits, req.params, req.gen)
+        i = len(req.output_ids)
+        if req.forced is not None and i < len(req.forced):
+            tok = req.forced[i]
+            logprob = forced_logprob(logits, tok, req.params.temperature)
+        else:
+            tok, logprob = sample(logits, req.params, req.gen)
         req.output_ids.append(tok)
         req.logprobs.append(logprob)
         req.versions.append(self.weight_version)

@@ -26,6 +26,7 @@ from gyre.engines.config import EngineConfig
 from gyre.engines.core import EngineCore, EngineRequestError, Request
 from gyre.engines.kv_transfer import KVExporter, import_kv_pages
 from gyre.engines.protocol import BadRequest, make_response, parse_generate
+from gyre.engines.scripted import ScriptedPolicy
 from gyre.errors import GyreError
 from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
@@ -78,6 +79,11 @@ class BuiltinEngineServer:
             page_size=engine_cfg.page_size, prefix_cache_tokens=engine_cfg.prefix_cache_tokens,
         )  # fmt: skip
         self.exporter = KVExporter()
+        self.policy = None
+        if engine_cfg.scripted_policy:
+            if self.tokenizer is None:
+                raise GyreError("a scripted policy needs the byte tokenizer (vocab_size >= 265)")
+            self.policy = ScriptedPolicy.from_file(engine_cfg.scripted_policy, self.tokenizer)
         self._scratch = tempfile.mkdtemp(prefix="gyre-engine-")
 
     def app(self) -> web.Application:
@@ -131,7 +137,8 @@ class BuiltinEngineServer:
                 except RuntimeError:  # the server's loop is closed: shutting down, nobody to tell
                     pass
 
-        self.core.submit(Request(g.rid, g.input_ids, g.params, emit, extra_key=g.extra_key))
+        forced = self.policy.forced_ids(g.input_ids) if self.policy else None
+        self.core.submit(Request(g.rid, g.input_ids, g.params, emit, extra_key=g.extra_key, forced=forced))
         try:
             if not g.stream:
                 while True:

@@ -1,0 +1,228 @@
+"""The Anthropic Messages API front end (pure): request parsing, responses, SSE events, errors.
+
+Mapping to the chat template: `system` (string or text blocks) and a leading `role: "system"`
+message become the system message; a later `role: "system"` message (Claude Code sends one
+mid-conversation) is rendered in place as a user turn, so earlier turns keep their tokens; user
+`tool_result` blocks become `tool` messages (in order, before the user's text); assistant
+`tool_use` blocks become tool calls; `thinking` blocks are dropped (the template has no thinking
+turn); images become the placeholder text `[image]`.
+"""
+
+import json
+import uuid
+
+from gyre.models.tokenizer import ToolCall
+from gyre.proxy.chat import ApiError, ChatRequest, check_sampling, check_tool_schema, invalid, require_type
+
+ERROR_TYPES = {
+    "invalid_request": "invalid_request_error", "authentication": "authentication_error",
+    "permission": "permission_error", "not_found": "not_found_error", "too_large": "request_too_large",
+    "overloaded": "overloaded_error", "api_error": "api_error",
+}  # fmt: skip
+
+
+def make_error(err: ApiError) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES[err.kind], "message": err.message}}
+
+
+def _text_of(content, where: str) -> str:
+    """Text of a string or a list of blocks (text blocks joined; images as a placeholder)."""
+    if isinstance(content, str):
+        return content
+    require_type(content, list, where, "a string or a list of content blocks")
+    parts = []
+    for j, b in enumerate(content):
+        require_type(b, dict, f"{where}.{j}", "a content block object")
+        if b.get("type") == "text":
+            parts.append(require_type(b.get("text"), str, f"{where}.{j}.text", "a string"))
+        elif b.get("type") == "image":
+            parts.append("[image]")
+        else:
+            raise invalid(f"{where}.{j}: unsupported block type {b.get('type')!r} here; valid: text, image")
+    return "\n".join(parts)
+
+
+def _user_messages(content, i: int, pending_ids: set[str]) -> list[dict]:
+    where = f"messages.{i}.content"
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    require_type(content, list, where, "a string or a list of content blocks")
+    tools, texts = [], []
+    for j, b in enumerate(content):
+        require_type(b, dict, f"{where}.{j}", "a content block object")
+        if b.get("type") == "tool_result":
+            tid = b.get("tool_use_id")
+            if tid not in pending_ids:
+                raise invalid(f"{where}.{j}: tool_result.tool_use_id {tid!r} does not match any tool_use block "
+                              f"of the previous assistant message (ids: {sorted(pending_ids) or 'none'})")
+            text = _text_of(b.get("content") or "", f"{where}.{j}.content")
+            tools.append({"role": "tool", "content": ("Error: " + text) if b.get("is_error") else text, "tool_call_id": tid})
+        elif b.get("type") in ("text", "image"):
+            texts.append(_text_of([b], where))
+        elif b.get("type") not in ("thinking", "redacted_thinking", "document"):
+            raise invalid(f"{where}.{j}: unsupported block type {b.get('type')!r} in a user message")
+    return tools + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
+
+
+def _assistant_message(content, i: int) -> tuple[dict, set[str]]:
+    where = f"messages.{i}.content"
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}, set()
+    require_type(content, list, where, "a string or a list of content blocks")
+    texts, calls = [], []
+    for j, b in enumerate(content):
+        require_type(b, dict, f"{where}.{j}", "a content block object")
+        kind = b.get("type")
+        if kind == "text":
+            texts.append(require_type(b.get("text"), str, f"{where}.{j}.text", "a string"))
+        elif kind == "tool_use":
+            name = require_type(b.get("name"), str, f"{where}.{j}.name", "a string")
+            args = require_type(b.get("input", {}), dict, f"{where}.{j}.input", "an object")
+            calls.append({"id": str(b.get("id")), "name": name, "arguments": args})
+        elif kind not in ("thinking", "redacted_thinking"):
+            raise invalid(f"{where}.{j}: unsupported block type {kind!r} in an assistant message")
+    msg = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg, {c["id"] for c in calls}
+
+
+def _convert_messages(messages, system: str | None) -> list[dict]:
+    require_type(messages, list, "messages", "a list")
+    if not messages:
+        raise invalid("messages: at least one message is required")
+    out = [{"role": "system", "content": system}] if system is not None else []
+    pending: set[str] = set()
+    for i, m in enumerate(messages):
+        require_type(m, dict, f"messages.{i}", "an object")
+        role = m.get("role")
+        if role == "system":
+            text = _text_of(m.get("content", ""), f"messages.{i}.content")
+            out.append({"role": "system" if not out else "user", "content": text})
+            continue
+        if role == "user":
+            out += _user_messages(m.get("content", ""), i, pending)
+            pending = set()
+        elif role == "assistant":
+            msg, pending = _assistant_message(m.get("content", ""), i)
+            out.append(msg)
+        else:
+            raise invalid(f"messages.{i}.role: {role!r} is not one of 'user', 'assistant', 'system'")
+    return out
+
+
+def _convert_tools(tools) -> list[dict] | None:
+    if tools is None:
+        return None
+    require_type(tools, list, "tools", "a list")
+    out = []
+    for i, t in enumerate(tools):
+        require_type(t, dict, f"tools.{i}", "an object")
+        name = require_type(t.get("name"), str, f"tools.{i}.name", "a string")
+        if "input_schema" not in t:  # server tools (web search, ...) have no schema; not supported
+            raise invalid(f"tools.{i}: tool {name!r} has no input_schema (server tools are not supported)")
+        schema = check_tool_schema(t["input_schema"], f"tools.{i}.input_schema")
+        out.append({"type": "function", "function": {"name": name, "description": t.get("description", ""), "parameters": schema}})
+    return out or None
+
+
+def parse_request(body, models: list[str]) -> ChatRequest:
+    """A validated ChatRequest from a /v1/messages body.
+
+    Raises:
+        ApiError: invalid_request naming the field, or not_found for an unknown model.
+    """
+    require_type(body, dict, "body", "a JSON object")
+    model = require_type(body.get("model"), str, "model", "a string")
+    if model not in models:
+        raise ApiError("not_found", f"model: {model!r} is not served here; available: {', '.join(models)}")
+    system = body.get("system")
+    system = None if system is None else _text_of(system, "system")
+    sampling = check_sampling(body, max_tokens_key="max_tokens", default_max_tokens=None)
+    stream = body.get("stream", False)
+    require_type(stream, bool, "stream", "a boolean")
+    return ChatRequest(model=model, messages=_convert_messages(body.get("messages"), system),
+                       tools=_convert_tools(body.get("tools")), stream=stream, **sampling)  # fmt: skip
+
+
+def summary_request(body: dict) -> bool:
+    """Claude Code's compaction request: the last user message ends with a text block asking for
+    a summary and telling the model not to call tools."""
+    msgs = body.get("messages") or []
+    last = msgs[-1] if msgs and isinstance(msgs[-1], dict) else {}
+    content = last.get("content")
+    text = content if isinstance(content, str) else ""
+    if isinstance(content, list) and content and isinstance(content[-1], dict):
+        text = str(content[-1].get("text", ""))
+    low = text.lower()
+    return last.get("role") == "user" and "summary" in low and "tool" in low and ("not" in low or "n't" in low)
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
+
+
+def new_tool_id() -> str:
+    return "toolu_" + uuid.uuid4().hex[:24]
+
+
+def stop_reason(finish: str, calls: list[ToolCall]) -> str:
+    return "tool_use" if calls else ("max_tokens" if finish == "length" else "end_turn")
+
+
+def make_usage(input_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
+
+
+def make_response(msg_id: str, model: str, text: str, calls: list[tuple[str, ToolCall]], finish: str, usage: dict) -> dict:
+    """The non-streaming Message object; `calls` are (tool_use id, call)."""
+    content = [{"type": "text", "text": text}] if text else []
+    content += [{"type": "tool_use", "id": tid, "name": c.name, "input": c.arguments} for tid, c in calls]
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason(finish, [c for _, c in calls]), "stop_sequence": None, "usage": usage}  # fmt: skip
+
+
+class StreamEvents:
+    """Builds the SSE events of one streamed message, as (event name, data) pairs."""
+
+    def __init__(self, msg_id: str, model: str, input_tokens: int):
+        self.msg_id, self.model, self.input_tokens = msg_id, model, input_tokens
+        self.index = 0
+        self.text_open = False
+
+    def start(self) -> list[tuple[str, dict]]:
+        msg = {"id": self.msg_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+               "stop_reason": None, "stop_sequence": None, "usage": make_usage(self.input_tokens, 1)}  # fmt: skip
+        return [("message_start", {"type": "message_start", "message": msg})]
+
+    def text(self, delta: str) -> list[tuple[str, dict]]:
+        if not delta:
+            return []
+        events = []
+        if not self.text_open:
+            self.text_open = True
+            events.append(("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                   "content_block": {"type": "text", "text": ""}}))  # fmt: skip
+        events.append(("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                               "delta": {"type": "text_delta", "text": delta}}))  # fmt: skip
+        return events
+
+    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, output_tokens: int) -> list[tuple[str, dict]]:
+        events = []
+        if self.text_open:
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+            self.index += 1
+        for tid, c in calls:
+            block = {"type": "tool_use", "id": tid, "name": c.name, "input": {}}
+            events += [
+                ("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block}),
+                ("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                         "delta": {"type": "input_json_delta", "partial_json": json.dumps(c.arguments)}}),
+                ("content_block_stop", {"type": "content_block_stop", "index": self.index}),
+            ]  # fmt: skip
+            self.index += 1
+        delta = {"stop_reason": stop_reason(finish, [c for _, c in calls]), "stop_sequence": None}
+        usage = make_usage(self.input_tokens, output_tokens)
+        return events + [("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+                         ("message_stop", {"type": "message_stop"})]  # fmt: skip

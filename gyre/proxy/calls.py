@@ -1,0 +1,152 @@
+"""The lifecycle of one model call, shared by both APIs (wire formats fill in gyre.proxy.wire hooks).
+
+    body ─parse─> ChatRequest ─render (token-faithful)─> input ids ─Generation (routes, reroutes)─>
+    output ids ─parse─> text + tool calls ─wire─> response / SSE events
+                                         └────> CallRecord ─> the execution's records file
+
+Nothing is numbered or recorded for a request refused before generation (bad input, unknown
+model, too long), so refusals leave no gaps; a call that fails after it started leaves a seq gap
+that the trajectory processor reports.
+"""
+
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+from aiohttp_sse import sse_response
+
+from gyre.models.tokenizer import BaseTokenizer, ChatTemplateError
+from gyre.proxy.chat import ApiError, ChatRequest, invalid
+from gyre.proxy.config import ProxyConfig
+from gyre.proxy.executions import Execution
+from gyre.proxy.hints import CallHints
+from gyre.proxy.pool import EnginePool, Generation
+from gyre.proxy.render import Renderer, RenderResult, assistant_key
+from gyre.proxy.wire import streamable_text
+from gyre.records.record import CallRecord
+
+
+@dataclass
+class Call:
+    """One call in flight: what was asked, how it was rendered, and its generation."""
+
+    ex: Execution
+    chat: ChatRequest
+    hints: CallHints
+    rendered: RenderResult
+    gen: Generation
+    seq: int
+    started_at: float
+    is_retry: bool
+    api: str
+
+
+def _version(v) -> int:
+    s = str(v)
+    return int(s) if s.lstrip("-").isdigit() else -1
+
+
+class CallRunner:
+    def __init__(self, cfg: ProxyConfig, tokenizer: BaseTokenizer, renderer: Renderer, pool: EnginePool):
+        self.cfg, self.tok, self.renderer, self.pool = cfg, tokenizer, renderer, pool
+
+    def prepare(self, ex: Execution, wire, body: dict, headers) -> Call:
+        """Validate and render; raises ApiError before anything is numbered or recorded."""
+        chat = wire.parse(body)
+        try:
+            rendered = self.renderer.render(chat.messages, chat.tools, ex.turns)
+        except ChatTemplateError as e:
+            raise invalid(f"messages: {e}") from None
+        n = len(rendered.input_ids)
+        if n >= self.cfg.context_len:
+            raise invalid(f"prompt is too long: {n} tokens > {self.cfg.context_len - 1} maximum")
+        sampling = {"max_new_tokens": min(chat.max_tokens, self.cfg.context_len - n),
+                    "stop_token_ids": self.tok.stop_token_ids,
+                    "temperature": self.cfg.temperature if self.cfg.temperature is not None else (chat.temperature if chat.temperature is not None else 1.0)}  # fmt: skip
+        if chat.top_p is not None:
+            sampling["top_p"] = chat.top_p
+        if chat.top_k is not None:
+            sampling["top_k"] = chat.top_k
+        hints = wire.hints(headers, body, chat)
+        is_retry = ex.is_retry(body)
+        seq, started = ex.begin_call()
+        gen = Generation(self.pool, f"{ex.execution_id}/{hints.agent_id}", f"{ex.execution_id}-{seq}-{time.monotonic_ns() % 10**6}",
+                         rendered.input_ids, sampling, max_resumes=self.cfg.max_resumes)  # fmt: skip
+        return Call(ex, chat, hints, rendered, gen, seq, started, is_retry, wire.name)
+
+    def _finish(self, call: Call, wire, shown_text: str) -> tuple[str, list]:
+        """Parse the output, remember the turn for token-faithful reuse; returns (text, calls)."""
+        parsed = self.tok.parse_assistant(call.gen.output_ids)
+        text = parsed.content if parsed.content.startswith(shown_text) else shown_text
+        calls = [(wire.new_call_id(), c) for c in parsed.tool_calls]
+        key = assistant_key(text, [{"name": c.name, "arguments": c.arguments} for _, c in calls])
+        call.ex.turns.remember(key, call.gen.output_ids)
+        return text, calls
+
+    def make_record(self, call: Call) -> CallRecord:
+        g = call.gen
+        hints = {**call.hints.raw, "api": call.api, "engines": g.engine_ids, "cached_tokens": g.cached_tokens,
+                 "reused_turns": call.rendered.num_reused, "retokenized_turns": call.rendered.num_retokenized}  # fmt: skip
+        return CallRecord.build(
+            input_ids=call.rendered.input_ids, output_ids=g.output_ids, logprobs=g.logprobs,
+            versions=[_version(v) for v in g.versions], execution_id=call.ex.execution_id, call_id=f"c{call.seq}",
+            seq=call.seq, agent_id=call.hints.agent_id, parent_agent_id=call.hints.parent_agent_id,
+            kind_hint=call.hints.kind_hint, finish_reason=g.finish, engine_id=g.engine_ids[-1] if g.engine_ids else "",
+            rerouted=g.rerouted, num_migrated_tokens=g.num_migrated, num_recomputed_tokens=g.num_recomputed,
+            started_at=call.started_at, finished_at=time.time(), is_retry=call.is_retry, hints=hints,
+        )  # fmt: skip
+
+    async def respond(self, request: web.Request, call: Call, wire) -> web.StreamResponse:
+        """Run the generation and answer (JSON or SSE); the record is appended after the answer."""
+        self.pool.metrics.num_calls += 1
+        stream = call.gen.stream()
+        try:
+            first = await stream.__anext__()  # errors before any byte is sent are plain HTTP errors
+        except StopAsyncIteration:
+            first = []
+        n_in = len(call.rendered.input_ids)
+        if not call.chat.stream:
+            async for _ in stream:
+                pass
+            text, calls = self._finish(call, wire, "")
+            body = wire.response(call.chat.model, text, calls, call.gen.finish, n_in, len(call.gen.output_ids))
+            resp = web.json_response(body)
+            await resp.prepare(request)
+            await resp.write_eof()
+        else:
+            resp, ok = await self._stream(request, call, wire, stream, first)
+            if not ok:
+                return resp
+        await call.ex.append(self.make_record(call))
+        return resp
+
+    async def _stream(self, request, call: Call, wire, stream, first: list[int]) -> tuple[web.StreamResponse, bool]:
+        """SSE answer; (response, False) when the call failed after the stream began (error event sent)."""
+        events = wire.stream(call.chat.model, call.chat, len(call.rendered.input_ids))
+        async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
+            sse.ping_interval = 15
+            for name, data in events.start():
+                await sse.send(data, event=name)
+            shown = ""
+            new = first
+            try:
+                while True:
+                    if new:
+                        safe = streamable_text(self.tok.decode(call.gen.output_ids))
+                        if safe.startswith(shown) and len(safe) > len(shown):
+                            for name, data in events.text(safe[len(shown):]):
+                                await sse.send(data, event=name)
+                            shown = safe
+                    new = await stream.__anext__()
+            except StopAsyncIteration:
+                pass
+            except ApiError as e:
+                for name, data in wire.stream_error(e):
+                    await sse.send(data, event=name)
+                return sse, False
+            text, calls = self._finish(call, wire, shown)
+            out = list(events.text(text[len(shown):]))
+            out += events.finish(calls, call.gen.finish, len(call.rendered.input_ids), len(call.gen.output_ids))
+            for name, data in out:
+                await sse.send(data, event=name)
+        return sse, True

@@ -1,0 +1,61 @@
+"""Proxy config: where it listens, what it serves, how long calls wait, where records go."""
+
+from dataclasses import dataclass, field
+
+from gyre.errors import require
+
+
+@dataclass(kw_only=True)
+class ProxyConfig:
+    """One proxy process (one per rollout deployment; every harness sandbox talks to it)."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback by default, a cluster deployment sets the node's interface."""
+    port: int = 0
+    """0 picks a free port (written to `port_file` once listening)."""
+    admin_token: str = ""
+    """Bearer token of the admin API (engines, drains, executions, metrics); empty: generated at start."""
+    records_dir: str = "records"
+    """One `<execution_id>.jsonl` records file per execution."""
+    model_names: list[str] = field(default_factory=lambda: ["gyre"])
+    """Model names harnesses may ask for (others: 404 in the API's format)."""
+    context_len: int = 32768
+    """Prompt + output token limit; longer prompts are refused with the API's prompt-too-long error."""
+    default_max_tokens: int = 4096
+    """OpenAI requests without max_tokens get this many."""
+    temperature: float | None = None
+    """Sampling temperature forced on every call (on-policy RL); None: the request's (default 1)."""
+    no_engine_wait_s: float = 60.0
+    """How long a call waits for an active engine before an overloaded error."""
+    health_interval_s: float = 1.0
+    """Seconds between /health checks of each engine (a failed check marks it dead)."""
+    request_timeout_s: float = 3600.0
+    """Client timeout of one engine call."""
+    max_imbalance: int = 4
+    """A session leaves its sticky engine when that has this many more calls in flight than the least loaded."""
+    max_resumes: int = 16
+    """Reroutes one call may take (drains, crashes) before it fails."""
+    migrate_kv: bool = True
+    """On a drain, move the call's KV prefix to the next engine where both engines support it."""
+    fsync: bool = True
+    """fsync each record (durable per call); off only in benchmarks of the HTTP path."""
+    engines: list[str] = field(default_factory=list)
+    """Engine URLs registered at start (ids e0, e1, ...); more come through the admin API."""
+    tokenizer_path: str | None = None
+    """Hugging Face model directory of the served model's tokenizer; None: Gyre's byte tokenizer."""
+    vocab_size: int = 512
+    """Vocabulary size of the byte tokenizer (the served model's)."""
+    max_body_mb: int = 64
+    """Largest request body accepted (413 beyond)."""
+
+    def __post_init__(self):
+        require(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")
+        require(bool(self.model_names), "model_names", "must name at least one model")
+        require(self.context_len >= 2, "context_len", f"must be >= 2, got {self.context_len}")
+        require(self.default_max_tokens >= 1, "default_max_tokens", f"must be >= 1, got {self.default_max_tokens}")
+        require(self.temperature is None or self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        require(self.no_engine_wait_s >= 0, "no_engine_wait_s", f"must be >= 0, got {self.no_engine_wait_s}")
+        require(self.health_interval_s > 0, "health_interval_s", f"must be > 0, got {self.health_interval_s}")
+        require(self.max_imbalance >= 0, "max_imbalance", f"must be >= 0, got {self.max_imbalance}")
+        require(self.max_resumes >= 0, "max_resumes", f"must be >= 0, got {self.max_resumes}")
+        require(self.max_body_mb >= 1, "max_body_mb", f"must be >= 1, got {self.max_body_mb}")

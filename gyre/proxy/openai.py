@@ -1,0 +1,192 @@
+"""The OpenAI chat completions front end (pure): request parsing, responses, stream chunks, errors.
+
+Messages map one to one onto the chat template (`system`/`developer` first becomes the system
+message, later ones render as user turns); assistant `tool_calls[].function.arguments` (a JSON
+string) become argument objects; `tool` messages must answer a tool call id of the preceding
+assistant message.
+"""
+
+import json
+import time
+import uuid
+
+from gyre.models.tokenizer import ToolCall
+from gyre.proxy.chat import ApiError, ChatRequest, check_sampling, check_tool_schema, invalid, require_type
+
+ERROR_TYPES = {
+    "invalid_request": ("invalid_request_error", None), "authentication": ("invalid_request_error", "invalid_api_key"),
+    "permission": ("invalid_request_error", "permission_denied"), "not_found": ("invalid_request_error", "model_not_found"),
+    "too_large": ("invalid_request_error", "context_length_exceeded"), "overloaded": ("server_error", "overloaded"),
+    "api_error": ("server_error", None),
+}  # fmt: skip
+
+
+def make_error(err: ApiError) -> dict:
+    kind, code = ERROR_TYPES[err.kind]
+    return {"error": {"message": err.message, "type": kind, "param": None, "code": code}}
+
+
+def error_status(err: ApiError) -> int:
+    """OpenAI clients retry 429/5xx; an overloaded proxy answers 503."""
+    return 503 if err.kind == "overloaded" else err.status
+
+
+def _content_text(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    require_type(content, list, where, "a string or a list of content parts")
+    parts = []
+    for j, p in enumerate(content):
+        require_type(p, dict, f"{where}[{j}]", "a content part object")
+        if p.get("type") == "text":
+            parts.append(require_type(p.get("text"), str, f"{where}[{j}].text", "a string"))
+        elif p.get("type") == "image_url":
+            parts.append("[image]")
+        else:
+            raise invalid(f"{where}[{j}]: unsupported content part type {p.get('type')!r}; valid: text, image_url")
+    return "\n".join(parts)
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    require_type(calls, list, where, "a list")
+    out = []
+    for j, c in enumerate(calls):
+        require_type(c, dict, f"{where}[{j}]", "an object")
+        fn = require_type(c.get("function"), dict, f"{where}[{j}].function", "an object")
+        name = require_type(fn.get("name"), str, f"{where}[{j}].function.name", "a string")
+        raw = fn.get("arguments") or "{}"
+        try:
+            args = json.loads(raw) if isinstance(raw, str) else raw
+        except json.JSONDecodeError as e:
+            raise invalid(f"{where}[{j}].function.arguments: not valid JSON ({e})") from None
+        require_type(args, dict, f"{where}[{j}].function.arguments", "a JSON object")
+        out.append({"id": str(c.get("id")), "name": name, "arguments": args})
+    return out
+
+
+def _convert_messages(messages) -> list[dict]:
+    require_type(messages, list, "messages", "an array")
+    if not messages:
+        raise invalid("messages: at least one message is required")
+    out: list[dict] = []
+    pending: set[str] = set()
+    for i, m in enumerate(messages):
+        require_type(m, dict, f"messages[{i}]", "an object")
+        role, where = m.get("role"), f"messages[{i}]"
+        text = _content_text(m.get("content"), f"{where}.content")
+        if role in ("system", "developer"):
+            out.append({"role": "system" if not out else "user", "content": text})
+        elif role == "user":
+            out.append({"role": "user", "content": text})
+        elif role == "assistant":
+            msg = {"role": "assistant", "content": text}
+            if m.get("tool_calls"):
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            pending = {c["id"] for c in msg.get("tool_calls", [])}
+            out.append(msg)
+            continue
+        elif role == "tool":
+            tid = m.get("tool_call_id")
+            if tid not in pending:
+                raise invalid(f"{where}.tool_call_id: {tid!r} does not answer a tool call of the preceding "
+                              f"assistant message (ids: {sorted(pending) or 'none'})")
+            out.append({"role": "tool", "content": text, "tool_call_id": tid})
+            continue
+        else:
+            raise invalid(f"{where}.role: {role!r} is not one of system, developer, user, assistant, tool")
+        pending = set()
+    return out
+
+
+def _convert_tools(tools) -> list[dict] | None:
+    if tools is None:
+        return None
+    require_type(tools, list, "tools", "an array")
+    out = []
+    for i, t in enumerate(tools):
+        require_type(t, dict, f"tools[{i}]", "an object")
+        if t.get("type", "function") != "function":
+            raise invalid(f"tools[{i}].type: {t.get('type')!r} is not supported; valid: function")
+        fn = require_type(t.get("function"), dict, f"tools[{i}].function", "an object")
+        name = require_type(fn.get("name"), str, f"tools[{i}].function.name", "a string")
+        schema = check_tool_schema(fn.get("parameters", {"type": "object"}), f"tools[{i}].function.parameters")
+        out.append({"type": "function", "function": {"name": name, "description": fn.get("description", ""), "parameters": schema}})
+    return out or None
+
+
+def parse_request(body, models: list[str], default_max_tokens: int) -> ChatRequest:
+    """A validated ChatRequest from a /v1/chat/completions body.
+
+    Raises:
+        ApiError: invalid_request naming the field, or not_found for an unknown model.
+    """
+    require_type(body, dict, "body", "a JSON object")
+    model = require_type(body.get("model"), str, "model", "a string")
+    if model not in models:
+        raise ApiError("not_found", f"The model {model!r} does not exist; available: {', '.join(models)}")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sampling = check_sampling(body, max_tokens_key=key, default_max_tokens=default_max_tokens)
+    if body.get("n", 1) != 1:
+        raise invalid(f"n: only n=1 is supported, got {body.get('n')!r}")
+    stream = body.get("stream", False)
+    require_type(stream, bool, "stream", "a boolean")
+    opts = body.get("stream_options") or {}
+    require_type(opts, dict, "stream_options", "an object")
+    return ChatRequest(model=model, messages=_convert_messages(body.get("messages")), tools=_convert_tools(body.get("tools")),
+                       stream=stream, include_usage=bool(opts.get("include_usage")), **sampling)  # fmt: skip
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex[:24]
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def finish_reason(finish: str, calls: list) -> str:
+    return "tool_calls" if calls else ("length" if finish == "length" else "stop")
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def _wire_calls(calls: list[tuple[str, ToolCall]], with_index: bool) -> list[dict]:
+    return [{**({"index": i} if with_index else {}), "id": cid, "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for i, (cid, c) in enumerate(calls)]  # fmt: skip
+
+
+def make_response(cid: str, model: str, text: str, calls: list[tuple[str, ToolCall]], finish: str, usage: dict) -> dict:
+    msg = {"role": "assistant", "content": text or None}
+    if calls:
+        msg["tool_calls"] = _wire_calls(calls, with_index=False)
+    choice = {"index": 0, "message": msg, "finish_reason": finish_reason(finish, calls), "logprobs": None}
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage}  # fmt: skip
+
+
+class StreamChunks:
+    """Builds the `chat.completion.chunk` objects of one streamed completion."""
+
+    def __init__(self, cid: str, model: str, include_usage: bool):
+        self.cid, self.model, self.include_usage = cid, model, include_usage
+        self.created = int(time.time())
+
+    def _chunk(self, delta: dict, finish: str | None = None) -> dict:
+        return {"id": self.cid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+
+    def start(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def text(self, delta: str) -> list[dict]:
+        return [self._chunk({"content": delta})] if delta else []
+
+    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, usage: dict) -> list[dict]:
+        out = [self._chunk({"tool_calls": _wire_calls(calls, with_index=True)})] if calls else []
+        out.append(self._chunk({}, finish_reason(finish, calls)))
+        if self.include_usage:
+            out.append({**self._chunk({}), "choices": [], "usage": usage})
+        return out

@@ -1,0 +1,110 @@
+"""Token-faithful prompts: messages -> token ids that reuse the exact ids the model produced (pure).
+
+A harness sends its whole conversation on every call, as text. Re-tokenizing the assistant turns
+would drift from what the model actually emitted (another split of the same text, a tool call's
+JSON re-serialised), so records would not form clean prefixes and training would score tokens the
+policy never sampled. The proxy therefore remembers, per execution, the output ids of every
+assistant turn it served, keyed by the turn as the harness sees it (its text and tool calls), and
+renders a request message by message: a remembered assistant turn becomes
+
+    generation prompt + the model's output ids (+ end-of-turn if it stopped on length) + separator
+
+and every other message is rendered by the chat template. For the ChatML templates Gyre uses,
+rendering message by message equals rendering the whole list (checked once per tokenizer by
+`Renderer.__init__`).
+
+When this cannot hold: the harness edited an assistant turn (trimmed text, changed a tool call,
+dropped thinking), or the turn was served by another proxy process (memory is per process). Then
+the key misses and the turn is re-rendered from its text: the prompt is still a correct rendering,
+but the record diverges from the earlier call at that turn, so the trajectory processor starts a
+new branch there instead of continuing the old one. `RenderResult.num_retokenized` counts such
+turns (recorded in the record's hints).
+"""
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from gyre.errors import GyreError
+from gyre.models.tokenizer import BaseTokenizer
+
+
+def assistant_key(content: str, tool_calls) -> str:
+    """The identity of an assistant turn as a harness echoes it back: text and calls, not ids."""
+    calls = [(c["name"], json.dumps(c.get("arguments", {}), sort_keys=True)) for c in tool_calls or []]
+    return json.dumps([content.strip(), calls])
+
+
+class TurnMemory:
+    """The output ids of one execution's recent assistant turns, by `assistant_key` (LRU-bounded)."""
+
+    def __init__(self, max_turns: int = 4096):
+        self.max_turns = max_turns
+        self._turns: OrderedDict[str, list[int]] = OrderedDict()
+
+    def remember(self, key: str, output_ids: list[int]) -> None:
+        self._turns[key] = list(output_ids)
+        self._turns.move_to_end(key)
+        while len(self._turns) > self.max_turns:
+            self._turns.popitem(last=False)
+
+    def get(self, key: str) -> list[int] | None:
+        ids = self._turns.get(key)
+        if ids is not None:
+            self._turns.move_to_end(key)
+        return ids
+
+
+@dataclass(frozen=True)
+class RenderResult:
+    input_ids: list[int]
+    num_reused: int
+    """Assistant turns whose ids came from memory."""
+    num_retokenized: int
+    """Assistant turns rendered from text (memory miss: edited history or another proxy)."""
+
+
+class Renderer:
+    """Renders ChatRequest messages for one tokenizer, reusing remembered assistant ids."""
+
+    def __init__(self, tokenizer: BaseTokenizer):
+        self.tok = tokenizer
+        self.stops = set(tokenizer.stop_token_ids)
+        self.gen_prompt = tokenizer.apply_chat_template([], None, add_generation_prompt=True)
+        sample = tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}], None, False)
+        last_stop = max(i for i, t in enumerate(sample) if t in self.stops)
+        self.end_of_turn, self.separator = sample[last_stop], sample[last_stop + 1 :]
+        self._check_segmentation()
+
+    def _check_segmentation(self) -> None:
+        msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a", "tool_calls": [{"name": "f", "arguments": {"x": 1}}]},
+                {"role": "tool", "content": "r"}]  # fmt: skip
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        whole = self.tok.apply_chat_template(msgs, tools, True)
+        pieces = self.render(msgs, tools, TurnMemory()).input_ids
+        if whole != pieces:
+            raise GyreError("this tokenizer's chat template is not message-separable; token-faithful "
+                            "rendering needs a ChatML-like template")  # fmt: skip
+
+    def render(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory) -> RenderResult:
+        """Prompt ids for `messages` (system first, if any) and `tools`, ending with the generation prompt.
+
+        Raises:
+            ChatTemplateError: a message the template cannot render.
+        """
+        apply = self.tok.apply_chat_template
+        head, rest = (messages[:1], messages[1:]) if messages and messages[0]["role"] == "system" else ([], messages)
+        ids = apply(head, tools, False) if head or tools else []
+        reused = retokenized = 0
+        for m in rest:
+            if m["role"] == "assistant":
+                out = memory.get(assistant_key(m.get("content") or "", m.get("tool_calls")))
+                if out is not None:
+                    ids += self.gen_prompt + out + ([] if out and out[-1] in self.stops else [self.end_of_turn])
+                    ids += self.separator
+                    reused += 1
+                    continue
+                retokenized += 1
+            ids += apply([m], None, False)
+        return RenderResult(ids + self.gen_prompt, reused, retokenized)

@@ -1,0 +1,214 @@
+"""`gyre-proxy`'s HTTP edge: authentication, the two model APIs, and the admin API (aiohttp).
+
+Harness side (per-execution key in `x-api-key`, `Authorization: Bearer`, or `x-gyre-key`):
+    HEAD/GET /api/hello, POST /v1/messages[?beta=true], POST /v1/messages/count_tokens,
+    POST /v1/chat/completions, GET /v1/models
+Admin side (`Authorization: Bearer <admin token>`):
+    POST /admin/executions {execution_id} -> {api_key}; DELETE /admin/executions/{id} (revoke);
+    GET/POST /admin/engines {engine_id, url}; DELETE /admin/engines/{id};
+    POST /admin/engines/{id}/drain | /activate; GET /admin/metrics
+Every error answers in the API's own format; a bad request never takes the proxy down.
+"""
+
+import hmac
+import json
+import logging
+import secrets
+
+from aiohttp import web
+
+from gyre.errors import GyreError
+from gyre.models.tokenizer import BaseTokenizer
+from gyre.proxy.calls import CallRunner
+from gyre.proxy.chat import ApiError, invalid
+from gyre.proxy.config import ProxyConfig
+from gyre.proxy.executions import ExecutionRegistry
+from gyre.proxy.pool import EnginePool
+from gyre.proxy.render import Renderer
+from gyre.proxy.routing import RoutingError
+from gyre.proxy.wire import AnthropicWire, OpenAIWire
+
+log = logging.getLogger(__name__)
+
+
+def _credential(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("x-api-key") or request.headers.get("x-gyre-key")
+
+
+def _credentials(request: web.Request) -> list[str]:
+    auth = request.headers.get("Authorization", "")
+    keys = [auth[7:].strip()] if auth.lower().startswith("bearer ") else []
+    return keys + [request.headers[h] for h in ("x-api-key", "x-gyre-key") if h in request.headers]
+
+
+async def _json_body(request: web.Request):
+    try:
+        return json.loads(await request.read())
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError("too_large", f"request body exceeds {request.app['max_body']} bytes") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise invalid(f"malformed JSON body: {e}") from None
+
+
+class ProxyServer:
+    def __init__(self, cfg: ProxyConfig, tokenizer: BaseTokenizer):
+        self.cfg = cfg
+        self.admin_token = cfg.admin_token or secrets.token_urlsafe(24)
+        self.tok = tokenizer
+        self.renderer = Renderer(tokenizer)
+        self.pool = EnginePool(no_engine_wait_s=cfg.no_engine_wait_s, health_interval_s=cfg.health_interval_s,
+                               request_timeout_s=cfg.request_timeout_s, max_imbalance=cfg.max_imbalance,
+                               migrate_kv=cfg.migrate_kv)  # fmt: skip
+        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync)
+        self.runner = CallRunner(cfg, tokenizer, self.renderer, self.pool)
+        self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
+        self.openai = OpenAIWire(cfg.model_names, cfg.default_max_tokens)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_mb << 20)
+        app["max_body"] = self.cfg.max_body_mb << 20
+        app.add_routes([
+            web.get("/api/hello", self.hello), web.get("/health", self.hello),
+            web.post("/v1/messages", self.messages), web.post("/v1/messages/count_tokens", self.count_tokens),
+            web.post("/v1/chat/completions", self.chat_completions), web.get("/v1/models", self.models),
+            web.post("/admin/executions", self.create_execution), web.delete("/admin/executions/{id}", self.revoke_execution),
+            web.get("/admin/engines", self.list_engines), web.post("/admin/engines", self.add_engine),
+            web.delete("/admin/engines/{id}", self.remove_engine), web.post("/admin/engines/{id}/drain", self.drain_engine),
+            web.post("/admin/engines/{id}/activate", self.activate_engine), web.get("/admin/metrics", self.metrics),
+        ])  # fmt: skip
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _start(self, _app) -> None:
+        await self.pool.start()
+        for i, url in enumerate(self.cfg.engines):
+            await self.pool.register(f"e{i}", url)
+
+    async def _close(self, _app) -> None:
+        await self.pool.close()
+        self.executions.close()
+
+    # --- harness side -------------------------------------------------------------------------
+    async def hello(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    def _execution(self, request: web.Request):
+        for key in _credentials(request):
+            ex = self.executions.lookup(key)
+            if ex is not None:
+                return ex
+        raise ApiError("authentication", "invalid x-api-key: unknown or revoked execution credential")
+
+    async def _chat(self, request: web.Request, wire) -> web.StreamResponse:
+        try:
+            ex = self._execution(request)
+            body = await _json_body(request)
+            call = self.runner.prepare(ex, wire, body, request.headers)
+            return await self.runner.respond(request, call, wire)
+        except ApiError as e:
+            status, body = wire.error(e)
+            if e.kind == "overloaded":
+                log.warning("%s", e)
+            return web.json_response(body, status=status)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request, self.anthropic)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request, self.openai)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            ex = self._execution(request)
+            body = await _json_body(request)
+            if isinstance(body, dict):
+                body = {**body, "max_tokens": body.get("max_tokens") or 1}
+            chat = self.anthropic.parse(body)
+            ids = self.renderer.render(chat.messages, chat.tools, ex.turns).input_ids
+            return web.json_response({"input_tokens": len(ids)})
+        except ApiError as e:
+            status, body = self.anthropic.error(e)
+            return web.json_response(body, status=status)
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._execution(request)
+        except ApiError as e:
+            status, body = self.openai.error(e)
+            return web.json_response(body, status=status)
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "gyre"} for m in self.cfg.model_names]})
+
+    # --- admin side ---------------------------------------------------------------------------
+    def _admin(self, request: web.Request) -> None:
+        given = _credential(request) or ""
+        if not hmac.compare_digest(given.encode(), self.admin_token.encode()):
+            raise web.HTTPUnauthorized(text=json.dumps({"error": {"message": "admin token required"}}), content_type="application/json")
+
+    async def _admin_body(self, request: web.Request) -> dict:
+        self._admin(request)
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except ValueError as e:
+            raise web.HTTPBadRequest(text=json.dumps({"error": {"message": f"malformed JSON body: {e}"}}), content_type="application/json")
+        return body if isinstance(body, dict) else {}
+
+    @staticmethod
+    def _bad(message: str, status: int = 400) -> web.Response:
+        return web.json_response({"error": {"message": message}}, status=status)
+
+    async def create_execution(self, request: web.Request) -> web.Response:
+        body = await self._admin_body(request)
+        try:
+            ex = self.executions.create(body.get("execution_id"))
+        except GyreError as e:
+            return self._bad(str(e))
+        return web.json_response({"execution_id": ex.execution_id, "api_key": ex.key, "records_path": str(ex.records_path)})
+
+    async def revoke_execution(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        try:
+            ex = self.executions.revoke(request.match_info["id"])
+        except GyreError as e:
+            return self._bad(str(e), 404)
+        self.pool.table.forget(ex.execution_id + "/")
+        return web.json_response({"execution_id": ex.execution_id, "revoked": True})
+
+    async def list_engines(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        return web.json_response({"engines": self.pool.describe()})
+
+    async def add_engine(self, request: web.Request) -> web.Response:
+        body = await self._admin_body(request)
+        if not isinstance(body.get("engine_id"), str) or not isinstance(body.get("url"), str):
+            return self._bad("needs {engine_id: str, url: str}")
+        try:
+            return web.json_response(await self.pool.register(body["engine_id"], body["url"]))
+        except ApiError as e:
+            return self._bad(e.message)
+
+    async def _engine_op(self, request: web.Request, op) -> web.Response:
+        self._admin(request)
+        eid = request.match_info["id"]
+        try:
+            result = await op(eid)
+        except RoutingError as e:
+            return self._bad(str(e), 404)
+        return web.json_response({"engine_id": eid, "result": result, "engines": self.pool.describe()})
+
+    async def remove_engine(self, request: web.Request) -> web.Response:
+        return await self._engine_op(request, self.pool.remove)
+
+    async def drain_engine(self, request: web.Request) -> web.Response:
+        return await self._engine_op(request, self.pool.drain)
+
+    async def activate_engine(self, request: web.Request) -> web.Response:
+        return await self._engine_op(request, self.pool.activate)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        m = self.pool.metrics
+        return web.json_response({**vars(m), "num_executions": len(self.executions.by_id), "engines": self.pool.describe()})
