@@ -9,6 +9,7 @@ turn); images become the placeholder text `[image]`.
 """
 
 import json
+import re
 import uuid
 
 from gyre.models.tokenizer import ToolCall
@@ -145,17 +146,19 @@ def parse_request(body, models: list[str]) -> ChatRequest:
                        tools=_convert_tools(body.get("tools")), stream=stream, **sampling)  # fmt: skip
 
 
+_NO_TOOLS = re.compile(r"(?i)\b(do not|don't|must not|never) (call|use) (any )?tools\b")
+
+
 def summary_request(body: dict) -> bool:
     """Claude Code's compaction request: the last user message ends with a text block asking for
-    a summary and telling the model not to call tools."""
+    a summary and telling the model not to call tools ("Do NOT call any tools")."""
     msgs = body.get("messages") or []
     last = msgs[-1] if msgs and isinstance(msgs[-1], dict) else {}
     content = last.get("content")
     text = content if isinstance(content, str) else ""
     if isinstance(content, list) and content and isinstance(content[-1], dict):
         text = str(content[-1].get("text", ""))
-    low = text.lower()
-    return last.get("role") == "user" and "summary" in low and "tool" in low and ("not" in low or "n't" in low)
+    return last.get("role") == "user" and "summary" in text.lower() and _NO_TOOLS.search(text) is not None
 
 
 def new_message_id() -> str:

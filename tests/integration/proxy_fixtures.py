@@ -10,7 +10,7 @@ from gyre.models.config import ModelConfig
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.main import ProxyProcess
 
-MODEL = ModelConfig(max_seq_len=32768)
+MODEL = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=1, max_seq_len=32768)
 """The tiny model with a context long enough for Claude Code's prompts (byte tokens)."""
 
 

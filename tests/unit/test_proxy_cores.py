@@ -1,0 +1,197 @@
+"""Pure cores of the proxy: API parsing (tables of bad inputs), token-faithful rendering, streaming
+text, hints, routing, and the engine's scripted policy."""
+
+import json
+
+import pytest
+
+from gyre.engines.scripted import ScriptedPolicy, ScriptRule
+from gyre.models.tokenizer import ByteTokenizer, ToolCall
+from gyre.proxy import anthropic, openai
+from gyre.proxy.chat import ApiError
+from gyre.proxy.hints import anthropic_hints, openai_hints
+from gyre.proxy.render import Renderer, TurnMemory, assistant_key
+from gyre.proxy.routing import RoutingError, RoutingTable
+from gyre.proxy.wire import streamable_text
+
+MODELS = ["gyre"]
+TOOL = {"name": "f", "description": "d", "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+
+
+def a_body(**kw):
+    return {"model": "gyre", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def use(tid="t1"):
+    return {"role": "assistant", "content": [{"type": "tool_use", "id": tid, "name": "f", "input": {"x": 1}}]}
+
+
+def result(tid):
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tid, "content": "ok"}]}
+
+
+ANTHROPIC_BAD = [
+    ("not-object", [1, 2], "invalid_request", "expected a JSON object"),
+    ("unknown-model", a_body(model="gpt-9"), "not_found", "'gpt-9' is not served"),
+    ("model-type", a_body(model=3), "invalid_request", "model: expected a string"),
+    ("max-tokens-missing", {"model": "gyre", "messages": [{"role": "user", "content": "x"}]}, "invalid_request", "max_tokens: Field required"),
+    ("max-tokens-type", a_body(max_tokens="10"), "invalid_request", "max_tokens: expected an integer"),
+    ("max-tokens-bool", a_body(max_tokens=True), "invalid_request", "got a boolean"),
+    ("messages-type", a_body(messages="hi"), "invalid_request", "messages: expected a list"),
+    ("messages-empty", a_body(messages=[]), "invalid_request", "at least one message"),
+    ("role", a_body(messages=[{"role": "robot", "content": "x"}]), "invalid_request", "messages.0.role"),
+    ("block-type", a_body(messages=[{"role": "user", "content": [{"type": "video"}]}]), "invalid_request", "unsupported block type 'video'"),
+    ("tool-schema-not-object", a_body(tools=[{"name": "f", "input_schema": "str"}]), "invalid_request", "tools.0.input_schema"),
+    ("tool-schema-array", a_body(tools=[{"name": "f", "input_schema": {"type": "array"}}]), "invalid_request", "type 'object'"),
+    ("tool-result-id", a_body(messages=[{"role": "user", "content": "x"}, use("t1"), result("t2")]), "invalid_request", "'t2' does not match"),
+    ("tool-result-no-use", a_body(messages=[result("t1")]), "invalid_request", "does not match any tool_use"),
+    ("temperature", a_body(temperature=5), "invalid_request", "temperature: must be in"),
+    ("stream-type", a_body(stream="yes"), "invalid_request", "stream: expected a boolean"),
+]
+
+
+@pytest.mark.parametrize("case_id,body,kind,text", ANTHROPIC_BAD, ids=[c[0] for c in ANTHROPIC_BAD])
+def test_anthropic_bad_input(case_id, body, kind, text):
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(body, MODELS)
+    assert e.value.kind == kind and text in e.value.message
+    err = anthropic.make_error(e.value)
+    assert err["type"] == "error" and err["error"]["message"] == e.value.message
+
+
+def test_anthropic_conversion():
+    body = a_body(system=[{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}], tools=[TOOL],
+                  messages=[{"role": "user", "content": "q"}, {"role": "system", "content": "mid"},
+                            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "a"},
+                                                              {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]},
+                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "r"}], "is_error": True},
+                                                         {"type": "text", "text": "more"}]}])  # fmt: skip
+    chat = anthropic.parse_request(body, MODELS)
+    assert chat.messages == [
+        {"role": "system", "content": "S1\nS2"}, {"role": "user", "content": "q"}, {"role": "user", "content": "mid"},
+        {"role": "assistant", "content": "a", "tool_calls": [{"id": "t1", "name": "f", "arguments": {"x": 1}}]},
+        {"role": "tool", "content": "Error: r", "tool_call_id": "t1"}, {"role": "user", "content": "more"},
+    ]  # fmt: skip
+    assert chat.tools[0]["function"]["parameters"]["type"] == "object"
+
+
+def test_anthropic_stream_events_shape():
+    ev = anthropic.StreamEvents("m", "gyre", 10)
+    names = [n for n, _ in ev.start() + ev.text("he") + ev.text("llo")]
+    names += [n for n, _ in ev.finish([("tu", ToolCall("f", {"x": 1}))], "stop", 7)]
+    assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                     "content_block_stop", "content_block_start", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop"]  # fmt: skip
+    final = ev.finish([], "length", 3)
+    assert final[-2][1]["delta"]["stop_reason"] == "max_tokens" and final[-2][1]["usage"]["output_tokens"] == 3
+
+
+OPENAI_BAD = [
+    ("unknown-model", {"model": "x", "messages": [{"role": "user", "content": "h"}]}, "not_found", "does not exist"),
+    ("messages-type", {"model": "gyre", "messages": {}}, "invalid_request", "messages: expected an array"),
+    ("tool-params", {"model": "gyre", "messages": [{"role": "user", "content": "h"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "invalid_request", "tools[0].function.parameters"),
+    ("tool-call-id", {"model": "gyre", "messages": [{"role": "user", "content": "h"}, {"role": "tool", "tool_call_id": "zz", "content": "r"}]}, "invalid_request", "'zz' does not answer"),
+    ("bad-arguments", {"model": "gyre", "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "invalid_request", "not valid JSON"),
+    ("n", {"model": "gyre", "n": 2, "messages": [{"role": "user", "content": "h"}]}, "invalid_request", "only n=1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case_id,body,kind,text", OPENAI_BAD, ids=[c[0] for c in OPENAI_BAD])
+def test_openai_bad_input(case_id, body, kind, text):
+    with pytest.raises(ApiError) as e:
+        openai.parse_request(body, MODELS, 100)
+    assert e.value.kind == kind and text in e.value.message
+    assert openai.make_error(e.value)["error"]["message"] == e.value.message
+
+
+def test_openai_round_trip_and_stream():
+    body = {"model": "gyre", "stream": True, "stream_options": {"include_usage": True}, "messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "q"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 2}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"}]}  # fmt: skip
+    chat = openai.parse_request(body, MODELS, 100)
+    assert chat.max_tokens == 100 and chat.include_usage
+    assert chat.messages[2] == {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "f", "arguments": {"x": 2}}]}
+    chunks = openai.StreamChunks("id", "gyre", True)
+    out = chunks.start() + chunks.text("a") + chunks.finish([("c9", ToolCall("f", {"x": 1}))], "stop", openai.make_usage(5, 2))
+    assert out[-2]["choices"][0]["finish_reason"] == "tool_calls" and out[-1]["usage"]["total_tokens"] == 7
+    assert json.loads(out[-3]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
+
+
+def test_render_reuses_model_tokens_exactly():
+    """A remembered assistant turn is rendered from the model's own ids, not re-tokenized text."""
+    tok = ByteTokenizer()
+    r, mem = Renderer(tok), TurnMemory()
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    first = r.render(msgs, None, mem).input_ids
+    # The model emitted a tool call with odd spacing; the harness echoes it back parsed.
+    out = tok.apply_chat_template([{"role": "user", "content": "x"}], None, False)[:0] + list(b"ok ") + [tok.special_ids["<tool_call>"]]
+    out += list(b'\n{"name":"f","arguments":{"x":1}}\n') + [tok.special_ids["</tool_call>"], tok.eos_token_id]
+    parsed = tok.parse_assistant(out)
+    mem.remember(assistant_key(parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]), out)
+    echoed = {"role": "assistant", "content": "ok", "tool_calls": [{"id": "t", "name": "f", "arguments": {"x": 1}}]}
+    second = r.render(msgs + [echoed, {"role": "tool", "content": "r"}], None, mem)
+    assert second.input_ids[: len(first) + len(out)] == first + out
+    assert (second.num_reused, second.num_retokenized) == (1, 0)
+    edited = r.render(msgs + [{**echoed, "content": "edited"}, {"role": "tool", "content": "r"}], None, mem)
+    assert (edited.num_reused, edited.num_retokenized) == (0, 1)
+    assert edited.input_ids == tok.apply_chat_template(msgs + [{**echoed, "content": "edited"}, {"role": "tool", "content": "r"}])
+
+
+def test_render_length_finish_gets_end_of_turn():
+    tok = ByteTokenizer()
+    r, mem = Renderer(tok), TurnMemory()
+    mem.remember(assistant_key("abc", []), list(b"abc"))
+    ids = r.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "n"}], None, mem).input_ids
+    assert ids == tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "n"}])
+
+
+@pytest.mark.parametrize("text,shown", [
+    ("  hello", "hello"), ("hi <tool_call>\n{", "hi "), ("hi <tool_", "hi "), ("done<|im_end|>", "done"),
+    ("caf\ufffd", "caf"), ("a < b", "a < b"),
+])  # fmt: skip
+def test_streamable_text(text, shown):
+    assert streamable_text(text) == shown
+
+
+def test_claude_code_hints():
+    h = anthropic_hints({"x-claude-code-agent-id": "a1", "x-api-key": "secret"}, {"system": [{"type": "text", "text": "cc_is_subagent=true"}]}, False, True)
+    assert (h.agent_id, h.parent_agent_id, h.kind_hint) == ("a1", "main", "subagent") and "x-api-key" not in h.raw
+    assert anthropic_hints({}, {}, True, True).kind_hint == "summary"
+    assert anthropic_hints({}, {}, False, False).kind_hint == "auxiliary"
+    assert anthropic_hints({"x-claude-code-agent-id": "a1"}, {}, True, True).kind_hint == "subagent_summary"
+    assert openai_hints({"x-gyre-agent-id": "s2"}, {}).parent_agent_id == "main"
+
+
+def test_summary_request_shape():
+    ask = "Create a detailed summary of the conversation. REMINDER: Do NOT call any tools."
+    assert anthropic.summary_request({"messages": [{"role": "user", "content": [{"type": "text", "text": ask}]}]})
+    note = "<task-notification><summary>Agent finished</summary><note>not a tool</note></task-notification>"
+    assert not anthropic.summary_request({"messages": [{"role": "user", "content": note}]})
+
+
+def test_routing_sticky_balanced_and_drained():
+    t = RoutingTable(max_imbalance=1)
+    t.add("a", "u1")
+    t.add("b", "u2")
+    assert t.pick("s1") == "a" and t.pick("s2") == "a"  # least loaded, ties by id
+    t.begin("a")
+    assert t.pick("s2") == "a"  # sticky within the imbalance
+    t.begin("a")
+    assert t.pick("s2") == "b"  # a is 2 ahead of b: move
+    t.set_status("b", "draining")
+    assert t.pick("s2") == "a" and t.pick("s3", exclude=frozenset(["a"])) is None
+    with pytest.raises(RoutingError, match="registered: a, b|registered: \\['a', 'b'\\]"):
+        t.get("zz")
+    with pytest.raises(RoutingError, match="valid: active"):
+        t.set_status("a", "sleeping")
+
+
+def test_scripted_policy_resumes_mid_output():
+    tok = ByteTokenizer()
+    policy = ScriptedPolicy([ScriptRule(__import__("re").compile("ping"), "pong <tool_call>x</tool_call>")], tok)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "ping"}])
+    full = policy.forced_ids(prompt)
+    assert tok.decode(full) == "pong <tool_call>x</tool_call><|im_end|>"
+    assert policy.forced_ids(prompt + full[:5]) == full[5:]
+    assert policy.forced_ids(tok.apply_chat_template([{"role": "user", "content": "other"}])) is None
