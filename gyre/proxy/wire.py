@@ -17,7 +17,8 @@ _MARKERS = ("<tool_call>", "<|im_end|>", "<|endoftext|>")
 
 def streamable_text(text: str) -> str:
     """The part of decoded output that can be shown already: before any tool call or end marker,
-    without a trailing partial marker or partial UTF-8 character, leading whitespace dropped."""
+    without a trailing partial marker or partial UTF-8 character, and stripped of whitespace (the
+    final content is stripped; trailing whitespace shows once more text follows it)."""
     cut = min([i for i in (text.find(m) for m in _MARKERS) if i >= 0], default=len(text))
     text = text[:cut]
     for m in _MARKERS:
@@ -25,7 +26,7 @@ def streamable_text(text: str) -> str:
             if text.endswith(m[:k]):
                 text = text[:-k]
                 break
-    return text.rstrip("\ufffd").lstrip()
+    return text.rstrip("\ufffd").strip()
 
 
 class AnthropicWire:

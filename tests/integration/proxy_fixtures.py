@@ -54,3 +54,72 @@ def new_execution(proxy: ProxyProcess, execution_id: str) -> str:
     status, body = http(proxy.url + "/admin/executions", "POST", {"execution_id": execution_id}, token=proxy.admin_token)
     assert status == 200, body
     return body["api_key"]
+
+
+async def anthropic_call(session, url: str, key: str, body: dict) -> dict:
+    """One /v1/messages call as a harness makes it; a streamed answer is reassembled into a Message.
+
+    Raises:
+        AssertionError: on an HTTP error, an `error` event, or a stream without message_stop.
+    """
+    async with session.post(url + "/v1/messages?beta=true", json=body, headers={"x-api-key": key}) as r:
+        if not body.get("stream"):
+            out = await r.json()
+            assert r.status == 200, out
+            return out
+        assert r.status == 200, await r.text()
+        msg, blocks, event = None, {}, None
+        async for raw in r.content:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data = json.loads(line[5:])
+                assert event != "error", data
+                if data["type"] == "message_start":
+                    msg = data["message"]
+                elif data["type"] == "content_block_start":
+                    blocks[data["index"]] = dict(data["content_block"], _json="")
+                elif data["type"] == "content_block_delta":
+                    d, b = data["delta"], blocks[data["index"]]
+                    if d["type"] == "text_delta":
+                        b["text"] += d["text"]
+                    else:
+                        b["_json"] += d["partial_json"]
+                elif data["type"] == "message_delta":
+                    msg.update(data["delta"])
+                    msg["usage"] = data["usage"]
+                elif data["type"] == "message_stop":
+                    msg["content"] = [_close_block(blocks[i]) for i in sorted(blocks)]
+                    return msg
+        raise AssertionError("stream ended without message_stop")
+
+
+def _close_block(b: dict) -> dict:
+    raw = b.pop("_json")
+    if b["type"] == "tool_use":
+        b["input"] = json.loads(raw) if raw else {}
+    return b
+
+
+async def openai_call(session, url: str, key: str, body: dict) -> dict:
+    """One /v1/chat/completions call (streamed answers reassembled into one message)."""
+    async with session.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        if not body.get("stream"):
+            out = await r.json()
+            assert r.status == 200, out
+            return out["choices"][0]
+        assert r.status == 200, await r.text()
+        msg, finish = {"role": "assistant", "content": "", "tool_calls": []}, None
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            data = json.loads(line[5:])
+            assert "error" not in data, data
+            for ch in data["choices"]:
+                msg["content"] += ch["delta"].get("content") or ""
+                msg["tool_calls"] += ch["delta"].get("tool_calls") or []
+                finish = ch["finish_reason"] or finish
+        assert finish is not None, "stream ended without a finish_reason"
+        return {"message": msg, "finish_reason": finish}

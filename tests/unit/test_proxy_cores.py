@@ -147,7 +147,7 @@ def test_render_length_finish_gets_end_of_turn():
 
 
 @pytest.mark.parametrize("text,shown", [
-    ("  hello", "hello"), ("hi <tool_call>\n{", "hi "), ("hi <tool_", "hi "), ("done<|im_end|>", "done"),
+    ("  hello ", "hello"), ("hi <tool_call>\n{", "hi"), ("hi <tool_", "hi"), ("done<|im_end|>", "done"),
     ("caf\ufffd", "caf"), ("a < b", "a < b"),
 ])  # fmt: skip
 def test_streamable_text(text, shown):

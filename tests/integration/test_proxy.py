@@ -1,0 +1,239 @@
+"""The proxy over real builtin engines (scripted policy): both APIs, bad input, drains and crashes
+under concurrent sessions, no-engine waits, and records surviving a SIGKILL of the proxy."""
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from proxy_fixtures import anthropic_call, http, new_execution, openai_call, start_engine, start_proxy
+
+from gyre.records.io import read_records
+from gyre.trajectory.tree import build_call_tree
+
+FILLER = "Working through the task step by step; " * 4
+RULES = [{"match": "tool_response|please|step", "emit": FILLER + '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'}]
+A_TOOLS = [{"name": "bash", "description": "run a command", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
+O_TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command", "parameters": A_TOOLS[0]["input_schema"]}}]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engines")
+    procs = [start_engine(tmp, RULES, name=f"e{i}") for i in range(3)]
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+async def anthropic_session(s, url, key, turns: int, stream: bool) -> int:
+    body = {"model": "gyre", "max_tokens": 400, "stream": stream, "system": "You are a test agent.", "tools": A_TOOLS,
+            "messages": [{"role": "user", "content": "please take a step"}]}  # fmt: skip
+    for _ in range(turns):
+        msg = await anthropic_call(s, url, key, body)
+        use = [b for b in msg["content"] if b["type"] == "tool_use"]
+        assert msg["stop_reason"] == "tool_use" and use[0]["input"] == {"command": "ls"}, msg
+        assert msg["content"][0]["text"] == FILLER.strip()
+        body["messages"] += [{"role": "assistant", "content": msg["content"]},
+                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0]["id"], "content": "a.txt"}]}]  # fmt: skip
+    return turns
+
+
+async def openai_session(s, url, key, turns: int, stream: bool) -> int:
+    body = {"model": "gyre", "stream": stream, "tools": O_TOOLS, "messages": [{"role": "user", "content": "please take a step"}]}
+    for _ in range(turns):
+        choice = await openai_call(s, url, key, body)
+        calls = choice["message"]["tool_calls"]
+        assert choice["finish_reason"] == "tool_calls" and json.loads(calls[0]["function"]["arguments"]) == {"command": "ls"}
+        body["messages"] += [{"role": "assistant", "content": choice["message"]["content"], "tool_calls": calls},
+                             {"role": "tool", "tool_call_id": calls[0]["id"], "content": "a.txt"}]  # fmt: skip
+    return turns
+
+
+def assert_clean_chain(path, turns: int):
+    """Each call of the (single-agent) execution continues the previous one token for token."""
+    records, stats = read_records(path)
+    assert stats.num_torn == 0 and not stats.invalid and len(records) == turns
+    tree = build_call_tree(records)
+    assert tree.missing_seqs == []
+    for i, node in enumerate(tree.nodes[1:], start=1):
+        assert node.parent == i - 1 and node.shared >= tree.nodes[i - 1].end, f"call {i} does not extend call {i - 1}"
+    return records
+
+
+def test_both_apis_stream_and_plain(engines, tmp_path):
+    proxy = start_proxy(tmp_path, [engines[0].url])
+    try:
+        keys = {n: new_execution(proxy, n) for n in ("a-stream", "a-plain", "o-stream", "o-plain")}
+
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                await asyncio.gather(anthropic_session(s, proxy.url, keys["a-stream"], 2, True),
+                                     anthropic_session(s, proxy.url, keys["a-plain"], 2, False),
+                                     openai_session(s, proxy.url, keys["o-stream"], 2, True),
+                                     openai_session(s, proxy.url, keys["o-plain"], 2, False))  # fmt: skip
+
+        asyncio.run(main())
+        for name in keys:
+            records = assert_clean_chain(tmp_path / "records" / f"{name}.jsonl", 2)
+            assert records[1].hints["reused_turns"] == 1 and records[1].hints["retokenized_turns"] == 0
+            assert all(r.output_ids.size == r.logprobs.size > 0 and r.finish_reason == "stop" for r in records)
+        assert http(proxy.url + "/api/hello", "HEAD")[0] == 200
+    finally:
+        proxy.stop()
+
+
+def test_bad_input_answers_4xx_in_each_format(engines, tmp_path):
+    proxy = start_proxy(tmp_path, [engines[0].url], context_len=2000)
+    try:
+        key = new_execution(proxy, "bad")
+        good_a = {"model": "gyre", "max_tokens": 50, "messages": [{"role": "user", "content": "please"}]}
+        good_o = {"model": "gyre", "messages": [{"role": "user", "content": "please"}]}
+        a, o = proxy.url + "/v1/messages", proxy.url + "/v1/chat/completions"
+        ha, ho = {"x-api-key": key}, {"Authorization": f"Bearer {key}"}
+        tool_use = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "bash", "input": {}}]}
+        cases = [  # (url, headers, body or raw bytes, status, message fragment)
+            (a, ha, b"{not json", 400, "malformed JSON"), (o, ho, b"{not json", 400, "malformed JSON"),
+            (a, ha, {**good_a, "max_tokens": "ten"}, 400, "max_tokens: expected an integer"),
+            (o, ho, {**good_o, "messages": "hi"}, 400, "messages: expected an array"),
+            (a, ha, {**good_a, "model": "nope"}, 404, "'nope' is not served"), (o, ho, {**good_o, "model": "nope"}, 404, "does not exist"),
+            (a, ha, {**good_a, "tools": [{"name": "x", "input_schema": "string"}]}, 400, "input_schema"),
+            (o, ho, {**good_o, "tools": [{"type": "function", "function": {"name": "x", "parameters": 5}}]}, 400, "parameters"),
+            (a, ha, {**good_a, "messages": [{"role": "user", "content": "x" * 3000}]}, 400, "prompt is too long"),
+            (o, ho, {**good_o, "messages": [{"role": "user", "content": "x" * 3000}]}, 400, "prompt is too long"),
+            (a, ha, {**good_a, "messages": [{"role": "user", "content": "q"}, tool_use, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "r"}]}]}, 400, "'t9' does not match"),
+            (o, ho, {**good_o, "messages": [{"role": "tool", "tool_call_id": "c9", "content": "r"}]}, 400, "'c9' does not answer"),
+            (a, {"x-api-key": "gyre-unknown"}, good_a, 401, "unknown or revoked"), (o, {}, good_o, 401, "unknown or revoked"),
+        ]  # fmt: skip
+        for url, headers, body, status, fragment in cases:
+            raw = body if isinstance(body, bytes) else None
+            got, out = http(url, "POST", None if raw else body, headers=headers, raw=raw)
+            assert got == status, (url, body, out)
+            message = out["error"]["message"]
+            assert fragment in message, (fragment, message)
+            if url == a:
+                assert out["type"] == "error" and out["error"]["type"].endswith("_error") or out["error"]["type"] == "request_too_large"
+            else:
+                assert set(out["error"]) == {"message", "type", "param", "code"}
+        # The proxy stayed up and serves the same execution; nothing was recorded for refusals.
+        assert http(a, "POST", good_a, headers=ha)[0] == 200
+        records, _ = read_records(tmp_path / "records" / "bad.jsonl")
+        assert [r.seq for r in records] == [0]
+        # Revocation: the key stops working; the admin API needs its token.
+        assert http(proxy.url + "/admin/executions/bad", "DELETE", token=proxy.admin_token)[0] == 200
+        assert http(a, "POST", good_a, headers=ha)[0] == 401
+        assert http(proxy.url + "/admin/metrics", token="wrong")[0] == 401
+        assert http(proxy.url + "/admin/engines/zz/drain", "POST", token=proxy.admin_token)[0] == 404
+    finally:
+        proxy.stop()
+
+
+def test_20_drains_during_16_sessions(engines, tmp_path):
+    """Drains abort in-flight calls; they resume elsewhere (KV prefix migrated) with no visible error."""
+    proxy = start_proxy(tmp_path, [e.url for e in engines], max_imbalance=2)
+    turns, num_drains = 4, 20
+    try:
+        keys = [new_execution(proxy, f"s{i}") for i in range(16)]
+        drained = []
+
+        async def drainer(done: asyncio.Event):
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {proxy.admin_token}"}) as s:
+                for i in range(num_drains):
+                    eid = f"e{i % 3}"
+                    async with s.post(f"{proxy.url}/admin/engines/{eid}/drain") as r:
+                        assert r.status == 200
+                        drained.append((await r.json())["result"])
+                    await asyncio.sleep(0.15)
+                    async with s.post(f"{proxy.url}/admin/engines/{eid}/activate") as r:
+                        assert r.status == 200
+                    await asyncio.sleep(0.1)
+            done.set()
+
+        async def main():
+            done = asyncio.Event()
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+                sessions = [(anthropic_session if i % 2 else openai_session)(s, proxy.url, k, turns, i % 4 < 2)
+                            for i, k in enumerate(keys)]  # fmt: skip
+                results = await asyncio.gather(drainer(done), *sessions, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            assert not errors, errors
+
+        asyncio.run(main())
+        status, metrics = http(proxy.url + "/admin/metrics", token=proxy.admin_token)
+        rerouted = migrated = 0
+        for i in range(16):
+            records = assert_clean_chain(tmp_path / "records" / f"s{i}.jsonl", turns)
+            rerouted += sum(r.rerouted for r in records)
+            migrated += sum(r.num_migrated_tokens for r in records)
+        print(f"drains aborted {sum(drained)} calls; {rerouted} records rerouted; {migrated} KV tokens migrated; {metrics}")
+        assert len(drained) == num_drains and sum(drained) > 0 and rerouted > 0
+        assert metrics["num_migrated_tokens"] > 0
+    finally:
+        proxy.stop()
+
+
+def test_crashed_engine_is_detected_and_rerouted(engines, tmp_path):
+    victim = start_engine(tmp_path, RULES, name="victim")
+    proxy = start_proxy(tmp_path, [victim.url, engines[1].url])
+    try:
+        keys = [new_execution(proxy, f"c{i}") for i in range(4)]
+
+        async def main():
+            async with aiohttp.ClientSession() as s:
+                tasks = [asyncio.create_task(anthropic_session(s, proxy.url, k, 2, True)) for k in keys]
+                await asyncio.sleep(1.0)
+                victim.proc.kill()  # SIGKILL: connections drop mid-stream
+                await asyncio.gather(*tasks)
+
+        asyncio.run(main())
+        status, engines_now = http(proxy.url + "/admin/engines", token=proxy.admin_token)
+        assert {e["engine_id"]: e["status"] for e in engines_now["engines"]}["e0"] == "dead"
+        for i in range(4):
+            assert_clean_chain(tmp_path / "records" / f"c{i}.jsonl", 2)
+    finally:
+        proxy.stop()
+        victim.stop()
+
+
+def test_no_engine_waits_then_overloaded(engines, tmp_path):
+    proxy = start_proxy(tmp_path, [], no_engine_wait_s=1.0)
+    try:
+        key = new_execution(proxy, "w")
+        body = {"model": "gyre", "max_tokens": 20, "messages": [{"role": "user", "content": "please"}]}
+        t0 = time.monotonic()
+        status, out = http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": key})
+        assert status == 529 and out["error"]["type"] == "overloaded_error" and time.monotonic() - t0 >= 1.0
+        status, out = http(proxy.url + "/v1/chat/completions", "POST", {"model": "gyre", "messages": body["messages"]},
+                           headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+        assert status == 503 and out["error"]["code"] == "overloaded"
+        assert http(proxy.url + "/admin/engines", "POST", {"engine_id": "late", "url": engines[2].url}, token=proxy.admin_token)[0] == 200
+        assert http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": key})[0] == 200
+    finally:
+        proxy.stop()
+
+
+def test_sigkill_mid_stream_leaves_records_readable(engines, tmp_path):
+    proxy = start_proxy(tmp_path, [engines[2].url])
+    keys = [new_execution(proxy, f"k{i}") for i in range(4)]
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            tasks = [asyncio.create_task(anthropic_session(s, proxy.url, k, 50, True)) for k in keys]
+            await asyncio.sleep(2.5)
+            proxy.kill()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(r, BaseException) for r in results)
+
+    try:
+        asyncio.run(main())
+    finally:
+        proxy.stop()
+    total = 0
+    for i in range(4):
+        records, stats = read_records(tmp_path / "records" / f"k{i}.jsonl")
+        assert not stats.invalid
+        total += len(records)
+        if records:
+            build_call_tree(records)
+    assert total > 0
