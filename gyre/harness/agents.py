@@ -1,0 +1,63 @@
+"""Command lines and environments of the supported harnesses (pure), and one bounded runner.
+
+Claude Code (npm `@anthropic-ai/claude-code`, pinned in tools/setup.sh) runs offline against the
+proxy: as root it needs IS_SANDBOX=1 for --dangerously-skip-permissions; telemetry and other
+non-essential traffic are off; HOME is a per-execution directory (its sessions live there, so
+`--continue` finds them). Every model alias points at the served model so auxiliary calls reach
+the proxy too. mini-swe-agent (PyPI) speaks OpenAI chat completions through litellm.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CLAUDE_CODE_VERSION = "2.1.220"
+MINI_SWE_AGENT_VERSION = "2.4.6"
+
+
+def find_claude_code() -> str | None:
+    """The `claude` binary: $GYRE_CLAUDE_CODE, else the one tools/setup.sh installs into the venv."""
+    for candidate in (os.environ.get("GYRE_CLAUDE_CODE"), str(Path(sys.prefix) / "harness/node_modules/.bin/claude")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def find_mini_swe_agent() -> str | None:
+    """The `mini` entry point of mini-swe-agent in this venv, if installed."""
+    path = Path(sys.prefix) / "bin/mini"
+    return str(path) if path.exists() else shutil.which("mini")
+
+
+def make_claude_code_env(base: dict[str, str], proxy_url: str, api_key: str, home: str, model: str) -> dict[str, str]:
+    aliases = ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+               "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")  # fmt: skip
+    return {**base, **{a: model for a in aliases}, "HOME": home, "IS_SANDBOX": "1", "DISABLE_TELEMETRY": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+            "ANTHROPIC_BASE_URL": proxy_url, "ANTHROPIC_API_KEY": api_key}  # fmt: skip
+
+
+def make_claude_code_command(binary: str, prompt: str, *, model: str, tools: list[str], resume: bool = False) -> list[str]:
+    """`claude -p PROMPT` with JSON output; `resume` continues the last session (`--continue`)."""
+    cmd = [binary, "-p", prompt, "--dangerously-skip-permissions", "--model", model, "--tools", ",".join(tools),
+           "--output-format", "json"]  # fmt: skip
+    return cmd + (["--continue"] if resume else [])
+
+
+def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:
+    return {**base, "HOME": home, "MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_GLOBAL_CONFIG_DIR": str(Path(home) / ".mswea")}  # fmt: skip
+
+
+def make_mini_swe_command(binary: str, task: str, *, proxy_url: str, api_key: str, model: str, output: str) -> list[str]:
+    """`mini` in yolo mode, exiting when the agent submits; litellm's OpenAI route to the proxy."""
+    return [binary, "-y", "--exit-immediately", "-t", task, "-m", f"openai/{model}", "-o", output,
+            "-c", "mini.yaml", "-c", f"model.model_kwargs.api_base={proxy_url}/v1",
+            "-c", f"model.model_kwargs.api_key={api_key}", "-c", "agent.cost_limit=0"]  # fmt: skip
+
+
+def run_harness(cmd: list[str], env: dict[str, str], cwd: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run one harness invocation to completion (killed after `timeout_s`)."""
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)

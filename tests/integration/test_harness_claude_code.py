@@ -1,0 +1,87 @@
+"""SLOW (about a minute): real Claude Code 2.1.220 through the proxy and a builtin engine running a
+scripted policy: a tool call, a foreground and a background sub-agent, then `/compact`; its records
+must rebuild into the right call tree. Skipped without the npm package (tools/setup.sh installs it)."""
+
+import json
+import os
+
+import pytest
+from proxy_fixtures import new_execution, start_engine, start_proxy
+
+from gyre.harness.agents import find_claude_code, make_claude_code_command, make_claude_code_env, run_harness
+from gyre.records.io import read_records
+from gyre.trajectory.tree import build_call_tree
+
+pytestmark = pytest.mark.slow
+
+
+def tool_call(name: str, args: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def agent(description: str, prompt: str, background: bool) -> str:
+    return tool_call("Agent", {"description": description, "prompt": prompt, "subagent_type": "general-purpose",
+                               "run_in_background": background})  # fmt: skip
+
+
+# First match wins, on the prompt text the model has not answered yet (gyre.engines.scripted).
+RULES = [
+    {"match": "Do NOT call any tools", "emit": "<analysis>short</analysis>\n<summary>Ran a command and two helpers.</summary>"},
+    {"match": "TASK-ALPHA", "emit": "I will run a command. " + tool_call("Bash", {"command": "echo STEP1-DONE | tee step1.txt", "description": "write marker"})},
+    {"match": "SUBTASK-FG", "emit": tool_call("Bash", {"command": "echo FG-WORKED", "description": "print marker"})},
+    {"match": "FG-WORKED", "emit": "fg report: FG-FINISHED"},
+    {"match": "SUBTASK-BG", "emit": "bg report: BG-FINISHED"},
+    {"match": "STEP1-DONE", "emit": agent("fg helper", "SUBTASK-FG: run the marker", False)},
+    {"match": "FG-FINISHED", "emit": agent("bg helper", "SUBTASK-BG: report back", True)},
+    {"match": "BG-FINISHED", "emit": "All helpers finished. ALPHA-COMPLETE"},
+    {"match": ".", "emit": "Waiting for the background helper."},
+]
+
+
+def test_claude_code_tool_subagents_and_compact(tmp_path):
+    binary = find_claude_code()
+    if binary is None:
+        pytest.skip("Claude Code not installed: run tools/setup.sh (or set GYRE_CLAUDE_CODE)")
+    engine = start_engine(tmp_path, RULES)
+    proxy = start_proxy(tmp_path, [engine.url])
+    try:
+        key = new_execution(proxy, "cc")
+        (tmp_path / "home").mkdir()
+        (tmp_path / "ws").mkdir()
+        env = make_claude_code_env(dict(os.environ), proxy.url, key, str(tmp_path / "home"), "tiny")
+        run = lambda prompt, resume: run_harness(make_claude_code_command(binary, prompt, model="tiny", tools=["Bash", "Agent"], resume=resume),
+                                                 env, str(tmp_path / "ws"), 300)  # fmt: skip
+        first = run("TASK-ALPHA: run the marker and the helpers", False)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert json.loads(first.stdout)["result"] == "All helpers finished. ALPHA-COMPLETE"
+        assert (tmp_path / "ws" / "step1.txt").read_text() == "STEP1-DONE\n"  # the tool really ran
+        second = run("/compact", True)
+        assert second.returncode == 0, second.stdout + second.stderr
+    finally:
+        proxy.stop()
+        engine.stop()
+
+    records, stats = read_records(tmp_path / "records" / "cc.jsonl")
+    assert stats.num_torn == 0 and not stats.invalid
+    tree = build_call_tree(records)
+    assert tree.missing_seqs == []
+    nodes = tree.nodes
+    kinds = [n.kind for n in nodes]
+    subagents = sorted({n.record.agent_id for n in nodes if n.kind == "subagent"})
+    assert len(subagents) == 2, kinds  # foreground and background helper
+    assert kinds.count("summary") == 1 and nodes[-1].kind == "summary"
+    main = [i for i, n in enumerate(nodes) if n.kind == "main"]
+    # The main agent's calls form one chain, each continuing the previous one token for token.
+    for a, b in zip(main, main[1:]):
+        assert nodes[b].parent == a and nodes[b].shared >= nodes[a].end, (a, b)
+    # The summary request continues a main call (Claude Code resumes its saved transcript, which
+    # may end before the answer to the last task notification).
+    assert nodes[-1].parent in main and nodes[-1].shared >= nodes[nodes[-1].parent].end
+    for agent_id in subagents:
+        calls = [i for i, n in enumerate(nodes) if n.record.agent_id == agent_id]
+        assert nodes[calls[0]].parent is None and nodes[calls[0]].spawned_by in main
+        for a, b in zip(calls, calls[1:]):
+            assert nodes[b].parent == a
+    # The foreground helper made two calls (tool call, report), the background helper one.
+    assert sorted(sum(n.record.agent_id == a for n in nodes) for a in subagents) == [1, 2]
+    assert all(n.record.hints["retokenized_turns"] == 0 for n in nodes)
