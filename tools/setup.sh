@@ -34,7 +34,19 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   log "installing Gyre and its dependencies into .venv"
   .venv/bin/python -m pip install -q -U pip
   # torch==2.13.0 resolves to the CPU build on this machine's disk; GPU sites pre-install CUDA torch.
-  .venv/bin/python -m pip install -q -e '.[cpu,test]'
+  .venv/bin/python -m pip install -q -e '.[cpu,test,harness]'
   echo "$want" >"$stamp"
+fi
+# Claude Code, pinned, for the proxy's harness tests: an npm package kept inside the venv (ignored
+# by git); it runs offline against the proxy. Without npm those tests skip.
+CLAUDE_CODE_VERSION=2.1.220
+claude=.venv/harness/node_modules/.bin/claude
+if [[ $("$claude" --version 2>/dev/null) != "$CLAUDE_CODE_VERSION"* ]]; then
+  if command -v npm >/dev/null; then
+    log "installing Claude Code $CLAUDE_CODE_VERSION into .venv/harness"
+    npm install --prefix .venv/harness --no-audit --no-fund --loglevel=error "@anthropic-ai/claude-code@$CLAUDE_CODE_VERSION" >/dev/null
+  else
+    log "npm not found: Claude Code harness tests will be skipped"
+  fi
 fi
 log "ready: $(.venv/bin/python -c 'import torch, megatron.core, gyre; print("torch", torch.__version__, "megatron-core", megatron.core.__version__)')"

@@ -71,7 +71,7 @@ class CallRunner:
         is_retry = ex.is_retry(body)
         seq, started = ex.begin_call()
         gen = Generation(self.pool, f"{ex.execution_id}/{hints.agent_id}", f"{ex.execution_id}-{seq}-{time.monotonic_ns() % 10**6}",
-                         rendered.input_ids, sampling, max_resumes=self.cfg.max_resumes)  # fmt: skip
+                         rendered.input_ids, sampling, max_resumes=self.cfg.max_resumes, incremental=chat.stream)  # fmt: skip
         return Call(ex, chat, hints, rendered, gen, seq, started, is_retry, wire.name)
 
     def _finish(self, call: Call, wire, shown_text: str) -> tuple[str, list]:
@@ -97,34 +97,27 @@ class CallRunner:
         )  # fmt: skip
 
     async def respond(self, request: web.Request, call: Call, wire) -> web.StreamResponse:
-        """Run the generation and answer (JSON or SSE); the record is appended after the answer."""
+        """Run the generation and answer (JSON or SSE). The record is durable before the answer
+        completes, so whoever sees a harness finish can read all of its records."""
         self.pool.metrics.num_calls += 1
         stream = call.gen.stream()
         try:
             first = await stream.__anext__()  # errors before any byte is sent are plain HTTP errors
         except StopAsyncIteration:
             first = []
-        n_in = len(call.rendered.input_ids)
-        if not call.chat.stream:
-            async for _ in stream:
-                pass
-            text, calls = self._finish(call, wire, "")
-            body = wire.response(call.chat.model, text, calls, call.gen.finish, n_in, len(call.gen.output_ids))
-            resp = web.json_response(body)
-            await resp.prepare(request)
-            await resp.write_eof()
-        else:
-            resp, ok = await self._stream(request, call, wire, stream, first)
-            if not ok:
-                return resp
+        if call.chat.stream:
+            return await self._stream(request, call, wire, stream, first)
+        async for _ in stream:
+            pass
+        text, calls = self._finish(call, wire, "")
         await call.ex.append(self.make_record(call))
-        return resp
+        n_in, n_out = len(call.rendered.input_ids), len(call.gen.output_ids)
+        return web.json_response(wire.response(call.chat.model, text, calls, call.gen.finish, n_in, n_out))
 
-    async def _stream(self, request, call: Call, wire, stream, first: list[int]) -> tuple[web.StreamResponse, bool]:
-        """SSE answer; (response, False) when the call failed after the stream began (error event sent)."""
+    async def _stream(self, request, call: Call, wire, stream, first: list[int]) -> web.StreamResponse:
+        """SSE answer; a call failing after the stream began ends with an error event and no record."""
         events = wire.stream(call.chat.model, call.chat, len(call.rendered.input_ids))
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
-            sse.ping_interval = 15
             for name, data in events.start():
                 await sse.send(data, event=name)
             shown = ""
@@ -143,10 +136,11 @@ class CallRunner:
             except ApiError as e:
                 for name, data in wire.stream_error(e):
                     await sse.send(data, event=name)
-                return sse, False
+                return sse
             text, calls = self._finish(call, wire, shown)
+            await call.ex.append(self.make_record(call))
             out = list(events.text(text[len(shown):]))
             out += events.finish(calls, call.gen.finish, len(call.rendered.input_ids), len(call.gen.output_ids))
             for name, data in out:
                 await sse.send(data, event=name)
-        return sse, True
+        return sse

@@ -146,6 +146,10 @@ class EnginePool:
                     pass
 
 
+async def _one(coro):
+    yield await coro
+
+
 @dataclass
 class Generation:
     """One call's generation across engines; `stream()` yields new output ids as they arrive."""
@@ -156,6 +160,9 @@ class Generation:
     input_ids: list[int]
     sampling: dict
     max_resumes: int = 16
+    incremental: bool = True
+    """Stream from the engine (for streaming answers); else one /generate answer per engine attempt
+    (cheaper for the engine; a drained call still returns its partial output with finish abort)."""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
@@ -202,7 +209,11 @@ class Generation:
         pool.inflight[eid].add(rid)
         seen = 0
         try:
-            async for chunk in client.generate_stream(prompt, params, rid=rid, return_logprob=True):
+            if self.incremental:
+                chunks = client.generate_stream(prompt, params, rid=rid, return_logprob=True)
+            else:
+                chunks = _one(client.generate(prompt, params, rid=rid, return_logprob=True))
+            async for chunk in chunks:
                 ids, meta = chunk["output_ids"], chunk["meta_info"]
                 new = ids[seen:]  # chunks are cumulative (SGLang's default, the builtin engine's)
                 lps = [x[0] for x in meta.get("output_token_logprobs") or []]

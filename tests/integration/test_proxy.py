@@ -4,6 +4,7 @@ under concurrent sessions, no-engine waits, and records surviving a SIGKILL of t
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -21,7 +22,8 @@ O_TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engines")
-    procs = [start_engine(tmp, RULES, name=f"e{i}") for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:  # engines start in parallel (each loads torch)
+        procs = list(pool.map(lambda i: start_engine(tmp, RULES, name=f"e{i}"), range(3)))
     yield procs
     for p in procs:
         p.stop()
@@ -80,6 +82,12 @@ def test_both_apis_stream_and_plain(engines, tmp_path):
             assert records[1].hints["reused_turns"] == 1 and records[1].hints["retokenized_turns"] == 0
             assert all(r.output_ids.size == r.logprobs.size > 0 and r.finish_reason == "stop" for r in records)
         assert http(proxy.url + "/api/hello", "HEAD")[0] == 200
+        # Claude Code re-sends a broken stream's body without streaming: marked as a retry.
+        key = new_execution(proxy, "retry")
+        body = {"model": "gyre", "max_tokens": 30, "stream": True, "messages": [{"role": "user", "content": "please"}]}
+        assert http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": key})[0] == 200
+        assert http(proxy.url + "/v1/messages", "POST", {**body, "stream": False}, headers={"x-api-key": key})[0] == 200
+        assert [r.is_retry for r in read_records(tmp_path / "records" / "retry.jsonl")[0]] == [False, True]
     finally:
         proxy.stop()
 
@@ -220,7 +228,11 @@ def test_sigkill_mid_stream_leaves_records_readable(engines, tmp_path):
     async def main():
         async with aiohttp.ClientSession() as s:
             tasks = [asyncio.create_task(anthropic_session(s, proxy.url, k, 50, True)) for k in keys]
-            await asyncio.sleep(2.5)
+            deadline = time.monotonic() + 120
+            while sum(p.stat().st_size for p in (tmp_path / "records").glob("*.jsonl")) == 0:  # some calls done
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks)
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # others are mid-stream now
             proxy.kill()
             results = await asyncio.gather(*tasks, return_exceptions=True)
             assert all(isinstance(r, BaseException) for r in results)
