@@ -12,6 +12,7 @@ import base64
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -109,6 +110,7 @@ class BuiltinEngineServer:
     async def _close(self) -> None:
         await asyncio.to_thread(self.core.stop)
         self.exporter.close()
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     async def _call(self, fn):
         return await asyncio.wrap_future(self.core.call(fn))
