@@ -291,13 +291,14 @@ class EngineCore:
             self.weights = weights
         self.released -= set(tags)
 
-    def export_kv(self, input_ids: list[int], extra_key: str | None) -> tuple[int, torch.Tensor | None]:
-        """The cached KV of the longest page-aligned prefix of `input_ids`: (num_tokens, [L,2,n,nKV,hd])."""
+    def export_kv(self, input_ids: list[int], extra_key: str | None) -> tuple[int, torch.Tensor | None, str]:
+        """The cached KV of the longest page-aligned prefix of `input_ids`.
+
+        Returns: (num_tokens, KV [L,2,n,nKV,hd] or None, the weight version that computed it).
+        """
         pages = self.cache.match((self.weight_version, extra_key), input_ids)
-        if not pages:
-            return 0, None
-        kv = torch.cat(pages, dim=2)
-        return kv.shape[2], kv
+        kv = torch.cat(pages, dim=2) if pages else None
+        return (0 if kv is None else kv.shape[2]), kv, self.weight_version
 
     def import_kv(self, tokens: list[int], kv: torch.Tensor, version: str, extra_key: str | None) -> int:
         if version != self.weight_version:

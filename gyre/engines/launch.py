@@ -59,8 +59,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class BaseEngineProcess:
     """A server child process; `url` is valid after `start()`. Use as a context manager."""
 
-    def __init__(self, cfg: EngineConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: EngineConfig, keep_log: bool = False):
+        self.cfg, self.keep_log = cfg, keep_log
         self.url = ""
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="gyre-engine-", suffix=".log", delete=False)
@@ -69,11 +69,14 @@ class BaseEngineProcess:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log_tail(self, n: int = 3000) -> str:
-        return Path(self._log.name).read_text(errors="replace")[-n:]
+        path = Path(self._log.name)
+        return path.read_text(errors="replace")[-n:] if path.exists() else "(log removed)"
 
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise EngineLaunchError(f"engine exited with code {self.proc.returncode}; log tail:\n{self.log_tail()}")
+            tail = self.log_tail()
+            self.stop()
+            raise EngineLaunchError(f"engine exited with code {self.proc.returncode}; log tail:\n{tail}")
 
     async def wait_healthy(self) -> None:
         """Poll /health until 200, failing fast if the child dies; bounded by startup_timeout_s."""
@@ -82,8 +85,9 @@ class BaseEngineProcess:
             while not await c.health():
                 self._check_alive()
                 if time.monotonic() > deadline:
+                    tail = self.log_tail()
                     self.stop()
-                    raise EngineLaunchError(f"{self.url} not healthy after {self.cfg.startup_timeout_s} s; log tail:\n{self.log_tail()}")
+                    raise EngineLaunchError(f"{self.url} not healthy after {self.cfg.startup_timeout_s} s; log tail:\n{tail}")
                 if time.monotonic() - last_log > 30:
                     print(f"waiting for {self.url}/health ...", file=sys.stderr)
                     last_log = time.monotonic()
@@ -93,15 +97,17 @@ class BaseEngineProcess:
         return EngineClient(self.url, timeout_s or self.cfg.request_timeout_s)
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the child's process group, then SIGKILL after `timeout_s`."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        """SIGTERM the child's process group (SIGKILL after `timeout_s`); drop the log unless keep_log."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+        if not self.keep_log and os.path.exists(self._log.name):
+            os.unlink(self._log.name)
 
     def __enter__(self):
         self.start()
@@ -109,7 +115,6 @@ class BaseEngineProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-        os.unlink(self._log.name)
 
     def start(self) -> None:
         raise NotImplementedError
@@ -132,8 +137,9 @@ class BuiltinEngineProcess(BaseEngineProcess):
         while not os.path.exists(port_file):
             self._check_alive()
             if time.monotonic() > deadline:
+                tail = self.log_tail()
                 self.stop()
-                raise EngineLaunchError(f"no port reported after {self.cfg.startup_timeout_s} s; log tail:\n{self.log_tail()}")
+                raise EngineLaunchError(f"no port reported after {self.cfg.startup_timeout_s} s; log tail:\n{tail}")
             time.sleep(0.05)
         self.url = f"http://{self.cfg.host}:{Path(port_file).read_text().strip()}"
         os.unlink(port_file)

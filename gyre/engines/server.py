@@ -12,6 +12,7 @@ import base64
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -115,6 +116,7 @@ class BuiltinEngineServer:
     async def _close(self) -> None:
         await asyncio.to_thread(self.core.stop)
         self.exporter.close()
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     async def _call(self, fn):
         return await asyncio.wrap_future(self.core.call(fn))
@@ -277,8 +279,7 @@ class BuiltinEngineServer:
         ids = parse_generate({"input_ids": body.get("input_ids"), "sampling_params": {"max_new_tokens": 0}},
                              self.model_cfg.vocab_size, self.model_cfg.max_seq_len).input_ids  # fmt: skip
         extra_key = body.get("extra_key")
-        version = self.core.weight_version
-        n, kv = await self._call(lambda: self.core.export_kv(ids, extra_key))
+        n, kv, version = await self._call(lambda: self.core.export_kv(ids, extra_key))
         if n == 0:
             return web.json_response({"num_tokens": 0, "weight_version": version})
         return web.json_response({**self.exporter.publish(kv), "num_tokens": n, "input_ids": ids[:n], "weight_version": version})

@@ -118,3 +118,13 @@ def test_engine_group_composes_for_both_backends():
     with pytest.raises(ConfigError) as err:
         validate(compose("engine.max_running_requests=0"))
     assert err.value.key == "engine.max_running_requests"
+
+
+def test_a_server_that_cannot_start_reports_its_log(tmp_path):
+    from gyre.engines.launch import BuiltinEngineProcess, EngineLaunchError
+    from gyre.models.config import ModelConfig
+
+    proc = BuiltinEngineProcess(EngineConfig(model_path=str(tmp_path / "missing"), startup_timeout_s=60), ModelConfig())
+    with pytest.raises(EngineLaunchError, match="config.json"):
+        proc.start()
+    assert proc.proc.poll() is not None
