@@ -4,13 +4,14 @@
     output ids ─parse─> text + tool calls ─wire─> response / SSE events
                                          └────> CallRecord ─> the execution's records file
 
-Nothing is numbered or recorded for a request refused before generation (bad input, unknown
-model, too long), so refusals leave no gaps; a call that fails after it started leaves a seq gap
-that the trajectory processor reports.
+A call is numbered (seq, started_at) when it first gets an engine, so refusals (bad input,
+unknown model, too long, overloaded) leave no gaps; a call that fails after it started leaves a
+seq gap that the trajectory processor reports.
 """
 
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from aiohttp_sse import sse_response
@@ -35,10 +36,16 @@ class Call:
     hints: CallHints
     rendered: RenderResult
     gen: Generation
-    seq: int
-    started_at: float
     is_retry: bool
     api: str
+    seq: int = -1
+    started_at: float = 0.0
+    received_at: float = field(default_factory=time.time)
+    """When the request arrived (started_at is when it got an engine; the gap is queueing)."""
+
+    def admit(self) -> None:
+        """Number the call when it gets its first engine: refused calls (overloaded) leave no gap."""
+        self.seq, self.started_at = self.ex.begin_call()
 
 
 def _version(v) -> int:
@@ -68,11 +75,11 @@ class CallRunner:
         if chat.top_k is not None:
             sampling["top_k"] = chat.top_k
         hints = wire.hints(headers, body, chat)
-        is_retry = ex.is_retry(body)
-        seq, started = ex.begin_call()
-        gen = Generation(self.pool, f"{ex.execution_id}/{hints.agent_id}", f"{ex.execution_id}-{seq}-{time.monotonic_ns() % 10**6}",
+        gen = Generation(self.pool, f"{ex.execution_id}/{hints.agent_id}", f"{ex.execution_id}-{uuid.uuid4().hex[:12]}",
                          rendered.input_ids, sampling, max_resumes=self.cfg.max_resumes, incremental=chat.stream)  # fmt: skip
-        return Call(ex, chat, hints, rendered, gen, seq, started, is_retry, wire.name)
+        call = Call(ex, chat, hints, rendered, gen, ex.is_retry(body), wire.name)
+        gen.on_admit = call.admit
+        return call
 
     def _finish(self, call: Call, wire, shown_text: str) -> tuple[str, list]:
         """Parse the output, remember the turn for token-faithful reuse; returns (text, calls)."""
@@ -83,15 +90,20 @@ class CallRunner:
         call.ex.turns.remember(key, call.gen.output_ids)
         return text, calls
 
+    def _cell_of(self, engine_id: str) -> str:
+        entry = self.pool.table.engines.get(engine_id)
+        return entry.cell_id if entry else ""
+
     def make_record(self, call: Call) -> CallRecord:
         g = call.gen
         hints = {**call.hints.raw, "api": call.api, "engines": g.engine_ids, "cached_tokens": g.cached_tokens,
-                 "reused_turns": call.rendered.num_reused, "retokenized_turns": call.rendered.num_retokenized}  # fmt: skip
+                 "received_at": call.received_at, "reused_turns": call.rendered.num_reused, "retokenized_turns": call.rendered.num_retokenized}  # fmt: skip
         return CallRecord.build(
             input_ids=call.rendered.input_ids, output_ids=g.output_ids, logprobs=g.logprobs,
             versions=[_version(v) for v in g.versions], execution_id=call.ex.execution_id, call_id=f"c{call.seq}",
             seq=call.seq, agent_id=call.hints.agent_id, parent_agent_id=call.hints.parent_agent_id,
             kind_hint=call.hints.kind_hint, finish_reason=g.finish, engine_id=g.engine_ids[-1] if g.engine_ids else "",
+            cell_id=self._cell_of(g.engine_ids[-1]) if g.engine_ids else "",
             rerouted=g.rerouted, num_migrated_tokens=g.num_migrated, num_recomputed_tokens=g.num_recomputed,
             started_at=call.started_at, finished_at=time.time(), is_retry=call.is_retry, hints=hints,
         )  # fmt: skip

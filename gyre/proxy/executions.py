@@ -34,7 +34,7 @@ class Execution:
         self._write_lock = asyncio.Lock()
 
     def begin_call(self) -> tuple[int, float]:
-        """The next sequence number and the receive time (taken together, so they agree in order)."""
+        """The next sequence number and the start time (taken together, so they agree in order)."""
         seq = self.num_calls
         self.num_calls += 1
         return seq, time.time()

@@ -15,6 +15,7 @@ waits up to `no_engine_wait_s`, then fails with an overloaded error (harnesses r
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -63,7 +64,7 @@ class EnginePool:
             self._changed.notify_all()
 
     # --- admin ------------------------------------------------------------------------------
-    async def register(self, engine_id: str, url: str) -> dict:
+    async def register(self, engine_id: str, url: str, cell_id: str = "") -> dict:
         """Add an engine after one /model_info answer (which also says whether it exports KV)."""
         client = EngineClient(url, timeout_s=self.request_timeout_s)
         await client.__aenter__()
@@ -77,7 +78,7 @@ class EnginePool:
             await old.close()
         self.clients[engine_id] = client
         self.inflight.setdefault(engine_id, set())
-        self.table.add(engine_id, url, supports_kv_export=info.get("engine") == "gyre-builtin")
+        self.table.add(engine_id, url, supports_kv_export=info.get("engine") == "gyre-builtin", cell_id=cell_id)
         await self._notify()
         return {"engine_id": engine_id, "url": url, "weight_version": info.get("weight_version")}
 
@@ -102,7 +103,7 @@ class EnginePool:
 
     def describe(self) -> list[dict]:
         return [{"engine_id": e.engine_id, "url": e.url, "status": e.status, "num_inflight": e.num_inflight,
-                 "supports_kv_export": e.supports_kv_export} for e in self.table.engines.values()]  # fmt: skip
+                 "supports_kv_export": e.supports_kv_export, "cell_id": e.cell_id} for e in self.table.engines.values()]  # fmt: skip
 
     # --- health -----------------------------------------------------------------------------
     async def _health_loop(self) -> None:
@@ -163,6 +164,8 @@ class Generation:
     incremental: bool = True
     """Stream from the engine (for streaming answers); else one /generate answer per engine attempt
     (cheaper for the engine; a drained call still returns its partial output with finish abort)."""
+    on_admit: Callable[[], None] | None = None
+    """Called once, when the call first gets an engine (the proxy numbers calls then)."""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
@@ -181,6 +184,8 @@ class Generation:
         budget, prev = self.sampling["max_new_tokens"], None
         for attempt in range(self.max_resumes + 1):
             eid = await self.pool.acquire(self.session, frozenset([prev]) if prev else frozenset())
+            if not self.engine_ids and self.on_admit is not None:
+                self.on_admit()
             self.engine_ids.append(eid)
             prompt = self.input_ids + self.output_ids
             if prev is not None:

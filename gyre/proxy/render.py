@@ -11,7 +11,8 @@ renders a request message by message: a remembered assistant turn becomes
 
 and every other message is rendered by the chat template. For the ChatML templates Gyre uses,
 rendering message by message equals rendering the whole list (checked once per tokenizer by
-`Renderer.__init__`).
+`Renderer.__init__`). A template that is not separable that way (one that injects a default
+system prompt, say) is rendered whole, with no reuse: every assistant turn counts as retokenized.
 
 When this cannot hold: the harness edited an assistant turn (trimmed text, changed a tool call,
 dropped thinking), or the turn was served by another proxy process (memory is per process). Then
@@ -22,11 +23,13 @@ turns (recorded in the record's hints).
 """
 
 import json
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from gyre.errors import GyreError
 from gyre.models.tokenizer import BaseTokenizer
+
+log = logging.getLogger(__name__)
 
 
 def assistant_key(content: str, tool_calls) -> str:
@@ -74,18 +77,18 @@ class Renderer:
         sample = tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}], None, False)
         last_stop = max(i for i, t in enumerate(sample) if t in self.stops)
         self.end_of_turn, self.separator = sample[last_stop], sample[last_stop + 1 :]
-        self._check_segmentation()
+        self.separable = True
+        self.separable = self._is_separable()
+        if not self.separable:
+            log.warning("chat template is not message-separable: prompts are re-rendered whole (no token reuse)")
 
-    def _check_segmentation(self) -> None:
+    def _is_separable(self) -> bool:
         msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                 {"role": "assistant", "content": "a", "tool_calls": [{"name": "f", "arguments": {"x": 1}}]},
                 {"role": "tool", "content": "r"}]  # fmt: skip
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         whole = self.tok.apply_chat_template(msgs, tools, True)
-        pieces = self.render(msgs, tools, TurnMemory()).input_ids
-        if whole != pieces:
-            raise GyreError("this tokenizer's chat template is not message-separable; token-faithful "
-                            "rendering needs a ChatML-like template")  # fmt: skip
+        return whole == self.render(msgs, tools, TurnMemory()).input_ids
 
     def render(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory) -> RenderResult:
         """Prompt ids for `messages` (system first, if any) and `tools`, ending with the generation prompt.
@@ -94,6 +97,9 @@ class Renderer:
             ChatTemplateError: a message the template cannot render.
         """
         apply = self.tok.apply_chat_template
+        if not self.separable:
+            n = sum(m["role"] == "assistant" for m in messages)
+            return RenderResult(apply(messages, tools, True), 0, n)
         head, rest = (messages[:1], messages[1:]) if messages and messages[0]["role"] == "system" else ([], messages)
         ids = apply(head, tools, False) if head or tools else []
         reused = retokenized = 0

@@ -26,6 +26,8 @@ class EngineEntry:
     num_inflight: int = 0
     supports_kv_export: bool = False
     """Builtin engines export/import KV prefixes (migration on reroute)."""
+    cell_id: str = ""
+    """The cell the engine belongs to (recorded with each call it serves)."""
 
 
 class RoutingTable:
@@ -34,12 +36,12 @@ class RoutingTable:
         self.engines: dict[str, EngineEntry] = {}
         self.sessions: dict[str, str] = {}
 
-    def add(self, engine_id: str, url: str, supports_kv_export: bool = False) -> EngineEntry:
+    def add(self, engine_id: str, url: str, supports_kv_export: bool = False, cell_id: str = "") -> EngineEntry:
         """Register (or re-register, reviving it) an engine."""
         entry = self.engines.get(engine_id)
         if entry is None:
             entry = self.engines[engine_id] = EngineEntry(engine_id, url)
-        entry.url, entry.status, entry.supports_kv_export = url, "active", supports_kv_export
+        entry.url, entry.status, entry.supports_kv_export, entry.cell_id = url, "active", supports_kv_export, cell_id
         return entry
 
     def get(self, engine_id: str) -> EngineEntry:

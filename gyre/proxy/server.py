@@ -5,7 +5,7 @@ Harness side (per-execution key in `x-api-key`, `Authorization: Bearer`, or `x-g
     POST /v1/chat/completions, GET /v1/models
 Admin side (`Authorization: Bearer <admin token>`):
     POST /admin/executions {execution_id} -> {api_key}; DELETE /admin/executions/{id} (revoke);
-    GET/POST /admin/engines {engine_id, url}; DELETE /admin/engines/{id};
+    GET/POST /admin/engines {engine_id, url, cell_id?}; DELETE /admin/engines/{id};
     POST /admin/engines/{id}/drain | /activate; GET /admin/metrics
 Every error answers in the API's own format; a bad request never takes the proxy down.
 """
@@ -186,7 +186,7 @@ class ProxyServer:
         if not isinstance(body.get("engine_id"), str) or not isinstance(body.get("url"), str):
             return self._bad("needs {engine_id: str, url: str}")
         try:
-            return web.json_response(await self.pool.register(body["engine_id"], body["url"]))
+            return web.json_response(await self.pool.register(body["engine_id"], body["url"], str(body.get("cell_id", ""))))
         except ApiError as e:
             return self._bad(e.message)
 

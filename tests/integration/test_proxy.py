@@ -114,16 +114,26 @@ def test_bad_input_answers_4xx_in_each_format(engines, tmp_path):
             (o, ho, {**good_o, "messages": [{"role": "tool", "tool_call_id": "c9", "content": "r"}]}, 400, "'c9' does not answer"),
             (a, {"x-api-key": "gyre-unknown"}, good_a, 401, "unknown or revoked"), (o, {}, good_o, 401, "unknown or revoked"),
         ]  # fmt: skip
-        for url, headers, body, status, fragment in cases:
-            raw = body if isinstance(body, bytes) else None
-            got, out = http(url, "POST", None if raw else body, headers=headers, raw=raw)
-            assert got == status, (url, body, out)
-            message = out["error"]["message"]
-            assert fragment in message, (fragment, message)
-            if url == a:
-                assert out["type"] == "error" and out["error"]["type"].endswith("_error") or out["error"]["type"] == "request_too_large"
-            else:
-                assert set(out["error"]) == {"message", "type", "param", "code"}
+
+        def send_bad_requests():
+            for url, headers, body, status, fragment in cases:
+                raw = body if isinstance(body, bytes) else None
+                got, out = http(url, "POST", None if raw else body, headers=headers, raw=raw)
+                assert got == status, (url, body, out)
+                message = out["error"]["message"]
+                assert fragment in message, (fragment, message)
+                if url == a:
+                    assert out["type"] == "error" and out["error"]["type"].endswith("_error")
+                else:
+                    assert set(out["error"]) == {"message", "type", "param", "code"}
+
+        async def main():  # another execution's session runs meanwhile, unaffected
+            async with aiohttp.ClientSession() as s:
+                await asyncio.gather(asyncio.to_thread(send_bad_requests), anthropic_session(s, proxy.url, other, 3, True))
+
+        other = new_execution(proxy, "bystander")
+        asyncio.run(main())
+        assert_clean_chain(tmp_path / "records" / "bystander.jsonl", 3)
         # The proxy stayed up and serves the same execution; nothing was recorded for refusals.
         assert http(a, "POST", good_a, headers=ha)[0] == 200
         records, _ = read_records(tmp_path / "records" / "bad.jsonl")
@@ -215,8 +225,11 @@ def test_no_engine_waits_then_overloaded(engines, tmp_path):
         status, out = http(proxy.url + "/v1/chat/completions", "POST", {"model": "gyre", "messages": body["messages"]},
                            headers={"Authorization": f"Bearer {key}"})  # fmt: skip
         assert status == 503 and out["error"]["code"] == "overloaded"
-        assert http(proxy.url + "/admin/engines", "POST", {"engine_id": "late", "url": engines[2].url}, token=proxy.admin_token)[0] == 200
+        assert http(proxy.url + "/admin/engines", "POST", {"engine_id": "late", "url": engines[2].url, "cell_id": "cell7"},
+                    token=proxy.admin_token)[0] == 200  # fmt: skip
         assert http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": key})[0] == 200
+        (record,), _ = read_records(tmp_path / "records" / "w.jsonl")
+        assert (record.engine_id, record.cell_id, record.seq) == ("late", "cell7", 0)
     finally:
         proxy.stop()
 

@@ -195,3 +195,21 @@ def test_scripted_policy_resumes_mid_output():
     assert tok.decode(full) == "pong <tool_call>x</tool_call><|im_end|>"
     assert policy.forced_ids(prompt + full[:5]) == full[5:]
     assert policy.forced_ids(tok.apply_chat_template([{"role": "user", "content": "other"}])) is None
+
+
+class _SystemInjectingTokenizer(ByteTokenizer):
+    """A template that adds a default system prompt when none is given (as Qwen's HF template does)."""
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        if not messages or messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": "default"}, *messages]
+        return super().apply_chat_template(messages, tools, add_generation_prompt)
+
+
+def test_render_falls_back_to_whole_rendering_for_non_separable_templates():
+    tok = _SystemInjectingTokenizer()
+    r, mem = Renderer(tok), TurnMemory()
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "n"}]
+    mem.remember(assistant_key("a", []), list(b"a") + [tok.eos_token_id])
+    out = r.render(msgs, None, mem)
+    assert not r.separable and out.input_ids == tok.apply_chat_template(msgs) and out.num_retokenized == 1
