@@ -23,7 +23,7 @@ from gyre.proxy.executions import Execution
 from gyre.proxy.hints import CallHints
 from gyre.proxy.pool import EnginePool, Generation
 from gyre.proxy.render import Renderer, RenderResult, assistant_key
-from gyre.proxy.wire import streamable_text
+from gyre.proxy.wire import IncrementalText, streamable_text
 from gyre.records.record import CallRecord
 
 
@@ -132,12 +132,14 @@ class CallRunner:
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
             for name, data in events.start():
                 await sse.send(data, event=name)
-            shown = ""
-            new = first
+            shown, new, text = "", first, IncrementalText(self.tok.decode)
+            frozen = False  # a tool call or end marker began: nothing more is shown as text
             try:
                 while True:
-                    if new:
-                        safe = streamable_text(self.tok.decode(call.gen.output_ids))
+                    if new and not frozen:
+                        full = text.update(call.gen.output_ids)
+                        safe = streamable_text(full)
+                        frozen = any(m in full for m in ("<tool_call>", "<|im_end|>"))
                         if safe.startswith(shown) and len(safe) > len(shown):
                             for name, data in events.text(safe[len(shown):]):
                                 await sse.send(data, event=name)

@@ -29,6 +29,21 @@ def streamable_text(text: str) -> str:
     return text.rstrip("\ufffd").strip()
 
 
+class IncrementalText:
+    """Decoded output text kept up to date per chunk without re-decoding all ids each time (a long
+    output would cost O(n^2)); a tail ending in a partial UTF-8 character is re-decoded next time."""
+
+    def __init__(self, decode):
+        self.decode, self.stable, self.num_stable = decode, "", 0
+
+    def update(self, ids: list[int]) -> str:
+        tail = self.decode(ids[self.num_stable :])
+        if tail.endswith("\ufffd"):
+            return self.stable + tail
+        self.stable, self.num_stable = self.stable + tail, len(ids)
+        return self.stable
+
+
 class AnthropicWire:
     name = "anthropic"
 

@@ -213,3 +213,16 @@ def test_render_falls_back_to_whole_rendering_for_non_separable_templates():
     mem.remember(assistant_key("a", []), list(b"a") + [tok.eos_token_id])
     out = r.render(msgs, None, mem)
     assert not r.separable and out.input_ids == tok.apply_chat_template(msgs) and out.num_retokenized == 1
+
+
+def test_incremental_text_matches_full_decode():
+    from gyre.proxy.wire import IncrementalText
+
+    tok = ByteTokenizer()
+    ids = list("héllo wörld ✓ done".encode()) + [tok.special_ids["<tool_call>"]] + list(b"x")
+    inc = IncrementalText(tok.decode)
+    for n in range(1, len(ids) + 1):
+        seen = inc.update(ids[:n])
+        full = tok.decode(ids[:n])
+        assert seen == full or (full.endswith("\ufffd") and seen.rstrip("\ufffd") == full.rstrip("\ufffd"))
+    assert inc.update(ids) == tok.decode(ids)
