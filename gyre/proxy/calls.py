@@ -42,6 +42,8 @@ class Call:
     started_at: float = 0.0
     received_at: float = field(default_factory=time.time)
     """When the request arrived (started_at is when it got an engine; the gap is queueing)."""
+    received_mono: float = field(default_factory=time.monotonic)
+    """The handler's start, for `proxy_ms`: the call's time outside engine calls until its record."""
 
     def admit(self) -> None:
         """Number the call when it gets its first engine: refused calls (overloaded) leave no gap."""
@@ -57,8 +59,12 @@ class CallRunner:
     def __init__(self, cfg: ProxyConfig, tokenizer: BaseTokenizer, renderer: Renderer, pool: EnginePool):
         self.cfg, self.tok, self.renderer, self.pool = cfg, tokenizer, renderer, pool
 
-    def prepare(self, ex: Execution, wire, body: dict, headers) -> Call:
-        """Validate and render; raises ApiError before anything is numbered or recorded."""
+    def prepare(self, ex: Execution, wire, body: dict, headers, received_mono: float) -> Call:
+        """Validate and render; raises ApiError before anything is numbered or recorded.
+
+        Args:
+            received_mono: time.monotonic() when the handler started (for the proxy_ms hint).
+        """
         chat = wire.parse(body)
         try:
             rendered = self.renderer.render(chat.messages, chat.tools, ex.turns)
@@ -77,7 +83,7 @@ class CallRunner:
         hints = wire.hints(headers, body, chat)
         gen = Generation(self.pool, f"{ex.execution_id}/{hints.agent_id}", f"{ex.execution_id}-{uuid.uuid4().hex[:12]}",
                          rendered.input_ids, sampling, max_resumes=self.cfg.max_resumes, incremental=chat.stream)  # fmt: skip
-        call = Call(ex, chat, hints, rendered, gen, ex.is_retry(body), wire.name)
+        call = Call(ex, chat, hints, rendered, gen, ex.is_retry(body), wire.name, received_mono=received_mono)
         gen.on_admit = call.admit
         return call
 
@@ -97,7 +103,8 @@ class CallRunner:
     def make_record(self, call: Call) -> CallRecord:
         g = call.gen
         hints = {**call.hints.raw, "api": call.api, "engines": g.engine_ids, "cached_tokens": g.cached_tokens,
-                 "received_at": call.received_at, "reused_turns": call.rendered.num_reused, "retokenized_turns": call.rendered.num_retokenized}  # fmt: skip
+                 "received_at": call.received_at, "reused_turns": call.rendered.num_reused,
+                 "proxy_ms": round((time.monotonic() - call.received_mono - g.engine_s) * 1e3, 3), "retokenized_turns": call.rendered.num_retokenized}  # fmt: skip
         return CallRecord.build(
             input_ids=call.rendered.input_ids, output_ids=g.output_ids, logprobs=g.logprobs,
             versions=[_version(v) for v in g.versions], execution_id=call.ex.execution_id, call_id=f"c{call.seq}",

@@ -174,6 +174,8 @@ class Generation:
     num_migrated: int = 0
     num_recomputed: int = 0
     cached_tokens: int = 0
+    engine_s: float = 0.0
+    """Wall time spent in engine calls (the rest of a call's time is the proxy's own or queueing)."""
 
     @property
     def rerouted(self) -> bool:
@@ -212,7 +214,7 @@ class Generation:
         pool, client = self.pool, self.pool.clients[eid]
         pool.table.begin(eid)
         pool.inflight[eid].add(rid)
-        seen = 0
+        seen, t0 = 0, time.monotonic()
         try:
             if self.incremental:
                 chunks = client.generate_stream(prompt, params, rid=rid, return_logprob=True)
@@ -237,6 +239,7 @@ class Generation:
         except _ENGINE_DOWN as e:
             pool.mark_dead(eid, repr(e))
         finally:
+            self.engine_s += time.monotonic() - t0
             pool.inflight[eid].discard(rid)
             pool.table.end(eid)
 

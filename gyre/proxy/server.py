@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import secrets
+import time
 
 from aiohttp import web
 
@@ -104,10 +105,11 @@ class ProxyServer:
         raise ApiError("authentication", "invalid x-api-key: unknown or revoked execution credential")
 
     async def _chat(self, request: web.Request, wire) -> web.StreamResponse:
+        t0 = time.monotonic()
         try:
             ex = self._execution(request)
             body = await _json_body(request)
-            call = self.runner.prepare(ex, wire, body, request.headers)
+            call = self.runner.prepare(ex, wire, body, request.headers, t0)
             return await self.runner.respond(request, call, wire)
         except ApiError as e:
             status, body = wire.error(e)
