@@ -66,8 +66,9 @@ class CallRunner:
             received_mono: time.monotonic() when the handler started (for the proxy_ms hint).
         """
         chat = wire.parse(body)
+        hints = wire.hints(headers, body, chat)
         try:
-            rendered = self.renderer.render(chat.messages, chat.tools, ex.turns)
+            rendered = self.renderer.render(chat.messages, chat.tools, ex.turns, hints.agent_id)
         except ChatTemplateError as e:
             raise invalid(f"messages: {e}") from None
         n = len(rendered.input_ids)
@@ -80,7 +81,6 @@ class CallRunner:
             sampling["top_p"] = chat.top_p
         if chat.top_k is not None:
             sampling["top_k"] = chat.top_k
-        hints = wire.hints(headers, body, chat)
         gen = Generation(self.pool, f"{ex.execution_id}/{hints.agent_id}", f"{ex.execution_id}-{uuid.uuid4().hex[:12]}",
                          rendered.input_ids, sampling, max_resumes=self.cfg.max_resumes, incremental=chat.stream)  # fmt: skip
         call = Call(ex, chat, hints, rendered, gen, ex.is_retry(body), wire.name, received_mono=received_mono)
@@ -93,7 +93,7 @@ class CallRunner:
         text = parsed.content if parsed.content.startswith(shown_text) else shown_text
         calls = [(wire.new_call_id(), c) for c in parsed.tool_calls]
         key = assistant_key(text, [{"name": c.name, "arguments": c.arguments} for _, c in calls])
-        call.ex.turns.remember(key, call.gen.output_ids)
+        call.ex.turns.remember(key, call.gen.output_ids, call.hints.agent_id)
         return text, calls
 
     def _cell_of(self, engine_id: str) -> str:

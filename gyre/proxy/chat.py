@@ -6,7 +6,7 @@ recording never depend on the API. Errors are `ApiError`s with a kind each API m
 error body and status.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gyre.errors import GyreError
 
@@ -48,7 +48,6 @@ class ChatRequest:
     top_k: int | None = None
     include_usage: bool = False
     """OpenAI `stream_options.include_usage`: a last chunk with usage."""
-    extra: dict = field(default_factory=dict)
 
 
 def require_type(value, types, where: str, what: str):

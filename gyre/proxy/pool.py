@@ -113,7 +113,10 @@ class EnginePool:
                 client = self.clients.get(eid)
                 if client is None or entry.status == "draining":
                     continue
-                ok = await client.health()
+                try:
+                    ok = await asyncio.wait_for(client.health(), self.health_interval_s * 5)
+                except TimeoutError:
+                    ok = False
                 if not ok and entry.status == "active":
                     self.mark_dead(eid, "health check failed")
                 elif ok and entry.status == "dead":

@@ -39,23 +39,31 @@ def assistant_key(content: str, tool_calls) -> str:
 
 
 class TurnMemory:
-    """The output ids of one execution's recent assistant turns, by `assistant_key` (LRU-bounded)."""
+    """The output ids of one execution's recent assistant turns, by `assistant_key` (LRU-bounded).
+
+    Turns are found first among the asking agent's own, then among any agent's of the execution
+    (a forked sub-agent echoes its parent's turns), so agents that happen to say the same text
+    never swap each other's tokens.
+    """
 
     def __init__(self, max_turns: int = 4096):
         self.max_turns = max_turns
-        self._turns: OrderedDict[str, list[int]] = OrderedDict()
+        self._turns: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
 
-    def remember(self, key: str, output_ids: list[int]) -> None:
-        self._turns[key] = list(output_ids)
-        self._turns.move_to_end(key)
+    def remember(self, key: str, output_ids: list[int], agent_id: str = "") -> None:
+        for k in {(agent_id, key), ("", key)}:
+            self._turns[k] = list(output_ids)
+            self._turns.move_to_end(k)
         while len(self._turns) > self.max_turns:
             self._turns.popitem(last=False)
 
-    def get(self, key: str) -> list[int] | None:
-        ids = self._turns.get(key)
-        if ids is not None:
-            self._turns.move_to_end(key)
-        return ids
+    def get(self, key: str, agent_id: str = "") -> list[int] | None:
+        for k in ((agent_id, key), ("", key)):
+            ids = self._turns.get(k)
+            if ids is not None:
+                self._turns.move_to_end(k)
+                return ids
+        return None
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,7 @@ class Renderer:
         whole = self.tok.apply_chat_template(msgs, tools, True)
         return whole == self.render(msgs, tools, TurnMemory()).input_ids
 
-    def render(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory) -> RenderResult:
+    def render(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory, agent_id: str = "") -> RenderResult:
         """Prompt ids for `messages` (system first, if any) and `tools`, ending with the generation prompt.
 
         Raises:
@@ -105,7 +113,7 @@ class Renderer:
         reused = retokenized = 0
         for m in rest:
             if m["role"] == "assistant":
-                out = memory.get(assistant_key(m.get("content") or "", m.get("tool_calls")))
+                out = memory.get(assistant_key(m.get("content") or "", m.get("tool_calls")), agent_id)
                 if out is not None:
                     ids += self.gen_prompt + out + ([] if out and out[-1] in self.stops else [self.end_of_turn])
                     ids += self.separator

@@ -262,3 +262,15 @@ def test_sigkill_mid_stream_leaves_records_readable(engines, tmp_path):
         if records:
             build_call_tree(records)
     assert total > 0
+
+
+def test_benchmark_runs_and_ends_with_json():
+    """tools/bench/proxy.py at toy size: its last line is the promised JSON object."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "tools/bench/proxy.py", "--sessions", "2", "--calls", "1", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": "."})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"added_ms_p50", "added_ms_p99", "records_per_s", "in_proxy_ms_p50"} <= set(result) and result["records_per_s"] > 0

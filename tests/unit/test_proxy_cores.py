@@ -226,3 +226,13 @@ def test_incremental_text_matches_full_decode():
         full = tok.decode(ids[:n])
         assert seen == full or (full.endswith("\ufffd") and seen.rstrip("\ufffd") == full.rstrip("\ufffd"))
     assert inc.update(ids) == tok.decode(ids)
+
+
+def test_turn_memory_prefers_the_asking_agents_own_tokens():
+    mem = TurnMemory()
+    key = assistant_key("same text", [])
+    mem.remember(key, [1, 2], agent_id="main")
+    mem.remember(key, [3, 4], agent_id="sub")
+    assert mem.get(key, "main") == [1, 2] and mem.get(key, "sub") == [3, 4]
+    assert mem.get(key, "fork") == [3, 4]  # another agent echoing the turn: the latest ids
+    assert mem.get(assistant_key("other", []), "main") is None
