@@ -17,6 +17,7 @@ from gyre.engines.config import EngineConfig
 from gyre.errors import ConfigError
 from gyre.launch.config import ClusterConfig
 from gyre.models.config import ModelConfig
+from gyre.proxy.config import ProxyConfig
 from gyre.scheduler.config import SchedulerConfig
 
 
@@ -27,6 +28,7 @@ class GyreConfig:
     cluster: ClusterConfig = MISSING
     engine: EngineConfig = MISSING
     model: ModelConfig = MISSING
+    proxy: ProxyConfig = MISSING
     scheduler: SchedulerConfig = MISSING
     seed: int = 0
     """Seed for every random generator of the run."""

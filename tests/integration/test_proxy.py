@@ -87,7 +87,10 @@ def test_both_apis_stream_and_plain(engines, tmp_path):
         body = {"model": "gyre", "max_tokens": 30, "stream": True, "messages": [{"role": "user", "content": "please"}]}
         assert http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": key})[0] == 200
         assert http(proxy.url + "/v1/messages", "POST", {**body, "stream": False}, headers={"x-api-key": key})[0] == 200
-        assert [r.is_retry for r in read_records(tmp_path / "records" / "retry.jsonl")[0]] == [False, True]
+        records = read_records(tmp_path / "records" / "retry.jsonl")[0]
+        assert [r.is_retry for r in records] == [False, True]
+        status, counted = http(proxy.url + "/v1/messages/count_tokens", "POST", body, headers={"x-api-key": key})
+        assert status == 200 and counted["input_tokens"] == records[0].input_ids.size
     finally:
         proxy.stop()
 
