@@ -226,8 +226,8 @@ class Generation:
             async for chunk in chunks:
                 ids, meta = chunk["output_ids"], chunk["meta_info"]
                 new = ids[seen:]  # chunks are cumulative (SGLang's default, the builtin engine's)
-                lps = [x[0] for x in meta.get("output_token_logprobs") or []]
-                self._extend(new, lps[seen:] if len(lps) == len(ids) else lps, meta, seen)
+                raw = meta.get("output_token_logprobs") or []
+                self._extend(new, [x[0] for x in (raw[seen:] if len(raw) == len(ids) else raw)], meta, seen)
                 seen += len(new)
                 self.cached_tokens = max(self.cached_tokens, int(meta.get("cached_tokens", 0)))
                 if new:
@@ -250,9 +250,10 @@ class Generation:
         if len(lps) != len(new):
             raise ApiError("api_error", f"engine returned {len(lps)} log-probs for {len(new)} tokens")
         spans = meta.get("weight_version_spans")
-        if spans:
-            per_token = [s["weight_version"] for s in spans for _ in range(s["end"] - s["start"])]
-            versions = per_token[seen : seen + len(new)]
+        if spans:  # the versions of output positions [seen, seen + len(new)) from the spans overlapping them
+            end = seen + len(new)
+            versions = [v for s in spans if s["end"] > seen and s["start"] < end
+                        for v in [s["weight_version"]] * (min(s["end"], end) - max(s["start"], seen))]  # fmt: skip
         else:
             versions = [str(meta.get("weight_version", "0"))] * len(new)
         self.output_ids += new

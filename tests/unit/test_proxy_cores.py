@@ -236,3 +236,15 @@ def test_turn_memory_prefers_the_asking_agents_own_tokens():
     assert mem.get(key, "main") == [1, 2] and mem.get(key, "sub") == [3, 4]
     assert mem.get(key, "fork") == [3, 4]  # another agent echoing the turn: the latest ids
     assert mem.get(assistant_key("other", []), "main") is None
+
+
+def test_generation_takes_versions_of_new_tokens_from_spans():
+    from gyre.proxy.pool import Generation
+
+    g = Generation(pool=None, session="s", rid="r", input_ids=[1], sampling={"max_new_tokens": 9})
+    spans = [{"weight_version": "3", "start": 0, "end": 2}, {"weight_version": "4", "start": 2, "end": 5}]
+    g._extend([7], [-0.5], {"weight_version_spans": spans[:1]}, 0)
+    g._extend([8, 9, 10], [-0.1, -0.2, -0.3], {"weight_version_spans": spans}, 1)
+    assert g.output_ids == [7, 8, 9, 10] and g.versions == ["3", "3", "4", "4"]
+    with pytest.raises(ApiError, match="2 log-probs for 1 tokens"):
+        g._extend([1], [-1.0, -1.0], {}, 4)
