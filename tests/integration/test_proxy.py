@@ -141,6 +141,8 @@ def test_bad_input_answers_4xx_in_each_format(engines, tmp_path):
         assert http(a, "POST", good_a, headers=ha)[0] == 200
         records, _ = read_records(tmp_path / "records" / "bad.jsonl")
         assert [r.seq for r in records] == [0]
+        # The key may also come as a custom header (Claude Code's ANTHROPIC_CUSTOM_HEADERS).
+        assert http(a, "POST", good_a, headers={"x-gyre-key": key})[0] == 200
         # Revocation: the key stops working; the admin API needs its token.
         assert http(proxy.url + "/admin/executions/bad", "DELETE", token=proxy.admin_token)[0] == 200
         assert http(a, "POST", good_a, headers=ha)[0] == 401
