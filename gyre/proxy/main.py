@@ -32,8 +32,10 @@ def serve(cfg: ProxyConfig, port_file: str | None = None) -> None:
         site = web.TCPSite(runner, cfg.host, cfg.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        if port_file:
-            Path(port_file + ".tmp").write_text(f"{port} {server.admin_token}")
+        if port_file:  # owner-only: it carries the admin token
+            fd = os.open(port_file + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{port} {server.admin_token}")
             os.replace(port_file + ".tmp", port_file)
         print(f"gyre-proxy: serving on http://{cfg.host}:{port}", flush=True)
         try:
