@@ -17,6 +17,7 @@ from gyre.errors import ConfigError
 from gyre.launch.config import ClusterConfig
 from gyre.models.config import ModelConfig
 from gyre.scheduler.config import SchedulerConfig
+from gyre.train.config import TrainerConfig
 
 
 @dataclass(kw_only=True)
@@ -26,6 +27,7 @@ class GyreConfig:
     cluster: ClusterConfig = MISSING
     model: ModelConfig = MISSING
     scheduler: SchedulerConfig = MISSING
+    trainer: TrainerConfig = MISSING
     seed: int = 0
     """Seed for every random generator of the run."""
     num_steps: int = 2
