@@ -27,8 +27,8 @@ class ParallelError(GyreError):
 def init_distributed(tensor_parallel_size: int, seed: int) -> None:
     """Initialise torch.distributed (if the launcher has not) and Megatron's model-parallel groups.
 
-    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment (one process: rank 0 of
-    1 on a free port). The cell's world must be exactly one TP group: data parallelism across
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment (none set: one rank,
+    with an in-memory store). The cell's world must be exactly one TP group: data parallelism across
     cells is what satellites are for.
 
     Raises:
@@ -39,13 +39,14 @@ def init_distributed(tensor_parallel_size: int, seed: int) -> None:
 
     cpu = apply_cpu_shim()
     if not dist.is_initialized():
-        if "MASTER_PORT" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ["MASTER_PORT"] = str(_free_port())
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         if not cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        dist.init_process_group("gloo" if cpu else "nccl", rank=rank, world_size=world)
+        backend = "gloo" if cpu else "nccl"
+        if world == 1:  # a one-rank cell needs no rendezvous port (and must not inherit its parent's)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world)
     if dist.get_world_size() != tensor_parallel_size:
         raise ParallelError(
             f"trainer.tensor_parallel_size={tensor_parallel_size} but the cell has {dist.get_world_size()} "
@@ -54,14 +55,6 @@ def init_distributed(tensor_parallel_size: int, seed: int) -> None:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu, force_reset_rng=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_gpt_model(model_cfg: ModelConfig, cfg: TrainerConfig):
