@@ -23,6 +23,8 @@ class BatchError(GyreError):
 
 def check_structure(batch: PackedBatch, vocab_size: int) -> None:
     """Raise BatchError unless every per-token array lines up with `tokens` and boundaries are sane."""
+    if not isinstance(batch, PackedBatch):
+        raise BatchError(f"expected a PackedBatch, got {type(batch).__name__}")
     t = batch.num_tokens
     if batch.tokens.dim() != 1 or t == 0:
         raise BatchError(f"tokens must be a non-empty 1-D tensor, got shape {tuple(batch.tokens.shape)}")

@@ -26,6 +26,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 from collections import deque
 from multiprocessing.connection import Client, Connection, Listener
 
@@ -254,6 +255,8 @@ class SatelliteCell:
         self.version = -1
         self.num_computed = 0
         self.pull_seconds: list[float] = []
+        self.microstep_seconds: list[float] = []
+        """Per micro-step: forward, backward and the gradient write to the core."""
 
     def serve(self, max_microsteps: int | None = None) -> int:
         """Claim and compute micro-steps until the core goes away or `max_microsteps` are done.
@@ -261,8 +264,6 @@ class SatelliteCell:
         Returns:
             The number of micro-steps this satellite computed.
         """
-        import time
-
         try:
             while max_microsteps is None or self.num_computed < max_microsteps:
                 _send(self._conn, ("claim",))
@@ -274,8 +275,10 @@ class SatelliteCell:
                 if version != self.version:
                     self.pull()
                     self.version = version
+                t0 = time.perf_counter()
                 grad, stats = self.trainer.microstep(batch, normaliser)
                 self.endpoint.write(self._core_session, slot_addr, grad)
+                self.microstep_seconds.append(time.perf_counter() - t0)
                 _send(self._conn, ("done", index, stats))
                 self.num_computed += 1
             _send(self._conn, ("leave",))
@@ -287,8 +290,6 @@ class SatelliteCell:
 
     def pull(self) -> None:
         """Copy the core's current weights into this cell's (registered) flat buffer."""
-        import time
-
         t0 = time.perf_counter()
         self.endpoint.read(self._core_session, self._weights_addr, self.trainer.flat.weights)
         self.pull_seconds.append(time.perf_counter() - t0)
