@@ -10,6 +10,7 @@ import threading
 import torch
 
 from gyre.errors import GyreError
+from gyre.transfer.layout import BufferLayout
 
 
 class TransferError(GyreError):
@@ -79,6 +80,29 @@ class TransferEndpoint:
         rc = fn(peer, local.data_ptr(), peer_addr, nbytes)
         if rc != 0:
             raise TransferError(f"transfer_sync_{op}(peer={peer!r}, addr={peer_addr:#x}, {nbytes} B) returned {rc}")
+
+    def publish_tensors(self, tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
+        """Pack named tensors into one new registered buffer for peers to read.
+
+        Returns (descriptor, buffer): the JSON-able descriptor {session_id, address, layout} goes to
+        the reader out of band; keep `buffer` alive and unregister it once the reader is done.
+        """
+        layout = BufferLayout.for_tensors(tensors)
+        buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
+        layout.pack(tensors, buf)
+        addr = self.register(buf)
+        return {"session_id": self.session_id, "address": addr, "layout": layout.to_json()}, buf
+
+    def fetch_tensors(self, descriptor: dict) -> dict[str, torch.Tensor]:
+        """Read the tensors a peer published (its `publish_tensors` descriptor); returns owned copies."""
+        layout = BufferLayout.from_json(descriptor["layout"])
+        buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
+        self.register(buf)
+        try:
+            self.read(descriptor["session_id"], int(descriptor["address"]), buf, layout.nbytes)
+        finally:
+            self.unregister(buf)
+        return {k: v.clone() for k, v in layout.unpack(buf).items()}
 
     def close(self) -> None:
         """Unregister everything this endpoint registered."""

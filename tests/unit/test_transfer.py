@@ -46,3 +46,13 @@ def test_endpoints_read_and_write_each_other():
         b.read(a.session_id, src_addr, torch.zeros(4))
     a.close(), b.close()
     assert dst_addr == dst.data_ptr()
+
+
+def test_publish_and_fetch_named_tensors():
+    a, b = TransferEndpoint(), TransferEndpoint()
+    ts = _tensors()
+    descriptor, buf = a.publish_tensors(ts)
+    got = b.fetch_tensors(descriptor)
+    assert set(got) == set(ts) and all(torch.equal(got[n], ts[n]) for n in ts)
+    a.unregister(buf)
+    a.close(), b.close()
