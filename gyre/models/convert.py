@@ -3,14 +3,9 @@
 Megatron fuses q, k, v per query group in `linear_qkv` ([q_g; k_g; v_g] for each KV group g) and the
 SwiGLU gate and up projections in `linear_fc1` ([gate; up]). Engines use separate
 `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj` weights (no biases). Both directions are
-pure functions on full (un-sharded) state dicts; `save_engine_weights` / `load_engine_weights` are
-the I/O edge: a directory with `model.safetensors` and `config.json` (the ModelConfig fields).
+pure functions on full (un-sharded) state dicts; gyre/models/checkpoint.py writes the result to disk
+for engines, gyre/train/publish.py pushes it to them over Mooncake.
 """
-
-import json
-import os
-from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
@@ -106,43 +101,3 @@ def _getter(state: dict[str, torch.Tensor], side: str):
         return t
 
     return get
-
-
-def save_engine_weights(directory: str | os.PathLike, tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> Path:
-    """Write `model.safetensors` + `config.json` into `directory` atomically (temp dir, then rename).
-
-    Returns:
-        The directory written.
-    """
-    from safetensors.torch import save_file
-
-    final = Path(directory)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=False)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
-    (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        final.rename(old)
-        tmp.rename(final)
-        _rmtree(old)
-    else:
-        tmp.rename(final)
-    return final
-
-
-def load_engine_weights(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """Read a directory written by `save_engine_weights` (or any with those names and fields)."""
-    from safetensors.torch import load_file
-
-    d = Path(directory)
-    for name in ("model.safetensors", "config.json"):
-        if not (d / name).is_file():
-            raise ConversionError(f"{d} has no {name}")
-    return load_file(str(d / "model.safetensors")), ModelConfig(**json.loads((d / "config.json").read_text()))
-
-
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

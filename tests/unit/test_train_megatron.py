@@ -1,5 +1,5 @@
-"""The megatron-core trainer on CPU: log-prob consistency with an engine-named reference forward,
-converter round trip, bitwise resume from a checkpoint, crash-safe saving, bad input, learning."""
+"""The megatron-core trainer on CPU: converter round trip, bitwise resume from a checkpoint,
+crash-safe saving, keep-last-N, bad input."""
 
 import os
 import signal
@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from _train_ref import pack, random_batches, ref_sample
+from _train_ref import pack, random_batches
 from gyre.models.config import ModelConfig
-from gyre.models.convert import ConversionError, engine_to_megatron, load_engine_weights, megatron_to_engine, save_engine_weights
+from gyre.models.checkpoint import load_checkpoint, save_checkpoint
+from gyre.models.convert import ConversionError, engine_to_megatron, megatron_to_engine
 from gyre.train.batch import BatchError
 from gyre.train.checkpoint import CheckpointManager, list_checkpoints
 from gyre.train.config import TrainerConfig
@@ -29,22 +30,6 @@ def _single_thread():
     torch.set_num_threads(1)
 
 
-def test_logprobs_match_an_engine_named_reference_forward():
-    tr = Trainer(MODEL, CFG, seed=0)
-    tr.train_step(random_batches(MODEL, 1, 2, seed=3))  # non-trivial weights, not just the init
-    weights = tr.engine_weights()
-    g = torch.Generator().manual_seed(7)
-    seqs = []
-    for i, prompt in enumerate(([1, 2, 3], [9, 8, 7, 6, 5], [4])):
-        out, lps = ref_sample(weights, MODEL, prompt, 6 + 3 * i, g)
-        seqs.append({"prompt": prompt, "output": out, "logprobs": lps, "advantage": 1.0})
-    batch = pack(seqs)
-    got = tr.logprobs(batch)
-    gap = (got - batch.behaviour_logprobs)[batch.target_mask].abs().max()
-    assert gap <= 1e-4, f"trainer vs reference log-prob gap {gap}"
-    assert (got[~batch.target_mask] != 0).sum() > 0  # context tokens are scored too (not compared)
-
-
 def test_converter_round_trips_and_names_the_broken_tensor(tmp_path):
     cfg = replace(MODEL, num_query_groups=1)  # MQA: the group split must still be right
     tr = Trainer(cfg, CFG, seed=1)
@@ -52,8 +37,8 @@ def test_converter_round_trips_and_names_the_broken_tensor(tmp_path):
     engine = megatron_to_engine(state, cfg)
     assert engine["layers.0.self_attn.k_proj.weight"].shape == (cfg.head_dim, cfg.hidden_size)
     assert all(torch.equal(state[k], v) for k, v in engine_to_megatron(engine, cfg).items())
-    save_engine_weights(tmp_path / "w", engine, cfg)
-    loaded, loaded_cfg = load_engine_weights(tmp_path / "w")
+    save_checkpoint(tmp_path / "w", cfg, engine)  # the engines' on-disk format
+    loaded_cfg, loaded = load_checkpoint(tmp_path / "w")
     assert loaded_cfg == cfg and all(torch.equal(loaded[k], engine[k]) for k in engine)
     del engine["layers.1.mlp.up_proj.weight"]
     with pytest.raises(ConversionError, match="layers.1.mlp.up_proj.weight"):
@@ -145,25 +130,3 @@ def test_bad_input_is_rejected_with_a_reason_and_the_rest_trains():
         tr.train_step([misaligned])
     with pytest.raises(BatchError, match="advantages has shape"):
         tr.microstep(replace(batch, advantages=batch.advantages[:3]), 1.0)
-
-
-def test_updates_raise_the_engines_mean_reward():
-    """Reward = fraction of generated tokens in a target set (1/8 of the vocabulary at random)."""
-    model = replace(MODEL, vocab_size=32, num_layers=1, hidden_size=32, ffn_hidden_size=64)
-    tr = Trainer(model, replace(CFG, lr=3e-2), seed=0)
-    target = set(range(4))
-    g = torch.Generator().manual_seed(0)
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    rewards = []
-    for _ in range(8):
-        weights = tr.engine_weights()  # the engine serves the trainer's current weights
-        seqs, step_rewards = [], []
-        for prompt in prompts:
-            group = [ref_sample(weights, model, prompt, 8, g) for _ in range(4)]
-            r = torch.tensor([sum(t in target for t in out) / len(out) for out, _ in group])
-            step_rewards.append(r.mean())
-            for (out, lps), adv in zip(group, (r - r.mean()).tolist()):
-                seqs.append({"prompt": prompt, "output": out, "logprobs": lps, "advantage": adv})
-        rewards.append(float(torch.stack(step_rewards).mean()))
-        tr.train_step([pack(seqs[:6]), pack(seqs[6:])])
-    assert rewards[-1] > rewards[0] + 0.3 and rewards[-1] > 0.5, rewards

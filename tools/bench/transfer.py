@@ -1,5 +1,5 @@
 """Benchmark: core -> satellite weight pull over Mooncake vs the raw transfer engine, and the phases
-of a rollout->train and a train->rollout switch for the tiny model.
+of a rollout->train and a train->rollout switch for the tiny model (weights to a real builtin engine).
 
     PYTHONPATH=. python tools/bench/transfer.py [--hidden 1024 --layers 3 --vocab 16384 --repeats 3]
 
@@ -10,6 +10,7 @@ in the same run. Prints figures, then one JSON object on the last line.
 """
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import os
@@ -80,7 +81,11 @@ def satellite(args) -> None:
 
 
 def core(args) -> dict:
-    from gyre.models.convert import save_engine_weights
+    from gyre.engines.client import EngineClient
+    from gyre.engines.config import EngineConfig
+    from gyre.engines.launch import BuiltinEngineProcess
+    from gyre.models.checkpoint import save_checkpoint
+    from gyre.train.publish import push_weights
     from gyre.train.elastic import CoreServer
     from gyre.train.trainer import Trainer
     from gyre.transfer import TransferEndpoint
@@ -92,7 +97,9 @@ def core(args) -> dict:
     cmd = [sys.executable, __file__, "--satellite", "--big-core", servers[0].address, "--tiny-core", servers[1].address,
            "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab), "--repeats", str(args.repeats)]
     sat = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    engine = BuiltinEngineProcess(EngineConfig(startup_timeout_s=300), TINY)
     try:
+        engine.start()
         res = {}
         t = threading.Thread(target=lambda: res.update(servers[0].run_step([_batch(big.model_cfg, 0)])))
         t.start(), t.join()
@@ -106,14 +113,25 @@ def core(args) -> dict:
         named = tiny.engine_weights()
         convert_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        save_engine_weights(os.path.join(args.out_dir, "tiny_weights"), named, TINY)
+        save_checkpoint(os.path.join(args.out_dir, "tiny_weights"), TINY, named)
         publish_s = time.perf_counter() - t0
+
+        async def push():
+            async with EngineClient(engine.url, timeout_s=120) as client:
+                t0 = time.perf_counter()
+                await push_weights(tiny, endpoint, [client])
+                return time.perf_counter() - t0, (await client.model_info())["weight_version"]
+
+        push_s, version = asyncio.run(push())
+        assert version == str(tiny.step), version
     finally:
+        engine.stop()
         for s in servers:
             s.close()
         sat.wait(timeout=60)
     report |= {"switch_to_train/step_with_one_satellite_s": step_total, "switch_to_rollout/convert_s": convert_s,
-               "switch_to_rollout/publish_disk_s": publish_s, "tiny_grad_norm": res_tiny["grad_norm"]}
+               "switch_to_rollout/publish_disk_s": publish_s,
+               "switch_to_rollout/push_to_engine_mooncake_s": push_s, "tiny_grad_norm": res_tiny["grad_norm"]}
     return report
 
 
