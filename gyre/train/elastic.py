@@ -62,7 +62,7 @@ class CoreServer:
             raise ElasticError("satellites are built for TP=1 cells only (per-rank pulls are not built)")
         self.trainer, self.endpoint = trainer, endpoint
         n = trainer.flat.weights.numel()
-        self.slots = torch.zeros(trainer.cfg.num_grad_slots, n, dtype=torch.float32)
+        self.slots = torch.zeros(trainer.cfg.num_grad_slots, n, dtype=torch.float32, device=trainer.flat.weights.device)
         self._weights_addr = endpoint.register(trainer.flat.weights)
         self._slots_addr = endpoint.register(self.slots)
         self._cond = threading.Condition()

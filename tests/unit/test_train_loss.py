@@ -149,3 +149,18 @@ def test_ledger_cases(events, claims, done_by, redone):
             assert ledger.release(ev[1]) == ev[2]
     assert (ledger.claims, ledger.done_by, ledger.num_redone) == (claims, done_by, redone)
     assert ledger.finished == (len(done_by) == 2)
+
+
+def test_trainer_group_composes_and_names_bad_keys():
+    import hydra
+
+    from gyre.config import validate
+    from gyre.launch.train import CONF_DIR
+
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        good = validate(hydra.compose(config_name="config"))
+        bad = hydra.compose(config_name="config", overrides=["trainer.num_grad_slots=0"])
+    assert isinstance(good.trainer, TrainerConfig) and good.trainer.truncation_cap == 3.0
+    with pytest.raises(ConfigError) as e:
+        validate(bad)
+    assert e.value.key == "trainer.num_grad_slots"
