@@ -32,6 +32,11 @@ def check_structure(batch: PackedBatch, vocab_size: int) -> None:
         shape = tuple(getattr(batch, name).shape)
         if shape != (t,):
             raise BatchError(f"{name} has shape {shape}, expected ({t},) like tokens")
+    for name, ok in (("tokens", _is_int), ("position_ids", _is_int), ("weight_versions", _is_int),
+                     ("behaviour_logprobs", torch.is_floating_point), ("loss_weights", torch.is_floating_point),
+                     ("advantages", torch.is_floating_point), ("target_mask", lambda x: x.dtype == torch.bool)):
+        if not ok(getattr(batch, name)):
+            raise BatchError(f"{name} has dtype {getattr(batch, name).dtype}; see gyre/trajectory/sample.py")
     cu = batch.cu_seqlens.tolist()
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != t or any(b <= a for a, b in zip(cu, cu[1:])):
         raise BatchError(f"cu_seqlens must rise strictly from 0 to {t}, got {cu}")
@@ -39,8 +44,10 @@ def check_structure(batch: PackedBatch, vocab_size: int) -> None:
         raise BatchError(f"{len(cu) - 1} sequences but {len(batch.execution_ids)} execution_ids")
     if int(batch.tokens.min()) < 0 or int(batch.tokens.max()) >= vocab_size:
         raise BatchError(f"token ids must lie in [0, {vocab_size}), got [{int(batch.tokens.min())}, {int(batch.tokens.max())}]")
-    if batch.target_mask.dtype != torch.bool:
-        raise BatchError(f"target_mask must be bool, got {batch.target_mask.dtype}")
+
+
+def _is_int(x: torch.Tensor) -> bool:
+    return not torch.is_floating_point(x) and x.dtype != torch.bool
 
 
 def sequence_fault(batch: PackedBatch, start: int, end: int) -> str | None:

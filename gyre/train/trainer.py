@@ -153,14 +153,30 @@ class Trainer:
 
     # ---- weights for engines ---------------------------------------------------------------
     def engine_weights(self) -> dict[str, torch.Tensor]:
-        """The current weights under engine (HF/Qwen2) names; TP=1 only (full tensors)."""
-        if self.cfg.tensor_parallel_size != 1:
-            raise NotImplementedError("engine export from a TP>1 cell: gather shards first (not built)")
-        state = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        return megatron_to_engine(state, self.model_cfg)
+        """The current weights under engine (HF/Qwen2) names, full tensors on every TP rank.
+
+        With TP > 1 each sharded parameter is all-gathered along its partition dimension; fc1's
+        shards are [gate_r; up_r] per rank, so gates and ups are regrouped before conversion.
+        """
+        state = {n: self._full_tensor(n, p.detach()) for n, p in self.model.named_parameters()}
+        return megatron_to_engine({n: t.cpu() for n, t in state.items()}, self.model_cfg)
+
+    def _full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        param = dict(self.model.named_parameters())[name]
+        if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+            return local
+        shards = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        if name.endswith("mlp.linear_fc1.weight"):
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return torch.cat(shards, dim=param.partition_dim)
 
     def load_engine_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Overwrite the weights from engine-named tensors (TP=1), keeping the flat buffer."""
+        """Overwrite the weights from engine-named tensors (TP=1; TP>1 loads through a checkpoint)."""
         state = engine_to_megatron(tensors, self.model_cfg)
         own = dict(self.model.named_parameters())
         with torch.no_grad():

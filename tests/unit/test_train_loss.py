@@ -122,6 +122,8 @@ def test_bad_sequences_are_dropped_with_a_reason(make, reason):
         pytest.param(lambda b: _with(b, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32)), "cu_seqlens", id="bad-boundaries"),
         pytest.param(lambda b: _with(b, tokens=b.tokens + 100), "token ids", id="out-of-vocab"),
         pytest.param(lambda b: _with(b, execution_ids=()), "execution_ids", id="ids-missing"),
+        pytest.param(lambda b: _with(b, advantages=b.advantages.long()), "advantages has dtype", id="integer-advantages"),
+        pytest.param(lambda b: _with(b, target_mask=b.target_mask.float()), "target_mask has dtype", id="float-mask"),
     ],
 )
 def test_structural_faults_reject_the_whole_batch(make, match):

@@ -1,7 +1,7 @@
 """Two ranks, tensor-parallel 2 over gloo: the same log-probs and the same step as one rank.
 
 The TP=1 checkpoint (model and Adam state) is resharded to TP=2 by dist_checkpointing on load; the
-TP=2 ranks step and save; the TP=1 side loads that and compares weights.
+TP=2 ranks step, gather engine-named weights and save; the TP=1 side compares both.
 """
 
 import os
@@ -38,8 +38,9 @@ def main(src, dst, out):
     lp = tr.logprobs(random_batches(MODEL, 1, 3, seed=5)[0])
     metrics = tr.train_step(random_batches(MODEL, 2, 2, seed=6))
     CheckpointManager(dst, keep_last=1).save(tr)
+    engine = tr.engine_weights()  # a collective: every rank gathers
     if torch.distributed.get_rank() == 0:
-        torch.save({"logprobs": lp, "grad_norm": metrics["grad_norm"]}, out)
+        torch.save({"logprobs": lp, "grad_norm": metrics["grad_norm"], "engine": engine}, out)
     torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
@@ -75,6 +76,9 @@ def test_tp2_over_gloo_matches_one_rank(tmp_path):
     got = torch.load(tmp_path / "out.pt")
     assert (got["logprobs"] - lp).abs().max() <= 1e-5
     assert abs(got["grad_norm"] - metrics["grad_norm"]) <= 1e-5 * metrics["grad_norm"]
+    expected = one.engine_weights()
+    for name, t in got["engine"].items():
+        assert (t - expected[name]).abs().max() <= 1e-5 * expected[name].abs().max(), name
     back = Trainer(MODEL, CFG, seed=3)
     CheckpointManager(tmp_path / "tp2", keep_last=1).load_latest(back)
     rel = float((back.flat.weights - one.flat.weights).abs().max() / one.flat.weights.abs().max())
