@@ -1,22 +1,28 @@
-"""Weights to engines after a step: the core's weights under engine names, pushed over Mooncake.
+"""Weights to engines after a step, under engine (HF/Qwen2) names, as version `trainer.step`.
 
-The builtin engine reads them with one transfer (`/update_weights_from_tensor`, load_format
-`gyre_transfer`); SGLang on GPUs takes `/update_weights_from_disk` with a directory written by
-gyre/models/checkpoint.py. The engine bumps its `weight_version`; requests in flight continue and
-record the version of each span they generated.
+Two ways, one per engine kind:
+- `push_weights`: over Mooncake. The builtin engine reads the packed buffer with one transfer
+  (`/update_weights_from_tensor`, load_format `gyre_transfer`).
+- `write_weights` + `load_weights_from_disk`: a model directory (model.safetensors + config.json)
+  that SGLang and the builtin engine load with `/update_weights_from_disk`.
+Either way the engine bumps its `weight_version`; requests in flight continue and record the
+version of each span they generated.
 """
 
 import asyncio
+import os
 
 from gyre.engines.client import EngineClient
+from gyre.models.checkpoint import save_checkpoint
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 
 
 async def push_weights(trainer: Trainer, endpoint: TransferEndpoint, clients: list[EngineClient]) -> list[dict]:
-    """Publish the trainer's current weights once and have every engine pull them.
+    """Publish the trainer's current weights once and have every engine pull them over Mooncake.
 
-    The weight version is the trainer's step. Returns the engines' replies.
+    Returns:
+        The engines' replies.
     Raises:
         EngineHTTPError: an engine refused or failed the update (its body says why).
     """
@@ -28,3 +34,23 @@ async def push_weights(trainer: Trainer, endpoint: TransferEndpoint, clients: li
         ))
     finally:
         endpoint.unregister(buffer)
+
+
+def write_weights(trainer: Trainer, root: str | os.PathLike) -> str:
+    """Write the current weights to `<root>/version_<step>` (all TP ranks gather; rank 0 writes).
+
+    Returns:
+        The model directory engines should load.
+    """
+    import torch.distributed as dist
+
+    weights = trainer.engine_weights()
+    path = os.path.join(root, f"version_{trainer.step:08d}")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        save_checkpoint(path, trainer.model_cfg, weights)
+    return path
+
+
+async def load_weights_from_disk(clients: list[EngineClient], path: str, weight_version: int) -> list[dict]:
+    """Have every engine load the model directory `path` as `weight_version`."""
+    return await asyncio.gather(*(c.update_weights_from_disk(path, weight_version=str(weight_version)) for c in clients))

@@ -15,7 +15,7 @@ from gyre.engines.launch import BuiltinEngineProcess
 from gyre.models.config import ModelConfig
 from gyre.models.transformer import init_weights
 from gyre.train.config import TrainerConfig
-from gyre.train.publish import push_weights
+from gyre.train.publish import load_weights_from_disk, push_weights, write_weights
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 
@@ -93,3 +93,23 @@ def test_updates_raise_the_engines_mean_reward(engine):
         rewards.append(sum(sum(t in target for t in out) / len(out) for out, _ in samples) / len(samples))
         tr.train_step([pack(seqs[:6]), pack(seqs[6:])])
     assert rewards[-1] > rewards[0] + 0.3 and rewards[-1] > 0.5, rewards
+
+
+def test_weights_reach_the_engine_through_a_model_directory(engine, tmp_path):
+    """The SGLang route (/update_weights_from_disk), exercised on the builtin engine."""
+    url, _ = engine
+    tr = _trainer(lr=1e-2)
+    prompt = [3, 1, 4, 1, 5]
+    tr.train_step([pack([{"prompt": prompt, "output": [9, 2, 6], "logprobs": [-3.0, -3.0, -3.0], "advantage": 1.0}])])
+    path = write_weights(tr, tmp_path)
+
+    async def go():
+        async with EngineClient(url, timeout_s=120) as client:
+            await load_weights_from_disk([client], path, tr.step)
+            return await client.generate(prompt, {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 5})
+
+    out = asyncio.run(go())
+    assert out["meta_info"]["weight_version"] == "1"
+    lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    gap, _ = _max_gap(tr, [prompt], 1, [(out["output_ids"], lps)])
+    assert gap <= 1e-4
