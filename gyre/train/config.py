@@ -38,6 +38,9 @@ class TrainerConfig:
     """The core cell computes micro-steps too; False leaves them to satellites (core only sums and steps)."""
     num_grad_slots: int = 4
     """Gradient buffers on the core that satellites write into (each the size of the weights)."""
+    claim_timeout_s: float = 0.0
+    """A satellite holding a micro-step longer than this is presumed hung: the micro-step is redone
+    elsewhere and the satellite gets no more work. 0 = wait as long as its connection is alive."""
     claim_poll_s: float = 0.005
     """How long an idle satellite waits before asking the core for work again."""
 
@@ -57,4 +60,5 @@ class TrainerConfig:
         require(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
         require(self.checkpoint_keep_last >= 1, "checkpoint_keep_last", f"must be >= 1, got {self.checkpoint_keep_last}")
         require(self.num_grad_slots >= 1, "num_grad_slots", f"must be >= 1, got {self.num_grad_slots}")
+        require(self.claim_timeout_s >= 0, "claim_timeout_s", f"must be >= 0 (0 disables), got {self.claim_timeout_s}")
         require(self.claim_poll_s > 0, "claim_poll_s", f"must be > 0, got {self.claim_poll_s}")

@@ -13,7 +13,8 @@ a cell can join or leave between micro-steps without rebuilding anything, and a 
 stall a collective (an MPI reduce would need every member alive and an intercommunicator per
 join). Small control messages (a few KB: claims, micro-batch tensors) go over a local TCP
 connection; a closed connection is how the core learns that a satellite died, and its claimed
-micro-step goes back to the ledger to be redone. Gradients are added in micro-step order whoever
+micro-step goes back to the ledger to be redone. A satellite that hangs (connection open, no
+result) loses its claim after `claim_timeout_s` and gets no more work. Gradients are added in micro-step order whoever
 computed them, so the step does not depend on the split (bitwise on CPU).
 
 Weights never change while a satellite pulls: the core steps only after every micro-step of the
@@ -22,6 +23,7 @@ the core's memory bounded (`num_grad_slots`); a freed slot goes to the back of t
 write of a dead satellite cannot land in a slot that is being reused at once.
 """
 
+import logging
 import os
 import pickle
 import socket
@@ -40,6 +42,7 @@ from gyre.transfer import TransferEndpoint
 from gyre.trajectory.sample import PackedBatch
 
 CORE = "core"
+logger = logging.getLogger(__name__)
 
 
 class ElasticError(GyreError):
@@ -68,6 +71,8 @@ class CoreServer:
         self._cond = threading.Condition()
         self._free = deque(range(trainer.cfg.num_grad_slots))
         self._step: dict | None = None
+        self._evicted: set[str] = set()
+        self._quarantine: dict[str, list[int]] = {}  # slots an evicted (hung) cell may still write
         self._closing = False
         self._conns: list[Connection] = []
         self._authkey = os.urandom(16)
@@ -110,7 +115,7 @@ class CoreServer:
                 job = self._next_core_job(acc)
                 if job is None:
                     break
-                self._compute_on_core(*job)
+                self._compute_on_core(acc, *job)
         finally:
             with self._cond:
                 step, self._step = self._step, None
@@ -123,20 +128,43 @@ class CoreServer:
         metrics = finish_stats(stats) | excluded | by_cell | {"microsteps_redone": ledger.num_redone}
         return metrics | self.trainer.apply_gradient(acc)
 
-    def _next_core_job(self, acc: torch.Tensor) -> tuple[int, int] | None:
-        """Fold finished slots in order; return a (micro-step, slot) for the core, or None when done."""
+    def _next_core_job(self, acc: torch.Tensor) -> tuple[int, int | None] | None:
+        """Fold finished slots in order; return a (micro-step, slot) for the core, or None when done.
+
+        The core also takes the next micro-step to fold when no slot is free (even with
+        core_computes_microsteps off): it adds that one straight into the accumulator, so slots
+        held by later results or quarantined by a hung cell can never stall the step.
+        """
         step = self._step
         with self._cond:
             while True:
                 self._fold(step, acc)
-                if step["folded"] == step["ledger"].num_microsteps:
+                ledger = step["ledger"]
+                if step["folded"] == ledger.num_microsteps:
                     return None
-                if self.trainer.cfg.core_computes_microsteps and self._free and step["ledger"].has_pending:
-                    index = step["ledger"].claim(CORE)
-                    slot = self._free.popleft()
-                    step["slot_of"][index] = slot
+                self._evict_overdue(step)
+                if ledger.has_pending and self._free and self.trainer.cfg.core_computes_microsteps:
+                    index = ledger.claim(CORE, time.monotonic())
+                    step["slot_of"][index] = slot = self._free.popleft()
                     return index, slot
-                self._cond.wait(timeout=1.0)
+                if not self._free and ledger.next_pending() == step["folded"]:
+                    return ledger.claim(CORE, time.monotonic()), None
+                self._cond.wait(timeout=0.05 if self.trainer.cfg.claim_timeout_s else 1.0)
+
+    def _evict_overdue(self, step: dict) -> None:
+        """Take micro-steps back from cells that hold one past `claim_timeout_s` (hung, not dead).
+
+        Their slots stay quarantined until their connection closes (the process is gone): a hung
+        process that wakes up could still write into them.
+        """
+        timeout = self.trainer.cfg.claim_timeout_s
+        if not timeout:
+            return
+        for cell in step["ledger"].overdue(time.monotonic(), timeout) - {CORE}:
+            self._evicted.add(cell)
+            lost = step["ledger"].release(cell)
+            self._quarantine.setdefault(cell, []).extend(step["slot_of"].pop(i) for i in lost)
+            logger.warning("satellite %s held micro-steps %s over %.1f s: redoing them elsewhere", cell, lost, timeout)
 
     def _fold(self, step: dict, acc: torch.Tensor) -> None:
         ledger = step["ledger"]
@@ -147,13 +175,18 @@ class CoreServer:
             step["folded"] += 1
             self._cond.notify_all()
 
-    def _compute_on_core(self, index: int, slot: int) -> None:
+    def _compute_on_core(self, acc: torch.Tensor, index: int, slot: int | None) -> None:
         step = self._step
         grad, stats = self.trainer.microstep(step["batches"][index], step["normaliser"])
-        self.slots[slot].copy_(grad)
+        if slot is None:
+            acc.add_(grad)  # index is the next to fold: every earlier micro-step is in acc already
+        else:
+            self.slots[slot].copy_(grad)
         with self._cond:
             step["ledger"].complete(CORE, index)
             step["stats"][index] = stats
+            if slot is None:
+                step["folded"] += 1
             self._cond.notify_all()
 
     # ---- satellites ------------------------------------------------------------------------
@@ -197,15 +230,18 @@ class CoreServer:
                 if self._step is not None:
                     for index in self._step["ledger"].release(cell):
                         self._free.append(self._step["slot_of"].pop(index))
+                self._free.extend(self._quarantine.pop(cell, []))  # the process is gone now
                 self._cond.notify_all()
             conn.close()
 
     def _grant(self, cell: str) -> tuple:
         with self._cond:
             step = self._step
+            if cell in self._evicted:
+                return ("evicted",)
             if step is None or not self._free or not step["ledger"].has_pending:
                 return ("wait",)
-            index = step["ledger"].claim(cell)
+            index = step["ledger"].claim(cell, time.monotonic())
             slot = self._free.popleft()
             step["slot_of"][index] = slot
             addr = self._slots_addr + slot * self.slots.shape[1] * 4
@@ -271,6 +307,8 @@ class SatelliteCell:
                 if reply[0] == "wait":
                     time.sleep(self.trainer.cfg.claim_poll_s)
                     continue
+                if reply[0] == "evicted":
+                    break  # presumed hung: the core redid our work; rejoin as a new cell if needed
                 _, index, version, slot_addr, batch, normaliser = reply
                 if version != self.version:
                     self.pull()

@@ -18,21 +18,31 @@ class MicroStepLedger:
     done_by: dict[int, str] = field(default_factory=dict)
     """Micro-step index -> cell whose result was accepted."""
     num_redone: int = 0
-    """Claims given back by cells that left or died before finishing."""
+    """Claims given back by cells that left, died or timed out before finishing."""
+    claimed_at: dict[int, float] = field(default_factory=dict)
+    """Micro-step index -> when (caller's clock, seconds) it was claimed."""
 
-    def claim(self, cell: str) -> int | None:
+    def claim(self, cell: str, now: float = 0.0) -> int | None:
         """The lowest micro-step nobody holds or finished, now held by `cell`; None if none is left."""
-        for i in range(self.num_microsteps):
-            if i not in self.claims and i not in self.done_by:
-                self.claims[i] = cell
-                return i
-        return None
+        i = self.next_pending()
+        if i is not None:
+            self.claims[i] = cell
+            self.claimed_at[i] = now
+        return i
+
+    def next_pending(self) -> int | None:
+        """The micro-step `claim` would hand out next (None if none is left)."""
+        return next((i for i in range(self.num_microsteps) if i not in self.claims and i not in self.done_by), None)
+
+    def overdue(self, now: float, timeout_s: float) -> set[str]:
+        """Cells holding a claim for longer than `timeout_s`."""
+        return {self.claims[i] for i, t in self.claimed_at.items() if now - t > timeout_s}
 
     def complete(self, cell: str, index: int) -> bool:
         """Accept `cell`'s result for `index`; False (ignore the result) unless `cell` holds the claim."""
         if self.claims.get(index) != cell:
             return False
-        del self.claims[index]
+        del self.claims[index], self.claimed_at[index]
         self.done_by[index] = cell
         return True
 
@@ -40,7 +50,7 @@ class MicroStepLedger:
         """Give back every claim `cell` holds (it left or died); returns the indices."""
         lost = sorted(i for i, c in self.claims.items() if c == cell)
         for i in lost:
-            del self.claims[i]
+            del self.claims[i], self.claimed_at[i]
         self.num_redone += len(lost)
         return lost
 

@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 class Satellite:
     """A warm satellite process: model built, waiting on stdin for the core's address."""
 
-    def __init__(self, log: Path):
+    def __init__(self, log: Path, cfg: TrainerConfig):
         cmd = [sys.executable, "-m", "gyre.train.satellite", "--model", json.dumps(dataclasses.asdict(MODEL)),
-               "--trainer", json.dumps(dataclasses.asdict(CFG))]
+               "--trainer", json.dumps(dataclasses.asdict(cfg))]
         self.log = log
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -58,18 +58,23 @@ class Satellite:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
+            self.proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
         self.proc.wait(timeout=30)
 
 
 @pytest.fixture
-def satellites(tmp_path):
+def start_satellites(tmp_path):
     torch.set_num_threads(1)
-    sats = [Satellite(tmp_path / f"sat{i}.log") for i in range(2)]
+    started = []
+
+    def start(n: int, cfg: TrainerConfig = CFG) -> list[Satellite]:
+        started.extend(Satellite(tmp_path / f"sat{len(started) + i}.log", cfg) for i in range(n))
+        return started[-n:]
+
     try:
-        yield sats
+        yield start
     finally:
-        for s in sats:
+        for s in started:
             s.stop()
 
 
@@ -92,7 +97,8 @@ def _rel_diff(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(satellites):
+def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(start_satellites):
+    satellites = start_satellites(2)
     steps = [random_batches(MODEL, 8, 4, seed=11, max_len=64), random_batches(MODEL, 5, 4, seed=12, max_len=400)]
     ref = Trainer(MODEL, CFG, seed=0)  # the core alone (while the satellites start up)
     expected = []
@@ -128,3 +134,24 @@ def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(satellit
     report = json.loads(satellites[0].expect("{"))
     assert report["computed"] == first["microsteps_by/satellite1"] + second["microsteps_by/satellite1"]
     assert len(report["pull_s"]) == 2  # one weight pull per version
+
+
+def test_a_hung_satellite_loses_its_micro_step_after_the_claim_timeout(start_satellites):
+    cfg = replace(CFG, claim_timeout_s=1.0)
+    (victim,) = start_satellites(1, cfg)
+    batches = random_batches(MODEL, 4, 4, seed=13, max_len=400)
+    ref = Trainer(MODEL, cfg, seed=0)
+    ref.train_step(batches)
+    victim.expect("ready")
+    core = Trainer(MODEL, cfg, seed=0)
+    server = CoreServer(core, TransferEndpoint())
+    try:
+        thread, metrics = _run_in_thread(server, batches)
+        victim.join(server.address)
+        _wait_for(lambda: "satellite1" in server.progress()[0].values(), "the satellite to claim a micro-step")
+        os.kill(victim.proc.pid, signal.SIGSTOP)  # hung: alive, connection open, never answers
+        thread.join(timeout=120)
+    finally:
+        server.close()
+    assert metrics["microsteps_redone"] >= 1 and metrics["microsteps_by/core"] >= 3
+    assert torch.equal(core.flat.weights, ref.flat.weights)

@@ -138,13 +138,17 @@ def test_structural_faults_reject_the_whole_batch(make, match):
         pytest.param([("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "b", 0, True)], {}, {0: "b"}, 1, id="dead-cell-redone"),
         pytest.param([("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "a", 0, False)], {0: "b"}, {}, 1, id="late-result-of-presumed-dead-refused"),
         pytest.param([("claim", "a", 0), ("claim", "a", 1), ("claim", "a", None)], {0: "a", 1: "a"}, {}, 0, id="nothing-left"),
+        pytest.param([("claim", "a", 0), ("overdue", 5, {"a"}), ("release", "a", [0]), ("claim", "b", 0), ("overdue", 12, set())], {0: "b"}, {}, 1, id="hung-cell-overdue"),
     ],
 )
 def test_ledger_cases(events, claims, done_by, redone):
     ledger = MicroStepLedger(2)
+    clock = iter(range(0, 1000, 10))  # each claim 10 s after the previous one
     for ev in events:
         if ev[0] == "claim":
-            assert ledger.claim(ev[1]) == ev[2]
+            assert ledger.claim(ev[1], now=next(clock)) == ev[2]
+        elif ev[0] == "overdue":
+            assert ledger.overdue(now=ev[1], timeout_s=3) == ev[2]
         elif ev[0] == "complete":
             assert ledger.complete(ev[1], ev[2]) is ev[3]
         else:
