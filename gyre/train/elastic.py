@@ -119,6 +119,11 @@ class CoreServer:
         finally:
             with self._cond:
                 step, self._step = self._step, None
+                # Normally empty. After an error: results go back to the pool, in-flight claims of
+                # satellites keep their slot quarantined (a late write may still land there).
+                for index, slot in step["slot_of"].items():
+                    cell = ledger.claims.get(index, CORE)
+                    (self._free if cell == CORE else self._quarantine.setdefault(cell, [])).append(slot)
         stats = {}
         for i in range(len(batches)):
             stats = merge_stats(stats, step["stats"][i])

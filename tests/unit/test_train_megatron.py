@@ -130,3 +130,10 @@ def test_bad_input_is_rejected_with_a_reason_and_the_rest_trains():
         tr.train_step([misaligned])
     with pytest.raises(BatchError, match="advantages has shape"):
         tr.microstep(replace(batch, advantages=batch.advantages[:3]), 1.0)
+
+
+def test_entropy_and_kl_terms_when_switched_on():
+    tr = Trainer(MODEL, replace(CFG, entropy_coef=0.01, kl_coef=0.1), seed=0)
+    metrics = tr.train_step(random_batches(MODEL, 1, 2, seed=8))
+    assert 0 < metrics["entropy_mean"] <= float(torch.log(torch.tensor(MODEL.vocab_size))) + 1e-4
+    assert metrics["grad_norm"] > 0
