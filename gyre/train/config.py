@@ -10,7 +10,8 @@ class TrainerConfig:
     """Settings of the megatron-core trainer on the core cell and on satellite cells."""
 
     tensor_parallel_size: int = 1
-    """Ranks one model is split over inside a cell (Megatron TP); must divide heads and vocab."""
+    """Ranks one model is split over inside a cell (Megatron TP); must divide KV heads and vocab.
+    The cell's other ranks are data-parallel replicas (micro-steps split among them)."""
     lr: float = 1e-6
     """Adam learning rate (constant)."""
     adam_beta1: float = 0.9

@@ -33,6 +33,7 @@ from collections import deque
 from multiprocessing.connection import Client, Connection, Listener
 
 import torch
+import torch.distributed as dist
 
 from gyre.errors import GyreError
 from gyre.train.ledger import MicroStepLedger
@@ -61,8 +62,8 @@ class CoreServer:
     """The core cell's side: publishes weights, hands out micro-steps, accumulates, steps once."""
 
     def __init__(self, trainer: Trainer, endpoint: TransferEndpoint):
-        if trainer.cfg.tensor_parallel_size != 1:
-            raise ElasticError("satellites are built for TP=1 cells only (per-rank pulls are not built)")
+        if dist.get_world_size() != 1:
+            raise ElasticError("core/satellite steps are built for one-rank cells only (per-rank pulls are not built)")
         self.trainer, self.endpoint = trainer, endpoint
         n = trainer.flat.weights.numel()
         self.slots = torch.zeros(trainer.cfg.num_grad_slots, n, dtype=torch.float32, device=trainer.flat.weights.device)
@@ -283,6 +284,8 @@ class SatelliteCell:
     """A satellite's side: join a core, pull weights per version, compute claimed micro-steps."""
 
     def __init__(self, trainer: Trainer, endpoint: TransferEndpoint, core_address: str):
+        if dist.get_world_size() != 1:
+            raise ElasticError("core/satellite steps are built for one-rank cells only (per-rank pulls are not built)")
         host, port, key = core_address.rsplit(":", 2)
         self.trainer, self.endpoint = trainer, endpoint
         self._conn = Client((host, int(port)), authkey=bytes.fromhex(key))

@@ -28,11 +28,10 @@ def init_distributed(tensor_parallel_size: int, seed: int) -> None:
     """Initialise torch.distributed (if the launcher has not) and Megatron's model-parallel groups.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment (none set: one rank,
-    with an in-memory store). The cell's world must be exactly one TP group: data parallelism across
-    cells is what satellites are for.
+    with an in-memory store). The cell's ranks form world / TP data-parallel replicas.
 
     Raises:
-        ParallelError: the world size is not the tensor-parallel size.
+        ParallelError: the world size is not a multiple of the tensor-parallel size.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -47,10 +46,9 @@ def init_distributed(tensor_parallel_size: int, seed: int) -> None:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             dist.init_process_group(backend, rank=rank, world_size=world)
-    if dist.get_world_size() != tensor_parallel_size:
+    if dist.get_world_size() % tensor_parallel_size:
         raise ParallelError(
-            f"trainer.tensor_parallel_size={tensor_parallel_size} but the cell has {dist.get_world_size()} "
-            "ranks; a cell is one tensor-parallel group (scale out with satellite cells)"
+            f"trainer.tensor_parallel_size={tensor_parallel_size} does not divide the cell's {dist.get_world_size()} ranks"
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)

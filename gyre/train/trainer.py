@@ -142,13 +142,29 @@ class Trainer:
         return float((sharded + replicated).sqrt())
 
     def train_step(self, batches: list[PackedBatch]) -> dict[str, float]:
-        """Core alone: every micro-step here, summed in order, then one optimizer step."""
-        batches, normaliser, stats = prepare_step(batches, self.model_cfg.vocab_size)
-        total = None
-        for b in batches:
-            g, s = self.microstep(b, normaliser)
-            total = g.clone() if total is None else total.add_(g)
-            stats = merge_stats(stats, s)
+        """One optimizer step over `batches` by this cell alone (every rank passes the same list).
+
+        Data-parallel rank r computes micro-steps r, r + DP, ...; each rank adds its own in order,
+        then the sums are all-reduced over the data-parallel group.
+        """
+        from megatron.core import parallel_state
+
+        batches, normaliser, excluded = prepare_step(batches, self.model_cfg.vocab_size)
+        dp = parallel_state.get_data_parallel_world_size()
+        mine = range(parallel_state.get_data_parallel_rank(), len(batches), dp)
+        total = torch.zeros_like(self.flat.weights)
+        local = {}
+        for i in mine:
+            g, local[i] = self.microstep(batches[i], normaliser)
+            total.add_(g)
+        if dp > 1:
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            gathered = [None] * dp
+            dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
+            local = {i: st for part in gathered for i, st in part.items()}
+        stats = dict(excluded)
+        for i in sorted(local):
+            stats = merge_stats(stats, local[i])
         return finish_stats(stats) | self.apply_gradient(total)
 
     # ---- weights for engines ---------------------------------------------------------------

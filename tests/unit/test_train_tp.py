@@ -1,4 +1,5 @@
-"""Two ranks, tensor-parallel 2 over gloo: the same log-probs and the same step as one rank.
+"""Two ranks over gloo, tensor-parallel 2 or data-parallel 2: the same log-probs and the same step
+as one rank.
 
 The TP=1 checkpoint (model and Adam state) is resharded to TP=2 by dist_checkpointing on load; the
 TP=2 ranks step, gather engine-named weights and save; the TP=1 side compares both.
@@ -11,6 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from _train_ref import random_batches
@@ -31,12 +33,12 @@ from test_train_tp import MODEL, CFG
 from gyre.train.checkpoint import CheckpointManager
 from gyre.train.trainer import Trainer
 
-def main(src, dst, out):
+def main(tp, src, dst, out):
     torch.set_num_threads(1)
-    tr = Trainer(MODEL, replace(CFG, tensor_parallel_size=2), seed=9)
+    tr = Trainer(MODEL, replace(CFG, tensor_parallel_size=int(tp)), seed=9)
     CheckpointManager(src, keep_last=1).load_latest(tr)
     lp = tr.logprobs(random_batches(MODEL, 1, 3, seed=5)[0])
-    metrics = tr.train_step(random_batches(MODEL, 2, 2, seed=6))
+    metrics = tr.train_step(random_batches(MODEL, 3, 2, seed=6))
     CheckpointManager(dst, keep_last=1).save(tr)
     engine = tr.engine_weights()  # a collective: every rank gathers
     if torch.distributed.get_rank() == 0:
@@ -54,18 +56,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_tp2_over_gloo_matches_one_rank(tmp_path):
+@pytest.mark.parametrize("tp", [pytest.param(2, id="tp2"), pytest.param(1, id="dp2")])
+def test_two_ranks_over_gloo_match_one_rank(tmp_path, tp):
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests/unit'}", OMP_NUM_THREADS="1", WORLD_SIZE="2",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     one = Trainer(MODEL, CFG, seed=0)
     one.train_step(random_batches(MODEL, 1, 2, seed=4))  # non-zero Adam state to reshard
     CheckpointManager(tmp_path / "tp1", keep_last=1).save(one)
-    args = [str(tmp_path / "tp1"), str(tmp_path / "tp2"), str(tmp_path / "out.pt")]
+    args = [str(tp), str(tmp_path / "tp1"), str(tmp_path / "tp2"), str(tmp_path / "out.pt")]
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(2)]
     ranks = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, *args], cwd=ROOT, env=env | {"RANK": str(r)},
                               stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True) for r in range(2)]
     lp = one.logprobs(random_batches(MODEL, 1, 3, seed=5)[0])
-    metrics = one.train_step(random_batches(MODEL, 2, 2, seed=6))
+    metrics = one.train_step(random_batches(MODEL, 3, 2, seed=6))
     try:
         codes = [p.wait(timeout=240) for p in ranks]
     finally:
