@@ -3,7 +3,6 @@ log-probs equal the trainer's recomputation under the same weights, before and a
 weights reach the engine over Mooncake; and the trainer's updates raise the engine's reward."""
 
 import asyncio
-import dataclasses
 
 import pytest
 import torch

@@ -11,7 +11,6 @@ in the same run. Prints figures, then one JSON object on the last line.
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import subprocess
