@@ -18,6 +18,7 @@ from gyre.errors import ConfigError
 from gyre.launch.config import ClusterConfig
 from gyre.models.config import ModelConfig
 from gyre.scheduler.config import SchedulerConfig
+from gyre.train.config import TrainerConfig
 
 
 @dataclass(kw_only=True)
@@ -28,6 +29,7 @@ class GyreConfig:
     engine: EngineConfig = MISSING
     model: ModelConfig = MISSING
     scheduler: SchedulerConfig = MISSING
+    trainer: TrainerConfig = MISSING
     seed: int = 0
     """Seed for every random generator of the run."""
     num_steps: int = 2
