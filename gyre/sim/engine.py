@@ -1,0 +1,397 @@
+"""Discrete-event simulation of a Gyre cluster driving the real scheduler objects on a virtual clock.
+
+The simulator owns time and the workload; every decision comes from gyre.scheduler: the policy
+(`make_policy`), the cell state machine (`Cell`), admission by staleness (`may_admit`) and the
+micro-step queue (`MicroStepQueue`).
+
+    admit batch (staleness) -> queue -> slot on least-loaded ROLLOUT cell -> segments:
+        model call (duration = tokens / min(session speed, cell throughput / generating sessions))
+        -> tool call (wall time) -> ... -> finished or time budget -> group ready -> micro-step
+    TRAIN cells claim micro-steps -> step complete -> core optimizer step -> version + 1
+    policy consulted every tick and after steps and switches -> Cell.begin_switch -> phases
+
+A model call keeps the duration computed at its start even if its session is handed to another
+cell meanwhile (the hand-off cost is the cell's switch cost). Sessions whose cell left and that
+find no serving cell wait (colocate while training).
+"""
+
+import heapq
+import itertools
+from collections import deque
+
+from gyre.scheduler.cells import PHASE_SHARES, Phase, Role, make_cells
+from gyre.scheduler.config import SchedulerConfig
+from gyre.scheduler.policy import CellView, Decision, Observation, make_policy
+from gyre.scheduler.streaming import MicroStepQueue, may_admit
+from gyre.sim.config import PresetConfig, ProfileConfig
+from gyre.sim.result import CellStats, ModeResult
+from gyre.sim.workload import context_tokens, draw_batch, mean_context_tokens, train_share, train_tokens
+
+GEN_END, TOOL_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK = range(7)
+
+
+class _Session:
+    __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "gen_cell", "token", "excluded", "kv_lost")
+
+    def __init__(self, group, n_seg, off, excluded):
+        self.group, self.n_seg, self.off, self.excluded = group, n_seg, off, excluded
+        self.seg, self.deadline, self.cell, self.gen_cell, self.token = 0, 0.0, None, None, 0
+        self.kv_lost = False
+
+
+class _Group:
+    __slots__ = ("gid", "step", "version", "remaining", "tokens")
+
+    def __init__(self, gid, step, version, size):
+        self.gid, self.step, self.version, self.remaining, self.tokens = gid, step, version, size, 0
+
+
+class _SimCell:
+    """The simulator's bookkeeping beside one scheduler Cell."""
+
+    def __init__(self, cell, preset: PresetConfig, sessions_per_node: int):
+        self.cell = cell
+        self.members: set = set()
+        self.gen_now = 0
+        self.max_sessions = sessions_per_node * cell.num_nodes
+        self.prefill_tok_s = preset.prefill_tok_s_per_node * cell.num_nodes
+        self.gen_tok_s = preset.gen_tok_s_per_node * cell.num_nodes
+        self.train_tok_s = preset.train_tok_s_per_node * cell.num_nodes
+        self.slot_s = 0.0
+        self.slot_t = 0.0
+        self.micro = None
+        self.micro_start = self.micro_end = 0.0
+        self.token = 0
+        self.target = None
+        self.stats = CellStats(index=cell.index, is_core=cell.is_core)
+
+    def join(self, s, now):
+        self.slot_s += len(self.members) * (now - self.slot_t)
+        self.slot_t = now
+        self.members.add(s)
+
+    def drop(self, s, now):
+        self.slot_s += len(self.members) * (now - self.slot_t)
+        self.slot_t = now
+        self.members.discard(s)
+
+
+class Simulation:
+    """One mode on one workload and cluster; `run()` returns a ModeResult.
+
+    Args:
+        scheduler: the scheduler config; its `mode` selects the policy.
+        tail_scale: multiplies the profile's duration tail (sensitivity).
+    """
+
+    def __init__(self, profile: ProfileConfig, preset: PresetConfig, scheduler: SchedulerConfig,
+                 num_steps: int, seed: int = 0, tick_s: float = 10.0, tail_scale: float = 1.0):
+        self.profile, self.preset, self.cfg = profile, preset, scheduler
+        self.num_steps, self.seed, self.tick_s, self.tail_scale = num_steps, seed, tick_s, tail_scale
+        cells = make_cells(preset.num_cells, preset.cell_nodes)
+        self.policy = make_policy(scheduler, preset.num_cells, train_share(profile, preset, seed))
+        for cell, role in zip(cells, self.policy.initial_roles()):
+            cell.role = role
+        per_node = preset.sessions_per_node(mean_context_tokens(profile, seed))
+        self.cells = [_SimCell(c, preset, per_node) for c in cells]
+        self.core = self.cells[0]
+        self.sat_train_tok_s = self.cells[-1].train_tok_s
+        self.queue = MicroStepQueue(profile.groups_per_step, scheduler.staleness)
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.waiting: deque = deque()
+        self.blocked: dict = {}  # insertion-ordered set
+        self.running = 0
+        self.next_batch = 0
+        self.batches: dict = {}
+        self.optimizing = False
+        self.step_times: list[float] = []
+        self.levels: list[tuple[float, int]] = []
+        self.gen_tokens_total = 0.0
+        self.train_tokens_total = 0
+        self.prefill_tokens_total = 0.0
+        self.num_switches = 0
+        self.num_timeouts = 0
+        self.num_excluded = 0
+
+    # ---- event plumbing -------------------------------------------------------------------
+    def _at(self, t, kind, obj, token=0):
+        heapq.heappush(self.heap, (t, next(self.seq), kind, obj, token))
+
+    def run(self) -> ModeResult:
+        """Simulate until `num_steps` optimizer steps are applied."""
+        for sc in self.cells:
+            sc.stats.timeline.append((0.0, sc.cell.role.value))
+        self._admit_batches()
+        self._at(0.0, TICK, None)
+        handlers = (self._on_gen_end, self._on_tool_end, self._on_exec_end, self._on_phase_end,
+                    self._on_micro_end, self._on_opt_end, self._on_tick)
+        heap = self.heap
+        while heap and self.queue.version < self.num_steps:
+            t, _, kind, obj, token = heapq.heappop(heap)
+            self.now = t
+            handlers[kind](obj, token)
+        if self.queue.version < self.num_steps:
+            raise RuntimeError(f"simulation stalled at version {self.queue.version} (t={self.now:.0f} s)")
+        return self._result()
+
+    # ---- rollout side ---------------------------------------------------------------------
+    def _admit_batches(self):
+        while self.next_batch < self.num_steps and may_admit(self.next_batch, self.queue.version, self.cfg.staleness):
+            step = self.next_batch
+            b = draw_batch(self.profile, step, self.seed, self.tail_scale)
+            self.batches[step] = b
+            g_size = self.profile.group_size
+            for g in range(self.profile.groups_per_step):
+                group = _Group(g, step, self.queue.version, g_size)
+                for e in range(g * g_size, (g + 1) * g_size):
+                    self.waiting.append(_Session(group, b.segments[e], b.offsets[e], b.excluded[e]))
+            self.next_batch += 1
+        self._fill_slots()
+
+    def _least_loaded(self, need_slot: bool):
+        best = None
+        for sc in self.cells:
+            if sc.cell.role is Role.ROLLOUT and (not need_slot or len(sc.members) < sc.max_sessions):
+                if best is None or len(sc.members) * best.max_sessions < len(best.members) * sc.max_sessions:
+                    best = sc
+        return best
+
+    def _fill_slots(self):
+        while self.waiting:
+            sc = self._least_loaded(need_slot=True)
+            if sc is None:
+                return
+            s = self.waiting.popleft()
+            s.cell = sc
+            sc.join(s, self.now)
+            s.deadline = self.now + self.profile.timeout_s
+            self.running += 1
+            self._start_gen(s)
+
+    def _start_gen(self, s):
+        sc = s.cell
+        if sc is None or sc.cell.role is not Role.ROLLOUT:
+            if sc is not None:
+                sc.drop(s, self.now)
+            sc = self._least_loaded(need_slot=False)
+            s.cell = sc
+            if sc is None:
+                self.blocked[s] = self.now  # its time budget pauses while no cell serves it
+                return
+            sc.join(s, self.now)
+        tokens = self.batches[s.group.step].gen_tokens[s.off + s.seg]
+        rate = min(self.preset.session_tok_s, sc.gen_tok_s / (sc.gen_now + 1))
+        sc.gen_now += 1
+        sc.stats.gen_tokens += tokens
+        self.gen_tokens_total += tokens
+        s.gen_cell = sc
+        t = self.now + tokens / rate
+        if s.kv_lost:  # its KV was released with its cell's engine memory: recompute the prefix
+            ctx = context_tokens(self.profile, s.seg)
+            self.prefill_tokens_total += ctx
+            t += ctx / sc.prefill_tok_s
+            s.kv_lost = False
+        self._at(t, GEN_END, s, s.token) if t < s.deadline else self._at(s.deadline, EXEC_END, s, s.token)
+
+    def _on_gen_end(self, s, token):
+        if token != s.token:
+            return
+        s.gen_cell.gen_now -= 1
+        s.gen_cell = None
+        t = self.now + self.batches[s.group.step].tool_s[s.off + s.seg]
+        self._at(t, TOOL_END, s, s.token) if t < s.deadline else self._at(s.deadline, EXEC_END, s, s.token)
+
+    def _on_tool_end(self, s, token):
+        if token != s.token:
+            return
+        s.seg += 1
+        if s.seg >= s.n_seg:
+            self._finish(s)
+        else:
+            self._start_gen(s)
+
+    def _on_exec_end(self, s, token):
+        if token != s.token:
+            return
+        self.num_timeouts += 1
+        if s.gen_cell is not None:
+            s.gen_cell.gen_now -= 1
+            s.gen_cell = None
+        self._finish(s)
+
+    def _finish(self, s):
+        s.token += 1
+        if s.cell is not None:
+            s.cell.drop(s, self.now)
+        self.running -= 1
+        g = s.group
+        g.remaining -= 1
+        if s.excluded:
+            self.num_excluded += 1
+        else:
+            g.tokens += train_tokens(self.profile, s.seg)
+        if g.remaining == 0:
+            if g.tokens:
+                self.queue.add_ready(g.step, g.gid, g.version, g.tokens)
+            else:
+                self.queue.exclude(g.step, g.gid)
+            if g.step == self.queue.current_step:
+                self._claim_all()
+                if self.queue.batch_ready():
+                    self._consult()
+        self._fill_slots()
+
+    def _hand_off(self, sc):
+        """Move a leaving cell's sessions to the serving cells (proxy reroute + KV migration)."""
+        for s in list(sc.members):
+            sc.drop(s, self.now)
+            dest = self._least_loaded(need_slot=False)
+            s.cell = dest
+            if dest is not None:
+                dest.join(s, self.now)
+            else:
+                s.kv_lost = True
+
+    def _unblock(self):
+        blocked, self.blocked = self.blocked, {}
+        for s, since in blocked.items():
+            s.deadline += self.now - since
+            self._start_gen(s)
+
+    # ---- training side --------------------------------------------------------------------
+    def _claim_all(self):
+        for sc in self.cells:
+            self._claim(sc)
+
+    def _claim(self, sc):
+        if sc.cell.role is not Role.TRAIN or sc.micro is not None or self.optimizing:
+            return
+        ms = self.queue.claim()
+        if ms is None:
+            return
+        sc.cell.join_step(ms.step)
+        if self.core.cell.role is Role.TRAIN:
+            self.core.cell.join_step(ms.step)  # the core is part of every step it can train
+        sc.micro, sc.micro_start = ms, self.now
+        sc.micro_end = self.now + ms.tokens / sc.train_tok_s
+        self._at(sc.micro_end, MICRO_END, sc, sc.token)
+
+    def _on_micro_end(self, sc, token):
+        if token != sc.token:
+            return
+        self.queue.complete(sc.micro)
+        self.train_tokens_total += sc.micro.tokens
+        sc.stats.train_busy_s += self.now - sc.micro_start
+        sc.micro = None
+        if not sc.cell.is_core:
+            sc.cell.leave_step()
+        self._claim(sc)
+        if self.queue.step_complete() and not self.optimizing:
+            self.optimizing = True
+            self._at(self.now + self.preset.optimizer_step_s, OPT_END, None)
+
+    def _on_opt_end(self, _obj, _token):
+        self.optimizing = False
+        self.queue.apply_optimizer_step()
+        for sc in self.cells:
+            if sc.micro is None:
+                sc.cell.leave_step()
+        self.step_times.append(self.now)
+        self._admit_batches()
+        self._consult()  # before claiming: colocate sends its cells back before they touch the next step
+        self._claim_all()
+
+    # ---- roles ----------------------------------------------------------------------------
+    def _on_tick(self, _obj, _token):
+        self.levels.append((self.now, len(self.waiting) + self.running))
+        self._consult()
+        self._at(self.now + self.tick_s, TICK, None)
+
+    def _observe(self) -> Observation:
+        views = tuple(
+            CellView(index=sc.cell.index, role=sc.cell.role, is_core=sc.cell.is_core,
+                     in_step=sc.cell.step is not None, since_s=sc.cell.since_s, sessions=len(sc.members),
+                     max_sessions=sc.max_sessions, gen_tok_s=sc.gen_tok_s)
+            for sc in self.cells
+        )
+        return Observation(
+            now_s=self.now, cells=views, queued=len(self.waiting), running=self.running,
+            gen_demand_tok_s=sum(sc.gen_now for sc in self.cells) * self.preset.session_tok_s,
+            ready_train_s=self.queue.ready_tokens() / self.sat_train_tok_s,
+            batch_ready=self.queue.batch_ready(),
+            step_open=self.queue.step_started() or self.optimizing,
+        )
+
+    def _consult(self):
+        d: Decision = self.policy.decide(self._observe())
+        for i in d.to_train:
+            self._begin(self.cells[i], Role.TRAIN)
+        for i in d.to_rollout:
+            self._begin(self.cells[i], Role.ROLLOUT)
+
+    def _begin(self, sc, target):
+        self.num_switches += 1
+        sc.target = target
+        sc.stats.switches += 1
+        sc.cell.begin_switch(target, self.now)
+        sc.stats.timeline.append((self.now, sc.cell.role.value))
+        if target is Role.TRAIN:
+            self._hand_off(sc)
+        self._schedule_phase(sc)
+
+    def _schedule_phase(self, sc):
+        phase = sc.cell.phase
+        if phase is Phase.FINISH_MICROSTEP:
+            dur = self._finish_or_hand_back(sc)
+        else:
+            cost = self.cfg.rollout_to_train_s if sc.target is Role.TRAIN else self.cfg.train_to_rollout_s
+            dur = cost * PHASE_SHARES[phase]
+        sc.stats.switch_s += dur
+        self._at(self.now + dur, PHASE_END, sc)
+
+    def _finish_or_hand_back(self, sc) -> float:
+        if sc.micro is None:
+            return 0.0
+        left = sc.micro_end - self.now
+        if left <= self.cfg.finish_microstep_max_s:
+            return left  # its MICRO_END fires first (earlier sequence number)
+        self.queue.hand_back(sc.micro)
+        sc.micro = None
+        sc.token += 1
+        sc.cell.leave_step()
+        self._claim_all()
+        return 0.0
+
+    def _on_phase_end(self, sc, _token):
+        if sc.cell.next_phase(self.now) is not None:
+            self._schedule_phase(sc)
+            return
+        sc.stats.timeline.append((self.now, sc.cell.role.value))
+        if sc.cell.role is Role.TRAIN:
+            self._claim(sc)
+        else:
+            self._fill_slots()
+            self._unblock()
+
+    # ---- result ---------------------------------------------------------------------------
+    def _result(self) -> ModeResult:
+        total = self.now
+        for sc in self.cells:
+            st = sc.stats
+            sc.drop(None, total)
+            # A rollout cell is busy as far as its binding resource is used: decode throughput
+            # or session slots (KV); a training cell while it computes micro-steps.
+            useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / sc.max_sessions)
+            st.idle_fraction = min(1.0, max(0.0, 1.0 - useful / total))
+        rollout_node_s = (self.gen_tokens_total / self.preset.gen_tok_s_per_node
+                          + self.prefill_tokens_total / self.preset.prefill_tok_s_per_node)
+        work_node_s = rollout_node_s + self.train_tokens_total / self.preset.train_tok_s_per_node
+        return ModeResult(
+            mode=self.cfg.mode, total_s=total, step_times_s=self.step_times,
+            cells=[sc.stats for sc in self.cells], work_node_s=work_node_s,
+            num_nodes=self.preset.num_nodes, levels=self.levels, num_switches=self.num_switches,
+            num_timeouts=self.num_timeouts, num_excluded=self.num_excluded,
+            async_train_cells=getattr(self.policy, "num_train", None),
+        )

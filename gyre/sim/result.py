@@ -1,0 +1,69 @@
+"""What one simulated mode produced, and the comparisons between modes (pure)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CellStats:
+    """One cell's account over the run."""
+
+    index: int
+    is_core: bool
+    gen_tokens: float = 0.0
+    train_busy_s: float = 0.0
+    switch_s: float = 0.0
+    switches: int = 0
+    idle_fraction: float = 0.0
+    """1 - (training compute + rollout use) / run time; rollout use is the larger of tokens at full
+    cell throughput and session-slot occupancy."""
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+    """(time_s, role) at every role or switching-state change."""
+
+
+@dataclass
+class ModeResult:
+    """One mode's run."""
+
+    mode: str
+    total_s: float
+    step_times_s: list[float]
+    cells: list[CellStats]
+    work_node_s: float
+    """Decode and prefill at full node throughput plus training compute, node-seconds."""
+    num_nodes: int
+    levels: list[tuple[float, int]]
+    """(time_s, waterlevel) sampled every tick."""
+    num_switches: int
+    num_timeouts: int
+    num_excluded: int
+    async_train_cells: int | None = None
+
+    def summary(self, ideal_s: float) -> dict:
+        """JSON-ready figures; `ideal_s` is the lower bound shared by all modes."""
+        return {
+            "mode": self.mode,
+            "time_h": round(self.total_s / 3600, 3),
+            "ratio_to_ideal": round(self.total_s / ideal_s, 3),
+            "idle_fraction": [round(c.idle_fraction, 3) for c in self.cells],
+            "switches": self.num_switches,
+            "timeouts": self.num_timeouts,
+            "excluded": self.num_excluded,
+            "async_train_cells": self.async_train_cells,
+        }
+
+
+def ideal_lower_bound_s(results: list[ModeResult]) -> float:
+    """Total work / total capacity: the least work any mode did, spread over every node.
+
+    Modes differ slightly in work (timeouts cut executions at different points), so the smallest
+    is the bound no mode can beat on this workload.
+    """
+    return min(r.work_node_s for r in results) / results[0].num_nodes
+
+
+def speedups(results: list[ModeResult]) -> dict[str, float]:
+    """Elastic's speedup over each other mode that ran (time_other / time_elastic)."""
+    by_mode = {r.mode: r.total_s for r in results}
+    if "elastic" not in by_mode:
+        return {}
+    return {f"vs_{m}": round(t / by_mode["elastic"], 3) for m, t in by_mode.items() if m != "elastic"}
