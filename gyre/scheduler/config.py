@@ -34,6 +34,9 @@ class SchedulerConfig:
     return_queue_fraction: float = 0.25
     """elastic: satellites return to rollout once queued executions reach this fraction of one
     cell's session capacity (and the serving cells cannot absorb them)."""
+    leave_window_s: float = 300.0
+    """elastic: the leave rule uses the peak waterlevel of this trailing window, so a waterlevel
+    that only dips briefly never sends a cell away (seconds on the caller's clock)."""
     min_dwell_s: float = 60.0
     """elastic: a satellite keeps a role at least this long before switching again (no thrashing)."""
     finish_microstep_max_s: float = 30.0
@@ -53,6 +56,7 @@ class SchedulerConfig:
         require(
             self.return_queue_fraction > 0, "return_queue_fraction", f"must be > 0, got {self.return_queue_fraction}"
         )
+        require(self.leave_window_s >= 0, "leave_window_s", f"must be >= 0 s, got {self.leave_window_s}")
         require(self.min_dwell_s >= 0, "min_dwell_s", f"must be >= 0 s, got {self.min_dwell_s}")
         require(
             self.finish_microstep_max_s >= 0,

@@ -5,16 +5,18 @@ the virtual clock) and apply the returned `Decision`; the policy holds no clock 
 
 elastic: the core trains; satellites roll out unless the waterlevel W = queued + running fits on
     fewer rollout cells and ready training work pays for the round trip (gain >= gain_factor x
-    switch costs). They return when the queue outgrows the serving cells. A minimum dwell time
-    and the gap between the leave rule (spare capacity with headroom) and the return rule (a
-    queue of a fraction of a cell) keep it from thrashing.
+    switch costs). They return when the queue outgrows the serving cells. Three things keep it
+    from thrashing: the leave rule looks at the peak waterlevel of a trailing window, a gap
+    separates it from the return rule (spare capacity with headroom vs a queue of a fraction of a
+    cell), and a minimum dwell time in each role.
 async: fixed pools chosen once; it never switches.
 colocate: every cell rolls out until the step's batch is ready, then every cell trains until the
     optimizer step is applied.
 """
 
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 
 from gyre.scheduler.cells import Role
 from gyre.scheduler.config import SchedulerConfig
@@ -103,7 +105,24 @@ def _serves(cells: list[CellView], obs: Observation, headroom: float) -> bool:
 
 
 class ElasticPolicy(BasePolicy):
-    """Gyre's waterlevel policy (see the module docstring)."""
+    """Gyre's waterlevel policy (see the module docstring).
+
+    Its only memory is the trailing window of (time, waterlevel, demand) it was shown, so the same
+    sequence of observations always yields the same decisions.
+    """
+
+    def __init__(self, cfg: SchedulerConfig, num_cells: int):
+        super().__init__(cfg, num_cells)
+        self._recent: deque = deque()
+
+    def _peak(self, obs: Observation) -> Observation:
+        """`obs` with the waterlevel and demand replaced by their peaks over the leave window."""
+        self._recent.append((obs.now_s, obs.running, obs.queued, obs.gen_demand_tok_s))
+        while self._recent and self._recent[0][0] < obs.now_s - self.cfg.leave_window_s:
+            self._recent.popleft()
+        _, running, queued, demand = max(self._recent, key=lambda r: (r[1] + r[2], r[3]))
+        peak_demand = max(r[3] for r in self._recent)
+        return replace(obs, running=running, queued=queued, gen_demand_tok_s=peak_demand)
 
     def initial_roles(self) -> list[Role]:
         return [Role.TRAIN] + [Role.ROLLOUT] * (self.num_cells - 1)
@@ -112,10 +131,11 @@ class ElasticPolicy(BasePolicy):
         return now_s - c.since_s >= self.cfg.min_dwell_s
 
     def decide(self, obs: Observation) -> Decision:
+        peak = self._peak(obs)
         back = self._returns(obs)
         if back:
             return Decision(to_rollout=back)
-        return Decision(to_train=self._leaves(obs))
+        return Decision(to_train=self._leaves(peak))
 
     def _returns(self, obs: Observation) -> tuple[int, ...]:
         """Satellites to bring back because the queue outgrew the serving cells."""

@@ -71,6 +71,8 @@ class MicroStepQueue:
         self.groups_per_step = groups_per_step
         self.staleness = staleness
         self.version = 0
+        self.max_lag = 0
+        """Largest step - start_version ever claimed (never above `staleness`)."""
         self._steps: dict[int, _StepState] = {}
 
     @property
@@ -111,6 +113,7 @@ class MicroStepQueue:
             return None
         ms = st.ready.popleft()
         check_staleness(ms.start_version, ms.step, self.staleness)
+        self.max_lag = max(self.max_lag, ms.step - ms.start_version)
         st.in_flight += 1
         return ms
 

@@ -114,6 +114,7 @@ class Simulation:
         self.num_switches = 0
         self.num_timeouts = 0
         self.num_excluded = 0
+        self.num_blocked = 0
 
     # ---- event plumbing -------------------------------------------------------------------
     def _at(self, t, kind, obj, token=0):
@@ -179,6 +180,7 @@ class Simulation:
             s.cell = sc
             if sc is None:
                 self.blocked[s] = self.now  # its time budget pauses while no cell serves it
+                self.num_blocked += 1
                 return
             sc.join(s, self.now)
         tokens = self.batches[s.group.step].gen_tokens[s.off + s.seg]
@@ -394,4 +396,5 @@ class Simulation:
             num_nodes=self.preset.num_nodes, levels=self.levels, num_switches=self.num_switches,
             num_timeouts=self.num_timeouts, num_excluded=self.num_excluded,
             async_train_cells=getattr(self.policy, "num_train", None),
+            num_blocked=self.num_blocked, max_staleness=self.queue.max_lag,
         )

@@ -37,6 +37,10 @@ class ModeResult:
     num_timeouts: int
     num_excluded: int
     async_train_cells: int | None = None
+    num_blocked: int = 0
+    """Model calls that found no serving cell and waited (only colocate's training phase should)."""
+    max_staleness: int = 0
+    """Largest (training step - start version) of any trained sample."""
 
     def summary(self, ideal_s: float) -> dict:
         """JSON-ready figures; `ideal_s` is the lower bound shared by all modes."""
@@ -49,6 +53,8 @@ class ModeResult:
             "timeouts": self.num_timeouts,
             "excluded": self.num_excluded,
             "async_train_cells": self.async_train_cells,
+            "blocked_calls": self.num_blocked,
+            "max_staleness": self.max_staleness,
         }
 
 
