@@ -27,16 +27,18 @@ from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.result import CellStats, ModeResult
 from gyre.sim.workload import context_tokens, draw_batch, mean_context_tokens, train_share, train_tokens
 
-GEN_END, TOOL_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK = range(7)
+SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK = range(6)
 
 
 class _Session:
-    __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "gen_cell", "token", "excluded", "kv_lost")
+    """One execution; it has at most one pending event (segment end or time budget), none while blocked."""
 
-    def __init__(self, group, n_seg, off, excluded):
+    __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "excluded", "kv_lost", "gen", "tool")
+
+    def __init__(self, group, n_seg, off, excluded, batch):
         self.group, self.n_seg, self.off, self.excluded = group, n_seg, off, excluded
-        self.seg, self.deadline, self.cell, self.gen_cell, self.token = 0, 0.0, None, None, 0
-        self.kv_lost = False
+        self.seg, self.deadline, self.cell, self.kv_lost = 0, 0.0, None, False
+        self.gen, self.tool = batch.gen_tokens, batch.tool_s
 
 
 class _Group:
@@ -51,8 +53,10 @@ class _SimCell:
 
     def __init__(self, cell, preset: PresetConfig, sessions_per_node: int):
         self.cell = cell
+        self.serving = cell.role is Role.ROLLOUT
         self.members: set = set()
-        self.gen_now = 0
+        self.gen_tokens = 0.0
+        self.gen_ends: list[float] = []  # heap of the end times of model calls it serves
         self.max_sessions = sessions_per_node * cell.num_nodes
         self.prefill_tok_s = preset.prefill_tok_s_per_node * cell.num_nodes
         self.gen_tok_s = preset.gen_tok_s_per_node * cell.num_nodes
@@ -104,11 +108,10 @@ class Simulation:
         self.blocked: dict = {}  # insertion-ordered set
         self.running = 0
         self.next_batch = 0
-        self.batches: dict = {}
         self.optimizing = False
         self.step_times: list[float] = []
         self.levels: list[tuple[float, int]] = []
-        self.gen_tokens_total = 0.0
+        self.session_tok_s = preset.session_tok_s
         self.train_tokens_total = 0
         self.prefill_tokens_total = 0.0
         self.num_switches = 0
@@ -126,13 +129,20 @@ class Simulation:
             sc.stats.timeline.append((0.0, sc.cell.role.value))
         self._admit_batches()
         self._at(0.0, TICK, None)
-        handlers = (self._on_gen_end, self._on_tool_end, self._on_exec_end, self._on_phase_end,
+        handlers = (None, self._on_exec_end, self._on_phase_end,
                     self._on_micro_end, self._on_opt_end, self._on_tick)
-        heap = self.heap
-        while heap and self.queue.version < self.num_steps:
-            t, _, kind, obj, token = heapq.heappop(heap)
+        heap, pop, queue, num_steps, start_gen = self.heap, heapq.heappop, self.queue, self.num_steps, self._start_gen
+        while heap and queue.version < num_steps:
+            t, _, kind, obj, token = pop(heap)
             self.now = t
-            handlers[kind](obj, token)
+            if kind == SEG_END:  # the hot path, inlined: next segment or done
+                obj.seg += 1
+                if obj.seg < obj.n_seg:
+                    start_gen(obj)
+                    continue
+                self._finish(obj)
+            else:
+                handlers[kind](obj, token)
         if self.queue.version < self.num_steps:
             raise RuntimeError(f"simulation stalled at version {self.queue.version} (t={self.now:.0f} s)")
         return self._result()
@@ -142,19 +152,18 @@ class Simulation:
         while self.next_batch < self.num_steps and may_admit(self.next_batch, self.queue.version, self.cfg.staleness):
             step = self.next_batch
             b = draw_batch(self.profile, step, self.seed, self.tail_scale)
-            self.batches[step] = b
             g_size = self.profile.group_size
             for g in range(self.profile.groups_per_step):
                 group = _Group(g, step, self.queue.version, g_size)
                 for e in range(g * g_size, (g + 1) * g_size):
-                    self.waiting.append(_Session(group, b.segments[e], b.offsets[e], b.excluded[e]))
+                    self.waiting.append(_Session(group, b.segments[e], b.offsets[e], b.excluded[e], b))
             self.next_batch += 1
         self._fill_slots()
 
     def _least_loaded(self, need_slot: bool):
         best = None
         for sc in self.cells:
-            if sc.cell.role is Role.ROLLOUT and (not need_slot or len(sc.members) < sc.max_sessions):
+            if sc.serving and (not need_slot or len(sc.members) < sc.max_sessions):
                 if best is None or len(sc.members) * best.max_sessions < len(best.members) * sc.max_sessions:
                     best = sc
         return best
@@ -173,7 +182,7 @@ class Simulation:
 
     def _start_gen(self, s):
         sc = s.cell
-        if sc is None or sc.cell.role is not Role.ROLLOUT:
+        if sc is None or not sc.serving:
             if sc is not None:
                 sc.drop(s, self.now)
             sc = self._least_loaded(need_slot=False)
@@ -183,48 +192,34 @@ class Simulation:
                 self.num_blocked += 1
                 return
             sc.join(s, self.now)
-        tokens = self.batches[s.group.step].gen_tokens[s.off + s.seg]
-        rate = min(self.preset.session_tok_s, sc.gen_tok_s / (sc.gen_now + 1))
-        sc.gen_now += 1
-        sc.stats.gen_tokens += tokens
-        self.gen_tokens_total += tokens
-        s.gen_cell = sc
-        t = self.now + tokens / rate
+        i = s.off + s.seg
+        tokens = s.gen[i]
+        now = self.now
+        ends = sc.gen_ends
+        while ends and ends[0] <= now:
+            heapq.heappop(ends)
+        rate = sc.gen_tok_s / (len(ends) + 1)
+        if rate > self.session_tok_s:
+            rate = self.session_tok_s
+        sc.gen_tokens += tokens
+        gen_end = now + tokens / rate
         if s.kv_lost:  # its KV was released with its cell's engine memory: recompute the prefix
             ctx = context_tokens(self.profile, s.seg)
             self.prefill_tokens_total += ctx
-            t += ctx / sc.prefill_tok_s
+            gen_end += ctx / sc.prefill_tok_s
             s.kv_lost = False
-        self._at(t, GEN_END, s, s.token) if t < s.deadline else self._at(s.deadline, EXEC_END, s, s.token)
-
-    def _on_gen_end(self, s, token):
-        if token != s.token:
-            return
-        s.gen_cell.gen_now -= 1
-        s.gen_cell = None
-        t = self.now + self.batches[s.group.step].tool_s[s.off + s.seg]
-        self._at(t, TOOL_END, s, s.token) if t < s.deadline else self._at(s.deadline, EXEC_END, s, s.token)
-
-    def _on_tool_end(self, s, token):
-        if token != s.token:
-            return
-        s.seg += 1
-        if s.seg >= s.n_seg:
-            self._finish(s)
+        heapq.heappush(ends, gen_end)
+        t = gen_end + s.tool[i]  # the model call, then the segment's tool calls
+        if t < s.deadline:
+            heapq.heappush(self.heap, (t, next(self.seq), SEG_END, s, 0))
         else:
-            self._start_gen(s)
+            heapq.heappush(self.heap, (s.deadline, next(self.seq), EXEC_END, s, 0))
 
-    def _on_exec_end(self, s, token):
-        if token != s.token:
-            return
+    def _on_exec_end(self, s, _token):
         self.num_timeouts += 1
-        if s.gen_cell is not None:
-            s.gen_cell.gen_now -= 1
-            s.gen_cell = None
         self._finish(s)
 
     def _finish(self, s):
-        s.token += 1
         if s.cell is not None:
             s.cell.drop(s, self.now)
         self.running -= 1
@@ -320,11 +315,16 @@ class Simulation:
         )
         return Observation(
             now_s=self.now, cells=views, queued=len(self.waiting), running=self.running,
-            gen_demand_tok_s=sum(sc.gen_now for sc in self.cells) * self.preset.session_tok_s,
+            gen_demand_tok_s=sum(self._generating(sc) for sc in self.cells) * self.preset.session_tok_s,
             ready_train_s=self.queue.ready_tokens() / self.sat_train_tok_s,
             batch_ready=self.queue.batch_ready(),
             step_open=self.queue.step_started() or self.optimizing,
         )
+
+    def _generating(self, sc) -> int:
+        while sc.gen_ends and sc.gen_ends[0] <= self.now:
+            heapq.heappop(sc.gen_ends)
+        return len(sc.gen_ends)
 
     def _consult(self):
         d: Decision = self.policy.decide(self._observe())
@@ -339,6 +339,7 @@ class Simulation:
         sc.stats.switches += 1
         sc.cell.begin_switch(target, self.now)
         sc.stats.timeline.append((self.now, sc.cell.role.value))
+        sc.serving = False
         if target is Role.TRAIN:
             self._hand_off(sc)
         self._schedule_phase(sc)
@@ -371,6 +372,7 @@ class Simulation:
             self._schedule_phase(sc)
             return
         sc.stats.timeline.append((self.now, sc.cell.role.value))
+        sc.serving = sc.cell.role is Role.ROLLOUT
         if sc.cell.role is Role.TRAIN:
             self._claim(sc)
         else:
@@ -382,12 +384,13 @@ class Simulation:
         total = self.now
         for sc in self.cells:
             st = sc.stats
+            st.gen_tokens = sc.gen_tokens
             sc.drop(None, total)
             # A rollout cell is busy as far as its binding resource is used: decode throughput
             # or session slots (KV); a training cell while it computes micro-steps.
             useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / sc.max_sessions)
             st.idle_fraction = min(1.0, max(0.0, 1.0 - useful / total))
-        rollout_node_s = (self.gen_tokens_total / self.preset.gen_tok_s_per_node
+        rollout_node_s = (sum(sc.gen_tokens for sc in self.cells) / self.preset.gen_tok_s_per_node
                           + self.prefill_tokens_total / self.preset.prefill_tok_s_per_node)
         work_node_s = rollout_node_s + self.train_tokens_total / self.preset.train_tok_s_per_node
         return ModeResult(
