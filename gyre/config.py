@@ -13,6 +13,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from gyre.engines.config import EngineConfig
 from gyre.errors import ConfigError
 from gyre.launch.config import ClusterConfig
 from gyre.models.config import ModelConfig
@@ -24,6 +25,7 @@ class GyreConfig:
     """Everything a Gyre run needs; each group owns its section."""
 
     cluster: ClusterConfig = MISSING
+    engine: EngineConfig = MISSING
     model: ModelConfig = MISSING
     scheduler: SchedulerConfig = MISSING
     seed: int = 0

@@ -1,0 +1,184 @@
+"""One async HTTP client for both rollout servers (builtin `gyre-engine` and SGLang 0.5.x).
+
+Every call has an explicit timeout; a non-2xx answer raises EngineHTTPError carrying the status
+and the response body. `generate` sends `extra_key` = the last weight version this client saw,
+so SGLang's HiCache (and the builtin prefix cache) never mixes KV across weight versions.
+"""
+
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+
+from gyre.errors import GyreError
+
+
+class EngineHTTPError(GyreError):
+    def __init__(self, status: int, path: str, body: str):
+        self.status, self.path, self.body = status, path, body
+        super().__init__(f"{path} -> HTTP {status}: {body[:500]}")
+
+
+class EngineClient:
+    """Use as `async with EngineClient(url) as c:`; one aiohttp session per client."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, key_by_weight_version: bool = False):
+        self.base_url = base_url.rstrip("/")
+        self.key_by_weight_version = key_by_weight_version
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.weight_version: str | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "EngineClient":
+        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _request(self, method: str, path: str, body: dict | None = None, raw: bytes | None = None):
+        if self._session is None:
+            raise GyreError("EngineClient used outside `async with`")
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        headers = {"Content-Type": "application/json"} if data is not None else None
+        async with self._session.request(method, self.base_url + path, data=data, headers=headers) as r:
+            text = await r.text()
+            if r.status >= 300:
+                raise EngineHTTPError(r.status, path, text)
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                return text
+
+    async def post(self, path: str, body: dict | None = None):
+        return await self._request("POST", path, body if body is not None else {})
+
+    async def get(self, path: str):
+        return await self._request("GET", path)
+
+    # --- generation ---------------------------------------------------------------------------
+    def _generate_body(self, input_ids, sampling_params, rid, return_logprob, stream, extra_key) -> dict:
+        body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
+                "return_logprob": return_logprob, "stream": stream}  # fmt: skip
+        if rid is not None:
+            body["rid"] = rid
+        key = extra_key if extra_key is not None or not self.key_by_weight_version else self.weight_version
+        if key is not None:
+            body["extra_key"] = key
+        return body
+
+    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None) -> dict:
+        out = await self.post("/generate", self._generate_body(input_ids, sampling_params, rid, return_logprob, False, extra_key))
+        self.weight_version = out["meta_info"].get("weight_version", self.weight_version)
+        return out
+
+    async def generate_stream(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None) -> AsyncIterator[dict]:
+        """Yield each SSE chunk (cumulative output, SGLang's default) until `data: [DONE]`."""
+        body = self._generate_body(input_ids, sampling_params, rid, return_logprob, True, extra_key)
+        async with self._session.post(self.base_url + "/generate", json=body) as r:
+            if r.status >= 300:
+                raise EngineHTTPError(r.status, "/generate", await r.text())
+            async for line in r.content:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    return
+                yield json.loads(payload)
+
+    async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
+        return await self.post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def pause(self, mode: str = "abort") -> dict:
+        return await self.post("/pause_generation", {"mode": mode})
+
+    async def resume(self) -> dict:
+        return await self.post("/continue_generation", {})
+
+    # --- weights, memory, cache ---------------------------------------------------------------
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **extra) -> dict:
+        out = await self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version, **extra})
+        self.weight_version = out.get("weight_version", weight_version)
+        return out
+
+    async def update_weights_from_tensor(self, weight_version: str | None = None, **payload) -> dict:
+        out = await self.post("/update_weights_from_tensor", {"weight_version": weight_version, **payload})
+        self.weight_version = out.get("weight_version", weight_version)
+        return out
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        group_name: str = "gyre", backend: str = "nccl") -> dict:  # fmt: skip
+        """SGLang only: join the trainer's NCCL group for /update_weights_from_distributed."""
+        return await self.post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})  # fmt: skip
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              weight_version: str | None = None, group_name: str = "gyre") -> dict:  # fmt: skip
+        """SGLang only: receive these tensors by NCCL broadcast from the trainer's rank 0."""
+        out = await self.post("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": weight_version, "flush_cache": True})  # fmt: skip
+        self.weight_version = weight_version or self.weight_version
+        return out
+
+    async def flush_cache(self) -> dict:
+        return await self.post("/flush_cache", {})
+
+    async def release_memory(self, tags: list[str] | None = None) -> dict:
+        return await self.post("/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory(self, tags: list[str] | None = None) -> dict:
+        return await self.post("/resume_memory_occupation", {"tags": tags})
+
+    # --- status -------------------------------------------------------------------------------
+    async def health(self) -> bool:
+        try:
+            await self.get("/health")
+            return True
+        except (EngineHTTPError, aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def health_generate(self) -> None:
+        await self.get("/health_generate")
+
+    async def model_info(self) -> dict:
+        info = await self.get("/model_info")
+        self.weight_version = info.get("weight_version", self.weight_version)
+        return info
+
+    async def loads(self) -> dict:
+        return await self.get("/v1/loads")
+
+    # --- KV migration (builtin engines only) --------------------------------------------------
+    async def export_kv(self, input_ids, extra_key: str | None = None) -> dict:
+        return await self.post("/gyre/export_kv", {"input_ids": list(input_ids), "extra_key": extra_key})
+
+    async def import_kv(self, export: dict, extra_key: str | None = None) -> dict:
+        return await self.post("/gyre/import_kv", {**export, "extra_key": extra_key})
+
+    async def release_kv_export(self, export_id: str) -> dict:
+        return await self.post("/gyre/release_kv_export", {"export_id": export_id})
+
+
+async def migrate_prefix(src: EngineClient, dst: EngineClient, input_ids: list[int], extra_key: str | None = None) -> dict:
+    """Move the KV of `input_ids`' cached prefix from `src` to `dst` over Mooncake.
+
+    Returns {"transferred_tokens", "recomputed_tokens"}: the page-aligned prefix `dst` got from
+    `src`, and the rest of `input_ids` that `dst` must compute itself. (A /generate on exactly
+    `input_ids` still recomputes its last page: the next token needs one forward.)
+    """
+    export = await src.export_kv(input_ids, extra_key)
+    n = 0
+    if export.get("num_tokens", 0) > 0:
+        try:
+            n = (await dst.import_kv(export, extra_key))["transferred_tokens"]
+        finally:
+            await src.release_kv_export(export["export_id"])
+    return {"transferred_tokens": n, "recomputed_tokens": len(input_ids) - n}

@@ -1,0 +1,78 @@
+"""Engine config: which server serves rollouts (builtin CPU engine or SGLang) and how it is launched."""
+
+from dataclasses import dataclass, field
+
+from gyre.errors import require
+
+BACKENDS = ("builtin", "sglang")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """One rollout server. Both backends speak the SGLang HTTP contract (DESIGN.md)."""
+
+    backend: str = "builtin"
+    """`builtin` (Gyre's CPU engine, `gyre-engine`) or `sglang` (sglang.launch_server on GPUs)."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0 picks a free port (the launcher reads it back)."""
+    model_path: str | None = None
+    """Model directory (config.json + weights). Builtin: None means random weights from `init_seed`."""
+    init_seed: int = 0
+    """Seed of the builtin engine's random initial weights (when model_path is None)."""
+    weight_version: str = "0"
+    """Version reported for the initial weights; updates replace it."""
+    max_running_requests: int = 32
+    """Requests decoded together in one batch (continuous batching); more wait in a queue."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens prefilled per engine step (chunked prefill keeps decodes flowing)."""
+    page_size: int = 16
+    """Prefix-cache granularity in tokens (SGLang's --page-size)."""
+    prefix_cache_tokens: int = 262144
+    """Builtin prefix-cache capacity in tokens (LRU eviction beyond it)."""
+    startup_timeout_s: float = 600.0
+    """Launchers give up if /health does not answer 200 within this time."""
+    request_timeout_s: float = 3600.0
+    """Client-side timeout of one HTTP call to the engine."""
+    tp_size: int = 1
+    """SGLang tensor parallelism (GPUs per server)."""
+    mem_fraction_static: float = 0.85
+    """SGLang: GPU memory fraction for weights + KV pool."""
+    enable_memory_saver: bool = True
+    """SGLang: needed for /release_memory_occupation (a cell switching to TRAIN frees the GPU)."""
+    enable_hicache: bool = True
+    """SGLang: hierarchical KV cache (GPU -> host -> L3 store)."""
+    hicache_storage_backend: str = "mooncake"
+    hicache_write_policy: str = "write_through"
+    hicache_ratio: float = 2.0
+    """SGLang: host KV pool size as a multiple of the GPU pool."""
+    mooncake_master: str = ""
+    """host:port of the shared mooncake_master (the L3 store all servers see); required with HiCache."""
+    mooncake_protocol: str = "tcp"
+    """Mooncake transport: `tcp` here, `rdma` on InfiniBand clusters."""
+    load_format: str = "auto"
+    """SGLang --load-format (`dummy` for random weights in tests)."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra sglang.launch_server flags, passed through verbatim."""
+
+    def __post_init__(self):
+        require(self.backend in BACKENDS, "backend", f"must be one of {list(BACKENDS)}, got {self.backend!r}")
+        require(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")
+        require(self.max_running_requests >= 1, "max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        require(self.max_prefill_tokens >= 1, "max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
+        require(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
+        require(self.prefix_cache_tokens >= 0, "prefix_cache_tokens", f"must be >= 0, got {self.prefix_cache_tokens}")
+        require(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
+        require(0 < self.mem_fraction_static < 1, "mem_fraction_static", f"must be in (0, 1), got {self.mem_fraction_static}")
+        require(self.startup_timeout_s > 0, "startup_timeout_s", f"must be > 0, got {self.startup_timeout_s}")
+        require(
+            self.backend != "sglang" or self.model_path is not None,
+            "model_path",
+            "SGLang needs a model directory (use load_format=dummy for random weights)",
+        )
+        require(
+            not (self.backend == "sglang" and self.enable_hicache and self.hicache_storage_backend == "mooncake")
+            or bool(self.mooncake_master),
+            "mooncake_master",
+            "HiCache with the mooncake L3 store needs the shared mooncake_master host:port (or enable_hicache=false)",
+        )

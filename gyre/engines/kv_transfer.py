@@ -1,0 +1,71 @@
+"""KV prefix export/import between builtin engines over the Mooncake Transfer Engine.
+
+Export: the source engine copies a cached prefix's KV pages into one registered buffer and
+publishes (session_id, address, layout). Import: the destination reads those bytes with one
+Mooncake read, checks shapes and weight version, and inserts the pages into its prefix cache, so a
+rerouted session's next /generate reports them as cached_tokens instead of recomputing them.
+"""
+
+import asyncio
+import itertools
+import threading
+from collections import OrderedDict
+
+import torch
+
+from gyre.engines.core import EngineRequestError
+from gyre.transfer import TransferEndpoint
+
+MAX_EXPORTS = 8
+
+
+class KVExporter:
+    """Holds published buffers (at most MAX_EXPORTS; the oldest is withdrawn first)."""
+
+    def __init__(self):
+        self._endpoint: TransferEndpoint | None = None
+        self._exports: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> TransferEndpoint:
+        with self._lock:
+            if self._endpoint is None:
+                self._endpoint = TransferEndpoint()
+            return self._endpoint
+
+    def publish(self, kv: torch.Tensor) -> dict:
+        descriptor, buf = self.endpoint.publish_tensors({"kv": kv.contiguous()})
+        export_id = str(next(self._ids))
+        with self._lock:
+            self._exports[export_id] = buf
+            while len(self._exports) > MAX_EXPORTS:
+                self._endpoint.unregister(self._exports.popitem(last=False)[1])
+        return {"export_id": export_id, **descriptor}
+
+    def release(self, export_id: str) -> None:
+        with self._lock:
+            buf = self._exports.pop(export_id, None)
+        if buf is not None:
+            self.endpoint.unregister(buf)
+
+    def close(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint.close()
+
+
+async def import_kv_pages(server, body: dict) -> int:
+    """Read the KV a peer exported and insert it into `server`'s prefix cache; returns tokens imported."""
+
+
+    cfg = server.model_cfg
+    tensors = await asyncio.to_thread(server.exporter.endpoint.fetch_tensors, body)
+    kv, ids, n = tensors.get("kv"), body["input_ids"], int(body["num_tokens"])
+    want = (cfg.num_layers, 2, n, cfg.num_query_groups, cfg.head_dim)
+    if kv is None or tuple(kv.shape) != want or kv.dtype != torch.float32:
+        raise EngineRequestError(f"imported KV has shape {None if kv is None else tuple(kv.shape)}, this model needs {want} float32")
+    if len(ids) < n or any(not 0 <= t < cfg.vocab_size for t in ids[:n]):
+        raise EngineRequestError(f"input_ids must hold the {n} exported tokens, all inside the vocabulary")
+    version, extra_key = str(body["weight_version"]), body.get("extra_key")
+    return await asyncio.wrap_future(server.core.call(lambda: server.core.import_kv(ids[:n], kv, version, extra_key)))

@@ -1,0 +1,84 @@
+"""Paged prefix cache: KV of full token pages, found by walking a hash chain from the first page.
+
+A page's key hashes (namespace, parent key, its tokens); the namespace holds the weight version
+(and SGLang's `extra_key`), so KV computed with old weights is never matched after an update.
+Lookups verify tokens and parents, so a hash collision can only miss, never return wrong KV.
+Eviction is LRU; a chain is touched leaf-first so ancestors stay newer than descendants.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Page:
+    parent: int | None
+    tokens: tuple[int, ...]
+    kv: torch.Tensor
+    """[num_layers, 2, page_size, num_kv_heads, head_dim]"""
+    last_used: int = 0
+
+
+class PrefixCache:
+    def __init__(self, page_size: int, capacity_tokens: int):
+        self.page_size = page_size
+        self.capacity_pages = capacity_tokens // page_size
+        self._pages: dict[int, Page] = {}
+        self._clock = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._pages) * self.page_size
+
+    def clear(self) -> None:
+        self._pages.clear()
+
+    def _walk(self, namespace: tuple, tokens: list[int]) -> list[tuple[int, tuple[int, ...]]]:
+        keys, parent, ps = [], None, self.page_size
+        for start in range(0, len(tokens) - ps + 1, ps):
+            chunk = tuple(tokens[start : start + ps])
+            key = hash((namespace, parent, chunk))
+            keys.append((key, chunk))
+            parent = key
+        return keys
+
+    def match(self, namespace: tuple, tokens: list[int]) -> list[torch.Tensor]:
+        """KV pages of the longest cached page-aligned prefix of `tokens` (possibly empty)."""
+        found, parent = [], None
+        for key, chunk in self._walk(namespace, tokens):
+            page = self._pages.get(key)
+            if page is None or page.tokens != chunk or page.parent != parent:
+                break
+            found.append((key, page))
+            parent = key
+        for key, page in reversed(found):
+            self._clock += 1
+            page.last_used = self._clock
+        return [p.kv for _, p in found]
+
+    def insert(self, namespace: tuple, tokens: list[int], kv: torch.Tensor) -> int:
+        """Cache the full pages of `tokens` whose KV is `kv` [L, 2, >=len(tokens), nKV, hd]; returns pages added."""
+        added, ps = 0, self.page_size
+        if self.capacity_pages == 0:
+            return 0
+        walk = self._walk(namespace, tokens)
+        parent = None
+        for i, (key, chunk) in enumerate(walk):
+            page = self._pages.get(key)
+            if page is None or page.tokens != chunk or page.parent != parent:
+                self._pages[key] = Page(parent, chunk, kv[:, :, i * ps : (i + 1) * ps].clone())
+                added += 1
+            parent = key
+        for key, _ in reversed(walk):
+            self._clock += 1
+            self._pages[key].last_used = self._clock
+        self._evict()
+        return added
+
+    def _evict(self) -> None:
+        excess = len(self._pages) - self.capacity_pages
+        if excess <= 0:
+            return
+        for key, _ in sorted(self._pages.items(), key=lambda kv: kv[1].last_used)[:excess]:
+            del self._pages[key]

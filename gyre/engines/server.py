@@ -1,0 +1,336 @@
+"""`gyre-engine`'s HTTP edge: the SGLang contract served by aiohttp over an EngineCore.
+
+Handlers parse and validate (gyre.engines.protocol), then hand work to the engine thread (submit
+for generations, call() for control). Errors the engine refuses come back as 400 with a JSON
+`{"error": {"message": ...}}` body; the server stays up. KV export/import (`/gyre/*`) moves pages
+over the Mooncake Transfer Engine.
+"""
+
+import argparse
+import asyncio
+import base64
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from aiohttp import web
+from aiohttp_sse import sse_response
+from safetensors.torch import load as load_safetensors
+
+from gyre.engines.config import EngineConfig
+from gyre.engines.core import EngineCore, EngineRequestError, Request
+from gyre.engines.kv_transfer import KVExporter, import_kv_pages
+from gyre.engines.protocol import BadRequest, make_response, parse_generate
+from gyre.errors import GyreError
+from gyre.models.checkpoint import load_checkpoint, save_checkpoint
+from gyre.models.config import ModelConfig
+from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer
+from gyre.models.transformer import init_weights
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}, "success": False, "message": message}, status=status)
+
+
+async def _json(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+@web.middleware
+async def _errors_to_400(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except (BadRequest, EngineRequestError) as e:
+        return _error(400, str(e))
+
+
+class BuiltinEngineServer:
+    """Owns the EngineCore, the weight source (for resume after release), and the KV exporter."""
+
+    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig):
+        self.cfg = engine_cfg
+        if engine_cfg.model_path:
+            model_cfg, weights = load_checkpoint(engine_cfg.model_path)
+            self._source = engine_cfg.model_path
+        else:
+            weights = init_weights(model_cfg, engine_cfg.init_seed)
+            self._source = None
+        self.model_cfg = model_cfg
+        self.model_path = engine_cfg.model_path
+        ok = model_cfg.vocab_size >= 256 + len(SPECIAL_TOKENS)
+        self.tokenizer = ByteTokenizer(model_cfg.vocab_size) if ok else None
+        self.core = EngineCore(
+            model_cfg, weights, engine_cfg.weight_version,
+            max_running_requests=engine_cfg.max_running_requests, max_prefill_tokens=engine_cfg.max_prefill_tokens,
+            page_size=engine_cfg.page_size, prefix_cache_tokens=engine_cfg.prefix_cache_tokens,
+        )  # fmt: skip
+        self.exporter = KVExporter()
+        self._scratch = tempfile.mkdtemp(prefix="gyre-engine-")
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors_to_400], client_max_size=1 << 30)
+        post, get = web.post, web.get
+        app.add_routes([
+            post("/generate", self.generate), post("/abort_request", self.abort_request),
+            post("/pause_generation", self.pause), post("/continue_generation", self.continue_generation),
+            post("/update_weights_from_disk", self.update_from_disk),
+            post("/update_weights_from_tensor", self.update_from_tensor),
+            post("/update_weights_from_distributed", self.unsupported),
+            post("/init_weights_update_group", self.unsupported),
+            post("/flush_cache", self.flush_cache), get("/flush_cache", self.flush_cache),
+            post("/release_memory_occupation", self.release_memory),
+            post("/resume_memory_occupation", self.resume_memory),
+            get("/health", self.health), get("/health_generate", self.health_generate),
+            get("/model_info", self.model_info), get("/get_model_info", self.model_info),
+            get("/v1/loads", self.loads),
+            post("/gyre/export_kv", self.export_kv), post("/gyre/release_kv_export", self.release_kv_export),
+            post("/gyre/import_kv", self.import_kv),
+        ])  # fmt: skip
+        app.on_startup.append(lambda _app: self._start())
+        app.on_cleanup.append(lambda _app: self._close())
+        return app
+
+    async def _start(self) -> None:
+        self.core.start()
+
+    async def _close(self) -> None:
+        await asyncio.to_thread(self.core.stop)
+        self.exporter.close()
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+    async def _call(self, fn):
+        return await asyncio.wrap_future(self.core.call(fn))
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    # --- generation ---------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
+        g = parse_generate(body, self.model_cfg.vocab_size, self.model_cfg.max_seq_len,
+                           self.tokenizer.encode if self.tokenizer else None)  # fmt: skip
+        loop, queue, t0 = asyncio.get_running_loop(), asyncio.Queue(), time.monotonic()
+
+        def emit(req: Request, final: bool) -> None:  # engine thread: snapshot, then hand over
+            if final or g.stream:
+                snap = make_response(req, self._text(req.output_ids), self.core.weight_version, g.return_logprob, time.monotonic() - t0)
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, (snap, final))
+                except RuntimeError:  # the server's loop is closed: shutting down, nobody to tell
+                    pass
+
+        self.core.submit(Request(g.rid, g.input_ids, g.params, emit, extra_key=g.extra_key))
+        try:
+            if not g.stream:
+                while True:
+                    snap, final = await queue.get()
+                    if final:
+                        return web.json_response(snap)
+            async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
+                final = False
+                while not final:
+                    snap, final = await queue.get()
+                    await sse.send(json.dumps(snap))
+                await sse.send("[DONE]")
+            return sse
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.core.call(lambda: self.core.abort(g.rid))  # the client went away: free its slot
+            raise
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        n = await self._call(lambda: self.core.abort(body.get("rid"), bool(body.get("abort_all", False))))
+        return web.json_response({"success": True, "num_aborted": n})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = (await _json(request)).get("mode", "abort")
+        await self._call(lambda: self.core.pause(mode))
+        return web.json_response({"success": True, "mode": mode})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await self._call(self.core.resume)
+        return web.json_response({"success": True})
+
+    # --- weights ------------------------------------------------------------------------------
+    async def _apply_weights(self, body: dict, weights: dict) -> web.Response:
+        version = body.get("weight_version")
+        if body.get("abort_all_requests"):
+            await self._call(lambda: self.core.abort(abort_all=True))
+        flush = bool(body.get("flush_cache", True))
+        new = await self._call(lambda: self.core.update_weights(weights, None if version is None else str(version), flush))
+        return web.json_response({"success": True, "message": "weights updated", "weight_version": new})
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str):
+            raise BadRequest("missing model_path (a directory with config.json and model.safetensors)")
+        try:
+            cfg, weights = await asyncio.to_thread(load_checkpoint, path)
+        except (OSError, ValueError) as e:
+            raise BadRequest(f"cannot load {path}: {e}") from None
+        if dataclasses.replace(cfg, name=self.model_cfg.name) != self.model_cfg:
+            raise BadRequest(f"{path}/config.json describes a different architecture than the served model")
+        response = await self._apply_weights(body, weights)
+        self._source = path
+        return response
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        """`load_format` "gyre_transfer" reads a packed buffer from a peer over Mooncake
+        ({session_id, address, layout}); otherwise `serialized_named_tensors` is a list of
+        base64-encoded safetensors blobs (SGLang's pickled tensors are not accepted)."""
+        body = await _json(request)
+        try:
+            if body.get("load_format") == "gyre_transfer":
+                weights = await asyncio.to_thread(self.exporter.endpoint.fetch_tensors, body)
+            else:
+                blobs = body.get("serialized_named_tensors")
+                if not isinstance(blobs, list) or not blobs:
+                    raise BadRequest("missing serialized_named_tensors (base64 safetensors) or load_format=gyre_transfer")
+                weights = {}
+                for b in blobs:
+                    weights.update({k: v.clone() for k, v in load_safetensors(base64.b64decode(b)).items()})
+        except (KeyError, TypeError, ValueError, GyreError) as e:
+            raise BadRequest(f"bad weight payload: {e!r}") from None
+        response = await self._apply_weights(body, weights)
+        self._source = None  # only in memory now: release() will spill to scratch
+        return response
+
+    async def unsupported(self, request: web.Request) -> web.Response:
+        return _error(400, f"{request.path} needs NCCL and is SGLang-only; the builtin engine takes "
+                           "/update_weights_from_tensor with load_format=gyre_transfer (Mooncake)")  # fmt: skip
+
+    # --- memory and cache ---------------------------------------------------------------------
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        await self._call(self.core.flush_cache)
+        return web.json_response({"success": True, "message": "cache flushed"})
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        tags = (await _json(request)).get("tags") or ["weights", "kv_cache"]
+        # Released weights come back from disk on resume: spill in-memory ones to scratch first.
+        if "weights" in tags and self._source is None and self.core.weights is not None:
+            spill = os.path.join(self._scratch, "released")
+            await asyncio.to_thread(save_checkpoint, spill, self.model_cfg, self.core.weights)
+            self._source = spill
+        await self._call(lambda: self.core.release_memory(list(tags)))
+        return web.json_response({"success": True})
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        tags = (await _json(request)).get("tags") or ["weights", "kv_cache"]
+        weights = None
+        if "weights" in tags and "weights" in self.core.released:
+            weights = (await asyncio.to_thread(load_checkpoint, self._source))[1]
+        await self._call(lambda: self.core.resume_memory(list(tags), weights))
+        return web.json_response({"success": True})
+
+    # --- status -------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="OK") if self.core.alive else _error(503, "engine thread is not running")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if self.core.paused or self.core.released:
+            return _error(503, "generation is paused or memory is released")
+        loop, done = asyncio.get_running_loop(), asyncio.Event()
+        req = Request("health-" + os.urandom(4).hex(), [0], parse_generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}, 1, 2).params,
+                      lambda _r, final: final and loop.call_soon_threadsafe(done.set))  # fmt: skip
+        self.core.submit(req)
+        try:
+            await asyncio.wait_for(done.wait(), timeout=20)
+        except TimeoutError:
+            self.core.call(lambda: self.core.abort(req.rid))
+            return _error(503, "a 1-token generation did not finish within 20 s")
+        return web.Response(text="OK")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
+            "weight_version": self.core.weight_version, "context_length": self.model_cfg.max_seq_len,
+            "vocab_size": self.model_cfg.vocab_size, "engine": "gyre-builtin",
+            "model_config": dataclasses.asdict(self.model_cfg),
+        })  # fmt: skip
+
+    async def loads(self, request: web.Request) -> web.Response:
+        return web.json_response({"loads": [{"dp_rank": 0, **self.core.loads()}]})
+
+    # --- KV export/import (Gyre extension) ----------------------------------------------------
+    async def export_kv(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        ids = parse_generate({"input_ids": body.get("input_ids"), "sampling_params": {"max_new_tokens": 0}},
+                             self.model_cfg.vocab_size, self.model_cfg.max_seq_len).input_ids  # fmt: skip
+        extra_key = body.get("extra_key")
+        n, kv, version = await self._call(lambda: self.core.export_kv(ids, extra_key))
+        if n == 0:
+            return web.json_response({"num_tokens": 0, "weight_version": version})
+        return web.json_response({**self.exporter.publish(kv), "num_tokens": n, "input_ids": ids[:n], "weight_version": version})
+
+    async def release_kv_export(self, request: web.Request) -> web.Response:
+        self.exporter.release(str((await _json(request)).get("export_id")))
+        return web.json_response({"success": True})
+
+    async def import_kv(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        try:
+            n = await import_kv_pages(self, body)
+        except (KeyError, TypeError) as e:
+            raise BadRequest(f"bad import_kv body: missing or malformed {e}") from None
+        return web.json_response({"success": True, "transferred_tokens": n})
+
+
+def serve(engine_cfg: EngineConfig, model_cfg: ModelConfig, port_file: str | None = None) -> None:
+    """Run the builtin engine until SIGINT/SIGTERM; writes the bound port to `port_file` once listening."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    server = BuiltinEngineServer(engine_cfg, model_cfg)
+
+    async def main() -> None:
+        runner = web.AppRunner(server.app(), handle_signals=True)
+        await runner.setup()
+        site = web.TCPSite(runner, engine_cfg.host, engine_cfg.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        if port_file:
+            tmp = port_file + ".tmp"
+            Path(tmp).write_text(str(port))
+            os.replace(tmp, port_file)
+        print(f"gyre-engine: serving on http://{engine_cfg.host}:{port}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m gyre.engines.server --engine-json '{...}' --model-json '{...}' [--port-file F]`."""
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--engine-json", default="{}", help="EngineConfig fields as JSON")
+    p.add_argument("--model-json", default="{}", help="ModelConfig fields as JSON (ignored with model_path)")
+    p.add_argument("--port-file", default=None)
+    a = p.parse_args(argv)
+    try:
+        engine_cfg = EngineConfig(**json.loads(a.engine_json))
+        model_cfg = ModelConfig(**json.loads(a.model_json))
+    except (TypeError, ValueError) as e:
+        sys.exit(f"gyre-engine: invalid config: {e}")
+    serve(engine_cfg, model_cfg, a.port_file)
+
+
+if __name__ == "__main__":
+    main()

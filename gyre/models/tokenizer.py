@@ -1,0 +1,217 @@
+"""Tokenizers and the chat template: one interface for Gyre's byte tokenizer and HF tokenizers.
+
+The chat format is ChatML as Qwen2.5 writes it, so prompts and tool calls look the same to the
+proxy for the tiny model and for real Qwen models:
+
+    <|im_start|>system\n{system}\n\n# Tools ...<tools>\n{json per tool}\n</tools>...<|im_end|>\n
+    <|im_start|>user\n{text}<|im_end|>\n
+    <|im_start|>assistant\n{text}<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call><|im_end|>\n
+    <|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n   (role "tool")
+    <|im_start|>assistant\n                                                    (generation prompt)
+
+Messages are OpenAI-style dicts: {"role", "content", "tool_calls": [{"name", "arguments"}]}.
+`ByteTokenizer` needs no files: bytes are ids 0..255 and the special tokens follow. Special-token
+text inside message content is encoded as plain bytes, so content cannot forge structure.
+"""
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from gyre.errors import GyreError
+
+ROLES = ("system", "user", "assistant", "tool")
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+    "<tool_response>", "</tool_response>", "<think>", "</think>",
+)  # fmt: skip
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ChatTemplateError(GyreError):
+    """A message list the template cannot render (unknown role, bad tool call)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class ParsedAssistant:
+    """An assistant turn split into text and tool calls; `malformed` keeps unparseable call bodies."""
+
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    malformed: list[str] = field(default_factory=list)
+
+
+class Special(str):
+    """A piece of a rendered chat that is a special token, not text."""
+
+
+def render_chat(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[str]:
+    """Render messages into pieces: `Special` tokens and plain text (pure; the tokenizer maps them).
+
+    Raises:
+        ChatTemplateError: naming the message index and the problem.
+    """
+    out: list[str] = []
+    msgs = list(messages)
+    system = msgs.pop(0)["content"] if msgs and msgs[0].get("role") == "system" else None
+    if tools:
+        lines = "\n".join(json.dumps(t, sort_keys=True) for t in tools)
+        system = (system or "You are a helpful assistant.") + (
+            "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
+    if system is not None:
+        out += [Special("<|im_start|>"), f"system\n{system}", Special("<|im_end|>"), "\n"]
+    first = len(messages) - len(msgs)  # index of msgs[0] in `messages`, for error messages
+    for i, m in enumerate(msgs, start=first):
+        role, content = m.get("role"), m.get("content") or ""
+        if role not in ROLES or role == "system":
+            raise ChatTemplateError(f"message {i}: role {role!r} not allowed here; valid: user, assistant, tool (system only first)")
+        if not isinstance(content, str):
+            raise ChatTemplateError(f"message {i}: content must be a string, got {type(content).__name__}")
+        if role == "tool":
+            out += [Special("<|im_start|>"), "user\n", Special("<tool_response>"), f"\n{content}\n", Special("</tool_response>"), Special("<|im_end|>"), "\n"]
+            continue
+        out += [Special("<|im_start|>"), f"{role}\n{content}"]
+        for call in m.get("tool_calls") or []:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
+                raise ChatTemplateError(f"message {i}: a tool call needs a string 'name' and an object 'arguments'")
+            body = json.dumps({"name": call["name"], "arguments": call.get("arguments", {})})
+            out += ["\n" if content else "", Special("<tool_call>"), f"\n{body}\n", Special("</tool_call>")]
+        out += [Special("<|im_end|>"), "\n"]
+    if add_generation_prompt:
+        out += [Special("<|im_start|>"), "assistant\n"]
+    return [p for p in out if p]
+
+
+def parse_assistant_text(text: str) -> ParsedAssistant:
+    """Split generated assistant text (special tokens kept, `<|im_end|>` stripped) into content and calls."""
+    text = text.split("<|im_end|>")[0]
+    calls, malformed = [], []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(body)
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                raise ValueError("needs a string 'name'")
+            args = obj.get("arguments", {})
+            args = json.loads(args) if isinstance(args, str) else args
+            if not isinstance(args, dict):
+                raise ValueError("'arguments' must be an object")
+            calls.append(ToolCall(obj["name"], args))
+        except ValueError:
+            malformed.append(body)
+    content = _TOOL_CALL.sub("", text).strip()
+    return ParsedAssistant(content, calls, malformed)
+
+
+class BaseTokenizer(ABC):
+    """What the proxy and engines need from a tokenizer, for Gyre's byte tokenizer and HF ones alike."""
+
+    vocab_size: int
+    eos_token_id: int
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids; special-token strings in `text` are not treated as special."""
+
+    @abstractmethod
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]: ...
+
+    @property
+    @abstractmethod
+    def stop_token_ids(self) -> list[int]:
+        """Ids that end an assistant turn (pass as sampling_params.stop_token_ids)."""
+
+    def parse_assistant(self, output_ids: list[int]) -> ParsedAssistant:
+        """Parse generated ids of one assistant turn into content and tool calls."""
+        return parse_assistant_text(self.decode(output_ids))
+
+
+class ByteTokenizer(BaseTokenizer):
+    """Bytes 0..255, then SPECIAL_TOKENS; ids above those up to vocab_size-1 are reserved (decode to "")."""
+
+    def __init__(self, vocab_size: int = 512):
+        if vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise GyreError(f"ByteTokenizer needs vocab_size >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.special_ids = {s: 256 + i for i, s in enumerate(SPECIAL_TOKENS)}
+        self._special_by_id = {i: s for s, i in self.special_ids.items()}
+        self.eos_token_id = self.special_ids["<|im_end|>"]
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return [self.special_ids["<|im_end|>"], self.special_ids["<|endoftext|>"]]
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            if i in self._special_by_id and not skip_special_tokens:
+                out.append(self._special_by_id[i])
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
+        ids: list[int] = []
+        for piece in render_chat(messages, tools, add_generation_prompt):
+            ids += [self.special_ids[piece]] if isinstance(piece, Special) else self.encode(piece)
+        return ids
+
+
+class HFTokenizer(BaseTokenizer):
+    """A Hugging Face tokenizer and the chat template from a model directory (real Qwen models).
+
+    GPU path: `transformers` is not installed on the CPU machines, so this class is exercised only
+    where a real model directory is served (the `gpu`-marked SGLang test).
+    """
+
+    def __init__(self, model_path: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            raise GyreError(f"HFTokenizer needs `transformers` to read {model_path} ({e})") from e
+        self._tok = AutoTokenizer.from_pretrained(model_path)
+        self.vocab_size = len(self._tok)
+        self.eos_token_id = self._tok.eos_token_id
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        ids = {self.eos_token_id}
+        for s in ("<|im_end|>", "<|endoftext|>"):
+            i = self._tok.convert_tokens_to_ids(s)
+            if isinstance(i, int) and i != self._tok.unk_token_id:
+                ids.add(i)
+        return sorted(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
+        hf_msgs = [
+            {**m, "tool_calls": [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in m["tool_calls"]]}
+            if m.get("tool_calls") else m
+            for m in messages
+        ]  # fmt: skip
+        return list(self._tok.apply_chat_template(hf_msgs, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt))

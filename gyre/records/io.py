@@ -1,0 +1,249 @@
+"""Append-only storage of an execution's records: one JSON line per call, token arrays in base64.
+
+Format (version 1), one object per line:
+    {"v": 1, <scalar fields of CallRecord>, "versions": [[start, end, version], ...],
+     "input_base": <call_id or null>, "input_prefix": n, "input_suffix": <b64 int32>,
+     "output": <b64 int32>, "logprobs": <b64 float32>}
+A call's input is stored as the first n tokens of an earlier record's input+output (`input_base`,
+normally the same agent's previous call) plus the new suffix: a harness re-sends its whole context
+each call, so storing inputs whole would cost O(calls x context) (tens of millions of tokens for a
+700K-token execution); the delta keeps files near the execution's unique tokens.
+
+Crash tolerance: each record is one write of one line, then flush + fsync. A model call costs
+seconds of accelerator time and an execution makes a few hundred, so one fsync (~ms) per call is
+cheap and bounds a crash's loss to the call in flight. The reader treats an unparseable *last*
+line as torn (skipped, counted, warned); a writer reopening a file cuts such a tail off first, so
+a torn line can only ever be the last one and an unparseable line elsewhere is real corruption.
+"""
+
+import base64
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from gyre.errors import GyreError
+from gyre.records.record import CallRecord, RecordError, VersionSpan
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MIN_SHARED_PREFIX = 64
+"""Shorter shared prefixes are stored inline: a base reference would save less than it costs."""
+_SCALARS = ("execution_id", "call_id", "seq", "agent_id", "parent_agent_id", "kind_hint", "finish_reason",
+            "engine_id", "cell_id", "rerouted", "num_migrated_tokens", "num_recomputed_tokens", "started_at",
+            "finished_at", "is_retry", "hints")
+
+
+class RecordFileError(GyreError):
+    """A records file that cannot be read as a whole (corruption other than a torn last line)."""
+
+
+@dataclass
+class ReadStats:
+    """What reading a records file found besides the records themselves."""
+
+    num_records: int = 0
+    num_torn: int = 0
+    """1 if the last line was torn by a crash mid-write (it was skipped), else 0."""
+    invalid: list[tuple[int, str]] = field(default_factory=list)
+    """(line number, reason) of complete lines whose record breaks the contract (skipped)."""
+    num_bytes: int = 0
+
+
+def _b64(a: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(np.ascontiguousarray(a, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _unb64(s: str, dtype: type) -> np.ndarray:
+    raw = base64.b64decode(s, validate=True)
+    return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype, copy=False)
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D arrays (vectorised)."""
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def encode_record(record: CallRecord, base: tuple[str, np.ndarray] | None = None) -> str:
+    """One JSON line (with trailing newline) for `record`; `base` = (call_id, its input+output) to delta against."""
+    obj = {"v": FORMAT_VERSION, **{k: getattr(record, k) for k in _SCALARS}}
+    obj["versions"] = [[s.start, s.end, s.version] for s in record.version_spans]
+    prefix = common_prefix_len(record.input_ids, base[1]) if base is not None else 0
+    if prefix < MIN_SHARED_PREFIX:
+        base, prefix = None, 0
+    obj["input_base"] = base[0] if base is not None else None
+    obj["input_prefix"] = prefix
+    obj["input_suffix"] = _b64(record.input_ids[prefix:], "<i4")
+    obj["output"] = _b64(record.output_ids, "<i4")
+    obj["logprobs"] = _b64(record.logprobs, "<f4")
+    return json.dumps(obj, separators=(",", ":")) + "\n"
+
+
+def decode_record(obj: dict, sequences: dict[str, tuple[np.ndarray, np.ndarray]]) -> CallRecord:
+    """The record of one parsed line; `sequences` maps earlier call ids to their (input, output).
+
+    The line's own token arrays are added to `sequences` as soon as they decode, even if the record
+    then breaks the contract, so later records that delta against it stay readable.
+
+    Raises:
+        RecordError: a missing or malformed field, an unknown base, or a record breaking the contract.
+    """
+    try:
+        if obj.get("v") != FORMAT_VERSION:
+            raise RecordError(f"format version {obj.get('v')!r}, this reader knows {FORMAT_VERSION}")
+        input_ids = _decode_input(obj, sequences)
+        output_ids = _unb64(obj["output"], np.int32)
+        sequences[str(obj["call_id"])] = (input_ids, output_ids)
+        spans = tuple(VersionSpan(int(a), int(b), int(v)) for a, b, v in obj["versions"])
+        return CallRecord(**{k: obj[k] for k in _SCALARS}, input_ids=input_ids, output_ids=output_ids,
+                          logprobs=_unb64(obj["logprobs"], np.float32), version_spans=spans)
+    except KeyError as e:
+        raise RecordError(f"missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, RecordError):
+            raise
+        raise RecordError(f"malformed field: {e}") from None
+
+
+def _decode_input(obj: dict, sequences: dict[str, tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    suffix = _unb64(obj["input_suffix"], np.int32)
+    if obj["input_base"] is None:
+        return suffix
+    if obj["input_base"] not in sequences:
+        raise RecordError(f"input_base {obj['input_base']!r} is not an earlier record")
+    b_in, b_out = sequences[obj["input_base"]]
+    n = int(obj["input_prefix"])
+    if not 0 < n <= b_in.size + b_out.size:
+        raise RecordError(f"input_prefix {n} outside its base of {b_in.size + b_out.size} tokens")
+    head = b_in[:n] if n <= b_in.size else np.concatenate((b_in, b_out[: n - b_in.size]))
+    return np.concatenate((head, suffix))
+
+
+class RecordWriter:
+    """Appends one execution's records to `path`; thread-safe, durable per record (see module doc).
+
+    Usage: `with RecordWriter(path) as w: w.append(record)`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = True):
+        self.path = Path(path)
+        self._fsync = fsync
+        self._lock = threading.Lock()
+        self._last_by_agent: dict[str, tuple[str, np.ndarray]] = {}
+        self._execution_id: str | None = None
+        created = not self.path.exists()
+        self._file = open(self.path, "ab+")
+        self.num_truncated_bytes = self._cut_torn_tail()
+        if created and fsync:
+            _fsync_dir(self.path.parent)
+
+    def _cut_torn_tail(self) -> int:
+        """Remove a last line torn by a crash, so that only a new crash can tear the file."""
+        size = self._file.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        self._file.seek(size - 1)
+        ends_with_newline = self._file.read(1) == b"\n"
+        end = size - 1 if ends_with_newline else size
+        start, chunk = end, 1 << 16
+        while start > 0:
+            lo = max(0, start - chunk)
+            self._file.seek(lo)
+            cut = self._file.read(start - lo).rfind(b"\n")
+            if cut >= 0:
+                start = lo + cut + 1
+                break
+            start = lo
+        self._file.seek(start)
+        try:
+            json.loads(self._file.read(end - start))
+        except ValueError:
+            self._file.truncate(start)
+            log.warning("%s: cut a torn last line of %d bytes left by a crash", self.path, size - start)
+            return size - start
+        if not ends_with_newline:
+            self._file.write(b"\n")
+        return 0
+
+    def append(self, record: CallRecord) -> None:
+        """Write `record` durably; raises RecordError for a record of another file's execution."""
+        with self._lock:
+            if self._execution_id is None:
+                self._execution_id = record.execution_id
+            elif record.execution_id != self._execution_id:
+                raise RecordError(f"{self.path} holds execution {self._execution_id!r}; "
+                                  f"got a record of {record.execution_id!r}")
+            base = self._last_by_agent.get(record.agent_id)
+            line = encode_record(record, base).encode("utf-8")
+            self._file.write(line)
+            self._file.flush()
+            if self._fsync:
+                os.fsync(self._file.fileno())
+            full = np.concatenate((record.input_ids, record.output_ids))
+            self._last_by_agent[record.agent_id] = (record.call_id, full)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+    def __enter__(self) -> "RecordWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a new file's directory entry durable (the file's own fsync does not cover it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_records(path: str | os.PathLike) -> tuple[list[CallRecord], ReadStats]:
+    """All readable records of a file, in file order, and what was skipped.
+
+    Returns:
+        (records, stats): a torn last line is skipped and counted in stats.num_torn (with a
+        warning); complete lines whose record is invalid are skipped and listed in stats.invalid.
+    Raises:
+        RecordFileError: a line other than the last cannot be parsed (corruption, not a crash).
+    """
+    data = Path(path).read_bytes()
+    stats = ReadStats(num_bytes=len(data))
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    records: list[CallRecord] = []
+    sequences: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for i, line in enumerate(lines):
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError(f"a JSON {type(obj).__name__}, not an object")
+        except ValueError as e:
+            if i == len(lines) - 1:
+                stats.num_torn = 1
+                log.warning("%s: skipped a torn last line (%d bytes): %s", path, len(line), e)
+                break
+            raise RecordFileError(f"{path}: line {i + 1} of {len(lines)} is unreadable ({e}); "
+                                  "only the last line can be torn by a crash") from None
+        try:
+            record = decode_record(obj, sequences)
+        except RecordError as e:
+            stats.invalid.append((i + 1, str(e)))
+            log.warning("%s: line %d skipped: %s", path, i + 1, e)
+            continue
+        records.append(record)
+    stats.num_records = len(records)
+    return records, stats

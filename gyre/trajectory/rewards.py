@@ -1,0 +1,62 @@
+"""Reward rules and group-normalised (GRPO) advantages; every exclusion carries a reason.
+
+An execution is scored only by its evaluator: a finished run by its final workspace, a timed-out
+run by its preserved workspace (partial credit). An evaluator crash or infrastructure error says
+nothing about the policy, so the execution is excluded, never scored 0; a run that exhausted the
+overall time budget without a valid reward is discarded.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gyre.trajectory.config import TrajectoryConfig
+
+OUTCOMES = ("finished", "timed_out", "evaluator_error", "budget_exhausted")
+"""finished: the harness exited; timed_out: its time budget ended it (workspace preserved);
+evaluator_error: the evaluator crashed or its infrastructure failed; budget_exhausted: the overall
+time budget ran out before a valid reward existed."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What became of one execution and what its evaluator said."""
+
+    outcome: str
+    """One of OUTCOMES."""
+    score: float | None = None
+    """Evaluator score in [0, 1] of the (final or preserved) workspace; None if there is none."""
+    detail: str = ""
+    """Free text for logs (the evaluator's error, ...)."""
+
+    def __post_init__(self):
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome {self.outcome!r} is not one of {', '.join(OUTCOMES)}")
+        if self.score is not None and not 0.0 <= self.score <= 1.0:
+            raise ValueError(f"score must be in [0, 1], got {self.score}")
+
+
+def reward_of(evaluation: Evaluation) -> tuple[float | None, str | None]:
+    """(reward, None) for a scorable execution, else (None, exclusion reason)."""
+    if evaluation.outcome in ("finished", "timed_out"):
+        if evaluation.score is None:
+            return None, "no_score"
+        return float(evaluation.score), None
+    return None, evaluation.outcome
+
+
+def group_advantages(rewards: dict[str, float], config: TrajectoryConfig) -> tuple[dict[str, float], str | None]:
+    """GRPO advantages of one task group's valid executions, or ({}, reason) to drop the group.
+
+    A_i = (r_i - mean(r)) / (std(r) + eps) with the population std (or without the division when
+    config.normalize_std is False). Reasons: group_too_small, uniform_group.
+    """
+    if len(rewards) < config.min_group_size:
+        return {}, "group_too_small"
+    r = np.array(list(rewards.values()), dtype=np.float64)
+    if config.drop_uniform_groups and np.ptp(r) == 0.0:
+        return {}, "uniform_group"
+    centred = r - r.mean()
+    if config.normalize_std:
+        centred = centred / (r.std() + config.std_eps)
+    return dict(zip(rewards.keys(), centred.tolist())), None

@@ -1,0 +1,112 @@
+"""A Mooncake Transfer Engine endpoint: register local memory, read/write a peer's registered memory.
+
+Each process opens one endpoint; its `session_id` ("host:rpc_port", P2P handshake, no metadata
+server) is what peers pass to reach it. Addresses are plain integers (tensor.data_ptr()), so a
+peer's address must come to you out of band (an HTTP reply, an MPI message).
+"""
+
+import threading
+
+import torch
+
+from gyre.errors import GyreError
+from gyre.transfer.layout import BufferLayout
+
+
+class TransferError(GyreError):
+    """A Mooncake call failed (non-zero status); names the call and the peer."""
+
+
+def _import_engine():
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as e:  # the CUDA wheel fails to import without libcudart
+        raise TransferError(
+            "mooncake is not importable; install mooncake-transfer-engine-non-cuda on CPU machines "
+            f"or mooncake-transfer-engine on GPU nodes ({e})"
+        ) from e
+    return TransferEngine
+
+
+class TransferEndpoint:
+    """One process's transfer endpoint (TCP by default; "rdma" on clusters)."""
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
+        self._engine = _import_engine()()
+        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise TransferError(f"initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
+        self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        self._registered: dict[int, torch.Tensor] = {}  # keeps registered tensors alive
+        self._lock = threading.Lock()
+
+    def register(self, tensor: torch.Tensor) -> int:
+        """Register a contiguous tensor's memory for peers; returns its address."""
+        if not tensor.is_contiguous():
+            raise TransferError("register: tensor must be contiguous")
+        addr = tensor.data_ptr()
+        with self._lock:
+            if addr in self._registered:
+                return addr
+            rc = self._engine.register_memory(addr, tensor.numel() * tensor.element_size())
+            if rc != 0:
+                raise TransferError(f"register_memory({addr:#x}) returned {rc}")
+            self._registered[addr] = tensor
+        return addr
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        """Withdraw a registered tensor; peers must no longer read or write it."""
+        addr = tensor.data_ptr()
+        with self._lock:
+            if self._registered.pop(addr, None) is not None:
+                self._engine.unregister_memory(addr)
+
+    def read(self, peer: str, peer_addr: int, local: torch.Tensor, nbytes: int | None = None) -> None:
+        """Copy `nbytes` (default: all of `local`) from the peer's address into registered `local`."""
+        self._transfer("read", peer, peer_addr, local, nbytes)
+
+    def write(self, peer: str, peer_addr: int, local: torch.Tensor, nbytes: int | None = None) -> None:
+        """Copy `nbytes` (default: all of `local`) from registered `local` to the peer's address."""
+        self._transfer("write", peer, peer_addr, local, nbytes)
+
+    def _transfer(self, op: str, peer: str, peer_addr: int, local: torch.Tensor, nbytes: int | None) -> None:
+        size = local.numel() * local.element_size()
+        nbytes = size if nbytes is None else nbytes
+        if nbytes > size:
+            raise TransferError(f"{op} of {nbytes} bytes overruns the local tensor ({size} bytes)")
+        if local.data_ptr() not in self._registered:
+            raise TransferError(f"{op}: the local tensor is not registered; call register() first")
+        fn = self._engine.transfer_sync_read if op == "read" else self._engine.transfer_sync_write
+        rc = fn(peer, local.data_ptr(), peer_addr, nbytes)
+        if rc != 0:
+            raise TransferError(f"transfer_sync_{op}(peer={peer!r}, addr={peer_addr:#x}, {nbytes} B) returned {rc}")
+
+    def publish_tensors(self, tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
+        """Pack named tensors into one new registered buffer for peers to read.
+
+        Returns (descriptor, buffer): the JSON-able descriptor {session_id, address, layout} goes to
+        the reader out of band; keep `buffer` alive and unregister it once the reader is done.
+        """
+        layout = BufferLayout.for_tensors(tensors)
+        buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
+        layout.pack(tensors, buf)
+        addr = self.register(buf)
+        return {"session_id": self.session_id, "address": addr, "layout": layout.to_json()}, buf
+
+    def fetch_tensors(self, descriptor: dict) -> dict[str, torch.Tensor]:
+        """Read the tensors a peer published (its `publish_tensors` descriptor); returns owned copies."""
+        layout = BufferLayout.from_json(descriptor["layout"])
+        buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
+        self.register(buf)
+        try:
+            self.read(descriptor["session_id"], int(descriptor["address"]), buf, layout.nbytes)
+        finally:
+            self.unregister(buf)
+        return {k: v.clone() for k, v in layout.unpack(buf).items()}
+
+    def close(self) -> None:
+        """Unregister everything this endpoint registered."""
+        with self._lock:
+            for addr in list(self._registered):
+                self._engine.unregister_memory(addr)
+            self._registered.clear()

@@ -1,0 +1,70 @@
+"""KV prefix migration between two builtin engines over the Mooncake Transfer Engine (TCP)."""
+
+import asyncio
+
+import pytest
+import torch
+
+from gyre.engines.client import EngineClient, EngineHTTPError, migrate_prefix
+from gyre.models.transformer import init_weights, sequence_logprobs
+from tests.integration.engine_fixtures import MODEL, SEED, run, start_builtin
+
+
+@pytest.fixture(scope="module")
+def engines():
+    a = start_builtin(max_prefill_tokens=512)  # the 2,000-token prefill runs in 4 chunks
+    try:
+        b = start_builtin(max_prefill_tokens=512)
+    except BaseException:
+        a.stop()
+        raise
+    yield a, b
+    a.stop(), b.stop()
+
+
+def test_a_2000_token_prefix_moves_from_a_to_b(engines):
+    a, b = engines
+    prefix = torch.randint(0, 256, (2000,), generator=torch.Generator().manual_seed(5)).tolist()
+    greedy = {"max_new_tokens": 1, "temperature": 0}
+
+    async def body():
+        async with EngineClient(a.url) as ca, EngineClient(b.url) as cb:
+            first = await ca.generate(prefix, greedy)  # computes and caches the prefix on A
+            again = await ca.generate(prefix, greedy)  # A's own cache hit: same code path B will take
+            moved = await migrate_prefix(ca, cb, prefix)
+            on_b = await cb.generate(prefix, greedy)
+            return first, again, moved, on_b
+
+    first, again, moved, on_b = asyncio.run(body())
+    assert moved["transferred_tokens"] >= 1900 and moved["transferred_tokens"] + moved["recomputed_tokens"] == 2000
+    assert on_b["meta_info"]["cached_tokens"] >= 1900
+    lp = lambda out: out["meta_info"]["output_token_logprobs"][0]  # noqa: E731
+    assert lp(on_b) == lp(again)  # identical: same KV bytes, same computation
+    assert lp(on_b)[1] == lp(first)[1] and abs(lp(on_b)[0] - lp(first)[0]) <= 1e-5
+    ref = sequence_logprobs(MODEL, init_weights(MODEL, SEED), prefix + [lp(first)[1]])[-1]
+    assert abs(float(ref) - lp(first)[0]) <= 1e-5  # chunked prefill == one full forward
+
+
+def test_kv_from_other_weights_is_refused(engines):
+    a, b = engines
+    prefix = list(range(100, 164))
+
+    async def body():
+        async with EngineClient(a.url) as ca, EngineClient(b.url) as cb:
+            await ca.generate(prefix, {"max_new_tokens": 1})
+            export = await ca.export_kv(prefix)
+            try:
+                await cb.import_kv({**export, "weight_version": "some-other-version"})
+            except EngineHTTPError as e:
+                return export, e
+            finally:
+                await ca.release_kv_export(export["export_id"])
+
+    export, err = asyncio.run(body())
+    assert export["num_tokens"] == 64 and err.status == 400 and "weight_version" in err.body
+
+
+def test_nothing_cached_means_nothing_transferred(engines):
+    a, b = engines
+    moved = run(lambda ca: migrate_prefix(ca, ca, [9] * 40), a.url)
+    assert moved == {"transferred_tokens": 0, "recomputed_tokens": 40}

@@ -1,0 +1,130 @@
+"""Engine pure parts: the paged prefix cache, /generate parsing, weight-version spans, the SGLang
+command line (golden), and EngineConfig validation."""
+
+import pytest
+import torch
+
+from gyre.engines.config import EngineConfig
+from gyre.engines.launch import make_sglang_command, make_sglang_env
+from gyre.engines.prefix_cache import PrefixCache
+from gyre.engines.protocol import BadRequest, make_spans, parse_generate
+from gyre.errors import ConfigError
+
+
+def _kv(n: int) -> torch.Tensor:
+    return torch.arange(2 * 2 * n * 3, dtype=torch.float32).view(1, 2, n, 3, 2)
+
+
+def test_prefix_cache_matches_page_aligned_prefixes_per_namespace():
+    cache = PrefixCache(page_size=4, capacity_tokens=64)
+    toks = list(range(10))
+    assert cache.insert(("v0", None), toks, _kv(10)) == 2  # only full pages
+    pages = cache.match(("v0", None), toks + [99])
+    assert len(pages) == 2 and torch.equal(torch.cat(pages, 2), _kv(10)[:, :, :8])
+    assert len(cache.match(("v0", None), [0, 1, 2, 3, 9, 9, 9, 9])) == 1  # diverges in page 2
+    assert cache.match(("v1", None), toks) == []  # other weights: never reused
+    assert cache.match(("v0", "other-key"), toks) == []
+    assert cache.insert(("v0", None), toks, _kv(10)) == 0  # already there
+
+
+def test_prefix_cache_evicts_least_recently_used_leaves_first():
+    cache = PrefixCache(page_size=2, capacity_tokens=8)  # 4 pages
+    cache.insert(("v",), [1, 2, 3, 4, 5, 6], _kv(6))  # 3 pages
+    cache.insert(("v",), [7, 8, 9, 10], _kv(4))  # 2 pages -> one evicted: the oldest leaf, 5 6
+    assert cache.num_tokens == 8
+    assert len(cache.match(("v",), [1, 2, 3, 4, 5, 6])) == 2
+    assert len(cache.match(("v",), [7, 8, 9, 10])) == 2
+
+
+OK = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        pytest.param({}, "missing input_ids", id="no-input"),
+        pytest.param({"input_ids": []}, "empty", id="empty-input"),
+        pytest.param({"input_ids": [1, 600]}, "outside the vocabulary", id="id-too-big"),
+        pytest.param({"input_ids": [-1]}, "outside the vocabulary", id="negative-id"),
+        pytest.param({"input_ids": ["a"]}, "list of integers", id="string-ids"),
+        pytest.param({"input_ids": [[1], [2]]}, "batched", id="batched"),
+        pytest.param({**OK, "sampling_params": {"max_new_tokens": 510}}, "context window", id="beyond-context"),
+        pytest.param({**OK, "sampling_params": {"temperature": -1}}, "temperature", id="negative-temperature"),
+        pytest.param({**OK, "sampling_params": {"top_p": 0}}, "top_p", id="zero-top-p"),
+        pytest.param({**OK, "sampling_params": {"max_new_tokens": 1.5}}, "integer", id="float-max-new"),
+        pytest.param({**OK, "sampling_params": {"sampling_seed": "x"}}, "sampling_seed", id="string-seed"),
+        pytest.param({**OK, "sampling_params": []}, "object", id="params-not-object"),
+        pytest.param({"text": "hi"}, "no tokenizer", id="text-without-tokenizer"),
+    ],
+)
+def test_bad_generate_bodies_name_the_field(body, match):
+    with pytest.raises(BadRequest, match=match):
+        parse_generate(body, vocab_size=512, context_len=512)
+
+
+def test_generate_body_defaults_and_unknown_fields():
+    g = parse_generate({**OK, "whatever": 1, "sampling_params": {"max_new_tokens": 4, "n": 1, "sampling_seed": 7}}, 512, 512)
+    assert g.params.max_new_tokens == 4 and g.params.seed == 7 and g.params.temperature == 1.0 and not g.stream
+    assert parse_generate({"text": "ab"}, 512, 512, encode=lambda t: list(t.encode())).input_ids == [97, 98]
+
+
+def test_spans_group_output_tokens_by_weight_version():
+    assert make_spans(["1", "1", "2", "2", "2"]) == [
+        {"weight_version": "1", "start": 0, "end": 2},
+        {"weight_version": "2", "start": 2, "end": 5},
+    ]
+    assert make_spans([]) == []
+
+
+def test_sglang_command_golden():
+    cfg = EngineConfig(backend="sglang", model_path="/models/qwen", mooncake_master="10.0.0.1:50051", weight_version="7")
+    assert make_sglang_command(cfg, 30001, python="python") == [
+        "python", "-m", "sglang.launch_server", "--model-path", "/models/qwen", "--host", "127.0.0.1",
+        "--port", "30001", "--tp-size", "1", "--mem-fraction-static", "0.85", "--page-size", "16",
+        "--load-format", "auto", "--weight-version", "7", "--enable-memory-saver",
+        "--enable-hierarchical-cache", "--hicache-ratio", "2.0", "--hicache-write-policy", "write_through",
+        "--hicache-storage-backend", "mooncake",
+    ]  # fmt: skip
+    env = make_sglang_env(cfg, {"PATH": "/bin"})
+    assert env["MOONCAKE_MASTER"] == "10.0.0.1:50051" and env["PATH"] == "/bin"
+    plain = EngineConfig(backend="sglang", model_path="/m", enable_hicache=False, extra_args=["--disable-cuda-graph"])
+    cmd = make_sglang_command(plain, 1)
+    assert "--enable-hierarchical-cache" not in cmd and cmd[-1] == "--disable-cuda-graph"
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        pytest.param({"backend": "vllm"}, "backend", id="unknown-backend"),
+        pytest.param({"backend": "sglang"}, "model_path", id="sglang-needs-model"),
+        pytest.param({"backend": "sglang", "model_path": "/m"}, "mooncake_master", id="hicache-needs-store"),
+        pytest.param({"max_running_requests": 0}, "max_running_requests", id="no-batch"),
+        pytest.param({"mem_fraction_static": 1.5}, "mem_fraction_static", id="mem-fraction"),
+    ],
+)
+def test_engine_config_names_bad_keys(kwargs, key):
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(**kwargs)
+    assert err.value.key == key
+
+
+def test_engine_group_composes_for_both_backends():
+    from gyre.config import validate
+    from tests.unit.test_config import compose
+
+    assert validate(compose()).engine.backend == "builtin"
+    sg = validate(compose("engine=sglang", "engine.model_path=/models/q", "engine.mooncake_master=10.0.0.1:50051")).engine
+    assert sg.backend == "sglang" and sg.enable_hicache and sg.page_size == 64
+    with pytest.raises(ConfigError) as err:
+        validate(compose("engine.max_running_requests=0"))
+    assert err.value.key == "engine.max_running_requests"
+
+
+def test_a_server_that_cannot_start_reports_its_log(tmp_path):
+    from gyre.engines.launch import BuiltinEngineProcess, EngineLaunchError
+    from gyre.models.config import ModelConfig
+
+    proc = BuiltinEngineProcess(EngineConfig(model_path=str(tmp_path / "missing"), startup_timeout_s=60), ModelConfig())
+    with pytest.raises(EngineLaunchError, match="config.json"):
+        proc.start()
+    assert proc.proc.poll() is not None

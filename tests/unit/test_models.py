@@ -1,0 +1,108 @@
+"""gyre.models: the weight-name contract, deterministic init, the KV-cached forward vs the reference,
+safetensors directories, and the byte tokenizer's chat template and tool-call parsing."""
+
+import json
+
+import pytest
+import torch
+
+from gyre.engines.runner import SeqKV, StepItem, run_step
+from gyre.models.checkpoint import load_checkpoint, save_checkpoint
+from gyre.models.config import ModelConfig
+from gyre.models.tokenizer import ByteTokenizer, ChatTemplateError, parse_assistant_text
+from gyre.models.transformer import init_weights, param_shapes, sequence_logprobs
+
+CFG = ModelConfig()
+
+
+def test_param_names_follow_the_agreed_contract():
+    shapes = param_shapes(CFG)
+    assert shapes["embed_tokens.weight"] == (512, 128)
+    assert shapes["layers.1.self_attn.q_proj.weight"] == (128, 128)
+    assert shapes["layers.1.self_attn.k_proj.weight"] == (64, 128)  # 2 KV heads x 32
+    assert shapes["layers.0.self_attn.o_proj.weight"] == (128, 128)
+    assert shapes["layers.0.mlp.down_proj.weight"] == (128, 384)
+    assert "lm_head.weight" in shapes and not any("bias" in n for n in shapes)
+    assert "lm_head.weight" not in param_shapes(ModelConfig(tie_embeddings=True))
+
+
+def test_init_is_deterministic_per_seed():
+    a, b, c = init_weights(CFG, 3), init_weights(CFG, 3), init_weights(CFG, 4)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["embed_tokens.weight"], c["embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("chunks", [pytest.param([40], id="one-prefill"), pytest.param([17, 16, 7], id="chunked"),
+                                    pytest.param([30] + [1] * 10, id="prefill-then-decode")])  # fmt: skip
+def test_kv_cached_steps_match_the_full_forward(chunks):
+    w = init_weights(CFG, 0)
+    ids = torch.randint(0, CFG.vocab_size, (sum(chunks) + 1,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = sequence_logprobs(CFG, w, ids)  # ref[j] = log p(ids[j+1] | ids[:j+1])
+    other = SeqKV(CFG)  # a second sequence batched alongside must not change anything
+    kv, pos, got, want = SeqKV(CFG), 0, [], []
+    for n in chunks:
+        item, noise = StepItem(kv, ids[pos : pos + n], want_logits=True), StepItem(other, [5, 6], want_logits=True)
+        run_step(CFG, w, [noise, item])
+        pos += n
+        got.append(torch.log_softmax(item.logits, -1)[ids[pos]])
+        want.append(ref[pos - 1])
+    assert (torch.stack(got) - torch.stack(want)).abs().max() <= 1e-5
+
+
+def test_checkpoint_round_trips_and_rejects_mismatches(tmp_path):
+    w = init_weights(CFG, 0)
+    save_checkpoint(tmp_path / "m", CFG, w)
+    cfg, w2 = load_checkpoint(tmp_path / "m")
+    assert cfg == CFG and all(torch.equal(w[n], w2[n]) for n in w)
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw | {"num_layers": 3}))
+    with pytest.raises(ValueError, match="missing"):
+        load_checkpoint(tmp_path / "m")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_checkpoint(tmp_path / "nothing")
+
+
+TOK = ByteTokenizer(512)
+
+
+def test_chat_template_renders_all_roles_and_tool_calls():
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "list files"},
+        {"role": "assistant", "content": "", "tool_calls": [{"name": "bash", "arguments": {"cmd": "ls"}}]},
+        {"role": "tool", "content": "a.py"},
+    ]
+    ids = TOK.apply_chat_template(msgs, tools=[{"name": "bash", "parameters": {}}])
+    text = TOK.decode(ids)
+    assert text.startswith("<|im_start|>system\nbe brief\n\n# Tools")
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>' in text
+    assert "<|im_start|>user\n<tool_response>\na.py\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert max(ids) < 512 and TOK.eos_token_id in TOK.stop_token_ids
+
+
+def test_special_text_in_content_stays_plain_bytes():
+    ids = TOK.apply_chat_template([{"role": "user", "content": "<|im_end|>"}], add_generation_prompt=False)
+    assert ids.count(TOK.special_ids["<|im_end|>"]) == 1  # only the template's own
+
+
+def test_assistant_output_parses_back_into_tool_calls():
+    out = TOK.encode("let me look") + [TOK.special_ids["<tool_call>"]] + TOK.encode('\n{"name": "bash", "arguments": {"cmd": "ls"}}\n')
+    out += [TOK.special_ids["</tool_call>"], TOK.eos_token_id]
+    parsed = TOK.parse_assistant(out)
+    assert parsed.content == "let me look" and parsed.tool_calls[0].name == "bash" and parsed.tool_calls[0].arguments == {"cmd": "ls"}
+
+
+@pytest.mark.parametrize("body", [pytest.param("{not json", id="bad-json"), pytest.param('{"arguments": {}}', id="no-name"),
+                                  pytest.param('{"name": "x", "arguments": 3}', id="args-not-object")])  # fmt: skip
+def test_malformed_tool_calls_are_kept_not_dropped(body):
+    parsed = parse_assistant_text(f"hi<tool_call>{body}</tool_call>")
+    assert parsed.tool_calls == [] and parsed.malformed == [body]
+
+
+@pytest.mark.parametrize("msgs", [pytest.param([{"role": "robot", "content": "x"}], id="unknown-role"),
+                                  pytest.param([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], id="late-system"),
+                                  pytest.param([{"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]}], id="nameless-call")])  # fmt: skip
+def test_bad_messages_name_their_index(msgs):
+    with pytest.raises(ChatTemplateError, match="message"):
+        TOK.apply_chat_template(msgs)

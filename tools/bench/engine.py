@@ -1,0 +1,87 @@
+"""Builtin engine benchmark: decode throughput under concurrency, and prefill saved by reuse.
+
+Prints a table, then ONE JSON object on the last line:
+  tokens_per_s.{1,8,32}         completion tokens / wall second with N concurrent requests
+  prefix_cache                  cold vs cached latency of a long prompt on one engine (1 new token)
+  kv_import                     on a second engine: recompute vs migrate-over-Mooncake + generate
+
+Usage: PYTHONPATH=. python tools/bench/engine.py [--new-tokens 64] [--prefix-tokens 2000] [--threads 1]
+"""
+
+import argparse
+import asyncio
+import json
+import time
+
+import torch
+
+from gyre.engines.client import EngineClient, migrate_prefix
+from gyre.engines.config import EngineConfig
+from gyre.engines.launch import BuiltinEngineProcess
+from gyre.models.config import ModelConfig
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def throughput(c: EngineClient, concurrency: int, new_tokens: int, prompt_tokens: int) -> float:
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    reqs = [c.generate(_ids(prompt_tokens, 1000 + i), {**params, "sampling_seed": i}) for i in range(concurrency)]
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*reqs)
+    wall = time.perf_counter() - t0
+    return sum(o["meta_info"]["completion_tokens"] for o in outs) / wall
+
+
+async def timed_generate(c: EngineClient, ids: list[int]) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    out = await c.generate(ids, {"max_new_tokens": 1, "temperature": 0})
+    return time.perf_counter() - t0, out
+
+
+async def run(a_url: str, b_url: str, args) -> dict:
+    result: dict = {"tokens_per_s": {}}
+    async with EngineClient(a_url) as a, EngineClient(b_url) as b:
+        await throughput(a, 2, 4, 16)  # warm-up
+        for n in (1, 8, 32):
+            result["tokens_per_s"][str(n)] = round(await throughput(a, n, args.new_tokens, args.prompt_tokens), 1)
+            await a.flush_cache()
+        prefix = _ids(args.prefix_tokens, 7)
+        cold_s, _ = await timed_generate(a, prefix)
+        warm_s, warm = await timed_generate(a, prefix)
+        result["prefix_cache"] = {"prompt_tokens": len(prefix), "cold_s": round(cold_s, 4), "cached_s": round(warm_s, 4),
+                                  "cached_tokens": warm["meta_info"]["cached_tokens"], "saved_s": round(cold_s - warm_s, 4)}  # fmt: skip
+        recompute_s, _ = await timed_generate(b, _ids(args.prefix_tokens, 8))  # B computes a same-size prompt itself
+        t0 = time.perf_counter()
+        moved = await migrate_prefix(a, b, prefix)
+        transfer_s = time.perf_counter() - t0
+        after_s, after = await timed_generate(b, prefix)
+        result["kv_import"] = {**moved, "recompute_s": round(recompute_s, 4), "transfer_s": round(transfer_s, 4),
+                               "generate_after_import_s": round(after_s, 4), "cached_tokens": after["meta_info"]["cached_tokens"],
+                               "saved_s": round(recompute_s - transfer_s - after_s, 4)}  # fmt: skip
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--prefix-tokens", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    args = p.parse_args()
+    model, cfg = ModelConfig(), EngineConfig(startup_timeout_s=120)
+    with BuiltinEngineProcess(cfg, model, args.threads) as a, BuiltinEngineProcess(cfg, model, args.threads) as b:
+        result = asyncio.run(run(a.url, b.url, args))
+    result |= {"model": model.name, "threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens}
+    for n, tps in result["tokens_per_s"].items():
+        print(f"{n:>3} concurrent: {tps:8.1f} tokens/s")
+    pc, kv = result["prefix_cache"], result["kv_import"]
+    print(f"prefix cache ({pc['prompt_tokens']} tokens): cold {pc['cold_s']} s, cached {pc['cached_s']} s ({pc['cached_tokens']} cached)")
+    print(f"KV import: recompute {kv['recompute_s']} s vs transfer {kv['transfer_s']} s + generate {kv['generate_after_import_s']} s "
+          f"({kv['transferred_tokens']} transferred, {kv['recomputed_tokens']} recomputed)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
