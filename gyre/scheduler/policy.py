@@ -5,7 +5,10 @@ the virtual clock) and apply the returned `Decision`; the policy holds no clock 
 
 elastic: the core trains; satellites roll out unless the waterlevel W = queued + running fits on
     fewer rollout cells and ready training work pays for the round trip (gain >= gain_factor x
-    switch costs). They return when the queue outgrows the serving cells. Three things keep it
+    switch costs). They return when the queue outgrows the serving cells. With `critical_path`,
+    executions queued for later steps (prefetch) neither keep a satellite from leaving nor pull
+    it off ready training work of the current step; they call cells back once that work runs
+    out. Live sessions always keep a serving cell with room for them. Three things keep it
     from thrashing: the leave rule looks at the peak waterlevel of a trailing window, a gap
     separates it from the return rule (spare capacity with headroom vs a queue of a fraction of a
     cell), and a minimum dwell time in each role.
@@ -49,6 +52,9 @@ class Observation:
     cells: tuple[CellView, ...]
     queued: int = 0
     """Executions admitted but waiting for a session slot."""
+    queued_ahead: int = 0
+    """Of `queued`, those bound to steps after the one being trained (admitted early, as the
+    staleness bound allows); the next optimizer step does not wait for them."""
     running: int = 0
     """Executions holding a slot (in a model or a tool call)."""
     gen_demand_tok_s: float = 0.0
@@ -115,6 +121,12 @@ class ElasticPolicy(BasePolicy):
         super().__init__(cfg, num_cells)
         self._recent: deque = deque()
 
+    def _urgent(self, obs: Observation) -> Observation:
+        """`obs` without the prefetch queue when the critical path comes first."""
+        if not self.cfg.critical_path or not obs.queued_ahead:
+            return obs
+        return replace(obs, queued=obs.queued - obs.queued_ahead, queued_ahead=0)
+
     def _peak(self, obs: Observation) -> Observation:
         """`obs` with the waterlevel and demand replaced by their peaks over the leave window."""
         self._recent.append((obs.now_s, obs.running, obs.queued, obs.gen_demand_tok_s))
@@ -131,17 +143,24 @@ class ElasticPolicy(BasePolicy):
         return now_s - c.since_s >= self.cfg.min_dwell_s
 
     def decide(self, obs: Observation) -> Decision:
-        peak = self._peak(obs)
-        back = self._returns(obs)
+        urgent = self._urgent(obs)
+        peak = self._peak(urgent)
+        back = self._returns(urgent, idle_only=False) or self._returns(obs, idle_only=True)
         if back:
             return Decision(to_rollout=back)
         return Decision(to_train=self._leaves(peak))
 
-    def _returns(self, obs: Observation) -> tuple[int, ...]:
-        """Satellites to bring back because the queue outgrew the serving cells."""
+    def _returns(self, obs: Observation, idle_only: bool) -> tuple[int, ...]:
+        """Satellites to bring back because the queue outgrew the serving cells.
+
+        With `idle_only`, only cells with no training work worth staying for come back.
+        """
         serving = [c for c in obs.cells if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
         per_cell = max(c.max_sessions for c in obs.cells)
         if obs.queued < self.cfg.return_queue_fraction * per_cell or _serves(serving, obs, 0.0):
+            return ()
+        n_train = sum(c.role in (Role.TRAIN, Role.TO_TRAIN) for c in obs.cells)
+        if idle_only and obs.ready_train_s / max(1, n_train) >= self.cfg.gain_factor * self.cfg.round_trip_s:
             return ()
         sessions, tok_s = _capacity(serving)
         deficit_cells = max(
@@ -149,7 +168,8 @@ class ElasticPolicy(BasePolicy):
             (obs.gen_demand_tok_s - tok_s) / max(c.gen_tok_s for c in obs.cells),
         )
         want = max(1, math.ceil(deficit_cells))
-        idle = [c for c in obs.cells if c.role == Role.TRAIN and not c.is_core and self._dwelt(c, obs.now_s)]
+        idle = [c for c in obs.cells if c.role == Role.TRAIN and not c.is_core and self._dwelt(c, obs.now_s)
+                and not (idle_only and c.in_step)]
         idle.sort(key=lambda c: (c.in_step, c.index))  # cells between micro-steps first
         return tuple(c.index for c in idle[:want])
 

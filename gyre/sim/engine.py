@@ -24,7 +24,7 @@ from gyre.scheduler.config import SchedulerConfig
 from gyre.scheduler.policy import CellView, Decision, Observation, make_policy
 from gyre.scheduler.streaming import MicroStepQueue, may_admit
 from gyre.sim.config import PresetConfig, ProfileConfig
-from gyre.sim.result import CellStats, ModeResult
+from gyre.sim.result import CellStats, ModeResult, critical_path_s
 from gyre.sim.workload import context_tokens, draw_batch, mean_context_tokens, train_share, train_tokens
 
 SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK = range(6)
@@ -105,6 +105,7 @@ class Simulation:
         self.seq = itertools.count()
         self.now = 0.0
         self.waiting: deque = deque()
+        self.waiting_by_step: dict[int, int] = {}
         self.blocked: dict = {}  # insertion-ordered set
         self.running = 0
         self.next_batch = 0
@@ -114,6 +115,7 @@ class Simulation:
         self.session_tok_s = preset.session_tok_s
         self.train_tokens_total = 0
         self.prefill_tokens_total = 0.0
+        self.longest_s: list[float] = []
         self.num_switches = 0
         self.num_timeouts = 0
         self.num_excluded = 0
@@ -151,12 +153,14 @@ class Simulation:
     def _admit_batches(self):
         while self.next_batch < self.num_steps and may_admit(self.next_batch, self.queue.version, self.cfg.staleness):
             step = self.next_batch
-            b = draw_batch(self.profile, step, self.seed, self.tail_scale)
+            b = draw_batch(self.profile, step, self.seed, self.tail_scale, self.preset.session_tok_s)
+            self.longest_s.append(b.longest_s)
             g_size = self.profile.group_size
             for g in range(self.profile.groups_per_step):
                 group = _Group(g, step, self.queue.version, g_size)
                 for e in range(g * g_size, (g + 1) * g_size):
                     self.waiting.append(_Session(group, b.segments[e], b.offsets[e], b.excluded[e], b))
+            self.waiting_by_step[step] = self.profile.executions_per_step
             self.next_batch += 1
         self._fill_slots()
 
@@ -174,6 +178,7 @@ class Simulation:
             if sc is None:
                 return
             s = self.waiting.popleft()
+            self.waiting_by_step[s.group.step] -= 1
             s.cell = sc
             sc.join(s, self.now)
             s.deadline = self.now + self.profile.timeout_s
@@ -315,6 +320,7 @@ class Simulation:
         )
         return Observation(
             now_s=self.now, cells=views, queued=len(self.waiting), running=self.running,
+            queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > self.queue.current_step),
             gen_demand_tok_s=sum(self._generating(sc) for sc in self.cells) * self.preset.session_tok_s,
             ready_train_s=self.queue.ready_tokens() / self.sat_train_tok_s,
             batch_ready=self.queue.batch_ready(),
@@ -400,4 +406,5 @@ class Simulation:
             num_timeouts=self.num_timeouts, num_excluded=self.num_excluded,
             async_train_cells=getattr(self.policy, "num_train", None),
             num_blocked=self.num_blocked, max_staleness=self.queue.max_lag,
+            critical_path_s=critical_path_s(self.longest_s, self.cfg.staleness, self.preset.optimizer_step_s),
         )

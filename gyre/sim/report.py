@@ -10,8 +10,10 @@ def format_modes(summary: dict) -> str:
     """Per-mode table: time, elastic's speedup over it, ratio to the ideal bound, per-cell idle."""
     lines = [
         f"workload {summary['profile']} on {summary['preset']}: {summary['num_steps']} steps x "
-        f"{summary['executions_per_step']} executions; ideal lower bound (work/capacity) {summary['ideal_h']:.2f} h",
-        f"{'mode':<9} {'time h':>9} {'elastic x':>10} {'/ideal':>7} {'switches':>9} {'timeouts':>9}  idle per cell (core first)",
+        f"{summary['executions_per_step']} executions; ideal lower bound (work/capacity) {summary['ideal_h']:.2f} h, "
+        f"latency bound (critical path) {summary['critical_path_h']:.2f} h",
+        f"{'mode':<9} {'time h':>9} {'elastic x':>10} {'/ideal':>7} {'/bound':>7} {'switches':>9} {'timeouts':>9}"
+        "  idle per cell (core first)",
     ]
     elastic = summary["modes"].get("elastic")
     for mode, m in summary["modes"].items():
@@ -19,7 +21,7 @@ def format_modes(summary: dict) -> str:
         idle = " ".join(f"{x:.2f}" for x in m["idle_fraction"])
         pools = f" (train pool {m['async_train_cells']})" if m["async_train_cells"] else ""
         lines.append(
-            f"{mode:<9} {m['time_h']:>9.2f} {sp:>10} {m['ratio_to_ideal']:>7.2f} {m['switches']:>9} "
+            f"{mode:<9} {m['time_h']:>9.2f} {sp:>10} {m['ratio_to_ideal']:>7.2f} {m['ratio_to_bound']:>7.2f} {m['switches']:>9} "
             f"{m['timeouts']:>9}  {idle}{pools}"
         )
     return "\n".join(lines)

@@ -35,6 +35,7 @@ def summarize(sim: SimConfig, results: list[ModeResult]) -> dict:
         "num_steps": sim.num_steps,
         "executions_per_step": sim.profile.executions_per_step,
         "ideal_h": round(ideal / 3600, 3),
+        "critical_path_h": round(results[0].critical_path_s / 3600, 3),
         "modes": {r.mode: r.summary(ideal) for r in results},
         "speedup": speedups(results),
     }

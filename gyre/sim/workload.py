@@ -24,9 +24,14 @@ class Batch:
     gen_tokens: list[float]
     tool_s: list[float]
     excluded: list[bool]
+    longest_s: float = 0.0
+    """Duration of its longest execution on an unloaded engine, capped at the time budget (0 when
+    drawn without a session speed)."""
 
 
-def draw_batch(profile: ProfileConfig, step: int, seed: int, tail_scale: float = 1.0) -> Batch:
+def draw_batch(
+    profile: ProfileConfig, step: int, seed: int, tail_scale: float = 1.0, session_tok_s: float = 0.0
+) -> Batch:
     """Draw step `step`'s executions (group-major: group g owns executions g*G .. g*G+G-1).
 
     Args:
@@ -43,7 +48,10 @@ def draw_batch(profile: ProfileConfig, step: int, seed: int, tail_scale: float =
     tool = profile.tool_s_median * rng.lognormal(0.0, profile.tool_s_sigma, total)
     offsets = np.concatenate(([0], np.cumsum(segs)[:-1]))
     excluded = rng.random(n) < profile.excluded_fraction
-    return Batch(step, segs.tolist(), offsets.tolist(), gen.tolist(), tool.tolist(), excluded.tolist())
+    longest = 0.0
+    if session_tok_s > 0:
+        longest = min(profile.timeout_s, float(np.add.reduceat(gen / session_tok_s + tool, offsets).max()))
+    return Batch(step, segs.tolist(), offsets.tolist(), gen.tolist(), tool.tolist(), excluded.tolist(), longest)
 
 
 def train_tokens(profile: ProfileConfig, segments_done: int) -> int:

@@ -68,12 +68,28 @@ ELASTIC_CASES = [
      obs(cells(T, T, T, R, in_step=(1,)), running=100, queued=60), Decision(to_rollout=(2,))),
     ("core-never-returns-to-rollout",
      obs(cells(T, R), running=100, queued=500), Decision()),
+    # Critical path: executions queued for later steps (queued_ahead) are prefetch.
+    ("prefetch-queue-does-not-block-leaving",
+     obs(cells(T, R, R, R, sessions=[0, 40, 40, 40]), running=120, queued=300, queued_ahead=300, ready_s=1000.0),
+     Decision(to_train=(1,))),
+    ("prefetch-queue-leaves-cells-on-ready-work",
+     obs(cells(T, T, R), running=100, queued=200, queued_ahead=200, ready_s=1000.0), Decision()),
+    ("prefetch-queue-and-no-work-left: idle cells come back",
+     obs(cells(T, T, T, R, in_step=(2,)), running=100, queued=200, queued_ahead=200, ready_s=0.0),
+     Decision(to_rollout=(1,))),
+    ("queue-for-the-current-step-pulls-back-even-with-work",
+     obs(cells(T, T, R), running=100, queued=200, queued_ahead=0, ready_s=1000.0), Decision(to_rollout=(1,))),
 ]
 
 
 @pytest.mark.parametrize("o, expected", [pytest.param(o, e, id=i) for i, o, e in ELASTIC_CASES])
 def test_elastic_cases(o, expected):
     assert ElasticPolicy(CFG, len(o.cells)).decide(o) == expected
+
+
+def test_plain_waterlevel_counts_prefetch_as_live_work():
+    o = obs(cells(T, R, R, R, sessions=[0, 40, 40, 40]), running=120, queued=300, queued_ahead=300, ready_s=1000.0)
+    assert ElasticPolicy(replace(CFG, critical_path=False), 4).decide(o) == Decision()
 
 
 COLOCATE_CASES = [

@@ -14,7 +14,7 @@ from gyre.scheduler.config import SchedulerConfig
 from gyre.sim.app import validate_sim
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.engine import Simulation
-from gyre.sim.result import ideal_lower_bound_s
+from gyre.sim.result import critical_path_s, ideal_lower_bound_s
 
 PROFILE = ProfileConfig(groups_per_step=4, group_size=4, segments_median=6, segments_sigma=0.8, gen_tokens_median=600,
                         tool_s_median=20, context_tokens_per_segment=2000, timeout_s=900, excluded_fraction=0.1)
@@ -33,9 +33,22 @@ def test_every_mode_finishes_within_the_staleness_bound(mode, staleness):
     assert len(r.step_times_s) == 4 and r.step_times_s == sorted(r.step_times_s)
     assert r.max_staleness <= staleness
     ideal = ideal_lower_bound_s([r])
-    assert r.total_s >= ideal > 0
+    assert r.total_s >= ideal > 0 and r.total_s >= r.critical_path_s > 0
     if mode != "colocate":  # only colocate parks live executions while every cell trains
         assert r.num_blocked == 0
+
+
+@pytest.mark.parametrize(
+    "longest, s, opt, expected",
+    [
+        pytest.param([100, 100, 100], 0, 10, 330, id="on-policy-serial"),
+        pytest.param([100, 100, 100], 1, 10, 220, id="one-ahead-overlaps"),
+        pytest.param([100, 5, 5], 1, 10, 130, id="short-batches-wait-for-the-optimizer"),
+        pytest.param([], 1, 10, 0, id="no-steps"),
+    ],
+)
+def test_critical_path_bound(longest, s, opt, expected):
+    assert critical_path_s(longest, s, opt) == expected
 
 
 def test_same_seed_same_result_and_modes_see_the_same_executions():
