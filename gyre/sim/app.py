@@ -30,24 +30,30 @@ def validate_sim(cfg: DictConfig) -> SimConfig:
     for f in fields(SimConfig):
         node = cfg[f.name]
         try:
-            sections[f.name] = OmegaConf.to_object(node) if isinstance(node, DictConfig) else node
+            sections[f.name] = OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
         except ConfigError as e:
             raise e.under(f.name) from None
-    if isinstance(sections["modes"], list) is False:
-        sections["modes"] = list(sections["modes"])
     return SimConfig(**sections)
 
 
-def _compare_rows(base: SimConfig) -> list[dict]:
-    """Run each seed scenario (every mode) and pair the simulated speedups with the seed's."""
+_SCENARIO_KEYS = ("profile=", "preset=", "num_steps=", "compare=", "sensitivity=", "json=", "plot=", "modes=")
+
+
+def _compare_rows(user_overrides: list[str]) -> list[dict]:
+    """Run each seed scenario (every mode) and pair the simulated speedups with the seed's.
+
+    The user's other overrides (e.g. `scheduler.critical_path=false`, `seed=3`) apply to every
+    scenario; the scenario sets the profile, preset and number of steps.
+    """
+    kept = [o for o in user_overrides if not o.lstrip("+~").startswith(_SCENARIO_KEYS)]
     rows = []
     for row in SEED_ROWS:
         sims = []
         for preset in row.presets:
             cfg = hydra.compose(
                 config_name="sim",
-                overrides=[f"profile={row.profile}", f"preset={preset}", f"num_steps={row.num_steps}",
-                           f"seed={base.seed}", *row.overrides],
+                overrides=[*kept, f"profile={row.profile}", f"preset={preset}", f"num_steps={row.num_steps}",
+                           *row.overrides],
             )
             sim = validate_sim(cfg)
             sims.append(summarize(sim, run_modes(sim, modes=["elastic", "async", "colocate"])))
@@ -86,7 +92,7 @@ def run(cfg: DictConfig) -> None:
         out["sensitivity"] = sensitivity(sim)
         print(f"\nsensitivity on {sim.profile.name} / {sim.preset.name}:\n{format_sensitivity(out['sensitivity'])}")
     if sim.compare:
-        out["compare"] = _compare_rows(sim)
+        out["compare"] = _compare_rows(list(HydraConfig.get().overrides.task))
         print(f"\nthe seed's figures beside the simulator's:\n{format_compare(out['compare'])}")
     if sim.json:
         print(json.dumps(out))
