@@ -34,10 +34,11 @@ class SchedulerConfig:
     return_queue_fraction: float = 0.25
     """elastic: satellites return to rollout once queued executions reach this fraction of one
     cell's session capacity (and the serving cells cannot absorb them)."""
-    critical_path: bool = True
-    """elastic: executions queued for later steps (admitted early within the staleness bound) do
-    not keep satellites from ready training work of the current step; False = the plain
-    waterlevel rule, where every queued execution counts."""
+    critical_path: bool = False
+    """elastic: True = executions queued for later steps (admitted early within the staleness
+    bound) do not keep satellites from ready training work of the current step. False (default)
+    = the plain waterlevel rule, where every queued execution counts; in the simulator it wins
+    wherever step time is set by the slowest executions, which must start early."""
     leave_window_s: float = 300.0
     """elastic: the leave rule uses the peak waterlevel of this trailing window, so a waterlevel
     that only dips briefly never sends a cell away (seconds on the caller's clock)."""

@@ -68,7 +68,16 @@ ELASTIC_CASES = [
      obs(cells(T, T, T, R, in_step=(1,)), running=100, queued=60), Decision(to_rollout=(2,))),
     ("core-never-returns-to-rollout",
      obs(cells(T, R), running=100, queued=500), Decision()),
-    # Critical path: executions queued for later steps (queued_ahead) are prefetch.
+]
+
+
+@pytest.mark.parametrize("o, expected", [pytest.param(o, e, id=i) for i, o, e in ELASTIC_CASES])
+def test_elastic_cases(o, expected):
+    assert ElasticPolicy(CFG, len(o.cells)).decide(o) == expected
+
+
+CRITICAL_PATH_CASES = [
+    # Executions queued for later steps (queued_ahead) are prefetch when critical_path is on.
     ("prefetch-queue-does-not-block-leaving",
      obs(cells(T, R, R, R, sessions=[0, 40, 40, 40]), running=120, queued=300, queued_ahead=300, ready_s=1000.0),
      Decision(to_train=(1,))),
@@ -82,14 +91,15 @@ ELASTIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("o, expected", [pytest.param(o, e, id=i) for i, o, e in ELASTIC_CASES])
-def test_elastic_cases(o, expected):
-    assert ElasticPolicy(CFG, len(o.cells)).decide(o) == expected
+@pytest.mark.parametrize("o, expected", [pytest.param(o, e, id=i) for i, o, e in CRITICAL_PATH_CASES])
+def test_critical_path_cases(o, expected):
+    assert ElasticPolicy(replace(CFG, critical_path=True), len(o.cells)).decide(o) == expected
 
 
 def test_plain_waterlevel_counts_prefetch_as_live_work():
     o = obs(cells(T, R, R, R, sessions=[0, 40, 40, 40]), running=120, queued=300, queued_ahead=300, ready_s=1000.0)
-    assert ElasticPolicy(replace(CFG, critical_path=False), 4).decide(o) == Decision()
+    assert ElasticPolicy(CFG, 4).decide(o) == Decision()
+    assert ElasticPolicy(CFG, 4).decide(replace(o, queued=0, queued_ahead=0)) == Decision(to_train=(1,))
 
 
 COLOCATE_CASES = [
