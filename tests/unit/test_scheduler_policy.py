@@ -68,6 +68,8 @@ ELASTIC_CASES = [
      obs(cells(T, T, T, R, in_step=(1,)), running=100, queued=60), Decision(to_rollout=(2,))),
     ("core-never-returns-to-rollout",
      obs(cells(T, R), running=100, queued=500), Decision()),
+    ("lost-cells-are-never-chosen-nor-counted",
+     obs(cells(T, Role.LOST, R, R, sessions=[0, 0, 10, 10]), running=20, ready_s=1e6), Decision(to_train=(2,))),
 ]
 
 
@@ -108,6 +110,7 @@ COLOCATE_CASES = [
     ("step-open: keep training", obs(cells(T, T, T, in_step=(0,)), step_open=True), Decision()),
     ("step-applied-next-not-ready: every cell returns", obs(cells(T, T, T)), Decision(to_rollout=(0, 1, 2))),
     ("core-in-step-is-never-moved", obs(cells(T, T, in_step=(0,))), Decision(to_rollout=(1,))),
+    ("lost-cell-is-left-alone", obs(cells(R, Role.LOST, R), batch_ready=True), Decision(to_train=(0, 2))),
 ]
 
 
