@@ -11,8 +11,13 @@ micro-step queue (`MicroStepQueue`).
     policy consulted every tick and after steps and switches -> Cell.begin_switch -> phases
 
 A model call keeps the duration computed at its start even if its session is handed to another
-cell meanwhile (the hand-off cost is the cell's switch cost). Sessions whose cell left and that
-find no serving cell wait (colocate while training).
+cell meanwhile (the hand-off cost is the cell's switch cost; its KV migrates). A session whose
+cell left with no serving cell to take it (colocate while training) loses its KV with the
+engine's memory: it keeps running tool calls, waits at its next model call with its time budget
+paused, and then recomputes its whole prefix (prefill) on the cell that serves it.
+
+Session slots come from KV: a cell holds kv_tokens_per_node x nodes / mean context sessions.
+Executions beyond the free slots queue (the waterlevel counts them).
 """
 
 import heapq
