@@ -110,6 +110,17 @@ def _serves(cells: list[CellView], obs: Observation, headroom: float) -> bool:
     return sessions >= obs.waterlevel * need and tok_s >= obs.gen_demand_tok_s * need
 
 
+def _push_max(window: deque, entry: tuple, since: float) -> tuple:
+    """Sliding-window maximum on entry[1]: add `entry`, forget entries older than `since`,
+    return the window's maximum (monotonic deque, O(1) amortised)."""
+    while window and window[-1][1] <= entry[1]:
+        window.pop()
+    window.append(entry)
+    while window[0][0] < since:
+        window.popleft()
+    return window[0]
+
+
 class ElasticPolicy(BasePolicy):
     """Gyre's waterlevel policy (see the module docstring).
 
@@ -119,7 +130,8 @@ class ElasticPolicy(BasePolicy):
 
     def __init__(self, cfg: SchedulerConfig, num_cells: int):
         super().__init__(cfg, num_cells)
-        self._recent: deque = deque()
+        self._peak_w: deque = deque()  # (time, waterlevel, running, queued), waterlevels decreasing
+        self._peak_demand: deque = deque()  # (time, demand), decreasing
 
     def _urgent(self, obs: Observation) -> Observation:
         """`obs` without the prefetch queue when the critical path comes first."""
@@ -129,12 +141,10 @@ class ElasticPolicy(BasePolicy):
 
     def _peak(self, obs: Observation) -> Observation:
         """`obs` with the waterlevel and demand replaced by their peaks over the leave window."""
-        self._recent.append((obs.now_s, obs.running, obs.queued, obs.gen_demand_tok_s))
-        while self._recent and self._recent[0][0] < obs.now_s - self.cfg.leave_window_s:
-            self._recent.popleft()
-        _, running, queued, demand = max(self._recent, key=lambda r: (r[1] + r[2], r[3]))
-        peak_demand = max(r[3] for r in self._recent)
-        return replace(obs, running=running, queued=queued, gen_demand_tok_s=peak_demand)
+        since = obs.now_s - self.cfg.leave_window_s
+        w = _push_max(self._peak_w, (obs.now_s, obs.waterlevel, obs.running, obs.queued), since)
+        d = _push_max(self._peak_demand, (obs.now_s, obs.gen_demand_tok_s), since)
+        return replace(obs, running=w[2], queued=w[3], gen_demand_tok_s=d[1])
 
     def initial_roles(self) -> list[Role]:
         return [Role.TRAIN] + [Role.ROLLOUT] * (self.num_cells - 1)
