@@ -140,6 +140,11 @@ class SimConfig:
     """How often the policy is consulted between events, simulated seconds."""
     plot: str = "timeline.png"
     """PNG timeline path (relative to the run directory); empty = no plot."""
+    lose_cell: int = 0
+    """Index of a satellite that stops answering at `lose_at_h` in every mode (0 = none; the core
+    cannot be lost here: its optimizer state restarts from a checkpoint, which is not simulated)."""
+    lose_at_h: float = 1.0
+    """When `lose_cell` is lost, simulated hours."""
     json: bool = False
     """Print one JSON object as the last line of output."""
     compare: bool = False
@@ -153,4 +158,11 @@ class SimConfig:
         require(len(self.modes) >= 1, "modes", "must list at least one mode")
         for m in self.modes:
             require(m in MODES, "modes", f"unknown mode {m!r}; valid: {', '.join(MODES)}")
+        num_cells = self.preset.num_cells if isinstance(self.preset, PresetConfig) else None
+        require(
+            self.lose_cell >= 0 and (num_cells is None or self.lose_cell < num_cells),
+            "lose_cell",
+            f"must be 0 (none) or a satellite index 1..{(num_cells or 0) - 1}, got {self.lose_cell}",
+        )
+        require(self.lose_at_h >= 0, "lose_at_h", f"must be >= 0 h, got {self.lose_at_h}")
 

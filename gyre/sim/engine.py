@@ -32,7 +32,7 @@ from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.result import CellStats, ModeResult, critical_path_s
 from gyre.sim.workload import context_tokens, draw_batch, mean_context_tokens, train_share, train_tokens
 
-SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK = range(6)
+SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS = range(7)
 
 
 class _Session:
@@ -94,8 +94,11 @@ class Simulation:
     """
 
     def __init__(self, profile: ProfileConfig, preset: PresetConfig, scheduler: SchedulerConfig,
-                 num_steps: int, seed: int = 0, tick_s: float = 10.0, tail_scale: float = 1.0):
+                 num_steps: int, seed: int = 0, tick_s: float = 10.0, tail_scale: float = 1.0,
+                 losses: tuple[tuple[int, float], ...] = ()):
         self.profile, self.preset, self.cfg = profile, preset, scheduler
+        self.losses = losses
+        self.stall_s = 20 * profile.timeout_s + 86400.0
         self.num_steps, self.seed, self.tick_s, self.tail_scale = num_steps, seed, tick_s, tail_scale
         cells = make_cells(preset.num_cells, preset.cell_nodes)
         self.policy = make_policy(scheduler, preset.num_cells, train_share(profile, preset, seed))
@@ -136,8 +139,10 @@ class Simulation:
             sc.stats.timeline.append((0.0, sc.cell.role.value))
         self._admit_batches()
         self._at(0.0, TICK, None)
+        for index, at_s in self.losses:
+            self._at(at_s, LOSS, self.cells[index])
         handlers = (None, self._on_exec_end, self._on_phase_end,
-                    self._on_micro_end, self._on_opt_end, self._on_tick)
+                    self._on_micro_end, self._on_opt_end, self._on_tick, self._on_loss)
         heap, pop, queue, num_steps, start_gen = self.heap, heapq.heappop, self.queue, self.num_steps, self._start_gen
         while heap and queue.version < num_steps:
             t, _, kind, obj, token = pop(heap)
@@ -150,8 +155,6 @@ class Simulation:
                 self._finish(obj)
             else:
                 handlers[kind](obj, token)
-        if self.queue.version < self.num_steps:
-            raise RuntimeError(f"simulation stalled at version {self.queue.version} (t={self.now:.0f} s)")
         return self._result()
 
     # ---- rollout side ---------------------------------------------------------------------
@@ -312,6 +315,10 @@ class Simulation:
 
     # ---- roles ----------------------------------------------------------------------------
     def _on_tick(self, _obj, _token):
+        last = self.step_times[-1] if self.step_times else 0.0
+        if self.now - last > self.stall_s:
+            raise RuntimeError(f"simulation stalled: no optimizer step for {self.now - last:.0f} s at version "
+                               f"{self.queue.version} (no cell left to serve or train?)")
         self.levels.append((self.now, len(self.waiting) + self.running))
         self._consult()
         self._at(self.now + self.tick_s, TICK, None)
@@ -363,7 +370,7 @@ class Simulation:
             cost = self.cfg.rollout_to_train_s if sc.target is Role.TRAIN else self.cfg.train_to_rollout_s
             dur = cost * PHASE_SHARES[phase]
         sc.stats.switch_s += dur
-        self._at(self.now + dur, PHASE_END, sc)
+        self._at(self.now + dur, PHASE_END, sc, sc.token)
 
     def _finish_or_hand_back(self, sc) -> float:
         if sc.micro is None:
@@ -378,7 +385,27 @@ class Simulation:
         self._claim_all()
         return 0.0
 
-    def _on_phase_end(self, sc, _token):
+    def _on_loss(self, sc, _token):
+        """A satellite stops answering: its sessions lose their KV, its micro-step goes back."""
+        was_serving = sc.serving
+        sc.serving = False
+        sc.cell.lose(self.now)
+        sc.stats.timeline.append((self.now, Role.LOST.value))
+        if sc.micro is not None:
+            self.queue.hand_back(sc.micro)
+            sc.micro = None
+        sc.token += 1  # its pending micro-step or phase end no longer happens
+        for s in list(sc.members):
+            sc.drop(s, self.now)
+            s.cell, s.kv_lost = None, True  # re-placed, with a prefill, at its next model call
+        if was_serving:
+            self._fill_slots()
+        self._claim_all()
+        self._consult()
+
+    def _on_phase_end(self, sc, token):
+        if token != sc.token:
+            return
         if sc.cell.next_phase(self.now) is not None:
             self._schedule_phase(sc)
             return

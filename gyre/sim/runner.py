@@ -14,6 +14,7 @@ TAIL_SCALES = (0.5, 1.0, 1.5, 2.0)
 
 def run_modes(sim: SimConfig, modes=None, switch_scale: float = 1.0, tail_scale: float = 1.0) -> list[ModeResult]:
     """Simulate each mode on the same executions; the scheduler config differs only in `mode`."""
+    losses = ((sim.lose_cell, sim.lose_at_h * 3600),) if sim.lose_cell else ()
     sched = replace(
         sim.scheduler,
         rollout_to_train_s=sim.scheduler.rollout_to_train_s * switch_scale,
@@ -21,7 +22,7 @@ def run_modes(sim: SimConfig, modes=None, switch_scale: float = 1.0, tail_scale:
     )
     return [
         Simulation(sim.profile, sim.preset, replace(sched, mode=m), sim.num_steps, seed=sim.seed,
-                   tick_s=sim.tick_s, tail_scale=tail_scale).run()
+                   tick_s=sim.tick_s, tail_scale=tail_scale, losses=losses).run()
         for m in (modes or sim.modes)
     ]
 

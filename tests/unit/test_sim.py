@@ -88,6 +88,7 @@ def compose(*overrides):
         pytest.param("profile.group_size=0", "profile.group_size", id="empty-groups"),
         pytest.param("profile.timeout_s=0", "profile.timeout_s", id="no-time-budget"),
         pytest.param("modes=[elastic,sync]", "modes", id="unknown-mode"),
+        pytest.param("lose_cell=6", "lose_cell", id="lose-a-cell-that-does-not-exist"),
     ],
 )
 def test_bad_presets_and_profiles_fail_naming_the_key(override, key):
@@ -120,6 +121,21 @@ def test_cli_bad_preset_names_the_key(tmp_path):
     out = subprocess.run([sys.executable, "-c", "from gyre.sim.app import main; main()", "preset.num_cells=1000",
                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "preset.num_cells" in out.stderr
+
+
+@pytest.mark.parametrize("mode", ["elastic", "async", "colocate"])
+def test_a_lost_satellite_gets_no_work_and_the_run_finishes(mode):
+    r = simulate(mode, losses=((1, 300.0),))
+    assert len(r.step_times_s) == 4
+    lost = r.cells[1]
+    assert lost.timeline[-1] == (300.0, "lost") and lost.train_busy_s <= 300.0
+    assert r.total_s >= simulate(mode).total_s * 0.99  # three cells are not faster than four
+
+
+def test_losing_the_only_rollout_cell_of_async_stalls_loudly():
+    sched = SchedulerConfig(mode="async", async_train_cells=3)
+    with pytest.raises(RuntimeError, match="stalled"):
+        Simulation(PROFILE, PRESET, sched, num_steps=4, tick_s=60.0, losses=((3, 100.0),)).run()
 
 
 def test_hand_back_replays_work_when_a_cell_leaves_mid_micro_step():
