@@ -19,6 +19,7 @@ from gyre.launch.config import ClusterConfig
 from gyre.models.config import ModelConfig
 from gyre.proxy.config import ProxyConfig
 from gyre.scheduler.config import SchedulerConfig
+from gyre.train.config import TrainerConfig
 
 
 @dataclass(kw_only=True)
@@ -30,6 +31,7 @@ class GyreConfig:
     model: ModelConfig = MISSING
     proxy: ProxyConfig = MISSING
     scheduler: SchedulerConfig = MISSING
+    trainer: TrainerConfig = MISSING
     seed: int = 0
     """Seed for every random generator of the run."""
     num_steps: int = 2

@@ -1,4 +1,8 @@
-"""Configuration of the cell scheduler: the mode, the staleness bound, and role-switch costs."""
+"""Configuration of the cell scheduler: the mode, the staleness bound, switch costs and the hysteresis.
+
+Every mode reads the same staleness bound and switch costs, so a comparison between modes changes
+one key (`mode`) and nothing else.
+"""
 
 from dataclasses import dataclass
 
@@ -21,9 +25,52 @@ class SchedulerConfig:
     """Expected cost of a rollout->train switch, seconds (the seed's measured average)."""
     train_to_rollout_s: float = 3.46
     """Expected cost of a train->rollout switch, seconds (the seed's measured average)."""
+    gain_factor: float = 2.0
+    """elastic: a satellite leaves rollout only if the training work it would take is at least
+    this many times the round-trip switch cost (rollout->train + train->rollout)."""
+    leave_headroom: float = 0.1
+    """elastic: after a satellite leaves, the remaining rollout cells must serve the live work
+    (sessions and tokens/s) with this fraction to spare."""
+    return_queue_fraction: float = 0.25
+    """elastic: satellites return to rollout once queued executions reach this fraction of one
+    cell's session capacity (and the serving cells cannot absorb them)."""
+    critical_path: bool = False
+    """elastic: True = executions queued for later steps (admitted early within the staleness
+    bound) do not keep satellites from ready training work of the current step. False (default)
+    = the plain waterlevel rule, where every queued execution counts; in the simulator it wins
+    wherever step time is set by the slowest executions, which must start early."""
+    leave_window_s: float = 300.0
+    """elastic: the leave rule uses the peak waterlevel of this trailing window, so a waterlevel
+    that only dips briefly never sends a cell away (seconds on the caller's clock)."""
+    min_dwell_s: float = 60.0
+    """elastic: a satellite keeps a role at least this long before switching again (no thrashing)."""
+    finish_microstep_max_s: float = 30.0
+    """A cell leaving training finishes its current micro-step if at most this much of it remains,
+    seconds; otherwise it hands the micro-step back to the queue."""
+    async_train_cells: int = 0
+    """async: cells in the fixed training pool, the core included (0 = balance the pools by the
+    workload's expected training/rollout work; the rest roll out)."""
 
     def __post_init__(self):
         require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}; got {self.mode!r}")
         require(self.staleness >= 0, "staleness", f"must be >= 0, got {self.staleness}")
         require(self.rollout_to_train_s >= 0, "rollout_to_train_s", f"must be >= 0 s, got {self.rollout_to_train_s}")
         require(self.train_to_rollout_s >= 0, "train_to_rollout_s", f"must be >= 0 s, got {self.train_to_rollout_s}")
+        require(self.gain_factor >= 1, "gain_factor", f"must be >= 1 (gain at least the cost), got {self.gain_factor}")
+        require(self.leave_headroom >= 0, "leave_headroom", f"must be >= 0, got {self.leave_headroom}")
+        require(
+            self.return_queue_fraction > 0, "return_queue_fraction", f"must be > 0, got {self.return_queue_fraction}"
+        )
+        require(self.leave_window_s >= 0, "leave_window_s", f"must be >= 0 s, got {self.leave_window_s}")
+        require(self.min_dwell_s >= 0, "min_dwell_s", f"must be >= 0 s, got {self.min_dwell_s}")
+        require(
+            self.finish_microstep_max_s >= 0,
+            "finish_microstep_max_s",
+            f"must be >= 0 s, got {self.finish_microstep_max_s}",
+        )
+        require(self.async_train_cells >= 0, "async_train_cells", f"must be >= 0 (0 = balanced), got {self.async_train_cells}")
+
+    @property
+    def round_trip_s(self) -> float:
+        """Cost of leaving rollout and coming back, seconds."""
+        return self.rollout_to_train_s + self.train_to_rollout_s

@@ -80,3 +80,9 @@ def test_cli_run_says_the_coordinator_is_not_built(tmp_path):
     out = _gyre_train(f"hydra.run.dir={tmp_path}")
     assert out.returncode != 0
     assert "coordinator is not built yet" in out.stderr
+
+
+def test_submitit_launcher_plugin_composes():
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = hydra.compose(config_name="config", overrides=["hydra/launcher=submitit_slurm"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")

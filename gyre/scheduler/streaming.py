@@ -1,0 +1,162 @@
+"""Staleness rule and streaming training: ready groups become micro-steps that training cells claim.
+
+Staleness rule (identical in every mode). A group is bound to RL step k when it is admitted, and
+admission of step k's groups opens only once the current weight version v satisfies k <= v + s
+(`may_admit`). Its executions then run to completion or to their time budget, across any number
+of weight updates: later model calls are served by newer weights and the records carry the
+version per output span ("continue with per-span versions"). The oldest span of any sample of
+step k is therefore at version >= k - s, so the bound holds by construction; `claim` checks it
+again and raises rather than train over it. An execution that ends without a valid reward (time
+budget exhausted with nothing evaluable, evaluator crash) is excluded and counted, never trained
+as zero. No execution is dropped for being long: the step waits for it, at most its time budget.
+
+    executions finish ──> group ready (all finished or excluded) ──> MicroStepQueue[step]
+    TRAIN cells ──claim()──> micro-step of the current step (faster cells claim more often)
+    all groups of the step trained ──> core applies ONE optimizer step ──> version + 1
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from gyre.scheduler.cells import SchedulerError
+
+
+class StalenessError(SchedulerError):
+    """A sample would be trained more than `staleness` versions after its behaviour policy."""
+
+
+def may_admit(step: int, version: int, staleness: int) -> bool:
+    """Whether groups bound to `step` may start now, under weight version `version`."""
+    return step <= version + staleness
+
+
+def check_staleness(start_version: int, step: int, staleness: int) -> None:
+    """Raise StalenessError unless a sample started under `start_version` may train at `step`."""
+    if step > start_version + staleness:
+        raise StalenessError(
+            f"sample started under version {start_version} cannot train at step {step} (staleness bound {staleness})"
+        )
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """One ready group's training work for one step."""
+
+    step: int
+    group_id: int
+    start_version: int
+    tokens: int
+
+
+@dataclass
+class _StepState:
+    ready: deque = field(default_factory=deque)
+    accounted: int = 0  # groups ready or excluded
+    in_flight: int = 0
+    done: int = 0  # micro-steps completed
+    num_micro: int = 0  # micro-steps created
+
+
+class MicroStepQueue:
+    """Micro-steps per step; only the current step (= current weight version) can be claimed.
+
+    Args:
+        groups_per_step: groups that make one RL step's batch.
+        staleness: the bound s, checked again at every claim.
+    """
+
+    def __init__(self, groups_per_step: int, staleness: int):
+        if groups_per_step < 1:
+            raise SchedulerError(f"groups_per_step must be >= 1, got {groups_per_step}")
+        self.groups_per_step = groups_per_step
+        self.staleness = staleness
+        self.version = 0
+        self.max_lag = 0
+        """Largest step - start_version ever claimed (never above `staleness`)."""
+        self._steps: dict[int, _StepState] = {}
+
+    @property
+    def current_step(self) -> int:
+        """The step being trained: step k turns version k into k + 1."""
+        return self.version
+
+    def _state(self, step: int) -> _StepState:
+        if step < self.version:
+            raise SchedulerError(f"step {step} is already applied (version {self.version})")
+        return self._steps.setdefault(step, _StepState())
+
+    def _account(self, st: _StepState, step: int) -> None:
+        st.accounted += 1
+        if st.accounted > self.groups_per_step:
+            raise SchedulerError(f"step {step} got more than {self.groups_per_step} groups")
+
+    def add_ready(self, step: int, group_id: int, start_version: int, tokens: int) -> None:
+        """A group of `step` is ready: all its executions finished or were excluded."""
+        st = self._state(step)
+        self._account(st, step)
+        if tokens > 0:
+            st.ready.append(MicroStep(step, group_id, start_version, tokens))
+            st.num_micro += 1
+
+    def exclude(self, step: int, group_id: int) -> None:
+        """A group of `step` has no trainable execution; it counts as accounted for."""
+        self._account(self._state(step), step)
+
+    def claim(self) -> MicroStep | None:
+        """The next ready micro-step of the current step, or None (nothing ready now).
+
+        Raises:
+            StalenessError: it would exceed the bound (never happens if admission used may_admit).
+        """
+        st = self._steps.get(self.version)
+        if st is None or not st.ready:
+            return None
+        ms = st.ready.popleft()
+        check_staleness(ms.start_version, ms.step, self.staleness)
+        self.max_lag = max(self.max_lag, ms.step - ms.start_version)
+        st.in_flight += 1
+        return ms
+
+    def hand_back(self, ms: MicroStep) -> None:
+        """A cell leaving training returns an unfinished micro-step; it is claimed first next."""
+        st = self._steps[ms.step]
+        st.in_flight -= 1
+        st.ready.appendleft(ms)
+
+    def complete(self, ms: MicroStep) -> None:
+        """A micro-step's gradients are accumulated."""
+        st = self._steps[ms.step]
+        st.in_flight -= 1
+        st.done += 1
+
+    def batch_ready(self, step: int | None = None) -> bool:
+        """Whether every group of `step` (default: current) is ready or excluded."""
+        st = self._steps.get(self.version if step is None else step)
+        return st is not None and st.accounted == self.groups_per_step
+
+    def step_complete(self) -> bool:
+        """Whether the current step's micro-steps are all trained, so the optimizer step may run."""
+        st = self._steps.get(self.version)
+        return st is not None and st.accounted == self.groups_per_step and st.done == st.num_micro
+
+    def step_started(self) -> bool:
+        """Whether any micro-step of the current step was claimed."""
+        st = self._steps.get(self.version)
+        return st is not None and (st.in_flight > 0 or st.done > 0)
+
+    def ready_tokens(self) -> int:
+        """Tokens of the current step that are ready and unclaimed."""
+        st = self._steps.get(self.version)
+        return sum(ms.tokens for ms in st.ready) if st else 0
+
+    def apply_optimizer_step(self) -> int:
+        """The core applied the current step's optimizer step; returns the new version.
+
+        Raises:
+            SchedulerError: the step still has untrained micro-steps or missing groups.
+        """
+        if not self.step_complete():
+            raise SchedulerError(f"step {self.version} is not complete; the optimizer step must wait")
+        del self._steps[self.version]
+        self.version += 1
+        return self.version

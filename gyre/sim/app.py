@@ -1,0 +1,102 @@
+"""`gyre-sim`: the Hydra app that runs the simulator (conf/sim.yaml) and prints or plots the results.
+
+I/O lives here only: composing configs, printing tables, writing the PNG. Everything it prints
+comes from gyre.sim.runner on validated configs.
+"""
+
+import json
+import os
+import sys
+from dataclasses import fields
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from gyre.errors import ConfigError
+from gyre.launch.train import CONF_DIR
+from gyre.sim.config import SimConfig
+from gyre.sim.report import format_compare, format_modes, format_sensitivity, plot_timeline
+from gyre.sim.runner import run_modes, sensitivity, summarize
+from gyre.sim.seed import SEED_ROWS
+
+ConfigStore.instance().store(name="sim_schema", node=SimConfig)
+
+
+def validate_sim(cfg: DictConfig) -> SimConfig:
+    """Typed SimConfig from a composed config; a bad value raises ConfigError naming its full key."""
+    sections = {}
+    for f in fields(SimConfig):
+        node = cfg[f.name]
+        try:
+            sections[f.name] = OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
+        except ConfigError as e:
+            raise e.under(f.name) from None
+    return SimConfig(**sections)
+
+
+_SCENARIO_KEYS = ("profile=", "preset=", "num_steps=", "compare=", "sensitivity=", "json=", "plot=", "modes=")
+
+
+def _compare_rows(user_overrides: list[str]) -> list[dict]:
+    """Run each seed scenario (every mode) and pair the simulated speedups with the seed's.
+
+    The user's other overrides (e.g. `scheduler.critical_path=false`, `seed=3`) apply to every
+    scenario; the scenario sets the profile, preset and number of steps.
+    """
+    kept = [o for o in user_overrides if not o.lstrip("+~").startswith(_SCENARIO_KEYS)]
+    rows = []
+    for row in SEED_ROWS:
+        sims = []
+        for preset in row.presets:
+            cfg = hydra.compose(
+                config_name="sim",
+                overrides=[*kept, f"profile={row.profile}", f"preset={preset}", f"num_steps={row.num_steps}",
+                           *row.overrides],
+            )
+            sim = validate_sim(cfg)
+            sims.append(summarize(sim, run_modes(sim, modes=["elastic", "async", "colocate"])))
+        rows.append({
+            "workload": row.workload,
+            "seed_vs_async": row.vs_async,
+            "seed_vs_colocate": row.vs_colocate,
+            "sim_vs_async": _span([s["speedup"]["vs_async"] for s in sims]),
+            "sim_vs_colocate": _span([s["speedup"]["vs_colocate"] for s in sims]),
+            "sim_elastic_h": " / ".join(f"{s['modes']['elastic']['time_h']:.1f}" for s in sims),
+            "runs": sims,
+        })
+    return rows
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}x" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}x"
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="sim")
+def run(cfg: DictConfig) -> None:
+    try:
+        sim = validate_sim(cfg)
+    except ConfigError as e:
+        sys.exit(f"gyre-sim: invalid config: {e}")
+    results = run_modes(sim)
+    out = summarize(sim, results)
+    print(format_modes(out))
+    if sim.plot:
+        path = os.path.join(HydraConfig.get().runtime.output_dir, sim.plot)
+        plot_timeline(results, path)
+        out["plot"] = path
+        print(f"timeline: {path}")
+    if sim.sensitivity:
+        out["sensitivity"] = sensitivity(sim)
+        print(f"\nsensitivity on {sim.profile.name} / {sim.preset.name}:\n{format_sensitivity(out['sensitivity'])}")
+    if sim.compare:
+        out["compare"] = _compare_rows(list(HydraConfig.get().overrides.task))
+        print(f"\nthe seed's figures beside the simulator's:\n{format_compare(out['compare'])}")
+    if sim.json:
+        print(json.dumps(out))
+
+
+def main() -> None:
+    run()

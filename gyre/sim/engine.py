@@ -1,0 +1,442 @@
+"""Discrete-event simulation of a Gyre cluster driving the real scheduler objects on a virtual clock.
+
+The simulator owns time and the workload; every decision comes from gyre.scheduler: the policy
+(`make_policy`), the cell state machine (`Cell`), admission by staleness (`may_admit`) and the
+micro-step queue (`MicroStepQueue`).
+
+    admit batch (staleness) -> queue -> slot on least-loaded ROLLOUT cell -> segments:
+        model call (duration = tokens / min(session speed, cell throughput / generating sessions))
+        -> tool call (wall time) -> ... -> finished or time budget -> group ready -> micro-step
+    TRAIN cells claim micro-steps -> step complete -> core optimizer step -> version + 1
+    policy consulted every tick and after steps and switches -> Cell.begin_switch -> phases
+
+A model call keeps the duration computed at its start even if its session is handed to another
+cell meanwhile (the hand-off cost is the cell's switch cost; its KV migrates). A session whose
+cell left with no serving cell to take it (colocate while training) loses its KV with the
+engine's memory: it keeps running tool calls, waits at its next model call with its time budget
+paused, and then recomputes its whole prefix (prefill) on the cell that serves it.
+
+Session slots come from KV: a cell holds kv_tokens_per_node x nodes / mean context sessions.
+Executions beyond the free slots queue (the waterlevel counts them).
+"""
+
+import heapq
+import itertools
+from collections import deque
+
+from gyre.scheduler.cells import PHASE_SHARES, Phase, Role, make_cells
+from gyre.scheduler.config import SchedulerConfig
+from gyre.scheduler.policy import CellView, Decision, Observation, make_policy
+from gyre.scheduler.streaming import MicroStepQueue, may_admit
+from gyre.sim.config import PresetConfig, ProfileConfig
+from gyre.sim.result import CellStats, ModeResult, critical_path_s
+from gyre.sim.workload import context_tokens, draw_batch, mean_context_tokens, train_share, train_tokens
+
+SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS = range(7)
+
+
+class _Session:
+    """One execution; it has at most one pending event (segment end or time budget), none while blocked."""
+
+    __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "excluded", "kv_lost", "gen", "tool")
+
+    def __init__(self, group, n_seg, off, excluded, batch):
+        self.group, self.n_seg, self.off, self.excluded = group, n_seg, off, excluded
+        self.seg, self.deadline, self.cell, self.kv_lost = 0, 0.0, None, False
+        self.gen, self.tool = batch.gen_tokens, batch.tool_s
+
+
+class _Group:
+    __slots__ = ("gid", "step", "version", "remaining", "tokens")
+
+    def __init__(self, gid, step, version, size):
+        self.gid, self.step, self.version, self.remaining, self.tokens = gid, step, version, size, 0
+
+
+class _SimCell:
+    """The simulator's bookkeeping beside one scheduler Cell."""
+
+    def __init__(self, cell, preset: PresetConfig, sessions_per_node: int):
+        self.cell = cell
+        self.serving = cell.role is Role.ROLLOUT
+        self.members: set = set()
+        self.gen_tokens = 0.0
+        self.gen_ends: list[float] = []  # heap of the end times of model calls it serves
+        self.max_sessions = sessions_per_node * cell.num_nodes
+        self.prefill_tok_s = preset.prefill_tok_s_per_node * cell.num_nodes
+        self.gen_tok_s = preset.gen_tok_s_per_node * cell.num_nodes
+        self.train_tok_s = preset.train_tok_s_per_node * cell.num_nodes
+        self.slot_s = 0.0
+        self.slot_t = 0.0
+        self.micro = None
+        self.micro_start = self.micro_end = 0.0
+        self.token = 0
+        self.target = None
+        self.stats = CellStats(index=cell.index, is_core=cell.is_core)
+
+    def join(self, s, now):
+        self.slot_s += len(self.members) * (now - self.slot_t)
+        self.slot_t = now
+        self.members.add(s)
+
+    def drop(self, s, now):
+        self.slot_s += len(self.members) * (now - self.slot_t)
+        self.slot_t = now
+        self.members.discard(s)
+
+
+class Simulation:
+    """One mode on one workload and cluster; `run()` returns a ModeResult.
+
+    Args:
+        scheduler: the scheduler config; its `mode` selects the policy.
+        tail_scale: multiplies the profile's duration tail (sensitivity).
+    """
+
+    def __init__(self, profile: ProfileConfig, preset: PresetConfig, scheduler: SchedulerConfig,
+                 num_steps: int, seed: int = 0, tick_s: float = 10.0, tail_scale: float = 1.0,
+                 losses: tuple[tuple[int, float], ...] = ()):
+        self.profile, self.preset, self.cfg = profile, preset, scheduler
+        self.losses = losses
+        self.stall_s = 20 * profile.timeout_s + 86400.0
+        self.num_steps, self.seed, self.tick_s, self.tail_scale = num_steps, seed, tick_s, tail_scale
+        cells = make_cells(preset.num_cells, preset.cell_nodes)
+        self.policy = make_policy(scheduler, preset.num_cells, train_share(profile, preset, seed))
+        for cell, role in zip(cells, self.policy.initial_roles()):
+            cell.role = role
+        per_node = preset.sessions_per_node(mean_context_tokens(profile, seed))
+        self.cells = [_SimCell(c, preset, per_node) for c in cells]
+        self.core = self.cells[0]
+        self.sat_train_tok_s = self.cells[-1].train_tok_s
+        self.queue = MicroStepQueue(profile.groups_per_step, scheduler.staleness)
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.waiting: deque = deque()
+        self.waiting_by_step: dict[int, int] = {}
+        self.blocked: dict = {}  # insertion-ordered set
+        self.running = 0
+        self.next_batch = 0
+        self.optimizing = False
+        self.step_times: list[float] = []
+        self.levels: list[tuple[float, int]] = []
+        self.session_tok_s = preset.session_tok_s
+        self.train_tokens_total = 0
+        self.prefill_tokens_total = 0.0
+        self.longest_s: list[float] = []
+        self.num_switches = 0
+        self.num_timeouts = 0
+        self.num_excluded = 0
+        self.num_blocked = 0
+
+    # ---- event plumbing -------------------------------------------------------------------
+    def _at(self, t, kind, obj, token=0):
+        heapq.heappush(self.heap, (t, next(self.seq), kind, obj, token))
+
+    def run(self) -> ModeResult:
+        """Simulate until `num_steps` optimizer steps are applied."""
+        for sc in self.cells:
+            sc.stats.timeline.append((0.0, sc.cell.role.value))
+        self._admit_batches()
+        self._at(0.0, TICK, None)
+        for index, at_s in self.losses:
+            self._at(at_s, LOSS, self.cells[index])
+        handlers = (None, self._on_exec_end, self._on_phase_end,
+                    self._on_micro_end, self._on_opt_end, self._on_tick, self._on_loss)
+        heap, pop, queue, num_steps, start_gen = self.heap, heapq.heappop, self.queue, self.num_steps, self._start_gen
+        while heap and queue.version < num_steps:
+            t, _, kind, obj, token = pop(heap)
+            self.now = t
+            if kind == SEG_END:  # the hot path, inlined: next segment or done
+                obj.seg += 1
+                if obj.seg < obj.n_seg:
+                    start_gen(obj)
+                    continue
+                self._finish(obj)
+            else:
+                handlers[kind](obj, token)
+        return self._result()
+
+    # ---- rollout side ---------------------------------------------------------------------
+    def _admit_batches(self):
+        while self.next_batch < self.num_steps and may_admit(self.next_batch, self.queue.version, self.cfg.staleness):
+            step = self.next_batch
+            b = draw_batch(self.profile, step, self.seed, self.tail_scale, self.preset.session_tok_s)
+            self.longest_s.append(b.longest_s)
+            g_size = self.profile.group_size
+            for g in range(self.profile.groups_per_step):
+                group = _Group(g, step, self.queue.version, g_size)
+                for e in range(g * g_size, (g + 1) * g_size):
+                    self.waiting.append(_Session(group, b.segments[e], b.offsets[e], b.excluded[e], b))
+            self.waiting_by_step[step] = self.profile.executions_per_step
+            self.next_batch += 1
+        self._fill_slots()
+
+    def _least_loaded(self, need_slot: bool):
+        best = None
+        for sc in self.cells:
+            if sc.serving and (not need_slot or len(sc.members) < sc.max_sessions):
+                if best is None or len(sc.members) * best.max_sessions < len(best.members) * sc.max_sessions:
+                    best = sc
+        return best
+
+    def _fill_slots(self):
+        while self.waiting:
+            sc = self._least_loaded(need_slot=True)
+            if sc is None:
+                return
+            s = self.waiting.popleft()
+            self.waiting_by_step[s.group.step] -= 1
+            s.cell = sc
+            sc.join(s, self.now)
+            s.deadline = self.now + self.profile.timeout_s
+            self.running += 1
+            self._start_gen(s)
+
+    def _start_gen(self, s):
+        sc = s.cell
+        if sc is None or not sc.serving:
+            if sc is not None:
+                sc.drop(s, self.now)
+            sc = self._least_loaded(need_slot=False)
+            s.cell = sc
+            if sc is None:
+                self.blocked[s] = self.now  # its time budget pauses while no cell serves it
+                self.num_blocked += 1
+                return
+            sc.join(s, self.now)
+        i = s.off + s.seg
+        tokens = s.gen[i]
+        now = self.now
+        ends = sc.gen_ends
+        while ends and ends[0] <= now:
+            heapq.heappop(ends)
+        rate = sc.gen_tok_s / (len(ends) + 1)
+        if rate > self.session_tok_s:
+            rate = self.session_tok_s
+        sc.gen_tokens += tokens
+        gen_end = now + tokens / rate
+        if s.kv_lost:  # its KV was released with its cell's engine memory: recompute the prefix
+            ctx = context_tokens(self.profile, s.seg)
+            self.prefill_tokens_total += ctx
+            gen_end += ctx / sc.prefill_tok_s
+            s.kv_lost = False
+        heapq.heappush(ends, gen_end)
+        t = gen_end + s.tool[i]  # the model call, then the segment's tool calls
+        if t < s.deadline:
+            heapq.heappush(self.heap, (t, next(self.seq), SEG_END, s, 0))
+        else:
+            heapq.heappush(self.heap, (s.deadline, next(self.seq), EXEC_END, s, 0))
+
+    def _on_exec_end(self, s, _token):
+        self.num_timeouts += 1
+        self._finish(s)
+
+    def _finish(self, s):
+        if s.cell is not None:
+            s.cell.drop(s, self.now)
+        self.running -= 1
+        g = s.group
+        g.remaining -= 1
+        if s.excluded:
+            self.num_excluded += 1
+        else:
+            g.tokens += train_tokens(self.profile, s.seg)
+        if g.remaining == 0:
+            if g.tokens:
+                self.queue.add_ready(g.step, g.gid, g.version, g.tokens)
+            else:
+                self.queue.exclude(g.step, g.gid)
+            if g.step == self.queue.current_step:
+                self._claim_all()
+                if self.queue.batch_ready():
+                    self._consult()
+        self._fill_slots()
+
+    def _hand_off(self, sc):
+        """Move a leaving cell's sessions to the serving cells (proxy reroute + KV migration)."""
+        for s in list(sc.members):
+            sc.drop(s, self.now)
+            dest = self._least_loaded(need_slot=False)
+            s.cell = dest
+            if dest is not None:
+                dest.join(s, self.now)
+            else:
+                s.kv_lost = True
+
+    def _unblock(self):
+        blocked, self.blocked = self.blocked, {}
+        for s, since in blocked.items():
+            s.deadline += self.now - since
+            self._start_gen(s)
+
+    # ---- training side --------------------------------------------------------------------
+    def _claim_all(self):
+        for sc in self.cells:
+            self._claim(sc)
+
+    def _claim(self, sc):
+        if sc.cell.role is not Role.TRAIN or sc.micro is not None or self.optimizing:
+            return
+        ms = self.queue.claim()
+        if ms is None:
+            return
+        sc.cell.join_step(ms.step)
+        if self.core.cell.role is Role.TRAIN:
+            self.core.cell.join_step(ms.step)  # the core is part of every step it can train
+        sc.micro, sc.micro_start = ms, self.now
+        sc.micro_end = self.now + ms.tokens / sc.train_tok_s
+        self._at(sc.micro_end, MICRO_END, sc, sc.token)
+
+    def _on_micro_end(self, sc, token):
+        if token != sc.token:
+            return
+        self.queue.complete(sc.micro)
+        self.train_tokens_total += sc.micro.tokens
+        sc.stats.train_busy_s += self.now - sc.micro_start
+        sc.micro = None
+        if not sc.cell.is_core:
+            sc.cell.leave_step()
+        self._claim(sc)
+        if self.queue.step_complete() and not self.optimizing:
+            self.optimizing = True
+            self._at(self.now + self.preset.optimizer_step_s, OPT_END, None)
+
+    def _on_opt_end(self, _obj, _token):
+        self.optimizing = False
+        self.queue.apply_optimizer_step()
+        for sc in self.cells:
+            if sc.micro is None:
+                sc.cell.leave_step()
+        self.step_times.append(self.now)
+        self._admit_batches()
+        self._consult()  # before claiming: colocate sends its cells back before they touch the next step
+        self._claim_all()
+
+    # ---- roles ----------------------------------------------------------------------------
+    def _on_tick(self, _obj, _token):
+        last = self.step_times[-1] if self.step_times else 0.0
+        if self.now - last > self.stall_s:
+            raise RuntimeError(f"simulation stalled: no optimizer step for {self.now - last:.0f} s at version "
+                               f"{self.queue.version} (no cell left to serve or train?)")
+        self.levels.append((self.now, len(self.waiting) + self.running))
+        self._consult()
+        self._at(self.now + self.tick_s, TICK, None)
+
+    def _observe(self) -> Observation:
+        views = tuple(
+            CellView(index=sc.cell.index, role=sc.cell.role, is_core=sc.cell.is_core,
+                     in_step=sc.cell.step is not None, since_s=sc.cell.since_s, sessions=len(sc.members),
+                     max_sessions=sc.max_sessions, gen_tok_s=sc.gen_tok_s)
+            for sc in self.cells
+        )
+        return Observation(
+            now_s=self.now, cells=views, queued=len(self.waiting), running=self.running,
+            queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > self.queue.current_step),
+            gen_demand_tok_s=sum(self._generating(sc) for sc in self.cells) * self.preset.session_tok_s,
+            ready_train_s=self.queue.ready_tokens() / self.sat_train_tok_s,
+            batch_ready=self.queue.batch_ready(),
+            step_open=self.queue.step_started() or self.optimizing,
+        )
+
+    def _generating(self, sc) -> int:
+        while sc.gen_ends and sc.gen_ends[0] <= self.now:
+            heapq.heappop(sc.gen_ends)
+        return len(sc.gen_ends)
+
+    def _consult(self):
+        d: Decision = self.policy.decide(self._observe())
+        for i in d.to_train:
+            self._begin(self.cells[i], Role.TRAIN)
+        for i in d.to_rollout:
+            self._begin(self.cells[i], Role.ROLLOUT)
+
+    def _begin(self, sc, target):
+        self.num_switches += 1
+        sc.target = target
+        sc.stats.switches += 1
+        sc.cell.begin_switch(target, self.now)
+        sc.stats.timeline.append((self.now, sc.cell.role.value))
+        sc.serving = False
+        if target is Role.TRAIN:
+            self._hand_off(sc)
+        self._schedule_phase(sc)
+
+    def _schedule_phase(self, sc):
+        phase = sc.cell.phase
+        if phase is Phase.FINISH_MICROSTEP:
+            dur = self._finish_or_hand_back(sc)
+        else:
+            cost = self.cfg.rollout_to_train_s if sc.target is Role.TRAIN else self.cfg.train_to_rollout_s
+            dur = cost * PHASE_SHARES[phase]
+        sc.stats.switch_s += dur
+        self._at(self.now + dur, PHASE_END, sc, sc.token)
+
+    def _finish_or_hand_back(self, sc) -> float:
+        if sc.micro is None:
+            return 0.0
+        left = sc.micro_end - self.now
+        if left <= self.cfg.finish_microstep_max_s:
+            return left  # its MICRO_END fires first (earlier sequence number)
+        self.queue.hand_back(sc.micro)
+        sc.micro = None
+        sc.token += 1
+        sc.cell.leave_step()
+        self._claim_all()
+        return 0.0
+
+    def _on_loss(self, sc, _token):
+        """A satellite stops answering: its sessions lose their KV, its micro-step goes back."""
+        was_serving = sc.serving
+        sc.serving = False
+        sc.cell.lose(self.now)
+        sc.stats.timeline.append((self.now, Role.LOST.value))
+        if sc.micro is not None:
+            self.queue.hand_back(sc.micro)
+            sc.micro = None
+        sc.token += 1  # its pending micro-step or phase end no longer happens
+        for s in list(sc.members):
+            sc.drop(s, self.now)
+            s.cell, s.kv_lost = None, True  # re-placed, with a prefill, at its next model call
+        if was_serving:
+            self._fill_slots()
+        self._claim_all()
+        self._consult()
+
+    def _on_phase_end(self, sc, token):
+        if token != sc.token:
+            return
+        if sc.cell.next_phase(self.now) is not None:
+            self._schedule_phase(sc)
+            return
+        sc.stats.timeline.append((self.now, sc.cell.role.value))
+        sc.serving = sc.cell.role is Role.ROLLOUT
+        if sc.cell.role is Role.TRAIN:
+            self._claim(sc)
+        else:
+            self._fill_slots()
+            self._unblock()
+
+    # ---- result ---------------------------------------------------------------------------
+    def _result(self) -> ModeResult:
+        total = self.now
+        for sc in self.cells:
+            st = sc.stats
+            st.gen_tokens = sc.gen_tokens
+            sc.drop(None, total)
+            # A rollout cell is busy as far as its binding resource is used: decode throughput
+            # or session slots (KV); a training cell while it computes micro-steps.
+            useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / sc.max_sessions)
+            st.idle_fraction = min(1.0, max(0.0, 1.0 - useful / total))
+        rollout_node_s = (sum(sc.gen_tokens for sc in self.cells) / self.preset.gen_tok_s_per_node
+                          + self.prefill_tokens_total / self.preset.prefill_tok_s_per_node)
+        work_node_s = rollout_node_s + self.train_tokens_total / self.preset.train_tok_s_per_node
+        return ModeResult(
+            mode=self.cfg.mode, total_s=total, step_times_s=self.step_times,
+            cells=[sc.stats for sc in self.cells], work_node_s=work_node_s,
+            num_nodes=self.preset.num_nodes, levels=self.levels, num_switches=self.num_switches,
+            num_timeouts=self.num_timeouts, num_excluded=self.num_excluded,
+            async_train_cells=getattr(self.policy, "num_train", None),
+            num_blocked=self.num_blocked, max_staleness=self.queue.max_lag,
+            critical_path_s=critical_path_s(self.longest_s, self.cfg.staleness, self.preset.optimizer_step_s),
+        )

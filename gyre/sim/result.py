@@ -1,0 +1,94 @@
+"""What one simulated mode produced, and the comparisons between modes (pure)."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CellStats:
+    """One cell's account over the run."""
+
+    index: int
+    is_core: bool
+    gen_tokens: float = 0.0
+    train_busy_s: float = 0.0
+    switch_s: float = 0.0
+    switches: int = 0
+    idle_fraction: float = 0.0
+    """1 - (training compute + rollout use) / run time; rollout use is the larger of tokens at full
+    cell throughput and session-slot occupancy."""
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+    """(time_s, role) at every role or switching-state change."""
+
+
+@dataclass
+class ModeResult:
+    """One mode's run."""
+
+    mode: str
+    total_s: float
+    step_times_s: list[float]
+    cells: list[CellStats]
+    work_node_s: float
+    """Decode and prefill at full node throughput plus training compute, node-seconds."""
+    num_nodes: int
+    levels: list[tuple[float, int]]
+    """(time_s, waterlevel) sampled every tick."""
+    num_switches: int
+    num_timeouts: int
+    num_excluded: int
+    async_train_cells: int | None = None
+    num_blocked: int = 0
+    """Model calls that found no serving cell and waited (only colocate's training phase should)."""
+    max_staleness: int = 0
+    """Largest (training step - start version) of any trained sample."""
+    critical_path_s: float = 0.0
+    """Latency bound of this workload: see `critical_path_s()`."""
+
+    def summary(self, ideal_s: float) -> dict:
+        """JSON-ready figures; `ideal_s` is the lower bound shared by all modes."""
+        return {
+            "mode": self.mode,
+            "time_h": round(self.total_s / 3600, 3),
+            "ratio_to_ideal": round(self.total_s / ideal_s, 3),
+            "ratio_to_bound": round(self.total_s / max(ideal_s, self.critical_path_s), 3),
+            "idle_fraction": [round(c.idle_fraction, 3) for c in self.cells],
+            "switches": self.num_switches,
+            "timeouts": self.num_timeouts,
+            "excluded": self.num_excluded,
+            "async_train_cells": self.async_train_cells,
+            "blocked_calls": self.num_blocked,
+            "max_staleness": self.max_staleness,
+        }
+
+
+def ideal_lower_bound_s(results: list[ModeResult]) -> float:
+    """Total work / total capacity: the least work any mode did, spread over every node.
+
+    Modes differ slightly in work (timeouts cut executions at different points), so the smallest
+    is the bound no mode can beat on this workload.
+    """
+    return min(r.work_node_s for r in results) / results[0].num_nodes
+
+
+def critical_path_s(longest_s: list[float], staleness: int, optimizer_step_s: float) -> float:
+    """Latency lower bound of the run, whatever the capacity: step k's batch is admitted once
+    optimizer step k - s - 1 is applied (time 0 for k <= s), cannot be trained before its longest
+    execution ends even on an unloaded engine, and optimizer steps are sequential.
+
+    Args:
+        longest_s: per step, its longest execution at full speed (capped at the time budget).
+    """
+    applied: list[float] = []
+    for k, longest in enumerate(longest_s):
+        admitted = applied[k - staleness - 1] if k > staleness else 0.0
+        previous = applied[-1] if applied else 0.0
+        applied.append(max(previous, admitted + longest) + optimizer_step_s)
+    return applied[-1] if applied else 0.0
+
+
+def speedups(results: list[ModeResult]) -> dict[str, float]:
+    """Elastic's speedup over each other mode that ran (time_other / time_elastic)."""
+    by_mode = {r.mode: r.total_s for r in results}
+    if "elastic" not in by_mode:
+        return {}
+    return {f"vs_{m}": round(t / by_mode["elastic"], 3) for m, t in by_mode.items() if m != "elastic"}

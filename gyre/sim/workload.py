@@ -1,0 +1,87 @@
+"""Workload draws: each step's executions as segments of generated tokens and tool wall time.
+
+Draws depend only on (seed, step), never on the mode, so every mode runs the very same
+executions (common random numbers): differences between modes are the scheduler's alone.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gyre.sim.config import PresetConfig, ProfileConfig
+
+GEN_TOKENS_SIGMA = 0.5
+"""Log-normal sigma of tokens generated per segment (assumed; not a profile knob)."""
+
+
+@dataclass
+class Batch:
+    """One step's executions; per-segment values are flat lists indexed from `offsets`."""
+
+    step: int
+    segments: list[int]
+    offsets: list[int]
+    gen_tokens: list[float]
+    tool_s: list[float]
+    excluded: list[bool]
+    longest_s: float = 0.0
+    """Duration of its longest execution on an unloaded engine, capped at the time budget (0 when
+    drawn without a session speed)."""
+
+
+def draw_batch(
+    profile: ProfileConfig, step: int, seed: int, tail_scale: float = 1.0, session_tok_s: float = 0.0
+) -> Batch:
+    """Draw step `step`'s executions (group-major: group g owns executions g*G .. g*G+G-1).
+
+    Args:
+        tail_scale: multiplies `segments_sigma`, thickening the duration tail (sensitivity).
+    """
+    rng = np.random.default_rng([seed, step])
+    n = profile.executions_per_step
+    task = np.repeat(rng.lognormal(0.0, profile.segments_sigma * tail_scale, profile.groups_per_step), profile.group_size)
+    spread = task * rng.lognormal(0.0, profile.exec_sigma, n)
+    segs = np.clip(np.rint(profile.segments_median * spread), 1, profile.max_segments)
+    segs = segs.astype(np.int64)
+    total = int(segs.sum())
+    gen = profile.gen_tokens_median * rng.lognormal(0.0, GEN_TOKENS_SIGMA, total)
+    tool = profile.tool_s_median * rng.lognormal(0.0, profile.tool_s_sigma, total)
+    offsets = np.concatenate(([0], np.cumsum(segs)[:-1]))
+    excluded = rng.random(n) < profile.excluded_fraction
+    longest = 0.0
+    if session_tok_s > 0:
+        longest = min(profile.timeout_s, float(np.add.reduceat(gen / session_tok_s + tool, offsets).max()))
+    return Batch(step, segs.tolist(), offsets.tolist(), gen.tolist(), tool.tolist(), excluded.tolist(), longest)
+
+
+def train_tokens(profile: ProfileConfig, segments_done: int) -> int:
+    """Tokens trained for an execution that completed `segments_done` segments."""
+    return int(context_tokens(profile, segments_done) * profile.train_token_factor)
+
+
+def context_tokens(profile: ProfileConfig, segments_done: int) -> float:
+    """Context of an execution after `segments_done` segments, tokens (capped by compaction)."""
+    return min(segments_done * profile.context_tokens_per_segment, profile.max_context_tokens)
+
+
+def mean_context_tokens(profile: ProfileConfig, seed: int) -> float:
+    """Mean final context over step 0's draw: what a session's KV costs on average."""
+    b = draw_batch(profile, 0, seed)
+    return sum(context_tokens(profile, s) for s in b.segments) / len(b.segments)
+
+
+def train_share(profile: ProfileConfig, preset: PresetConfig, seed: int) -> float:
+    """Expected fraction of node-seconds that training takes (sizes async's pools), from step 0's draw.
+
+    Rollout node-seconds count the binding resource: decode throughput or KV slots held for the
+    execution's unloaded duration (tool calls included).
+    """
+    b = draw_batch(profile, 0, seed)
+    per_node = preset.sessions_per_node(mean_context_tokens(profile, seed))
+    full_speed_s = [
+        min(profile.timeout_s, sum(g / preset.session_tok_s + t for g, t in zip(b.gen_tokens[o:o + n], b.tool_s[o:o + n])))
+        for o, n in zip(b.offsets, b.segments)
+    ]
+    gen_node_s = max(sum(b.gen_tokens) / preset.gen_tok_s_per_node, sum(full_speed_s) / per_node)
+    train_node_s = sum(train_tokens(profile, s) for s in b.segments) / preset.train_tok_s_per_node
+    return train_node_s / (train_node_s + gen_node_s)

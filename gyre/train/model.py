@@ -1,0 +1,168 @@
+"""Build the megatron-core GPTModel for a ModelConfig, and the process groups it runs in.
+
+CPU: gloo, fp32, the local layer spec and the shim of gyre/train/cpu_shim.py. CUDA (untested here:
+no GPU on the development machines): NCCL, the TransformerEngine layer spec when
+`transformer_engine` imports, bf16 autocast in the trainer. Parameters are re-pointed into one flat
+fp32 buffer (`FlatParams`) so the core can publish a step's weights as one registered region and a
+satellite can pull them with one transfer, with no packing copy on either side.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gyre.errors import GyreError
+from gyre.models.config import ModelConfig
+from gyre.train.config import TrainerConfig
+from gyre.train.cpu_shim import apply_cpu_shim
+
+
+class ParallelError(GyreError):
+    """The process layout does not fit the trainer config."""
+
+
+def init_distributed(tensor_parallel_size: int, seed: int) -> None:
+    """Initialise torch.distributed (if the launcher has not) and Megatron's model-parallel groups.
+
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment (none set: one rank,
+    with an in-memory store). The cell's ranks form world / TP data-parallel replicas.
+
+    Raises:
+        ParallelError: the world size is not a multiple of the tensor-parallel size.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    cpu = apply_cpu_shim()
+    if not dist.is_initialized():
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        if not cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        backend = "gloo" if cpu else "nccl"
+        if world == 1:  # a one-rank cell needs no rendezvous port (and must not inherit its parent's)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world)
+    if dist.get_world_size() % tensor_parallel_size:
+        raise ParallelError(
+            f"trainer.tensor_parallel_size={tensor_parallel_size} does not divide the cell's {dist.get_world_size()} ranks"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu, force_reset_rng=True)
+
+
+def build_gpt_model(model_cfg: ModelConfig, cfg: TrainerConfig):
+    """The policy as a megatron-core GPTModel (RMSNorm, SwiGLU, RoPE, GQA, no biases), fp32 params.
+
+    Raises:
+        ParallelError: heads, KV groups or vocabulary do not split over the TP ranks.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    tp = cfg.tensor_parallel_size
+    for key, value in (("num_query_groups", model_cfg.num_query_groups), ("vocab_size", model_cfg.vocab_size)):
+        if value % tp:
+            raise ParallelError(f"model.{key}={value} does not split over trainer.tensor_parallel_size={tp}")
+    cuda = torch.cuda.is_available()
+    tcfg = TransformerConfig(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_query_groups,
+        kv_channels=model_cfg.head_dim,
+        tensor_model_parallel_size=tp,
+        normalization="RMSNorm",
+        layernorm_epsilon=model_cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        use_cpu_initialization=not cuda,
+        perform_initialization=True,
+        # Fused kernels are CUDA-only; on GPUs they are numerically equivalent but faster.
+        bias_activation_fusion=cuda,
+        masked_softmax_fusion=cuda,
+        persist_layer_norm=False,
+        bias_dropout_fusion=cuda,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    return GPTModel(
+        config=tcfg,
+        transformer_layer_spec=_layer_spec(cuda),
+        vocab_size=model_cfg.vocab_size,
+        max_sequence_length=model_cfg.max_seq_len,
+        position_embedding_type="rope",
+        rotary_base=int(model_cfg.rotary_base),
+        rotary_percent=1.0,
+        share_embeddings_and_output_weights=model_cfg.tie_embeddings,
+        parallel_output=True,
+    )
+
+
+def _layer_spec(cuda: bool):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if cuda:
+        try:
+            import transformer_engine  # noqa: F401  (probe only)
+
+            return specs.get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
+        except ImportError:
+            pass
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+@dataclass
+class FlatParams:
+    """All trainable parameters as views of one contiguous fp32 buffer, in `named_parameters` order."""
+
+    names: tuple[str, ...]
+    params: tuple[torch.nn.Parameter, ...]
+    weights: torch.Tensor
+    """[N] the flat buffer; each parameter's `.data` is a view of it."""
+
+    @staticmethod
+    def adopt(model: torch.nn.Module) -> "FlatParams":
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        total = sum(p.numel() for _, p in named)
+        flat = torch.empty(total, dtype=torch.float32, device=named[0][1].device)
+        offset = 0
+        for _, p in named:
+            view = flat[offset : offset + p.numel()].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+            offset += p.numel()
+        return FlatParams(tuple(n for n, _ in named), tuple(p for _, p in named), flat)
+
+    def signature(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Names and shapes: a satellite's model must match the core's before it pulls bytes."""
+        return [(n, tuple(p.shape)) for n, p in zip(self.names, self.params)]
+
+    def gather_grads(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy each parameter's gradient into the flat `out` (zeros where a parameter got none)."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is None:
+                out[offset : offset + n].zero_()
+            else:
+                out[offset : offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+        return out
+
+    def set_grads(self, flat_grad: torch.Tensor) -> None:
+        """Point each parameter's `.grad` at its slice of `flat_grad` (no copy)."""
+        offset = 0
+        for p in self.params:
+            p.grad = flat_grad[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()

@@ -1,0 +1,217 @@
+"""The trainer of one cell: recompute log-probs, compute a micro-step's gradient, apply a step.
+
+A packed micro-batch is unpacked into a right-padded [S, L_max] batch with one causal mask, so each
+sequence sees RoPE positions 0..L-1 exactly as the engine did (megatron-core's RoPE without
+packed_seq_params counts positions across the whole row, and the local attention spec takes no
+packed_seq_params); right padding never leaks into earlier tokens under a causal mask. This costs
+O(S * L_max^2) attention memory instead of O(T^2) for a block-diagonal mask over the packed row.
+
+A micro-step's gradient is always computed from zero and returned as one flat fp32 tensor; the
+caller (gyre/train/elastic.py) adds micro-steps in index order, which makes the step independent
+of which cell computed which micro-step.
+"""
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from gyre.models.config import ModelConfig
+from gyre.models.convert import engine_to_megatron, megatron_to_engine
+from gyre.train.batch import check_structure, screen_batch
+from gyre.train.config import TrainerConfig
+from gyre.train.loss import finish_stats, merge_stats, policy_loss
+from gyre.train.model import FlatParams, build_gpt_model, init_distributed
+from gyre.trajectory.sample import PackedBatch
+
+
+class Trainer:
+    """The policy model, its flat weight/gradient buffers and its optimizer, on one cell rank."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, seed: int = 0):
+        init_distributed(cfg.tensor_parallel_size, seed)
+        torch.manual_seed(seed)  # CPU initialisation draws from the default generator
+        self.model_cfg, self.cfg = model_cfg, cfg
+        self.cuda = torch.cuda.is_available()
+        self.model = build_gpt_model(model_cfg, cfg)
+        if self.cuda:
+            self.model.cuda()
+        self.flat = FlatParams.adopt(self.model)
+        self.grad = torch.zeros_like(self.flat.weights)
+        self.optimizer = torch.optim.AdamW(
+            self.flat.params,
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            foreach=False,  # per-parameter loop: the same arithmetic on every cell, bit for bit
+        )
+        self.step = 0
+
+    # ---- forward -------------------------------------------------------------------------
+    def _forward(self, batch: PackedBatch, need_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs [T] (0 at each sequence start) and optionally entropies [T]."""
+        from megatron.core import tensor_parallel
+
+        device = self.flat.weights.device
+        cu = batch.cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        L = max(lengths)
+        ids = torch.zeros(len(lengths), L, dtype=torch.long)
+        for i, (a, n) in enumerate(zip(cu, lengths)):
+            ids[i, :n] = batch.tokens[a : a + n]
+        ids = ids.to(device)
+        pos = torch.arange(L, device=device).expand(len(lengths), L)
+        # The local spec builds its default causal mask on "cuda"; on CPU we pass it (True = masked).
+        mask = None if self.cuda else torch.triu(torch.ones(L, L, dtype=torch.bool), 1)[None, None]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda and self.cfg.bf16):
+            logits = self.model(ids, pos, mask)  # [S, L, V / tp]
+        logits = logits[:, :-1].float()
+        token_lp = -tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), ids[:, 1:].t().contiguous()).t()
+        entropy = None
+        if need_entropy:
+            full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            logp = torch.log_softmax(full, dim=-1)
+            entropy = -(logp.exp() * logp).sum(-1)
+        return self._repack(token_lp, cu, lengths), (self._repack(entropy, cu, lengths) if need_entropy else None)
+
+    @staticmethod
+    def _repack(per_seq: torch.Tensor, cu: list[int], lengths: list[int]) -> torch.Tensor:
+        parts = []
+        for i, n in enumerate(lengths):
+            parts.append(torch.zeros(1, dtype=per_seq.dtype, device=per_seq.device))
+            parts.append(per_seq[i, : n - 1])
+        return torch.cat(parts).cpu() if per_seq.is_cuda else torch.cat(parts)
+
+    @torch.no_grad()
+    def logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        """Log-prob [T] of each token under the current weights (0 at each sequence start)."""
+        self.model.eval()
+        return self._forward(batch, need_entropy=False)[0]
+
+    # ---- micro-steps and steps --------------------------------------------------------------
+    def microstep(self, batch: PackedBatch, normaliser: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """Gradient of one micro-batch's share of the step loss, in the flat buffer `self.grad`.
+
+        Args:
+            normaliser: total loss weight of the whole step (see gyre/train/loss.py).
+        Returns:
+            (self.grad, stats); the buffer is overwritten by the next call.
+        Raises:
+            BatchError: the batch is structurally unusable (run `prepare_step` first to drop bad sequences).
+        """
+        check_structure(batch, self.model_cfg.vocab_size)
+        self.model.train()
+        for p in self.flat.params:
+            p.grad = None
+        need_entropy = self.cfg.entropy_coef > 0
+        lp, ent = self._forward(batch, need_entropy)
+        loss, stats = policy_loss(
+            lp, batch.behaviour_logprobs, batch.advantages, batch.loss_weights, batch.target_mask, normaliser, self.cfg, ent
+        )
+        loss.backward()
+        stats["num_tokens"] = batch.num_tokens
+        return self.flat.gather_grads(self.grad), stats
+
+    def apply_gradient(self, grad: torch.Tensor) -> dict[str, float]:
+        """One optimizer step with the summed flat gradient; bumps `self.step` (the weight version)."""
+        self.flat.set_grads(grad)
+        norm = self._grad_norm()
+        if self.cfg.max_grad_norm > 0 and norm > self.cfg.max_grad_norm:
+            grad.mul_(self.cfg.max_grad_norm / (norm + 1e-6))
+        self.optimizer.step()
+        for p in self.flat.params:
+            p.grad = None
+        self.step += 1
+        return {"grad_norm": norm}
+
+    def _grad_norm(self) -> float:
+        """Global L2 norm: TP-sharded parameters summed over the TP group, replicated ones once."""
+        from megatron.core import parallel_state
+
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for p in self.flat.params:
+            sq = p.grad.double().pow(2).sum().cpu()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+        return float((sharded + replicated).sqrt())
+
+    def train_step(self, batches: list[PackedBatch]) -> dict[str, float]:
+        """One optimizer step over `batches` by this cell alone (every rank passes the same list).
+
+        Data-parallel rank r computes micro-steps r, r + DP, ...; each rank adds its own in order,
+        then the sums are all-reduced over the data-parallel group.
+        """
+        from megatron.core import parallel_state
+
+        batches, normaliser, excluded = prepare_step(batches, self.model_cfg.vocab_size)
+        dp = parallel_state.get_data_parallel_world_size()
+        mine = range(parallel_state.get_data_parallel_rank(), len(batches), dp)
+        total = torch.zeros_like(self.flat.weights)
+        local = {}
+        for i in mine:
+            g, local[i] = self.microstep(batches[i], normaliser)
+            total.add_(g)
+        if dp > 1:
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+            gathered = [None] * dp
+            dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
+            local = {i: st for part in gathered for i, st in part.items()}
+        stats = dict(excluded)
+        for i in sorted(local):
+            stats = merge_stats(stats, local[i])
+        return finish_stats(stats) | self.apply_gradient(total)
+
+    # ---- weights for engines ---------------------------------------------------------------
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The current weights under engine (HF/Qwen2) names, full tensors on every TP rank.
+
+        With TP > 1 each sharded parameter is all-gathered along its partition dimension; fc1's
+        shards are [gate_r; up_r] per rank, so gates and ups are regrouped before conversion.
+        """
+        state = {n: self._full_tensor(n, p.detach()) for n, p in self.model.named_parameters()}
+        return megatron_to_engine({n: t.cpu() for n, t in state.items()}, self.model_cfg)
+
+    def _full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        param = dict(self.model.named_parameters())[name]
+        if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+            return local
+        shards = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        if name.endswith("mlp.linear_fc1.weight"):
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return torch.cat(shards, dim=param.partition_dim)
+
+    def load_engine_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite the weights from engine-named tensors (TP=1; TP>1 loads through a checkpoint)."""
+        state = engine_to_megatron(tensors, self.model_cfg)
+        own = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in state.items():
+                own[name].copy_(t)
+
+
+def prepare_step(batches: list[PackedBatch], vocab_size: int) -> tuple[list[PackedBatch], float, dict[str, float]]:
+    """Screen a step's micro-batches and compute the token-level normaliser over what remains.
+
+    Returns:
+        (screened batches, total loss weight of their targets, {"excluded/<reason>": count})
+    Raises:
+        BatchError: a structurally broken batch, or one with no trainable sequence left.
+    """
+    screened, excluded = [], Counter()
+    for b in batches:
+        kept, counts, _ = screen_batch(b, vocab_size)
+        screened.append(kept)
+        excluded.update(counts)
+    total = sum(float(b.loss_weights[b.target_mask].sum()) for b in screened)
+    return screened, total, {f"excluded/{r}": n for r, n in excluded.items()}

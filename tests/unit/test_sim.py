@@ -1,0 +1,145 @@
+"""The simulator drives the real policy objects; its configs fail at config time naming the key."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import hydra
+import pytest
+
+from gyre.errors import ConfigError
+from gyre.launch.train import CONF_DIR
+from gyre.scheduler.config import SchedulerConfig
+from gyre.sim.app import validate_sim
+from gyre.sim.config import PresetConfig, ProfileConfig
+from gyre.sim.engine import Simulation
+from gyre.sim.result import critical_path_s, ideal_lower_bound_s
+
+PROFILE = ProfileConfig(groups_per_step=4, group_size=4, segments_median=6, segments_sigma=0.8, gen_tokens_median=600,
+                        tool_s_median=20, context_tokens_per_segment=2000, timeout_s=900, excluded_fraction=0.1)
+PRESET = PresetConfig(num_nodes=4, num_cells=4, kv_tokens_per_node=400_000, max_sessions_per_node=16,
+                      gen_tok_s_per_node=400, session_tok_s=50, train_tok_s_per_node=500, optimizer_step_s=5)
+
+
+def simulate(mode: str, staleness: int = 1, **kw):
+    return Simulation(PROFILE, PRESET, SchedulerConfig(mode=mode, staleness=staleness), num_steps=4, tick_s=5.0, **kw).run()
+
+
+@pytest.mark.parametrize("mode", ["elastic", "async", "colocate"])
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_every_mode_finishes_within_the_staleness_bound(mode, staleness):
+    r = simulate(mode, staleness)
+    assert len(r.step_times_s) == 4 and r.step_times_s == sorted(r.step_times_s)
+    assert r.max_staleness <= staleness
+    ideal = ideal_lower_bound_s([r])
+    assert r.total_s >= ideal > 0 and r.total_s >= r.critical_path_s > 0
+    if mode != "colocate":  # only colocate parks live executions while every cell trains
+        assert r.num_blocked == 0
+
+
+@pytest.mark.parametrize(
+    "longest, s, opt, expected",
+    [
+        pytest.param([100, 100, 100], 0, 10, 330, id="on-policy-serial"),
+        pytest.param([100, 100, 100], 1, 10, 220, id="one-ahead-overlaps"),
+        pytest.param([100, 5, 5], 1, 10, 130, id="short-batches-wait-for-the-optimizer"),
+        pytest.param([], 1, 10, 0, id="no-steps"),
+    ],
+)
+def test_critical_path_bound(longest, s, opt, expected):
+    assert critical_path_s(longest, s, opt) == expected
+
+
+def test_same_seed_same_result_and_modes_see_the_same_executions():
+    a, b = simulate("elastic"), simulate("elastic")
+    assert a.total_s == b.total_s and a.num_switches == b.num_switches
+    assert simulate("async").num_excluded == a.num_excluded  # common random numbers across modes
+
+
+def test_elastic_switches_and_core_never_leaves_training():
+    r = simulate("elastic")
+    assert r.num_switches > 0
+    core = r.cells[0]
+    assert {role for _, role in core.timeline} == {"train"} and core.switches == 0
+
+
+def test_switch_costs_are_charged():
+    cheap = Simulation(PROFILE, PRESET, SchedulerConfig(mode="colocate", rollout_to_train_s=0, train_to_rollout_s=0),
+                       num_steps=4, tick_s=5.0).run()
+    dear = Simulation(PROFILE, PRESET, SchedulerConfig(mode="colocate", rollout_to_train_s=300, train_to_rollout_s=300),
+                      num_steps=4, tick_s=5.0).run()
+    assert dear.total_s > cheap.total_s + 4 * 300
+
+
+def compose(*overrides):
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra.compose(config_name="sim", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        pytest.param("preset.num_cells=300", "preset.num_cells", id="more-cells-than-nodes"),
+        pytest.param("preset.num_cells=5", "preset.num_cells", id="cells-do-not-divide-nodes"),
+        pytest.param("preset.gen_tok_s_per_node=0", "preset.gen_tok_s_per_node", id="zero-decode-capacity"),
+        pytest.param("preset.kv_tokens_per_node=0", "preset.kv_tokens_per_node", id="zero-kv-capacity"),
+        pytest.param("scheduler.staleness=-1", "scheduler.staleness", id="negative-staleness"),
+        pytest.param("profile.group_size=0", "profile.group_size", id="empty-groups"),
+        pytest.param("profile.timeout_s=0", "profile.timeout_s", id="no-time-budget"),
+        pytest.param("modes=[elastic,sync]", "modes", id="unknown-mode"),
+        pytest.param("lose_cell=6", "lose_cell", id="lose-a-cell-that-does-not-exist"),
+    ],
+)
+def test_bad_presets_and_profiles_fail_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        validate_sim(compose(override))
+    assert err.value.key == key
+
+
+@pytest.mark.parametrize("profile", ["nl2repo", "deepswe", "terminalbench"])
+@pytest.mark.parametrize("preset", ["qwen122b_24n", "qwen122b_32n", "qwen2t4_192n"])
+def test_shipped_profiles_and_presets_validate(profile, preset):
+    sim = validate_sim(compose(f"profile={profile}", f"preset={preset}"))
+    assert sim.profile.name == profile and sim.preset.name == preset
+
+
+def test_cli_prints_tables_and_one_json_object_last(tmp_path):
+    args = ["profile=terminalbench", "preset=qwen122b_24n", "num_steps=1", "profile.groups_per_step=8",
+            "profile.group_size=4", "json=true", f"hydra.run.dir={tmp_path}"]
+    out = subprocess.run([sys.executable, "-c", "from gyre.sim.app import main; main()", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    data = json.loads(lines[-1])
+    assert set(data["modes"]) == {"elastic", "async", "colocate"} and data["ideal_h"] > 0
+    assert "vs_async" in data["speedup"] and (tmp_path / "timeline.png").stat().st_size > 0
+    assert any(line.startswith("elastic") for line in lines)
+
+
+def test_cli_bad_preset_names_the_key(tmp_path):
+    out = subprocess.run([sys.executable, "-c", "from gyre.sim.app import main; main()", "preset.num_cells=1000",
+                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "preset.num_cells" in out.stderr
+
+
+@pytest.mark.parametrize("mode", ["elastic", "async", "colocate"])
+def test_a_lost_satellite_gets_no_work_and_the_run_finishes(mode):
+    r = simulate(mode, losses=((1, 300.0),))
+    assert len(r.step_times_s) == 4
+    lost = r.cells[1]
+    assert lost.timeline[-1] == (300.0, "lost") and lost.train_busy_s <= 300.0
+    assert r.total_s >= simulate(mode).total_s * 0.99  # three cells are not faster than four
+
+
+def test_losing_the_only_rollout_cell_of_async_stalls_loudly():
+    sched = SchedulerConfig(mode="async", async_train_cells=3)
+    with pytest.raises(RuntimeError, match="stalled"):
+        Simulation(PROFILE, PRESET, sched, num_steps=4, tick_s=60.0, losses=((3, 100.0),)).run()
+
+
+def test_hand_back_replays_work_when_a_cell_leaves_mid_micro_step():
+    # A tiny finish allowance forces hand-backs; the run still completes every step.
+    sched = replace(SchedulerConfig(mode="elastic"), finish_microstep_max_s=0.0, min_dwell_s=0.0, leave_window_s=0.0)
+    r = Simulation(PROFILE, PRESET, sched, num_steps=4, tick_s=5.0).run()
+    assert len(r.step_times_s) == 4

@@ -1,0 +1,157 @@
+"""Core + satellites: satellites are separate processes with their own Mooncake engines; they join
+mid-step, pull weights, return gradients; the step equals the core computing alone. A satellite
+killed mid-micro-step loses only that micro-step, which another cell redoes."""
+
+import dataclasses
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from _train_ref import random_batches
+from gyre.models.config import ModelConfig
+from gyre.train.config import TrainerConfig
+from gyre.train.elastic import CoreServer
+from gyre.train.trainer import Trainer
+from gyre.transfer import TransferEndpoint
+
+MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, vocab_size=64, max_seq_len=512)
+CFG = TrainerConfig(lr=1e-3, num_grad_slots=3)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Satellite:
+    """A warm satellite process: model built, waiting on stdin for the core's address."""
+
+    def __init__(self, log: Path, cfg: TrainerConfig):
+        cmd = [sys.executable, "-m", "gyre.train.satellite", "--model", json.dumps(dataclasses.asdict(MODEL)),
+               "--trainer", json.dumps(dataclasses.asdict(cfg))]
+        self.log = log
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(log, "w"), text=True)
+
+    def expect(self, prefix: str, timeout_s: float = 120) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line.startswith(prefix):
+                    return line.strip()
+                if not line:
+                    break
+        raise AssertionError(f"satellite never said {prefix!r}; log tail: {self.log.read_text()[-1500:]}")
+
+    def join(self, address: str) -> None:
+        self.proc.stdin.write(address + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def start_satellites(tmp_path):
+    torch.set_num_threads(1)
+    started = []
+
+    def start(n: int, cfg: TrainerConfig = CFG) -> list[Satellite]:
+        started.extend(Satellite(tmp_path / f"sat{len(started) + i}.log", cfg) for i in range(n))
+        return started[-n:]
+
+    try:
+        yield start
+    finally:
+        for s in started:
+            s.stop()
+
+
+def _wait_for(cond, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+
+def _run_in_thread(server, batches):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(server.run_step(batches)))
+    t.start()
+    return t, out
+
+
+def _rel_diff(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(start_satellites):
+    satellites = start_satellites(2)
+    steps = [random_batches(MODEL, 8, 4, seed=11, max_len=64), random_batches(MODEL, 5, 4, seed=12, max_len=400)]
+    ref = Trainer(MODEL, CFG, seed=0)  # the core alone (while the satellites start up)
+    expected = []
+    for batches in steps:
+        ref.train_step(batches)
+        expected.append(ref.flat.weights.clone())
+    for s in satellites:
+        s.expect("ready")
+
+    # The core only sums and steps: every micro-step is a satellite's, so the split is all theirs.
+    core = Trainer(MODEL, replace(CFG, core_computes_microsteps=False), seed=0)
+    server = CoreServer(core, TransferEndpoint())
+    try:
+        thread, first = _run_in_thread(server, steps[0])
+        satellites[0].join(server.address)
+        _wait_for(lambda: len(server.progress()[1]) >= 1, "the first satellite's first micro-step")
+        satellites[1].join(server.address)  # joins a step that is already under way
+        thread.join(timeout=120)
+        assert first["microsteps_by/satellite1"] >= 1 and first["microsteps_by/satellite2"] >= 1
+        assert _rel_diff(core.flat.weights, expected[0]) <= 1e-6
+        assert torch.equal(core.flat.weights, expected[0])  # on CPU it is in fact bitwise
+
+        # Step 2 (both pull the new version): kill satellite2 while it computes; satellite1 redoes it.
+        thread, second = _run_in_thread(server, steps[1])
+        _wait_for(lambda: "satellite2" in server.progress()[0].values(), "satellite2 to claim a micro-step")
+        os.kill(satellites[1].proc.pid, signal.SIGKILL)
+        thread.join(timeout=120)
+    finally:
+        server.close()
+    assert second["microsteps_redone"] >= 1
+    assert second["microsteps_by/satellite1"] + second.get("microsteps_by/satellite2", 0) == 5
+    assert torch.equal(core.flat.weights, expected[1])
+    report = json.loads(satellites[0].expect("{"))
+    assert report["computed"] == first["microsteps_by/satellite1"] + second["microsteps_by/satellite1"]
+    assert len(report["pull_s"]) == 2  # one weight pull per version
+
+
+def test_a_hung_satellite_loses_its_micro_step_after_the_claim_timeout(start_satellites):
+    cfg = replace(CFG, claim_timeout_s=1.0)
+    (victim,) = start_satellites(1, cfg)
+    batches = random_batches(MODEL, 4, 4, seed=13, max_len=400)
+    ref = Trainer(MODEL, cfg, seed=0)
+    ref.train_step(batches)
+    victim.expect("ready")
+    core = Trainer(MODEL, cfg, seed=0)
+    server = CoreServer(core, TransferEndpoint())
+    try:
+        thread, metrics = _run_in_thread(server, batches)
+        victim.join(server.address)
+        _wait_for(lambda: "satellite1" in server.progress()[0].values(), "the satellite to claim a micro-step")
+        os.kill(victim.proc.pid, signal.SIGSTOP)  # hung: alive, connection open, never answers
+        thread.join(timeout=120)
+    finally:
+        server.close()
+    assert metrics["microsteps_redone"] >= 1 and metrics["microsteps_by/core"] >= 3
+    assert torch.equal(core.flat.weights, ref.flat.weights)

@@ -1,0 +1,114 @@
+"""The trainer against the real builtin engine (a separate process): the engine's behaviour
+log-probs equal the trainer's recomputation under the same weights, before and after a step whose
+weights reach the engine over Mooncake; and the trainer's updates raise the engine's reward."""
+
+import asyncio
+
+import pytest
+import torch
+
+from _train_ref import pack
+from gyre.engines.client import EngineClient
+from gyre.engines.config import EngineConfig
+from gyre.engines.launch import BuiltinEngineProcess
+from gyre.models.config import ModelConfig
+from gyre.models.transformer import init_weights
+from gyre.train.config import TrainerConfig
+from gyre.train.publish import load_weights_from_disk, push_weights, write_weights
+from gyre.train.trainer import Trainer
+from gyre.transfer import TransferEndpoint
+
+MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=32, max_seq_len=128)
+SEED = 0
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)
+    proc = BuiltinEngineProcess(EngineConfig(init_seed=SEED, startup_timeout_s=120), MODEL)
+    proc.start()
+    endpoint = TransferEndpoint()
+    try:
+        yield proc.url, endpoint
+    finally:
+        endpoint.close()
+        proc.stop()
+
+
+def _trainer(lr: float) -> Trainer:
+    tr = Trainer(MODEL, TrainerConfig(lr=lr), seed=1)
+    tr.load_engine_weights(init_weights(MODEL, SEED))  # the engine's initial weights, engine names
+    return tr
+
+
+async def _rollouts(url, endpoint, trainer, prompts, n_each, new_tokens, seed0):
+    """Push the trainer's weights, then sample `n_each` completions per prompt from the engine."""
+    async with EngineClient(url, timeout_s=120) as client:
+        await push_weights(trainer, endpoint, [client])
+        jobs = [client.generate(p, {"max_new_tokens": new_tokens, "temperature": 1.0, "sampling_seed": seed0 + k * 1000 + j})
+                for k, p in enumerate(prompts) for j in range(n_each)]
+        outs = await asyncio.gather(*jobs)
+    for o in outs:
+        assert o["meta_info"]["weight_version"] == str(trainer.step)
+    return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
+
+
+def _max_gap(trainer, prompts, n_each, samples):
+    seqs = [{"prompt": prompts[i // n_each], "output": out, "logprobs": lps, "advantage": 1.0}
+            for i, (out, lps) in enumerate(samples)]
+    batch = pack(seqs)
+    return float((trainer.logprobs(batch) - batch.behaviour_logprobs)[batch.target_mask].abs().max()), batch
+
+
+def test_engine_logprobs_equal_the_trainers_before_and_after_a_step(engine):
+    url, endpoint = engine
+    tr = _trainer(lr=1e-2)
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4], [30]]
+    samples = asyncio.run(_rollouts(url, endpoint, tr, prompts, 2, 12, seed0=1))
+    gap, batch = _max_gap(tr, prompts, 2, samples)
+    assert gap <= 1e-4, f"engine vs trainer log-prob gap {gap} at version 0"
+    metrics = tr.train_step([batch])
+    assert metrics["logprob_gap_max"] <= 1e-4
+    samples = asyncio.run(_rollouts(url, endpoint, tr, prompts, 2, 12, seed0=2))  # version 1, via Mooncake
+    gap, _ = _max_gap(tr, prompts, 2, samples)
+    assert gap <= 1e-4, f"engine vs trainer log-prob gap {gap} at version 1"
+
+
+def test_updates_raise_the_engines_mean_reward(engine):
+    """Reward = fraction of generated tokens in a target set (1/8 of the vocabulary)."""
+    url, endpoint = engine
+    tr = _trainer(lr=3e-2)
+    target = set(range(4))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    rewards = []
+    for step in range(8):
+        samples = asyncio.run(_rollouts(url, endpoint, tr, prompts, 4, 8, seed0=100 * step))
+        seqs = []
+        for k, prompt in enumerate(prompts):
+            group = samples[4 * k : 4 * k + 4]
+            r = torch.tensor([sum(t in target for t in out) / len(out) for out, _ in group])
+            for (out, lps), adv in zip(group, (r - r.mean()).tolist()):
+                seqs.append({"prompt": prompt, "output": out, "logprobs": lps, "advantage": adv})
+        rewards.append(sum(sum(t in target for t in out) / len(out) for out, _ in samples) / len(samples))
+        tr.train_step([pack(seqs[:6]), pack(seqs[6:])])
+    assert rewards[-1] > rewards[0] + 0.3 and rewards[-1] > 0.5, rewards
+
+
+def test_weights_reach_the_engine_through_a_model_directory(engine, tmp_path):
+    """The SGLang route (/update_weights_from_disk), exercised on the builtin engine."""
+    url, _ = engine
+    tr = _trainer(lr=1e-2)
+    prompt = [3, 1, 4, 1, 5]
+    tr.train_step([pack([{"prompt": prompt, "output": [9, 2, 6], "logprobs": [-3.0, -3.0, -3.0], "advantage": 1.0}])])
+    path = write_weights(tr, tmp_path)
+
+    async def go():
+        async with EngineClient(url, timeout_s=120) as client:
+            await load_weights_from_disk([client], path, tr.step)
+            return await client.generate(prompt, {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 5})
+
+    out = asyncio.run(go())
+    assert out["meta_info"]["weight_version"] == "1"
+    lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    gap, _ = _max_gap(tr, [prompt], 1, [(out["output_ids"], lps)])
+    assert gap <= 1e-4

@@ -1,0 +1,172 @@
+"""Policy loss, batch screening and the micro-step ledger: pure cores, tables of cases."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from _train_ref import pack
+from gyre.errors import ConfigError
+from gyre.train.batch import BatchError, screen_batch
+from gyre.train.config import TrainerConfig
+from gyre.train.ledger import MicroStepLedger
+from gyre.train.loss import finish_stats, merge_stats, policy_loss
+
+CFG = TrainerConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, truncation_cap=3.0)
+
+
+def _one_token(log_ratio: float, adv: float, cfg=CFG):
+    lp = torch.tensor([0.0, -1.0 + log_ratio], requires_grad=True)
+    mask = torch.tensor([False, True])
+    loss, stats = policy_loss(lp, torch.tensor([0.0, -1.0]), torch.tensor([0.0, adv]), torch.tensor([0.0, 1.0]), mask, 1.0, cfg)
+    loss.backward()
+    return float(loss.detach()), float(lp.grad[1]), stats
+
+
+@pytest.mark.parametrize(
+    "log_ratio, adv, loss, grad, clipped, truncated",
+    [
+        pytest.param(0.0, 1.0, -1.0, -1.0, 0, 0, id="on-policy-positive: gradient raises the log-prob"),
+        pytest.param(0.0, -1.0, 1.0, 1.0, 0, 0, id="on-policy-negative: gradient lowers the log-prob"),
+        pytest.param(0.5, 1.0, -1.28, 0.0, 1, 0, id="ratio-above-clip-positive: no gradient"),
+        pytest.param(-0.5, -1.0, 0.8, 0.0, 1, 0, id="ratio-below-clip-negative: no gradient"),
+        pytest.param(2.0, -1.0, 3.0, 0.0, 0, 1, id="stale-ratio-7.4-negative: truncated at 3"),
+        pytest.param(1.0, -1.0, 2.71828, 2.71828, 0, 0, id="ratio-e-negative: under the cap, full gradient"),
+    ],
+)
+def test_token_loss_cases(log_ratio, adv, loss, grad, clipped, truncated):
+    got_loss, got_grad, stats = _one_token(log_ratio, adv)
+    assert got_loss == pytest.approx(loss, abs=1e-4)
+    assert got_grad == pytest.approx(grad, abs=1e-4)
+    assert (stats["clipped"], stats["truncated"]) == (clipped, truncated)
+
+
+def test_truncation_off_keeps_the_unbounded_ratio():
+    loss, _, stats = _one_token(2.0, -1.0, replace(CFG, truncation_cap=0.0))
+    assert loss == pytest.approx(float(torch.exp(torch.tensor(2.0))), rel=1e-5) and stats["truncated"] == 0
+
+
+def test_kl_term_is_zero_on_policy_and_positive_off_policy():
+    cfg = replace(CFG, kl_coef=1.0, truncation_cap=0.0)
+    assert _one_token(0.0, 0.0, cfg)[0] == pytest.approx(0.0)
+    assert _one_token(0.1, 0.0, cfg)[0] > 0
+
+
+def test_stats_merge_to_the_same_means_however_split():
+    g = torch.Generator().manual_seed(0)
+    n = 12
+    lp, blp = -torch.rand(n, generator=g), -torch.rand(n, generator=g)
+    adv, w, m = torch.randn(n, generator=g), torch.ones(n), torch.ones(n, dtype=torch.bool)
+    whole = finish_stats(policy_loss(lp, blp, adv, w, m, float(n), CFG)[1])
+    parts = {}
+    for sl in (slice(0, 5), slice(5, 12)):
+        parts = merge_stats(parts, policy_loss(lp[sl], blp[sl], adv[sl], w[sl], m[sl], float(n), CFG)[1])
+    split = finish_stats(parts)
+    for k in whole:
+        assert split[k] == pytest.approx(whole[k], rel=1e-6), k
+
+
+def test_config_rejects_a_cap_that_is_not_above_one():
+    with pytest.raises(ConfigError) as e:
+        TrainerConfig(truncation_cap=0.5)
+    assert e.value.key == "truncation_cap"
+
+
+def _seq(**over):
+    s = {"prompt": [1, 2, 3], "output": [4, 5], "logprobs": [-0.5, -1.0], "advantage": 1.0}
+    return s | over
+
+
+def _with(batch, **fields):
+    return replace(batch, **fields)
+
+
+def _shifted_logprobs(b):
+    # A processor bug: log-probs one position early (the last prompt token carries one).
+    return _with(b, behaviour_logprobs=torch.roll(b.behaviour_logprobs, -1))
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        pytest.param(lambda b: _shifted_logprobs(b), "logprobs_misaligned", id="shifted-logprobs"),
+        pytest.param(lambda b: _with(b, target_mask=torch.zeros_like(b.target_mask), behaviour_logprobs=torch.zeros(b.num_tokens)), "empty_targets", id="no-targets"),
+        pytest.param(lambda b: _with(b, loss_weights=torch.zeros(b.num_tokens)), "empty_targets", id="all-zero-weights"),
+        pytest.param(lambda b: _with(b, behaviour_logprobs=b.behaviour_logprobs.abs()), "logprobs_invalid", id="positive-logprobs"),
+        pytest.param(lambda b: _with(b, target_mask=torch.ones_like(b.target_mask)), "target_at_sequence_start", id="first-token-target"),
+        pytest.param(lambda b: _with(b, weight_versions=torch.full_like(b.weight_versions, -1)), "weight_version_missing", id="no-version"),
+    ],
+)
+def test_bad_sequences_are_dropped_with_a_reason(make, reason):
+    bad = make(pack([_seq(id="bad")]))
+    good = pack([_seq(id="good", output=[7, 8, 9], logprobs=[-1.0, -2.0, -0.1])])
+    both = pack([_seq(id="x")])  # structure template for concatenation below
+    merged = replace(
+        both,
+        **{f: torch.cat([getattr(bad, f), getattr(good, f)]) for f in ("tokens", "position_ids", "target_mask", "behaviour_logprobs", "loss_weights", "advantages", "weight_versions")},
+        cu_seqlens=torch.tensor([0, bad.num_tokens, bad.num_tokens + good.num_tokens], dtype=torch.int32),
+        execution_ids=("bad", "good"),
+    )
+    kept, counts, rejected = screen_batch(merged, vocab_size=16)
+    assert rejected == [("bad", reason)] and counts[reason] == 1
+    assert kept.execution_ids == ("good",) and torch.equal(kept.tokens, good.tokens)
+    assert kept.cu_seqlens.tolist() == [0, good.num_tokens]
+    with pytest.raises(BatchError, match=reason):
+        screen_batch(bad, vocab_size=16)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        pytest.param(lambda b: _with(b, advantages=b.advantages[:-1]), "advantages has shape", id="short-array"),
+        pytest.param(lambda b: _with(b, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32)), "cu_seqlens", id="bad-boundaries"),
+        pytest.param(lambda b: _with(b, tokens=b.tokens + 100), "token ids", id="out-of-vocab"),
+        pytest.param(lambda b: _with(b, execution_ids=()), "execution_ids", id="ids-missing"),
+        pytest.param(lambda b: _with(b, advantages=b.advantages.long()), "advantages has dtype", id="integer-advantages"),
+        pytest.param(lambda b: _with(b, target_mask=b.target_mask.float()), "target_mask has dtype", id="float-mask"),
+    ],
+)
+def test_structural_faults_reject_the_whole_batch(make, match):
+    with pytest.raises(BatchError, match=match):
+        screen_batch(make(pack([_seq()])), vocab_size=16)
+
+
+@pytest.mark.parametrize(
+    "events, claims, done_by, redone",
+    [
+        pytest.param([("claim", "a", 0), ("claim", "b", 1), ("complete", "b", 1, True)], {0: "a"}, {1: "b"}, 0, id="two-cells"),
+        pytest.param([("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "b", 0, True)], {}, {0: "b"}, 1, id="dead-cell-redone"),
+        pytest.param([("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "a", 0, False)], {0: "b"}, {}, 1, id="late-result-of-presumed-dead-refused"),
+        pytest.param([("claim", "a", 0), ("claim", "a", 1), ("claim", "a", None)], {0: "a", 1: "a"}, {}, 0, id="nothing-left"),
+        pytest.param([("claim", "a", 0), ("overdue", 5, {"a"}), ("release", "a", [0]), ("claim", "b", 0), ("overdue", 12, set())], {0: "b"}, {}, 1, id="hung-cell-overdue"),
+    ],
+)
+def test_ledger_cases(events, claims, done_by, redone):
+    ledger = MicroStepLedger(2)
+    clock = iter(range(0, 1000, 10))  # each claim 10 s after the previous one
+    for ev in events:
+        if ev[0] == "claim":
+            assert ledger.claim(ev[1], now=next(clock)) == ev[2]
+        elif ev[0] == "overdue":
+            assert ledger.overdue(now=ev[1], timeout_s=3) == ev[2]
+        elif ev[0] == "complete":
+            assert ledger.complete(ev[1], ev[2]) is ev[3]
+        else:
+            assert ledger.release(ev[1]) == ev[2]
+    assert (ledger.claims, ledger.done_by, ledger.num_redone) == (claims, done_by, redone)
+    assert ledger.finished == (len(done_by) == 2)
+
+
+def test_trainer_group_composes_and_names_bad_keys():
+    import hydra
+
+    from gyre.config import validate
+    from gyre.launch.train import CONF_DIR
+
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        good = validate(hydra.compose(config_name="config"))
+        bad = hydra.compose(config_name="config", overrides=["trainer.num_grad_slots=0"])
+    assert isinstance(good.trainer, TrainerConfig) and good.trainer.truncation_cap == 3.0
+    with pytest.raises(ConfigError) as e:
+        validate(bad)
+    assert e.value.key == "trainer.num_grad_slots"
