@@ -77,17 +77,21 @@ class CellEngine:
 
         Returns its end time, or None when no slot is free (the caller queues it in `waiters`).
         """
-        self.retire(now)
         busy = self.busy
-        on_gpu = s.eng is self and s.where == GPU
-        held = s.kv if on_gpu else 0.0
+        if busy and busy[0][0] <= now:
+            self.retire(now)
         if busy and (len(busy) >= self.batch_cap or self.kv_used - self.idle_kv + need > self.kv_cap):
             return None
-        if on_gpu and s in self.idle:
-            del self.idle[s]
-            self.idle_kv -= held
-        self.kv_used += need - held
-        self._evict(self.kv_used - self.kv_cap)
+        on_gpu = s.where == GPU and s.eng is self
+        held = 0.0
+        if on_gpu:
+            held = s.kv
+            if s in self.idle:
+                del self.idle[s]
+                self.idle_kv -= held
+        kv_used = self.kv_used = self.kv_used + need - held
+        if kv_used > self.kv_cap:
+            self._evict(kv_used - self.kv_cap)
         t0 = now
         if not on_gpu:
             if s.where == HOST:
