@@ -33,8 +33,7 @@ class SchedulerConfig:
     (sessions and tokens/s) with this fraction to spare."""
     return_queue_fraction: float = 0.25
     """elastic: satellites return to rollout once queued executions reach this fraction of one
-    cell's session capacity, or the decode demand exceeds the serving cells' throughput by this
-    fraction of one cell's (and the serving cells cannot absorb them)."""
+    cell's session capacity (and the serving cells cannot absorb them)."""
     critical_path: bool = False
     """elastic: True = executions queued for later steps (admitted early within the staleness
     bound) do not keep satellites from ready training work of the current step. False (default)

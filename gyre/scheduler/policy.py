@@ -8,7 +8,7 @@ elastic: the core trains; satellites roll out unless the waterlevel W = queued +
     switch costs). They return when the queue outgrows the serving cells. With `critical_path`,
     executions queued for later steps (prefetch) neither keep a satellite from leaving nor pull
     it off ready training work of the current step; they call cells back once that work runs
-    out. Cells also return when the decode demand outgrows the serving cells. Live sessions always keep a serving cell with room for them. Three things keep it
+    out. Live sessions always keep a serving cell with room for them. Three things keep it
     from thrashing: the leave rule looks at the peak waterlevel of a trailing window, a gap
     separates it from the return rule (spare capacity with headroom vs a queue of a fraction of a
     cell), and a minimum dwell time in each role.
@@ -161,23 +161,18 @@ class ElasticPolicy(BasePolicy):
         return Decision(to_train=self._leaves(peak))
 
     def _returns(self, obs: Observation, idle_only: bool) -> tuple[int, ...]:
-        """Satellites to bring back because the queue, or the decode demand of the model calls in
-        flight (engines hold sessions in tool calls without a slot, so load shows there first),
-        outgrew the serving cells by `return_queue_fraction` of a cell.
+        """Satellites to bring back because the queue outgrew the serving cells.
 
         With `idle_only`, only cells with no training work worth staying for come back.
         """
         serving = [c for c in obs.cells if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
         per_cell = max(c.max_sessions for c in obs.cells)
-        sessions, tok_s = _capacity(serving)
-        frac = self.cfg.return_queue_fraction
-        queue_grew = obs.queued >= frac * per_cell
-        decode_short = obs.gen_demand_tok_s - tok_s >= frac * max(c.gen_tok_s for c in obs.cells)
-        if not (queue_grew or decode_short) or _serves(serving, obs, 0.0):
+        if obs.queued < self.cfg.return_queue_fraction * per_cell or _serves(serving, obs, 0.0):
             return ()
         n_train = sum(c.role in (Role.TRAIN, Role.TO_TRAIN) for c in obs.cells)
         if idle_only and obs.ready_train_s / max(1, n_train) >= self.cfg.gain_factor * self.cfg.round_trip_s:
             return ()
+        sessions, tok_s = _capacity(serving)
         deficit_cells = max(
             (obs.waterlevel - sessions) / per_cell,
             (obs.gen_demand_tok_s - tok_s) / max(c.gen_tok_s for c in obs.cells),
