@@ -80,12 +80,17 @@ class PresetConfig:
     num_cells: int = 2
     """Cells (the core included); num_nodes must split evenly into them."""
     kv_tokens_per_node: float = 16e6
-    """KV cache one node's engine holds, tokens; with the profile's mean context it bounds the
-    concurrent sessions per node (see `sessions_per_node`)."""
+    """GPU KV cache one node's engine holds, tokens: the contexts of sessions in a model call must
+    fit, idle sessions stay cached there until evicted (LRU; see gyre.sim.kv)."""
+    host_kv_tokens_per_node: float = 32e6
+    """Offload tier per node (HiCache host memory / Mooncake L3, pooled across the cluster),
+    tokens; 0 = no offload (evicted KV is recomputed)."""
+    kv_load_tok_s_per_node: float = 2e6
+    """Reload bandwidth from the offload tier to one node's GPUs, tokens/s."""
     max_sessions_per_node: int = 128
-    """Engine batch limit: concurrent sessions per node even when KV is plentiful."""
+    """Engine batch limit: concurrent model calls per node even when KV is plentiful."""
     prefill_tok_s_per_node: float = 50000.0
-    """Prefill throughput of one node, tokens/s: a session whose KV was released (not migrated)
+    """Prefill throughput of one node, tokens/s: a session whose KV was evicted and not offloaded
     recomputes its whole context on its next model call."""
     gen_tok_s_per_node: float = 4000.0
     """Aggregate decode throughput of one node at full load, tokens/s."""
@@ -110,17 +115,26 @@ class PresetConfig:
             f"must divide num_nodes={self.num_nodes} into equal cells, got {self.num_cells}",
         )
         for key in ("kv_tokens_per_node", "max_sessions_per_node", "gen_tok_s_per_node", "session_tok_s",
-                    "train_tok_s_per_node", "prefill_tok_s_per_node"):
+                    "train_tok_s_per_node", "prefill_tok_s_per_node", "kv_load_tok_s_per_node"):
             require(getattr(self, key) > 0, key, f"must be > 0 (no capacity cannot run), got {getattr(self, key)}")
+        require(self.host_kv_tokens_per_node >= 0, "host_kv_tokens_per_node",
+                f"must be >= 0 (0 = no offload tier), got {self.host_kv_tokens_per_node}")
         require(self.optimizer_step_s >= 0, "optimizer_step_s", f"must be >= 0 s, got {self.optimizer_step_s}")
 
     @property
     def cell_nodes(self) -> int:
         return self.num_nodes // self.num_cells
 
+    @property
+    def decode_tok_s_per_node(self) -> float:
+        """Decode throughput a node can reach: its aggregate, or its batch limit at session speed."""
+        return min(self.gen_tok_s_per_node, self.max_sessions_per_node * self.session_tok_s)
+
     def sessions_per_node(self, mean_context_tokens: float) -> int:
-        """Concurrent sessions a node holds for sessions of `mean_context_tokens` (>= 1)."""
-        return max(1, min(self.max_sessions_per_node, int(self.kv_tokens_per_node // max(1.0, mean_context_tokens))))
+        """Live sessions a node hosts at `mean_context_tokens` (>= 1): as many as its GPU and
+        offload tiers keep without recomputing; sessions in tool calls hold no compute slot."""
+        kv = self.kv_tokens_per_node + self.host_kv_tokens_per_node
+        return max(1, int(kv // max(1.0, mean_context_tokens)))
 
 
 @dataclass(kw_only=True)

@@ -4,20 +4,22 @@ The simulator owns time and the workload; every decision comes from gyre.schedul
 (`make_policy`), the cell state machine (`Cell`), admission by staleness (`may_admit`) and the
 micro-step queue (`MicroStepQueue`).
 
-    admit batch (staleness) -> queue -> slot on least-loaded ROLLOUT cell -> segments:
-        model call (duration = tokens / min(session speed, cell throughput / generating sessions))
-        -> tool call (wall time) -> ... -> finished or time budget -> group ready -> micro-step
+    admit batch (staleness) -> queue -> live on least-loaded ROLLOUT cell -> segments:
+        model call on the cell's engine (gyre.sim.kv: slot, KV reload or prefill, decode)
+        -> tool call (wall time, no slot) -> ... -> finished or time budget -> group ready
     TRAIN cells claim micro-steps -> step complete -> core optimizer step -> version + 1
     policy consulted every tick and after steps and switches -> Cell.begin_switch -> phases
 
-A model call keeps the duration computed at its start even if its session is handed to another
-cell meanwhile (the hand-off cost is the cell's switch cost; its KV migrates). A session whose
-cell left with no serving cell to take it (colocate while training) loses its KV with the
-engine's memory: it keeps running tool calls, waits at its next model call with its time budget
-paused, and then recomputes its whole prefix (prefill) on the cell that serves it.
+The engine model (gyre.sim.kv) is the same in every mode: a cell leaving rollout (elastic's
+hand-off, colocate's switch to training) offloads its sessions' KV to the host tier and the
+cell that serves them next reloads it. A model call keeps the duration computed at its start
+even if its session is handed off meanwhile. A session whose cell left with no serving cell to
+take it (colocate while training) keeps running tool calls and waits at its next model call
+with its time budget paused.
 
-Session slots come from KV: a cell holds kv_tokens_per_node x nodes / mean context sessions.
-Executions beyond the free slots queue (the waterlevel counts them).
+Live sessions per cell are bounded by what its GPU and host tiers hold at the profile's mean
+context (beyond that every call would recompute); executions beyond them queue (the waterlevel
+counts them).
 """
 
 import heapq
@@ -29,20 +31,23 @@ from gyre.scheduler.config import SchedulerConfig
 from gyre.scheduler.policy import CellView, Decision, Observation, make_policy
 from gyre.scheduler.streaming import MicroStepQueue, may_admit
 from gyre.sim.config import PresetConfig, ProfileConfig
+from gyre.sim.kv import NONE, CellEngine, HostTier
 from gyre.sim.result import CellStats, ModeResult, critical_path_s
 from gyre.sim.workload import context_tokens, draw_batch, mean_context_tokens, train_share, train_tokens
 
-SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS = range(7)
+SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS, WAKE = range(8)
 
 
 class _Session:
     """One execution; it has at most one pending event (segment end or time budget), none while blocked."""
 
-    __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "excluded", "kv_lost", "gen", "tool")
+    __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "excluded", "gen", "tool",
+                 "eng", "where", "kv", "call")
 
     def __init__(self, group, n_seg, off, excluded, batch):
         self.group, self.n_seg, self.off, self.excluded = group, n_seg, off, excluded
-        self.seg, self.deadline, self.cell, self.kv_lost = 0, 0.0, None, False
+        self.seg, self.deadline, self.cell = 0, 0.0, None
+        self.eng, self.where, self.kv, self.call = None, NONE, 0.0, 0
         self.gen, self.tool = batch.gen_tokens, batch.tool_s
 
 
@@ -56,15 +61,17 @@ class _Group:
 class _SimCell:
     """The simulator's bookkeeping beside one scheduler Cell."""
 
-    def __init__(self, cell, preset: PresetConfig, sessions_per_node: int):
+    def __init__(self, cell, preset: PresetConfig, sessions_per_node: int, host: HostTier):
         self.cell = cell
         self.serving = cell.role is Role.ROLLOUT
         self.members: set = set()
         self.gen_tokens = 0.0
-        self.gen_ends: list[float] = []  # heap of the end times of model calls it serves
-        self.max_sessions = sessions_per_node * cell.num_nodes
-        self.prefill_tok_s = preset.prefill_tok_s_per_node * cell.num_nodes
-        self.gen_tok_s = preset.gen_tok_s_per_node * cell.num_nodes
+        n = cell.num_nodes
+        self.eng = CellEngine(preset.kv_tokens_per_node * n, preset.max_sessions_per_node * n,
+                              preset.gen_tok_s_per_node * n, preset.session_tok_s,
+                              preset.prefill_tok_s_per_node * n, preset.kv_load_tok_s_per_node * n, host)
+        self.max_sessions = sessions_per_node * n
+        self.gen_tok_s = preset.decode_tok_s_per_node * n
         self.train_tok_s = preset.train_tok_s_per_node * cell.num_nodes
         self.slot_s = 0.0
         self.slot_t = 0.0
@@ -105,7 +112,8 @@ class Simulation:
         for cell, role in zip(cells, self.policy.initial_roles()):
             cell.role = role
         per_node = preset.sessions_per_node(mean_context_tokens(profile, seed))
-        self.cells = [_SimCell(c, preset, per_node) for c in cells]
+        self.host = HostTier(preset.host_kv_tokens_per_node * preset.num_nodes)
+        self.cells = [_SimCell(c, preset, per_node, self.host) for c in cells]
         self.core = self.cells[0]
         self.sat_train_tok_s = self.cells[-1].train_tok_s
         self.queue = MicroStepQueue(profile.groups_per_step, scheduler.staleness)
@@ -121,8 +129,8 @@ class Simulation:
         self.step_times: list[float] = []
         self.levels: list[tuple[float, int]] = []
         self.session_tok_s = preset.session_tok_s
+        self.ctx_per_seg, self.max_ctx = profile.context_tokens_per_segment, profile.max_context_tokens
         self.train_tokens_total = 0
-        self.prefill_tokens_total = 0.0
         self.longest_s: list[float] = []
         self.num_switches = 0
         self.num_timeouts = 0
@@ -142,7 +150,7 @@ class Simulation:
         for index, at_s in self.losses:
             self._at(at_s, LOSS, self.cells[index])
         handlers = (None, self._on_exec_end, self._on_phase_end,
-                    self._on_micro_end, self._on_opt_end, self._on_tick, self._on_loss)
+                    self._on_micro_end, self._on_opt_end, self._on_tick, self._on_loss, self._on_wake)
         heap, pop, queue, num_steps, start_gen = self.heap, heapq.heappop, self.queue, self.num_steps, self._start_gen
         while heap and queue.version < num_steps:
             t, _, kind, obj, token = pop(heap)
@@ -205,28 +213,45 @@ class Simulation:
                 self.num_blocked += 1
                 return
             sc.join(s, self.now)
+        if sc.eng.waiters or not self._call(sc, s):  # no slot: queue (FIFO) for the next call end
+            sc.eng.waiters.append(s)
+            self._wake(sc)
+
+    def _call(self, sc, s) -> bool:
+        """Start `s`'s model call on `sc` and schedule its segment's end; False when no slot is free."""
         i = s.off + s.seg
-        tokens = s.gen[i]
-        now = self.now
-        ends = sc.gen_ends
-        while ends and ends[0] <= now:
-            heapq.heappop(ends)
-        rate = sc.gen_tok_s / (len(ends) + 1)
-        if rate > self.session_tok_s:
-            rate = self.session_tok_s
-        sc.gen_tokens += tokens
-        gen_end = now + tokens / rate
-        if s.kv_lost:  # its KV was released with its cell's engine memory: recompute the prefix
-            ctx = context_tokens(self.profile, s.seg)
-            self.prefill_tokens_total += ctx
-            gen_end += ctx / sc.prefill_tok_s
-            s.kv_lost = False
-        heapq.heappush(ends, gen_end)
-        t = gen_end + s.tool[i]  # the model call, then the segment's tool calls
+        ctx = s.seg * self.ctx_per_seg
+        if ctx > self.max_ctx:
+            ctx = self.max_ctx
+        need = ctx + self.ctx_per_seg
+        if need > self.max_ctx:
+            need = self.max_ctx
+        end = sc.eng.start(s, self.now, ctx, need, s.gen[i])
+        if end is None:
+            return False
+        sc.gen_tokens += s.gen[i]
+        t = end + s.tool[i]  # the model call, then the segment's tool calls
         if t < s.deadline:
             heapq.heappush(self.heap, (t, next(self.seq), SEG_END, s, 0))
         else:
-            heapq.heappush(self.heap, (s.deadline, next(self.seq), EXEC_END, s, 0))
+            heapq.heappush(self.heap, (max(s.deadline, self.now), next(self.seq), EXEC_END, s, 0))
+        return True
+
+    def _wake(self, sc):
+        eng = sc.eng
+        if eng.waiters and eng.wake_at is None and eng.busy:
+            eng.wake_at = eng.busy[0][0]
+            self._at(eng.wake_at, WAKE, sc)
+
+    def _on_wake(self, sc, _token):
+        eng = sc.eng
+        if eng.wake_at != self.now:
+            return  # superseded: the engine was vacated meanwhile
+        eng.wake_at = None
+        waiters = eng.waiters
+        while waiters and self._call(sc, waiters[0]):  # first come, first served
+            waiters.popleft()
+        self._wake(sc)
 
     def _on_exec_end(self, s, _token):
         self.num_timeouts += 1
@@ -235,6 +260,8 @@ class Simulation:
     def _finish(self, s):
         if s.cell is not None:
             s.cell.drop(s, self.now)
+        if s.eng is not None:
+            s.eng.release(s)
         self.running -= 1
         g = s.group
         g.remaining -= 1
@@ -254,15 +281,16 @@ class Simulation:
         self._fill_slots()
 
     def _hand_off(self, sc):
-        """Move a leaving cell's sessions to the serving cells (proxy reroute + KV migration)."""
+        """Move a leaving cell's sessions to the serving cells (proxy reroute; KV via the host tier)."""
+        waiters = sc.eng.vacate(sc.members)
         for s in list(sc.members):
             sc.drop(s, self.now)
             dest = self._least_loaded(need_slot=False)
             s.cell = dest
             if dest is not None:
                 dest.join(s, self.now)
-            else:
-                s.kv_lost = True
+        for s in waiters:
+            self._start_gen(s)
 
     def _unblock(self):
         blocked, self.blocked = self.blocked, {}
@@ -333,16 +361,11 @@ class Simulation:
         return Observation(
             now_s=self.now, cells=views, queued=len(self.waiting), running=self.running,
             queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > self.queue.current_step),
-            gen_demand_tok_s=sum(self._generating(sc) for sc in self.cells) * self.preset.session_tok_s,
+            gen_demand_tok_s=sum(sc.eng.generating(self.now) for sc in self.cells) * self.preset.session_tok_s,
             ready_train_s=self.queue.ready_tokens() / self.sat_train_tok_s,
             batch_ready=self.queue.batch_ready(),
             step_open=self.queue.step_started() or self.optimizing,
         )
-
-    def _generating(self, sc) -> int:
-        while sc.gen_ends and sc.gen_ends[0] <= self.now:
-            heapq.heappop(sc.gen_ends)
-        return len(sc.gen_ends)
 
     def _consult(self):
         d: Decision = self.policy.decide(self._observe())
@@ -395,9 +418,12 @@ class Simulation:
             self.queue.hand_back(sc.micro)
             sc.micro = None
         sc.token += 1  # its pending micro-step or phase end no longer happens
+        waiters = sc.eng.vacate(sc.members, lost=True)
         for s in list(sc.members):
             sc.drop(s, self.now)
-            s.cell, s.kv_lost = None, True  # re-placed, with a prefill, at its next model call
+            s.cell = None  # re-placed, with a prefill, at its next model call
+        for s in waiters:
+            self._start_gen(s)
         if was_serving:
             self._fill_slots()
         self._claim_all()
@@ -428,8 +454,9 @@ class Simulation:
             # or session slots (KV); a training cell while it computes micro-steps.
             useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / sc.max_sessions)
             st.idle_fraction = min(1.0, max(0.0, 1.0 - useful / total))
-        rollout_node_s = (sum(sc.gen_tokens for sc in self.cells) / self.preset.gen_tok_s_per_node
-                          + self.prefill_tokens_total / self.preset.prefill_tok_s_per_node)
+        prefill = sum(sc.eng.prefill_tokens for sc in self.cells)
+        rollout_node_s = (sum(sc.gen_tokens for sc in self.cells) / self.preset.decode_tok_s_per_node
+                          + prefill / self.preset.prefill_tok_s_per_node)
         work_node_s = rollout_node_s + self.train_tokens_total / self.preset.train_tok_s_per_node
         return ModeResult(
             mode=self.cfg.mode, total_s=total, step_times_s=self.step_times,
@@ -437,6 +464,7 @@ class Simulation:
             num_nodes=self.preset.num_nodes, levels=self.levels, num_switches=self.num_switches,
             num_timeouts=self.num_timeouts, num_excluded=self.num_excluded,
             async_train_cells=getattr(self.policy, "num_train", None),
-            num_blocked=self.num_blocked, max_staleness=self.queue.max_lag,
+            num_blocked=self.num_blocked, max_staleness=self.queue.max_lag, prefill_tokens=prefill,
+            reload_tokens=sum(sc.eng.load_tokens for sc in self.cells),
             critical_path_s=critical_path_s(self.longest_s, self.cfg.staleness, self.preset.optimizer_step_s),
         )

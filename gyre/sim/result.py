@@ -29,7 +29,7 @@ class ModeResult:
     step_times_s: list[float]
     cells: list[CellStats]
     work_node_s: float
-    """Decode and prefill at full node throughput plus training compute, node-seconds."""
+    """Decode (at `decode_tok_s_per_node`) and prefill at full node throughput plus training compute, node-seconds."""
     num_nodes: int
     levels: list[tuple[float, int]]
     """(time_s, waterlevel) sampled every tick."""
@@ -43,6 +43,10 @@ class ModeResult:
     """Largest (training step - start version) of any trained sample."""
     critical_path_s: float = 0.0
     """Latency bound of this workload: see `critical_path_s()`."""
+    prefill_tokens: float = 0.0
+    """Context recomputed because its KV was evicted and not offloaded, tokens."""
+    reload_tokens: float = 0.0
+    """Context reloaded from the offload tier, tokens."""
 
     def summary(self, ideal_s: float) -> dict:
         """JSON-ready figures; `ideal_s` is the lower bound shared by all modes."""
@@ -58,6 +62,8 @@ class ModeResult:
             "async_train_cells": self.async_train_cells,
             "blocked_calls": self.num_blocked,
             "max_staleness": self.max_staleness,
+            "prefill_mtok": round(self.prefill_tokens / 1e6, 1),
+            "reload_mtok": round(self.reload_tokens / 1e6, 1),
         }
 
 
