@@ -16,7 +16,6 @@ import shutil
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from aiohttp import web
@@ -29,6 +28,7 @@ from gyre.engines.kv_transfer import KVExporter, import_kv_pages
 from gyre.engines.protocol import BadRequest, make_response, parse_generate
 from gyre.engines.scripted import ScriptedPolicy
 from gyre.errors import GyreError
+from gyre.launch.serve import serve_app
 from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer
@@ -302,26 +302,7 @@ def serve(engine_cfg: EngineConfig, model_cfg: ModelConfig, port_file: str | Non
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     server = BuiltinEngineServer(engine_cfg, model_cfg)
 
-    async def main() -> None:
-        runner = web.AppRunner(server.app(), handle_signals=True)
-        await runner.setup()
-        site = web.TCPSite(runner, engine_cfg.host, engine_cfg.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        if port_file:
-            tmp = port_file + ".tmp"
-            Path(tmp).write_text(str(port))
-            os.replace(tmp, port_file)
-        print(f"gyre-engine: serving on http://{engine_cfg.host}:{port}", flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    serve_app(server.app(), engine_cfg.host, engine_cfg.port, "gyre-engine", port_file=port_file)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,6 @@
 """`gyre-proxy`: run the proxy until SIGINT/SIGTERM, and a child-process launcher for tests and tools."""
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import logging
@@ -13,9 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from aiohttp import web
-
 from gyre.errors import GyreError
+from gyre.launch.serve import serve_app
 from gyre.models.tokenizer import ByteTokenizer, HFTokenizer
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.server import ProxyServer
@@ -26,27 +24,9 @@ def serve(cfg: ProxyConfig, port_file: str | None = None) -> None:
     tok = HFTokenizer(cfg.tokenizer_path) if cfg.tokenizer_path else ByteTokenizer(cfg.vocab_size)
     server = ProxyServer(cfg, tok)
 
-    async def main() -> None:
-        runner = web.AppRunner(server.app(), handle_signals=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, cfg.host, cfg.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        if port_file:  # owner-only: it carries the admin token
-            fd = os.open(port_file + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{port} {server.admin_token}")
-            os.replace(port_file + ".tmp", port_file)
-        print(f"gyre-proxy: serving on http://{cfg.host}:{port}", flush=True)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    # The port file is owner-only: it carries the admin token.
+    serve_app(server.app(), cfg.host, cfg.port, "gyre-proxy", port_file=port_file,
+              port_file_extra=server.admin_token, access_log=False)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,7 +33,7 @@ from gyre.scheduler.streaming import MicroStepQueue, may_admit
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.kv import NONE, CellEngine, HostTier
 from gyre.sim.result import CellStats, ModeResult, critical_path_s
-from gyre.sim.workload import context_tokens, draw_batch, mean_context_tokens, train_share, train_tokens
+from gyre.sim.workload import draw_batch, mean_context_tokens, train_share, train_tokens
 
 SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS, WAKE = range(8)
 

@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
