@@ -104,7 +104,8 @@ class CallRunner:
         g = call.gen
         hints = {**call.hints.raw, "api": call.api, "engines": g.engine_ids, "cached_tokens": g.cached_tokens,
                  "received_at": call.received_at, "reused_turns": call.rendered.num_reused,
-                 "proxy_ms": round((time.monotonic() - call.received_mono - g.engine_s) * 1e3, 3), "retokenized_turns": call.rendered.num_retokenized}  # fmt: skip
+                 "proxy_ms": round((time.monotonic() - call.received_mono - g.engine_s) * 1e3, 3),
+                 "engine_ms": round(g.engine_s * 1e3, 3), "retokenized_turns": call.rendered.num_retokenized}  # fmt: skip
         return CallRecord.build(
             input_ids=call.rendered.input_ids, output_ids=g.output_ids, logprobs=g.logprobs,
             versions=[_version(v) for v in g.versions], execution_id=call.ex.execution_id, call_id=f"c{call.seq}",

@@ -12,6 +12,8 @@ proxy process's CPU time per call) is the cost that transfers to a GPU deploymen
 Prints a table, then ONE JSON object on the last line:
   added_ms_p50, added_ms_p99    proxy minus direct, per-call latency percentiles
   direct_ms_p50/p99, proxy_ms_p50/p99
+  paired_added_ms_p50/p99       per call, the client's wait minus the engine call the proxy made for
+                                it (both paths have one engine round trip): engine-load noise cancels
   in_proxy_ms_p50/p99           per call, time in the proxy outside engine calls (parse, render,
                                 routing, queueing on its event loop, output parsing), from records
   records_per_s                 records appended (fsync each) per second of the measured rounds
@@ -68,8 +70,7 @@ async def mixed_round(engine_url: str, proxy_url: str, ids: list[int], keys: lis
                 await asyncio.sleep(think_s)
         return direct, through
 
-    results = await asyncio.gather(*(one(k) for k in keys))
-    return [x for d, _ in results for x in d], [x for _, p in results for x in p]
+    return await asyncio.gather(*(one(k) for k in keys))
 
 
 def new_keys(proxy: ProxyProcess, prefix: str, n: int) -> list[str]:
@@ -97,17 +98,20 @@ def main() -> None:
     proxy = ProxyProcess(ProxyConfig(records_dir=str(tmp / "records"), engines=[engine.url])).start()
     ids = ByteTokenizer().apply_chat_template([{"role": "system", "content": SYSTEM}, *MESSAGES])
     direct, through, proxy_cpu_s, wall_s = [], [], 0.0, 0.0
+    client_s: dict[str, list[float]] = {}  # execution id -> its proxied calls' wall times, in order
     try:
         cpu = psutil.Process(proxy.proc.pid)
         asyncio.run(mixed_round(engine.url, proxy.url, ids, new_keys(proxy, "warm", 4), 2, 0))  # warm both paths
         for r in range(args.rounds):
             keys = new_keys(proxy, f"r{r}-", args.sessions)
             c0, t0 = sum(cpu.cpu_times()[:2]), time.perf_counter()
-            d, p = asyncio.run(mixed_round(engine.url, proxy.url, ids, keys, args.calls, args.think_ms / 1e3))
+            per_session = asyncio.run(mixed_round(engine.url, proxy.url, ids, keys, args.calls, args.think_ms / 1e3))
             wall_s += time.perf_counter() - t0
             proxy_cpu_s += sum(cpu.cpu_times()[:2]) - c0
-            direct += d
-            through += p
+            for i, (d, p) in enumerate(per_session):
+                direct += d
+                through += p
+                client_s[f"r{r}-{i}"] = p
     finally:
         proxy.stop()
         engine.stop()
@@ -115,11 +119,16 @@ def main() -> None:
     num_records = len(records)
     assert num_records == args.rounds * args.sessions * args.calls, num_records
     inside = np.array([r.hints["proxy_ms"] for r in records])
+    # Paired per call: what the client waited minus the engine call the proxy made for it (one
+    # HTTP round trip to the engine, as a direct call has), so engine-load noise cancels out.
+    paired = np.array([client_s[r.execution_id][r.seq] * 1e3 - r.hints["engine_ms"] for r in records])
     d, p = np.array(direct) * 1e3, np.array(through) * 1e3
     out = {"added_ms_p50": float(np.percentile(p, 50) - np.percentile(d, 50)),
            "added_ms_p99": float(np.percentile(p, 99) - np.percentile(d, 99)),
            "direct_ms_p50": float(np.percentile(d, 50)), "direct_ms_p99": float(np.percentile(d, 99)),
            "proxy_ms_p50": float(np.percentile(p, 50)), "proxy_ms_p99": float(np.percentile(p, 99)),
+           "paired_added_ms_p50": float(np.percentile(paired, 50)),
+           "paired_added_ms_p99": float(np.percentile(paired, 99)),
            "in_proxy_ms_p50": float(np.percentile(inside, 50)), "in_proxy_ms_p99": float(np.percentile(inside, 99)),
            "records_per_s": num_records / wall_s, "proxy_cpu_ms_per_call": proxy_cpu_s / len(through) * 1e3,
            "think_ms": args.think_ms, "num_sessions": args.sessions,
@@ -127,6 +136,7 @@ def main() -> None:
     print(f"{'path':<8}{'p50 ms':>10}{'p99 ms':>10}")
     print(f"{'direct':<8}{out['direct_ms_p50']:>10.2f}{out['direct_ms_p99']:>10.2f}")
     print(f"{'proxy':<8}{out['proxy_ms_p50']:>10.2f}{out['proxy_ms_p99']:>10.2f}")
+    print(f"{'paired':<8}{out['paired_added_ms_p50']:>10.2f}{out['paired_added_ms_p99']:>10.2f}   (per call: client wait minus the proxy's engine call)")
     print(f"{'in proxy':<8}{out['in_proxy_ms_p50']:>10.2f}{out['in_proxy_ms_p99']:>10.2f}   (call time minus engine time, before the record's fsync)")
     print(f"added p50 {out['added_ms_p50']:.2f} ms, p99 {out['added_ms_p99']:.2f} ms; {out['records_per_s']:.1f} records/s; "
           f"proxy CPU {out['proxy_cpu_ms_per_call']:.2f} ms per call")
