@@ -8,21 +8,17 @@ import asyncio
 import dataclasses
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
-from gyre.errors import GyreError
+from gyre.launch.serve import ChildServer, ChildServerError
 from gyre.models.config import ModelConfig
 
 
-class EngineLaunchError(GyreError):
+class EngineLaunchError(ChildServerError):
     """The server exited or did not become healthy in time; carries the tail of its log."""
 
 
@@ -56,34 +52,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class BaseEngineProcess:
-    """A server child process; `url` is valid after `start()`. Use as a context manager."""
+class BaseEngineProcess(ChildServer):
+    """A rollout server child process; `url` is valid after `start()`. Use as a context manager."""
+
+    error = EngineLaunchError
 
     def __init__(self, cfg: EngineConfig, keep_log: bool = False):
-        self.cfg, self.keep_log = cfg, keep_log
+        super().__init__("gyre-engine", keep_log)
+        self.cfg = cfg
         self.url = ""
-        self.proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="gyre-engine-", suffix=".log", delete=False)
-
-    def _spawn(self, cmd: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log_tail(self, n: int = 3000) -> str:
-        path = Path(self._log.name)
-        return path.read_text(errors="replace")[-n:] if path.exists() else "(log removed)"
-
-    def _check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            tail = self.log_tail()
-            self.stop()
-            raise EngineLaunchError(f"engine exited with code {self.proc.returncode}; log tail:\n{tail}")
 
     async def wait_healthy(self) -> None:
         """Poll /health until 200, failing fast if the child dies; bounded by startup_timeout_s."""
         deadline, last_log = time.monotonic() + self.cfg.startup_timeout_s, time.monotonic()
         async with EngineClient(self.url, timeout_s=5) as c:
             while not await c.health():
-                self._check_alive()
+                self.check_alive()
                 if time.monotonic() > deadline:
                     tail = self.log_tail()
                     self.stop()
@@ -96,29 +80,6 @@ class BaseEngineProcess:
     def client(self, timeout_s: float | None = None) -> EngineClient:
         return EngineClient(self.url, timeout_s or self.cfg.request_timeout_s)
 
-    def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the child's process group (SIGKILL after `timeout_s`); drop the log unless keep_log."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
-        if not self.keep_log and os.path.exists(self._log.name):
-            os.unlink(self._log.name)
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        raise NotImplementedError
-
 
 class BuiltinEngineProcess(BaseEngineProcess):
     """`python -m gyre.engines.server` on a free port (the child reports it through a file)."""
@@ -128,21 +89,11 @@ class BuiltinEngineProcess(BaseEngineProcess):
         self.model_cfg, self.threads = model_cfg, threads
 
     def start(self) -> None:
-        port_file = self._log.name + ".port"
         cmd = [sys.executable, "-m", "gyre.engines.server", "--engine-json", json.dumps(dataclasses.asdict(self.cfg)),
-               "--model-json", json.dumps(dataclasses.asdict(self.model_cfg)), "--port-file", port_file]  # fmt: skip
+               "--model-json", json.dumps(dataclasses.asdict(self.model_cfg))]  # fmt: skip
         env = os.environ | {"OMP_NUM_THREADS": str(self.threads)}
-        self._spawn(cmd, env)
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        while not os.path.exists(port_file):
-            self._check_alive()
-            if time.monotonic() > deadline:
-                tail = self.log_tail()
-                self.stop()
-                raise EngineLaunchError(f"no port reported after {self.cfg.startup_timeout_s} s; log tail:\n{tail}")
-            time.sleep(0.05)
-        self.url = f"http://{self.cfg.host}:{Path(port_file).read_text().strip()}"
-        os.unlink(port_file)
+        (port,) = self.spawn_and_wait_port(cmd, self.cfg.startup_timeout_s, env)
+        self.url = f"http://{self.cfg.host}:{port}"
         asyncio.run(self.wait_healthy())
 
 
@@ -152,7 +103,7 @@ class SGLangProcess(BaseEngineProcess):
     def start(self) -> None:
         port = self.cfg.port or free_port(self.cfg.host)
         self.url = f"http://{self.cfg.host}:{port}"
-        self._spawn(make_sglang_command(self.cfg, port), make_sglang_env(self.cfg, dict(os.environ)))
+        self.spawn(make_sglang_command(self.cfg, port), make_sglang_env(self.cfg, dict(os.environ)))
         asyncio.run(self.wait_healthy())
 
     def client(self, timeout_s: float | None = None) -> EngineClient:

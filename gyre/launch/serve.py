@@ -1,10 +1,18 @@
-"""Run one aiohttp app as a process's server: bind (port 0 = a free port), tell the parent the port
-through a file, serve until SIGINT/SIGTERM. Shared by `gyre-engine` and `gyre-proxy`."""
+"""Servers as child processes, both sides. The child (`serve_app`) binds (port 0 = a free port),
+tells the parent its port through a file and serves until SIGINT/SIGTERM; the parent
+(`ChildServer`) spawns it, waits for that file and stops it. Shared by `gyre-engine` and `gyre-proxy`."""
 
 import asyncio
 import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
 
 from aiohttp import web
+
+from gyre.errors import GyreError
 
 
 def write_private_file(path: str, text: str) -> None:
@@ -37,3 +45,79 @@ def serve_app(app: web.Application, host: str, port: int, name: str, *, port_fil
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
+
+
+class ChildServerError(GyreError):
+    """A server child exited or did not report its port in time; carries the tail of its log."""
+
+
+class ChildServer:
+    """The parent's side of `serve_app`: spawn the server in its own process group with its output in
+    a temporary log, wait for the port file, stop it (TERM, then KILL) with everything it started."""
+
+    error: type[ChildServerError] = ChildServerError
+
+    def __init__(self, name: str, keep_log: bool = False):
+        self.name, self.keep_log = name, keep_log
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
+
+    def spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def spawn_and_wait_port(self, cmd: list[str], timeout_s: float, env: dict[str, str] | None = None) -> list[str]:
+        """Run `cmd --port-file F` and return the fields `serve_app` wrote to F (the port first).
+
+        Raises:
+            ChildServerError (or the subclass's `error`): the child exited or wrote nothing in time.
+        """
+        port_file = self._log.name + ".port"
+        self.spawn([*cmd, "--port-file", port_file], env)
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(port_file):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise self.error(f"{self.name}: no port reported after {timeout_s} s; log tail:\n{tail}")
+            time.sleep(0.05)
+        fields = Path(port_file).read_text().split()
+        os.unlink(port_file)
+        return fields
+
+    def log_tail(self, n: int = 3000) -> str:
+        path = Path(self._log.name)
+        return path.read_text(errors="replace")[-n:] if path.exists() else "(log removed)"
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            tail = self.log_tail()
+            self.stop()
+            raise self.error(f"{self.name} exited with code {self.proc.returncode}; log tail:\n{tail}")
+
+    def kill(self) -> None:
+        """SIGKILL the process group, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the process group (SIGKILL after `timeout_s`); drop the log unless keep_log."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        if not self.keep_log and os.path.exists(self._log.name):
+            os.unlink(self._log.name)
+
+    def start(self) -> "ChildServer":
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self.start() or self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

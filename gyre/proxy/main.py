@@ -4,16 +4,9 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
-from gyre.errors import GyreError
-from gyre.launch.serve import serve_app
+from gyre.launch.serve import ChildServer, serve_app
 from gyre.models.tokenizer import ByteTokenizer, HFTokenizer
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.server import ProxyServer
@@ -43,54 +36,19 @@ def main(argv: list[str] | None = None) -> None:
     serve(cfg, a.port_file)
 
 
-class ProxyProcess:
+class ProxyProcess(ChildServer):
     """`gyre-proxy` as a child process on a free port; `url` and `admin_token` valid after start()."""
 
     def __init__(self, cfg: ProxyConfig, startup_timeout_s: float = 60.0):
+        super().__init__("gyre-proxy")
         self.cfg, self.startup_timeout_s = cfg, startup_timeout_s
         self.url, self.admin_token = "", ""
-        self.proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="gyre-proxy-", suffix=".log", delete=False)
 
     def start(self) -> "ProxyProcess":
-        port_file = self._log.name + ".port"
-        cmd = [sys.executable, "-m", "gyre.proxy.main", "--config-json", json.dumps(dataclasses.asdict(self.cfg)), "--port-file", port_file]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while not os.path.exists(port_file):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise GyreError(f"gyre-proxy did not start; log tail:\n{self.log_tail()}")
-            time.sleep(0.05)
-        port, self.admin_token = Path(port_file).read_text().split()
-        os.unlink(port_file)
+        cmd = [sys.executable, "-m", "gyre.proxy.main", "--config-json", json.dumps(dataclasses.asdict(self.cfg))]
+        port, self.admin_token = self.spawn_and_wait_port(cmd, self.startup_timeout_s)
         self.url = f"http://{self.cfg.host}:{port}"
         return self
-
-    def log_tail(self, n: int = 3000) -> str:
-        return Path(self._log.name).read_text(errors="replace")[-n:]
-
-    def kill(self) -> None:
-        """SIGKILL, as a crash would (tests of record durability)."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def __enter__(self) -> "ProxyProcess":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-        os.unlink(self._log.name)
 
 
 if __name__ == "__main__":
