@@ -14,8 +14,12 @@ rendering message by message equals rendering the whole list (checked once per t
 `Renderer.__init__`). A template that is not separable that way (one that injects a default
 system prompt, say) is rendered whole, with no reuse: every assistant turn counts as retokenized.
 
+The memory survives a proxy restart: the records are its durable copy, and the first call of an
+execution a process has no memory of refills it from them (`remember_records`, called by
+`gyre.proxy.executions.Execution.ready`).
+
 When this cannot hold: the harness edited an assistant turn (trimmed text, changed a tool call,
-dropped thinking), or the turn was served by another proxy process (memory is per process). Then
+dropped thinking), or the turn was served by another proxy over another records directory. Then
 the key misses and the turn is re-rendered from its text: the prompt is still a correct rendering,
 but the record diverges from the earlier call at that turn, so the trajectory processor starts a
 new branch there instead of continuing the old one. `RenderResult.num_retokenized` counts such
@@ -64,6 +68,19 @@ class TurnMemory:
                 self._turns.move_to_end(k)
                 return ids
         return None
+
+
+def remember_records(memory: TurnMemory, records, parse) -> None:
+    """Refill `memory` from an execution's records in file order (the order turns were served).
+
+    Args:
+        parse: output ids -> ParsedAssistant (the tokenizer's `parse_assistant`), to key each turn
+            as the harness will echo it back.
+    """
+    for r in records:
+        out = r.output_ids.tolist()
+        p = parse(out)
+        memory.remember(assistant_key(p.content, [{"name": c.name, "arguments": c.arguments} for c in p.tool_calls]), out, r.agent_id)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Harness side (per-execution key in `x-api-key`, `Authorization: Bearer`, or `x-g
     HEAD/GET /api/hello, POST /v1/messages[?beta=true], POST /v1/messages/count_tokens,
     POST /v1/chat/completions, GET /v1/models
 Admin side (`Authorization: Bearer <admin token>`):
-    POST /admin/executions {execution_id} -> {api_key}; DELETE /admin/executions/{id} (revoke);
+    POST /admin/executions {execution_id, api_key?} -> {api_key}; DELETE /admin/executions/{id} (revoke);
     GET/POST /admin/engines {engine_id, url, cell_id?}; DELETE /admin/engines/{id};
     POST /admin/engines/{id}/drain | /activate; GET /admin/metrics
 Every error answers in the API's own format; a bad request never takes the proxy down.
@@ -63,7 +63,7 @@ class ProxyServer:
         self.pool = EnginePool(no_engine_wait_s=cfg.no_engine_wait_s, health_interval_s=cfg.health_interval_s,
                                request_timeout_s=cfg.request_timeout_s, max_imbalance=cfg.max_imbalance,
                                migrate_kv=cfg.migrate_kv)  # fmt: skip
-        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync)
+        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant)
         self.runner = CallRunner(cfg, tokenizer, self.renderer, self.pool)
         self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
         self.openai = OpenAIWire(cfg.model_names, cfg.default_max_tokens)
@@ -108,6 +108,7 @@ class ProxyServer:
         t0 = time.monotonic()
         try:
             ex = self._execution(request)
+            await ex.ready()
             body = await _json_body(request)
             call = self.runner.prepare(ex, wire, body, request.headers, t0)
             return await self.runner.respond(request, call, wire)
@@ -126,6 +127,7 @@ class ProxyServer:
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:
             ex = self._execution(request)
+            await ex.ready()
             body = await _json_body(request)
             if isinstance(body, dict):
                 body = {**body, "max_tokens": body.get("max_tokens") or 1}
@@ -165,7 +167,7 @@ class ProxyServer:
     async def create_execution(self, request: web.Request) -> web.Response:
         body = await self._admin_body(request)
         try:
-            ex = self.executions.create(body.get("execution_id"))
+            ex = self.executions.create(body.get("execution_id"), body.get("api_key"))
         except GyreError as e:
             return self._bad(str(e))
         return web.json_response({"execution_id": ex.execution_id, "api_key": ex.key, "records_path": str(ex.records_path)})

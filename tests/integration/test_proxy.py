@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
+import numpy as np
 import pytest
 from proxy_fixtures import anthropic_call, http, new_execution, openai_call, start_engine, start_proxy
 
@@ -267,6 +268,38 @@ def test_sigkill_mid_stream_leaves_records_readable(engines, tmp_path):
         if records:
             build_call_tree(records)
     assert total > 0
+
+
+def test_restart_continues_numbering_and_token_reuse(engines, tmp_path):
+    """A proxy restarted over the same records directory accepts the sandbox's key, numbers on, and
+    a continuing conversation reuses the model's exact output ids (the echoed turn re-tokenized
+    would differ: the model wrote "; <tool_call>", the template writes ";\\n<tool_call>")."""
+    body = {"model": "gyre", "max_tokens": 400, "stream": True, "system": "You are a test agent.", "tools": A_TOOLS,
+            "messages": [{"role": "user", "content": "please take a step"}]}  # fmt: skip
+
+    async def call(url, key):
+        async with aiohttp.ClientSession() as s:
+            return await anthropic_call(s, url, key, body)
+
+    proxy = start_proxy(tmp_path, [engines[1].url])
+    try:
+        key = new_execution(proxy, "r")
+        msg = asyncio.run(call(proxy.url, key))
+    finally:
+        proxy.stop()
+    use = [b for b in msg["content"] if b["type"] == "tool_use"][0]
+    body["messages"] += [{"role": "assistant", "content": msg["content"]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a.txt"}]}]  # fmt: skip
+    proxy = start_proxy(tmp_path, [engines[1].url])  # a fresh process: no memory but the records
+    try:
+        asyncio.run(call(proxy.url, key))
+    finally:
+        proxy.stop()
+    first, second = assert_clean_chain(tmp_path / "records" / "r.jsonl", 2)
+    assert [first.seq, second.seq] == [0, 1] and second.call_id != first.call_id
+    served = np.concatenate((first.input_ids, first.output_ids))
+    assert np.array_equal(second.input_ids[: served.size], served)
+    assert (second.hints["reused_turns"], second.hints["retokenized_turns"]) == (1, 0)
 
 
 def test_benchmark_runs_and_ends_with_json():
