@@ -63,7 +63,7 @@ class ProxyServer:
         self.pool = EnginePool(no_engine_wait_s=cfg.no_engine_wait_s, health_interval_s=cfg.health_interval_s,
                                request_timeout_s=cfg.request_timeout_s, max_imbalance=cfg.max_imbalance,
                                migrate_kv=cfg.migrate_kv)  # fmt: skip
-        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant)
+        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant, cfg.fsync_window_ms)
         self.runner = CallRunner(cfg, tokenizer, self.renderer, self.pool)
         self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
         self.openai = OpenAIWire(cfg.model_names, cfg.default_max_tokens)
