@@ -21,6 +21,8 @@ Where the added time goes on a small shared box (the proxy is a Python event loo
                          call (/proc schedstat): other processes (the engine, this client, other
                          users) holding the cores
   in_proxy_ms_p50/p99    per call, the handler's time outside engine calls, from the records
+  burst_p50              per call, how many of the proxy's calls got their engine answer within the
+                         10 ms before it (itself included)
   The engine finishes a batch of calls in the same step, so their responses reach the proxy as a
   burst that one thread handles in turn: the k-th waits ~k x the per-call CPU.
 
@@ -63,8 +65,11 @@ SYSTEM = "You are a coding agent working in a sandbox."
 MAX_TOKENS = 4
 
 
-async def mixed_round(engine_url: str, proxies: list[tuple[str, list[str]]], ids: list[int], calls: int, think_s: float):
-    """Each session rotates direct, proxy, [second proxy] calls, so all paths see the same load.
+async def mixed_round(engine_url: str, proxies: list[tuple[str, list[str]]], ids: list[int], calls: int, think_s: float,
+                      seed: int):  # fmt: skip
+    """Each session makes `calls` rotations of one direct call and one call per proxy, in a random
+    order per rotation (sessions in step with the engine's batches would otherwise give each path
+    its own batch phase), pausing an exponential time of mean `think_s` after each call.
 
     Returns per session: (direct wall times, [wall times through each proxy]).
     """
@@ -72,20 +77,22 @@ async def mixed_round(engine_url: str, proxies: list[tuple[str, list[str]]], ids
     stops = ByteTokenizer().stop_token_ids
 
     async def one(i: int) -> tuple[list[float], list[list[float]]]:
+        rng = np.random.default_rng([seed, i])
         direct, through = [], [[] for _ in proxies]
         async with EngineClient(engine_url, timeout_s=300) as c, aiohttp.ClientSession() as s:
             for _ in range(calls):
-                t = time.perf_counter()
-                await c.generate(ids, {"max_new_tokens": MAX_TOKENS, "stop_token_ids": stops})
-                direct.append(time.perf_counter() - t)
-                await asyncio.sleep(think_s)
-                for k, (url, keys) in enumerate(proxies):
+                for k in rng.permutation(len(proxies) + 1) - 1:
                     t = time.perf_counter()
-                    async with s.post(url + "/v1/messages", json=body, headers={"x-api-key": keys[i]}) as r:
-                        assert r.status == 200, await r.text()
-                        await r.read()
-                    through[k].append(time.perf_counter() - t)
-                    await asyncio.sleep(think_s)
+                    if k < 0:
+                        await c.generate(ids, {"max_new_tokens": MAX_TOKENS, "stop_token_ids": stops})
+                        direct.append(time.perf_counter() - t)
+                    else:
+                        url, keys = proxies[k]
+                        async with s.post(url + "/v1/messages", json=body, headers={"x-api-key": keys[i]}) as r:
+                            assert r.status == 200, await r.text()
+                            await r.read()
+                        through[k].append(time.perf_counter() - t)
+                    await asyncio.sleep(rng.exponential(think_s) if think_s else 0)
         return direct, through
 
     return await asyncio.gather(*(one(i) for i in range(len(proxies[0][1]))))
@@ -121,11 +128,14 @@ def figures(direct: np.ndarray, through: np.ndarray, records: list, wall_s: dict
     """One proxy's figures (ms) from per-call wall times and its records."""
     paired = np.array([wall_s[r.execution_id][r.seq] * 1e3 - r.hints["engine_ms"] for r in records])
     inside = np.array([r.hints["proxy_ms"] for r in records])
+    ends = np.sort([r.started_at + r.hints["engine_ms"] / 1e3 for r in records])  # engine answers, proxy clock
+    burst = np.searchsorted(ends, ends, side="right") - np.searchsorted(ends, ends - 0.01)  # answers in the last 10 ms
     return {"added_ms_p50": pct(paired, 50), "added_ms_p99": pct(paired, 99),
             "diff_ms_p50": pct(through, 50) - pct(direct, 50), "diff_ms_p99": pct(through, 99) - pct(direct, 99),
             "proxy_ms_p50": pct(through, 50), "proxy_ms_p99": pct(through, 99),
             "in_proxy_ms_p50": pct(inside, 50), "in_proxy_ms_p99": pct(inside, 99),
-            "proxy_cpu_ms_per_call": cpu_s / len(through) * 1e3, "proxy_runq_ms_per_call": runq / len(through) * 1e3}  # fmt: skip
+            "proxy_cpu_ms_per_call": cpu_s / len(through) * 1e3, "proxy_runq_ms_per_call": runq / len(through) * 1e3,
+            "burst_p50": pct(burst, 50)}  # fmt: skip
 
 
 def run(args) -> dict:
@@ -145,7 +155,7 @@ def run(args) -> dict:
                 pin(p.proc.pid, others)
             os.sched_setaffinity(0, others)
         ids = ByteTokenizer().apply_chat_template([{"role": "system", "content": SYSTEM}, *MESSAGES])
-        asyncio.run(mixed_round(engine.url, [(p.url, new_keys(p, "warm", 4)) for p in proxies], ids, 2, 0))
+        asyncio.run(mixed_round(engine.url, [(p.url, new_keys(p, "warm", 4)) for p in proxies], ids, 2, 0, 1000))
         procs = [psutil.Process(p.proc.pid) for p in proxies]
         direct, through = [], [[] for _ in proxies]
         wall_s: list[dict[str, list[float]]] = [{} for _ in proxies]  # execution id -> its calls' wall times
@@ -155,7 +165,7 @@ def run(args) -> dict:
             c0 = np.array([sum(p.cpu_times()[:2]) for p in procs])
             q0 = np.array([runq_s(p.pid) for p in procs])
             t0 = time.perf_counter()
-            per_session = asyncio.run(mixed_round(engine.url, keyed, ids, args.calls, args.think_ms / 1e3))
+            per_session = asyncio.run(mixed_round(engine.url, keyed, ids, args.calls, args.think_ms / 1e3, r))
             measured_s += time.perf_counter() - t0
             cpu += np.array([sum(p.cpu_times()[:2]) for p in procs]) - c0
             runq += np.array([runq_s(p.pid) for p in procs]) - q0
@@ -188,7 +198,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--think-ms", type=float, default=0.0, help="pause after each call (a harness running its tools)")
+    ap.add_argument("--think-ms", type=float, default=0.0, help="mean pause after each call (a harness running its tools)")
     ap.add_argument("--fsync-window-ms", type=float, default=ProxyConfig().fsync_window_ms)
     ap.add_argument("--compare-fsync-each", action="store_true", help="also a proxy that fsyncs each record before answering")
     ap.add_argument("--pin", action="store_true", help="engine on CPU 0, proxies and this client on the others")
@@ -205,7 +215,8 @@ def main() -> None:
         print(f"{'  added, difference':<22}{g['diff_ms_p50']:>9.2f}{g['diff_ms_p99']:>9.2f}   (proxied minus direct percentiles)")
         print(f"{'  in proxy':<22}{g['in_proxy_ms_p50']:>9.2f}{g['in_proxy_ms_p99']:>9.2f}   (handler time outside engine calls)")
         print(f"  proxy CPU {out[pre + 'proxy_cpu_ms_per_call']:.2f} ms/call, its loop waited for a CPU "
-              f"{out[pre + 'proxy_runq_ms_per_call']:.2f} ms/call")
+              f"{out[pre + 'proxy_runq_ms_per_call']:.2f} ms/call; a call's engine answer came with "
+              f"{out[pre + 'burst_p50']:.0f} others (p50) within 10 ms")
     print(f"{out['records_per_s']:.1f} records/s; load average {out['loadavg_1m']:.1f} on {out['cpus']} CPUs")
     print(json.dumps(out))
 
