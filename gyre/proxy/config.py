@@ -41,8 +41,9 @@ class ProxyConfig:
     """fsync records (see fsync_window_ms); off only in benchmarks of the HTTP path."""
     fsync_window_ms: float = 50.0
     """Group commit: each record is written (page cache: survives a proxy kill) before its call is
-    answered, and fsynced by a background thread at most this many ms later, so a machine crash
-    loses at most the last window and no call waits for the disk. 0: fsync every record before
+    answered, and fsynced by a background thread within this many ms (plus the fsyncs under way,
+    ~10-50 ms), so a machine crash loses at most the last window and no call waits for the disk;
+    a longer window batches more files per fsync round. 0: fsync every record before
     answering (durable per call; adds an fsync, 5-15 ms on a shared disk, to every call)."""
     engines: list[str] = field(default_factory=list)
     """Engine URLs registered at start (ids e0, e1, ...); more come through the admin API."""

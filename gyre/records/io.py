@@ -12,10 +12,10 @@ each call, so storing inputs whole would cost O(calls x context) (tens of millio
 Crash tolerance: each record is one `write` of one whole line to an O_APPEND file, so a killed
 *process* (SIGKILL) never tears a line: the kernel holds it in the page cache. A *machine* crash
 keeps what was fsynced. A writer either fsyncs every record before `append` returns (`fsync=True`,
-durable per call), or hands its file to a `GroupCommit`, which fsyncs every file with new lines at
-most `window_s` after its first unsynced line (plus the fsyncs themselves): a machine crash then
-loses at most the last window of records, and the caller never waits on a disk flush (an fsync
-costs 5-15 ms on a shared disk, more than everything else a proxy call does). The reader treats an
+durable per call), or hands its file to a `GroupCommit`, which fsyncs every file with new lines
+every `window_s` (a line is durable within the window plus the fsyncs under way): a machine
+crash then loses at most the last window of records, and the caller never waits on a disk flush
+(an fsync costs 5-15 ms on a shared disk, more than everything else a proxy call does). The reader treats an
 unparseable *last* line as torn (skipped, counted, warned); a writer reopening a file cuts such a
 tail off first, and a failed write is cut back off, so a torn line can only ever be the last one
 and an unparseable line elsewhere is real corruption.
@@ -253,8 +253,9 @@ class GroupCommit:
     A writer marks itself on its first unsynced line (a dict insert: no thread wake-up on the
     caller's path); every `window_s` the thread fsyncs the marked files in parallel (concurrent
     fsyncs share the file system's journal commits: 64 files take ~40 ms, one after another
-    ~300 ms). A line is thus durable at most `window_s` + one batch's fsyncs after its write. An
-    fsync that fails is logged and counted, and its file stays marked for the next batch.
+    ~300 ms). A line is thus durable at most `window_s` plus two batches' fsyncs (the one under way
+    when it was written, and its own) after its write. An fsync that fails is logged and counted,
+    and its file stays marked for the next batch.
     """
 
     def __init__(self, window_s: float, max_parallel: int = 8):
