@@ -26,6 +26,7 @@ Where the added time goes on a small shared box (the proxy is a Python event loo
                          to wake twice (its request, the engine's answer) where a direct call needs
                          neither, so it waits about twice this plus the proxy's CPU per call
   in_proxy_ms_p50/p99    per call, the handler's time outside engine calls, from the records
+  client_*               the same schedstat figures for this client's own event loop (all paths)
   burst_p50              per call, how many of the proxy's calls got their engine answer within the
                          10 ms before it (itself included)
   The engine finishes a batch of calls in the same step, so their answers reach the proxy as a
@@ -166,16 +167,17 @@ def run(args) -> dict:
         procs = [psutil.Process(p.proc.pid) for p in proxies]
         direct, through = [], [[] for _ in proxies]
         wall_s: list[dict[str, list[float]]] = [{} for _ in proxies]  # execution id -> its calls' wall times
-        cpu, loop, measured_s = np.zeros(len(proxies)), np.zeros((len(proxies), 3)), 0.0
+        cpu, loop, me, measured_s = np.zeros(len(proxies)), np.zeros((len(proxies), 3)), np.zeros(3), 0.0
         for r in range(args.rounds):
             keyed = [(p.url, new_keys(p, f"r{r}-", args.sessions)) for p in proxies]
             c0 = np.array([sum(p.cpu_times()[:2]) for p in procs])
-            q0 = np.array([loop_sched(p.pid) for p in procs])
+            q0, me0 = np.array([loop_sched(p.pid) for p in procs]), loop_sched(os.getpid())
             t0 = time.perf_counter()
             per_session = asyncio.run(mixed_round(engine.url, keyed, ids, args.calls, args.think_ms / 1e3, r))
             measured_s += time.perf_counter() - t0
             cpu += np.array([sum(p.cpu_times()[:2]) for p in procs]) - c0
             loop += np.array([loop_sched(p.pid) for p in procs]) - q0
+            me += loop_sched(os.getpid()) - me0
             for i, (d, ps) in enumerate(per_session):
                 direct += d
                 for k, p in enumerate(ps):
@@ -186,7 +188,9 @@ def run(args) -> dict:
             p.stop()
         engine.stop()
     d = np.array(direct) * 1e3
-    out = {"direct_ms_p50": pct(d, 50), "direct_ms_p99": pct(d, 99)}
+    num_calls = len(direct) * (1 + len(proxies))
+    out = {"direct_ms_p50": pct(d, 50), "direct_ms_p99": pct(d, 99), "client_loop_cpu_ms_per_call": me[0] / num_calls * 1e3,
+           "client_wake_wait_ms": me[1] / max(me[2], 1) * 1e3}  # fmt: skip
     num_records = 0
     for k in range(len(proxies)):
         records = [x for f in (tmp / f"records{k}").glob("r*.jsonl") for x in read_records(f)[0]]
@@ -226,6 +230,8 @@ def main() -> None:
               f"in its event loop), the loop waited for a CPU "
               f"{out[pre + 'proxy_runq_ms_per_call']:.2f} ms/call, {out[pre + 'proxy_wake_wait_ms']:.2f} ms per wake-up; "
               f"{out[pre + 'burst_p50']:.0f} engine answers (p50, itself included) within 10 ms of each")
+    print(f"this client: {out['client_loop_cpu_ms_per_call']:.2f} ms CPU per call, {out['client_wake_wait_ms']:.2f} ms "
+          "wait for a CPU per wake-up")
     print(f"{out['records_per_s']:.1f} records/s; load average {out['loadavg_1m']:.1f} on {out['cpus']} CPUs")
     print(json.dumps(out))
 
