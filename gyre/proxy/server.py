@@ -69,6 +69,7 @@ class ProxyServer:
         self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
         self.openai = OpenAIWire(cfg.model_names, cfg.default_max_tokens)
         self._create_lock = asyncio.Lock()
+        """Serialises changes to the execution registry (creation runs in a thread: it fsyncs files)."""
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_mb << 20)
@@ -178,7 +179,8 @@ class ProxyServer:
     async def revoke_execution(self, request: web.Request) -> web.Response:
         self._admin(request)
         try:
-            ex = self.executions.revoke(request.match_info["id"])
+            async with self._create_lock:  # not while a create runs in its thread (both change the registry)
+                ex = self.executions.revoke(request.match_info["id"])
         except GyreError as e:
             return self._bad(str(e), 404)
         self.pool.table.forget(ex.execution_id + "/")

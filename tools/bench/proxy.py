@@ -47,6 +47,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import tempfile
 import time
 import urllib.request
@@ -146,13 +147,39 @@ def figures(direct: np.ndarray, through: np.ndarray, records: list, wall_s: dict
             "burst_p50": pct(burst, 50)}  # fmt: skip
 
 
+def measure(args, engine_url: str, proxies: list[ProxyProcess]) -> tuple:
+    """The measured rounds: per-call wall times, and each proxy's CPU and loop schedstat deltas."""
+    ids = ByteTokenizer().apply_chat_template([{"role": "system", "content": SYSTEM}, *MESSAGES])
+    asyncio.run(mixed_round(engine_url, [(p.url, new_keys(p, "warm", 4)) for p in proxies], ids, 2, 0, 1000))
+    procs = [psutil.Process(p.proc.pid) for p in proxies]
+    direct, through = [], [[] for _ in proxies]
+    wall_s: list[dict[str, list[float]]] = [{} for _ in proxies]  # execution id -> its calls' wall times
+    cpu, loop, me, measured_s = np.zeros(len(proxies)), np.zeros((len(proxies), 3)), np.zeros(3), 0.0
+    for r in range(args.rounds):
+        keyed = [(p.url, new_keys(p, f"r{r}-", args.sessions)) for p in proxies]
+        c0 = np.array([sum(p.cpu_times()[:2]) for p in procs])
+        q0, me0 = np.array([loop_sched(p.pid) for p in procs]), loop_sched(os.getpid())
+        t0 = time.perf_counter()
+        per_session = asyncio.run(mixed_round(engine_url, keyed, ids, args.calls, args.think_ms / 1e3, r))
+        measured_s += time.perf_counter() - t0
+        cpu += np.array([sum(p.cpu_times()[:2]) for p in procs]) - c0
+        loop += np.array([loop_sched(p.pid) for p in procs]) - q0
+        me += loop_sched(os.getpid()) - me0
+        for i, (d, ps) in enumerate(per_session):
+            direct += d
+            for k, p in enumerate(ps):
+                through[k] += p
+                wall_s[k][f"r{r}-{i}"] = p
+    return np.array(direct) * 1e3, through, wall_s, cpu, loop, me, measured_s
+
+
 def run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="gyre-bench-proxy-"))
     engine = BuiltinEngineProcess(EngineConfig(max_running_requests=args.sessions, startup_timeout_s=120), ModelConfig())
-    engine.start()
     windows = [args.fsync_window_ms] + ([0.0] if args.compare_fsync_each else [])
     proxies: list[ProxyProcess] = []
     try:
+        engine.start()
         for k, window in enumerate(windows):
             proxies.append(ProxyProcess(ProxyConfig(records_dir=str(tmp / f"records{k}"), engines=[engine.url],
                                                     fsync_window_ms=window)).start())  # fmt: skip
@@ -162,33 +189,12 @@ def run(args) -> dict:
             for p in proxies:
                 pin(p.proc.pid, others)
             os.sched_setaffinity(0, others)
-        ids = ByteTokenizer().apply_chat_template([{"role": "system", "content": SYSTEM}, *MESSAGES])
-        asyncio.run(mixed_round(engine.url, [(p.url, new_keys(p, "warm", 4)) for p in proxies], ids, 2, 0, 1000))
-        procs = [psutil.Process(p.proc.pid) for p in proxies]
-        direct, through = [], [[] for _ in proxies]
-        wall_s: list[dict[str, list[float]]] = [{} for _ in proxies]  # execution id -> its calls' wall times
-        cpu, loop, me, measured_s = np.zeros(len(proxies)), np.zeros((len(proxies), 3)), np.zeros(3), 0.0
-        for r in range(args.rounds):
-            keyed = [(p.url, new_keys(p, f"r{r}-", args.sessions)) for p in proxies]
-            c0 = np.array([sum(p.cpu_times()[:2]) for p in procs])
-            q0, me0 = np.array([loop_sched(p.pid) for p in procs]), loop_sched(os.getpid())
-            t0 = time.perf_counter()
-            per_session = asyncio.run(mixed_round(engine.url, keyed, ids, args.calls, args.think_ms / 1e3, r))
-            measured_s += time.perf_counter() - t0
-            cpu += np.array([sum(p.cpu_times()[:2]) for p in procs]) - c0
-            loop += np.array([loop_sched(p.pid) for p in procs]) - q0
-            me += loop_sched(os.getpid()) - me0
-            for i, (d, ps) in enumerate(per_session):
-                direct += d
-                for k, p in enumerate(ps):
-                    through[k] += p
-                    wall_s[k][f"r{r}-{i}"] = p
+        d, through, wall_s, cpu, loop, me, measured_s = measure(args, engine.url, proxies)
     finally:
         for p in proxies:
             p.stop()
         engine.stop()
-    d = np.array(direct) * 1e3
-    num_calls = len(direct) * (1 + len(proxies))
+    num_calls = d.size * (1 + len(proxies))
     out = {"direct_ms_p50": pct(d, 50), "direct_ms_p99": pct(d, 99), "client_loop_cpu_ms_per_call": me[0] / num_calls * 1e3,
            "client_wake_wait_ms": me[1] / max(me[2], 1) * 1e3}  # fmt: skip
     num_records = 0
@@ -198,6 +204,7 @@ def run(args) -> dict:
         num_records += len(records)
         fig = figures(d, np.array(through[k]) * 1e3, records, wall_s[k], cpu[k], loop[k])
         out.update({("each_" if k else "") + name: v for name, v in fig.items()})
+    shutil.rmtree(tmp)
     out.update({"records_per_s": num_records / measured_s, "fsync_window_ms": args.fsync_window_ms, "pinned": args.pin,
                 "think_ms": args.think_ms, "num_sessions": args.sessions, "calls_per_session": args.calls,
                 "rounds": args.rounds, "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]})  # fmt: skip
