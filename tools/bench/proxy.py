@@ -66,7 +66,8 @@ from gyre.proxy.config import ProxyConfig
 from gyre.proxy.main import ProxyProcess
 from gyre.records.io import read_records
 
-MESSAGES = [{"role": "user", "content": "Summarise the repository layout and list the test commands. " * 4}]
+TASK = "Summarise the repository layout and list the test commands. "
+MESSAGES = [{"role": "user", "content": TASK * 4}]
 SYSTEM = "You are a coding agent working in a sandbox."
 MAX_TOKENS = 4
 
@@ -102,6 +103,11 @@ async def mixed_round(engine_url: str, proxies: list[tuple[str, list[str]]], ids
         return direct, through
 
     return await asyncio.gather(*(one(i) for i in range(len(proxies[0][1]))))
+
+
+def prompt_ids() -> list[int]:
+    """The ids the proxy renders for the bench's conversation (what direct calls send)."""
+    return ByteTokenizer().apply_chat_template([{"role": "system", "content": SYSTEM}, *MESSAGES])
 
 
 def new_keys(proxy: ProxyProcess, prefix: str, n: int) -> list[str]:
@@ -149,7 +155,7 @@ def figures(direct: np.ndarray, through: np.ndarray, records: list, wall_s: dict
 
 def measure(args, engine_url: str, proxies: list[ProxyProcess]) -> tuple:
     """The measured rounds: per-call wall times, and each proxy's CPU and loop schedstat deltas."""
-    ids = ByteTokenizer().apply_chat_template([{"role": "system", "content": SYSTEM}, *MESSAGES])
+    ids = prompt_ids()
     asyncio.run(mixed_round(engine_url, [(p.url, new_keys(p, "warm", 4)) for p in proxies], ids, 2, 0, 1000))
     procs = [psutil.Process(p.proc.pid) for p in proxies]
     direct, through = [], [[] for _ in proxies]
@@ -175,7 +181,8 @@ def measure(args, engine_url: str, proxies: list[ProxyProcess]) -> tuple:
 
 def run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="gyre-bench-proxy-"))
-    engine = BuiltinEngineProcess(EngineConfig(max_running_requests=args.sessions, startup_timeout_s=120), ModelConfig())
+    model = ModelConfig(max_seq_len=max(ModelConfig().max_seq_len, 2 * len(prompt_ids())))
+    engine = BuiltinEngineProcess(EngineConfig(max_running_requests=args.sessions, startup_timeout_s=120), model)
     windows = [args.fsync_window_ms] + ([0.0] if args.compare_fsync_each else [])
     proxies: list[ProxyProcess] = []
     try:
@@ -207,7 +214,7 @@ def run(args) -> dict:
     shutil.rmtree(tmp)
     out.update({"records_per_s": num_records / measured_s, "fsync_window_ms": args.fsync_window_ms, "pinned": args.pin,
                 "think_ms": args.think_ms, "num_sessions": args.sessions, "calls_per_session": args.calls,
-                "rounds": args.rounds, "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]})  # fmt: skip
+                "rounds": args.rounds, "prompt_tokens": len(prompt_ids()), "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]})  # fmt: skip
     return out
 
 
@@ -220,7 +227,11 @@ def main() -> None:
     ap.add_argument("--fsync-window-ms", type=float, default=ProxyConfig().fsync_window_ms)
     ap.add_argument("--compare-fsync-each", action="store_true", help="also a proxy that fsyncs each record before answering")
     ap.add_argument("--pin", action="store_true", help="engine on CPU 0, proxies and this client on the others")
-    out = run(ap.parse_args())
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="pad the conversation to about this many tokens")
+    args = ap.parse_args()
+    if args.prompt_tokens:  # the byte tokenizer: one token per byte
+        MESSAGES[0]["content"] = TASK * max(4, args.prompt_tokens // len(TASK))
+    out = run(args)
     print(f"{'path':<22}{'p50 ms':>9}{'p99 ms':>9}")
     print(f"{'direct':<22}{out['direct_ms_p50']:>9.2f}{out['direct_ms_p99']:>9.2f}")
     for pre, name in [("", f"proxy (window {out['fsync_window_ms']:g} ms)"), ("each_", "proxy (fsync each)")]:
