@@ -79,7 +79,7 @@ class EngineClient:
             return json.dumps(self._generate_body(input_ids, sampling_params, rid, return_logprob, stream, extra_key)).encode()
         rest = self._generate_body((), sampling_params, rid, return_logprob, stream, extra_key)
         del rest["input_ids"]
-        return b'{"input_ids":' + input_ids_json + b"," + json.dumps(rest).encode()[1:]
+        return b"".join((b'{"input_ids":', input_ids_json, b",", json.dumps(rest).encode()[1:]))  # one copy
 
     async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
                        input_ids_json: bytes | None = None) -> dict:  # fmt: skip
@@ -219,7 +219,7 @@ class IdsJsonCache:
         n = len(last_ids)
         if 0 < n <= len(ids) and ids[:n] == last_ids:
             self.num_hits += 1
-            text = last_text if n == len(ids) else last_text[:-1] + b"," + _ids_json(ids[n:])[1:]
+            text = last_text if n == len(ids) else b"".join((memoryview(last_text)[:-1], b",", _ids_json(ids[n:])[1:]))
         else:
             text = _ids_json(ids)
         self._by_session[session] = (list(ids), text)
