@@ -38,6 +38,7 @@ async def anthropic_session(s, url, key, turns: int, stream: bool) -> int:
         use = [b for b in msg["content"] if b["type"] == "tool_use"]
         assert msg["stop_reason"] == "tool_use" and use[0]["input"] == {"command": "ls"}, msg
         assert msg["content"][0]["text"] == FILLER.strip()
+        assert not stream or msg["num_input_json_deltas"] > 1  # the input streamed as its tokens came
         body["messages"] += [{"role": "assistant", "content": msg["content"]},
                              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0]["id"], "content": "a.txt"}]}]  # fmt: skip
     return turns
@@ -49,6 +50,7 @@ async def openai_session(s, url, key, turns: int, stream: bool) -> int:
         choice = await openai_call(s, url, key, body)
         calls = choice["message"]["tool_calls"]
         assert choice["finish_reason"] == "tool_calls" and json.loads(calls[0]["function"]["arguments"]) == {"command": "ls"}
+        assert not stream or choice["message"]["num_argument_deltas"] > 1
         body["messages"] += [{"role": "assistant", "content": choice["message"]["content"], "tool_calls": calls},
                              {"role": "tool", "tool_call_id": calls[0]["id"], "content": "a.txt"}]  # fmt: skip
     return turns
@@ -287,7 +289,7 @@ def test_restart_continues_numbering_and_token_reuse(engines, tmp_path):
         msg = asyncio.run(call(proxy.url, key))
     finally:
         proxy.stop()
-    use = [b for b in msg["content"] if b["type"] == "tool_use"][0]
+    use = next(b for b in msg["content"] if b["type"] == "tool_use")
     body["messages"] += [{"role": "assistant", "content": msg["content"]},
                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a.txt"}]}]  # fmt: skip
     proxy = start_proxy(tmp_path, [engines[1].url])  # a fresh process: no memory but the records
