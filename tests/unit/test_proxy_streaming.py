@@ -111,7 +111,7 @@ def test_broken_streamed_call_is_closed_and_not_reported_as_a_call():
     assert calls == [] and TOK.parse_assistant(ids).tool_calls == []
     names = [d["type"] for _, d in events]
     assert names.count("content_block_start") == names.count("content_block_stop")
-    assert [d for _, d in events if d["type"] == "message_delta"][0]["delta"]["stop_reason"] == "end_turn"
+    assert next(d for _, d in events if d["type"] == "message_delta")["delta"]["stop_reason"] == "end_turn"
 
 
 def test_scanner_reads_each_character_once_and_waits_for_the_name():
