@@ -304,6 +304,28 @@ def test_restart_continues_numbering_and_token_reuse(engines, tmp_path):
     assert (second.hints["reused_turns"], second.hints["retokenized_turns"]) == (1, 0)
 
 
+def test_nested_sub_agent_lineage_reaches_the_tree(engines, tmp_path):
+    """Hand-built Claude Code requests: main spawns a1, a1 spawns a2 (parent header); the records name
+    each spawner and the tree links each sub-agent's branch to its spawner's latest call."""
+    sub_system = [{"type": "text", "text": "x-anthropic-billing-header: cc_is_subagent=true"}, {"type": "text", "text": "You are a helper."}]
+    calls = [({}, "You are a test agent.", "please take a step"),
+             ({"x-claude-code-agent-id": "a1"}, sub_system, "SUB1: please take a step"),
+             ({"x-claude-code-agent-id": "a2", "x-claude-code-parent-agent-id": "a1"}, sub_system, "SUB2: please take a step")]  # fmt: skip
+    proxy = start_proxy(tmp_path, [engines[2].url])
+    try:
+        key = new_execution(proxy, "nest")
+        for headers, system, prompt in calls:
+            body = {"model": "gyre", "max_tokens": 400, "system": system, "tools": A_TOOLS, "messages": [{"role": "user", "content": prompt}]}
+            status, answer = http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": key, **headers})
+            assert status == 200 and answer["stop_reason"] == "tool_use", answer
+    finally:
+        proxy.stop()
+    records, _ = read_records(tmp_path / "records" / "nest.jsonl")
+    assert [(r.agent_id, r.parent_agent_id, r.kind_hint) for r in records] == [("main", None, "main"), ("a1", "main", "subagent"), ("a2", "a1", "subagent")]
+    tree = build_call_tree(records)
+    assert [n.spawned_by for n in tree.nodes] == [None, 0, 1]
+
+
 def test_benchmark_runs_and_ends_with_json():
     """tools/bench/proxy.py at toy size: its last line is the promised JSON object."""
     import subprocess
