@@ -83,22 +83,39 @@ class ToolCallScanner:
     def __init__(self):
         self.occurrences: list[_Occurrence] = []
         self.pos = 0
+        """Where the next `<tool_call>` (or the open call's `</tool_call>`) may start."""
         self.open: _Occurrence | None = None
+        self.end = -1
+        """Position of `<|im_end|>` once seen: nothing after it is part of the answer."""
+        self.end_from = 0
+
+    def _limit(self, text: str) -> int:
+        if self.end < 0:
+            self.end = text.find("<|im_end|>", self.end_from)
+            self.end_from = max(0, len(text) - len("<|im_end|>") + 1)
+        return self.end if self.end >= 0 else len(text.rstrip("\ufffd"))
+
+    def _find(self, text: str, marker: str, limit: int) -> int:
+        """`marker` at or after self.pos and before `limit`; remembers how far it looked."""
+        i = text.find(marker, self.pos, limit)
+        if i < 0:
+            self.pos = max(self.pos, limit - len(marker) + 1)
+        return i
 
     def update(self, text: str) -> list[tuple[str, int, str]]:
         """Events since the last update: ("start", k, name) and ("args", k, json chunk), k = occurrence index."""
-        limit = text.find("<|im_end|>")
-        limit = len(text.rstrip("\ufffd")) if limit < 0 else limit
+        limit = self._limit(text)
         events: list[tuple[str, int, str]] = []
         while True:
             if self.open is None:
-                i = text.find("<tool_call>", self.pos, limit)
+                i = self._find(text, "<tool_call>", limit)
                 if i < 0:
                     return events
                 self.open = _Occurrence(i + len("<tool_call>"))
                 self.occurrences.append(self.open)
+                self.pos = self.open.body_start
             oc, k = self.open, len(self.occurrences) - 1
-            close = text.find("</tool_call>", oc.body_start, limit)
+            close = self._find(text, "</tool_call>", limit)
             avail = close if close >= 0 else limit
             if oc.name is None and oc.args_start < 0:
                 self._head(text, oc, avail, close >= 0, k, events)

@@ -121,3 +121,14 @@ def test_scanner_reads_each_character_once_and_waits_for_the_name():
     assert sc.update('x<tool_call>\n{"name": "bash", "arguments": {"a": "}') == [("start", 0, "bash"), ("args", 0, '{"a": "}')]
     assert sc.update('x<tool_call>\n{"name": "bash", "arguments": {"a": "}"}}\n</tool_call>') == [("args", 0, '"}')]
     assert sc.occurrences[0].arguments == '{"a": "}"}' and sc.occurrences[0].body is not None
+
+
+def test_scanner_finds_markers_split_across_updates():
+    text = "pre <tool_call>\n" + json.dumps({"name": "a", "arguments": ARGS}) + "\n</tool_call> mid <tool_call>\n" \
+        + json.dumps({"name": "b", "arguments": {}}) + "\n</tool_call><|im_end|><tool_call>"
+    sc, events = ToolCallScanner(), []
+    for n in range(1, len(text) + 1):
+        events += sc.update(text[:n])
+    starts = [(k, v) for kind, k, v in events if kind == "start"]
+    args = ["".join(v for kind, j, v in events if kind == "args" and j == k) for k, _ in starts]
+    assert starts == [(0, "a"), (1, "b")] and [json.loads(a) for a in args] == [ARGS, {}]
