@@ -113,8 +113,9 @@ class CallRunner:
         )  # fmt: skip
 
     async def respond(self, request: web.Request, call: Call, wire) -> web.StreamResponse:
-        """Run the generation and answer (JSON or SSE). The record is durable before the answer
-        completes, so whoever sees a harness finish can read all of its records."""
+        """Run the generation and answer (JSON or SSE). The record is written before the answer
+        completes (fsynced per `fsync_window_ms`), so whoever sees a harness finish can read all of
+        its records."""
         self.pool.metrics.num_calls += 1
         stream = call.gen.stream()
         try:

@@ -2,8 +2,11 @@
 
 Each sandbox gets its own key from the admin API; the key is the only thing that names an
 execution on the harness side, so a harness can only ever add records to its own file. Revoked or
-unknown keys answer 401. Records are appended durably (one line + fsync per call, off the event
-loop), numbered in the order requests arrive.
+unknown keys answer 401. Records are numbered in the order requests arrive and each is written
+(one line, one write) before the call is answered, so a killed proxy loses no answered call. With
+`fsync_window_ms` > 0 (the default) a background group commit fsyncs the files at most that late, so
+a machine crash loses at most the last window's records and no call waits for the disk; with 0
+every record is fsynced (off the event loop) before its answer (see gyre.records.io).
 
 Restarts: the records file is the durable truth of an execution, and `<id>.key` next to it holds
 the SHA-256 of its key (never the key), so a proxy restarted over the same records directory
@@ -27,7 +30,7 @@ from pathlib import Path
 from gyre.errors import GyreError
 from gyre.proxy.chat import ApiError
 from gyre.proxy.render import TurnMemory, remember_records
-from gyre.records.io import RecordFileError, RecordWriter, read_records
+from gyre.records.io import GroupCommit, RecordFileError, RecordWriter, read_records
 from gyre.records.record import CallRecord
 
 log = logging.getLogger(__name__)
@@ -41,13 +44,15 @@ def key_digest(key: str) -> str:
 
 
 class Execution:
-    def __init__(self, execution_id: str, key: str | None, records_path: Path, fsync: bool, parse):
+    def __init__(self, execution_id: str, key: str | None, records_path: Path, fsync: bool, parse,
+                 group: GroupCommit | None = None):
         self.execution_id, self.key, self.records_path = execution_id, key, records_path
         self.revoked = False
         self.turns = TurnMemory()
         self.num_calls = 0
         self._parse = parse
-        self._writer = RecordWriter(records_path, fsync=fsync)  # cuts a torn tail before we read
+        self._writer = RecordWriter(records_path, fsync=fsync, group=group)  # cuts a torn tail before we read
+        self._sync_each = fsync and group is None
         self._restore_pending = records_path.stat().st_size > 0
         self._restore_lock = asyncio.Lock()
         self._recent: deque[str] = deque(maxlen=64)
@@ -88,6 +93,9 @@ class Execution:
         return seen
 
     async def append(self, record: CallRecord) -> None:
+        if not self._sync_each:  # one write() to the page cache (~0.1 ms with the encoding): a thread hop costs more
+            self._writer.append(record)
+            return
         async with self._write_lock:  # keeps file order = completion order within the execution
             await asyncio.to_thread(self._writer.append, record)
 
@@ -102,10 +110,11 @@ class ExecutionRegistry:
         parse: output ids -> ParsedAssistant (the tokenizer's), to refill turn memory from records.
     """
 
-    def __init__(self, records_dir: str, fsync: bool = True, parse=None):
+    def __init__(self, records_dir: str, fsync: bool = True, parse=None, fsync_window_ms: float = 0.0):
         self.records_dir = Path(records_dir)
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.fsync, self.parse = fsync, parse
+        self.group = GroupCommit(fsync_window_ms / 1e3) if fsync and fsync_window_ms > 0 else None
         self.by_id: dict[str, Execution] = {}
         self._by_digest: dict[str, Execution] = {}
         for path in sorted(self.records_dir.glob("*.key")):
@@ -116,7 +125,7 @@ class ExecutionRegistry:
                 log.warning("%s: not an execution key file (ignored)", path)
 
     def _add(self, execution_id: str, key: str | None, digest: str) -> Execution:
-        ex = Execution(execution_id, key, self.records_dir / f"{execution_id}.jsonl", self.fsync, self.parse)
+        ex = Execution(execution_id, key, self.records_dir / f"{execution_id}.jsonl", self.fsync, self.parse, self.group)
         self.by_id[execution_id] = ex
         self._by_digest[digest] = ex
         return ex
@@ -170,5 +179,7 @@ class ExecutionRegistry:
         return ex if ex is not None and not ex.revoked else None
 
     def close(self) -> None:
+        if self.group is not None:
+            self.group.close()  # its pending fsyncs run in parallel; closing writers then has none left
         for ex in self.by_id.values():
             ex.close()

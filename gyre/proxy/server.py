@@ -10,6 +10,7 @@ Admin side (`Authorization: Bearer <admin token>`):
 Every error answers in the API's own format; a bad request never takes the proxy down.
 """
 
+import asyncio
 import hmac
 import json
 import logging
@@ -63,10 +64,11 @@ class ProxyServer:
         self.pool = EnginePool(no_engine_wait_s=cfg.no_engine_wait_s, health_interval_s=cfg.health_interval_s,
                                request_timeout_s=cfg.request_timeout_s, max_imbalance=cfg.max_imbalance,
                                migrate_kv=cfg.migrate_kv)  # fmt: skip
-        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant)
+        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant, cfg.fsync_window_ms)
         self.runner = CallRunner(cfg, tokenizer, self.renderer, self.pool)
         self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
         self.openai = OpenAIWire(cfg.model_names, cfg.default_max_tokens)
+        self._create_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_mb << 20)
@@ -167,7 +169,8 @@ class ProxyServer:
     async def create_execution(self, request: web.Request) -> web.Response:
         body = await self._admin_body(request)
         try:
-            ex = self.executions.create(body.get("execution_id"), body.get("api_key"))
+            async with self._create_lock:  # one at a time, in a thread: opening a records file fsyncs
+                ex = await asyncio.to_thread(self.executions.create, body.get("execution_id"), body.get("api_key"))
         except GyreError as e:
             return self._bad(str(e))
         return web.json_response({"execution_id": ex.execution_id, "api_key": ex.key, "records_path": str(ex.records_path)})
