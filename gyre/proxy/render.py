@@ -102,9 +102,10 @@ class RenderResult:
 class Renderer:
     """Renders ChatRequest messages for one tokenizer, reusing remembered assistant ids.
 
-    Each message is rendered as the template writes it after a fixed anchor system message, minus
-    the anchor: templates that inject a default system prompt when a conversation has none (Qwen's)
-    then render a lone message without that prompt, and stay message-separable.
+    Where the template renders a lone message differently from the same message after a system
+    turn (it injects a default system prompt into a conversation without one, as Qwen's does), runs
+    are rendered after a fixed anchor system message that is then cut off (`anchored`); otherwise
+    directly, which is cheaper.
     """
 
     def __init__(self, tokenizer: BaseTokenizer):
@@ -114,6 +115,8 @@ class Renderer:
         self.gen_prompt = self._after_anchor(tokenizer.apply_chat_template(list(_ANCHOR), None, True)) or []
         sample = self._after_anchor(tokenizer.apply_chat_template([*_ANCHOR, {"role": "assistant", "content": "x"}], None, False)) or []
         stops = [i for i, t in enumerate(sample) if t in self.stops]
+        probe = [{"role": "user", "content": "u"}, {"role": "tool", "content": "r"}]
+        self.anchored = tokenizer.apply_chat_template(probe, None, False) != self._after_anchor(tokenizer.apply_chat_template([*_ANCHOR, *probe], None, False))
         self.separable = bool(self.gen_prompt) and bool(stops)
         if self.separable:
             self.end_of_turn, self.separator = sample[stops[-1]], sample[stops[-1] + 1 :]
@@ -124,6 +127,12 @@ class Renderer:
     def _after_anchor(self, ids: list[int]) -> list[int] | None:
         n = len(self.anchor_ids)
         return ids[n:] if ids[:n] == self.anchor_ids else None
+
+    def _run(self, run: list[dict]) -> list[int] | None:
+        """The ids of a run of messages inside a conversation (None if the anchor does not split off)."""
+        if not self.anchored:
+            return self.tok.apply_chat_template(run, None, False)
+        return self._after_anchor(self.tok.apply_chat_template([*_ANCHOR, *run], None, False))
 
     def _is_separable(self) -> bool:
         msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
@@ -140,7 +149,7 @@ class Renderer:
         apply = self.tok.apply_chat_template
         if messages[0]["role"] == "system":
             return apply(messages[:1], tools, False), messages[1:]
-        first, alone = apply(messages[:1], tools, False), self._after_anchor(apply([*_ANCHOR, messages[0]], None, False))
+        first, alone = apply(messages[:1], tools, False), self._run(messages[:1])
         if alone is None or first[len(first) - len(alone) :] != alone:
             return None
         return first[: len(first) - len(alone)], messages
@@ -174,10 +183,11 @@ class Renderer:
                 run.append(m)
                 continue
             if run:
-                alone = self._after_anchor(self.tok.apply_chat_template([*_ANCHOR, *run], None, False))
+                alone = self._run(run)
                 if alone is None:
                     return None
-                ids, run = ids + alone, []
+                ids += alone
+                run = []
             if out is not None:
                 ids += self.gen_prompt + out + ([] if out and out[-1] in self.stops else [self.end_of_turn])
                 ids += self.separator
