@@ -152,7 +152,16 @@ class ExecutionRegistry:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(digest + "\n")
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, key_path)
+        if self.fsync:  # the key must survive a crash as long as the sandbox holding it does
+            dir_fd = os.open(self.records_dir, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
         return self._add(execution_id, key, digest)
 
     def revoke(self, execution_id: str) -> Execution:

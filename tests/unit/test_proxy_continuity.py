@@ -1,4 +1,5 @@
-"""Proxy continuity: turn memory and numbering across a proxy restart (from the records alone)."""
+"""Proxy continuity: turn memory and numbering across a proxy restart (from the records alone), and
+sub-agent lineage (a sub-agent's spawner, nested or not) in the record hints."""
 
 import asyncio
 import time
@@ -9,6 +10,7 @@ import pytest
 from gyre.errors import GyreError
 from gyre.models.tokenizer import ByteTokenizer
 from gyre.proxy.executions import ExecutionRegistry
+from gyre.proxy.hints import anthropic_hints, openai_hints
 from gyre.proxy.render import Renderer, assistant_key
 from gyre.records.record import CallRecord
 
@@ -83,3 +85,18 @@ def test_registry_rejects_bad_or_reused_keys(tmp_path):
     assert (tmp_path / "a.key").read_text().strip() != ex.key  # only a digest is stored
     assert (tmp_path / "a.key").stat().st_mode & 0o077 == 0
     reg.close()
+
+
+SUB = {"system": [{"type": "text", "text": "x-anthropic-billing-header: cc_is_subagent=true"}]}
+
+
+def test_nested_sub_agent_records_its_spawner():
+    top = anthropic_hints({"X-Claude-Code-Agent-Id": "a1"}, SUB, False, True)
+    nested = anthropic_hints({"X-Claude-Code-Agent-Id": "a2", "X-Claude-Code-Parent-Agent-Id": "a1"}, SUB, False, True)
+    encoded = anthropic_hints({"x-claude-code-agent-id": "b%25", "x-claude-code-parent-agent-id": "a%C3%A9"}, SUB, True, True)
+    assert (top.agent_id, top.parent_agent_id) == ("a1", "main")
+    assert (nested.agent_id, nested.parent_agent_id, nested.kind_hint) == ("a2", "a1", "subagent")
+    assert (encoded.agent_id, encoded.parent_agent_id, encoded.kind_hint) == ("b%", "a\u00e9", "subagent_summary")
+    assert anthropic_hints({"x-claude-code-agent-id": "a3", "x-claude-code-parent-agent-id": "a3"}, SUB, False, True).parent_agent_id == "main"
+    o = openai_hints({"x-gyre-agent-id": "s2", "x-gyre-parent-agent-id": "s1"}, {})
+    assert (o.agent_id, o.parent_agent_id) == ("s2", "s1")
