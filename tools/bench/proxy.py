@@ -13,9 +13,10 @@ Two estimates of the added latency, both printed:
                       harness sees; but engine batching makes both ~1 s with a wide spread, so it
                       moves by tens of ms between runs: read it over repeated runs.
   paired (per call)   the client's wait for a proxied call minus the engine call the proxy made
-                      for it (`engine_ms` in the record): engine-load noise cancels, but the
-                      proxy's own wake-up for the engine's answer falls inside `engine_ms`, so it
-                      is a lower bound.
+                      for it (`engine_ms` in the record): engine-load noise cancels; it leaves out
+                      the proxy's wake-up for the engine's answer (inside `engine_ms`) and keeps
+                      this client's wake-up for the proxy's answer (a direct call has one too), so
+                      it is the proxy's share without engine noise, not a bound.
 Where the added time goes on a small shared box (the proxy is a Python event loop):
   proxy_cpu_ms_per_call  CPU of the proxy process per call (all threads; the cost that transfers)
   proxy_loop_cpu_ms_per_call  the same for its event-loop thread alone (/proc schedstat)
