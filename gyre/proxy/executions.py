@@ -75,6 +75,7 @@ class Execution:
             except RecordFileError as e:
                 raise ApiError("api_error", f"execution {self.execution_id}: cannot continue its records: {e}") from None
             remember_records(self.turns, records, self._parse)
+            self._writer.continue_from(records)
             self.num_calls = max([self.num_calls] + [r.seq + 1 for r in records])
             self._restore_pending = False
             log.info("execution %s: continued from %d records (next seq %d)", self.execution_id, len(records), self.num_calls)

@@ -184,6 +184,15 @@ class RecordWriter:
             self._file.write(b"\n")
         return 0
 
+    def continue_from(self, records: list[CallRecord]) -> None:
+        """Delta-encode after `records` (this file's, as read back): a writer opened by a new process
+        otherwise stores each agent's next input whole, one full copy of a long context per agent."""
+        with self._lock:
+            for record in records:
+                if self._execution_id is None:
+                    self._execution_id = record.execution_id
+                self._last_by_agent[record.agent_id] = (record.call_id, np.concatenate((record.input_ids, record.output_ids)))
+
     def append(self, record: CallRecord) -> None:
         """Write `record` as one line (fsynced first if `fsync`); raises RecordError for a record of
         another file's execution, OSError if the disk refuses (the partial line is cut back off)."""

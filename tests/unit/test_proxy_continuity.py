@@ -2,6 +2,7 @@
 sub-agent lineage (a sub-agent's spawner, nested or not) in the record hints."""
 
 import asyncio
+import json
 import time
 
 import numpy as np
@@ -73,6 +74,8 @@ def test_restarted_registry_reuses_recorded_tokens(tmp_path, how):
     assert renderer.render(history, TOOLS, ex2.turns, "a1").input_ids[: len(sub_served)] == sub_served
     assert serve(ex2, renderer, history, model_output("done ", "{}")).seq == 2
     reg2.close()
+    last = json.loads(ex2.records_path.read_text().splitlines()[-1])
+    assert last["input_base"] == first.call_id and last["input_prefix"] == len(served)  # a delta, not a full copy
 
 
 def test_registry_rejects_bad_or_reused_keys(tmp_path):

@@ -42,6 +42,21 @@ def test_roundtrip_keeps_every_field_and_stores_inputs_as_deltas(tmp_path):
     assert stats.num_bytes < 4 * 2 * sum(r.num_tokens for r in records)
 
 
+def test_a_reopened_writer_continues_the_deltas(tmp_path):
+    records = _conversation()
+    path = tmp_path / "ex.jsonl"
+    with RecordWriter(path) as w:
+        for r in records[:2]:
+            w.append(r)
+    with RecordWriter(path) as w:  # a new process: without continue_from, record 2 would be stored whole
+        w.continue_from(read_records(path)[0])
+        for r in records[2:]:
+            w.append(r)
+    back, stats = read_records(path)
+    assert stats.num_records == len(records) and all(_same(a, b) for a, b in zip(records, back))
+    assert all(json.loads(x)["input_base"] is not None for x in path.read_text().splitlines()[2:])
+
+
 @pytest.mark.parametrize("cut", [1, 7, 40, -2], ids=["one-byte", "mid-json", "mid-tokens", "all-but-newline"])
 def test_torn_last_line_is_skipped_and_counted_nothing_else_lost(tmp_path, cut):
     records = _conversation()
