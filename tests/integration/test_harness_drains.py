@@ -1,0 +1,207 @@
+"""SLOW (~2-3 min on 2 busy cores): 16 real harness processes at once, 8 Claude Code (Anthropic
+API) and 8 mini-swe-agent (OpenAI API), through one proxy and three builtin engines (scripted policy)
+while 20 drains move their in-flight calls between the engines. Every harness exits 0 having done
+its whole task, and every execution's records still form one token-for-token chain.
+
+The sessions overlap by construction: all engines start drained, so each harness's first call
+waits in the proxy (its bounded no-engine wait) until all 16 calls are waiting; only then do the
+engines open and the drains begin. Without the gate they would not overlap on 2 cores:
+mini-swe-agent spends ~8 CPU-s importing litellm, Claude Code ~1.5, so the Claude Code sessions
+would be done before the last mini-swe-agent sent its first call.
+"""
+
+import json
+import os
+import resource
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from proxy_fixtures import http, new_execution, start_engine, start_proxy
+
+from gyre.harness.agents import (
+    find_claude_code,
+    find_mini_swe_agent,
+    make_claude_code_command,
+    make_claude_code_env,
+    make_mini_swe_command,
+    make_mini_swe_env,
+)
+from gyre.records.io import read_records
+from gyre.trajectory.tree import build_call_tree
+
+pytestmark = pytest.mark.slow
+
+NUM_CC, NUM_MINI, STEPS, NUM_DRAINS = 8, 8, 6, 20
+FILLER = "Checking the output; "
+
+
+def tool_call(name: str, args: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def step_rules(task: str, marker: str, step_call, final: str) -> list[dict]:
+    """Rules for a STEPS-long chain: the task, then each step's tool output, trigger the next step."""
+    rules = [{"match": task, "emit": FILLER + step_call(1)}]
+    rules += [{"match": f"{marker}{k}-OUT", "emit": FILLER + step_call(k + 1)} for k in range(1, STEPS)]
+    return rules + [{"match": f"{marker}{STEPS}-OUT", "emit": final}]
+
+
+def cc_step(k: int) -> str:
+    return tool_call("Bash", {"command": f"echo CCSTEP{k}-OUT | tee -a steps.txt", "description": f"step {k}"})
+
+
+def mini_step(k: int) -> str:
+    return tool_call("bash", {"command": f"echo MSTEP{k}-OUT | tee -a steps.txt"})
+
+
+RULES = step_rules("CC-TASK", "CCSTEP", cc_step, "All steps done. CC-COMPLETE")
+RULES += step_rules("Please solve this issue", "MSTEP", mini_step,
+                    "Done. " + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}))  # fmt: skip
+
+
+def launch(tmp_path, proxy, name: str) -> subprocess.Popen:
+    """One harness process in its own HOME and workspace; stdout to NAME.out, stderr to NAME.err."""
+    home, ws = tmp_path / f"home-{name}", tmp_path / f"ws-{name}"
+    home.mkdir()
+    ws.mkdir()
+    key = new_execution(proxy, name)
+    if name.startswith("cc"):
+        cmd = make_claude_code_command(find_claude_code(), "CC-TASK: print the step markers", model="tiny", tools=["Bash"])
+        env = make_claude_code_env(dict(os.environ), proxy.url, key, str(home), "tiny")
+    else:
+        cmd = make_mini_swe_command(find_mini_swe_agent(), "Print the step markers.", proxy_url=proxy.url, api_key=key,
+                                    model="gyre", output=str(tmp_path / f"traj-{name}.json"))  # fmt: skip
+        env = make_mini_swe_env(dict(os.environ), str(home))
+    with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+        return subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ws, stdout=out, stderr=err)
+
+
+def output_tail(tmp_path, name: str) -> str:
+    return "".join((tmp_path / f"{name}.{s}").read_text()[-2000:] for s in ("out", "err"))
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds of a live process, or (pid None) of this process's reaped children so far."""
+    if pid is None:
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ru.ru_utime + ru.ru_stime
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def admin(proxy, path: str):
+    status, out = http(proxy.url + path, "POST" if path.endswith(("drain", "activate")) else "GET", token=proxy.admin_token)
+    assert status == 200, (path, out)
+    return out
+
+
+def wait_for_gate(proxy, procs: dict, tmp_path, timeout_s: float) -> None:
+    """Until every harness has a call waiting in the proxy (no engine is active, so none finishes)."""
+    deadline = time.monotonic() + timeout_s
+    while admin(proxy, "/admin/metrics")["num_calls"] < len(procs):
+        for name, p in procs.items():
+            assert p.poll() is None, f"{name} exited early ({p.returncode}): {output_tail(tmp_path, name)}"
+        assert time.monotonic() < deadline, f"not all harnesses called within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def wait_for_first_answers(tmp_path, procs: dict, timeout_s: float) -> None:
+    """Until every execution has a record: the long first prompts are prefilled, so the drains
+    that follow hit calls midway through their output (which then resume elsewhere)."""
+    deadline = time.monotonic() + timeout_s
+    files = [tmp_path / "records" / f"{name}.jsonl" for name in procs]
+    while not all(f.exists() and f.stat().st_size for f in files):
+        assert time.monotonic() < deadline, f"not every first call finished within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def drain_repeatedly(proxy, engine_ids: list[str], procs: dict) -> tuple[list[int], int]:
+    """NUM_DRAINS drains round-robin; (calls each drain aborted, harnesses alive at the last one)."""
+    aborted, alive = [], 0
+    for n in range(NUM_DRAINS):
+        eid = engine_ids[n % len(engine_ids)]
+        aborted.append(admin(proxy, f"/admin/engines/{eid}/drain")["result"])
+        alive = sum(p.poll() is None for p in procs.values())
+        time.sleep(0.3)
+        admin(proxy, f"/admin/engines/{eid}/activate")
+        time.sleep(0.5)
+    return aborted, alive
+
+
+def test_20_drains_during_16_real_harness_sessions(tmp_path):
+    if find_claude_code() is None or find_mini_swe_agent() is None:
+        pytest.skip("Claude Code or mini-swe-agent not installed: run tools/setup.sh")
+    engine_ids = ["e0", "e1", "e2"]
+    with ThreadPoolExecutor(len(engine_ids)) as pool:
+        engines = list(pool.map(lambda eid: start_engine(tmp_path, RULES, name=eid), engine_ids))
+    proxy = start_proxy(tmp_path, [e.url for e in engines], max_imbalance=2, no_engine_wait_s=400)
+    procs: dict[str, subprocess.Popen] = {}
+    t0, children0 = time.monotonic(), cpu_s()
+    try:
+        for eid in engine_ids:  # the gate: calls wait until the engines open
+            admin(proxy, f"/admin/engines/{eid}/drain")
+        # mini-swe-agent first: its imports are the slow part
+        names = [f"mini{i}" for i in range(NUM_MINI)] + [f"cc{i}" for i in range(NUM_CC)]
+        for name in names:
+            procs[name] = launch(tmp_path, proxy, name)
+        wait_for_gate(proxy, procs, tmp_path, 400)
+        for eid in engine_ids:
+            admin(proxy, f"/admin/engines/{eid}/activate")
+        wait_for_first_answers(tmp_path, procs, 400)
+        aborted, alive_at_last_drain = drain_repeatedly(proxy, engine_ids, procs)
+        for name, p in procs.items():
+            p.wait(timeout=400)
+        cpu = {"harnesses": cpu_s() - children0, "engines": sum(cpu_s(e.proc.pid) for e in engines),
+               "proxy": cpu_s(proxy.proc.pid), "wall": time.monotonic() - t0}  # fmt: skip
+        metrics = admin(proxy, "/admin/metrics")
+        failed = {n: output_tail(tmp_path, n) for n, p in procs.items() if p.returncode != 0}
+        assert not failed, failed
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        proxy.stop()
+        for e in engines:
+            e.stop()
+
+    rerouted = {}
+    for name in procs:
+        check_task_done(tmp_path, name)
+        records = check_clean_chain(tmp_path / "records" / f"{name}.jsonl")
+        rerouted[name] = sum(r.rerouted for r in records)
+    print(f"\n{NUM_DRAINS} drains aborted {sum(aborted)} in-flight calls ({aborted}); {alive_at_last_drain} of "
+          f"{len(procs)} harnesses alive at the last drain; rerouted records per execution {rerouted}; "
+          f"pool metrics { {k: v for k, v in metrics.items() if k != 'engines'} }; "
+          f"seconds { {k: round(v, 1) for k, v in cpu.items()} }")  # fmt: skip
+    assert len(aborted) == NUM_DRAINS and sum(aborted) > 0
+    assert sum(rerouted.values()) > 0 and metrics["num_reroutes"] > 0 and metrics["num_migrated_tokens"] > 0
+    assert metrics["num_calls"] == len(procs) * (STEPS + 1)  # no harness retried or sent anything else
+
+
+def check_task_done(tmp_path, name: str) -> None:
+    """The harness ran every step's tool, in order, and ended its task the normal way."""
+    marker = "CCSTEP" if name.startswith("cc") else "MSTEP"
+    steps = (tmp_path / f"ws-{name}" / "steps.txt").read_text()
+    assert steps == "".join(f"{marker}{k}-OUT\n" for k in range(1, STEPS + 1)), (name, steps)
+    if name.startswith("cc"):
+        result = json.loads((tmp_path / f"{name}.out").read_text())
+        assert result["result"] == "All steps done. CC-COMPLETE" and not result["is_error"], (name, result)
+    else:
+        info = json.loads((tmp_path / f"traj-{name}.json").read_text())["info"]
+        assert info["exit_status"] == "Submitted", (name, info)
+
+
+def check_clean_chain(path):
+    """One agent, STEPS + 1 calls, each continuing the previous one token for token."""
+    records, stats = read_records(path)
+    assert stats.num_torn == 0 and not stats.invalid and len(records) == STEPS + 1, (path, len(records), stats)
+    tree = build_call_tree(records)
+    assert tree.missing_seqs == []
+    for j in range(1, len(records)):
+        node, prev = tree.nodes[j], tree.nodes[j - 1]
+        assert node.parent == j - 1 and node.shared >= prev.end, f"{path.name}: call {j} does not extend call {j - 1}"
+        assert node.record.hints["retokenized_turns"] == 0
+    return records
