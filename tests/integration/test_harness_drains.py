@@ -49,7 +49,7 @@ def step_rules(task: str, marker: str, step_call, final: str) -> list[dict]:
 
 
 def cc_step(k: int) -> str:
-    return tool_call("Bash", {"command": f"echo CCSTEP{k}-OUT | tee -a steps.txt", "description": f"step {k}"})
+    return tool_call("Bash", {"command": f"echo CCSTEP{k}-OUT | tee -a steps.txt"})
 
 
 def mini_step(k: int) -> str:
@@ -68,7 +68,8 @@ def launch(tmp_path, proxy, name: str) -> subprocess.Popen:
     ws.mkdir()
     key = new_execution(proxy, name)
     if name.startswith("cc"):
-        cmd = make_claude_code_command(find_claude_code(), "CC-TASK: print the step markers", model="tiny", tools=["Bash"])
+        cmd = make_claude_code_command(find_claude_code(), "CC-TASK: print the step markers", model="tiny", tools=["Bash"],
+                                       bare=True)  # fmt: skip
         env = make_claude_code_env(dict(os.environ), proxy.url, key, str(home), "tiny")
     else:
         cmd = make_mini_swe_command(find_mini_swe_agent(), "Print the step markers.", proxy_url=proxy.url, api_key=key,
