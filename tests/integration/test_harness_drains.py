@@ -1,13 +1,16 @@
-"""SLOW (~2-3 min on 2 busy cores): 16 real harness processes at once, 8 Claude Code (Anthropic
-API) and 8 mini-swe-agent (OpenAI API), through one proxy and three builtin engines (scripted policy)
-while 20 drains move their in-flight calls between the engines. Every harness exits 0 having done
-its whole task, and every execution's records still form one token-for-token chain.
+"""SLOW (~1.5 min on 2 idle cores, ~130 CPU-s): 16 real harness processes at once, 12 Claude Code
+(Anthropic API, `--bare`) and 4 mini-swe-agent (OpenAI API), through one proxy and three builtin
+engines (scripted policy) while 20 drains, each aborting calls in flight, move them between the
+engines. Every harness exits 0 having done its whole task, and every execution's records still
+form one token-for-token chain.
 
 The sessions overlap by construction: all engines start drained, so each harness's first call
 waits in the proxy (its bounded no-engine wait) until all 16 calls are waiting; only then do the
-engines open and the drains begin. Without the gate they would not overlap on 2 cores:
-mini-swe-agent spends ~8 CPU-s importing litellm, Claude Code ~1.5, so the Claude Code sessions
-would be done before the last mini-swe-agent sent its first call.
+engines open and the drains begin, and all 16 must still be running at the last drain. Without
+the gate they would not overlap on 2 cores: a mini-swe-agent process costs ~11 CPU-s (~8 of them
+importing litellm), a Claude Code one ~3, so Claude Code would be done before the last
+mini-swe-agent sent its first call. That cost is also why the mix is 12 + 4 (8 + 8 measured
+~170 CPU-s in all against ~130).
 """
 
 import json
@@ -16,6 +19,7 @@ import resource
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from proxy_fixtures import http, new_execution, start_engine, start_proxy
@@ -33,7 +37,7 @@ from gyre.trajectory.tree import build_call_tree
 
 pytestmark = pytest.mark.slow
 
-NUM_CC, NUM_MINI, STEPS, NUM_DRAINS = 8, 8, 6, 20
+NUM_CC, NUM_MINI, STEPS, NUM_DRAINS = 12, 4, 6, 20
 FILLER = "Checking the output; "
 
 
@@ -88,7 +92,7 @@ def cpu_s(pid: int | None = None) -> float:
     if pid is None:
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)
         return ru.ru_utime + ru.ru_stime
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -108,26 +112,42 @@ def wait_for_gate(proxy, procs: dict, tmp_path, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def wait_for_first_answers(tmp_path, procs: dict, timeout_s: float) -> None:
-    """Until every execution has a record: the long first prompts are prefilled, so the drains
-    that follow hit calls midway through their output (which then resume elsewhere)."""
+def wait_for_first_answer(tmp_path, procs: dict, timeout_s: float) -> None:
+    """Until some execution has a record: prompts are prefilled, so drains from now on also hit
+    calls midway through their output (which then resume elsewhere with it)."""
     deadline = time.monotonic() + timeout_s
     files = [tmp_path / "records" / f"{name}.jsonl" for name in procs]
-    while not all(f.exists() and f.stat().st_size for f in files):
-        assert time.monotonic() < deadline, f"not every first call finished within {timeout_s} s"
+    while not any(f.exists() and f.stat().st_size for f in files):
+        assert time.monotonic() < deadline, f"no call finished within {timeout_s} s"
         time.sleep(0.1)
 
 
-def drain_repeatedly(proxy, engine_ids: list[str], procs: dict) -> tuple[list[int], int]:
-    """NUM_DRAINS drains round-robin; (calls each drain aborted, harnesses alive at the last one)."""
-    aborted, alive = [], 0
-    for n in range(NUM_DRAINS):
-        eid = engine_ids[n % len(engine_ids)]
-        aborted.append(admin(proxy, f"/admin/engines/{eid}/drain")["result"])
-        alive = sum(p.poll() is None for p in procs.values())
-        time.sleep(0.3)
+def drain_repeatedly(proxy, engine_ids: list[str], procs: dict, timeout_s: float) -> tuple[list[int], int]:
+    """NUM_DRAINS drains that each abort calls in flight, taking the engines in turn (an engine is
+    drained once the proxy shows it streaming; a drain that found nothing left does not count).
+
+    Returns:
+        (calls each counted drain aborted, harnesses still running at the last one)
+    """
+    aborted, alive, turn = [], 0, 0
+    deadline = time.monotonic() + timeout_s
+    while len(aborted) < NUM_DRAINS:
+        assert time.monotonic() < deadline, f"only {len(aborted)} drains hit calls in flight within {timeout_s} s"
+        busy = {e["engine_id"] for e in admin(proxy, "/admin/metrics")["engines"] if e["num_inflight"] > 0}
+        eid = engine_ids[turn % len(engine_ids)]
+        if eid not in busy:
+            if busy:  # this engine is idle but another one streams: pass its turn
+                turn += 1
+            else:
+                time.sleep(0.05)
+            continue
+        n = admin(proxy, f"/admin/engines/{eid}/drain")["result"]
+        if n:
+            aborted.append(n)
+            alive = sum(p.poll() is None for p in procs.values())
+            turn += 1
+        time.sleep(0.2)
         admin(proxy, f"/admin/engines/{eid}/activate")
-        time.sleep(0.5)
     return aborted, alive
 
 
@@ -150,8 +170,8 @@ def test_20_drains_during_16_real_harness_sessions(tmp_path):
         wait_for_gate(proxy, procs, tmp_path, 400)
         for eid in engine_ids:
             admin(proxy, f"/admin/engines/{eid}/activate")
-        wait_for_first_answers(tmp_path, procs, 400)
-        aborted, alive_at_last_drain = drain_repeatedly(proxy, engine_ids, procs)
+        wait_for_first_answer(tmp_path, procs, 400)
+        aborted, alive_at_last_drain = drain_repeatedly(proxy, engine_ids, procs, 400)
         for name, p in procs.items():
             p.wait(timeout=400)
         cpu = {"harnesses": cpu_s() - children0, "engines": sum(cpu_s(e.proc.pid) for e in engines),
@@ -177,7 +197,7 @@ def test_20_drains_during_16_real_harness_sessions(tmp_path):
           f"{len(procs)} harnesses alive at the last drain; rerouted records per execution {rerouted}; "
           f"pool metrics { {k: v for k, v in metrics.items() if k != 'engines'} }; "
           f"seconds { {k: round(v, 1) for k, v in cpu.items()} }")  # fmt: skip
-    assert len(aborted) == NUM_DRAINS and sum(aborted) > 0
+    assert alive_at_last_drain == len(procs)  # all 20 drains happened while all 16 sessions ran
     assert sum(rerouted.values()) > 0 and metrics["num_reroutes"] > 0 and metrics["num_migrated_tokens"] > 0
     assert metrics["num_calls"] == len(procs) * (STEPS + 1)  # no harness retried or sent anything else
 
