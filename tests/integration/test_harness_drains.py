@@ -118,17 +118,17 @@ def wait_for_first_answer(tmp_path, procs: dict, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def drain_repeatedly(proxy, engine_ids: list[str], procs: dict, timeout_s: float) -> tuple[list[int], int]:
+def drain_repeatedly(proxy, engine_ids: list[str], procs: dict, timeout_s: float) -> tuple[list[tuple[str, int]], int]:
     """NUM_DRAINS drains that each abort calls in flight, taking the engines in turn (an engine is
     drained once the proxy shows it streaming; a drain that found nothing left does not count).
 
     Returns:
-        (calls each counted drain aborted, harnesses still running at the last one)
+        ((engine, calls it had in flight) per counted drain, harnesses still running at the last one)
     """
-    aborted, alive, turn = [], 0, 0
+    hits, alive, turn = [], 0, 0
     deadline = time.monotonic() + timeout_s
-    while len(aborted) < NUM_DRAINS:
-        assert time.monotonic() < deadline, f"only {len(aborted)} drains hit calls in flight within {timeout_s} s"
+    while len(hits) < NUM_DRAINS:
+        assert time.monotonic() < deadline, f"only {len(hits)} drains hit calls in flight within {timeout_s} s"
         busy = {e["engine_id"] for e in admin(proxy, "/admin/metrics")["engines"] if e["num_inflight"] > 0}
         eid = engine_ids[turn % len(engine_ids)]
         if eid not in busy:
@@ -139,12 +139,12 @@ def drain_repeatedly(proxy, engine_ids: list[str], procs: dict, timeout_s: float
             continue
         n = admin(proxy, f"/admin/engines/{eid}/drain")["result"]
         if n:
-            aborted.append(n)
+            hits.append((eid, n))
             alive = sum(p.poll() is None for p in procs.values())
             turn += 1
         time.sleep(0.2)
         admin(proxy, f"/admin/engines/{eid}/activate")
-    return aborted, alive
+    return hits, alive
 
 
 def test_20_drains_during_16_real_harness_sessions(tmp_path):
@@ -167,7 +167,7 @@ def test_20_drains_during_16_real_harness_sessions(tmp_path):
         for eid in engine_ids:
             admin(proxy, f"/admin/engines/{eid}/activate")
         wait_for_first_answer(tmp_path, procs, 400)
-        aborted, alive_at_last_drain = drain_repeatedly(proxy, engine_ids, procs, 400)
+        hits, alive_at_last_drain = drain_repeatedly(proxy, engine_ids, procs, 400)
         (tmp_path / DONE_FILE).touch()
         for name, p in procs.items():
             p.wait(timeout=400)
@@ -185,17 +185,22 @@ def test_20_drains_during_16_real_harness_sessions(tmp_path):
         for e in engines:
             e.stop()
 
-    rerouted, num_records = {}, 0
+    rerouted, num_records, with_output = {}, 0, 0
     for name in procs:
         records = check_clean_chain(tmp_path / "records" / f"{name}.jsonl")
         check_task_done(tmp_path, name, len(records))
         rerouted[name], num_records = sum(r.rerouted for r in records), num_records + len(records)
-    print(f"\n{NUM_DRAINS} drains found {sum(aborted)} calls in flight ({aborted}); {alive_at_last_drain} of "
+        # a resume's prompt is input + output so far: more than the inputs alone = resumed mid-output
+        with_output += sum(r.num_migrated_tokens + r.num_recomputed_tokens > (len(r.hints["engines"]) - 1) * r.input_ids.size
+                           for r in records)  # fmt: skip
+    print(f"\n{NUM_DRAINS} drains found {sum(n for _, n in hits)} calls in flight ({hits}); {alive_at_last_drain} of "
           f"{len(procs)} harnesses alive at the last drain; {num_records} calls; rerouted records per execution "
-          f"{rerouted}; pool metrics { {k: v for k, v in metrics.items() if k != 'engines'} }; "
+          f"{rerouted}; {with_output} resumed mid-output; pool metrics { {k: v for k, v in metrics.items() if k != 'engines'} }; "
           f"seconds { {k: round(v, 1) for k, v in cpu.items()} }")  # fmt: skip
     assert alive_at_last_drain == len(procs)  # all 20 drains happened while all 16 sessions ran
+    assert len({eid for eid, _ in hits}) >= 2
     assert sum(rerouted.values()) > 0 and metrics["num_reroutes"] > 0 and metrics["num_migrated_tokens"] > 0
+    assert with_output > 0
     assert metrics["num_calls"] == num_records  # every call recorded; no harness retried a call
 
 
