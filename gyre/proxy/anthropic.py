@@ -187,44 +187,60 @@ def make_response(msg_id: str, model: str, text: str, calls: list[tuple[str, Too
 
 
 class StreamEvents:
-    """Builds the SSE events of one streamed message, as (event name, data) pairs."""
+    """Builds the SSE events of one streamed message, as (event name, data) pairs.
+
+    Blocks are sequential: text and tool_use blocks open as their content arrives, each closing the
+    one before. A tool call streamed with `tool_start`/`tool_args` is not sent again by `finish`.
+    """
 
     def __init__(self, msg_id: str, model: str, input_tokens: int):
         self.msg_id, self.model, self.input_tokens = msg_id, model, input_tokens
         self.index = 0
-        self.text_open = False
+        self.open: str | None = None
+        """Type of the block open at `index` (text or tool_use), or None."""
+        self.streamed: set[str] = set()
 
     def start(self) -> list[tuple[str, dict]]:
         msg = {"id": self.msg_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                "stop_reason": None, "stop_sequence": None, "usage": make_usage(self.input_tokens, 1)}  # fmt: skip
         return [("message_start", {"type": "message_start", "message": msg})]
 
+    def _open(self, block: dict) -> list[tuple[str, dict]]:
+        events = self._close()
+        self.open = block["type"]
+        return events + [("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})]
+
+    def _close(self) -> list[tuple[str, dict]]:
+        if self.open is None:
+            return []
+        self.open = None
+        self.index += 1
+        return [("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})]
+
+    def _delta(self, delta: dict) -> tuple[str, dict]:
+        return ("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
     def text(self, delta: str) -> list[tuple[str, dict]]:
         if not delta:
             return []
-        events = []
-        if not self.text_open:
-            self.text_open = True
-            events.append(("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                   "content_block": {"type": "text", "text": ""}}))  # fmt: skip
-        events.append(("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                               "delta": {"type": "text_delta", "text": delta}}))  # fmt: skip
-        return events
+        events = [] if self.open == "text" else self._open({"type": "text", "text": ""})
+        return events + [self._delta({"type": "text_delta", "text": delta})]
+
+    def tool_start(self, tool_id: str, name: str) -> list[tuple[str, dict]]:
+        """Open a tool_use block whose input follows in `tool_args` chunks."""
+        self.streamed.add(tool_id)
+        return self._open({"type": "tool_use", "id": tool_id, "name": name, "input": {}})
+
+    def tool_args(self, partial_json: str) -> list[tuple[str, dict]]:
+        assert self.open == "tool_use", "tool_args outside a tool_use block"
+        return [self._delta({"type": "input_json_delta", "partial_json": partial_json})] if partial_json else []
 
     def finish(self, calls: list[tuple[str, ToolCall]], finish: str, output_tokens: int) -> list[tuple[str, dict]]:
-        events = []
-        if self.text_open:
-            events.append(("content_block_stop", {"type": "content_block_stop", "index": self.index}))
-            self.index += 1
+        """Close the open block, send the calls not streamed yet, then the stop reason and usage."""
+        events = self._close()
         for tid, c in calls:
-            block = {"type": "tool_use", "id": tid, "name": c.name, "input": {}}
-            events += [
-                ("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block}),
-                ("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                         "delta": {"type": "input_json_delta", "partial_json": json.dumps(c.arguments)}}),
-                ("content_block_stop", {"type": "content_block_stop", "index": self.index}),
-            ]  # fmt: skip
-            self.index += 1
+            if tid not in self.streamed:
+                events += self.tool_start(tid, c.name) + self.tool_args(json.dumps(c.arguments)) + self._close()
         delta = {"stop_reason": stop_reason(finish, [c for _, c in calls]), "stop_sequence": None}
         usage = make_usage(self.input_tokens, output_tokens)
         return events + [("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),

@@ -23,7 +23,7 @@ from gyre.proxy.executions import Execution
 from gyre.proxy.hints import CallHints
 from gyre.proxy.pool import EnginePool, Generation
 from gyre.proxy.render import Renderer, RenderResult, assistant_key
-from gyre.proxy.wire import IncrementalText, streamable_text
+from gyre.proxy.wire import OutputStream
 from gyre.records.record import CallRecord
 
 
@@ -87,14 +87,10 @@ class CallRunner:
         gen.on_admit = call.admit
         return call
 
-    def _finish(self, call: Call, wire, shown_text: str) -> tuple[str, list]:
-        """Parse the output, remember the turn for token-faithful reuse; returns (text, calls)."""
-        parsed = self.tok.parse_assistant(call.gen.output_ids)
-        text = parsed.content if parsed.content.startswith(shown_text) else shown_text
-        calls = [(wire.new_call_id(), c) for c in parsed.tool_calls]
+    def _remember(self, call: Call, text: str, calls: list) -> None:
+        """Remember the turn as the harness will echo it back, for token-faithful reuse."""
         key = assistant_key(text, [{"name": c.name, "arguments": c.arguments} for _, c in calls])
         call.ex.turns.remember(key, call.gen.output_ids, call.hints.agent_id)
-        return text, calls
 
     def _cell_of(self, engine_id: str) -> str:
         entry = self.pool.table.engines.get(engine_id)
@@ -117,8 +113,9 @@ class CallRunner:
         )  # fmt: skip
 
     async def respond(self, request: web.Request, call: Call, wire) -> web.StreamResponse:
-        """Run the generation and answer (JSON or SSE). The record is durable before the answer
-        completes, so whoever sees a harness finish can read all of its records."""
+        """Run the generation and answer (JSON or SSE). The record is written before the answer
+        completes (fsynced per `fsync_window_ms`), so whoever sees a harness finish can read all of
+        its records."""
         self.pool.metrics.num_calls += 1
         stream = call.gen.stream()
         try:
@@ -129,7 +126,9 @@ class CallRunner:
             return await self._stream(request, call, wire, stream, first)
         async for _ in stream:
             pass
-        text, calls = self._finish(call, wire, "")
+        parsed = self.tok.parse_assistant(call.gen.output_ids)
+        text, calls = parsed.content, [(wire.new_call_id(), c) for c in parsed.tool_calls]
+        self._remember(call, text, calls)
         await call.ex.append(self.make_record(call))
         n_in, n_out = len(call.rendered.input_ids), len(call.gen.output_ids)
         return web.json_response(wire.response(call.chat.model, text, calls, call.gen.finish, n_in, n_out))
@@ -137,21 +136,16 @@ class CallRunner:
     async def _stream(self, request, call: Call, wire, stream, first: list[int]) -> web.StreamResponse:
         """SSE answer; a call failing after the stream began ends with an error event and no record."""
         events = wire.stream(call.chat.model, call.chat, len(call.rendered.input_ids))
+        out = OutputStream(events, self.tok.decode, wire.new_call_id)
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
             for name, data in events.start():
                 await sse.send(data, event=name)
-            shown, new, text = "", first, IncrementalText(self.tok.decode)
-            frozen = False  # a tool call or end marker began: nothing more is shown as text
+            new = first
             try:
                 while True:
-                    if new and not frozen:
-                        full = text.update(call.gen.output_ids)
-                        safe = streamable_text(full)
-                        frozen = any(m in full for m in ("<tool_call>", "<|im_end|>"))
-                        if safe.startswith(shown) and len(safe) > len(shown):
-                            for name, data in events.text(safe[len(shown):]):
-                                await sse.send(data, event=name)
-                            shown = safe
+                    if new:
+                        for name, data in out.update(call.gen.output_ids):
+                            await sse.send(data, event=name)
                     new = await stream.__anext__()
             except StopAsyncIteration:
                 pass
@@ -159,10 +153,9 @@ class CallRunner:
                 for name, data in wire.stream_error(e):
                     await sse.send(data, event=name)
                 return sse
-            text, calls = self._finish(call, wire, shown)
+            text, calls = out.result(self.tok.parse_assistant(call.gen.output_ids))
+            self._remember(call, text, calls)
             await call.ex.append(self.make_record(call))
-            out = list(events.text(text[len(shown):]))
-            out += events.finish(calls, call.gen.finish, len(call.rendered.input_ids), len(call.gen.output_ids))
-            for name, data in out:
+            for name, data in out.finish(text, calls, call.gen.finish, len(call.rendered.input_ids), len(call.gen.output_ids)):
                 await sse.send(data, event=name)
         return sse

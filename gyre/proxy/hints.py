@@ -1,7 +1,9 @@
 """Harness hints (pure): which agent of the execution made a call and what kind of call it is.
 
 Claude Code: sub-agents send the header `x-claude-code-agent-id` and `cc_is_subagent=true` in the
-first system block; a compaction summary is a request whose last user message asks for a summary
+first system block, and a sub-agent spawned by another sub-agent also sends its spawner's id in
+`x-claude-code-parent-agent-id` (ids percent-encoded; a sub-agent without it was spawned by the
+main agent); a compaction summary is a request whose last user message asks for a summary
 and not to call tools; the session id comes in `X-Claude-Code-Session-Id`. Calls without tools
 from the main agent (titles, quota probes) are auxiliary. OpenAI-style harnesses may name their
 agent with `x-gyre-agent-id` / `x-gyre-parent-agent-id`; everything else they send that is not a
@@ -9,6 +11,7 @@ credential is kept in `hints` as it came.
 """
 
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 from gyre.records.record import MAIN_AGENT
 
@@ -38,10 +41,19 @@ def _first_system_text(body: dict) -> str:
     return ""
 
 
+def _header(headers, name: str) -> str | None:
+    """A header's value by case-insensitive name (aiohttp's headers are; plain dicts in tests are not)."""
+    value = headers.get(name)
+    if value is None:
+        value = next((v for k, v in headers.items() if k.lower() == name), None)
+    return unquote(value) if value else None
+
+
 def anthropic_hints(headers: dict[str, str], body: dict, is_summary: bool, has_tools: bool) -> CallHints:
     """Hints of a /v1/messages call (Claude Code's signs, see module doc)."""
     raw = _kept_headers(headers)
-    agent = headers.get("x-claude-code-agent-id") or headers.get("X-Claude-Code-Agent-Id")
+    agent = _header(headers, "x-claude-code-agent-id")
+    parent = _header(headers, "x-claude-code-parent-agent-id")
     marker = "cc_is_subagent=true" in _first_system_text(body)
     raw["cc_is_subagent"] = marker
     raw["summary_request"] = is_summary
@@ -50,7 +62,8 @@ def anthropic_hints(headers: dict[str, str], body: dict, is_summary: bool, has_t
         raw["metadata_user_id"] = meta["user_id"][:500]
     if agent or marker:
         agent_id = agent or "subagent"
-        return CallHints(agent_id, MAIN_AGENT, "subagent_summary" if is_summary else "subagent", raw)
+        parent = parent if parent and parent != agent_id else MAIN_AGENT
+        return CallHints(agent_id, parent, "subagent_summary" if is_summary else "subagent", raw)
     kind = "summary" if is_summary else ("main" if has_tools else "auxiliary")
     return CallHints(MAIN_AGENT, None, kind, raw)
 
@@ -60,7 +73,8 @@ def openai_hints(headers: dict[str, str], body: dict) -> CallHints:
     raw = _kept_headers(headers)
     if isinstance(body.get("user"), str):
         raw["user"] = body["user"][:500]
-    agent = headers.get("x-gyre-agent-id")
+    agent = _header(headers, "x-gyre-agent-id")
     if agent and agent != MAIN_AGENT:
-        return CallHints(agent, headers.get("x-gyre-parent-agent-id") or MAIN_AGENT, "subagent", raw)
+        parent = _header(headers, "x-gyre-parent-agent-id")
+        return CallHints(agent, parent if parent and parent != agent else MAIN_AGENT, "subagent", raw)
     return CallHints(MAIN_AGENT, None, "main" if body.get("tools") else "unknown", raw)

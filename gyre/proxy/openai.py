@@ -168,11 +168,17 @@ def make_response(cid: str, model: str, text: str, calls: list[tuple[str, ToolCa
 
 
 class StreamChunks:
-    """Builds the `chat.completion.chunk` objects of one streamed completion."""
+    """Builds the `chat.completion.chunk` objects of one streamed completion.
+
+    A tool call streamed with `tool_start` (id, name, empty arguments) and `tool_args` (argument
+    text deltas, as OpenAI sends them) is not sent again by `finish`.
+    """
 
     def __init__(self, cid: str, model: str, include_usage: bool):
         self.cid, self.model, self.include_usage = cid, model, include_usage
         self.created = int(time.time())
+        self.streamed: set[str] = set()
+        self.num_calls = 0
 
     def _chunk(self, delta: dict, finish: str | None = None) -> dict:
         return {"id": self.cid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -184,8 +190,23 @@ class StreamChunks:
     def text(self, delta: str) -> list[dict]:
         return [self._chunk({"content": delta})] if delta else []
 
+    def tool_start(self, call_id: str, name: str) -> list[dict]:
+        self.streamed.add(call_id)
+        self.num_calls += 1
+        call = {"index": self.num_calls - 1, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        return [self._chunk({"tool_calls": [call]})]
+
+    def tool_args(self, arguments: str) -> list[dict]:
+        if not arguments:
+            return []
+        return [self._chunk({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": arguments}}]})]
+
     def finish(self, calls: list[tuple[str, ToolCall]], finish: str, usage: dict) -> list[dict]:
-        out = [self._chunk({"tool_calls": _wire_calls(calls, with_index=True)})] if calls else []
+        fresh = [(cid, c) for cid, c in calls if cid not in self.streamed]
+        wire = _wire_calls(fresh, with_index=True)
+        for w in wire:
+            w["index"] += self.num_calls
+        out = [self._chunk({"tool_calls": wire})] if wire else []
         out.append(self._chunk({}, finish_reason(finish, calls)))
         if self.include_usage:
             out.append({**self._chunk({}), "choices": [], "usage": usage})

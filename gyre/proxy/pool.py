@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from gyre.engines.client import EngineClient, EngineHTTPError, migrate_prefix
+from gyre.engines.client import EngineClient, EngineHTTPError, IdsJsonCache, migrate_prefix
 from gyre.proxy.chat import ApiError
 from gyre.proxy.routing import RoutingTable
 
@@ -47,6 +47,8 @@ class EnginePool:
         self.inflight: dict[str, set[str]] = {}
         """engine id -> rids of calls streaming from it (what a drain aborts)."""
         self.metrics = PoolMetrics()
+        self.ids_json = IdsJsonCache()
+        """Each session's last prompt as JSON: a longer context costs only its new tokens to send."""
         self._changed = asyncio.Condition()
         self._health_task: asyncio.Task | None = None
 
@@ -215,14 +217,15 @@ class Generation:
     async def _one_engine(self, eid: str, rid: str, prompt: list[int], params: dict):
         """Stream from one engine; yields new-id lists, then the finish dict (None if the engine failed)."""
         pool, client = self.pool, self.pool.clients[eid]
+        ids_json = pool.ids_json.encode(self.session, prompt)  # the proxy's own work: outside engine_s
         pool.table.begin(eid)
         pool.inflight[eid].add(rid)
         seen, t0 = 0, time.monotonic()
         try:
             if self.incremental:
-                chunks = client.generate_stream(prompt, params, rid=rid, return_logprob=True)
+                chunks = client.generate_stream(prompt, params, rid=rid, return_logprob=True, input_ids_json=ids_json)
             else:
-                chunks = _one(client.generate(prompt, params, rid=rid, return_logprob=True))
+                chunks = _one(client.generate(prompt, params, rid=rid, return_logprob=True, input_ids_json=ids_json))
             async for chunk in chunks:
                 ids, meta = chunk["output_ids"], chunk["meta_info"]
                 new = ids[seen:]  # chunks are cumulative (SGLang's default, the builtin engine's)

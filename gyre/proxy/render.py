@@ -9,13 +9,20 @@ renders a request message by message: a remembered assistant turn becomes
 
     generation prompt + the model's output ids (+ end-of-turn if it stopped on length) + separator
 
-and every other message is rendered by the chat template. For the ChatML templates Gyre uses,
-rendering message by message equals rendering the whole list (checked once per tokenizer by
-`Renderer.__init__`). A template that is not separable that way (one that injects a default
-system prompt, say) is rendered whole, with no reuse: every assistant turn counts as retokenized.
+and every run of other messages between such turns is rendered by the chat template, as a run
+(Qwen's template joins consecutive tool results into one turn) after a fixed anchor system message
+that is then cut off (so a template injecting a default system prompt into a conversation without
+one, as Qwen's does, renders the run without it). For the ChatML templates Gyre uses, rendering
+piece by piece equals rendering the whole list (checked once per tokenizer by `Renderer.__init__`).
+A template that is not separable (one that numbers turns, or renders earlier turns differently
+from the last) is rendered whole, with no reuse: every assistant turn counts as retokenized.
+
+The memory survives a proxy restart: the records are its durable copy, and the first call of an
+execution a process has no memory of refills it from them (`remember_records`, called by
+`gyre.proxy.executions.Execution.ready`).
 
 When this cannot hold: the harness edited an assistant turn (trimmed text, changed a tool call,
-dropped thinking), or the turn was served by another proxy process (memory is per process). Then
+dropped thinking), or the turn was served by another proxy over another records directory. Then
 the key misses and the turn is re-rendered from its text: the prompt is still a correct rendering,
 but the record diverges from the earlier call at that turn, so the trajectory processor starts a
 new branch there instead of continuing the old one. `RenderResult.num_retokenized` counts such
@@ -66,6 +73,23 @@ class TurnMemory:
         return None
 
 
+def remember_records(memory: TurnMemory, records, parse) -> None:
+    """Refill `memory` from an execution's records in file order (the order turns were served).
+
+    Args:
+        parse: output ids -> ParsedAssistant (the tokenizer's `parse_assistant`), to key each turn
+            as the harness will echo it back.
+    """
+    for r in records:
+        out = r.output_ids.tolist()
+        p = parse(out)
+        memory.remember(assistant_key(p.content, [{"name": c.name, "arguments": c.arguments} for c in p.tool_calls]), out, r.agent_id)
+
+
+_ANCHOR = ({"role": "system", "content": "anchor"},)
+"""The system message each message is rendered after (see Renderer)."""
+
+
 @dataclass(frozen=True)
 class RenderResult:
     input_ids: list[int]
@@ -76,27 +100,59 @@ class RenderResult:
 
 
 class Renderer:
-    """Renders ChatRequest messages for one tokenizer, reusing remembered assistant ids."""
+    """Renders ChatRequest messages for one tokenizer, reusing remembered assistant ids.
+
+    Where the template renders a lone message differently from the same message after a system
+    turn (it injects a default system prompt into a conversation without one, as Qwen's does), runs
+    are rendered after a fixed anchor system message that is then cut off (`anchored`); otherwise
+    directly, which is cheaper.
+    """
 
     def __init__(self, tokenizer: BaseTokenizer):
         self.tok = tokenizer
         self.stops = set(tokenizer.stop_token_ids)
-        self.gen_prompt = tokenizer.apply_chat_template([], None, add_generation_prompt=True)
-        sample = tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}], None, False)
-        last_stop = max(i for i, t in enumerate(sample) if t in self.stops)
-        self.end_of_turn, self.separator = sample[last_stop], sample[last_stop + 1 :]
-        self.separable = True
-        self.separable = self._is_separable()
+        self.anchor_ids = tokenizer.apply_chat_template(list(_ANCHOR), None, False)
+        self.gen_prompt = self._after_anchor(tokenizer.apply_chat_template(list(_ANCHOR), None, True)) or []
+        sample = self._after_anchor(tokenizer.apply_chat_template([*_ANCHOR, {"role": "assistant", "content": "x"}], None, False)) or []
+        stops = [i for i, t in enumerate(sample) if t in self.stops]
+        probe = [{"role": "user", "content": "u"}, {"role": "tool", "content": "r"}]
+        self.anchored = tokenizer.apply_chat_template(probe, None, False) != self._after_anchor(tokenizer.apply_chat_template([*_ANCHOR, *probe], None, False))
+        self.separable = bool(self.gen_prompt) and bool(stops)
+        if self.separable:
+            self.end_of_turn, self.separator = sample[stops[-1]], sample[stops[-1] + 1 :]
+            self.separable = self._is_separable()
         if not self.separable:
             log.warning("chat template is not message-separable: prompts are re-rendered whole (no token reuse)")
+
+    def _after_anchor(self, ids: list[int]) -> list[int] | None:
+        n = len(self.anchor_ids)
+        return ids[n:] if ids[:n] == self.anchor_ids else None
+
+    def _run(self, run: list[dict]) -> list[int] | None:
+        """The ids of a run of messages inside a conversation (None if the anchor does not split off)."""
+        if not self.anchored:
+            return self.tok.apply_chat_template(run, None, False)
+        return self._after_anchor(self.tok.apply_chat_template([*_ANCHOR, *run], None, False))
 
     def _is_separable(self) -> bool:
         msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                 {"role": "assistant", "content": "a", "tool_calls": [{"name": "f", "arguments": {"x": 1}}]},
-                {"role": "tool", "content": "r"}]  # fmt: skip
+                {"role": "tool", "content": "r"}, {"role": "tool", "content": "r2"}]  # fmt: skip
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-        whole = self.tok.apply_chat_template(msgs, tools, True)
-        return whole == self.render(msgs, tools, TurnMemory()).input_ids
+        probes = [(msgs, tools), (msgs[1:], tools), (msgs[1:], None)]
+        pieces = [self._piecewise(m, t, TurnMemory(), "") for m, t in probes]
+        return all(p is not None and p.input_ids == self.tok.apply_chat_template(m, t, True) for p, (m, t) in zip(pieces, probes))
+
+    def _head(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[dict]] | None:
+        """The ids before the first non-system message (the system turn, given or the template's
+        default, with the tools), and the messages after it; None if the template does not split so."""
+        apply = self.tok.apply_chat_template
+        if messages[0]["role"] == "system":
+            return apply(messages[:1], tools, False), messages[1:]
+        first, alone = apply(messages[:1], tools, False), self._run(messages[:1])
+        if alone is None or first[len(first) - len(alone) :] != alone:
+            return None
+        return first[: len(first) - len(alone)], messages
 
     def render(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory, agent_id: str = "") -> RenderResult:
         """Prompt ids for `messages` (system first, if any) and `tools`, ending with the generation prompt.
@@ -104,21 +160,36 @@ class Renderer:
         Raises:
             ChatTemplateError: a message the template cannot render.
         """
-        apply = self.tok.apply_chat_template
-        if not self.separable:
+        done = self._piecewise(messages, tools, memory, agent_id) if self.separable else None
+        if done is None:
             n = sum(m["role"] == "assistant" for m in messages)
-            return RenderResult(apply(messages, tools, True), 0, n)
-        head, rest = (messages[:1], messages[1:]) if messages and messages[0]["role"] == "system" else ([], messages)
-        ids = apply(head, tools, False) if head or tools else []
+            return RenderResult(self.tok.apply_chat_template(messages, tools, True), 0, n)
+        return done
+
+    def _piecewise(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory, agent_id: str) -> RenderResult | None:
+        """Message-by-message rendering with remembered turns; None where the template does not split."""
+        head = self._head(messages, tools) if messages else None
+        if head is None:
+            return None
+        ids, rest = head
         reused = retokenized = 0
-        for m in rest:
-            if m["role"] == "assistant":
+        run: list[dict] = []  # messages rendered by the template together (consecutive tool results may share a turn)
+        for m in [*rest, None]:
+            out = None
+            if m is not None and m["role"] == "assistant":
                 out = memory.get(assistant_key(m.get("content") or "", m.get("tool_calls")), agent_id)
-                if out is not None:
-                    ids += self.gen_prompt + out + ([] if out and out[-1] in self.stops else [self.end_of_turn])
-                    ids += self.separator
-                    reused += 1
-                    continue
-                retokenized += 1
-            ids += apply([m], None, False)
+                retokenized += out is None
+            if m is not None and out is None:
+                run.append(m)
+                continue
+            if run:
+                alone = self._run(run)
+                if alone is None:
+                    return None
+                ids += alone
+                run = []
+            if out is not None:
+                ids += self.gen_prompt + out + ([] if out and out[-1] in self.stops else [self.end_of_turn])
+                ids += self.separator
+                reused += 1
         return RenderResult(ids + self.gen_prompt, reused, retokenized)

@@ -4,12 +4,13 @@ Harness side (per-execution key in `x-api-key`, `Authorization: Bearer`, or `x-g
     HEAD/GET /api/hello, POST /v1/messages[?beta=true], POST /v1/messages/count_tokens,
     POST /v1/chat/completions, GET /v1/models
 Admin side (`Authorization: Bearer <admin token>`):
-    POST /admin/executions {execution_id} -> {api_key}; DELETE /admin/executions/{id} (revoke);
+    POST /admin/executions {execution_id, api_key?} -> {api_key}; DELETE /admin/executions/{id} (revoke);
     GET/POST /admin/engines {engine_id, url, cell_id?}; DELETE /admin/engines/{id};
     POST /admin/engines/{id}/drain | /activate; GET /admin/metrics
 Every error answers in the API's own format; a bad request never takes the proxy down.
 """
 
+import asyncio
 import hmac
 import json
 import logging
@@ -63,10 +64,12 @@ class ProxyServer:
         self.pool = EnginePool(no_engine_wait_s=cfg.no_engine_wait_s, health_interval_s=cfg.health_interval_s,
                                request_timeout_s=cfg.request_timeout_s, max_imbalance=cfg.max_imbalance,
                                migrate_kv=cfg.migrate_kv)  # fmt: skip
-        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync)
+        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant, cfg.fsync_window_ms)
         self.runner = CallRunner(cfg, tokenizer, self.renderer, self.pool)
         self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
         self.openai = OpenAIWire(cfg.model_names, cfg.default_max_tokens)
+        self._create_lock = asyncio.Lock()
+        """Serialises changes to the execution registry (creation runs in a thread: it fsyncs files)."""
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_mb << 20)
@@ -108,6 +111,7 @@ class ProxyServer:
         t0 = time.monotonic()
         try:
             ex = self._execution(request)
+            await ex.ready()
             body = await _json_body(request)
             call = self.runner.prepare(ex, wire, body, request.headers, t0)
             return await self.runner.respond(request, call, wire)
@@ -126,6 +130,7 @@ class ProxyServer:
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:
             ex = self._execution(request)
+            await ex.ready()
             body = await _json_body(request)
             if isinstance(body, dict):
                 body = {**body, "max_tokens": body.get("max_tokens") or 1}
@@ -165,7 +170,8 @@ class ProxyServer:
     async def create_execution(self, request: web.Request) -> web.Response:
         body = await self._admin_body(request)
         try:
-            ex = self.executions.create(body.get("execution_id"))
+            async with self._create_lock:  # one at a time, in a thread: opening a records file fsyncs
+                ex = await asyncio.to_thread(self.executions.create, body.get("execution_id"), body.get("api_key"))
         except GyreError as e:
             return self._bad(str(e))
         return web.json_response({"execution_id": ex.execution_id, "api_key": ex.key, "records_path": str(ex.records_path)})
@@ -173,7 +179,8 @@ class ProxyServer:
     async def revoke_execution(self, request: web.Request) -> web.Response:
         self._admin(request)
         try:
-            ex = self.executions.revoke(request.match_info["id"])
+            async with self._create_lock:  # not while a create runs in its thread (both change the registry)
+                ex = self.executions.revoke(request.match_info["id"])
         except GyreError as e:
             return self._bad(str(e), 404)
         self.pool.table.forget(ex.execution_id + "/")

@@ -86,10 +86,12 @@ async def anthropic_call(session, url: str, key: str, body: dict) -> dict:
                         b["text"] += d["text"]
                     else:
                         b["_json"] += d["partial_json"]
+                        b["_num_deltas"] = b.get("_num_deltas", 0) + 1
                 elif data["type"] == "message_delta":
                     msg.update(data["delta"])
                     msg["usage"] = data["usage"]
                 elif data["type"] == "message_stop":
+                    msg["num_input_json_deltas"] = sum(b.pop("_num_deltas", 0) for b in blocks.values())
                     msg["content"] = [_close_block(blocks[i]) for i in sorted(blocks)]
                     return msg
         raise AssertionError("stream ended without message_stop")
@@ -119,7 +121,11 @@ async def openai_call(session, url: str, key: str, body: dict) -> dict:
             assert "error" not in data, data
             for ch in data["choices"]:
                 msg["content"] += ch["delta"].get("content") or ""
-                msg["tool_calls"] += ch["delta"].get("tool_calls") or []
+                for tc in ch["delta"].get("tool_calls") or []:  # deltas of one call share its index
+                    if tc["index"] == len(msg["tool_calls"]):
+                        msg["tool_calls"].append({"id": tc["id"], "type": "function", "function": {"name": tc["function"]["name"], "arguments": ""}})
+                    msg["tool_calls"][tc["index"]]["function"]["arguments"] += tc["function"].get("arguments") or ""
+                    msg["num_argument_deltas"] = msg.get("num_argument_deltas", 0) + bool(tc["function"].get("arguments"))
                 finish = ch["finish_reason"] or finish
         assert finish is not None, "stream ended without a finish_reason"
         return {"message": msg, "finish_reason": finish}

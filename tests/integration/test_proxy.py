@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
+import numpy as np
 import pytest
 from proxy_fixtures import anthropic_call, http, new_execution, openai_call, start_engine, start_proxy
 
@@ -37,6 +38,7 @@ async def anthropic_session(s, url, key, turns: int, stream: bool) -> int:
         use = [b for b in msg["content"] if b["type"] == "tool_use"]
         assert msg["stop_reason"] == "tool_use" and use[0]["input"] == {"command": "ls"}, msg
         assert msg["content"][0]["text"] == FILLER.strip()
+        assert not stream or msg["num_input_json_deltas"] > 1  # the input streamed as its tokens came
         body["messages"] += [{"role": "assistant", "content": msg["content"]},
                              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0]["id"], "content": "a.txt"}]}]  # fmt: skip
     return turns
@@ -48,6 +50,7 @@ async def openai_session(s, url, key, turns: int, stream: bool) -> int:
         choice = await openai_call(s, url, key, body)
         calls = choice["message"]["tool_calls"]
         assert choice["finish_reason"] == "tool_calls" and json.loads(calls[0]["function"]["arguments"]) == {"command": "ls"}
+        assert not stream or choice["message"]["num_argument_deltas"] > 1
         body["messages"] += [{"role": "assistant", "content": choice["message"]["content"], "tool_calls": calls},
                              {"role": "tool", "tool_call_id": calls[0]["id"], "content": "a.txt"}]  # fmt: skip
     return turns
@@ -267,6 +270,60 @@ def test_sigkill_mid_stream_leaves_records_readable(engines, tmp_path):
         if records:
             build_call_tree(records)
     assert total > 0
+
+
+def test_restart_continues_numbering_and_token_reuse(engines, tmp_path):
+    """A proxy restarted over the same records directory accepts the sandbox's key, numbers on, and
+    a continuing conversation reuses the model's exact output ids (the echoed turn re-tokenized
+    would differ: the model wrote "; <tool_call>", the template writes ";\\n<tool_call>")."""
+    body = {"model": "gyre", "max_tokens": 400, "stream": True, "system": "You are a test agent.", "tools": A_TOOLS,
+            "messages": [{"role": "user", "content": "please take a step"}]}  # fmt: skip
+
+    async def call(url, key):
+        async with aiohttp.ClientSession() as s:
+            return await anthropic_call(s, url, key, body)
+
+    proxy = start_proxy(tmp_path, [engines[1].url])
+    try:
+        key = new_execution(proxy, "r")
+        msg = asyncio.run(call(proxy.url, key))
+    finally:
+        proxy.stop()
+    use = next(b for b in msg["content"] if b["type"] == "tool_use")
+    body["messages"] += [{"role": "assistant", "content": msg["content"]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a.txt"}]}]  # fmt: skip
+    proxy = start_proxy(tmp_path, [engines[1].url])  # a fresh process: no memory but the records
+    try:
+        asyncio.run(call(proxy.url, key))
+    finally:
+        proxy.stop()
+    first, second = assert_clean_chain(tmp_path / "records" / "r.jsonl", 2)
+    assert [first.seq, second.seq] == [0, 1] and second.call_id != first.call_id
+    served = np.concatenate((first.input_ids, first.output_ids))
+    assert np.array_equal(second.input_ids[: served.size], served)
+    assert (second.hints["reused_turns"], second.hints["retokenized_turns"]) == (1, 0)
+
+
+def test_nested_sub_agent_lineage_reaches_the_tree(engines, tmp_path):
+    """Hand-built Claude Code requests: main spawns a1, a1 spawns a2 (parent header); the records name
+    each spawner and the tree links each sub-agent's branch to its spawner's latest call."""
+    sub_system = [{"type": "text", "text": "x-anthropic-billing-header: cc_is_subagent=true"}, {"type": "text", "text": "You are a helper."}]
+    calls = [({}, "You are a test agent.", "please take a step"),
+             ({"x-claude-code-agent-id": "a1"}, sub_system, "SUB1: please take a step"),
+             ({"x-claude-code-agent-id": "a2", "x-claude-code-parent-agent-id": "a1"}, sub_system, "SUB2: please take a step")]  # fmt: skip
+    proxy = start_proxy(tmp_path, [engines[2].url])
+    try:
+        key = new_execution(proxy, "nest")
+        for headers, system, prompt in calls:
+            body = {"model": "gyre", "max_tokens": 400, "system": system, "tools": A_TOOLS, "messages": [{"role": "user", "content": prompt}]}
+            status, answer = http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": key, **headers})
+            assert status == 200 and answer["stop_reason"] == "tool_use", answer
+    finally:
+        proxy.stop()
+    records, _ = read_records(tmp_path / "records" / "nest.jsonl")
+    assert [(r.agent_id, r.parent_agent_id, r.kind_hint) for r in records] == [("main", None, "main"), ("a1", "main", "subagent"), ("a2", "a1", "subagent")]
+    tree = build_call_tree(records)
+    assert [n.spawned_by for n in tree.nodes] == [None, 0, 1]
 
 
 def test_benchmark_runs_and_ends_with_json():

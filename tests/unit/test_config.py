@@ -41,6 +41,7 @@ def test_valid_configs_compose_and_validate(overrides):
         pytest.param("scheduler.staleness=-1", "scheduler.staleness", id="negative-staleness"),
         pytest.param("scheduler.mode=sync", "scheduler.mode", id="unknown-mode"),
         pytest.param("num_steps=0", "num_steps", id="no-steps"),
+        pytest.param("proxy.fsync_window_ms=-1", "proxy.fsync_window_ms", id="negative-fsync-window"),
     ],
 )
 def test_bad_values_name_their_key(override, key):

@@ -206,8 +206,50 @@ class _SystemInjectingTokenizer(ByteTokenizer):
         return super().apply_chat_template(messages, tools, add_generation_prompt)
 
 
-def test_render_falls_back_to_whole_rendering_for_non_separable_templates():
+class _TurnNumberingTokenizer(ByteTokenizer):
+    """A template that numbers user turns by position: a message renders differently on its own."""
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        messages = [{**m, "content": f"[{i}] {m['content']}"} if m["role"] == "user" else m for i, m in enumerate(messages)]
+        return super().apply_chat_template(messages, tools, add_generation_prompt)
+
+
+class _ToolJoiningTokenizer(ByteTokenizer):
+    """A template that writes consecutive tool results as one turn (as Qwen's does)."""
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        joined = []
+        for m in messages:
+            if m["role"] == "tool" and joined and joined[-1]["role"] == "tool":
+                joined[-1] = {**joined[-1], "content": joined[-1]["content"] + " | " + m["content"]}
+            else:
+                joined.append(m)
+        return super().apply_chat_template(joined, tools, add_generation_prompt)
+
+
+def test_render_keeps_consecutive_tool_results_in_one_turn():
+    tok = _ToolJoiningTokenizer()
+    r, mem = Renderer(tok), TurnMemory()
+    call = {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]}
+    msgs = [{"role": "user", "content": "q"}, call, {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"}]
+    mem.remember(assistant_key("", call["tool_calls"]), tok.apply_chat_template([call], None, False)[len(r.gen_prompt) : -1])
+    out = r.render(msgs, None, mem)
+    assert r.separable and out.input_ids == tok.apply_chat_template(msgs) and out.num_reused == 1
+
+
+def test_render_reuses_tokens_under_a_template_injecting_a_default_system_prompt():
     tok = _SystemInjectingTokenizer()
+    r, mem = Renderer(tok), TurnMemory()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "n"}]
+    mem.remember(assistant_key("a", []), list(b"a") + [tok.eos_token_id])
+    for t in (None, tools):
+        out = r.render(msgs, t, mem)
+        assert r.separable and out.input_ids == tok.apply_chat_template(msgs, t) and (out.num_reused, out.num_retokenized) == (1, 0)
+
+
+def test_render_falls_back_to_whole_rendering_for_non_separable_templates():
+    tok = _TurnNumberingTokenizer()
     r, mem = Renderer(tok), TurnMemory()
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "n"}]
     mem.remember(assistant_key("a", []), list(b"a") + [tok.eos_token_id])

@@ -174,3 +174,82 @@ def test_concurrent_appends_from_threads_stay_whole_lines(tmp_path):
     assert sorted(r.call_id for r in back) == sorted(r.call_id for r in records)
     by_id = {r.call_id: r for r in records}
     assert all(_same(b, by_id[b.call_id]) for b in back)
+
+
+def _wait_for(cond, timeout_s=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_group_commit_writes_at_once_and_fsyncs_in_batches(tmp_path, monkeypatch):
+    """A line is in the file when append returns (a killed process loses nothing answered); the
+    fsync comes later from the group commit, once per batch of files, and close flushes the rest."""
+    import os
+
+    from gyre.records.io import GroupCommit
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    records = _conversation(n_turns=3)
+    group = GroupCommit(window_s=0.05)
+    writers = [RecordWriter(tmp_path / f"{i}.jsonl", group=group) for i in range(3)]
+    synced.clear()  # the directory fsyncs of the new files
+    for w in writers:
+        w.append(records[0])
+        assert len(read_records(w.path)[0]) == 1  # readable before any fsync
+    _wait_for(lambda: group.num_syncs == 3)
+    assert len(synced) == 3 and group.num_errors == 0
+    slow = GroupCommit(window_s=60)
+    with RecordWriter(tmp_path / "slow.jsonl", group=slow) as w:
+        w.append(records[0])
+        w.append(records[1])
+        slow.close()  # does not wait for the window: fsyncs what is pending, once
+        assert slow.num_syncs == 1 and slow.num_batches == 1
+    group.close()
+    for w in writers:
+        w.close()
+
+
+def test_group_commit_retries_a_failed_fsync(tmp_path, monkeypatch):
+    import os
+
+    from gyre.records.io import GroupCommit
+
+    real_fsync, failures = os.fsync, []
+    monkeypatch.setattr(os, "fsync", lambda fd: real_fsync(fd) if not failures else (_ for _ in ()).throw(failures.pop()))
+    group = GroupCommit(window_s=0.01)
+    with RecordWriter(tmp_path / "a.jsonl", group=group) as w:
+        failures.append(OSError(5, "Input/output error"))
+        w.append(_conversation(n_turns=1)[0])
+        _wait_for(lambda: group.num_syncs == 2)  # the failed one, then its retry in the next batch
+        assert group.num_errors == 1 and not w._unsynced
+    group.close()
+
+
+def test_a_failed_write_is_cut_off_so_the_file_stays_readable(tmp_path, monkeypatch):
+    """A write the disk refuses halfway (ENOSPC) must not leave a torn line before later records."""
+    import os
+
+    records = _conversation(n_turns=3)
+    path = tmp_path / "ex.jsonl"
+    real_write = os.write
+    with RecordWriter(path, fsync=False) as w:
+        w.append(records[0])
+
+        def half_then_full(fd, data):
+            monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+            return real_write(fd, bytes(data[: len(data) // 2]))
+
+        monkeypatch.setattr(os, "write", half_then_full)
+        with pytest.raises(OSError, match="No space"):
+            w.append(records[1])
+        monkeypatch.setattr(os, "write", real_write)
+        w.append(records[2])
+    back, stats = read_records(path)
+    assert stats.num_torn == 0 and not stats.invalid
+    assert [r.call_id for r in back] == [records[0].call_id, records[2].call_id]
