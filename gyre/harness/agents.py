@@ -4,7 +4,9 @@ Claude Code (npm `@anthropic-ai/claude-code`, pinned in tools/setup.sh) runs off
 proxy: as root it needs IS_SANDBOX=1 for --dangerously-skip-permissions; telemetry and other
 non-essential traffic are off; HOME is a per-execution directory (its sessions live there, so
 `--continue` finds them). Every model alias points at the served model so auxiliary calls reach
-the proxy too. mini-swe-agent (PyPI) speaks OpenAI chat completions through litellm.
+the proxy too. mini-swe-agent (PyPI) speaks OpenAI chat completions through litellm (~8 CPU-s
+to import per process); its model classes without litellm (openrouter, requesty) hard-code their
+service URLs, so litellm's `openai/` route with `api_base` is its only way to reach a proxy.
 """
 
 import os
