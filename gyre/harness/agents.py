@@ -4,7 +4,9 @@ Claude Code (npm `@anthropic-ai/claude-code`, pinned in tools/setup.sh) runs off
 proxy: as root it needs IS_SANDBOX=1 for --dangerously-skip-permissions; telemetry and other
 non-essential traffic are off; HOME is a per-execution directory (its sessions live there, so
 `--continue` finds them). Every model alias points at the served model so auxiliary calls reach
-the proxy too. mini-swe-agent (PyPI) speaks OpenAI chat completions through litellm.
+the proxy too. mini-swe-agent (PyPI) speaks OpenAI chat completions through litellm (~8 CPU-s
+to import per process); its model classes without litellm (openrouter, requesty) hard-code their
+service URLs, so litellm's `openai/` route with `api_base` is its only way to reach a proxy.
 """
 
 import os
@@ -39,11 +41,17 @@ def make_claude_code_env(base: dict[str, str], proxy_url: str, api_key: str, hom
             "ANTHROPIC_BASE_URL": proxy_url, "ANTHROPIC_API_KEY": api_key}  # fmt: skip
 
 
-def make_claude_code_command(binary: str, prompt: str, *, model: str, tools: list[str], resume: bool = False) -> list[str]:
-    """`claude -p PROMPT` with JSON output; `resume` continues the last session (`--continue`)."""
+def make_claude_code_command(binary: str, prompt: str, *, model: str, tools: list[str], resume: bool = False,
+                             bare: bool = False) -> list[str]:  # fmt: skip
+    """`claude -p PROMPT` with JSON output; `resume` continues the last session (`--continue`).
+
+    `bare` is Claude Code's documented minimal mode for scripted runs (no hooks, LSP, plugin sync,
+    auto-memory, background prefetches or CLAUDE.md discovery): a ~2.5k-token system prompt, the
+    same for every session, instead of ~9.5k with per-session paths, and about a third less CPU.
+    """
     cmd = [binary, "-p", prompt, "--dangerously-skip-permissions", "--model", model, "--tools", ",".join(tools),
            "--output-format", "json"]  # fmt: skip
-    return cmd + (["--continue"] if resume else [])
+    return cmd + (["--continue"] if resume else []) + (["--bare"] if bare else [])
 
 
 def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:

@@ -1,0 +1,229 @@
+"""SLOW (~1.5 min on 2 idle cores, ~140 CPU-s): 16 real harness processes at once, 8 Claude Code
+(Anthropic API, `--bare`) and 8 mini-swe-agent (OpenAI API), through one proxy and three builtin
+engines (scripted policy) while 20 drains, each aborting calls in flight, move them between the
+engines. Every harness exits 0 having done its whole task, and every execution's records still
+form one token-for-token chain.
+
+The sessions overlap by construction. All engines start drained, so each harness's first call
+waits in the proxy (its bounded no-engine wait) until all 16 calls are waiting; then the engines
+open and the drains begin. Each scripted step's tool asks for another step until the test marks
+the drains over, so all 16 are still running at the last drain however fast the machine is.
+Without the gate they would not overlap on 2 cores: a mini-swe-agent process costs ~10 CPU-s
+(~8 of them importing litellm), a Claude Code one ~3, so Claude Code would be done before the
+last mini-swe-agent sent its first call. (12 + 4 instead of 8 + 8 would save ~25 CPU-s.)
+"""
+
+import json
+import os
+import resource
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from proxy_fixtures import http, new_execution, start_engine, start_proxy
+
+from gyre.harness.agents import (
+    find_claude_code,
+    find_mini_swe_agent,
+    make_claude_code_command,
+    make_claude_code_env,
+    make_mini_swe_command,
+    make_mini_swe_env,
+)
+from gyre.records.io import read_records
+from gyre.trajectory.tree import build_call_tree
+
+pytestmark = pytest.mark.slow
+
+NUM_CC, NUM_MINI, NUM_DRAINS = 8, 8, 20
+FILLER = "Checking the output; "
+DONE_FILE = "drains-done"
+"""Created next to the workspaces after the last drain; until then every step asks for another."""
+
+
+def tool_call(name: str, args: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def step(tool: str, marker: str) -> str:
+    """A tool call printing MARKER-NEXT, or MARKER-LAST once the drains are over (and logging it)."""
+    command = f"{{ test -e ../{DONE_FILE} && echo {marker}-LAST || echo {marker}-NEXT; }} | tee -a steps.txt"
+    return FILLER + tool_call(tool, {"command": command})
+
+
+# The harnesses keep stepping while the drains go on, so all 16 run until the last one.
+RULES = [{"match": "CC-TASK|CC-NEXT", "emit": step("Bash", "CC")},
+         {"match": "CC-LAST", "emit": "All steps done. CC-COMPLETE"},
+         {"match": "Please solve this issue|MINI-NEXT", "emit": step("bash", "MINI")},
+         {"match": "MINI-LAST", "emit": "Done. " + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})}]  # fmt: skip
+
+
+def launch(tmp_path, proxy, name: str) -> subprocess.Popen:
+    """One harness process in its own HOME and workspace; stdout to NAME.out, stderr to NAME.err."""
+    home, ws = tmp_path / f"home-{name}", tmp_path / f"ws-{name}"
+    home.mkdir()
+    ws.mkdir()
+    key = new_execution(proxy, name)
+    if name.startswith("cc"):
+        cmd = make_claude_code_command(find_claude_code(), "CC-TASK: print the step markers", model="tiny", tools=["Bash"],
+                                       bare=True)  # fmt: skip
+        env = make_claude_code_env(dict(os.environ), proxy.url, key, str(home), "tiny")
+    else:
+        cmd = make_mini_swe_command(find_mini_swe_agent(), "Print the step markers.", proxy_url=proxy.url, api_key=key,
+                                    model="gyre", output=str(tmp_path / f"traj-{name}.json"))  # fmt: skip
+        env = make_mini_swe_env(dict(os.environ), str(home))
+    with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+        return subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ws, stdout=out, stderr=err)
+
+
+def output_tail(tmp_path, name: str) -> str:
+    return "".join((tmp_path / f"{name}.{s}").read_text()[-2000:] for s in ("out", "err"))
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds of a live process, or (pid None) of this process's reaped children so far."""
+    if pid is None:
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ru.ru_utime + ru.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def admin(proxy, path: str):
+    status, out = http(proxy.url + path, "POST" if path.endswith(("drain", "activate")) else "GET", token=proxy.admin_token)
+    assert status == 200, (path, out)
+    return out
+
+
+def wait_for_gate(proxy, procs: dict, tmp_path, timeout_s: float) -> None:
+    """Until every harness has a call waiting in the proxy (no engine is active, so none finishes)."""
+    deadline = time.monotonic() + timeout_s
+    while admin(proxy, "/admin/metrics")["num_calls"] < len(procs):
+        for name, p in procs.items():
+            assert p.poll() is None, f"{name} exited early ({p.returncode}): {output_tail(tmp_path, name)}"
+        assert time.monotonic() < deadline, f"not all harnesses called within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def wait_for_first_answer(tmp_path, procs: dict, timeout_s: float) -> None:
+    """Until some execution has a record: prompts are prefilled, so drains from now on also hit
+    calls midway through their output (which then resume elsewhere with it)."""
+    deadline = time.monotonic() + timeout_s
+    files = [tmp_path / "records" / f"{name}.jsonl" for name in procs]
+    while not any(f.exists() and f.stat().st_size for f in files):
+        assert time.monotonic() < deadline, f"no call finished within {timeout_s} s"
+        time.sleep(0.1)
+
+
+def drain_repeatedly(proxy, engine_ids: list[str], procs: dict, timeout_s: float) -> tuple[list[tuple[str, int]], int]:
+    """NUM_DRAINS drains that each abort calls in flight, taking the engines in turn (an engine is
+    drained once the proxy shows it streaming; a drain that found nothing left does not count).
+
+    Returns:
+        ((engine, calls it had in flight) per counted drain, harnesses still running at the last one)
+    """
+    hits, alive, turn = [], 0, 0
+    deadline = time.monotonic() + timeout_s
+    while len(hits) < NUM_DRAINS:
+        assert time.monotonic() < deadline, f"only {len(hits)} drains hit calls in flight within {timeout_s} s"
+        busy = {e["engine_id"] for e in admin(proxy, "/admin/metrics")["engines"] if e["num_inflight"] > 0}
+        eid = engine_ids[turn % len(engine_ids)]
+        if eid not in busy:
+            if busy:  # this engine is idle but another one streams: pass its turn
+                turn += 1
+            else:
+                time.sleep(0.05)
+            continue
+        n = admin(proxy, f"/admin/engines/{eid}/drain")["result"]
+        if n:
+            hits.append((eid, n))
+            alive = sum(p.poll() is None for p in procs.values())
+            turn += 1
+        time.sleep(0.2)
+        admin(proxy, f"/admin/engines/{eid}/activate")
+    return hits, alive
+
+
+def test_20_drains_during_16_real_harness_sessions(tmp_path):
+    if find_claude_code() is None or find_mini_swe_agent() is None:
+        pytest.skip("Claude Code or mini-swe-agent not installed: run tools/setup.sh")
+    engine_ids = ["e0", "e1", "e2"]
+    with ThreadPoolExecutor(len(engine_ids)) as pool:
+        engines = list(pool.map(lambda eid: start_engine(tmp_path, RULES, name=eid), engine_ids))
+    proxy = start_proxy(tmp_path, [e.url for e in engines], max_imbalance=2, no_engine_wait_s=400)
+    procs: dict[str, subprocess.Popen] = {}
+    t0, children0 = time.monotonic(), cpu_s()
+    try:
+        for eid in engine_ids:  # the gate: calls wait until the engines open
+            admin(proxy, f"/admin/engines/{eid}/drain")
+        # mini-swe-agent first: its imports are the slow part
+        names = [f"mini{i}" for i in range(NUM_MINI)] + [f"cc{i}" for i in range(NUM_CC)]
+        for name in names:
+            procs[name] = launch(tmp_path, proxy, name)
+        wait_for_gate(proxy, procs, tmp_path, 400)
+        for eid in engine_ids:
+            admin(proxy, f"/admin/engines/{eid}/activate")
+        wait_for_first_answer(tmp_path, procs, 400)
+        hits, alive_at_last_drain = drain_repeatedly(proxy, engine_ids, procs, 400)
+        (tmp_path / DONE_FILE).touch()
+        for name, p in procs.items():
+            p.wait(timeout=400)
+        cpu = {"harnesses": cpu_s() - children0, "engines": sum(cpu_s(e.proc.pid) for e in engines),
+               "proxy": cpu_s(proxy.proc.pid), "wall": time.monotonic() - t0}  # fmt: skip
+        metrics = admin(proxy, "/admin/metrics")
+        failed = {n: output_tail(tmp_path, n) for n, p in procs.items() if p.returncode != 0}
+        assert not failed, failed
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        proxy.stop()
+        for e in engines:
+            e.stop()
+
+    rerouted, num_records, with_output = {}, 0, 0
+    for name in procs:
+        records = check_clean_chain(tmp_path / "records" / f"{name}.jsonl")
+        check_task_done(tmp_path, name, len(records))
+        rerouted[name], num_records = sum(r.rerouted for r in records), num_records + len(records)
+        # a resume's prompt is input + output so far: more than the inputs alone = resumed mid-output
+        with_output += sum(r.num_migrated_tokens + r.num_recomputed_tokens > (len(r.hints["engines"]) - 1) * r.input_ids.size
+                           for r in records)  # fmt: skip
+    print(f"\n{NUM_DRAINS} drains found {sum(n for _, n in hits)} calls in flight ({hits}); {alive_at_last_drain} of "
+          f"{len(procs)} harnesses alive at the last drain; {num_records} calls; rerouted records per execution "
+          f"{rerouted}; {with_output} resumed mid-output; pool metrics { {k: v for k, v in metrics.items() if k != 'engines'} }; "
+          f"seconds { {k: round(v, 1) for k, v in cpu.items()} }")  # fmt: skip
+    assert alive_at_last_drain == len(procs)  # all 20 drains happened while all 16 sessions ran
+    assert len({eid for eid, _ in hits}) >= 2
+    assert sum(rerouted.values()) > 0 and metrics["num_reroutes"] > 0 and metrics["num_migrated_tokens"] > 0
+    assert with_output > 0
+    assert metrics["num_calls"] == num_records  # every call recorded; no harness retried a call
+
+
+def check_task_done(tmp_path, name: str, num_calls: int) -> None:
+    """The harness ran one tool per call but the last, in order, and ended its task the normal way."""
+    marker = "CC" if name.startswith("cc") else "MINI"
+    steps = (tmp_path / f"ws-{name}" / "steps.txt").read_text()
+    assert steps == f"{marker}-NEXT\n" * (num_calls - 2) + f"{marker}-LAST\n", (name, num_calls, steps)
+    if name.startswith("cc"):
+        result = json.loads((tmp_path / f"{name}.out").read_text())
+        assert result["result"] == "All steps done. CC-COMPLETE" and not result["is_error"], (name, result)
+    else:
+        info = json.loads((tmp_path / f"traj-{name}.json").read_text())["info"]
+        assert info["exit_status"] == "Submitted", (name, info)
+
+
+def check_clean_chain(path):
+    """One agent whose calls each continue the previous one token for token."""
+    records, stats = read_records(path)
+    assert stats.num_torn == 0 and not stats.invalid and len(records) >= 2, (path, len(records), stats)
+    tree = build_call_tree(records)
+    assert tree.missing_seqs == []
+    for j in range(1, len(records)):
+        node, prev = tree.nodes[j], tree.nodes[j - 1]
+        assert node.parent == j - 1 and node.shared >= prev.end, f"{path.name}: call {j} does not extend call {j - 1}"
+        assert node.record.hints["retokenized_turns"] == 0
+    return records

@@ -1,0 +1,24 @@
+"""Harness command lines and environments (pure): every model call must reach the proxy."""
+
+from gyre.harness.agents import make_claude_code_command, make_claude_code_env, make_mini_swe_command
+
+
+def test_claude_code_command_flags():
+    plain = make_claude_code_command("claude", "do it", model="tiny", tools=["Bash", "Agent"])
+    assert plain[:3] == ["claude", "-p", "do it"] and plain[plain.index("--tools") + 1] == "Bash,Agent"
+    assert "--bare" not in plain and "--continue" not in plain
+    both = make_claude_code_command("claude", "/compact", model="tiny", tools=["Bash"], resume=True, bare=True)
+    assert both[-2:] == ["--continue", "--bare"] and both[both.index("--model") + 1] == "tiny"
+
+
+def test_claude_code_env_points_every_model_at_the_proxy():
+    env = make_claude_code_env({"PATH": "/bin", "ANTHROPIC_MODEL": "opus"}, "http://127.0.0.1:9", "k1", "/h", "tiny")
+    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9" and env["ANTHROPIC_API_KEY"] == "k1" and env["HOME"] == "/h"
+    assert env["ANTHROPIC_MODEL"] == env["CLAUDE_CODE_SUBAGENT_MODEL"] == env["ANTHROPIC_SMALL_FAST_MODEL"] == "tiny"
+    assert env["PATH"] == "/bin" and env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+
+
+def test_mini_swe_command_uses_the_proxy_openai_endpoint():
+    cmd = make_mini_swe_command("mini", "task", proxy_url="http://127.0.0.1:9", api_key="k2", model="gyre", output="/o.json")
+    assert cmd[cmd.index("-m") + 1] == "openai/gyre" and cmd[cmd.index("-o") + 1] == "/o.json"
+    assert "model.model_kwargs.api_base=http://127.0.0.1:9/v1" in cmd and "model.model_kwargs.api_key=k2" in cmd
