@@ -100,3 +100,7 @@ def run(cfg: DictConfig) -> None:
 
 def main() -> None:
     run()
+
+
+if __name__ == "__main__":
+    main()

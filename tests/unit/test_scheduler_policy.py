@@ -126,9 +126,15 @@ def test_colocate_cases(o, expected):
 )
 def test_async_pools_balance_the_work(num_cells, share, expected):
     assert balanced_train_cells(num_cells, share) == expected
-    pol = make_policy(replace(CFG, mode="async"), num_cells, share)
+    pol = make_policy(replace(CFG, mode="async", async_split="work_share"), num_cells, share)
     assert isinstance(pol, AsyncPolicy) and pol.initial_roles().count(Role.TRAIN) == expected
     assert pol.decide(obs(cells(*pol.initial_roles()), running=0, ready_s=1e9)) == Decision()
+
+
+@pytest.mark.parametrize("num_cells, expected", [(4, 2), (5, 2), (6, 3), (8, 4), (2, 1)])
+def test_async_default_split_is_even_whatever_the_work(num_cells, expected):
+    pol = make_policy(replace(CFG, mode="async"), num_cells, train_share=0.9)
+    assert pol.initial_roles().count(Role.TRAIN) == expected
 
 
 def test_initial_roles_per_mode():
