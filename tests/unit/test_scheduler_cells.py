@@ -110,3 +110,16 @@ def test_queue_refuses_a_sample_over_the_bound_and_extra_groups():
         q.claim()
     with pytest.raises(SchedulerError, match="more than 1 groups"):
         q.exclude(1, 2)
+
+
+def test_first_ready_groups_fill_the_earliest_open_step():
+    q = MicroStepQueue(groups_per_step=2, staleness=1)
+    assert q.open_step() == 0
+    q.add_ready(q.open_step(), 5, 0, 100)
+    q.exclude(q.open_step(), 6)
+    assert q.open_step() == 1 and q.batch_ready()  # step 0 is full: later groups go to step 1
+    q.add_ready(q.open_step(), 0, 0, 40)
+    assert q.ready_tokens() == 100 and q.ready_tokens_ahead() == 40
+    q.complete(q.claim())
+    q.apply_optimizer_step()
+    assert q.open_step() == 1 and q.ready_tokens() == 40 and q.ready_tokens_ahead() == 0

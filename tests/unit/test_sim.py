@@ -143,3 +143,12 @@ def test_hand_back_replays_work_when_a_cell_leaves_mid_micro_step():
     sched = replace(SchedulerConfig(mode="elastic"), finish_microstep_max_s=0.0, min_dwell_s=0.0, leave_window_s=0.0)
     r = Simulation(PROFILE, PRESET, sched, num_steps=4, tick_s=5.0).run()
     assert len(r.step_times_s) == 4
+
+
+@pytest.mark.parametrize("mode", ["elastic", "async", "colocate"])
+def test_first_ready_steps_do_not_wait_for_stragglers_and_never_train_over_the_bound(mode):
+    fixed, first = (Simulation(PROFILE, PRESET, SchedulerConfig(mode=mode, batching=b), num_steps=6, tick_s=5.0).run()
+                    for b in ("fixed", "first_ready"))
+    assert fixed.masked_fraction == 0 and fixed.num_stale_dropped == 0  # a step waits for its own groups
+    assert first.total_s < fixed.total_s and first.max_staleness <= 1
+    assert 0 < first.masked_fraction < 1  # groups trained late keep only their spans inside the bound
