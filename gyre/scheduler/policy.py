@@ -41,7 +41,7 @@ class CellView:
     sessions: int = 0
     """Live sessions it serves now."""
     max_sessions: int = 1
-    """Concurrent sessions it can serve (configured or measured)."""
+    """Concurrent sessions its own memory can serve (configured or measured)."""
     gen_tok_s: float = 1.0
     """Generation throughput it can sustain, tokens/s (configured or measured)."""
 
@@ -59,6 +59,9 @@ class Observation:
     staleness bound allows); the next optimizer step does not wait for them."""
     running: int = 0
     """Executions holding a slot (in a model or a tool call)."""
+    pooled_sessions: int = 0
+    """Sessions a cluster-wide offload tier keeps beyond the serving cells' own memory, whichever
+    cells serve (sessions in tool calls hold no compute, only KV)."""
     gen_demand_tok_s: float = 0.0
     """Generation rate the live executions would draw at full per-session speed, tokens/s."""
     ready_train_s: float = 0.0
@@ -112,7 +115,7 @@ def _serves(cells: list[CellView], obs: Observation, headroom: float) -> bool:
         return False
     sessions, tok_s = _capacity(cells)
     need = 1.0 + headroom
-    return sessions >= obs.waterlevel * need and tok_s >= obs.gen_demand_tok_s * need
+    return sessions + obs.pooled_sessions >= obs.waterlevel * need and tok_s >= obs.gen_demand_tok_s * need
 
 
 def _push_max(window: deque, entry: tuple, since: float) -> tuple:
@@ -186,6 +189,7 @@ class ElasticPolicy(BasePolicy):
         if idle_only and obs.ready_train_s / max(1, n_train) >= self.cfg.gain_factor * self.cfg.round_trip_s:
             return ()
         sessions, tok_s = _capacity(serving)
+        sessions += obs.pooled_sessions
         deficit_cells = max(
             (obs.waterlevel - sessions) / per_cell,
             (obs.gen_demand_tok_s - tok_s) / max(c.gen_tok_s for c in obs.cells),

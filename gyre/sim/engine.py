@@ -17,9 +17,11 @@ even if its session is handed off meanwhile. A session whose cell left with no s
 take it (colocate while training) keeps running tool calls and waits at its next model call
 with its time budget paused.
 
-Live sessions per cell are bounded by what its GPU and host tiers hold at the profile's mean
-context (beyond that every call would recompute); executions beyond them queue (the waterlevel
-counts them).
+Live sessions are bounded by what the serving cells' GPUs and the cluster-wide (pooled) offload
+tier hold at the profile's mean context (beyond that every call would recompute); executions
+beyond them queue (the waterlevel counts them). The policy sees each cell's serving capacity at
+the profile's mean context: sessions its GPUs hold, and the decode those calls sustain (at long
+contexts the GPU KV, not the batch limit, caps the calls in flight).
 """
 
 import heapq
@@ -62,7 +64,7 @@ class _Group:
 class _SimCell:
     """The simulator's bookkeeping beside one scheduler Cell."""
 
-    def __init__(self, cell, preset: PresetConfig, sessions_per_node: int, host: HostTier):
+    def __init__(self, cell, preset: PresetConfig, ctx_tokens: float, host: HostTier):
         self.cell = cell
         self.serving = cell.role is Role.ROLLOUT
         self.members: set = set()
@@ -71,8 +73,8 @@ class _SimCell:
         self.eng = CellEngine(preset.kv_tokens_per_node * n, preset.max_sessions_per_node * n,
                               preset.gen_tok_s_per_node * n, preset.session_tok_s,
                               preset.prefill_tok_s_per_node * n, preset.kv_load_tok_s_per_node * n, host)
-        self.max_sessions = sessions_per_node * n
-        self.gen_tok_s = preset.decode_tok_s_per_node * n
+        self.max_sessions = preset.sessions_per_node(ctx_tokens) * n
+        self.gen_tok_s = preset.serving_tok_s_per_node(ctx_tokens) * n  # what the policy is told
         self.train_tok_s = preset.train_tok_s_per_node * cell.num_nodes
         self.slot_s = 0.0
         self.slot_t = 0.0
@@ -112,9 +114,10 @@ class Simulation:
         self.policy = make_policy(scheduler, preset.num_cells, train_share(profile, preset, seed))
         for cell, role in zip(cells, self.policy.initial_roles()):
             cell.role = role
-        per_node = preset.sessions_per_node(mean_context_tokens(profile, seed))
+        ctx = mean_context_tokens(profile, seed)
+        self.pooled_sessions = preset.pooled_sessions(ctx)
         self.host = HostTier(preset.host_kv_tokens_per_node * preset.num_nodes)
-        self.cells = [_SimCell(c, preset, per_node, self.host) for c in cells]
+        self.cells = [_SimCell(c, preset, ctx, self.host) for c in cells]
         self.core = self.cells[0]
         self.sat_train_tok_s = self.cells[-1].train_tok_s
         self.queue = MicroStepQueue(profile.groups_per_step, scheduler.staleness)
@@ -186,9 +189,12 @@ class Simulation:
         self._fill_slots()
 
     def _least_loaded(self, need_slot: bool):
+        """The serving cell with the lowest load; with `need_slot`, only one with room for a new
+        session: its GPUs' sessions plus an equal share of the pooled offload tier."""
         best = None
+        extra = self.pooled_sessions // max(1, sum(sc.serving for sc in self.cells)) if need_slot else 0
         for sc in self.cells:
-            if sc.serving and (not need_slot or len(sc.members) < sc.max_sessions):
+            if sc.serving and (not need_slot or len(sc.members) < sc.max_sessions + extra):
                 if best is None or len(sc.members) * best.max_sessions < len(best.members) * sc.max_sessions:
                     best = sc
         return best
@@ -390,6 +396,7 @@ class Simulation:
             now_s=self.now, cells=views, queued=len(self.waiting), running=self.running,
             queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > self.queue.current_step),
             gen_demand_tok_s=sum(sc.eng.generating(self.now) for sc in self.cells) * self.preset.session_tok_s,
+            pooled_sessions=self.pooled_sessions,
             ready_train_s=self.queue.ready_tokens() / self.sat_train_tok_s,
             ready_ahead_train_s=self.queue.ready_tokens_ahead() / self.sat_train_tok_s,
             batch_ready=self.queue.batch_ready(),
@@ -481,7 +488,8 @@ class Simulation:
             sc.drop(None, total)
             # A rollout cell is busy as far as its binding resource is used: decode throughput
             # or session slots (KV); a training cell while it computes micro-steps.
-            useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / sc.max_sessions)
+            slots = sc.max_sessions + self.pooled_sessions * sc.cell.num_nodes / self.preset.num_nodes
+            useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / slots)
             st.idle_fraction = min(1.0, max(0.0, 1.0 - useful / total))
         prefill = sum(sc.eng.prefill_tokens for sc in self.cells)
         gen = sum(sc.gen_tokens for sc in self.cells)

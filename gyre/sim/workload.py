@@ -77,7 +77,8 @@ def train_share(profile: ProfileConfig, preset: PresetConfig, seed: int) -> floa
     execution's unloaded duration (tool calls included).
     """
     b = draw_batch(profile, 0, seed)
-    per_node = preset.sessions_per_node(mean_context_tokens(profile, seed))
+    ctx = mean_context_tokens(profile, seed)
+    per_node = preset.sessions_per_node(ctx) + preset.pooled_sessions(ctx) / preset.num_nodes
     full_speed_s = [
         min(profile.timeout_s, sum(g / preset.session_tok_s + t for g, t in zip(b.gen_tokens[o:o + n], b.tool_s[o:o + n])))
         for o, n in zip(b.offsets, b.segments)

@@ -52,6 +52,8 @@ ELASTIC_CASES = [
      obs(cells(T, R), running=1, ready_s=1e6), Decision()),
     ("remaining-cells-too-small-for-sessions: stays",
      obs(cells(T, R, R), running=150, ready_s=1e6), Decision()),
+    ("pooled-offload-tier-holds-the-rest: one leaves (100 + 100 pooled >= 150 x 1.1)",
+     obs(cells(T, R, R), running=150, ready_s=1e6, pooled_sessions=100), Decision(to_train=(1,))),
     ("remaining-cells-too-slow-for-tokens: stays",
      obs(cells(T, R, R), running=50, demand=1500.0, ready_s=1e6), Decision()),
     ("headroom-counts: 95 live sessions do not fit 100 slots with 10% to spare",

@@ -152,3 +152,11 @@ def test_first_ready_steps_do_not_wait_for_stragglers_and_never_train_over_the_b
     assert fixed.masked_fraction == 0 and fixed.num_stale_dropped == 0  # a step waits for its own groups
     assert first.total_s < fixed.total_s and first.max_staleness <= 1
     assert 0 < first.masked_fraction < 1  # groups trained late keep only their spans inside the bound
+
+
+def test_the_offload_tier_is_pooled_whatever_the_roles():
+    p = PresetConfig(num_nodes=4, num_cells=2, kv_tokens_per_node=1e6, host_kv_tokens_per_node=4e6)
+    assert p.sessions_per_node(1e5) == 10 and p.pooled_sessions(1e5) == 160
+    assert replace(p, host_kv_tokens_per_node=0).pooled_sessions(1e5) == 0
+    # serving decode at long context: 10 calls' KV fit a node's GPUs, at 60 tokens/s each
+    assert p.serving_tok_s_per_node(1e5) == 600 and p.serving_tok_s_per_node(1e3) == p.decode_tok_s_per_node
