@@ -85,6 +85,8 @@ def compose(*overrides):
         pytest.param("preset.gen_tok_s_per_node=0", "preset.gen_tok_s_per_node", id="zero-decode-capacity"),
         pytest.param("preset.kv_tokens_per_node=0", "preset.kv_tokens_per_node", id="zero-kv-capacity"),
         pytest.param("scheduler.staleness=-1", "scheduler.staleness", id="negative-staleness"),
+        pytest.param("scheduler.batching=greedy", "scheduler.batching", id="unknown-batching"),
+        pytest.param("scheduler.async_split=oracle", "scheduler.async_split", id="unknown-async-split"),
         pytest.param("profile.group_size=0", "profile.group_size", id="empty-groups"),
         pytest.param("profile.timeout_s=0", "profile.timeout_s", id="no-time-budget"),
         pytest.param("modes=[elastic,sync]", "modes", id="unknown-mode"),
