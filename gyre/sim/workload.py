@@ -65,9 +65,12 @@ def context_tokens(profile: ProfileConfig, segments_done: int) -> float:
 
 
 def mean_context_tokens(profile: ProfileConfig, seed: int) -> float:
-    """Mean final context over step 0's draw: what a session's KV costs on average."""
+    """Mean context of a model call over step 0's draw (the KV a call needs, its output included):
+    what a live session's KV costs on average. Contexts grow through an execution, so this is
+    about half the mean final context, weighted toward long executions (they make more calls)."""
     b = draw_batch(profile, 0, seed)
-    return sum(context_tokens(profile, s) for s in b.segments) / len(b.segments)
+    total = sum(sum(context_tokens(profile, j + 1) for j in range(n)) for n in b.segments)
+    return total / sum(b.segments)
 
 
 def train_share(profile: ProfileConfig, preset: PresetConfig, seed: int) -> float:
