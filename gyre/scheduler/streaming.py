@@ -48,6 +48,24 @@ def check_staleness(start_version: int, step: int, staleness: int) -> None:
         )
 
 
+def trained_spans(marks: list[tuple[int, int]], num_spans: int, step: int, staleness: int) -> tuple[int, int] | None:
+    """The spans of an execution that may train at `step` under the per-span rule.
+
+    Args:
+        marks: (version, first span generated under it), in order.
+        num_spans: spans the execution generated.
+
+    Returns:
+        (first trained span, its version): spans before it are masked as older than the bound;
+        None when no span is inside the bound (the execution is dropped and counted).
+    """
+    floor = step - staleness
+    for version, first in marks:
+        if version >= floor:
+            return (first, version) if first < num_spans else None
+    return None
+
+
 @dataclass(frozen=True)
 class MicroStep:
     """One ready group's training work for one step."""

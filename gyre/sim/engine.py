@@ -31,7 +31,7 @@ from collections import deque
 from gyre.scheduler.cells import PHASE_SHARES, Phase, Role, make_cells
 from gyre.scheduler.config import SchedulerConfig
 from gyre.scheduler.policy import CellView, Decision, Observation, make_policy
-from gyre.scheduler.streaming import MicroStepQueue, may_admit
+from gyre.scheduler.streaming import MicroStepQueue, may_admit, trained_spans
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.kv import NONE, CellEngine, HostTier
 from gyre.sim.result import CellStats, ModeResult, critical_path_s
@@ -289,17 +289,17 @@ class Simulation:
     def _group_ready(self, g):
         """Place a ready group in its step (see `batching`) and mask its spans older than the bound."""
         step = self.queue.open_step() if self.cfg.batching == "first_ready" else g.step
-        floor = step - self.cfg.staleness  # oldest version whose spans may train at `step`
         tokens, oldest = 0, step
         for marks, done, excluded, gtok in g.execs:
             if excluded:
                 self.num_excluded += 1
                 self.useful_gen += gtok  # no mode avoids it: part of the ideal's work
                 continue
-            v, first = next(((v, j) for v, j in marks if v >= floor), (step, done))
-            if first >= done:
-                self.num_stale_dropped += 1  # no span inside the bound: dropped and counted
+            kept = trained_spans(marks, done, step, self.cfg.staleness)
+            if kept is None:
+                self.num_stale_dropped += 1
                 continue
+            first, v = kept
             self.masked_segments += first
             self.trained_segments += done - first
             self.useful_gen += gtok
