@@ -79,8 +79,8 @@ def _compare_rows(user_overrides: list[str]) -> list[dict]:
 
 
 def _span(values: list[float]) -> str:
-    lo, hi = min(values), max(values)
-    return f"{lo:.2f}x" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}x"
+    lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="sim")

@@ -67,7 +67,7 @@ class _SimCell:
     def __init__(self, cell, preset: PresetConfig, ctx_tokens: float, host: HostTier):
         self.cell = cell
         self.serving = cell.role is Role.ROLLOUT
-        self.members: set = set()
+        self.members: dict = {}  # insertion-ordered set: hand-offs replay the same in every process
         self.gen_tokens = 0.0
         n = cell.num_nodes
         self.eng = CellEngine(preset.kv_tokens_per_node * n, preset.max_sessions_per_node * n,
@@ -87,12 +87,12 @@ class _SimCell:
     def join(self, s, now):
         self.slot_s += len(self.members) * (now - self.slot_t)
         self.slot_t = now
-        self.members.add(s)
+        self.members[s] = None
 
     def drop(self, s, now):
         self.slot_s += len(self.members) * (now - self.slot_t)
         self.slot_t = now
-        self.members.discard(s)
+        self.members.pop(s, None)
 
 
 class Simulation:
