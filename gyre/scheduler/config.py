@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from gyre.errors import require
 
 MODES = ("elastic", "async", "colocate")
+ASYNC_SPLITS = ("even", "work_share")
+BATCHING = ("fixed", "first_ready")
+"""Which step trains a ready group (see gyre.scheduler.streaming); the same in every mode."""
 """elastic: satellites switch roles by waterlevel; async: fixed rollout and train pools;
 colocate: all cells roll out a batch, then all train."""
 
@@ -21,6 +24,11 @@ class SchedulerConfig:
     """One of MODES."""
     staleness: int = 1
     """An execution started under weight version v may be trained at step <= v + staleness."""
+    batching: str = "fixed"
+    """One of BATCHING. fixed: a step waits for its own groups (no span masked, none dropped);
+    first_ready: a step trains the first groups that become ready, spans older than the bound are
+    masked out of the loss and executions with none left are dropped (faster on long tails, at a
+    cost in training data the simulator reports as masked_fraction and stale_dropped)."""
     rollout_to_train_s: float = 8.52
     """Expected cost of a rollout->train switch, seconds (the seed's measured average)."""
     train_to_rollout_s: float = 3.46
@@ -47,12 +55,18 @@ class SchedulerConfig:
     finish_microstep_max_s: float = 30.0
     """A cell leaving training finishes its current micro-step if at most this much of it remains,
     seconds; otherwise it hands the micro-step back to the queue."""
+    async_split: str = "even"
+    """async: how the fixed pools are sized when `async_train_cells` is 0. even: half the cells
+    train (rounded down, the core included), what a user picks before knowing the workload;
+    work_share: in proportion to the workload's expected training/rollout work (an oracle a real
+    run only has after measuring some steps)."""
     async_train_cells: int = 0
-    """async: cells in the fixed training pool, the core included (0 = balance the pools by the
-    workload's expected training/rollout work; the rest roll out)."""
+    """async: cells in the fixed training pool, the core included (0 = sized by `async_split`;
+    the rest roll out)."""
 
     def __post_init__(self):
         require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}; got {self.mode!r}")
+        require(self.batching in BATCHING, "batching", f"must be one of {', '.join(BATCHING)}; got {self.batching!r}")
         require(self.staleness >= 0, "staleness", f"must be >= 0, got {self.staleness}")
         require(self.rollout_to_train_s >= 0, "rollout_to_train_s", f"must be >= 0 s, got {self.rollout_to_train_s}")
         require(self.train_to_rollout_s >= 0, "train_to_rollout_s", f"must be >= 0 s, got {self.train_to_rollout_s}")
@@ -68,7 +82,10 @@ class SchedulerConfig:
             "finish_microstep_max_s",
             f"must be >= 0 s, got {self.finish_microstep_max_s}",
         )
-        require(self.async_train_cells >= 0, "async_train_cells", f"must be >= 0 (0 = balanced), got {self.async_train_cells}")
+        require(self.async_split in ASYNC_SPLITS, "async_split",
+                f"must be one of {', '.join(ASYNC_SPLITS)}; got {self.async_split!r}")
+        require(self.async_train_cells >= 0, "async_train_cells",
+                f"must be >= 0 (0 = sized by async_split), got {self.async_train_cells}")
 
     @property
     def round_trip_s(self) -> float:

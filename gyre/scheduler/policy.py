@@ -5,14 +5,16 @@ the virtual clock) and apply the returned `Decision`; the policy holds no clock 
 
 elastic: the core trains; satellites roll out unless the waterlevel W = queued + running fits on
     fewer rollout cells and ready training work pays for the round trip (gain >= gain_factor x
-    switch costs). They return when the queue outgrows the serving cells. With `critical_path`,
+    switch costs). They return when the queue outgrows the serving cells, or when decode demand
+    stayed above the serving cells' throughput for a whole window while training ran out of
+    ready work (with an offload tier overload shows as slowed sessions, not as a queue). With `critical_path`,
     executions queued for later steps (prefetch) neither keep a satellite from leaving nor pull
     it off ready training work of the current step; they call cells back once that work runs
     out. Live sessions always keep a serving cell with room for them. Three things keep it
     from thrashing: the leave rule looks at the peak waterlevel of a trailing window, a gap
     separates it from the return rule (spare capacity with headroom vs a queue of a fraction of a
     cell), and a minimum dwell time in each role.
-async: fixed pools chosen once; it never switches.
+async: fixed pools chosen once (`async_split`: even by default); it never switches.
 colocate: every cell rolls out until the step's batch is ready, then every cell trains until the
     optimizer step is applied.
 """
@@ -39,7 +41,7 @@ class CellView:
     sessions: int = 0
     """Live sessions it serves now."""
     max_sessions: int = 1
-    """Concurrent sessions it can serve (configured or measured)."""
+    """Concurrent sessions its own memory can serve (configured or measured)."""
     gen_tok_s: float = 1.0
     """Generation throughput it can sustain, tokens/s (configured or measured)."""
 
@@ -57,10 +59,16 @@ class Observation:
     staleness bound allows); the next optimizer step does not wait for them."""
     running: int = 0
     """Executions holding a slot (in a model or a tool call)."""
+    pooled_sessions: int = 0
+    """Sessions a cluster-wide offload tier keeps beyond the serving cells' own memory, whichever
+    cells serve (sessions in tool calls hold no compute, only KV)."""
     gen_demand_tok_s: float = 0.0
     """Generation rate the live executions would draw at full per-session speed, tokens/s."""
     ready_train_s: float = 0.0
     """Ready, unclaimed training work of the current step, seconds on one satellite cell."""
+    ready_ahead_train_s: float = 0.0
+    """Ready training work already placed in later steps (claimable once the current step's
+    optimizer step is applied), seconds on one satellite cell."""
     batch_ready: bool = False
     """Every group of the current step's batch is ready or excluded."""
     step_open: bool = False
@@ -107,7 +115,7 @@ def _serves(cells: list[CellView], obs: Observation, headroom: float) -> bool:
         return False
     sessions, tok_s = _capacity(cells)
     need = 1.0 + headroom
-    return sessions >= obs.waterlevel * need and tok_s >= obs.gen_demand_tok_s * need
+    return sessions + obs.pooled_sessions >= obs.waterlevel * need and tok_s >= obs.gen_demand_tok_s * need
 
 
 def _push_max(window: deque, entry: tuple, since: float) -> tuple:
@@ -132,6 +140,7 @@ class ElasticPolicy(BasePolicy):
         super().__init__(cfg, num_cells)
         self._peak_w: deque = deque()  # (time, waterlevel, running, queued), waterlevels decreasing
         self._peak_demand: deque = deque()  # (time, demand), decreasing
+        self._low_demand: deque = deque()  # (time, -demand), decreasing: the window's minimum
 
     def _urgent(self, obs: Observation) -> Observation:
         """`obs` without the prefetch queue when the critical path comes first."""
@@ -146,6 +155,11 @@ class ElasticPolicy(BasePolicy):
         d = _push_max(self._peak_demand, (obs.now_s, obs.gen_demand_tok_s), since)
         return replace(obs, running=w[2], queued=w[3], gen_demand_tok_s=d[1])
 
+    def _sustained_demand(self, obs: Observation) -> float:
+        """The least decode demand over the trailing window: what a returning cell surely serves."""
+        since = obs.now_s - self.cfg.leave_window_s
+        return -_push_max(self._low_demand, (obs.now_s, -obs.gen_demand_tok_s), since)[1]
+
     def initial_roles(self) -> list[Role]:
         return [Role.TRAIN] + [Role.ROLLOUT] * (self.num_cells - 1)
 
@@ -155,7 +169,9 @@ class ElasticPolicy(BasePolicy):
     def decide(self, obs: Observation) -> Decision:
         urgent = self._urgent(obs)
         peak = self._peak(urgent)
-        back = self._returns(urgent, idle_only=False) or self._returns(obs, idle_only=True)
+        sustained = self._sustained_demand(obs)
+        back = (self._returns(urgent, idle_only=False) or self._returns(obs, idle_only=True)
+                or self._relieves(obs, sustained))
         if back:
             return Decision(to_rollout=back)
         return Decision(to_train=self._leaves(peak))
@@ -173,6 +189,7 @@ class ElasticPolicy(BasePolicy):
         if idle_only and obs.ready_train_s / max(1, n_train) >= self.cfg.gain_factor * self.cfg.round_trip_s:
             return ()
         sessions, tok_s = _capacity(serving)
+        sessions += obs.pooled_sessions
         deficit_cells = max(
             (obs.waterlevel - sessions) / per_cell,
             (obs.gen_demand_tok_s - tok_s) / max(c.gen_tok_s for c in obs.cells),
@@ -182,6 +199,27 @@ class ElasticPolicy(BasePolicy):
                 and not (idle_only and c.in_step)]
         idle.sort(key=lambda c: (c.in_step, c.index))  # cells between micro-steps first
         return tuple(c.index for c in idle[:want])
+
+    def _relieves(self, obs: Observation, demand_tok_s: float) -> tuple[int, ...]:
+        """Idle satellites to bring back because decode, not training, is the bottleneck.
+
+        With an offload tier a queue rarely forms: an overloaded rollout shows as decode demand
+        above the serving cells' throughput (every session slowed). Cells come back only when
+        that overload lasted the whole trailing window (`demand_tok_s` is its minimum), training
+        has too little ready work to keep its cells busy for a round trip, and the decode the cell
+        adds over its minimum dwell pays for the round trip.
+        """
+        serving = [c for c in obs.cells if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
+        per_cell = max(c.gen_tok_s for c in obs.cells)
+        deficit_cells = (demand_tok_s - _capacity(serving)[1]) / per_cell
+        cost_s = self.cfg.gain_factor * self.cfg.round_trip_s
+        n_train = sum(c.role in (Role.TRAIN, Role.TO_TRAIN) for c in obs.cells)
+        backlog_s = (obs.ready_train_s + obs.ready_ahead_train_s) / max(1, n_train)
+        if deficit_cells <= 0 or backlog_s >= cost_s or min(1.0, deficit_cells) * self.cfg.min_dwell_s < cost_s:
+            return ()
+        idle = [c for c in obs.cells if c.role == Role.TRAIN and not c.is_core and not c.in_step
+                and self._dwelt(c, obs.now_s)]
+        return tuple(c.index for c in idle[:math.ceil(deficit_cells)])
 
     def _leaves(self, obs: Observation) -> tuple[int, ...]:
         """Satellites to move to training: spare rollout capacity and work that pays the switch."""
@@ -234,8 +272,9 @@ class ColocatePolicy(BasePolicy):
 
 
 def balanced_train_cells(num_cells: int, train_share: float) -> int:
-    """Training pool size for async that matches the expected share of training work (>= 1, < num_cells)."""
-    return min(num_cells - 1, max(1, round(num_cells * train_share)))
+    """Training pool size for async that matches `train_share` of the cells (>= 1, < num_cells;
+    an exact half rounds down, so an even split of an odd count favours rollout)."""
+    return min(num_cells - 1, max(1, math.floor(num_cells * train_share + 0.5 - 1e-9)))
 
 
 def make_policy(cfg: SchedulerConfig, num_cells: int, train_share: float = 0.5) -> BasePolicy:
@@ -243,7 +282,7 @@ def make_policy(cfg: SchedulerConfig, num_cells: int, train_share: float = 0.5) 
 
     Args:
         train_share: expected fraction of the work that is training; sizes async's pools when
-            `cfg.async_train_cells` is 0.
+            `cfg.async_train_cells` is 0 and `cfg.async_split` is work_share.
 
     Raises:
         ValueError: async with fewer than 2 cells or a pool that leaves no rollout cell.
@@ -252,5 +291,6 @@ def make_policy(cfg: SchedulerConfig, num_cells: int, train_share: float = 0.5) 
         return ElasticPolicy(cfg, num_cells)
     if cfg.mode == "colocate":
         return ColocatePolicy(cfg, num_cells)
-    num_train = cfg.async_train_cells or balanced_train_cells(num_cells, train_share)
+    share = train_share if cfg.async_split == "work_share" else 0.5
+    num_train = cfg.async_train_cells or balanced_train_cells(num_cells, share)
     return AsyncPolicy(cfg, num_cells, num_train)

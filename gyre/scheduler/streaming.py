@@ -1,14 +1,24 @@
 """Staleness rule and streaming training: ready groups become micro-steps that training cells claim.
 
-Staleness rule (identical in every mode). A group is bound to RL step k when it is admitted, and
-admission of step k's groups opens only once the current weight version v satisfies k <= v + s
-(`may_admit`). Its executions then run to completion or to their time budget, across any number
-of weight updates: later model calls are served by newer weights and the records carry the
-version per output span ("continue with per-span versions"). The oldest span of any sample of
-step k is therefore at version >= k - s, so the bound holds by construction; `claim` checks it
-again and raises rather than train over it. An execution that ends without a valid reward (time
-budget exhausted with nothing evaluable, evaluator crash) is excluded and counted, never trained
-as zero. No execution is dropped for being long: the step waits for it, at most its time budget.
+Staleness rule (identical in every mode). Groups are launched in the order of the workload; group
+number i belongs to nominal step i // G and may launch once the weight version v satisfies
+i // G <= v + s (`may_admit`): at most s + 1 steps' worth of groups are ever ahead of training.
+An execution runs to completion or to its time budget across any number of weight updates; its
+later model calls are served by newer weights and the records carry the version of every output
+span ("continue with per-span versions"). Which step trains a group is set by `batching`:
+
+  fixed        a group is trained at its nominal step; the step waits for its slowest execution
+               (at most the time budget). Every span is within the bound by construction.
+  first_ready  a step trains the first G groups that become ready (`open_step`), whatever their
+               nominal step; groups finishing later fill later steps. The step no longer waits for
+               its stragglers. A group trained at step k keeps the loss only on spans generated
+               under versions >= k - s; older spans stay in the sequence as context (their compute
+               is still paid) but are masked out of the loss and counted. An execution with no span
+               left inside the bound is dropped and counted, never trained as zero.
+
+Either way no trained token is older than the bound; `claim` checks the oldest trained span again
+and raises rather than train over it. An execution that ends without a valid reward (time budget
+exhausted with nothing evaluable, evaluator crash) is excluded and counted, never trained as zero.
 
     executions finish ──> group ready (all finished or excluded) ──> MicroStepQueue[step]
     TRAIN cells ──claim()──> micro-step of the current step (faster cells claim more often)
@@ -36,6 +46,24 @@ def check_staleness(start_version: int, step: int, staleness: int) -> None:
         raise StalenessError(
             f"sample started under version {start_version} cannot train at step {step} (staleness bound {staleness})"
         )
+
+
+def trained_spans(marks: list[tuple[int, int]], num_spans: int, step: int, staleness: int) -> tuple[int, int] | None:
+    """The spans of an execution that may train at `step` under the per-span rule.
+
+    Args:
+        marks: (version, first span generated under it), in order.
+        num_spans: spans the execution generated.
+
+    Returns:
+        (first trained span, its version): spans before it are masked as older than the bound;
+        None when no span is inside the bound (the execution is dropped and counted).
+    """
+    floor = step - staleness
+    for version, first in marks:
+        if version >= floor:
+            return (first, version) if first < num_spans else None
+    return None
 
 
 @dataclass(frozen=True)
@@ -90,8 +118,19 @@ class MicroStepQueue:
         if st.accounted > self.groups_per_step:
             raise SchedulerError(f"step {step} got more than {self.groups_per_step} groups")
 
+    def open_step(self) -> int:
+        """The earliest step, from the current one on, whose batch still has room for a group
+        (first_ready batching places each group that becomes ready there)."""
+        step = self.version
+        while (st := self._steps.get(step)) is not None and st.accounted >= self.groups_per_step:
+            step += 1
+        return step
+
     def add_ready(self, step: int, group_id: int, start_version: int, tokens: int) -> None:
-        """A group of `step` is ready: all its executions finished or were excluded."""
+        """A group of `step` is ready: all its executions finished or were excluded.
+
+        `start_version` is the version of its oldest span that is trained (not masked).
+        """
         st = self._state(step)
         self._account(st, step)
         if tokens > 0:
@@ -148,6 +187,10 @@ class MicroStepQueue:
         """Tokens of the current step that are ready and unclaimed."""
         st = self._steps.get(self.version)
         return sum(ms.tokens for ms in st.ready) if st else 0
+
+    def ready_tokens_ahead(self) -> int:
+        """Tokens already placed in steps after the current one (first_ready batching)."""
+        return sum(ms.tokens for step, st in self._steps.items() if step > self.version for ms in st.ready)
 
     def apply_optimizer_step(self) -> int:
         """The core applied the current step's optimizer step; returns the new version.

@@ -7,7 +7,7 @@ comes from gyre.sim.runner on validated configs.
 import json
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -56,13 +56,22 @@ def _compare_rows(user_overrides: list[str]) -> list[dict]:
                            *row.overrides],
             )
             sim = validate_sim(cfg)
-            sims.append(summarize(sim, run_modes(sim, modes=["elastic", "async", "colocate"])))
+            results = run_modes(sim, modes=["elastic", "async", "colocate"])
+            out = summarize(sim, results)
+            # async with pools sized by the measured work share: the oracle split, for reference
+            tuned = replace(sim, scheduler=replace(sim.scheduler, async_split="work_share"))
+            (oracle,) = run_modes(tuned, modes=["async"])
+            out["speedup"]["vs_async_work_share"] = round(oracle.total_s / results[0].total_s, 3)
+            sims.append(out)
         rows.append({
             "workload": row.workload,
             "seed_vs_async": row.vs_async,
             "seed_vs_colocate": row.vs_colocate,
             "sim_vs_async": _span([s["speedup"]["vs_async"] for s in sims]),
             "sim_vs_colocate": _span([s["speedup"]["vs_colocate"] for s in sims]),
+            "sim_vs_async_work_share": _span([s["speedup"]["vs_async_work_share"] for s in sims]),
+            "elastic_ideal": _span([s["modes"]["elastic"]["ratio_to_ideal"] for s in sims]),
+            "elastic_switches": " / ".join(str(s["modes"]["elastic"]["switches"]) for s in sims),
             "sim_elastic_h": " / ".join(f"{s['modes']['elastic']['time_h']:.1f}" for s in sims),
             "runs": sims,
         })
@@ -70,8 +79,8 @@ def _compare_rows(user_overrides: list[str]) -> list[dict]:
 
 
 def _span(values: list[float]) -> str:
-    lo, hi = min(values), max(values)
-    return f"{lo:.2f}x" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}x"
+    lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="sim")
@@ -100,3 +109,7 @@ def run(cfg: DictConfig) -> None:
 
 def main() -> None:
     run()
+
+
+if __name__ == "__main__":
+    main()

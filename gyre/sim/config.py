@@ -131,10 +131,19 @@ class PresetConfig:
         return min(self.gen_tok_s_per_node, self.max_sessions_per_node * self.session_tok_s)
 
     def sessions_per_node(self, mean_context_tokens: float) -> int:
-        """Live sessions a node hosts at `mean_context_tokens` (>= 1): as many as its GPU and
-        offload tiers keep without recomputing; sessions in tool calls hold no compute slot."""
-        kv = self.kv_tokens_per_node + self.host_kv_tokens_per_node
-        return max(1, int(kv // max(1.0, mean_context_tokens)))
+        """Live sessions a node's own GPUs keep at `mean_context_tokens` (>= 1); sessions in tool
+        calls hold no compute slot."""
+        return max(1, int(self.kv_tokens_per_node // max(1.0, mean_context_tokens)))
+
+    def serving_tok_s_per_node(self, mean_context_tokens: float) -> float:
+        """Decode a node sustains at `mean_context_tokens`: its throughput, unless the contexts
+        of the calls its GPU KV can hold at once, each at session speed, make less."""
+        return min(self.decode_tok_s_per_node, self.sessions_per_node(mean_context_tokens) * self.session_tok_s)
+
+    def pooled_sessions(self, mean_context_tokens: float) -> int:
+        """Live sessions the cluster-wide offload tier keeps beyond the GPUs (every node's host
+        memory is pooled, whatever the node's role)."""
+        return int(self.host_kv_tokens_per_node * self.num_nodes // max(1.0, mean_context_tokens))
 
 
 @dataclass(kw_only=True)

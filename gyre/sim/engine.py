@@ -17,9 +17,11 @@ even if its session is handed off meanwhile. A session whose cell left with no s
 take it (colocate while training) keeps running tool calls and waits at its next model call
 with its time budget paused.
 
-Live sessions per cell are bounded by what its GPU and host tiers hold at the profile's mean
-context (beyond that every call would recompute); executions beyond them queue (the waterlevel
-counts them).
+Live sessions are bounded by what the serving cells' GPUs and the cluster-wide (pooled) offload
+tier hold at the profile's mean context (beyond that every call would recompute); executions
+beyond them queue (the waterlevel counts them). The policy sees each cell's serving capacity at
+the profile's mean context: sessions its GPUs hold, and the decode those calls sustain (at long
+contexts the GPU KV, not the batch limit, caps the calls in flight).
 """
 
 import heapq
@@ -29,7 +31,7 @@ from collections import deque
 from gyre.scheduler.cells import PHASE_SHARES, Phase, Role, make_cells
 from gyre.scheduler.config import SchedulerConfig
 from gyre.scheduler.policy import CellView, Decision, Observation, make_policy
-from gyre.scheduler.streaming import MicroStepQueue, may_admit
+from gyre.scheduler.streaming import MicroStepQueue, may_admit, trained_spans
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.kv import NONE, CellEngine, HostTier
 from gyre.sim.result import CellStats, ModeResult, critical_path_s
@@ -42,36 +44,37 @@ class _Session:
     """One execution; it has at most one pending event (segment end or time budget), none while blocked."""
 
     __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "excluded", "gen", "tool",
-                 "eng", "where", "kv", "call")
+                 "eng", "where", "kv", "call", "ver", "marks", "gtok")
 
     def __init__(self, group, n_seg, off, excluded, batch):
         self.group, self.n_seg, self.off, self.excluded = group, n_seg, off, excluded
         self.seg, self.deadline, self.cell = 0, 0.0, None
         self.eng, self.where, self.kv, self.call = None, NONE, 0.0, 0
         self.gen, self.tool = batch.gen_tokens, batch.tool_s
+        self.ver, self.marks, self.gtok = -1, [], 0.0  # marks: (version, first segment under it)
 
 
 class _Group:
-    __slots__ = ("gid", "step", "version", "remaining", "tokens")
+    __slots__ = ("gid", "step", "version", "remaining", "execs")
 
     def __init__(self, gid, step, version, size):
-        self.gid, self.step, self.version, self.remaining, self.tokens = gid, step, version, size, 0
+        self.gid, self.step, self.version, self.remaining, self.execs = gid, step, version, size, []
 
 
 class _SimCell:
     """The simulator's bookkeeping beside one scheduler Cell."""
 
-    def __init__(self, cell, preset: PresetConfig, sessions_per_node: int, host: HostTier):
+    def __init__(self, cell, preset: PresetConfig, ctx_tokens: float, host: HostTier):
         self.cell = cell
         self.serving = cell.role is Role.ROLLOUT
-        self.members: set = set()
+        self.members: dict = {}  # insertion-ordered set: hand-offs replay the same in every process
         self.gen_tokens = 0.0
         n = cell.num_nodes
         self.eng = CellEngine(preset.kv_tokens_per_node * n, preset.max_sessions_per_node * n,
                               preset.gen_tok_s_per_node * n, preset.session_tok_s,
                               preset.prefill_tok_s_per_node * n, preset.kv_load_tok_s_per_node * n, host)
-        self.max_sessions = sessions_per_node * n
-        self.gen_tok_s = preset.decode_tok_s_per_node * n
+        self.max_sessions = preset.sessions_per_node(ctx_tokens) * n
+        self.gen_tok_s = preset.serving_tok_s_per_node(ctx_tokens) * n  # what the policy is told
         self.train_tok_s = preset.train_tok_s_per_node * cell.num_nodes
         self.slot_s = 0.0
         self.slot_t = 0.0
@@ -84,12 +87,12 @@ class _SimCell:
     def join(self, s, now):
         self.slot_s += len(self.members) * (now - self.slot_t)
         self.slot_t = now
-        self.members.add(s)
+        self.members[s] = None
 
     def drop(self, s, now):
         self.slot_s += len(self.members) * (now - self.slot_t)
         self.slot_t = now
-        self.members.discard(s)
+        self.members.pop(s, None)
 
 
 class Simulation:
@@ -111,9 +114,10 @@ class Simulation:
         self.policy = make_policy(scheduler, preset.num_cells, train_share(profile, preset, seed))
         for cell, role in zip(cells, self.policy.initial_roles()):
             cell.role = role
-        per_node = preset.sessions_per_node(mean_context_tokens(profile, seed))
+        ctx = mean_context_tokens(profile, seed)
+        self.pooled_sessions = preset.pooled_sessions(ctx)
         self.host = HostTier(preset.host_kv_tokens_per_node * preset.num_nodes)
-        self.cells = [_SimCell(c, preset, per_node, self.host) for c in cells]
+        self.cells = [_SimCell(c, preset, ctx, self.host) for c in cells]
         self.core = self.cells[0]
         self.sat_train_tok_s = self.cells[-1].train_tok_s
         self.queue = MicroStepQueue(profile.groups_per_step, scheduler.staleness)
@@ -136,6 +140,9 @@ class Simulation:
         self.num_timeouts = 0
         self.num_excluded = 0
         self.num_blocked = 0
+        self.num_stale_dropped = 0
+        self.masked_segments = self.trained_segments = 0
+        self.useful_gen = 0.0  # tokens generated by executions that were trained or excluded
 
     # ---- event plumbing -------------------------------------------------------------------
     def _at(self, t, kind, obj, token=0):
@@ -167,7 +174,8 @@ class Simulation:
 
     # ---- rollout side ---------------------------------------------------------------------
     def _admit_batches(self):
-        while self.next_batch < self.num_steps and may_admit(self.next_batch, self.queue.version, self.cfg.staleness):
+        first_ready = self.cfg.batching == "first_ready"  # a slice of a longer run: keep launching
+        while (first_ready or self.next_batch < self.num_steps) and may_admit(self.next_batch, self.queue.version, self.cfg.staleness):
             step = self.next_batch
             b = draw_batch(self.profile, step, self.seed, self.tail_scale, self.preset.session_tok_s)
             self.longest_s.append(b.longest_s)
@@ -181,9 +189,12 @@ class Simulation:
         self._fill_slots()
 
     def _least_loaded(self, need_slot: bool):
+        """The serving cell with the lowest load; with `need_slot`, only one with room for a new
+        session: its GPUs' sessions plus an equal share of the pooled offload tier."""
         best = None
+        extra = self.pooled_sessions // max(1, sum(sc.serving for sc in self.cells)) if need_slot else 0
         for sc in self.cells:
-            if sc.serving and (not need_slot or len(sc.members) < sc.max_sessions):
+            if sc.serving and (not need_slot or len(sc.members) < sc.max_sessions + extra):
                 if best is None or len(sc.members) * best.max_sessions < len(best.members) * sc.max_sessions:
                     best = sc
         return best
@@ -230,6 +241,11 @@ class Simulation:
         if end is None:
             return False
         sc.gen_tokens += s.gen[i]
+        s.gtok += s.gen[i]
+        v = self.queue.version
+        if s.ver != v:
+            s.ver = v
+            s.marks.append((v, s.seg))
         t = end + s.tool[i]  # the model call, then the segment's tool calls
         if t < s.deadline:
             heapq.heappush(self.heap, (t, next(self.seq), SEG_END, s, 0))
@@ -265,20 +281,38 @@ class Simulation:
         self.running -= 1
         g = s.group
         g.remaining -= 1
-        if s.excluded:
-            self.num_excluded += 1
-        else:
-            g.tokens += train_tokens(self.profile, s.seg)
+        g.execs.append((s.marks, s.seg, s.excluded, s.gtok))
         if g.remaining == 0:
-            if g.tokens:
-                self.queue.add_ready(g.step, g.gid, g.version, g.tokens)
-            else:
-                self.queue.exclude(g.step, g.gid)
-            if g.step == self.queue.current_step:
-                self._claim_all()
-                if self.queue.batch_ready():
-                    self._consult()
+            self._group_ready(g)
         self._fill_slots()
+
+    def _group_ready(self, g):
+        """Place a ready group in its step (see `batching`) and mask its spans older than the bound."""
+        step = self.queue.open_step() if self.cfg.batching == "first_ready" else g.step
+        tokens, oldest = 0, step
+        for marks, done, excluded, gtok in g.execs:
+            if excluded:
+                self.num_excluded += 1
+                self.useful_gen += gtok  # no mode avoids it: part of the ideal's work
+                continue
+            kept = trained_spans(marks, done, step, self.cfg.staleness)
+            if kept is None:
+                self.num_stale_dropped += 1
+                continue
+            first, v = kept
+            self.masked_segments += first
+            self.trained_segments += done - first
+            self.useful_gen += gtok
+            tokens += train_tokens(self.profile, done)  # masked spans are still computed as context
+            oldest = min(oldest, v)
+        if tokens:
+            self.queue.add_ready(step, g.gid, oldest, tokens)
+        else:
+            self.queue.exclude(step, g.gid)
+        if step == self.queue.current_step:
+            self._claim_all()
+            if self.queue.batch_ready():
+                self._consult()
 
     def _hand_off(self, sc):
         """Move a leaving cell's sessions to the serving cells (proxy reroute; KV via the host tier)."""
@@ -362,7 +396,9 @@ class Simulation:
             now_s=self.now, cells=views, queued=len(self.waiting), running=self.running,
             queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > self.queue.current_step),
             gen_demand_tok_s=sum(sc.eng.generating(self.now) for sc in self.cells) * self.preset.session_tok_s,
+            pooled_sessions=self.pooled_sessions,
             ready_train_s=self.queue.ready_tokens() / self.sat_train_tok_s,
+            ready_ahead_train_s=self.queue.ready_tokens_ahead() / self.sat_train_tok_s,
             batch_ready=self.queue.batch_ready(),
             step_open=self.queue.step_started() or self.optimizing,
         )
@@ -452,12 +488,19 @@ class Simulation:
             sc.drop(None, total)
             # A rollout cell is busy as far as its binding resource is used: decode throughput
             # or session slots (KV); a training cell while it computes micro-steps.
-            useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / sc.max_sessions)
+            slots = sc.max_sessions + self.pooled_sessions * sc.cell.num_nodes / self.preset.num_nodes
+            useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / slots)
             st.idle_fraction = min(1.0, max(0.0, 1.0 - useful / total))
         prefill = sum(sc.eng.prefill_tokens for sc in self.cells)
-        rollout_node_s = (sum(sc.gen_tokens for sc in self.cells) / self.preset.decode_tok_s_per_node
-                          + prefill / self.preset.prefill_tok_s_per_node)
+        gen = sum(sc.gen_tokens for sc in self.cells)
+        # The ideal counts only work the N steps needed: executions trained or excluded, not those
+        # dropped as stale or still running for later steps (prefill shared out pro rata).
+        useful = self.useful_gen / gen if gen else 1.0
+        rollout_node_s = useful * (gen / self.preset.decode_tok_s_per_node + prefill / self.preset.prefill_tok_s_per_node)
         work_node_s = rollout_node_s + self.train_tokens_total / self.preset.train_tok_s_per_node
+        # A step waits for its longest execution only with fixed batching; otherwise only the
+        # sequential optimizer steps bound the latency.
+        longest = self.longest_s[:self.num_steps] if self.cfg.batching == "fixed" else [0.0] * self.num_steps
         return ModeResult(
             mode=self.cfg.mode, total_s=total, step_times_s=self.step_times,
             cells=[sc.stats for sc in self.cells], work_node_s=work_node_s,
@@ -466,5 +509,7 @@ class Simulation:
             async_train_cells=getattr(self.policy, "num_train", None),
             num_blocked=self.num_blocked, max_staleness=self.queue.max_lag, prefill_tokens=prefill,
             reload_tokens=sum(sc.eng.load_tokens for sc in self.cells),
-            critical_path_s=critical_path_s(self.longest_s, self.cfg.staleness, self.preset.optimizer_step_s),
+            critical_path_s=critical_path_s(longest, self.cfg.staleness, self.preset.optimizer_step_s),
+            num_stale_dropped=self.num_stale_dropped,
+            masked_fraction=self.masked_segments / max(1, self.masked_segments + self.trained_segments),
         )

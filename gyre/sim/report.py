@@ -20,6 +20,8 @@ def format_modes(summary: dict) -> str:
         sp = f"{m['time_h'] / elastic['time_h']:.3f}" if elastic else "-"
         idle = " ".join(f"{x:.2f}" for x in m["idle_fraction"])
         pools = f" (train pool {m['async_train_cells']})" if m["async_train_cells"] else ""
+        if m["masked_fraction"] or m["stale_dropped"]:
+            pools += f" [spans masked {m['masked_fraction']:.0%}, executions dropped {m['stale_dropped']}]"
         lines.append(
             f"{mode:<9} {m['time_h']:>9.2f} {sp:>10} {m['ratio_to_ideal']:>7.2f} {m['ratio_to_bound']:>7.2f} {m['switches']:>9} "
             f"{m['timeouts']:>9}  {idle}{pools}"
@@ -28,13 +30,16 @@ def format_modes(summary: dict) -> str:
 
 
 def format_compare(rows: list[dict]) -> str:
-    """The seed's table side by side with the simulated speedups."""
-    head = f"{'workload (seed)':<46} {'seed vs Async':>28} {'sim vs Async':>13} {'seed vs Colocate':>20} {'sim vs Colocate':>16}  sim elastic h"
+    """The seed's table side by side with the simulated speedups (async: even split; in brackets
+    async with pools sized by the measured work share), elastic's ratio to the ideal and switches."""
+    head = (f"{'workload (seed)':<44} {'seed vs Async':>27} {'sim vs Async':>12} {'(work share)':>12} "
+            f"{'seed vs Colocate':>18} {'sim vs Colocate':>15} {'elastic/ideal':>13}  elastic h  switches")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['workload']:<46} {r['seed_vs_async']:>28} {r['sim_vs_async']:>13} "
-            f"{r['seed_vs_colocate']:>20} {r['sim_vs_colocate']:>16}  {r['sim_elastic_h']}"
+            f"{r['workload']:<44} {r['seed_vs_async']:>27} {r['sim_vs_async']:>12} {r['sim_vs_async_work_share']:>12} "
+            f"{r['seed_vs_colocate']:>18} {r['sim_vs_colocate']:>15} {r['elastic_ideal']:>13}  "
+            f"{r['sim_elastic_h']}  {r['elastic_switches']}"
         )
     return "\n".join(lines)
 

@@ -29,7 +29,8 @@ class ModeResult:
     step_times_s: list[float]
     cells: list[CellStats]
     work_node_s: float
-    """Decode (at `decode_tok_s_per_node`) and prefill at full node throughput plus training compute, node-seconds."""
+    """Decode (at `decode_tok_s_per_node`) and prefill at full node throughput plus training compute of
+    the executions the steps trained or excluded, node-seconds."""
     num_nodes: int
     levels: list[tuple[float, int]]
     """(time_s, waterlevel) sampled every tick."""
@@ -47,6 +48,10 @@ class ModeResult:
     """Context recomputed because its KV was evicted and not offloaded, tokens."""
     reload_tokens: float = 0.0
     """Context reloaded from the offload tier, tokens."""
+    num_stale_dropped: int = 0
+    """Executions trained nowhere because every span of theirs fell outside the staleness bound."""
+    masked_fraction: float = 0.0
+    """Share of trained executions' segments masked out of the loss as older than the bound."""
 
     def summary(self, ideal_s: float) -> dict:
         """JSON-ready figures; `ideal_s` is the lower bound shared by all modes."""
@@ -64,6 +69,8 @@ class ModeResult:
             "max_staleness": self.max_staleness,
             "prefill_mtok": round(self.prefill_tokens / 1e6, 1),
             "reload_mtok": round(self.reload_tokens / 1e6, 1),
+            "stale_dropped": self.num_stale_dropped,
+            "masked_fraction": round(self.masked_fraction, 3),
         }
 
 

@@ -65,9 +65,12 @@ def context_tokens(profile: ProfileConfig, segments_done: int) -> float:
 
 
 def mean_context_tokens(profile: ProfileConfig, seed: int) -> float:
-    """Mean final context over step 0's draw: what a session's KV costs on average."""
+    """Mean context of a model call over step 0's draw (the KV a call needs, its output included):
+    what a live session's KV costs on average. Contexts grow through an execution, so this is
+    about half the mean final context, weighted toward long executions (they make more calls)."""
     b = draw_batch(profile, 0, seed)
-    return sum(context_tokens(profile, s) for s in b.segments) / len(b.segments)
+    total = sum(sum(context_tokens(profile, j + 1) for j in range(n)) for n in b.segments)
+    return total / sum(b.segments)
 
 
 def train_share(profile: ProfileConfig, preset: PresetConfig, seed: int) -> float:
@@ -77,7 +80,8 @@ def train_share(profile: ProfileConfig, preset: PresetConfig, seed: int) -> floa
     execution's unloaded duration (tool calls included).
     """
     b = draw_batch(profile, 0, seed)
-    per_node = preset.sessions_per_node(mean_context_tokens(profile, seed))
+    ctx = mean_context_tokens(profile, seed)
+    per_node = preset.sessions_per_node(ctx) + preset.pooled_sessions(ctx) / preset.num_nodes
     full_speed_s = [
         min(profile.timeout_s, sum(g / preset.session_tok_s + t for g, t in zip(b.gen_tokens[o:o + n], b.tool_s[o:o + n])))
         for o, n in zip(b.offsets, b.segments)

@@ -3,7 +3,7 @@
 import pytest
 
 from gyre.scheduler.cells import PHASES, Cell, Phase, Role, SchedulerError, TransitionError, make_cells
-from gyre.scheduler.streaming import MicroStepQueue, StalenessError, check_staleness, may_admit
+from gyre.scheduler.streaming import MicroStepQueue, StalenessError, check_staleness, may_admit, trained_spans
 
 
 def _walk(cell: Cell, target: Role, now: float = 1.0) -> list[Phase]:
@@ -110,3 +110,29 @@ def test_queue_refuses_a_sample_over_the_bound_and_extra_groups():
         q.claim()
     with pytest.raises(SchedulerError, match="more than 1 groups"):
         q.exclude(1, 2)
+
+
+def test_first_ready_groups_fill_the_earliest_open_step():
+    q = MicroStepQueue(groups_per_step=2, staleness=1)
+    assert q.open_step() == 0
+    q.add_ready(q.open_step(), 5, 0, 100)
+    q.exclude(q.open_step(), 6)
+    assert q.open_step() == 1 and q.batch_ready()  # step 0 is full: later groups go to step 1
+    q.add_ready(q.open_step(), 0, 0, 40)
+    assert q.ready_tokens() == 100 and q.ready_tokens_ahead() == 40
+    q.complete(q.claim())
+    q.apply_optimizer_step()
+    assert q.open_step() == 1 and q.ready_tokens() == 40 and q.ready_tokens_ahead() == 0
+
+
+@pytest.mark.parametrize(
+    "marks, spans, step, s, expected",
+    [
+        pytest.param([(0, 0)], 5, 1, 1, (0, 0), id="inside-the-bound: every span trains"),
+        pytest.param([(0, 0), (2, 3)], 5, 3, 1, (3, 2), id="old-spans-masked"),
+        pytest.param([(0, 0), (1, 2)], 5, 4, 1, None, id="every-span-too-old: dropped"),
+        pytest.param([(0, 0), (3, 5)], 5, 3, 0, None, id="last-version-opened-after-the-last-span"),
+    ],
+)
+def test_per_span_rule(marks, spans, step, s, expected):
+    assert trained_spans(marks, spans, step, s) == expected

@@ -52,6 +52,8 @@ ELASTIC_CASES = [
      obs(cells(T, R), running=1, ready_s=1e6), Decision()),
     ("remaining-cells-too-small-for-sessions: stays",
      obs(cells(T, R, R), running=150, ready_s=1e6), Decision()),
+    ("pooled-offload-tier-holds-the-rest: one leaves (100 + 100 pooled >= 150 x 1.1)",
+     obs(cells(T, R, R), running=150, ready_s=1e6, pooled_sessions=100), Decision(to_train=(1,))),
     ("remaining-cells-too-slow-for-tokens: stays",
      obs(cells(T, R, R), running=50, demand=1500.0, ready_s=1e6), Decision()),
     ("headroom-counts: 95 live sessions do not fit 100 slots with 10% to spare",
@@ -104,6 +106,38 @@ def test_plain_waterlevel_counts_prefetch_as_live_work():
     assert ElasticPolicy(CFG, 4).decide(replace(o, queued=0, queued_ahead=0)) == Decision(to_train=(1,))
 
 
+RELIEVE_CASES = [
+    # Two serving cells decode 2000 tokens/s; demand 3000 is a one-cell deficit that slows every session.
+    ("decode-overloaded-and-training-starved: the idle satellite returns",
+     obs(cells(T, T, R, R), running=100, demand=3000.0), Decision(to_rollout=(1,))),
+    ("training-has-a-backlog: stays",
+     obs(cells(T, T, R, R), running=100, demand=3000.0, ready_s=1000.0), Decision()),
+    ("work-ready-for-the-next-step-counts-as-backlog: stays",
+     obs(cells(T, T, R, R), running=100, demand=3000.0, ready_ahead_train_s=1000.0), Decision()),
+    ("satellite-in-a-micro-step: stays",
+     obs(cells(T, T, R, R, in_step=(1,)), running=100, demand=3000.0), Decision()),
+    ("deficit-too-small-to-pay-the-round-trip (0.2 cell x 60 s < 24 s): stays",
+     obs(cells(T, T, R, R), running=100, demand=2200.0), Decision()),
+    ("two-cell-deficit: two return",
+     obs(cells(T, T, T, R), running=100, demand=3000.0), Decision(to_rollout=(1, 2))),
+    ("dwell-not-elapsed: stays",
+     obs(cells(T, T, R, R, since_s=990.0), running=100, demand=3000.0), Decision()),
+]
+
+
+@pytest.mark.parametrize("o, expected", [pytest.param(o, e, id=i) for i, o, e in RELIEVE_CASES])
+def test_relieve_cases(o, expected):
+    assert ElasticPolicy(CFG, len(o.cells)).decide(o) == expected
+
+
+def test_a_brief_demand_spike_brings_no_cell_back():
+    pol = ElasticPolicy(CFG, 4)
+    calm = obs(cells(T, T, R, R), running=100, demand=1000.0, now_s=1000.0)
+    assert pol.decide(calm) == Decision()
+    assert pol.decide(replace(calm, now_s=1200.0, gen_demand_tok_s=3000.0)) == Decision()  # min over 300 s: 1000
+    assert pol.decide(replace(calm, now_s=1310.0, gen_demand_tok_s=3000.0)) == Decision(to_rollout=(1,))
+
+
 COLOCATE_CASES = [
     ("rolling-out-batch-not-ready: nothing", obs(cells(R, R, R)), Decision()),
     ("batch-ready: every cell trains, the core too", obs(cells(R, R, R), batch_ready=True), Decision(to_train=(0, 1, 2))),
@@ -126,9 +160,15 @@ def test_colocate_cases(o, expected):
 )
 def test_async_pools_balance_the_work(num_cells, share, expected):
     assert balanced_train_cells(num_cells, share) == expected
-    pol = make_policy(replace(CFG, mode="async"), num_cells, share)
+    pol = make_policy(replace(CFG, mode="async", async_split="work_share"), num_cells, share)
     assert isinstance(pol, AsyncPolicy) and pol.initial_roles().count(Role.TRAIN) == expected
     assert pol.decide(obs(cells(*pol.initial_roles()), running=0, ready_s=1e9)) == Decision()
+
+
+@pytest.mark.parametrize("num_cells, expected", [(4, 2), (5, 2), (6, 3), (8, 4), (2, 1)])
+def test_async_default_split_is_even_whatever_the_work(num_cells, expected):
+    pol = make_policy(replace(CFG, mode="async"), num_cells, train_share=0.9)
+    assert pol.initial_roles().count(Role.TRAIN) == expected
 
 
 def test_initial_roles_per_mode():

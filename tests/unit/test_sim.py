@@ -85,6 +85,8 @@ def compose(*overrides):
         pytest.param("preset.gen_tok_s_per_node=0", "preset.gen_tok_s_per_node", id="zero-decode-capacity"),
         pytest.param("preset.kv_tokens_per_node=0", "preset.kv_tokens_per_node", id="zero-kv-capacity"),
         pytest.param("scheduler.staleness=-1", "scheduler.staleness", id="negative-staleness"),
+        pytest.param("scheduler.batching=greedy", "scheduler.batching", id="unknown-batching"),
+        pytest.param("scheduler.async_split=oracle", "scheduler.async_split", id="unknown-async-split"),
         pytest.param("profile.group_size=0", "profile.group_size", id="empty-groups"),
         pytest.param("profile.timeout_s=0", "profile.timeout_s", id="no-time-budget"),
         pytest.param("modes=[elastic,sync]", "modes", id="unknown-mode"),
@@ -143,3 +145,20 @@ def test_hand_back_replays_work_when_a_cell_leaves_mid_micro_step():
     sched = replace(SchedulerConfig(mode="elastic"), finish_microstep_max_s=0.0, min_dwell_s=0.0, leave_window_s=0.0)
     r = Simulation(PROFILE, PRESET, sched, num_steps=4, tick_s=5.0).run()
     assert len(r.step_times_s) == 4
+
+
+@pytest.mark.parametrize("mode", ["elastic", "async", "colocate"])
+def test_first_ready_steps_do_not_wait_for_stragglers_and_never_train_over_the_bound(mode):
+    fixed, first = (Simulation(PROFILE, PRESET, SchedulerConfig(mode=mode, batching=b), num_steps=6, tick_s=5.0).run()
+                    for b in ("fixed", "first_ready"))
+    assert fixed.masked_fraction == 0 and fixed.num_stale_dropped == 0  # a step waits for its own groups
+    assert first.total_s < fixed.total_s and first.max_staleness <= 1
+    assert 0 < first.masked_fraction < 1  # groups trained late keep only their spans inside the bound
+
+
+def test_the_offload_tier_is_pooled_whatever_the_roles():
+    p = PresetConfig(num_nodes=4, num_cells=2, kv_tokens_per_node=1e6, host_kv_tokens_per_node=4e6)
+    assert p.sessions_per_node(1e5) == 10 and p.pooled_sessions(1e5) == 160
+    assert replace(p, host_kv_tokens_per_node=0).pooled_sessions(1e5) == 0
+    # serving decode at long context: 10 calls' KV fit a node's GPUs, at 60 tokens/s each
+    assert p.serving_tok_s_per_node(1e5) == 600 and p.serving_tok_s_per_node(1e3) == p.decode_tok_s_per_node
