@@ -20,7 +20,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import re
 import secrets
 import time
@@ -28,9 +27,16 @@ from collections import deque
 from pathlib import Path
 
 from gyre.errors import GyreError
+from gyre.launch.serve import write_private_file
 from gyre.proxy.chat import ApiError
 from gyre.proxy.render import TurnMemory, remember_records
-from gyre.records.io import GroupCommit, RecordFileError, RecordWriter, read_records
+from gyre.records.io import (
+    GroupCommit,
+    RecordFileError,
+    RecordWriter,
+    fsync_dir,
+    read_records,
+)
 from gyre.records.record import CallRecord
 
 log = logging.getLogger(__name__)
@@ -44,9 +50,10 @@ def key_digest(key: str) -> str:
 
 
 class Execution:
-    def __init__(self, execution_id: str, key: str | None, records_path: Path, fsync: bool, parse,
+    def __init__(self, execution_id: str, key: str | None, digest: str, records_path: Path, fsync: bool, parse,
                  group: GroupCommit | None = None):
-        self.execution_id, self.key, self.records_path = execution_id, key, records_path
+        """key: None for one loaded at start (only its `digest`, the SHA-256 of the key, is kept)."""
+        self.execution_id, self.key, self.digest, self.records_path = execution_id, key, digest, records_path
         self.revoked = False
         self.turns = TurnMemory()
         self.num_calls = 0
@@ -126,7 +133,7 @@ class ExecutionRegistry:
                 log.warning("%s: not an execution key file (ignored)", path)
 
     def _add(self, execution_id: str, key: str | None, digest: str) -> Execution:
-        ex = Execution(execution_id, key, self.records_dir / f"{execution_id}.jsonl", self.fsync, self.parse, self.group)
+        ex = Execution(execution_id, key, digest, self.records_dir / f"{execution_id}.jsonl", self.fsync, self.parse, self.group)
         self.by_id[execution_id] = ex
         self._by_digest[digest] = ex
         return ex
@@ -148,21 +155,9 @@ class ExecutionRegistry:
         digest = key_digest(key)
         if digest in self._by_digest:
             raise GyreError("api_key is already in use by another execution")
-        key_path = self.records_dir / f"{execution_id}.key"
-        tmp = key_path.with_suffix(".key.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(digest + "\n")
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, key_path)
+        write_private_file(str(self.records_dir / f"{execution_id}.key"), digest + "\n", fsync=self.fsync)
         if self.fsync:  # the key must survive a crash as long as the sandbox holding it does
-            dir_fd = os.open(self.records_dir, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            fsync_dir(self.records_dir)
         return self._add(execution_id, key, digest)
 
     def revoke(self, execution_id: str) -> Execution:
@@ -170,8 +165,7 @@ class ExecutionRegistry:
         if ex is None:
             raise GyreError(f"unknown execution {execution_id!r}")
         ex.revoked = True
-        for digest in [d for d, e in self._by_digest.items() if e is ex]:
-            del self._by_digest[digest]
+        self._by_digest.pop(ex.digest, None)
         (self.records_dir / f"{execution_id}.key").unlink(missing_ok=True)
         return ex
 

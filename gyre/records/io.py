@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +153,7 @@ class RecordWriter:
         self._file.flush()
         self._size = self._file.seek(0, os.SEEK_END)
         if created and (fsync or group is not None):
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
 
     def _cut_torn_tail(self) -> int:
         """Remove a last line torn by a crash, so that only a new crash can tear the file."""
@@ -318,7 +317,7 @@ def _sync_error(writer: RecordWriter) -> OSError | None:
     return None
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a new file's directory entry durable (the file's own fsync does not cover it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
