@@ -20,7 +20,7 @@ from collections import deque
 from multiprocessing.connection import Client
 
 from gyre.cells.protocol import (CellFailure, CellReady, CheckpointDone, PhaseDone, RoleDone, SaveCheckpoint, Stop,
-                                 StepDone, SwitchRole, TrainStep)
+                                 StepDone, SwitchRole, TrainStep, recv, send)
 from gyre.cells.spec import CellSpec
 from gyre.scheduler.cells import PHASES, Phase, Role
 
@@ -87,13 +87,13 @@ class CellLeader:
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
-        self.conn.send(self.ready())
+        send(self.conn, self.ready())
         try:
             while True:
                 self._reap_worker()
                 if not self.conn.poll(0.05):
                     continue
-                msg = self.conn.recv()
+                msg = recv(self.conn)
                 if isinstance(msg, Stop):
                     return
                 self._handle(msg)
@@ -111,12 +111,12 @@ class CellLeader:
             elif isinstance(msg, SaveCheckpoint):
                 t0 = time.monotonic()
                 path = self.checkpoints.save(self.trainer, msg.extra)
-                self.conn.send(CheckpointDone(msg.step, str(path), time.monotonic() - t0))
+                send(self.conn, CheckpointDone(msg.step, str(path), time.monotonic() - t0))
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
         except Exception as e:  # reported, the leader keeps serving: the coordinator decides
             log.exception("cell %d failed on %s", self.index, type(msg).__name__)
-            self.conn.send(CellFailure(self.index, f"{type(msg).__name__}: {e!r}"))
+            send(self.conn, CellFailure(self.index, f"{type(msg).__name__}: {e!r}"))
 
     # ---- training steps (core) -----------------------------------------------------------
     def _start_step(self, msg: TrainStep) -> None:
@@ -139,10 +139,10 @@ class CellLeader:
         self._worker = None
         r = self._result
         if "error" in r:
-            self.conn.send(CellFailure(self.index, f"step {r['step']}: {r['error']}"))
+            send(self.conn, CellFailure(self.index, f"step {r['step']}: {r['error']}"))
             return
         self.weights = self._publish()
-        self.conn.send(StepDone(r["step"], self.trainer.step, r["metrics"], self.weights, time.monotonic() - r["t0"]))
+        send(self.conn, StepDone(r["step"], self.trainer.step, r["metrics"], self.weights, time.monotonic() - r["t0"]))
 
     # ---- role switches -------------------------------------------------------------------
     def _switch(self, target: Role, weights: dict | None, core_address: str) -> None:
@@ -154,9 +154,9 @@ class CellLeader:
             t0 = time.monotonic()
             asyncio.run(self._phase(phase))
             phases[phase.value] = time.monotonic() - t0
-            self.conn.send(PhaseDone(self.index, phase.value, phases[phase.value]))
+            send(self.conn, PhaseDone(self.index, phase.value, phases[phase.value]))
         self.role = target
-        self.conn.send(RoleDone(self.index, target.value, t_start, phases))
+        send(self.conn, RoleDone(self.index, target.value, t_start, phases))
 
     async def _phase(self, phase: Phase) -> None:
         from gyre.proxy.admin import ProxyAdmin

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from gyre.cells.protocol import PhaseDone, RoleDone, SwitchRole
+from gyre.cells.protocol import PhaseDone, RoleDone, SwitchRole, send
 from gyre.cells.quota import CpuQuota
 from gyre.cells.spec import CellSpec
 from gyre.errors import GyreError
@@ -64,7 +64,7 @@ class LocalCell:
         """Start a role switch: the state machine first (it refuses what is not allowed), then the leader."""
         self.state.begin_switch(target, now_s)
         self.switch_started, self.phases = now_s, {}
-        self.conn.send(SwitchRole(target.value, weights, core_address))
+        send(self.conn, SwitchRole(target.value, weights, core_address))
 
     def on_phase(self, msg: PhaseDone | RoleDone, now_s: float) -> None:
         if isinstance(msg, PhaseDone):

@@ -7,6 +7,7 @@ Only the core cell receives TrainStep and SaveCheckpoint. Satellites never get b
 coordinator: they claim micro-steps from the core (gyre.train.elastic).
 """
 
+import pickle
 from dataclasses import dataclass, field
 
 from gyre.trajectory.sample import PackedBatch
@@ -92,3 +93,12 @@ class CheckpointDone:
 class CellFailure:
     cell: int
     message: str
+
+
+def send(conn, msg) -> None:
+    """Plain pickle (not the Connection's ForkingPickler: its shared-memory tensors need a common parent)."""
+    conn.send_bytes(pickle.dumps(msg))
+
+
+def recv(conn):
+    return pickle.loads(conn.recv_bytes())

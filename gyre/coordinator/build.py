@@ -16,7 +16,7 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 
 from gyre.cells.local import CellError, LocalCell
-from gyre.cells.protocol import CellReady
+from gyre.cells.protocol import CellReady, recv
 from gyre.cells.quota import make_quota
 from gyre.cells.spec import CellSpec
 from gyre.config import GyreConfig
@@ -101,7 +101,7 @@ def _accept_cells(parts: Parts, timeout_s: float) -> None:
             conn = parts.listener.accept()
         except TimeoutError:
             continue
-        ready = conn.recv()
+        ready = recv(conn)
         cell = parts.cells[ready.cell]
         cell.conn, cell.engine_url = conn, ready.engine_url
         if ready.cell == 0:

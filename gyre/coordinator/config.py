@@ -27,6 +27,8 @@ class CoordinatorConfig:
     """Local cells: CPU quota of each cell's processes (cgroup), like a fixed number of GPUs."""
     cell_start_timeout_s: float = 300.0
     """How long the cell leaders may take to build their trainer and engine."""
+    train_tok_s: float = 2000.0
+    """Training throughput of one cell, tokens/s, the policy assumes until the first step measures it."""
     init_weights: str | None = None
     """Engine-format model directory the core starts from; None: the seeded init (tasks may warm-start)."""
 
@@ -38,4 +40,5 @@ class CoordinatorConfig:
         require(self.tick_s > 0, "tick_s", f"must be > 0 s, got {self.tick_s}")
         require(self.checkpoint_every_steps >= 1, "checkpoint_every_steps", f"must be >= 1, got {self.checkpoint_every_steps}")
         require(self.cpus_per_cell > 0, "cpus_per_cell", f"must be > 0, got {self.cpus_per_cell}")
+        require(self.train_tok_s > 0, "train_tok_s", f"must be > 0, got {self.train_tok_s}")
         require(self.cell_start_timeout_s > 0, "cell_start_timeout_s", f"must be > 0 s, got {self.cell_start_timeout_s}")

@@ -47,23 +47,24 @@ class LedgerView:
     num_torn: int = 0
 
     def outcome(self, execution_id: str) -> LedgerEntry | None:
-        """The execution's finished/timed_out/excluded entry, if it reached one."""
-        return next((e for e in reversed(self.history.get(execution_id, [])) if e.state in OUTCOMES), None)
+        """How its rollout ended (the first finished/timed_out/excluded entry), if it did; a later
+        `excluded` says why it was then left out of training (uniform group, stale, ...)."""
+        return next((e for e in self.history.get(execution_id, []) if e.state in OUTCOMES), None)
 
     def trained_step(self, execution_id: str) -> int | None:
         """The step it was trained at (the latest, if a resume re-trained it)."""
         return next((e.step for e in reversed(self.history.get(execution_id, [])) if e.state == "trained"), None)
 
     def counts(self) -> Counter:
-        """Executions by their outcome (excluded ones by `excluded/<reason>` too)."""
+        """Executions by rollout outcome, `trained`, and every exclusion by `excluded/<reason>`."""
         c = Counter()
-        for eid in self.history:
+        for eid, entries in self.history.items():
             o = self.outcome(eid)
-            if o is None:
-                continue
-            c[o.state] += 1
-            if o.state == "excluded":
-                c[f"excluded/{o.reason}"] += 1
+            c[o.state if o else "unfinished"] += 1
+            c["trained"] += any(e.state == "trained" for e in entries)
+            for e in entries:
+                if e.state == "excluded":
+                    c[f"excluded/{e.reason}"] += 1
         return c
 
 

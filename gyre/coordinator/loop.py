@@ -14,7 +14,7 @@ import logging
 import time
 from pathlib import Path
 
-from gyre.cells.protocol import CellFailure, CheckpointDone, PhaseDone, RoleDone, StepDone
+from gyre.cells.protocol import CellFailure, CheckpointDone, PhaseDone, RoleDone, StepDone, recv, send
 from gyre.config import GyreConfig
 from gyre.coordinator.build import Parts, build, close
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
@@ -54,7 +54,7 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
             for cell in parts.cells:
                 cell.check_alive()
                 while cell.conn.poll():
-                    await _on_message(cell.conn.recv(), cell, parts, train, rollouts, ledger, events, cfg, now)
+                    await _on_message(recv(cell.conn), cell, parts, train, rollouts, ledger, events, cfg, now)
             queued, ahead, running = rollouts.counts(train.version)
             obs = make_observation(
                 now, [x.state for x in parts.cells], _sessions(parts, running), [c.sessions_per_cell] * len(parts.cells),
@@ -71,10 +71,12 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
             for ex in await rollouts.collect():
                 events.execution(ex)
             for group in rollouts.ready_groups():
-                events.group(group, train.add_group(group))
+                batch = train.add_group(group)
+                rollouts.log_exclusions(group, batch.excluded)
+                events.group(group, batch)
             if parts.core.state.role == Role.TRAIN and (step := train.next_step()) is not None:
                 parts.core.state.join_step(step.step)
-                parts.core.conn.send(step)
+                send(parts.core.conn, step)
             events.progress(train, rollouts, parts)
             await asyncio.sleep(c.tick_s)
     except BaseException as e:
@@ -110,13 +112,14 @@ async def _on_message(msg, cell, parts: Parts, train: Training, rollouts: Rollou
         events.step(rec, train)
         await asyncio.gather(*(_load_newest(x, msg.weights) for x in parts.cells if x.state.role == Role.ROLLOUT))
         if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= cfg.num_steps:
-            parts.core.conn.send(train.checkpoint({"next_group": rollouts.next_group}))
+            send(parts.core.conn, train.checkpoint({"next_group": rollouts.next_group}))
     elif isinstance(msg, CheckpointDone):
         events.checkpoint(msg)
         for rec in train.on_checkpoint_done(msg):
-            for group, _ in rec.groups:
-                for ex in group.executions:
-                    ledger.append(LedgerEntry(ex.execution_id, "trained", time.time(), group=group.index, step=rec.step))
+            for group, batch in rec.groups:
+                trained = {eid for mb in batch.micro_batches for eid in mb.execution_ids}
+                for eid in sorted(trained):
+                    ledger.append(LedgerEntry(eid, "trained", time.time(), group=group.index, step=rec.step))
     elif isinstance(msg, CellFailure):
         raise RunFailed(f"cell {msg.cell}: {msg.message}")
 

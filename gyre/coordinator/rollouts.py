@@ -169,6 +169,14 @@ class Rollouts:
             reason = "no_score" if ev.outcome in ("finished", "timed_out") else ev.outcome
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s)
 
+    def log_exclusions(self, group: Group, excluded: list[tuple[str, str]]) -> None:
+        """Ledger lines for executions the trajectory processor left out (not those excluded already)."""
+        by_id = {ex.execution_id: ex for ex in group.executions}
+        for eid, reason in excluded:
+            ex = by_id.get(eid)
+            if ex is not None and ex.state != "excluded":
+                self._log(ex, "excluded", reason=reason)
+
     def ready_groups(self) -> list[Group]:
         """Groups whose executions all have an evaluation and that were not batched yet, in order."""
         return [g for g in sorted(self.groups.values(), key=lambda g: g.index) if not g.batched and g.ready]

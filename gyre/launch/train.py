@@ -1,5 +1,11 @@
-"""`gyre-train`: the Hydra app that composes, validates and (once the coordinator lands) runs a Gyre job."""
+"""`gyre-train`: the Hydra app that composes, validates and runs a Gyre job (the coordinator).
 
+The run directory is Hydra's (`hydra.run.dir`); the summary's last line is one JSON object.
+"""
+
+import asyncio
+import json
+import logging
 import sys
 from pathlib import Path
 
@@ -20,15 +26,18 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def run(cfg: DictConfig) -> None:
     try:
-        validate(cfg)
+        gyre_cfg = validate(cfg)
     except ConfigError as e:
         sys.exit(f"gyre-train: invalid config: {e}")
-    # TODO(coordinator issue): wire cells, proxy, engines, trainer and scheduler here.
-    print(
-        "gyre-train: the config is valid, but the coordinator is not built yet, so nothing was run.",
-        file=sys.stderr,
-    )
-    sys.exit(3)
+    from hydra.core.hydra_config import HydraConfig
+
+    from gyre.coordinator.loop import run as run_coordinator
+    from gyre.tasks.spec import toy_taskset
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    summary = asyncio.run(run_coordinator(gyre_cfg, run_dir, toy_taskset(), resume=gyre_cfg.resume))
+    print(json.dumps(summary), flush=True)
 
 
 def check_config(overrides: list[str]) -> None:
