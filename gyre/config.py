@@ -23,6 +23,7 @@ from gyre.launch.config import ClusterConfig
 from gyre.models.config import ModelConfig
 from gyre.proxy.config import ProxyConfig
 from gyre.scheduler.config import SchedulerConfig
+from gyre.tasks.config import TasksConfig
 from gyre.train.config import TrainerConfig
 from gyre.trajectory.config import TrajectoryConfig
 
@@ -40,6 +41,7 @@ class GyreConfig:
     coordinator: CoordinatorConfig = MISSING
     trajectory: TrajectoryConfig = MISSING
     harness: HarnessConfig = MISSING
+    tasks: TasksConfig = MISSING
     seed: int = 0
     """Seed for every random generator of the run."""
     num_steps: int = 2
@@ -69,7 +71,7 @@ class GyreConfig:
 
 
 _SECTIONS = (ClusterConfig, EngineConfig, ModelConfig, ProxyConfig, SchedulerConfig, TrainerConfig, CoordinatorConfig,
-             TrajectoryConfig, HarnessConfig)
+             TrajectoryConfig, HarnessConfig, TasksConfig)
 
 
 def register_configs() -> None:
