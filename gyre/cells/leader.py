@@ -12,6 +12,7 @@ and reported. The leader exits when its coordinator's channel closes, stopping i
 """
 
 import asyncio
+import hashlib
 import logging
 import sys
 import threading
@@ -83,7 +84,11 @@ class CellLeader:
 
     def ready(self) -> CellReady:
         core = self.core.address if self.core else ""
-        return CellReady(self.index, self.engine.url, core, self.weights, self.trainer.step)
+        return CellReady(self.index, self.engine.url, core, self.weights, self.trainer.step,
+                         self.weights_digest() if self.is_core else "")
+
+    def weights_digest(self) -> str:
+        return hashlib.sha256(self.trainer.flat.weights.detach().cpu().numpy().tobytes()).hexdigest()[:16]
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -111,7 +116,7 @@ class CellLeader:
             elif isinstance(msg, SaveCheckpoint):
                 t0 = time.monotonic()
                 path = self.checkpoints.save(self.trainer, msg.extra)
-                send(self.conn, CheckpointDone(msg.step, str(path), time.monotonic() - t0))
+                send(self.conn, CheckpointDone(msg.step, str(path), time.monotonic() - t0, self.weights_digest()))
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
         except Exception as e:  # reported, the leader keeps serving: the coordinator decides

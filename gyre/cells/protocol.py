@@ -53,6 +53,8 @@ class CellReady:
     """The core: its initial weights as published (version 0 or the checkpoint's)."""
     step: int = 0
     """The core: the trainer's step (weight version) after loading."""
+    weights_digest: str = ""
+    """The core: digest of its flat weights (a resumed run shows it equals the checkpoint's)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class CheckpointDone:
     step: int
     path: str
     seconds: float
+    weights_digest: str = ""
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
     view = read_ledger(run_dir / "ledger.jsonl")
     ledger, events = ExecutionLedger(run_dir / "ledger.jsonl"), RunEvents(run_dir, cfg)
     parts = await build(cfg, run_dir, resume)
+    events.start(parts.initial)
     c = cfg.coordinator
     try:
         train = Training(groups_per_step=c.groups_per_step, staleness=cfg.scheduler.staleness, trajectory=cfg.trajectory,
@@ -83,7 +84,7 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
         events.failure("coordinator", repr(e))
         raise
     else:
-        return events.summary(read_ledger(run_dir / "ledger.jsonl"), time.time() - t_start)
+        return events.summary(read_ledger(run_dir / "ledger.jsonl"), time.time() - t_start, train.version)
     finally:
         rollouts.close() if "rollouts" in locals() else None
         await close(parts)

@@ -62,7 +62,10 @@ class RunEvents:
                                                                    if isinstance(v, (int, float))})
 
     def checkpoint(self, msg: CheckpointDone) -> None:
-        self.emit("checkpoint", step=msg.step, path=msg.path, seconds=msg.seconds)
+        self.emit("checkpoint", step=msg.step, path=msg.path, seconds=msg.seconds, weights_digest=msg.weights_digest)
+
+    def start(self, ready) -> None:
+        self.emit("start", step=ready.step, weights_digest=ready.weights_digest)
 
     def failure(self, component: str, message: str) -> None:
         self.emit("failure", component=component, message=message)
@@ -79,7 +82,8 @@ class RunEvents:
               f"(queued {self.obs.queued}, running {self.obs.running}) cells {roles} reward {reward}",
               file=sys.stderr, flush=True)
 
-    def summary(self, view: LedgerView, wall_s: float) -> dict:
+    def summary(self, view: LedgerView, wall_s: float, version: int) -> dict:
+        """The run's figures; `version` is the weight version reached (steps, resumed ones included)."""
         steps = sorted(self.rewards)
         means = [float(np.mean(self.rewards[s])) for s in steps if self.rewards[s]]
         phases = defaultdict(list)
@@ -91,7 +95,7 @@ class RunEvents:
             total = sum(roles.values()) or 1.0
             share[str(cell)] = {r: round(v / total, 3) for r, v in roles.items()}
         return {
-            "num_steps": len(steps), "executions": dict(view.counts()),
+            "num_steps": version, "executions": dict(view.counts()),
             "reward_first3": float(np.mean(means[:3])) if means else None,
             "reward_last3": float(np.mean(means[-3:])) if means else None,
             "reward_per_step": [round(m, 4) for m in means],
