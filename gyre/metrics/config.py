@@ -31,10 +31,15 @@ class MetricsConfig:
     """One of PROGRESS_MODES."""
     progress_interval_s: float = 30.0
     """Plain progress lines at most this often (and at every optimizer step)."""
+    figures: bool = True
+    """Draw timeline.png, reward.png, tokens.png and utilisation.png into the run directory (coordinator only)."""
     plots_interval_s: float = 300.0
     """Redraw timeline.png, reward.png and utilisation.png during the run at most this often (0: only at the end)."""
     rate_window_s: float = 60.0
     """Calls/s and tokens/s are averaged over this trailing window."""
+    sample_interval_s: float = 10.0
+    """Cluster samples (waterlevel, cells per role, rates, outcomes) go to TensorBoard / W&B at most
+    this often: the coordinator observes every second, which over days would swamp both."""
 
     def __post_init__(self):
         require(bool(self.events_file), "events_file", "must name a file")
@@ -48,3 +53,4 @@ class MetricsConfig:
         require(self.progress_interval_s > 0, "progress_interval_s", f"must be > 0, got {self.progress_interval_s}")
         require(self.plots_interval_s >= 0, "plots_interval_s", f"must be >= 0 (0: only at the end), got {self.plots_interval_s}")
         require(self.rate_window_s > 0, "rate_window_s", f"must be > 0, got {self.rate_window_s}")
+        require(self.sample_interval_s >= 0, "sample_interval_s", f"must be >= 0, got {self.sample_interval_s}")

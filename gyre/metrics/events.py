@@ -204,9 +204,17 @@ EVENT_TYPES: dict[str, type[Event]] = {
 _FIELDS = {k: frozenset(f.name for f in fields(c)) for k, c in EVENT_TYPES.items()}
 
 
+def _builtin(value):
+    """numpy / torch scalars and arrays as Python numbers and lists (json calls this only for them)."""
+    for method in ("item", "tolist"):
+        if hasattr(value, method):
+            return getattr(value, method)()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def encode_event(event: Event) -> bytes:
     """The event as one JSON line, newline included (field order: kind, then the dataclass's)."""
-    return (json.dumps({"kind": event.kind, **event.__dict__}, separators=(",", ":")) + "\n").encode()
+    return (json.dumps({"kind": event.kind, **event.__dict__}, separators=(",", ":"), default=_builtin) + "\n").encode()
 
 
 def decode_event(obj: dict) -> Event:

@@ -50,6 +50,8 @@ class RunMonitor:
         for name, make in factories.items():
             self._guard(name, lambda name=name, make=make: self._sinks.update({name: make()}))
         self._plots_at: float | None = None
+        self._sampled_at: float | None = None
+        """When the last cluster sample went to the sinks (event time)."""
 
     def update(self, now: float | None = None) -> None:
         """Fold the events appended since the last call into every view; never raises."""
@@ -57,6 +59,10 @@ class RunMonitor:
         for e in self._tail.read_new():
             self.state.add(e)
             scalars = make_scalars(e, self.state)
+            if scalars is not None and scalars.axis == "elapsed_s":
+                if self._sampled_at is not None and e.t - self._sampled_at < self.cfg.sample_interval_s:
+                    continue
+                self._sampled_at = e.t
             if scalars is not None:
                 for name, sink in list(self._sinks.items()):
                     self._guard(name, lambda sink=sink: sink.write(e, scalars))
@@ -64,19 +70,23 @@ class RunMonitor:
         interval = self.cfg.plots_interval_s
         if interval and (self._plots_at is None or now - self._plots_at >= interval):
             self._plots_at = now
-            self._guard("figures", lambda: write_figures(self.state, self.run_dir, run_name(self.state, self.run_dir)))
+            self._draw()
 
     def close(self, now: float | None = None) -> dict:
         """Read the last events, draw the figures, close the sinks; returns the run's summary."""
         self._plots_at = None
         self.update(now)
         if not self.cfg.plots_interval_s:
-            self._guard("figures", lambda: write_figures(self.state, self.run_dir, run_name(self.state, self.run_dir)))
+            self._draw()
         self._guard("progress", lambda: self._progress.close(self.state, now))
         for name, sink in self._sinks.items():
             self._guard(name, sink.close)
         self._sinks.clear()
         return summarize(self.state) | {"view_errors": dict(self.view_errors)}
+
+    def _draw(self) -> None:
+        if self.cfg.figures:
+            self._guard("figures", lambda: write_figures(self.state, self.run_dir, run_name(self.state, self.run_dir)))
 
     def _guard(self, name: str, fn) -> None:
         try:

@@ -26,6 +26,15 @@ _PHASE_MAPS = {"to_train": "Reds", "to_rollout": "Purples"}
 DPI = 100
 
 
+def save(fig, path: str | os.PathLike) -> None:
+    """Write the figure beside `path`, then rename it there: a viewer never opens half a PNG."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=DPI, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def span_colour(span: Span) -> str | tuple:
     """A role's colour; a switch phase gets a shade of its switching state's colour map."""
     order = _PHASE_ORDER.get(span.role, ())
@@ -75,8 +84,7 @@ def draw_timelines(panels: list[TimelinePanel], path: str | os.PathLike) -> None
     handles.append(plt.Line2D([], [], color="black", lw=1.0, label="waterlevel"))
     fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 7), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / height))
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _legend_order(legend: dict) -> list:
@@ -123,8 +131,7 @@ def plot_reward(state: RunState, path: str | os.PathLike, title: str) -> None:
     ax.set_title(title, loc="left", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_tokens(state: RunState, path: str | os.PathLike, title: str) -> None:
@@ -146,8 +153,7 @@ def plot_tokens(state: RunState, path: str | os.PathLike, title: str) -> None:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save(fig, path)
 
 
 _UTIL_PARTS = (("rollout", "busy", "tab:blue", 1.0), ("rollout", "idle", "tab:blue", 0.3),
@@ -196,8 +202,7 @@ def plot_utilisation(state: RunState, path: str | os.PathLike, title: str) -> No
     ax.set_title(title, loc="left", fontsize=10)
     fig.legend(fontsize=8, ncol=6, loc="lower center", frameon=False)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write_figures(state: RunState, out_dir: str | os.PathLike, name: str) -> list[Path]:
@@ -229,5 +234,4 @@ def plot_compare(states: list[RunState], names: list[str], path: str | os.PathLi
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save(fig, path)

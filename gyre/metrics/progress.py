@@ -75,16 +75,20 @@ def format_line(s: Snapshot) -> str:
 
 
 def make_table(s: Snapshot) -> Table:
-    """The live display: one row of figures under a header."""
-    table = Table(title="gyre run", title_justify="left", expand=False)
-    for col in ("step", "elapsed", "waterlevel", "cells", "calls/s", "tok/s", "reward", "excluded", "failures", "ETA"):
-        table.add_column(col, justify="right")
-    table.add_row(
-        f"{s.steps_done}/{s.num_steps or '?'}", format_duration(s.elapsed_s), f"{s.waterlevel} ({s.queued}q {s.running}r)",
-        " ".join(ROLE_MARKS.get(r, r) for r in s.roles) or "-", f"{s.calls_per_s:.2f}", f"{s.output_tokens_per_s:.0f}",
-        f"{s.reward_mean:.3f}" if s.reward_mean is not None else "-", str(s.num_excluded),
-        str(s.num_failures), format_duration(s.eta_s),
-    )
+    """The live display: one figure per row (fits an 80-column terminal whatever the cell count)."""
+    table = Table(title="gyre run", title_justify="left", show_header=False, box=None, padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    reward = f"{s.reward_mean:.3f}" if s.reward_mean is not None else "-"
+    rows = (("step", f"{s.steps_done}/{s.num_steps or '?'}   elapsed {format_duration(s.elapsed_s)}   "
+                     f"ETA {format_duration(s.eta_s)}"),
+            ("waterlevel", f"{s.waterlevel} (queued {s.queued}, running {s.running})"),
+            ("cells", " ".join(f"{i}:{ROLE_MARKS.get(r, r)}" for i, r in enumerate(s.roles)) or "-"),
+            ("rollout", f"{s.calls_per_s:.2f} calls/s   {s.output_tokens_per_s:.0f} tok/s"),
+            ("reward", f"{reward} (last trained batch)"),
+            ("excluded", f"{s.num_excluded}   failures {s.num_failures}"))
+    for key, value in rows:
+        table.add_row(key, value)
     return table
 
 

@@ -1,7 +1,8 @@
 """`gyre-report RUN_DIR [RUN_DIR ...]`: a run's figures and summary from its events.jsonl alone.
 
 Works on finished, crashed (a torn last line is skipped) and still-running runs. With two or more
-run directories it also prints them side by side and draws compare.png (e.g. one run per mode).
+run directories it also prints them side by side and draws compare.png (reward and steps against
+wall time) and compare_timeline.png (every run's cells on one time scale), e.g. one run per mode.
 `summarize(state)` is the same summary as a dict: the coordinator returns it at the end of a run.
 """
 
@@ -13,7 +14,8 @@ from statistics import fmean
 
 from gyre.metrics.config import MetricsConfig
 from gyre.metrics.log import EventTail, ReadStats
-from gyre.metrics.plots import plot_compare, utilisation, write_figures
+from gyre.metrics.plots import draw_timelines, plot_compare, timeline_panel, utilisation, write_figures
+from gyre.metrics.progress import format_duration
 from gyre.metrics.state import RunState
 
 
@@ -31,7 +33,10 @@ def run_name(state: RunState, run_dir: str | Path) -> str:
     """The run's label: its RunStart name, else its mode and directory."""
     if state.run and state.run.name:
         return state.run.name
-    return f"{state.run.mode} ({Path(run_dir).name})" if state.run else Path(run_dir).name
+    dir_name = Path(run_dir).resolve().name
+    if state.run is None or state.run.mode == dir_name:
+        return dir_name
+    return f"{state.run.mode} ({dir_name})"
 
 
 def summarize(state: RunState) -> dict:
@@ -42,7 +47,7 @@ def summarize(state: RunState) -> dict:
     shares = {}
     for i in sorted(state.cells):
         time_s = state.role_time_s(i)
-        shares[str(i)] = {r: round(t / max(state.duration_s, 1e-9), 4) for r, t in sorted(time_s.items())}
+        shares[str(i)] = {r: round(t / max(state.duration_s, 1e-9), 4) for r, t in time_s.items()}
     return {
         "mode": state.run.mode if state.run else None,
         "duration_s": round(state.duration_s, 3),
@@ -54,6 +59,7 @@ def summarize(state: RunState) -> dict:
         "reward_last3": round(fmean(rewards[-3:]), 4) if rewards else None,
         "reward_per_step": [round(r, 4) for r in rewards],
         "num_role_switches": state.num_switches,
+        "switch_s": {k: round(fmean(v), 3) for k, v in state.switch_s.items()},
         "switch_phase_s": {p: round(fmean(v), 3) for p, v in state.phase_s.items()},
         "cell_role_share": shares,
         "cell_utilisation": {str(i): {k: round(v, 4) for k, v in parts.items()}
@@ -76,26 +82,27 @@ def summarize(state: RunState) -> dict:
 def format_steps(state: RunState) -> str:
     """Per optimizer step: reward, loss, and the training targets naive / capped / deduplicated."""
     head = (f"{'step':>4} {'reward':>7} {'+-std':>6} {'execs':>5} {'loss':>9} {'grad':>6} "
-            f"{'targets naive':>13} {'capped':>9} {'dedup':>9} {'saved':>6} {'step s':>7}")
+            f"{'targets naive':>13} {'capped':>9} {'dedup':>9} {'-% naive':>8} {'step s':>7}")
     lines = [head]
     for k in sorted(state.steps):
         s = state.steps[k]
         saved = f"{1 - s.targets_dedup / s.targets_naive:.0%}" if s.targets_naive else "-"
         lines.append(f"{k:>4} {s.reward_mean:>7.3f} {s.reward_std:>6.3f} {s.num_executions:>5} {s.loss:>9.4f} "
                      f"{s.grad_norm:>6.2f} {s.targets_naive:>13} {s.targets_capped:>9} {s.targets_dedup:>9} "
-                     f"{saved:>6} {s.seconds:>7.1f}")
+                     f"{saved:>8} {s.seconds:>7.1f}")
     return "\n".join(lines)
 
 
 _COMPARE_ROWS = (
     ("mode", lambda s: s["mode"] or "-"),
-    ("wall time h", lambda s: f"{s['duration_s'] / 3600:.3f}"),
+    ("wall time", lambda s: format_duration(s["duration_s"])),
     ("steps done", lambda s: f"{s['num_steps']}/{s['num_steps_planned'] or '?'}"),
     ("reward first 3", lambda s: _f(s["reward_first3"])),
     ("reward last 3", lambda s: _f(s["reward_last3"])),
     ("executions", lambda s: " ".join(f"{k} {v}" for k, v in s["executions"].items()) or "-"),
     ("role switches", lambda s: str(s["num_role_switches"])),
-    ("switch s (mean total)", lambda s: _f(sum(s["switch_phase_s"].values()) or None)),
+    ("switch to train s", lambda s: _f(s["switch_s"].get("to_train"))),
+    ("switch to rollout s", lambda s: _f(s["switch_s"].get("to_rollout"))),
     ("calls/s", lambda s: f"{s['calls_per_s']:.2f}"),
     ("output tokens", lambda s: str(s["output_tokens"])),
     ("targets naive", lambda s: str(s["targets"]["naive"])),
@@ -120,7 +127,10 @@ def format_summary(name: str, s: dict, stats: ReadStats) -> str:
     """One run's summary: the comparison rows, per-cell time by role, switch phases, what reading found."""
     lines = [f"== {name}"] + [f"  {label:<22} {fn(s)}" for label, fn in _COMPARE_ROWS[1:]]
     for cell, shares in s["cell_role_share"].items():
-        lines.append(f"  cell {cell} time by role   " + "  ".join(f"{r} {v:.1%}" for r, v in shares.items()))
+        parts = s["cell_utilisation"][cell]
+        busy = {r: parts[f"{r} busy"] / shares[r] for r in ("rollout", "train") if shares.get(r)}
+        lines.append(f"  cell {cell:<18} " + "  ".join(
+            f"{r} {v:.1%}" + (f" (busy {busy[r]:.0%})" if r in busy else "") for r, v in shares.items()))
     if s["switch_phase_s"]:
         lines.append("  switch phases (mean s)  " + "  ".join(f"{p} {v:.2f}" for p, v in s["switch_phase_s"].items()))
     if s["exclusions"]:
@@ -132,10 +142,10 @@ def format_summary(name: str, s: dict, stats: ReadStats) -> str:
 
 def format_compare(names: list[str], summaries: list[dict]) -> str:
     """Runs side by side, one column each."""
-    width = max(14, *(len(n) + 2 for n in names))
+    rows = [(label, [fn(s) for s in summaries]) for label, fn in _COMPARE_ROWS]
+    width = 2 + max(len(x) for x in [*names, *(v for _, values in rows for v in values)])
     lines = [f"{'':<22}" + "".join(f"{n:>{width}}" for n in names)]
-    for label, fn in _COMPARE_ROWS:
-        lines.append(f"{label:<22}" + "".join(f"{fn(s):>{width}}" for s in summaries))
+    lines += [f"{label:<22}" + "".join(f"{v:>{width}}" for v in values) for label, values in rows]
     return "\n".join(lines)
 
 
@@ -163,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(summaries) > 1:
         args.out.mkdir(parents=True, exist_ok=True)
         plot_compare(states, names, args.out / "compare.png")
-        print(f"\n{format_compare(names, summaries)}\ncompare: {args.out / 'compare.png'}")
+        draw_timelines([timeline_panel(s, n) for s, n in zip(states, names)], args.out / "compare_timeline.png")
+        print(f"\n{format_compare(names, summaries)}\ncompare: {args.out / 'compare.png'} "
+              f"{args.out / 'compare_timeline.png'}")
     if args.json:
         print(json.dumps({"runs": dict(zip(names, summaries))}))
     return 0

@@ -14,6 +14,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from gyre.metrics.events import (
+    ROLES,
     Checkpoint,
     Event,
     ExecutionState,
@@ -130,6 +131,8 @@ class RunState:
     num_switches: int = 0
     phase_s: dict[str, list[float]] = field(default_factory=dict)
     """Phase name -> seconds of each time it ran."""
+    switch_s: dict[str, list[float]] = field(default_factory=dict)
+    """Switching state (to_train, to_rollout) -> seconds of each switch, begin to end."""
     publishes: list[WeightPublish] = field(default_factory=list)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     num_micro_steps: int = 0
@@ -176,6 +179,7 @@ class RunState:
             lane.spans.append(Span(t, e.t, switching))
         lane.role, lane.since = e.to_role, e.t
         self.num_switches += 1
+        self.switch_s.setdefault(switching, []).append(e.t - e.t_start)
 
     def _micro_step(self, e: MicroStep) -> None:
         lane = self._lane(e.cell, "train", e.t - e.seconds)
@@ -251,7 +255,7 @@ class RunState:
         out: dict[str, float] = {}
         for s in self.cells[index].spans_until(self.t_last):
             out[s.role] = out.get(s.role, 0.0) + (s.t1 - s.t0)
-        return out
+        return dict(sorted(out.items(), key=lambda kv: ROLES.index(kv[0]) if kv[0] in ROLES else len(ROLES)))
 
     def busy_s(self, index: int, role: str) -> float:
         """Seconds cell `index` was busy (serving a call / computing a micro-step) while in `role`."""
