@@ -38,14 +38,13 @@ class EventLog:
         self.num_dropped = 0
         """Events lost to a failed write or encoding; the first failure is logged, the rest only counted."""
         self._fd: int | None = None
+        self._logged = False
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             log.warning("metrics: cannot open %s (%s); events are counted, not written", self.path, e)
             self._logged = True
-        else:
-            self._logged = False
 
     def emit(self, event: Event) -> None:
         """Append one event; never raises (a failure is counted in `num_dropped`)."""

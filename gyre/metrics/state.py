@@ -10,7 +10,9 @@ shows a cell lost ends its lane there. Busy time: a model call occupies its cell
 [t - latency_s, t], a micro-step over [t - seconds, t]; overlaps count once.
 """
 
+from bisect import bisect_right
 from collections import Counter, deque
+from itertools import accumulate
 from dataclasses import dataclass, field
 
 from gyre.metrics.events import (
@@ -54,31 +56,43 @@ class TimelinePanel:
 
 
 class Intervals:
-    """A union of closed intervals, compacted as it grows (calls end out of order)."""
+    """A union of intervals: added in any order (calls end out of order), measured in O(log n)."""
 
     def __init__(self):
         self._items: list[tuple[float, float]] = []
-        self._merged = 0
+        self._num_merged = 0
+        """The first `_num_merged` items are sorted and disjoint; `_before[i]` is their length before item i."""
+        self._before: list[float] = [0.0]
 
     def add(self, t0: float, t1: float) -> None:
         if t1 > t0:
             self._items.append((t0, t1))
-            if len(self._items) - self._merged > _COMPACT_AT:
+            if len(self._items) - self._num_merged > _COMPACT_AT:
                 self._compact()
 
     def _compact(self) -> None:
+        if self._num_merged == len(self._items):
+            return
         out: list[tuple[float, float]] = []
         for a, b in sorted(self._items):
             if out and a <= out[-1][1]:
                 out[-1] = (out[-1][0], max(out[-1][1], b))
             else:
                 out.append((a, b))
-        self._items, self._merged = out, len(out)
+        self._items, self._num_merged = out, len(out)
+        self._before = list(accumulate((b - a for a, b in out), initial=0.0))
+
+    def _covered_until(self, t: float) -> float:
+        i = bisect_right(self._items, (t, float("inf"))) - 1
+        if i < 0:
+            return 0.0
+        a, b = self._items[i]
+        return self._before[i] + min(t, b) - a
 
     def overlap_s(self, t0: float, t1: float) -> float:
         """Seconds of the union inside [t0, t1]."""
         self._compact()
-        return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in self._items if b > t0 and a < t1)
+        return max(0.0, self._covered_until(t1) - self._covered_until(t0))
 
 
 @dataclass

@@ -4,6 +4,7 @@ driven by the recorded fixture of a short elastic run (tests/unit/_metrics_run.p
 import io
 import json
 import logging
+import random
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from gyre.metrics.progress import Progress, format_line, make_snapshot
 from gyre.metrics.report import main as report_main
 from gyre.metrics.report import summarize
 from gyre.metrics.sinks import TensorBoardSink
-from gyre.metrics.state import fold
+from gyre.metrics.state import Intervals, fold
 from gyre.scheduler.cells import PHASE_SHARES, Phase
 
 from _metrics_run import TO_TRAIN_S, make_run_events
@@ -152,6 +153,17 @@ def test_unusable_run_directory_never_raises_out_of_emit(tmp_path):
     log.close()
 
 
+def test_shipped_yaml_sets_every_field_and_validates():
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+
+    yaml = OmegaConf.load(Path(__file__).parents[2] / "conf" / "metrics" / "default.yaml")
+    assert set(yaml) == {f.name for f in fields(MetricsConfig)}
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MetricsConfig), yaml))
+    assert cfg == MetricsConfig()
+
+
 @pytest.mark.parametrize("kwargs, key", [
     ({"progress": "fancy"}, "progress"),
     ({"progress_interval_s": 0}, "progress_interval_s"),
@@ -176,6 +188,31 @@ def test_fold_lays_each_switch_phase_end_to_end_in_the_cell_lane(run_events):
     for i in state.cells:
         assert sum(state.role_time_s(i).values()) == pytest.approx(state.duration_s)
         assert state.busy_s(i, "rollout") <= state.role_time_s(i).get("rollout", 0.0) + 1e-9
+
+
+@pytest.mark.parametrize("added, window, expected", [
+    ([(0, 2), (1, 3)], (0, 10), 3.0),
+    ([(5, 6), (0, 1)], (0.5, 5.5), 1.0),
+    ([(0, 10)], (2, 3), 1.0),
+    ([(0, 1), (2, 3)], (1, 2), 0.0),
+    ([], (0, 1), 0.0),
+], ids=["overlap", "out-of-order", "inside", "gap", "empty"])
+def test_intervals_measure_their_union(added, window, expected):
+    iv = Intervals()
+    for a, b in added:
+        iv.add(a, b)
+    assert iv.overlap_s(*window) == pytest.approx(expected)
+
+
+def test_intervals_match_a_brute_force_union_past_compaction():
+    rng, iv = random.Random(0), Intervals()
+    covered = bytearray(10_010)  # half-second cells of [0, 5005)
+    for _ in range(6000):  # past the compaction threshold, so merged and fresh items mix
+        a, n = rng.randrange(10_000), rng.randrange(5)
+        iv.add(a / 2, (a + n) / 2)
+        covered[a:a + n] = b"\x01" * n
+    for lo, hi in ((0, 10_010), (200, 260), (5001, 5002)):
+        assert iv.overlap_s(lo / 2, hi / 2) == pytest.approx(sum(covered[lo:hi]) / 2)
 
 
 def test_summary_of_the_fixture_run(run_events):
