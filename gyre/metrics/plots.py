@@ -11,7 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
-from matplotlib import colormaps  # noqa: E402
+from matplotlib import colormaps, patheffects  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import PercentFormatter  # noqa: E402
 
@@ -76,7 +76,8 @@ def draw_timelines(panels: list[TimelinePanel], path: str | os.PathLike) -> None
             twin = ax.twinx()
             xs = [(t - p.t0) / div for t, _ in p.levels] + [(p.t1 - p.t0) / div]
             ys = [w for _, w in p.levels] + [p.levels[-1][1]]
-            twin.step(xs, ys, where="post", color="black", lw=1.0, label="waterlevel")
+            twin.step(xs, ys, where="post", color="black", lw=1.1, label="waterlevel",
+                      path_effects=[patheffects.withStroke(linewidth=2.8, foreground="white")])  # readable on any bar
             twin.set_ylim(0, max(ys) * 1.15 + 1)
             twin.set_ylabel("waterlevel", fontsize=9)
     axes[-1, 0].set_xlabel(unit)
