@@ -51,6 +51,7 @@ class MetricsConfig:
         require(self.progress in PROGRESS_MODES, "progress",
                 f"must be one of {', '.join(PROGRESS_MODES)}; got {self.progress!r}")
         require(self.progress_interval_s > 0, "progress_interval_s", f"must be > 0, got {self.progress_interval_s}")
-        require(self.plots_interval_s >= 0, "plots_interval_s", f"must be >= 0 (0: only at the end), got {self.plots_interval_s}")
+        require(self.plots_interval_s >= 0, "plots_interval_s",
+                f"must be >= 0 (0: only at the end), got {self.plots_interval_s}")
         require(self.rate_window_s > 0, "rate_window_s", f"must be > 0, got {self.rate_window_s}")
         require(self.sample_interval_s >= 0, "sample_interval_s", f"must be >= 0, got {self.sample_interval_s}")

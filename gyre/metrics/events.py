@@ -28,6 +28,8 @@ class EventError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class Event:
+    """Base of every event: its on-disk `kind` and when it happened."""
+
     kind: ClassVar[str] = ""
     t: float = field(default_factory=time.time)
     """When it happened (for spans: when they ended), unix seconds."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gyre.metrics.config import MetricsConfig
+from gyre.metrics.events import Event
 from gyre.metrics.log import EventTail
 from gyre.metrics.plots import write_figures
 from gyre.metrics.progress import Progress
@@ -56,16 +57,10 @@ class RunMonitor:
     def update(self, now: float | None = None) -> None:
         """Fold the events appended since the last call into every view; never raises."""
         now = time.time() if now is None else now
-        for e in self._tail.read_new():
-            self.state.add(e)
-            scalars = make_scalars(e, self.state)
-            if scalars is not None and scalars.axis == "elapsed_s":
-                if self._sampled_at is not None and e.t - self._sampled_at < self.cfg.sample_interval_s:
-                    continue
-                self._sampled_at = e.t
-            if scalars is not None:
-                for name, sink in list(self._sinks.items()):
-                    self._guard(name, lambda sink=sink: sink.write(e, scalars))
+        events: list[Event] = []
+        self._guard("events", lambda: events.extend(self._tail.read_new()))
+        for e in events:
+            self._guard("fold", lambda e=e: self._add(e))
         self._guard("progress", lambda: self._progress.update(self.state, now))
         interval = self.cfg.plots_interval_s
         if interval and (self._plots_at is None or now - self._plots_at >= interval):
@@ -83,6 +78,18 @@ class RunMonitor:
             self._guard(name, sink.close)
         self._sinks.clear()
         return summarize(self.state) | {"view_errors": dict(self.view_errors)}
+
+    def _add(self, e: Event) -> None:
+        self.state.add(e)
+        scalars = make_scalars(e, self.state)
+        if scalars is None:
+            return
+        if scalars.axis == "elapsed_s":
+            if self._sampled_at is not None and e.t - self._sampled_at < self.cfg.sample_interval_s:
+                return
+            self._sampled_at = e.t
+        for name, sink in list(self._sinks.items()):
+            self._guard(name, lambda sink=sink: sink.write(e, scalars))
 
     def _draw(self) -> None:
         if self.cfg.figures:

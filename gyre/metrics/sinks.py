@@ -6,7 +6,6 @@ the run's first event: the cluster samples with calls/s, tokens/s, outcomes, exc
 `switch` (the n-th role switch: its phases), `version` (weight publishes), `micro_step`.
 """
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -22,8 +21,6 @@ from gyre.metrics.events import (
     WeightPublish,
 )
 from gyre.metrics.state import RunState
-
-log = logging.getLogger(__name__)
 
 _LOSS_FIELDS = ("loss", "clip_fraction", "truncated_fraction", "ratio_mean", "logprob_gap_mean", "entropy_mean",
                 "grad_norm", "num_executions")
@@ -81,9 +78,6 @@ class TensorBoardSink:
         for tag, value in scalars.values.items():
             self._writer.add_scalar(tag, value, scalars.step, walltime=e.t)
 
-    def flush(self) -> None:
-        self._writer.flush()
-
     def close(self) -> None:
         self._writer.close()
 
@@ -103,9 +97,6 @@ class WandbSink:
             self._run.define_metric(tag, step_metric=scalars.axis)
             self._defined.add(tag)
         self._run.log({**scalars.values, scalars.axis: scalars.step})
-
-    def flush(self) -> None:
-        pass
 
     def close(self) -> None:
         self._run.finish()

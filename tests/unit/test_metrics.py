@@ -287,6 +287,18 @@ def test_a_raising_sink_never_stops_the_monitor_and_is_counted(tmp_path, run_eve
     assert len([r for r in caplog.records if "tensorboard failed" in r.message]) == 1
 
 
+def test_an_event_with_a_value_the_fold_cannot_use_is_counted_and_skipped(tmp_path, run_events):
+    path = write_run(tmp_path, run_events[:20])
+    call = next(e for e in run_events if isinstance(e, ModelCall))
+    bad = json.loads(encode_event(call)) | {"latency_s": "slow"}
+    with open(path, "a") as f:
+        f.write(json.dumps(bad) + "\n")
+    write_run(tmp_path, run_events[20:])
+    monitor = RunMonitor(tmp_path, QUIET)
+    summary = monitor.close()
+    assert summary["view_errors"] == {"fold": 1} and summary["num_steps"] == 4
+
+
 def test_monitor_follows_events_other_processes_append_and_draws_at_the_end(tmp_path, run_events):
     monitor = RunMonitor(tmp_path, replace(QUIET, figures=True, plots_interval_s=0))
     half = len(run_events) // 2
