@@ -20,6 +20,7 @@ from gyre.engines.config import EngineConfig
 from gyre.errors import ConfigError, require
 from gyre.harness.config import HarnessConfig
 from gyre.launch.config import ClusterConfig
+from gyre.metrics.config import MetricsConfig
 from gyre.models.config import ModelConfig
 from gyre.proxy.config import ProxyConfig
 from gyre.scheduler.config import SchedulerConfig
@@ -42,6 +43,7 @@ class GyreConfig:
     trajectory: TrajectoryConfig = MISSING
     harness: HarnessConfig = MISSING
     tasks: TasksConfig = MISSING
+    metrics: MetricsConfig = MISSING
     seed: int = 0
     """Seed for every random generator of the run."""
     num_steps: int = 2
@@ -71,7 +73,7 @@ class GyreConfig:
 
 
 _SECTIONS = (ClusterConfig, EngineConfig, ModelConfig, ProxyConfig, SchedulerConfig, TrainerConfig, CoordinatorConfig,
-             TrajectoryConfig, HarnessConfig, TasksConfig)
+             TrajectoryConfig, HarnessConfig, TasksConfig, MetricsConfig)
 
 
 def register_configs() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from gyre.cells.protocol import CellFailure, CheckpointDone, PhaseDone, RoleDone, StepDone, recv, send
 from gyre.config import GyreConfig
 from gyre.coordinator.build import Parts, build, close
-from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
+from gyre.coordinator.ledger import ExecutionLedger, read_ledger
 from gyre.coordinator.rollouts import Rollouts
 from gyre.coordinator.summary import RunEvents
 from gyre.coordinator.training import Training
@@ -38,7 +38,7 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
     view = read_ledger(run_dir / "ledger.jsonl")
     ledger, events = ExecutionLedger(run_dir / "ledger.jsonl"), RunEvents(run_dir, cfg)
     parts = await build(cfg, run_dir, resume)
-    events.start(parts.initial)
+    events.start(parts.initial, [x.state.role.value for x in parts.cells])
     c = cfg.coordinator
     try:
         train = Training(groups_per_step=c.groups_per_step, staleness=cfg.scheduler.staleness, trajectory=cfg.trajectory,
@@ -47,7 +47,8 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
         rollouts = Rollouts(taskset=taskset, harness=cfg.harness, group_size=c.group_size, groups_per_step=c.groups_per_step,
                             num_steps=cfg.num_steps, staleness=cfg.scheduler.staleness, seed=cfg.seed,
                             model=cfg.proxy.model_names[0], run_dir=run_dir, ledger=ledger, proxy=parts.admin,
-                            proxy_url=parts.proxy.url, records_dir=run_dir / "records")  # fmt: skip
+                            proxy_url=parts.proxy.url, records_dir=run_dir / "records",
+                            on_state=events.execution_state)  # fmt: skip
         if resume:
             rollouts.restore(view, train.version)
         while train.version < cfg.num_steps or train.uncheckpointed:
@@ -57,11 +58,12 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
                 while cell.conn.poll():
                     await _on_message(recv(cell.conn), cell, parts, train, rollouts, ledger, events, cfg, now)
             queued, ahead, running = rollouts.counts(train.version)
+            sessions = await _sessions(parts)
             obs = make_observation(
-                now, [x.state for x in parts.cells], _sessions(parts, running), [c.sessions_per_cell] * len(parts.cells),
+                now, [x.state for x in parts.cells], sessions, [c.sessions_per_cell] * len(parts.cells),
                 [1.0] * len(parts.cells), queued=queued, queued_ahead=ahead, running=running, queue=train.queue,
                 train_tok_s=train.train_tok_s, optimizing=train.in_flight is not None)  # fmt: skip
-            events.observe(obs)
+            events.observe(obs, sessions)
             decision = parts.policy.decide(obs)
             for i in decision.to_train + decision.to_rollout:
                 target = Role.TRAIN if i in decision.to_train else Role.ROLLOUT
@@ -69,16 +71,14 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
             rollouts.admit_groups(train.version)
             serving = sum(x.state.role == Role.ROLLOUT for x in parts.cells)
             await rollouts.start_queued(serving * c.sessions_per_cell - running)
-            for ex in await rollouts.collect():
-                events.execution(ex)
+            await rollouts.collect()
             for group in rollouts.ready_groups():
                 batch = train.add_group(group)
                 rollouts.log_exclusions(group, batch.excluded)
-                events.group(group, batch)
             if parts.core.state.role == Role.TRAIN and (step := train.next_step()) is not None:
                 parts.core.state.join_step(step.step)
                 send(parts.core.conn, step)
-            events.progress(train, rollouts, parts)
+            events.update()
             await asyncio.sleep(c.tick_s)
     except BaseException as e:
         events.failure("coordinator", repr(e))
@@ -92,10 +92,10 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
         events.close()
 
 
-def _sessions(parts: Parts, running: int) -> list[int]:
-    """Live sessions per cell, as the proxy routes them (executions split evenly until it reports)."""
-    serving = [x for x in parts.cells if x.state.role == Role.ROLLOUT]
-    return [running // max(1, len(serving)) if x in serving else 0 for x in parts.cells]
+async def _sessions(parts: Parts) -> list[int]:
+    """Live sessions per cell, as the proxy routes them."""
+    engines = {e["engine_id"]: e for e in (await parts.admin.metrics())["engines"]}
+    return [engines.get(x.engine_id, {}).get("num_sessions", 0) for x in parts.cells]
 
 
 async def _on_message(msg, cell, parts: Parts, train: Training, rollouts: Rollouts, ledger: ExecutionLedger,
@@ -110,17 +110,17 @@ async def _on_message(msg, cell, parts: Parts, train: Training, rollouts: Rollou
     elif isinstance(msg, StepDone):
         rec = train.on_step_done(msg, sum(x.state.role == Role.TRAIN for x in parts.cells))
         parts.core.state.leave_step()
-        events.step(rec, train)
-        await asyncio.gather(*(_load_newest(x, msg.weights) for x in parts.cells if x.state.role == Role.ROLLOUT))
+        events.step(rec)
+        t0, serving = time.monotonic(), [x for x in parts.cells if x.state.role == Role.ROLLOUT]
+        await asyncio.gather(*(_load_newest(x, msg.weights) for x in serving))
+        events.publish(train.version, time.monotonic() - t0, len(serving))
         if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= cfg.num_steps:
             send(parts.core.conn, train.checkpoint({"next_group": rollouts.next_group}))
     elif isinstance(msg, CheckpointDone):
         events.checkpoint(msg)
         for rec in train.on_checkpoint_done(msg):
             for group, batch in rec.groups:
-                trained = {eid for mb in batch.micro_batches for eid in mb.execution_ids}
-                for eid in sorted(trained):
-                    ledger.append(LedgerEntry(eid, "trained", time.time(), group=group.index, step=rec.step))
+                rollouts.mark_trained(group, {eid for mb in batch.micro_batches for eid in mb.execution_ids}, rec.step)
     elif isinstance(msg, CellFailure):
         raise RunFailed(f"cell {msg.cell}: {msg.message}")
 

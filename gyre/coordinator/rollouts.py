@@ -56,11 +56,13 @@ class Rollouts:
 
     def __init__(self, *, taskset: TaskSet, harness: HarnessConfig, group_size: int, groups_per_step: int,
                  num_steps: int, staleness: int, seed: int, model: str, run_dir: Path, ledger: ExecutionLedger,
-                 proxy: ProxyAdmin, proxy_url: str, records_dir: Path):  # fmt: skip
+                 proxy: ProxyAdmin, proxy_url: str, records_dir: Path, on_state=None):  # fmt: skip
         self.taskset, self.harness, self.group_size, self.groups_per_step = taskset, harness, group_size, groups_per_step
         self.num_steps, self.staleness, self.seed, self.model = num_steps, staleness, seed, model
         self.sandbox_root, self.ledger, self.proxy, self.proxy_url = run_dir / "sandboxes", ledger, proxy, proxy_url
         self.records_dir = records_dir
+        self.on_state = on_state
+        """Called with each ledger entry and the execution's step (events)."""
         self.groups: dict[int, Group] = {}
         self.next_group = 0
         """The data cursor: groups drawn so far."""
@@ -69,8 +71,10 @@ class Rollouts:
 
     def _log(self, ex: Execution, state: str, **fields) -> None:
         ex.state = state
-        self.ledger.append(LedgerEntry(ex.execution_id, state, time.time(), group=ex.group, task_id=ex.task.task_id,
-                                       **fields))
+        entry = LedgerEntry(ex.execution_id, state, time.time(), group=ex.group, task_id=ex.task.task_id, **fields)
+        self.ledger.append(entry)
+        if self.on_state is not None:
+            self.on_state(entry, ex.group // self.groups_per_step)
 
     # ---- admission ---------------------------------------------------------------------------
     def admit_groups(self, version: int) -> None:
@@ -176,6 +180,12 @@ class Rollouts:
             ex = by_id.get(eid)
             if ex is not None and ex.state != "excluded":
                 self._log(ex, "excluded", reason=reason)
+
+    def mark_trained(self, group: Group, execution_ids: set[str], step: int) -> None:
+        """Ledger lines for the executions whose targets optimizer step `step` trained (checkpointed)."""
+        for ex in group.executions:
+            if ex.execution_id in execution_ids:
+                self._log(ex, "trained", step=step)
 
     def ready_groups(self) -> list[Group]:
         """Groups whose executions all have an evaluation and that were not batched yet, in order."""

@@ -1,108 +1,85 @@
-"""What the coordinator tells people: events to the run directory, a progress line, the summary."""
+"""What the coordinator tells people: typed events into the run's events.jsonl (gyre.metrics), the
+live views built from them (progress, TensorBoard, figures), and the run's summary."""
 
-import json
-import os
-import sys
-import time
-from collections import defaultdict
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
-from gyre.cells.protocol import CheckpointDone, RoleDone
-from gyre.coordinator.ledger import LedgerView
+from gyre.cells.protocol import CellReady, CheckpointDone, RoleDone
+from gyre.coordinator.ledger import LedgerEntry, LedgerView
+from gyre.metrics.events import (Checkpoint, ExecutionState, Exclusion, Failure, Observation, OptimizerStep, RoleSwitch,
+                                 RunStart, WeightPublish)
+from gyre.metrics.log import EventLog
+from gyre.metrics.monitor import RunMonitor
 
 
 class RunEvents:
-    """Appends one JSON line per event to `events.jsonl` and keeps what the summary needs."""
+    """The coordinator's emitter and monitor (one per run process)."""
 
-    def __init__(self, run_dir: Path, cfg, progress_every_s: float = 5.0):
+    def __init__(self, run_dir: Path, cfg):
         self.cfg, self.run_dir = cfg, run_dir
-        self._fd = os.open(run_dir / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self.rewards: dict[int, list[float]] = {}
-        self.switches: list[RoleDone] = []
-        self.role_time: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self._last_roles: dict[int, tuple[str, float]] = {}
-        self._last_progress = 0.0
-        self.progress_every_s = progress_every_s
-        self.t0 = time.time()
-        self.obs = None
+        self.log = EventLog(run_dir, cfg.metrics)
+        self.monitor = RunMonitor(run_dir, cfg.metrics, num_steps=cfg.num_steps)
+        self._roles: dict[int, str] = {}
+        self._observed_at = 0.0
 
-    def emit(self, kind: str, **fields) -> None:
-        os.write(self._fd, (json.dumps({"kind": kind, "t": time.time(), **fields}) + "\n").encode())
+    def start(self, ready: CellReady, roles: list[str]) -> None:
+        self._roles = dict(enumerate(roles))
+        self.log.emit(RunStart(mode=self.cfg.scheduler.mode, num_steps=self.cfg.num_steps, num_cells=len(roles),
+                               start_step=ready.step, weights_digest=ready.weights_digest))
 
-    def observe(self, obs) -> None:
-        self.obs = obs
-        for c in obs.cells:
-            role, since = self._last_roles.get(c.index, (c.role.value, obs.now_s))
-            self.role_time[c.index][role] += obs.now_s - since
-            self._last_roles[c.index] = (c.role.value, obs.now_s)
-        self.emit("observation", queued=obs.queued, running=obs.running, roles=[c.role.value for c in obs.cells])
+    def execution_state(self, entry: LedgerEntry, step: int) -> None:
+        self.log.emit(ExecutionState(execution_id=entry.execution_id, task_id=entry.task_id, group_id=str(entry.group),
+                                     step=step, state=entry.state, reason=entry.reason or None, reward=entry.score,
+                                     duration_s=entry.duration_s))
+        if entry.state == "excluded":
+            self.log.emit(Exclusion(execution_id=entry.execution_id, reason=entry.reason))
 
-    def execution(self, ex) -> None:
-        ev = ex.evaluation
-        self.emit("execution", execution_id=ex.execution_id, group=ex.group, state=ex.state, outcome=ev.outcome,
-                  score=ev.score, duration_s=ex.duration_s)
-
-    def group(self, group, batch) -> None:
-        self.emit("group", group=group.index, step=group.step, rewards=batch.rewards, excluded=batch.excluded,
-                  num_micro_batches=len(batch.micro_batches), tokens_naive=batch.counts.targets_naive,
-                  tokens_capped=batch.counts.targets_capped, tokens_dedup=batch.counts.targets_dedup,
-                  masked_targets=batch.num_masked_targets)
+    def observe(self, obs, sessions: list[int]) -> None:
+        if obs.now_s - self._observed_at < 1.0:
+            return
+        self._observed_at = obs.now_s
+        self.log.emit(Observation(queued=obs.queued, running=obs.running, roles=[c.role.value for c in obs.cells],
+                                  sessions=sessions))
 
     def role_switch(self, msg: RoleDone) -> None:
-        self.switches.append(msg)
-        self.emit("role_switch", cell=msg.cell, to_role=msg.role, t_start=msg.t_start, phases=msg.phases)
+        self.log.emit(RoleSwitch(cell=msg.cell, from_role=self._roles.get(msg.cell, ""), to_role=msg.role,
+                                 t_start=msg.t_start, phases=msg.phases))
+        self._roles[msg.cell] = msg.role
 
-    def step(self, rec, train) -> None:
-        self.rewards[rec.step] = rec.rewards
-        r = rec.rewards
-        self.emit("optimizer_step", step=rec.step, seconds=rec.seconds, reward_mean=float(np.mean(r)) if r else None,
-                  reward_std=float(np.std(r)) if r else None, **{k: v for k, v in rec.metrics.items()
-                                                                   if isinstance(v, (int, float))})
+    def step(self, rec) -> None:
+        m, r = rec.metrics, rec.rewards
+        counts = {}
+        for _, batch in rec.groups:
+            for k, v in dataclasses.asdict(batch.counts).items():
+                counts[k] = counts.get(k, 0) + v
+        self.log.emit(OptimizerStep(
+            step=rec.step, loss=m.get("loss", 0.0), clip_fraction=m.get("clip_fraction", 0.0),
+            truncated_fraction=m.get("truncated_fraction", 0.0), ratio_mean=m.get("ratio_mean", 1.0),
+            logprob_gap_mean=m.get("logprob_gap_mean", 0.0), entropy_mean=m.get("entropy_mean"),
+            grad_norm=m.get("grad_norm", 0.0), reward_mean=float(np.mean(r)) if r else 0.0,
+            reward_std=float(np.std(r)) if r else 0.0, num_executions=len(r), seconds=rec.seconds, **counts))
+
+    def publish(self, version: int, seconds: float, num_engines: int) -> None:
+        self.log.emit(WeightPublish(version=version, seconds=seconds, num_engines=num_engines))
 
     def checkpoint(self, msg: CheckpointDone) -> None:
-        self.emit("checkpoint", step=msg.step, path=msg.path, seconds=msg.seconds, weights_digest=msg.weights_digest)
-
-    def start(self, ready) -> None:
-        self.emit("start", step=ready.step, weights_digest=ready.weights_digest)
+        self.log.emit(Checkpoint(step=msg.step, path=msg.path, seconds=msg.seconds, weights_digest=msg.weights_digest))
 
     def failure(self, component: str, message: str) -> None:
-        self.emit("failure", component=component, message=message)
+        self.log.emit(Failure(component=component, message=message))
 
-    def progress(self, train, rollouts, parts) -> None:
-        now = time.time()
-        if now - self._last_progress < self.progress_every_s or self.obs is None:
-            return
-        self._last_progress = now
-        last = self.rewards.get(train.version - 1)
-        reward = f"{np.mean(last):.3f}" if last else "-"
-        roles = " ".join(f"{c.index}:{c.role.value}" for c in self.obs.cells)
-        print(f"[{now - self.t0:6.0f}s] step {train.version}/{self.cfg.num_steps} waterlevel {self.obs.waterlevel} "
-              f"(queued {self.obs.queued}, running {self.obs.running}) cells {roles} reward {reward}",
-              file=sys.stderr, flush=True)
+    def update(self) -> None:
+        self.monitor.update()
 
     def summary(self, view: LedgerView, wall_s: float, version: int) -> dict:
-        """The run's figures; `version` is the weight version reached (steps, resumed ones included)."""
-        steps = sorted(self.rewards)
-        means = [float(np.mean(self.rewards[s])) for s in steps if self.rewards[s]]
-        phases = defaultdict(list)
-        for sw in self.switches:
-            for p, secs in sw.phases.items():
-                phases[p].append(secs)
-        share = {}
-        for cell, roles in sorted(self.role_time.items()):
-            total = sum(roles.values()) or 1.0
-            share[str(cell)] = {r: round(v / total, 3) for r, v in roles.items()}
-        return {
-            "num_steps": version, "executions": dict(view.counts()),
-            "reward_first3": float(np.mean(means[:3])) if means else None,
-            "reward_last3": float(np.mean(means[-3:])) if means else None,
-            "reward_per_step": [round(m, 4) for m in means],
-            "num_role_switches": len(self.switches),
-            "switch_phase_s": {p: round(float(np.mean(v)), 4) for p, v in phases.items()},
-            "role_share": share, "wall_s": round(wall_s, 1), "run_dir": str(self.run_dir),
-        }
+        """The monitor's figures, with the ledger's counts (the durable truth) and the run's totals."""
+        out, self.monitor = self.monitor.close(), None
+        return out | {"num_steps": version, "executions": dict(view.counts()), "wall_s": round(wall_s, 1),
+                      "run_dir": str(self.run_dir)}
 
     def close(self) -> None:
-        os.close(self._fd)
+        self.log.close()
+        if self.monitor is not None:
+            self.monitor.close()

@@ -48,6 +48,10 @@ class RunStart(Event):
     """Index of the core cell (None: no core, e.g. every cell trains in turn)."""
     name: str = ""
     """A label for comparisons (default: the run directory's name)."""
+    start_step: int = 0
+    """The weight version it starts from (> 0 when it resumes a checkpoint)."""
+    weights_digest: str = ""
+    """Digest of the core's weights at start (equal to the resumed checkpoint's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +165,8 @@ class Checkpoint(Event):
     step: int
     path: str
     seconds: float
+    weights_digest: str = ""
+    """Digest of the core's weights as saved."""
 
 
 @dataclass(frozen=True, kw_only=True)
