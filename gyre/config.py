@@ -53,10 +53,13 @@ class GyreConfig:
     """One of RUN_MODES (gyre.coordinator.config)."""
     resume: bool = False
     """Continue the run in this run directory (hydra.run.dir=...) from its latest checkpoint."""
+    records: str | None = None
+    """mode=replay: the records directory of an earlier run (its ledger.jsonl beside it gives the scores)."""
 
     def __post_init__(self):
         require(self.num_steps >= 1, "num_steps", f"must be >= 1, got {self.num_steps}")
         require(self.mode in RUN_MODES, "mode", f"must be one of {', '.join(RUN_MODES)}; got {self.mode!r}")
+        require(self.mode != "replay" or bool(self.records), "records", "mode=replay needs records=DIR (an earlier run's records)")
         if not all(isinstance(getattr(self, f.name), f.type) for f in fields(self) if f.type in _SECTIONS):
             return  # a section left unset (partial configs in tests); cross-section checks need all
         self._check_across()

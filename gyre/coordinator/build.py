@@ -24,7 +24,17 @@ from gyre.engines.client import EngineClient
 from gyre.proxy.admin import ProxyAdmin
 from gyre.proxy.main import ProxyProcess
 from gyre.scheduler.cells import Role, make_cells
-from gyre.scheduler.policy import BasePolicy, make_policy
+from gyre.scheduler.policy import BasePolicy, Decision, make_policy
+
+
+class RolloutOnlyPolicy(BasePolicy):
+    """mode=rollout: every cell serves rollouts and none ever switches."""
+
+    def initial_roles(self) -> list[Role]:
+        return [Role.ROLLOUT] * self.num_cells
+
+    def decide(self, obs) -> Decision:
+        return Decision()
 
 
 @dataclass
@@ -70,7 +80,7 @@ async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
 
 async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
     n = cfg.cluster.num_cells
-    parts.policy = make_policy(cfg.scheduler, n)
+    parts.policy = RolloutOnlyPolicy(cfg.scheduler, n) if cfg.mode == "rollout" else make_policy(cfg.scheduler, n)
     roles = parts.policy.initial_roles()
     parts.listener, address = _listener()
     for state, role in zip(make_cells(n, cfg.cluster.cell_nodes), roles):

@@ -18,12 +18,14 @@ from gyre.cells.protocol import CellFailure, CheckpointDone, PhaseDone, RoleDone
 from gyre.config import GyreConfig
 from gyre.coordinator.build import Parts, build, close
 from gyre.coordinator.ledger import ExecutionLedger, read_ledger
+from gyre.coordinator.replay import ReplaySource
 from gyre.coordinator.rollouts import Rollouts
 from gyre.coordinator.summary import RunEvents
 from gyre.coordinator.training import Training
 from gyre.errors import GyreError
 from gyre.scheduler.cells import Role
 from gyre.scheduler.observe import make_observation
+from gyre.tasks.spec import TaskSet
 
 log = logging.getLogger(__name__)
 
@@ -32,32 +34,35 @@ class RunFailed(GyreError):
     """A cell reported a failure the run cannot continue from."""
 
 
-async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> dict:
-    """Run `cfg.num_steps` RL steps into `run_dir`; returns the summary."""
-    t_start = time.time()
+async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = False) -> dict:
+    """Run `cfg.num_steps` RL steps into `run_dir` (cfg.mode: train, replay or rollout); returns the summary."""
+    t_start, c = time.time(), cfg.coordinator
     view = read_ledger(run_dir / "ledger.jsonl")
     ledger, events = ExecutionLedger(run_dir / "ledger.jsonl"), RunEvents(run_dir, cfg)
-    parts = await build(cfg, run_dir, resume)
-    events.start(parts.initial, [x.state.role.value for x in parts.cells])
-    c = cfg.coordinator
+    source = ReplaySource(Path(cfg.records), taskset, c.groups_per_step, ledger, events.execution_state) \
+        if cfg.mode == "replay" else None
+    parts = None
     try:
+        parts = await build(cfg, run_dir, resume)
+        events.start(parts.initial, [x.state.role.value for x in parts.cells])
         train = Training(groups_per_step=c.groups_per_step, staleness=cfg.scheduler.staleness, trajectory=cfg.trajectory,
-                         max_tokens=c.max_micro_batch_tokens, version=parts.initial.step, train_tok_s=c.train_tok_s)
-        train.weights = parts.initial.weights
-        rollouts = Rollouts(taskset=taskset, harness=cfg.harness, group_size=c.group_size, groups_per_step=c.groups_per_step,
-                            num_steps=cfg.num_steps, staleness=cfg.scheduler.staleness, seed=cfg.seed,
-                            model=cfg.proxy.model_names[0], run_dir=run_dir, ledger=ledger, proxy=parts.admin,
-                            proxy_url=parts.proxy.url, records_dir=run_dir / "records",
-                            on_state=events.execution_state)  # fmt: skip
+                         max_tokens=c.max_micro_batch_tokens, version=parts.initial.step, train_tok_s=c.train_tok_s,
+                         weights=parts.initial.weights)  # fmt: skip
+        source = source or Rollouts(
+            taskset=taskset, harness=cfg.harness, group_size=c.group_size, groups_per_step=c.groups_per_step,
+            num_steps=cfg.num_steps, staleness=cfg.num_steps if cfg.mode == "rollout" else cfg.scheduler.staleness,
+            seed=cfg.seed, model=cfg.proxy.model_names[0], run_dir=run_dir, ledger=ledger, proxy=parts.admin,
+            proxy_url=parts.proxy.url, records_dir=run_dir / "records", on_state=events.execution_state)  # fmt: skip
         if resume:
-            rollouts.restore(view, train.version)
-        while train.version < cfg.num_steps or train.uncheckpointed:
+            source.restore(view, train.version)
+        num_steps = min(cfg.num_steps, getattr(source, "num_steps", cfg.num_steps))
+        while not _finished(cfg.mode, num_steps, train, source):
             now = time.time()
             for cell in parts.cells:
                 cell.check_alive()
                 while cell.conn.poll():
-                    await _on_message(recv(cell.conn), cell, parts, train, rollouts, ledger, events, cfg, now)
-            queued, ahead, running = rollouts.counts(train.version)
+                    await _on_message(recv(cell.conn), cell, parts, train, source, events, cfg, now)
+            queued, ahead, running = source.counts(train.version)
             sessions = await _sessions(parts)
             obs = make_observation(
                 now, [x.state for x in parts.cells], sessions, [c.sessions_per_cell] * len(parts.cells),
@@ -68,13 +73,15 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
             for i in decision.to_train + decision.to_rollout:
                 target = Role.TRAIN if i in decision.to_train else Role.ROLLOUT
                 parts.cells[i].begin_switch(target, now, train.weights, parts.core_address)
-            rollouts.admit_groups(train.version)
+            source.admit_groups(train.version)
             serving = sum(x.state.role == Role.ROLLOUT for x in parts.cells)
-            await rollouts.start_queued(serving * c.sessions_per_cell - running)
-            await rollouts.collect()
-            for group in rollouts.ready_groups():
-                batch = train.add_group(group)
-                rollouts.log_exclusions(group, batch.excluded)
+            await source.start_queued(serving * c.sessions_per_cell - running)
+            await source.collect()
+            for group in source.ready_groups():
+                if cfg.mode == "rollout":
+                    group.batched = True  # evaluated and recorded; never trained
+                    continue
+                source.log_exclusions(group, train.add_group(group).excluded)
             if parts.core.state.role == Role.TRAIN and (step := train.next_step()) is not None:
                 parts.core.state.join_step(step.step)
                 send(parts.core.conn, step)
@@ -86,10 +93,18 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset, resume: bool = False) -> 
     else:
         return events.summary(read_ledger(run_dir / "ledger.jsonl"), time.time() - t_start, train.version)
     finally:
-        rollouts.close() if "rollouts" in locals() else None
-        await close(parts)
+        if source is not None:
+            source.close()
+        if parts is not None:
+            await close(parts)
         ledger.close()
         events.close()
+
+
+def _finished(mode: str, num_steps: int, train: Training, source) -> bool:
+    if mode == "rollout":
+        return source.next_group >= num_steps * source.groups_per_step and all(g.batched for g in source.groups.values())
+    return train.version >= num_steps and not train.uncheckpointed
 
 
 async def _sessions(parts: Parts) -> list[int]:
@@ -98,8 +113,8 @@ async def _sessions(parts: Parts) -> list[int]:
     return [engines.get(x.engine_id, {}).get("num_sessions", 0) for x in parts.cells]
 
 
-async def _on_message(msg, cell, parts: Parts, train: Training, rollouts: Rollouts, ledger: ExecutionLedger,
-                      events: "RunEvents", cfg: GyreConfig, now: float) -> None:  # fmt: skip
+async def _on_message(msg, cell, parts: Parts, train: Training, source, events: RunEvents, cfg: GyreConfig,
+                      now: float) -> None:  # fmt: skip
     if isinstance(msg, PhaseDone):
         cell.on_phase(msg, now)
     elif isinstance(msg, RoleDone):
@@ -115,12 +130,12 @@ async def _on_message(msg, cell, parts: Parts, train: Training, rollouts: Rollou
         await asyncio.gather(*(_load_newest(x, msg.weights) for x in serving))
         events.publish(train.version, time.monotonic() - t0, len(serving))
         if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= cfg.num_steps:
-            send(parts.core.conn, train.checkpoint({"next_group": rollouts.next_group}))
+            send(parts.core.conn, train.checkpoint({"next_group": source.next_group}))
     elif isinstance(msg, CheckpointDone):
         events.checkpoint(msg)
         for rec in train.on_checkpoint_done(msg):
             for group, batch in rec.groups:
-                rollouts.mark_trained(group, {eid for mb in batch.micro_batches for eid in mb.execution_ids}, rec.step)
+                source.mark_trained(group, {eid for mb in batch.micro_batches for eid in mb.execution_ids}, rec.step)
     elif isinstance(msg, CellFailure):
         raise RunFailed(f"cell {msg.cell}: {msg.message}")
 

@@ -51,30 +51,55 @@ class Group:
         return all(e.evaluation is not None for e in self.executions)
 
 
-class Rollouts:
+class GroupBook:
+    """Groups and their executions, every state change written to the ledger (and to `on_state`)."""
+
+    def __init__(self, groups_per_step: int, ledger: ExecutionLedger, on_state=None):
+        self.groups_per_step, self.ledger, self.on_state = groups_per_step, ledger, on_state
+        self.groups: dict[int, Group] = {}
+        self.next_group = 0
+        """The data cursor: groups drawn so far."""
+
+    def _log(self, ex: Execution, state: str, **fields) -> None:
+        ex.state = state
+        entry = LedgerEntry(ex.execution_id, state, time.time(), group=ex.group, task_id=ex.task.task_id,
+                            **{k: v for k, v in fields.items() if v not in (None, "")})
+        self.ledger.append(entry)
+        if self.on_state is not None:
+            self.on_state(entry, ex.group // self.groups_per_step)
+
+    def log_exclusions(self, group: Group, excluded: list[tuple[str, str]]) -> None:
+        """Ledger lines for executions the trajectory processor left out (not those excluded already)."""
+        by_id = {ex.execution_id: ex for ex in group.executions}
+        for eid, reason in excluded:
+            ex = by_id.get(eid)
+            if ex is not None and ex.state != "excluded":
+                self._log(ex, "excluded", reason=reason)
+
+    def mark_trained(self, group: Group, execution_ids: set[str], step: int) -> None:
+        """Ledger lines for the executions whose targets optimizer step `step` trained (checkpointed)."""
+        for ex in group.executions:
+            if ex.execution_id in execution_ids:
+                self._log(ex, "trained", step=step)
+
+    def ready_groups(self) -> list[Group]:
+        """Groups whose executions all have an evaluation and that were not batched yet, in order."""
+        return [g for g in sorted(self.groups.values(), key=lambda g: g.index) if not g.batched and g.ready]
+
+
+class Rollouts(GroupBook):
     """Executions from admission to evaluation."""
 
     def __init__(self, *, taskset: TaskSet, harness: HarnessConfig, group_size: int, groups_per_step: int,
                  num_steps: int, staleness: int, seed: int, model: str, run_dir: Path, ledger: ExecutionLedger,
                  proxy: ProxyAdmin, proxy_url: str, records_dir: Path, on_state=None):  # fmt: skip
-        self.taskset, self.harness, self.group_size, self.groups_per_step = taskset, harness, group_size, groups_per_step
+        super().__init__(groups_per_step, ledger, on_state)
+        self.taskset, self.harness, self.group_size = taskset, harness, group_size
         self.num_steps, self.staleness, self.seed, self.model = num_steps, staleness, seed, model
-        self.sandbox_root, self.ledger, self.proxy, self.proxy_url = run_dir / "sandboxes", ledger, proxy, proxy_url
+        self.sandbox_root, self.proxy, self.proxy_url = run_dir / "sandboxes", proxy, proxy_url
         self.records_dir = records_dir
-        self.on_state = on_state
-        """Called with each ledger entry and the execution's step (events)."""
-        self.groups: dict[int, Group] = {}
-        self.next_group = 0
-        """The data cursor: groups drawn so far."""
         self.queue: list[Execution] = []
         self.running: list[Execution] = []
-
-    def _log(self, ex: Execution, state: str, **fields) -> None:
-        ex.state = state
-        entry = LedgerEntry(ex.execution_id, state, time.time(), group=ex.group, task_id=ex.task.task_id, **fields)
-        self.ledger.append(entry)
-        if self.on_state is not None:
-            self.on_state(entry, ex.group // self.groups_per_step)
 
     # ---- admission ---------------------------------------------------------------------------
     def admit_groups(self, version: int) -> None:
@@ -172,24 +197,6 @@ class Rollouts:
         else:
             reason = "no_score" if ev.outcome in ("finished", "timed_out") else ev.outcome
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s)
-
-    def log_exclusions(self, group: Group, excluded: list[tuple[str, str]]) -> None:
-        """Ledger lines for executions the trajectory processor left out (not those excluded already)."""
-        by_id = {ex.execution_id: ex for ex in group.executions}
-        for eid, reason in excluded:
-            ex = by_id.get(eid)
-            if ex is not None and ex.state != "excluded":
-                self._log(ex, "excluded", reason=reason)
-
-    def mark_trained(self, group: Group, execution_ids: set[str], step: int) -> None:
-        """Ledger lines for the executions whose targets optimizer step `step` trained (checkpointed)."""
-        for ex in group.executions:
-            if ex.execution_id in execution_ids:
-                self._log(ex, "trained", step=step)
-
-    def ready_groups(self) -> list[Group]:
-        """Groups whose executions all have an evaluation and that were not batched yet, in order."""
-        return [g for g in sorted(self.groups.values(), key=lambda g: g.index) if not g.batched and g.ready]
 
     def counts(self, version: int) -> tuple[int, int, int]:
         """(queued, queued for later steps than `version`, running)."""

@@ -35,7 +35,7 @@ class StepRecord:
 
 class Training:
     def __init__(self, *, groups_per_step: int, staleness: int, trajectory: TrajectoryConfig, max_tokens: int,
-                 version: int, train_tok_s: float):  # fmt: skip
+                 version: int, train_tok_s: float, weights: dict | None = None):  # fmt: skip
         self.queue = MicroStepQueue(groups_per_step, staleness)
         self.queue.version = version
         self.staleness, self.trajectory, self.max_tokens = staleness, trajectory, max_tokens
@@ -44,7 +44,7 @@ class Training:
         self.train_tok_s = train_tok_s
         """Training throughput of one cell, tokens/s: the configured guess until a step measures it."""
         self.uncheckpointed: list[StepRecord] = []
-        self.weights: dict | None = None
+        self.weights = weights
         """The newest published weights (descriptor + version)."""
         self._claimed: list = []
 
