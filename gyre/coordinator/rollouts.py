@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, LedgerView
+from gyre.errors import GyreError
 from gyre.harness.config import HarnessConfig
-from gyre.harness.sandbox import Sandbox, SandboxError
+from gyre.harness.sandbox import Sandbox
 from gyre.proxy.admin import ProxyAdmin
 from gyre.scheduler.streaming import may_admit
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import Task, TaskSet
-from gyre.tasks.workspace import WorkspaceError
 from gyre.trajectory.rewards import Evaluation
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class Rollouts(GroupBook):
                                      reg["api_key"], self.model)
                 await asyncio.to_thread(ex.sandbox.prepare)
                 ex.sandbox.start()
-            except (SandboxError, WorkspaceError, OSError) as e:
+            except (GyreError, OSError) as e:  # a sandbox, workspace or harness that cannot start
                 log.warning("execution %s could not start: %s", ex.execution_id, e)
                 ex.evaluation = Evaluation("evaluator_error", None, f"sandbox: {e}")
                 self._log(ex, "excluded", reason="sandbox_error")
