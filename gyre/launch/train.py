@@ -78,3 +78,7 @@ def main() -> None:
     if args.cfg and not args.multirun and not args.config_dir and not args.config_name:
         check_config(args.overrides)
     run()
+
+
+if __name__ == "__main__":
+    main()
