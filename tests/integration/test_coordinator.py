@@ -43,7 +43,7 @@ def _taskset(tmp: Path, words: tuple[str, ...] = ("apple", "river", "crash")) ->
 
 
 # Small enough for 2 shared cores; the satellite leaves rollout as soon as one group is ready.
-OVERRIDES = ["coordinator.group_size=2", "coordinator.groups_per_step=3", "coordinator.sessions_per_cell=10",
+OVERRIDES = ["coordinator.group_size=2", "coordinator.groups_per_step=3", "coordinator.sessions_per_cell=20",
              "coordinator.train_tok_s=100", "harness.toy.max_tokens=16", "harness.toy.max_turns=2",
              "harness.toy.subagent=false", "tasks.warm_start=false"]
 
