@@ -109,9 +109,9 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
 
     summary = _finish(_gyre_train(run_dir, tasks, "num_steps=3", "resume=true"))
     view = read_ledger(run_dir / "ledger.jsonl")
-    start = _events(run_dir, "start")[-1]
-    assert start["weights_digest"] == saved[start["step"]]  # the weights are the checkpoint's
-    assert start["step"] >= 1
+    start = _events(run_dir, "run_start")[-1]
+    assert start["weights_digest"] == saved[start["start_step"]]  # the weights are the checkpoint's
+    assert start["start_step"] >= 1
     trained = Counter(e.execution_id for es in view.history.values() for e in es if e.state == "trained")
     assert trained and max(trained.values()) == 1  # none trained twice
     steps = {e.step for es in view.history.values() for e in es if e.state == "trained"}
