@@ -91,7 +91,9 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
         events.failure("coordinator", repr(e))
         raise
     else:
-        return events.summary(read_ledger(run_dir / "ledger.jsonl"), time.time() - t_start, train.version)
+        quota = {"mechanism": parts.core.quota.mechanism, "cpus_per_cell": c.cpus_per_cell}
+        return events.summary(read_ledger(run_dir / "ledger.jsonl"), time.time() - t_start, train.version) | {
+            "cpu_quota": quota}
     finally:
         if source is not None:
             source.close()

@@ -12,6 +12,7 @@ from gyre.metrics.events import (Checkpoint, ExecutionState, Exclusion, Failure,
                                  RunStart, WeightPublish)
 from gyre.metrics.log import EventLog
 from gyre.metrics.monitor import RunMonitor
+from gyre.metrics.report import format_steps
 
 
 class RunEvents:
@@ -75,7 +76,9 @@ class RunEvents:
 
     def summary(self, view: LedgerView, wall_s: float, version: int) -> dict:
         """The monitor's figures, with the ledger's counts (the durable truth) and the run's totals."""
+        state = self.monitor.state
         out, self.monitor = self.monitor.close(), None
+        print(format_steps(state), flush=True)
         return out | {"num_steps": version, "executions": dict(view.counts()), "wall_s": round(wall_s, 1),
                       "run_dir": str(self.run_dir)}
 
