@@ -31,7 +31,7 @@ from gyre.errors import GyreError
 from gyre.launch.serve import serve_app
 from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
-from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer
+from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer, HFTokenizer, has_hf_tokenizer
 from gyre.models.transformer import init_weights
 
 
@@ -64,16 +64,20 @@ class BuiltinEngineServer:
 
     def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig):
         self.cfg = engine_cfg
-        if engine_cfg.model_path:
-            model_cfg, weights = load_checkpoint(engine_cfg.model_path)
-            self._source = engine_cfg.model_path
+        path = engine_cfg.model_path or model_cfg.path  # the engine's own directory, else the model's
+        if path:
+            model_cfg, weights = load_checkpoint(path)
+            self._source = path
         else:
             weights = init_weights(model_cfg, engine_cfg.init_seed)
             self._source = None
         self.model_cfg = model_cfg
-        self.model_path = engine_cfg.model_path
-        ok = model_cfg.vocab_size >= 256 + len(SPECIAL_TOKENS)
-        self.tokenizer = ByteTokenizer(model_cfg.vocab_size) if ok else None
+        self.model_path = path
+        if path and has_hf_tokenizer(path):
+            self.tokenizer = HFTokenizer(path)
+        else:
+            ok = model_cfg.vocab_size >= 256 + len(SPECIAL_TOKENS)
+            self.tokenizer = ByteTokenizer(model_cfg.vocab_size) if ok else None
         self.core = EngineCore(
             model_cfg, weights, engine_cfg.weight_version,
             max_running_requests=engine_cfg.max_running_requests, max_prefill_tokens=engine_cfg.max_prefill_tokens,
@@ -190,7 +194,7 @@ class BuiltinEngineServer:
             cfg, weights = await asyncio.to_thread(load_checkpoint, path)
         except (OSError, ValueError) as e:
             raise BadRequest(f"cannot load {path}: {e}") from None
-        if dataclasses.replace(cfg, name=self.model_cfg.name) != self.model_cfg:
+        if not cfg.same_architecture(self.model_cfg):
             raise BadRequest(f"{path}/config.json describes a different architecture than the served model")
         response = await self._apply_weights(body, weights)
         self._source = path
@@ -264,7 +268,7 @@ class BuiltinEngineServer:
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({
-            "model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
+            "model_path": self.model_path, "tokenizer_path": self.model_path if isinstance(self.tokenizer, HFTokenizer) else None, "is_generation": True,
             "weight_version": self.core.weight_version, "context_length": self.model_cfg.max_seq_len,
             "vocab_size": self.model_cfg.vocab_size, "engine": "gyre-builtin",
             "model_config": dataclasses.asdict(self.model_cfg),
