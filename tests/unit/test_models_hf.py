@@ -119,6 +119,21 @@ def test_unsupported_architectures_fail_naming_the_field(change, field):
     assert hf_config_fields(BASE)["qk_norm"] and hf_config_fields(BASE | {"model_type": "llama"})["qk_norm"] is False
 
 
+def test_sglang_launch_serves_the_model_groups_directory(qwen3):
+    import hydra
+
+    from gyre.config import validate
+    from gyre.engines.launch import make_sglang_command
+    from gyre.launch.train import CONF_DIR
+
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        composed = hydra.compose(config_name="config", overrides=["engine=sglang", "model=hf", f"model.path={qwen3}", "engine.mooncake_master=10.0.0.1:50051"])
+    cfg = validate(composed)
+    assert cfg.model.qk_norm and cfg.model.num_layers == 2
+    cmd = make_sglang_command(cfg.engine, 30000, python="python")
+    assert cmd[:5] == ["python", "-m", "sglang.launch_server", "--model-path", str(qwen3)]
+
+
 def test_model_path_without_config_fails_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="config.json not found") as e:
         ModelConfig(path=str(tmp_path))
