@@ -9,6 +9,7 @@ over the Mooncake Transfer Engine.
 import argparse
 import asyncio
 import base64
+import ctypes
 import dataclasses
 import json
 import os
@@ -301,9 +302,25 @@ class BuiltinEngineServer:
         return web.json_response({"success": True, "transferred_tokens": n})
 
 
+def _return_large_frees_to_the_os(threshold_bytes: int = 1 << 20) -> None:
+    """Fix glibc's mmap threshold (M_MMAP_THRESHOLD = -3) at 1 MiB.
+
+    A step's large temporaries (activations, attention masks) are freed at once, but glibc raises
+    its threshold after each freed mmap chunk up to 32 MiB, so later ones land in the engine
+    thread's heap arena, which fragments and never shrinks: RSS then grew with the prompt length
+    (1.1 GB at 32K tokens, measured) though the live working set is bounded. A fixed threshold
+    keeps them mmapped and returned on free. No-op where libc is not glibc.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold_bytes)
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(engine_cfg: EngineConfig, model_cfg: ModelConfig, port_file: str | None = None) -> None:
     """Run the builtin engine until SIGINT/SIGTERM; writes the bound port to `port_file` once listening."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _return_large_frees_to_the_os()
     server = BuiltinEngineServer(engine_cfg, model_cfg)
 
     serve_app(server.app(), engine_cfg.host, engine_cfg.port, "gyre-engine", port_file=port_file)
