@@ -177,3 +177,15 @@ def test_hf_check_prints_parity_and_roundtrip(qwen3, capsys):
     main([str(qwen3), "--tokens", "24"])
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["trainer_max_abs_diff"] <= 1e-4 and line["engine_max_abs_diff"] <= 1e-4 and line["roundtrip_bitwise"] is True
+
+
+def test_gyres_own_model_family_is_written_as_a_llama_transformers_runs(tmp_path):
+    from gyre.models.checkpoint import save_checkpoint
+    from gyre.models.transformer import init_weights
+
+    cfg = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=96, vocab_size=512, max_seq_len=128)
+    weights = init_weights(cfg, 0)
+    save_checkpoint(tmp_path / "tiny", cfg, weights)
+    assert json.loads((tmp_path / "tiny" / "config.json").read_text())["model_type"] == "llama"
+    ids = IDS[:20]
+    assert (hf_logprobs(tmp_path / "tiny", ids) - sequence_logprobs(cfg, weights, ids)).abs().max() <= 1e-4

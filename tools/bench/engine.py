@@ -1,7 +1,7 @@
 """Builtin engine benchmark: decode throughput under concurrency, and prefill saved by reuse.
 
 Prints a table, then ONE JSON object on the last line:
-  tokens_per_s.{1,8,32}         completion tokens / wall second with N concurrent requests
+  tokens_per_s.{1,8,32}         completion tokens / wall second with N concurrent requests (--concurrency)
   prefix_cache                  cold vs cached latency of a long prompt on one engine (1 new token)
   kv_import                     on a second engine: recompute vs migrate-over-Mooncake + generate
 
@@ -12,6 +12,7 @@ With --long-context N,M,... it instead prefills one N-token prompt per fresh eng
 `rss_ratio` = peak RSS at the longest / at the shortest length.
 
 Usage: PYTHONPATH=. python tools/bench/engine.py [--new-tokens 64] [--prefix-tokens 2000] [--threads 1]
+           [--model-path HF_DIR] [--concurrency 1,8,32]
        PYTHONPATH=. python tools/bench/engine.py --long-context 32768,131072
 """
 
@@ -52,7 +53,7 @@ async def run(a_url: str, b_url: str, args) -> dict:
     result: dict = {"tokens_per_s": {}}
     async with EngineClient(a_url) as a, EngineClient(b_url) as b:
         await throughput(a, 2, 4, 16)  # warm-up
-        for n in (1, 8, 32):
+        for n in args.concurrency:
             result["tokens_per_s"][str(n)] = round(await throughput(a, n, args.new_tokens, args.prompt_tokens), 1)
             await a.flush_cache()
         prefix = _ids(args.prefix_tokens, 7)
@@ -110,12 +111,15 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    p.add_argument("--model-path", default=None, help="serve this HF checkpoint directory instead of the tiny model")
+    p.add_argument("--concurrency", default="1,8,32", type=lambda v: [int(n) for n in v.split(",")], help="comma-separated")
     p.add_argument("--long-context", default="", help="comma-separated prompt lengths: measure long prefills instead")
     args = p.parse_args()
     if args.long_context:
         print(json.dumps(long_context([int(n) for n in args.long_context.split(",")], args.threads)))
         return
-    model, cfg = ModelConfig(), EngineConfig(startup_timeout_s=120)
+    model = ModelConfig(name="hf", path=args.model_path) if args.model_path else ModelConfig()
+    cfg = EngineConfig(startup_timeout_s=600)
     with BuiltinEngineProcess(cfg, model, args.threads) as a, BuiltinEngineProcess(cfg, model, args.threads) as b:
         result = asyncio.run(run(a.url, b.url, args))
     result |= {"model": model.name, "threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens}
