@@ -67,6 +67,16 @@ QWEN3_TEMPLATE = r"""
 """.strip()
 
 
+# Qwen2.5's quirk on the same format: a default system prompt when the conversation has none.
+DEFAULT_SYSTEM_TEMPLATE = QWEN3_TEMPLATE.replace(
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}",
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- else %}{{- 'You are a helpful assistant.\\n\\n' }}{%- endif %}",
+).replace(
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n{%- endif %}",
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n{%- endif %}",
+)
+
+
 def train_tokenizer(vocab_size: int = 400):
     """A byte-level BPE (Qwen's kind) trained on the project's README, wrapped for `transformers`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _hf_ref import hf_logprobs, make_qwen3_dir
+from _hf_ref import DEFAULT_SYSTEM_TEMPLATE, hf_logprobs, make_qwen3_dir, train_tokenizer
 from _train_ref import pack
 from gyre.errors import ConfigError
 from gyre.models.checkpoint import load_checkpoint
@@ -142,14 +142,22 @@ def test_model_path_without_config_fails_naming_the_key(tmp_path):
     assert e.value.key == "path"
 
 
-def test_renderer_reuses_output_ids_and_renders_the_rest_as_transformers_does(qwen3):
-    tok = HFTokenizer(qwen3)
+@pytest.mark.parametrize("default_system", [pytest.param(False, id="qwen3"), pytest.param(True, id="default-system-prompt")])
+def test_renderer_reuses_output_ids_and_renders_the_rest_as_transformers_does(qwen3, tmp_path, default_system):
+    """Qwen3's template with a system turn, and Qwen2.5's quirk (a default system prompt injected
+    into a conversation without one) with none: fresh parts equal transformers' rendering."""
+    if default_system:
+        hf = train_tokenizer()
+        hf.chat_template = DEFAULT_SYSTEM_TEMPLATE
+        hf.save_pretrained(tmp_path)
+    tok = HFTokenizer(tmp_path if default_system else qwen3)
     renderer, memory = Renderer(tok), TurnMemory()
-    assert renderer.separable
+    assert renderer.separable and renderer.anchored == default_system
     tools = [{"type": "function", "function": {"name": "read", "description": "Read a file",
                                                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]  # fmt: skip
-    msgs = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix the bug in main.py"}]
+    msgs = [{"role": "system", "content": "You are a coding agent."}][default_system:] + [{"role": "user", "content": "Fix the bug in main.py"}]
     first = renderer.render(msgs, tools, memory)
+    assert ("You are a helpful assistant." in tok.decode(first.input_ids)) == default_system
     assert first.input_ids == tok.apply_chat_template(msgs, tools, True)
     # The model thinks, then calls a tool; its ids are kept verbatim (the template would drop the thinking).
     call = tok.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": [{"name": "read", "arguments": {"path": "main.py"}}]}], None, False)
