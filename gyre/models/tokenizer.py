@@ -62,12 +62,30 @@ class Special(str):
     """A piece of a rendered chat that is a special token, not text."""
 
 
+def validate_messages(messages: list[dict]) -> None:
+    """The message rules both tokenizers enforce (templates may silently skip what they don't know).
+
+    Raises:
+        ChatTemplateError: naming the message index and the problem.
+    """
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES or (role == "system" and i > 0):
+            raise ChatTemplateError(f"message {i}: role {role!r} not allowed here; valid: user, assistant, tool (system only first)")
+        if content is not None and not isinstance(content, str):
+            raise ChatTemplateError(f"message {i}: content must be a string, got {type(content).__name__}")
+        for call in m.get("tool_calls") or []:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
+                raise ChatTemplateError(f"message {i}: a tool call needs a string 'name' and an object 'arguments'")
+
+
 def render_chat(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[str]:
     """Render messages into pieces: `Special` tokens and plain text (pure; the tokenizer maps them).
 
     Raises:
         ChatTemplateError: naming the message index and the problem.
     """
+    validate_messages(messages)
     out: list[str] = []
     msgs = list(messages)
     system = msgs.pop(0)["content"] if msgs and msgs[0].get("role") == "system" else None
@@ -81,20 +99,13 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, add_gener
         )
     if system is not None:
         out += [Special("<|im_start|>"), f"system\n{system}", Special("<|im_end|>"), "\n"]
-    first = len(messages) - len(msgs)  # index of msgs[0] in `messages`, for error messages
-    for i, m in enumerate(msgs, start=first):
-        role, content = m.get("role"), m.get("content") or ""
-        if role not in ROLES or role == "system":
-            raise ChatTemplateError(f"message {i}: role {role!r} not allowed here; valid: user, assistant, tool (system only first)")
-        if not isinstance(content, str):
-            raise ChatTemplateError(f"message {i}: content must be a string, got {type(content).__name__}")
+    for m in msgs:
+        role, content = m["role"], m.get("content") or ""
         if role == "tool":
             out += [Special("<|im_start|>"), "user\n", Special("<tool_response>"), f"\n{content}\n", Special("</tool_response>"), Special("<|im_end|>"), "\n"]
             continue
         out += [Special("<|im_start|>"), f"{role}\n{content}"]
         for call in m.get("tool_calls") or []:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
-                raise ChatTemplateError(f"message {i}: a tool call needs a string 'name' and an object 'arguments'")
             body = json.dumps({"name": call["name"], "arguments": call.get("arguments", {})})
             out += ["\n" if content else "", Special("<tool_call>"), f"\n{body}\n", Special("</tool_call>")]
         out += [Special("<|im_end|>"), "\n"]
@@ -193,23 +204,6 @@ class ByteTokenizer(BaseTokenizer):
 def has_hf_tokenizer(path: str | os.PathLike) -> bool:
     """Whether a model directory carries Hugging Face tokenizer files."""
     return any((Path(path) / f).is_file() for f in _HF_TOKENIZER_FILES)
-
-
-def validate_messages(messages: list[dict]) -> None:
-    """The message rules both tokenizers enforce (templates may silently skip what they don't know).
-
-    Raises:
-        ChatTemplateError: naming the message index and the problem.
-    """
-    for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES or (role == "system" and i > 0):
-            raise ChatTemplateError(f"message {i}: role {role!r} not allowed here; valid: user, assistant, tool (system only first)")
-        if content is not None and not isinstance(content, str):
-            raise ChatTemplateError(f"message {i}: content must be a string, got {type(content).__name__}")
-        for call in m.get("tool_calls") or []:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
-                raise ChatTemplateError(f"message {i}: a tool call needs a string 'name' and an object 'arguments'")
 
 
 class HFTokenizer(BaseTokenizer):
