@@ -4,8 +4,8 @@ Loads DIR three ways — `transformers` (the reference), the builtin engine's lo
 trainer (TP 1) — runs each on the same random ids in fp32, then writes the trainer's weights back
 as an HF directory in DIR's dtype and compares them with DIR's tensors bit for bit. Prints one JSON
 line: `trainer_max_abs_diff`, `engine_max_abs_diff` (log-probs; the engine's over its full forward
-and its KV-cached chunked prefill + decode path), `roundtrip_bitwise`, and per stage the load time
-and resident memory after it. Models are freed between stages, so peak memory is one model's.
+and its KV-cached chunked prefill + decode path), `roundtrip_bitwise`, and per stage (load + forward; the trainer's
+also the write-back) wall and CPU seconds and peak RSS. Models are freed between stages.
 """
 
 import argparse
@@ -22,9 +22,15 @@ from safetensors.torch import load_file
 from gyre.models.config import ModelConfig
 
 
-def _rss_mb(key: str = "VmRSS") -> float:
-    line = next(ln for ln in open("/proc/self/status") if ln.startswith(key + ":"))
+def _peak_rss_mb() -> float:
+    line = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
     return round(int(line.split()[1]) / 1024, 1)
+
+
+def _reset_peak_rss() -> None:
+    """Start a new peak-RSS window (Linux: writing 5 to clear_refs resets VmHWM to the current RSS)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _gather(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
@@ -98,10 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     ids = torch.randint(0, cfg.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(a.seed)).tolist()
     stages, results = {}, {}
     for name, run in (("transformers", transformers_logprobs), ("engine", engine_logprobs), ("trainer", trainer_check)):
-        t0 = time.perf_counter()
-        results[name] = run(a.path, ids)
-        stages[name] = {"s": round(time.perf_counter() - t0, 2), "rss_mb": _rss_mb()}
         gc.collect()
+        _reset_peak_rss()
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        results[name] = run(a.path, ids)
+        stages[name] = {"wall_s": round(time.perf_counter() - t0, 2), "cpu_s": round(time.process_time() - cpu0, 2), "peak_rss_mb": _peak_rss_mb()}
     ref = results["transformers"]
     full, cached = results["engine"]
     trainer_lp, bitwise = results["trainer"]
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         "trainer_max_abs_diff": float((trainer_lp - ref).abs().max()),
         "engine_max_abs_diff": float(max((full - ref).abs().max(), (cached - ref[half - 1 :]).abs().max())),
         "roundtrip_bitwise": bitwise, "tokens": len(ids), "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-        "stages": stages, "peak_rss_mb": _rss_mb("VmHWM"),
+        "stages": stages,
     }))  # fmt: skip
 
 

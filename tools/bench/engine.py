@@ -101,7 +101,7 @@ def long_context(lengths: list[int], threads: int) -> dict:
 
 
 async def _one(url: str, ids: list[int]) -> dict:
-    async with EngineClient(url) as c:
+    async with EngineClient(url, timeout_s=7200) as c:  # a 128K prefill takes minutes of CPU
         return await c.generate(ids, {"max_new_tokens": 1, "temperature": 0})
 
 
