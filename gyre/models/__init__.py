@@ -1,5 +1,7 @@
 """Models: the architecture family shared by the trainer (megatron-core) and the builtin engine.
 
 `config` (shapes), `transformer` (named weights, init, functional forward, reference log-probs),
-`checkpoint` (safetensors + config.json directories), `tokenizer` (byte/HF tokenizers, chat template).
+`hf` (Hugging Face config.json and tensor names), `checkpoint` (HF directories for engines),
+`convert` (Megatron <-> engine names), `tokenizer` (byte/HF tokenizers, chat template),
+`export` (`gyre-export`: trainer checkpoint -> HF directory), `hf_check` (parity with transformers).
 """

@@ -1,52 +1,41 @@
-"""Engine weights on disk: a directory with `model.safetensors` (HF/Qwen2 names) and `config.json`.
+"""Engine weights on disk: a Hugging Face directory (model.safetensors + config.json).
 
-This is the layout `/update_weights_from_disk` and `gyre-engine` take, the same way SGLang takes a
-model directory. `config.json` carries Gyre's ModelConfig fields.
+This is the layout `/update_weights_from_disk` and `gyre-engine` take, the same way SGLang and
+`transformers` take a model directory: the trainer's published weights can be served by either
+engine. gyre/models/hf.py holds the name and config mapping.
 """
 
-import dataclasses
-import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from gyre.models.config import ModelConfig
+from gyre.models.hf import read_hf_config, read_hf_weights, write_hf_dir
 from gyre.models.transformer import check_weights
 
-
 def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Write the directory atomically per file (temp file, then rename), so readers never see halves."""
+    """Write the directory (fp32) atomically per file (temp file, then rename), so readers never see halves.
+
+    A model loaded from an HF directory (`cfg.path`) keeps that directory's config.json and
+    tokenizer files, so SGLang serves the published weights exactly as it served the original.
+    """
     check_weights(cfg, weights)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.detach().contiguous().cpu() for n, t in weights.items()}
-    for name, write in (
-        ("model.safetensors", lambda f: save_file(tensors, f)),
-        ("config.json", lambda f: Path(f).write_text(json.dumps(dataclasses.asdict(cfg), indent=1))),
-    ):
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
-        os.close(fd)
-        write(tmp)
-        os.replace(tmp, out / name)
+    write_hf_dir(path, cfg, weights, source=cfg.path)
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a directory written by `save_checkpoint`.
+    """Read an HF directory (written by `save_checkpoint` or a released checkpoint) as fp32 engine weights.
 
     Raises:
-        FileNotFoundError: the directory or one of its two files is missing.
+        FileNotFoundError: the directory, its config.json or its safetensors are missing.
+        ConfigError (a ValueError): config.json names an architecture Gyre does not run.
         ValueError: the weights do not match config.json.
     """
     d = Path(path)
-    for name in ("config.json", "model.safetensors"):
-        if not (d / name).is_file():
-            raise FileNotFoundError(f"{d / name} not found: a model directory needs config.json and model.safetensors")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    raw = json.loads((d / "config.json").read_text())
-    cfg = ModelConfig(**{k: v for k, v in raw.items() if k in fields})
-    weights = load_file(str(d / "model.safetensors"))
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{d / 'config.json'} not found: a model directory needs config.json and *.safetensors")
+    cfg = ModelConfig(name=d.name, **read_hf_config(d))
+    weights = read_hf_weights(d, cfg)
     check_weights(cfg, weights)
     return cfg, weights

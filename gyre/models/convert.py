@@ -2,7 +2,8 @@
 
 Megatron fuses q, k, v per query group in `linear_qkv` ([q_g; k_g; v_g] for each KV group g) and the
 SwiGLU gate and up projections in `linear_fc1` ([gate; up]). Engines use separate
-`self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj` weights (no biases). Both directions are
+`self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj` weights (no biases); Qwen3's per-head
+`self_attn.{q,k}_norm` are Megatron's `self_attention.{q,k}_layernorm`. Both directions are
 pure functions on full (un-sharded) state dicts; gyre/models/checkpoint.py writes the result to disk
 for engines, gyre/train/publish.py pushes it to them over Mooncake.
 """
@@ -11,6 +12,10 @@ import torch
 
 from gyre.errors import GyreError
 from gyre.models.config import ModelConfig
+
+
+_QK_NORMS = (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+              ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"))  # (megatron, engine)
 
 
 class ConversionError(GyreError):
@@ -57,6 +62,8 @@ def megatron_to_engine(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
             dst + "mlp.up_proj.weight": up,
             dst + "mlp.down_proj.weight": get(src + "mlp.linear_fc2.weight", (h, f)),
         })
+        for a, b in _QK_NORMS if cfg.qk_norm else ():
+            out[dst + b] = get(src + a, (cfg.head_dim,))
     out["norm.weight"] = get("decoder.final_layernorm.weight", (h,))
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = get("output_layer.weight", (cfg.vocab_size, h))
@@ -85,6 +92,8 @@ def engine_to_megatron(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
             dst + "mlp.linear_fc1.weight": torch.cat([get(src + "mlp.gate_proj.weight", (f, h)), get(src + "mlp.up_proj.weight", (f, h))]),
             dst + "mlp.linear_fc2.weight": get(src + "mlp.down_proj.weight", (h, f)),
         })
+        for a, b in _QK_NORMS if cfg.qk_norm else ():
+            out[dst + a] = get(src + b, (hd,))
     out["decoder.final_layernorm.weight"] = get("norm.weight", (h,))
     if not cfg.tie_embeddings:
         out["output_layer.weight"] = get("lm_head.weight", (cfg.vocab_size, h))

@@ -12,12 +12,18 @@ proxy for the tiny model and for real Qwen models:
 Messages are OpenAI-style dicts: {"role", "content", "tool_calls": [{"name", "arguments"}]}.
 `ByteTokenizer` needs no files: bytes are ids 0..255 and the special tokens follow. Special-token
 text inside message content is encoded as plain bytes, so content cannot forge structure.
+`HFTokenizer` renders with the checkpoint's own template through `transformers` (jinja2), exactly
+as `transformers`, SGLang and vLLM do, including their parsing of special-token text in content.
+A thinking block (`<think>...</think>`, Qwen3) at the start of an assistant turn is parsed into
+`ParsedAssistant.reasoning`, not content.
 """
 
 import json
+import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gyre.errors import GyreError
 
@@ -27,6 +33,8 @@ SPECIAL_TOKENS = (
     "<tool_response>", "</tool_response>", "<think>", "</think>",
 )  # fmt: skip
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>", re.DOTALL)
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 class ChatTemplateError(GyreError):
@@ -46,10 +54,29 @@ class ParsedAssistant:
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     malformed: list[str] = field(default_factory=list)
+    reasoning: str = ""
+    """The turn's leading thinking block, without its tags (Qwen3 `<think>`); "" if none."""
 
 
 class Special(str):
     """A piece of a rendered chat that is a special token, not text."""
+
+
+def validate_messages(messages: list[dict]) -> None:
+    """The message rules both tokenizers enforce (templates may silently skip what they don't know).
+
+    Raises:
+        ChatTemplateError: naming the message index and the problem.
+    """
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES or (role == "system" and i > 0):
+            raise ChatTemplateError(f"message {i}: role {role!r} not allowed here; valid: user, assistant, tool (system only first)")
+        if content is not None and not isinstance(content, str):
+            raise ChatTemplateError(f"message {i}: content must be a string, got {type(content).__name__}")
+        for call in m.get("tool_calls") or []:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
+                raise ChatTemplateError(f"message {i}: a tool call needs a string 'name' and an object 'arguments'")
 
 
 def render_chat(messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[str]:
@@ -58,6 +85,7 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, add_gener
     Raises:
         ChatTemplateError: naming the message index and the problem.
     """
+    validate_messages(messages)
     out: list[str] = []
     msgs = list(messages)
     system = msgs.pop(0)["content"] if msgs and msgs[0].get("role") == "system" else None
@@ -71,20 +99,13 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, add_gener
         )
     if system is not None:
         out += [Special("<|im_start|>"), f"system\n{system}", Special("<|im_end|>"), "\n"]
-    first = len(messages) - len(msgs)  # index of msgs[0] in `messages`, for error messages
-    for i, m in enumerate(msgs, start=first):
-        role, content = m.get("role"), m.get("content") or ""
-        if role not in ROLES or role == "system":
-            raise ChatTemplateError(f"message {i}: role {role!r} not allowed here; valid: user, assistant, tool (system only first)")
-        if not isinstance(content, str):
-            raise ChatTemplateError(f"message {i}: content must be a string, got {type(content).__name__}")
+    for m in msgs:
+        role, content = m["role"], m.get("content") or ""
         if role == "tool":
             out += [Special("<|im_start|>"), "user\n", Special("<tool_response>"), f"\n{content}\n", Special("</tool_response>"), Special("<|im_end|>"), "\n"]
             continue
         out += [Special("<|im_start|>"), f"{role}\n{content}"]
         for call in m.get("tool_calls") or []:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
-                raise ChatTemplateError(f"message {i}: a tool call needs a string 'name' and an object 'arguments'")
             body = json.dumps({"name": call["name"], "arguments": call.get("arguments", {})})
             out += ["\n" if content else "", Special("<tool_call>"), f"\n{body}\n", Special("</tool_call>")]
         out += [Special("<|im_end|>"), "\n"]
@@ -96,6 +117,9 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, add_gener
 def parse_assistant_text(text: str) -> ParsedAssistant:
     """Split generated assistant text (special tokens kept, `<|im_end|>` stripped) into content and calls."""
     text = text.split("<|im_end|>")[0]
+    reasoning = ""
+    if (think := _THINK.match(text)) is not None:
+        reasoning, text = think.group(1).strip("\n"), text[think.end() :]
     calls, malformed = [], []
     for body in _TOOL_CALL.findall(text):
         try:
@@ -110,7 +134,7 @@ def parse_assistant_text(text: str) -> ParsedAssistant:
         except ValueError:
             malformed.append(body)
     content = _TOOL_CALL.sub("", text).strip()
-    return ParsedAssistant(content, calls, malformed)
+    return ParsedAssistant(content, calls, malformed, reasoning)
 
 
 class BaseTokenizer(ABC):
@@ -177,19 +201,29 @@ class ByteTokenizer(BaseTokenizer):
         return ids
 
 
+def has_hf_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether a model directory carries Hugging Face tokenizer files."""
+    return any((Path(path) / f).is_file() for f in _HF_TOKENIZER_FILES)
+
+
 class HFTokenizer(BaseTokenizer):
     """A Hugging Face tokenizer and the chat template from a model directory (real Qwen models).
 
-    GPU path: `transformers` is not installed on the CPU machines, so this class is exercised only
-    where a real model directory is served (the `gpu`-marked SGLang test).
+    Messages are converted to the OpenAI shape HF templates read (`tool_calls` as
+    `{"type": "function", "function": {"name", "arguments": {...}}}`, content never None) and
+    rendered by `transformers`' own `apply_chat_template`, so the ids are the template's exactly.
+    `template_kwargs` go to the template (e.g. `{"enable_thinking": False}` for Qwen3).
     """
 
-    def __init__(self, model_path: str):
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as e:
-            raise GyreError(f"HFTokenizer needs `transformers` to read {model_path} ({e})") from e
-        self._tok = AutoTokenizer.from_pretrained(model_path)
+    def __init__(self, model_path: str | os.PathLike, template_kwargs: dict | None = None):
+        from transformers import AutoTokenizer
+
+        if not has_hf_tokenizer(model_path):
+            raise GyreError(f"{model_path} has no tokenizer files ({', '.join(_HF_TOKENIZER_FILES)})")
+        self._tok = AutoTokenizer.from_pretrained(str(model_path))
+        if not self._tok.chat_template:
+            raise GyreError(f"{model_path}: the tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)")
+        self.template_kwargs = dict(template_kwargs or {})
         self.vocab_size = len(self._tok)
         self.eos_token_id = self._tok.eos_token_id
 
@@ -200,7 +234,7 @@ class HFTokenizer(BaseTokenizer):
             i = self._tok.convert_tokens_to_ids(s)
             if isinstance(i, int) and i != self._tok.unk_token_id:
                 ids.add(i)
-        return sorted(ids)
+        return sorted(i for i in ids if i is not None)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False, split_special_tokens=True)
@@ -209,9 +243,20 @@ class HFTokenizer(BaseTokenizer):
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
-        hf_msgs = [
-            {**m, "tool_calls": [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in m["tool_calls"]]}
-            if m.get("tool_calls") else m
-            for m in messages
-        ]  # fmt: skip
-        return list(self._tok.apply_chat_template(hf_msgs, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt))
+        from jinja2 import TemplateError
+
+        validate_messages(messages)
+        hf_msgs = [_hf_message(m) for m in messages]
+        try:
+            out = self._tok.apply_chat_template(hf_msgs, tools=tools or None, tokenize=True, return_dict=False,
+                                                add_generation_prompt=add_generation_prompt, **self.template_kwargs)  # fmt: skip
+        except TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template refused the messages: {e}") from None
+        return list(out)
+
+
+def _hf_message(m: dict) -> dict:
+    out = {**m, "content": m.get("content") or ""}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in m["tool_calls"]]
+    return out

@@ -3,8 +3,9 @@
 Weights are a flat dict `name -> tensor` with the names agreed with the trainer's converter:
 `embed_tokens.weight [V,H]`, `layers.{i}.input_layernorm.weight [H]`,
 `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `layers.{i}.post_attention_layernorm.weight`,
-`layers.{i}.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight` (absent when tied).
-No biases. RMSNorm, SwiGLU, non-interleaved ("rotate_half") RoPE, grouped-query attention.
+`layers.{i}.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight` (absent when tied),
+and with `qk_norm` `layers.{i}.self_attn.{q,k}_norm.weight [head_dim]` (Qwen3). No biases. RMSNorm,
+SwiGLU, non-interleaved ("rotate_half") RoPE, grouped-query attention.
 
 `forward_tokens` is the one forward both the engine (with a KV cache, many sequences per step) and
 the reference `sequence_logprobs` (one sequence, no cache) run, so their results agree.
@@ -40,6 +41,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (f, h),
             p + "mlp.down_proj.weight": (h, f),
         }
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     shapes["norm.weight"] = (h,)
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
@@ -89,24 +92,35 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
+ATTENTION_MASK_BYTES = 16 << 20
+"""Upper bound of one attention call's mask: queries are taken in blocks small enough that the
+mask (and the fused kernel's working set) stays bounded whatever the context length."""
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -> torch.Tensor:
     """Causal attention of T new queries over `num_cached + T` keys for one sequence.
+
+    Runs PyTorch's fused (flash) CPU/GPU kernel: batched 4-D inputs and native GQA, so scores are
+    never materialised; the causal mask of cached + new keys is bottom-right aligned, which
+    `is_causal` (top-left) cannot express, so query blocks carry a small additive mask instead.
 
     Args: q [T,nH,hd]; k, v [S,nKV,hd] with S = num_cached + T (cached keys first).
     Returns: [T, nH*hd].
     """
     t, nh, hd = q.shape
-    s, nkv = k.shape[0], k.shape[1]
-    rep = nh // nkv
-    qh = q.transpose(0, 1)  # [nH,T,hd]
-    kh = k.transpose(0, 1).repeat_interleave(rep, 0)
-    vh = v.transpose(0, 1).repeat_interleave(rep, 0)
-    if t == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh)
-    else:
-        mask = torch.arange(s, device=q.device)[None, :] <= (num_cached + torch.arange(t, device=q.device))[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
-    return out.transpose(0, 1).reshape(t, nh * hd)
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, heads, len, hd]
+    if t == 1 or num_cached == 0:  # one query sees every key; or a square causal block
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=t > 1, enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(t, nh * hd)
+    block = max(16, ATTENTION_MASK_BYTES // (4 * k.shape[0]))
+    outs = []
+    for a in range(0, t, block):
+        b = min(t, a + block)
+        visible = num_cached + b  # keys the last query of the block sees
+        allowed = torch.arange(visible, device=q.device)[None, :] <= (num_cached + torch.arange(a, b, device=q.device))[:, None]
+        mask = torch.zeros(b - a, visible, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        outs.append(F.scaled_dot_product_attention(qh[:, :, a:b], kh[:, :, :visible], vh[:, :, :visible], attn_mask=mask, enable_gqa=True))
+    return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, nh * hd)
 
 
 def forward_tokens(
@@ -125,6 +139,9 @@ def forward_tokens(
         q = (h @ weights[p + "self_attn.q_proj.weight"].T).view(-1, nh, hd)
         k = (h @ weights[p + "self_attn.k_proj.weight"].T).view(-1, nkv, hd)
         v = (h @ weights[p + "self_attn.v_proj.weight"].T).view(-1, nkv, hd)
+        if cfg.qk_norm:
+            q = rms_norm(q, weights[p + "self_attn.q_norm.weight"], cfg.norm_epsilon)
+            k = rms_norm(k, weights[p + "self_attn.k_norm.weight"], cfg.norm_epsilon)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         x = x + attend_fn(i, q, k, v) @ weights[p + "self_attn.o_proj.weight"].T
         h = rms_norm(x, weights[p + "post_attention_layernorm.weight"], cfg.norm_epsilon)

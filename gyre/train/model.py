@@ -5,6 +5,9 @@ no GPU on the development machines): NCCL, the TransformerEngine layer spec when
 `transformer_engine` imports, bf16 autocast in the trainer. Parameters are re-pointed into one flat
 fp32 buffer (`FlatParams`) so the core can publish a step's weights as one registered region and a
 satellite can pull them with one transfer, with no packing copy on either side.
+
+With `model.path` set, `build_gpt_model` loads the Hugging Face checkpoint's weights, each rank
+taking its tensor-parallel shard (`shard_for_rank`), so every consumer of the model starts from them.
 """
 
 import os
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 
 from gyre.errors import GyreError
 from gyre.models.config import ModelConfig
+from gyre.models.convert import engine_to_megatron
 from gyre.train.config import TrainerConfig
 from gyre.train.cpu_shim import apply_cpu_shim
 
@@ -95,10 +99,11 @@ def build_gpt_model(model_cfg: ModelConfig, cfg: TrainerConfig):
         bias_dropout_fusion=cuda,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        qk_layernorm=model_cfg.qk_norm,
     )
-    return GPTModel(
+    model = GPTModel(
         config=tcfg,
-        transformer_layer_spec=_layer_spec(cuda),
+        transformer_layer_spec=_layer_spec(cuda, model_cfg.qk_norm),
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_seq_len,
         position_embedding_type="rope",
@@ -107,19 +112,57 @@ def build_gpt_model(model_cfg: ModelConfig, cfg: TrainerConfig):
         share_embeddings_and_output_weights=model_cfg.tie_embeddings,
         parallel_output=True,
     )
+    if model_cfg.path is not None:
+        from gyre.models.hf import read_hf_weights
+
+        load_full_weights(model, model_cfg, read_hf_weights(model_cfg.path, model_cfg))
+    return model
 
 
-def _layer_spec(cuda: bool):
+def _layer_spec(cuda: bool, qk_layernorm: bool):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if cuda:
         try:
             import transformer_engine  # noqa: F401  (probe only)
 
-            return specs.get_gpt_layer_with_transformer_engine_spec(normalization="RMSNorm")
+            return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
         except ImportError:
             pass
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+
+
+def shard_for_rank(name: str, full: torch.Tensor, param: torch.nn.Parameter, tp: int, rank: int) -> torch.Tensor:
+    """This TP rank's part of a full Megatron tensor (the inverse of the trainer's all-gather).
+
+    Column- and row-parallel weights split along `partition_dim`; fc1 is [gate; up], so each rank
+    takes [gate_r; up_r]; the fused qkv rows are grouped per KV group, so contiguous rows split
+    whole groups. Replicated parameters (norms) are returned whole.
+    """
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    if name.endswith("mlp.linear_fc1.weight"):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
+    return full.chunk(tp, dim=param.partition_dim)[rank]
+
+
+def load_full_weights(model: torch.nn.Module, model_cfg: ModelConfig, engine_weights: dict[str, torch.Tensor]) -> None:
+    """Copy full engine-named weights into `model`, each rank its TP shard.
+
+    Raises:
+        ConversionError: a tensor is missing or mis-shaped for `model_cfg`.
+        ParallelError: the model has a parameter the conversion does not produce.
+    """
+    from megatron.core import parallel_state
+
+    state = engine_to_megatron(engine_weights, model_cfg)
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name not in state:
+                raise ParallelError(f"the converted checkpoint has no tensor for model parameter {name!r}")
+            param.copy_(shard_for_rank(name, state[name], param, tp, rank))
 
 
 @dataclass

@@ -53,9 +53,9 @@ def test_checkpoint_round_trips_and_rejects_mismatches(tmp_path):
     w = init_weights(CFG, 0)
     save_checkpoint(tmp_path / "m", CFG, w)
     cfg, w2 = load_checkpoint(tmp_path / "m")
-    assert cfg == CFG and all(torch.equal(w[n], w2[n]) for n in w)
+    assert cfg.same_architecture(CFG) and all(torch.equal(w[n], w2[n]) for n in w)
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
-    (tmp_path / "m" / "config.json").write_text(json.dumps(raw | {"num_layers": 3}))
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw | {"num_hidden_layers": 3}))
     with pytest.raises(ValueError, match="missing"):
         load_checkpoint(tmp_path / "m")
     with pytest.raises(FileNotFoundError, match="config.json"):
@@ -106,3 +106,41 @@ def test_malformed_tool_calls_are_kept_not_dropped(body):
 def test_bad_messages_name_their_index(msgs):
     with pytest.raises(ChatTemplateError, match="message"):
         TOK.apply_chat_template(msgs)
+
+
+def _materialised_attention(q, k, v, num_cached):
+    """The engine's former attention: full score matrix, explicit causal mask, repeated KV heads."""
+    t, nh, hd = q.shape
+    rep = nh // k.shape[1]
+    kh, vh = k.transpose(0, 1).repeat_interleave(rep, 0), v.transpose(0, 1).repeat_interleave(rep, 0)
+    scores = q.transpose(0, 1) @ kh.transpose(1, 2) / hd**0.5
+    allowed = torch.arange(k.shape[0])[None, :] <= (num_cached + torch.arange(t))[:, None]
+    out = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ vh
+    return out.transpose(0, 1).reshape(t, nh * hd)
+
+
+@pytest.mark.parametrize("t, cached", [(1, 0), (1, 9), (12, 0), (12, 9), (40, 70)])
+def test_fused_blockwise_attention_equals_the_materialised_one(monkeypatch, t, cached):
+    from gyre.models import transformer
+
+    monkeypatch.setattr(transformer, "ATTENTION_MASK_BYTES", 64 * 4 * 16)  # 16-query blocks at 64+ keys
+    g = torch.Generator().manual_seed(t + cached)
+    q, k, v = torch.randn(t, 4, 16, generator=g), torch.randn(cached + t, 2, 16, generator=g), torch.randn(cached + t, 2, 16, generator=g)
+    assert (transformer.attend(q, k, v, cached) - _materialised_attention(q, k, v, cached)).abs().max() <= 1e-5
+
+
+def test_logits_on_short_prompts_equal_the_materialised_attention(monkeypatch):
+    from gyre.models import transformer
+
+    w = init_weights(CFG, 0)
+    ids = torch.randint(0, CFG.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    kv, item = SeqKV(CFG), None
+    for chunk in (ids[:13], ids[13:]):  # the second chunk attends over cached keys
+        item = StepItem(kv, chunk, want_logits=True)
+        run_step(CFG, w, [item])
+    monkeypatch.setattr("gyre.engines.runner.attend", _materialised_attention)
+    kv2 = SeqKV(CFG)
+    for chunk in (ids[:13], ids[13:]):
+        ref = StepItem(kv2, chunk, want_logits=True)
+        run_step(CFG, w, [ref])
+    assert (item.logits - ref.logits).abs().max() <= 1e-5

@@ -1,16 +1,25 @@
 """Builtin engine benchmark: decode throughput under concurrency, and prefill saved by reuse.
 
 Prints a table, then ONE JSON object on the last line:
-  tokens_per_s.{1,8,32}         completion tokens / wall second with N concurrent requests
+  tokens_per_s.{1,8,32}         completion tokens / wall second with N concurrent requests (--concurrency)
   prefix_cache                  cold vs cached latency of a long prompt on one engine (1 new token)
   kv_import                     on a second engine: recompute vs migrate-over-Mooncake + generate
 
+With --long-context N,M,... it instead prefills one N-token prompt per fresh engine process (a
+1-layer model, 8K prefill chunks, as the Claude Code runs on main) and reports, per length:
+  long_context.N.{peak_rss_mb, prefill_tokens_per_cpu_s, prefill_tokens_per_wall_s}
+(peak RSS is the engine process's VmHWM, CPU time its utime+stime, both from /proc) and
+`rss_ratio` = peak RSS at the longest / at the shortest length.
+
 Usage: PYTHONPATH=. python tools/bench/engine.py [--new-tokens 64] [--prefix-tokens 2000] [--threads 1]
+           [--model-path HF_DIR] [--concurrency 1,8,32]
+       PYTHONPATH=. python tools/bench/engine.py --long-context 32768,131072
 """
 
 import argparse
 import asyncio
 import json
+import os
 import time
 
 import torch
@@ -44,7 +53,7 @@ async def run(a_url: str, b_url: str, args) -> dict:
     result: dict = {"tokens_per_s": {}}
     async with EngineClient(a_url) as a, EngineClient(b_url) as b:
         await throughput(a, 2, 4, 16)  # warm-up
-        for n in (1, 8, 32):
+        for n in args.concurrency:
             result["tokens_per_s"][str(n)] = round(await throughput(a, n, args.new_tokens, args.prompt_tokens), 1)
             await a.flush_cache()
         prefix = _ids(args.prefix_tokens, 7)
@@ -63,14 +72,54 @@ async def run(a_url: str, b_url: str, args) -> dict:
     return result
 
 
+def _proc_cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_peak_rss_mb(pid: int) -> float:
+    line = next(ln for ln in open(f"/proc/{pid}/status") if ln.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def long_context(lengths: list[int], threads: int) -> dict:
+    """Peak RSS and prefill speed of one long prompt per fresh engine (same model for every length)."""
+    model = ModelConfig(name="long-1layer", num_layers=1, max_seq_len=max(lengths) + 16)
+    cfg = EngineConfig(startup_timeout_s=120, max_prefill_tokens=8192, request_timeout_s=3600)
+    out = {}
+    for n in lengths:
+        with BuiltinEngineProcess(cfg, model, threads) as eng:
+            pid = eng.proc.pid
+            cpu0, t0 = _proc_cpu_s(pid), time.perf_counter()
+            reply = asyncio.run(_one(eng.url, _ids(n, 3)))
+            wall, cpu = time.perf_counter() - t0, _proc_cpu_s(pid) - cpu0
+            out[str(n)] = {"peak_rss_mb": round(_proc_peak_rss_mb(pid), 1), "prefill_tokens_per_cpu_s": round(n / cpu, 1),
+                           "prefill_tokens_per_wall_s": round(n / wall, 1), "prompt_tokens": reply["meta_info"]["prompt_tokens"]}  # fmt: skip
+        print(f"{n:>7} tokens: peak RSS {out[str(n)]['peak_rss_mb']} MB, {out[str(n)]['prefill_tokens_per_cpu_s']} prefill tokens/CPU-s")
+    lo, hi = str(min(lengths)), str(max(lengths))
+    return {"long_context": out, "rss_ratio": round(out[hi]["peak_rss_mb"] / out[lo]["peak_rss_mb"], 3), "model": model.name, "threads": threads}
+
+
+async def _one(url: str, ids: list[int]) -> dict:
+    async with EngineClient(url, timeout_s=7200) as c:  # a 128K prefill takes minutes of CPU
+        return await c.generate(ids, {"max_new_tokens": 1, "temperature": 0})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    p.add_argument("--model-path", default=None, help="serve this HF checkpoint directory instead of the tiny model")
+    p.add_argument("--concurrency", default="1,8,32", type=lambda v: [int(n) for n in v.split(",")], help="comma-separated")
+    p.add_argument("--long-context", default="", help="comma-separated prompt lengths: measure long prefills instead")
     args = p.parse_args()
-    model, cfg = ModelConfig(), EngineConfig(startup_timeout_s=120)
+    if args.long_context:
+        print(json.dumps(long_context([int(n) for n in args.long_context.split(",")], args.threads)))
+        return
+    model = ModelConfig(name="hf", path=args.model_path) if args.model_path else ModelConfig()
+    cfg = EngineConfig(startup_timeout_s=600)
     with BuiltinEngineProcess(cfg, model, args.threads) as a, BuiltinEngineProcess(cfg, model, args.threads) as b:
         result = asyncio.run(run(a.url, b.url, args))
     result |= {"model": model.name, "threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens}

@@ -1,0 +1,199 @@
+"""Hugging Face checkpoints: a tiny random Qwen3 built with `transformers` loads into the trainer
+(megatron-core, TP 1 and 2) and the builtin engine with transformers' log-probs, exports back
+bitwise, refuses architectures Gyre would compute wrongly, and renders chats with its own template."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _hf_ref import DEFAULT_SYSTEM_TEMPLATE, hf_logprobs, make_qwen3_dir, train_tokenizer
+from _train_ref import pack
+from gyre.errors import ConfigError
+from gyre.models.checkpoint import load_checkpoint
+from gyre.models.config import ModelConfig
+from gyre.models.export import export
+from gyre.models.hf import hf_config_fields
+from gyre.models.tokenizer import HFTokenizer
+from gyre.models.transformer import sequence_logprobs
+from gyre.proxy.render import Renderer, TurnMemory, assistant_key
+from gyre.train.checkpoint import CheckpointManager
+from gyre.train.config import TrainerConfig
+from gyre.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+IDS = torch.randint(0, 397, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory) -> Path:
+    return make_qwen3_dir(tmp_path_factory.mktemp("qwen3") / "m")
+
+
+def _trainer_logprobs(trainer: Trainer, ids: list[int]) -> torch.Tensor:
+    batch = pack([{"prompt": ids[:4], "output": ids[4:], "logprobs": [0.0] * (len(ids) - 4), "advantage": 1.0}])
+    return trainer.logprobs(batch)[1:]
+
+
+@pytest.mark.parametrize("tie", [pytest.param(False, id="untied"), pytest.param(True, id="tied")])
+def test_trainer_and_engine_logprobs_equal_transformers(qwen3, tmp_path, tie):
+    qwen3 = make_qwen3_dir(tmp_path / "tied", tie=True, seed=1) if tie else qwen3
+    ref = hf_logprobs(qwen3, IDS)
+    cfg, weights = load_checkpoint(qwen3)
+    assert cfg.qk_norm and cfg.head_dim == 32 and cfg.rotary_base == 1e6  # head_dim != hidden / heads here
+    assert (sequence_logprobs(cfg, weights, IDS) - ref).abs().max() <= 1e-4
+    trainer = Trainer(ModelConfig(path=str(qwen3)), TrainerConfig())
+    assert (_trainer_logprobs(trainer, IDS) - ref).abs().max() <= 1e-4
+
+
+def test_export_round_trips_bitwise_and_transformers_loads_it(tmp_path):
+    src = make_qwen3_dir(tmp_path / "src", dtype=torch.bfloat16, seed=3)
+    trainer = Trainer(ModelConfig(path=str(src)), TrainerConfig())
+    ckpt = CheckpointManager(tmp_path / "ckpt", keep_last=1).save(trainer)
+    out = export(ckpt, tmp_path / "out", src)
+    a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[n].dtype == b[n].dtype == torch.bfloat16 and torch.equal(a[n], b[n]) for n in a)
+    assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert (hf_logprobs(out, IDS) - hf_logprobs(src, IDS)).abs().max() == 0
+    assert HFTokenizer(out).apply_chat_template([{"role": "user", "content": "hi"}]) == HFTokenizer(src).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+_TP_RANK = """
+import sys, torch
+from test_models_hf import IDS, _trainer_logprobs
+from gyre.models.config import ModelConfig
+from gyre.train.config import TrainerConfig
+from gyre.train.trainer import Trainer
+torch.set_num_threads(1)
+tr = Trainer(ModelConfig(path=sys.argv[1]), TrainerConfig(tensor_parallel_size=2))
+lp, engine = _trainer_logprobs(tr, IDS), tr.engine_weights()
+if torch.distributed.get_rank() == 0:
+    torch.save({"logprobs": lp, "engine": engine}, sys.argv[2])
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_tp2_loading_matches_tp1(tmp_path):
+    src = make_qwen3_dir(tmp_path / "m", seed=5)
+    from test_train_tp import _free_port
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests/unit'}", OMP_NUM_THREADS="1", WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
+    logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(2)]
+    ranks = [subprocess.Popen([sys.executable, "-c", _TP_RANK, str(src), str(tmp_path / "out.pt")], cwd=ROOT, env=env | {"RANK": str(r)},
+                              stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True) for r in range(2)]  # fmt: skip
+    one = Trainer(ModelConfig(path=str(src)), TrainerConfig())
+    lp, engine = _trainer_logprobs(one, IDS), one.engine_weights()
+    try:
+        codes = [p.wait(timeout=240) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    assert (got["logprobs"] - lp).abs().max() <= 1e-5
+    assert got["engine"].keys() == engine.keys() and all(torch.equal(got["engine"][n], engine[n]) for n in engine)
+
+
+BASE = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}  # fmt: skip
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"model_type": "mistral"}, "model_type"),
+    ({"model_type": "qwen3_moe", "num_experts": 8}, "model_type"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+])  # fmt: skip
+def test_unsupported_architectures_fail_naming_the_field(change, field):
+    with pytest.raises(ConfigError, match=f"field '{field}'"):
+        hf_config_fields(BASE | change)
+    assert hf_config_fields(BASE)["qk_norm"] and hf_config_fields(BASE | {"model_type": "llama"})["qk_norm"] is False
+
+
+def test_sglang_launch_serves_the_model_groups_directory(qwen3):
+    import hydra
+
+    from gyre.config import validate
+    from gyre.engines.launch import make_sglang_command
+    from gyre.launch.train import CONF_DIR
+
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        composed = hydra.compose(config_name="config", overrides=["engine=sglang", "model=hf", f"model.path={qwen3}", "engine.mooncake_master=10.0.0.1:50051"])
+    cfg = validate(composed)
+    assert cfg.model.qk_norm and cfg.model.num_layers == 2
+    cmd = make_sglang_command(cfg.engine, 30000, python="python")
+    assert cmd[:5] == ["python", "-m", "sglang.launch_server", "--model-path", str(qwen3)]
+
+
+def test_model_path_without_config_fails_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="config.json not found") as e:
+        ModelConfig(path=str(tmp_path))
+    assert e.value.key == "path"
+
+
+@pytest.mark.parametrize("default_system", [pytest.param(False, id="qwen3"), pytest.param(True, id="default-system-prompt")])
+def test_renderer_reuses_output_ids_and_renders_the_rest_as_transformers_does(qwen3, tmp_path, default_system):
+    """Qwen3's template with a system turn, and Qwen2.5's quirk (a default system prompt injected
+    into a conversation without one) with none: fresh parts equal transformers' rendering."""
+    if default_system:
+        hf = train_tokenizer()
+        hf.chat_template = DEFAULT_SYSTEM_TEMPLATE
+        hf.save_pretrained(tmp_path)
+    tok = HFTokenizer(tmp_path if default_system else qwen3)
+    renderer, memory = Renderer(tok), TurnMemory()
+    assert renderer.separable and renderer.anchored == default_system
+    tools = [{"type": "function", "function": {"name": "read", "description": "Read a file",
+                                               "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]  # fmt: skip
+    msgs = [{"role": "system", "content": "You are a coding agent."}][default_system:] + [{"role": "user", "content": "Fix the bug in main.py"}]
+    first = renderer.render(msgs, tools, memory)
+    assert ("You are a helpful assistant." in tok.decode(first.input_ids)) == default_system
+    assert first.input_ids == tok.apply_chat_template(msgs, tools, True)
+    # The model thinks, then calls a tool; its ids are kept verbatim (the template would drop the thinking).
+    call = tok.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": [{"name": "read", "arguments": {"path": "main.py"}}]}], None, False)
+    out = tok.encode("<think>\nLook at the file first.\n</think>\n\nReading it.") + call[call.index(tok.encode("<tool_call>")[0]) - 1 : -1]
+    parsed = tok.parse_assistant(out)
+    assert parsed.reasoning == "Look at the file first." and parsed.content == "Reading it." and parsed.tool_calls[0].arguments == {"path": "main.py"}
+    calls = [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
+    memory.remember(assistant_key(parsed.content, calls), out)
+    msgs2 = [*msgs, {"role": "assistant", "content": parsed.content, "tool_calls": calls},
+             {"role": "tool", "content": "print(1/0)"}, {"role": "tool", "content": "exit 1"}]  # fmt: skip
+    second = renderer.render(msgs2, tools, memory)
+    assert (second.num_reused, second.num_retokenized) == (1, 0)
+    n = len(first.input_ids)
+    assert second.input_ids[:n] == first.input_ids and second.input_ids[n : n + len(out)] == out
+    assert tok.decode(out[-1:]) == "<|im_end|>"  # the model stopped on it; it is part of its ids
+    fresh = second.input_ids[n + len(out) :]  # separator, the joined tool results, the generation prompt
+    full = tok.apply_chat_template(msgs2, tools, True)
+    assert full[-len(fresh) :] == fresh and tok.decode(fresh).count("<tool_response>") == 2
+    assert tok.decode(fresh).startswith("\n<|im_start|>user\n<tool_response>\nprint(1/0)")
+
+
+def test_hf_check_prints_parity_and_roundtrip(qwen3, capsys):
+    from gyre.models.hf_check import main
+
+    main([str(qwen3), "--tokens", "24"])
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["trainer_max_abs_diff"] <= 1e-4 and line["engine_max_abs_diff"] <= 1e-4 and line["roundtrip_bitwise"] is True
+
+
+def test_gyres_own_model_family_is_written_as_a_llama_transformers_runs(tmp_path):
+    from gyre.models.checkpoint import save_checkpoint
+    from gyre.models.transformer import init_weights
+
+    cfg = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=96, vocab_size=512, max_seq_len=128)
+    weights = init_weights(cfg, 0)
+    save_checkpoint(tmp_path / "tiny", cfg, weights)
+    assert json.loads((tmp_path / "tiny" / "config.json").read_text())["model_type"] == "llama"
+    ids = IDS[:20]
+    assert (hf_logprobs(tmp_path / "tiny", ids) - sequence_logprobs(cfg, weights, ids)).abs().max() <= 1e-4

@@ -1,0 +1,100 @@
+"""GPU acceptance check (one H200, ~10 min): the megatron trainer in bf16 on CUDA (NCCL, one rank)
+and the builtin engine's forward on CUDA, both loading one random HF-format Qwen3 checkpoint.
+
+Checks, printed as one JSON line (`ok` is their conjunction):
+  fp32: engine vs `transformers` log-probs, max |diff| <= 1e-3 (TF32 off);
+  bf16: trainer (autocast) vs engine (bf16 weights) and vs `transformers` (bf16), mean |diff| <= 0.02
+        and max |diff| <= 0.5 nats. bf16 keeps 8 mantissa bits, so two correct implementations that
+        round in different places differ by ~1e-2 per log-prob on average, with rare tails near 0.3.
+  one RL step: the trainer's step changes the weights; they are handed to the engine (the same
+        `EngineCore.update_weights` the HTTP update endpoints call) and the engine's log-probs
+        follow the trainer's again within the bf16 tolerance.
+Run by tools/gpu_check.sh; never run on the CPU machines (no CUDA there).
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def _lp(logits, ids):
+    return torch.log_softmax(logits.float(), -1).gather(1, ids[1:, None]).squeeze(1)
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from gyre.models.checkpoint import load_checkpoint
+    from gyre.models.config import ModelConfig
+    from gyre.models.transformer import sequence_logprobs
+    from gyre.train.config import TrainerConfig
+    from gyre.train.trainer import Trainer
+    from gyre.trajectory.sample import PackedBatch
+
+    assert torch.cuda.is_available(), "gpu_check needs CUDA"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    t_start, out = time.time(), {}
+    d = tempfile.mkdtemp(prefix="gyre-gpu-check-")
+    shape = dict(vocab_size=32768, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**shape, initializer_range=0.05)).to(torch.bfloat16).save_pretrained(d)
+    ids = torch.randint(0, shape["vocab_size"], (1024,), generator=torch.Generator().manual_seed(1)).cuda()
+
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        ref32 = _lp(hf(ids[None]).logits[0, :-1], ids)
+        ref16 = _lp(hf.to(torch.bfloat16)(ids[None]).logits[0, :-1], ids)
+    del hf
+    cfg, weights = load_checkpoint(d)
+
+    def engine_lp(w, dtype):
+        with torch.no_grad(), torch.device("cuda"):
+            return sequence_logprobs(cfg, {n: t.to("cuda", dtype) for n, t in w.items()}, ids)
+
+    eng32 = engine_lp(weights, torch.float32)
+    out["fp32_engine_vs_transformers_max"] = float((eng32 - ref32).abs().max())
+
+    trainer = Trainer(ModelConfig(name="gpu-check", path=d), TrainerConfig(bf16=True, lr=1e-4))
+    n = len(ids)
+    mask = torch.arange(n) > 0
+
+    def batch(adv: float) -> PackedBatch:
+        return PackedBatch(tokens=ids.cpu(), position_ids=torch.arange(n), cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
+                           target_mask=mask, behaviour_logprobs=torch.cat([torch.zeros(1), eng32.cpu()]), loss_weights=mask.float(),
+                           advantages=torch.full((n,), adv), weight_versions=torch.zeros(n, dtype=torch.int64), execution_ids=("g",))  # fmt: skip
+
+    def compare(prefix, a, b):
+        diff = (a.float().cuda() - b.float().cuda()).abs()
+        out[prefix + "_mean"], out[prefix + "_max"] = float(diff.mean()), float(diff.max())
+        return float(diff.mean()) <= 0.02 and float(diff.max()) <= 0.5
+
+    tr16 = trainer.logprobs(batch(1.0))[1:]
+    eng16 = engine_lp(weights, torch.bfloat16)
+    ok = [out["fp32_engine_vs_transformers_max"] <= 1e-3, compare("bf16_trainer_vs_engine", tr16, eng16),
+          compare("bf16_trainer_vs_transformers", tr16, ref16), compare("bf16_engine_vs_transformers", eng16, ref16)]  # fmt: skip
+    before = trainer.flat.weights.clone()
+    metrics = trainer.train_step([batch(1.0)])
+    out["rl_step_grad_norm"] = float(metrics["grad_norm"])
+    out["rl_step_weight_change_max"] = float((trainer.flat.weights - before).abs().max())
+    pushed = trainer.engine_weights()  # what publish.py sends to engines
+    from gyre.engines.core import EngineCore
+
+    core = EngineCore(cfg, weights, "0", max_running_requests=1, max_prefill_tokens=8192, page_size=16, prefix_cache_tokens=0)
+    out["engine_weight_version_after_push"] = core.update_weights(pushed, "1", flush_cache=True)
+    ok += [out["rl_step_weight_change_max"] > 0, compare("after_step_trainer_vs_engine", trainer.logprobs(batch(1.0))[1:],
+                                                        engine_lp(core.weights, torch.bfloat16))]  # fmt: skip
+    out |= {"ok": all(ok), "checks_passed": sum(ok), "checks": len(ok), "wall_s": round(time.time() - t_start, 1),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_gpu_mb": torch.cuda.max_memory_allocated() >> 20}  # fmt: skip
+    print(json.dumps(out))
+    torch.distributed.destroy_process_group()
+    sys.exit(0 if out["ok"] else 1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "4")
+    main()
