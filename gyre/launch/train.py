@@ -45,13 +45,14 @@ def run(cfg: DictConfig) -> None:
 
 
 def load_tasks(cfg: GyreConfig) -> TaskSet:
-    """The run's task set; warm-starts the initial policy on it when asked (sets init_weights).
+    """The run's task set; warm-starts the initial policy on it when asked (sets init_weights) and
+    the model is Gyre's own tiny family (a Hugging Face checkpoint is already a trained policy).
 
     Raises:
         TaskSpecError: a task spec that does not load (names the task and the field).
     """
     taskset = TaskSet.load(cfg.tasks.path) if cfg.tasks.path else toy_taskset()
-    if cfg.tasks.warm_start and cfg.coordinator.init_weights is None and not cfg.resume:
+    if cfg.tasks.warm_start and cfg.coordinator.init_weights is None and cfg.model.path is None and not cfg.resume:
         from gyre.tasks.warmstart import warm_start
 
         out, report = warm_start(Path(cfg.tasks.warm_start_dir), taskset, cfg.model)
