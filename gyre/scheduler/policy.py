@@ -59,6 +59,10 @@ class Observation:
     staleness bound allows); the next optimizer step does not wait for them."""
     running: int = 0
     """Executions holding a slot (in a model or a tool call)."""
+    running_ahead: int = 0
+    """Of `running`, those bound to steps after the one being trained (prefetch already live)."""
+    gen_demand_ahead_tok_s: float = 0.0
+    """Of `gen_demand_tok_s`, what the executions bound to later steps draw, tokens/s."""
     pooled_sessions: int = 0
     """Sessions a cluster-wide offload tier keeps beyond the serving cells' own memory, whichever
     cells serve (sessions in tool calls hold no compute, only KV)."""
@@ -144,7 +148,7 @@ class ElasticPolicy(BasePolicy):
 
     def _urgent(self, obs: Observation) -> Observation:
         """`obs` without the prefetch queue when the critical path comes first."""
-        if not self.cfg.critical_path or not obs.queued_ahead:
+        if not (self.cfg.critical_path or self.cfg.leave_rule == "value") or not obs.queued_ahead:
             return obs
         return replace(obs, queued=obs.queued - obs.queued_ahead, queued_ahead=0)
 
@@ -225,6 +229,8 @@ class ElasticPolicy(BasePolicy):
         """Satellites to move to training: spare rollout capacity and work that pays the switch."""
         if obs.ready_train_s <= 0:
             return ()
+        if self.cfg.leave_rule == "value":
+            return self._leaves_by_value(obs)
         serving = [c for c in obs.cells if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
         n_train = sum(c.role in (Role.TRAIN, Role.TO_TRAIN) for c in obs.cells)
         candidates = [c for c in serving if c.role == Role.ROLLOUT and not c.is_core and self._dwelt(c, obs.now_s)]
@@ -239,6 +245,56 @@ class ElasticPolicy(BasePolicy):
             serving = rest
             n_train += 1
         return tuple(leaving)
+
+
+    def _leaves_by_value(self, obs: Observation) -> tuple[int, ...]:
+        """The value-based leave rule (`leave_rule: value`): a satellite trains when the ready
+        work of the current step it takes pays for its round trip and the remaining cells still
+        serve the current step's executions with headroom; executions of later steps are
+        deferrable (slowed, their KV in the offload tier), though every live session keeps a place."""
+        urgent = replace(obs, queued=obs.queued - obs.queued_ahead, running=obs.running - obs.running_ahead,
+                         queued_ahead=0, running_ahead=0,
+                         gen_demand_tok_s=max(0.0, obs.gen_demand_tok_s - obs.gen_demand_ahead_tok_s))
+        serving = [c for c in obs.cells if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
+        n_train = sum(c.role in (Role.TRAIN, Role.TO_TRAIN) for c in obs.cells)
+        candidates = [c for c in serving if c.role == Role.ROLLOUT and not c.is_core and self._dwelt(c, obs.now_s)]
+        candidates.sort(key=lambda c: (c.sessions, c.index))
+        leaving: list[int] = []
+        for c in candidates:
+            rest = [s for s in serving if s.index != c.index]
+            if obs.ready_train_s / (n_train + 1) < self.cfg.gain_factor * self.cfg.round_trip_s:
+                break
+            holds_all = not obs.waterlevel or (rest and _capacity(rest)[0] + obs.pooled_sessions >= obs.waterlevel)
+            if not holds_all or not _serves(rest, urgent, self.cfg.leave_headroom):
+                break
+            leaving.append(c.index)
+            serving = rest
+            n_train += 1
+        return tuple(leaving)
+
+
+def rebalance(cells: tuple[CellView, ...], target: int) -> dict[int, int]:
+    """Sessions to move from each serving cell onto cell `target`, which just returned to
+    rollout, so every serving cell's load (sessions / max_sessions) is as even as whole sessions
+    allow; the most loaded give first. Returns {source index: sessions to move}."""
+    serving = [c for c in cells if c.role == Role.ROLLOUT]
+    if not any(c.index == target for c in serving):
+        return {}
+    total = sum(c.sessions for c in serving)
+    capacity = sum(c.max_sessions for c in serving)
+    moves: dict[int, int] = {}
+    want = {c.index: math.ceil(total * c.max_sessions / capacity) for c in serving}
+    need = want[target] - next(c.sessions for c in serving if c.index == target)
+    for c in sorted(serving, key=lambda c: (-c.sessions / c.max_sessions, c.index)):
+        if need <= 0:
+            break
+        if c.index == target:
+            continue
+        give = min(need, c.sessions - want[c.index])
+        if give > 0:
+            moves[c.index] = give
+            need -= give
+    return moves
 
 
 class AsyncPolicy(BasePolicy):

@@ -15,7 +15,7 @@ hand-off, colocate's switch to training) offloads its sessions' KV to the host t
 cell that serves them next reloads it. A model call keeps the duration computed at its start
 even if its session is handed off meanwhile. A session whose cell left with no serving cell to
 take it (colocate while training) keeps running tool calls and waits at its next model call
-with its time budget paused.
+while its time budget keeps running (a harness's wall clock never pauses).
 
 Live sessions are bounded by what the serving cells' GPUs and the cluster-wide (pooled) offload
 tier hold at the profile's mean context (beyond that every call would recompute); executions
@@ -30,10 +30,11 @@ from collections import deque
 
 from gyre.scheduler.cells import PHASE_SHARES, Phase, Role, make_cells
 from gyre.scheduler.config import SchedulerConfig
-from gyre.scheduler.policy import CellView, Decision, Observation, make_policy
+from gyre.scheduler.policy import CellView, Decision, Observation, make_policy, rebalance
 from gyre.scheduler.streaming import MicroStepQueue, may_admit, trained_spans
 from gyre.sim.config import PresetConfig, ProfileConfig
-from gyre.sim.kv import NONE, CellEngine, HostTier
+from gyre.sim.cost import Costs, derive_costs
+from gyre.sim.kv import GPU, NONE, CellEngine, HostTier
 from gyre.sim.result import CellStats, ModeResult, critical_path_s
 from gyre.sim.workload import draw_batch, mean_context_tokens, train_share, train_tokens
 
@@ -44,14 +45,14 @@ class _Session:
     """One execution; it has at most one pending event (segment end or time budget), none while blocked."""
 
     __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "excluded", "gen", "tool",
-                 "eng", "where", "kv", "call", "ver", "marks", "gtok")
+                 "eng", "where", "kv", "call", "ver", "marks", "gtok", "ptok")
 
     def __init__(self, group, n_seg, off, excluded, batch):
         self.group, self.n_seg, self.off, self.excluded = group, n_seg, off, excluded
         self.seg, self.deadline, self.cell = 0, 0.0, None
         self.eng, self.where, self.kv, self.call = None, NONE, 0.0, 0
         self.gen, self.tool = batch.gen_tokens, batch.tool_s
-        self.ver, self.marks, self.gtok = -1, [], 0.0  # marks: (version, first segment under it)
+        self.ver, self.marks, self.gtok, self.ptok = -1, [], 0.0, 0.0  # marks: (version, first segment under it)
 
 
 class _Group:
@@ -64,18 +65,21 @@ class _Group:
 class _SimCell:
     """The simulator's bookkeeping beside one scheduler Cell."""
 
-    def __init__(self, cell, preset: PresetConfig, ctx_tokens: float, host: HostTier):
+    def __init__(self, cell, preset: PresetConfig, costs: Costs, ctx_tokens: float, host: HostTier):
         self.cell = cell
         self.serving = cell.role is Role.ROLLOUT
         self.members: dict = {}  # insertion-ordered set: hand-offs replay the same in every process
         self.gen_tokens = 0.0
         n = cell.num_nodes
+        gen = preset.cell_gen_tok_s[cell.index] if preset.cell_gen_tok_s else preset.gen_tok_s_per_node * n
         self.eng = CellEngine(preset.kv_tokens_per_node * n, preset.max_sessions_per_node * n,
-                              preset.gen_tok_s_per_node * n, preset.session_tok_s,
-                              preset.prefill_tok_s_per_node * n, preset.kv_load_tok_s_per_node * n, host)
+                              gen, preset.session_tok_s,
+                              costs.prefill_tok_s_per_node * n, preset.kv_load_tok_s_per_node * n, host)
         self.max_sessions = preset.sessions_per_node(ctx_tokens) * n
-        self.gen_tok_s = preset.serving_tok_s_per_node(ctx_tokens) * n  # what the policy is told
-        self.train_tok_s = preset.train_tok_s_per_node * cell.num_nodes
+        # what the policy is told: the decode those sessions sustain at the mean context
+        self.gen_tok_s = min(gen, preset.serving_tok_s_per_node(ctx_tokens) * n)
+        self.train_tok_s = (preset.cell_train_tok_s[cell.index] if preset.cell_train_tok_s
+                            else costs.train_tok_s_per_node * n)
         self.slot_s = 0.0
         self.slot_t = 0.0
         self.micro = None
@@ -111,13 +115,18 @@ class Simulation:
         self.stall_s = 20 * profile.timeout_s + 86400.0
         self.num_steps, self.seed, self.tick_s, self.tail_scale = num_steps, seed, tick_s, tail_scale
         cells = make_cells(preset.num_cells, preset.cell_nodes)
-        self.policy = make_policy(scheduler, preset.num_cells, train_share(profile, preset, seed))
+        self.costs = costs = derive_costs(profile, preset, seed)
+        share = train_share(profile, preset, seed, costs.train_tok_s_per_node, costs.prefill_tok_s_per_node)
+        self.policy = make_policy(scheduler, preset.num_cells, share)
         for cell, role in zip(cells, self.policy.initial_roles()):
             cell.role = role
         ctx = mean_context_tokens(profile, seed)
-        self.pooled_sessions = preset.pooled_sessions(ctx)
-        self.host = HostTier(preset.host_kv_tokens_per_node * preset.num_nodes)
-        self.cells = [_SimCell(c, preset, ctx, self.host) for c in cells]
+        host_nodes = preset.num_nodes
+        if preset.host_tier_scope == "rollout_pool":  # only nodes that start in rollout hold KV
+            host_nodes = sum(c.num_nodes for c in cells if c.role is Role.ROLLOUT)
+        self.pooled_sessions = preset.pooled_sessions(ctx, host_nodes)
+        self.host = HostTier(preset.host_kv_tokens_per_node * host_nodes)
+        self.cells = [_SimCell(c, preset, costs, ctx, self.host) for c in cells]
         self.core = self.cells[0]
         self.sat_train_tok_s = self.cells[-1].train_tok_s
         self.queue = MicroStepQueue(profile.groups_per_step, scheduler.staleness)
@@ -126,6 +135,7 @@ class Simulation:
         self.now = 0.0
         self.waiting: deque = deque()
         self.waiting_by_step: dict[int, int] = {}
+        self.running_by_step: dict[int, int] = {}
         self.blocked: dict = {}  # insertion-ordered set
         self.running = 0
         self.next_batch = 0
@@ -143,6 +153,9 @@ class Simulation:
         self.num_stale_dropped = 0
         self.masked_segments = self.trained_segments = 0
         self.useful_gen = 0.0  # tokens generated by executions that were trained or excluded
+        self.useful_prompt = 0.0  # new prompt tokens of those executions
+        self.prompt_total = 0.0
+        self.started = 0
 
     # ---- event plumbing -------------------------------------------------------------------
     def _at(self, t, kind, obj, token=0):
@@ -173,9 +186,17 @@ class Simulation:
         return self._result()
 
     # ---- rollout side ---------------------------------------------------------------------
+    def _may_admit(self, step: int) -> bool:
+        """The staleness rule, or (admission: staleness) one step further once the batch that
+        must be trained first is ready (its early spans are masked as older than the bound)."""
+        v, s = self.queue.version, self.cfg.staleness
+        if may_admit(step, v, s):
+            return True
+        return self.cfg.admission == "staleness" and step == v + s + 1 and self.queue.batch_ready(v)
+
     def _admit_batches(self):
         first_ready = self.cfg.batching == "first_ready"  # a slice of a longer run: keep launching
-        while (first_ready or self.next_batch < self.num_steps) and may_admit(self.next_batch, self.queue.version, self.cfg.staleness):
+        while (first_ready or self.next_batch < self.num_steps) and self._may_admit(self.next_batch):
             step = self.next_batch
             b = draw_batch(self.profile, step, self.seed, self.tail_scale, self.preset.session_tok_s)
             self.longest_s.append(b.longest_s)
@@ -206,6 +227,8 @@ class Simulation:
                 return
             s = self.waiting.popleft()
             self.waiting_by_step[s.group.step] -= 1
+            self.running_by_step[s.group.step] = self.running_by_step.get(s.group.step, 0) + 1
+            self.started += 1
             s.cell = sc
             sc.join(s, self.now)
             s.deadline = self.now + self.profile.timeout_s
@@ -220,7 +243,7 @@ class Simulation:
             sc = self._least_loaded(need_slot=False)
             s.cell = sc
             if sc is None:
-                self.blocked[s] = self.now  # its time budget pauses while no cell serves it
+                self.blocked[s] = self.now  # its time budget keeps running, as a harness's clock does
                 self.num_blocked += 1
                 return
             sc.join(s, self.now)
@@ -237,11 +260,15 @@ class Simulation:
         need = ctx + self.ctx_per_seg
         if need > self.max_ctx:
             need = self.max_ctx
-        end = sc.eng.start(s, self.now, ctx, need, s.gen[i])
+        gen = s.gen[i]
+        prompt = self.ctx_per_seg - gen if gen < self.ctx_per_seg else 0.0  # tool output to prefill
+        end = sc.eng.start(s, self.now, ctx, need, gen, prompt)
         if end is None:
             return False
-        sc.gen_tokens += s.gen[i]
-        s.gtok += s.gen[i]
+        sc.gen_tokens += gen
+        s.gtok += gen
+        s.ptok += prompt
+        self.prompt_total += prompt
         v = self.queue.version
         if s.ver != v:
             s.ver = v
@@ -280,8 +307,9 @@ class Simulation:
             s.eng.release(s)
         self.running -= 1
         g = s.group
+        self.running_by_step[g.step] -= 1
         g.remaining -= 1
-        g.execs.append((s.marks, s.seg, s.excluded, s.gtok))
+        g.execs.append((s.marks, s.seg, s.excluded, s.gtok, s.ptok))
         if g.remaining == 0:
             self._group_ready(g)
         self._fill_slots()
@@ -290,10 +318,11 @@ class Simulation:
         """Place a ready group in its step (see `batching`) and mask its spans older than the bound."""
         step = self.queue.open_step() if self.cfg.batching == "first_ready" else g.step
         tokens, oldest = 0, step
-        for marks, done, excluded, gtok in g.execs:
-            if excluded:
+        for marks, done, excluded, gtok, ptok in g.execs:
+            if excluded or done == 0:  # no valid reward, or its budget ran out before one segment
                 self.num_excluded += 1
                 self.useful_gen += gtok  # no mode avoids it: part of the ideal's work
+                self.useful_prompt += ptok
                 continue
             kept = trained_spans(marks, done, step, self.cfg.staleness)
             if kept is None:
@@ -303,15 +332,17 @@ class Simulation:
             self.masked_segments += first
             self.trained_segments += done - first
             self.useful_gen += gtok
+            self.useful_prompt += ptok
             tokens += train_tokens(self.profile, done)  # masked spans are still computed as context
             oldest = min(oldest, v)
         if tokens:
-            self.queue.add_ready(step, g.gid, oldest, tokens)
+            self.queue.add_ready(step, g.gid, oldest, tokens, max_tokens=self.cfg.microstep_tokens)
         else:
             self.queue.exclude(step, g.gid)
         if step == self.queue.current_step:
             self._claim_all()
             if self.queue.batch_ready():
+                self._admit_batches()
                 self._consult()
 
     def _hand_off(self, sc):
@@ -327,10 +358,34 @@ class Simulation:
             self._start_gen(s)
 
     def _unblock(self):
+        """Parked sessions resume; a harness's clock never pauses, so one whose budget ran out
+        while parked ends now as a timeout."""
         blocked, self.blocked = self.blocked, {}
-        for s, since in blocked.items():
-            s.deadline += self.now - since
-            self._start_gen(s)
+        for s in blocked:
+            if self.now >= s.deadline:
+                self._on_exec_end(s, 0)
+            else:
+                self._start_gen(s)
+
+    def _rebalance(self, sc):
+        """Move live sessions between model calls onto `sc` (just back in rollout) from the most
+        loaded serving cells: proxy reroute, their GPU KV through the offload tier."""
+        moves = rebalance(self._observe().cells, sc.cell.index)
+        for src_index, n in moves.items():
+            src = self.cells[src_index]
+            eng = src.eng
+            eng.retire(self.now)
+            in_call = {e[2] for e in eng.busy} | set(eng.waiters)
+            movable = [s for s in src.members if s not in in_call][:n]
+            for s in movable:
+                if s.eng is eng and s.where == GPU:
+                    eng.idle.pop(s, None)
+                    eng.idle_kv -= s.kv
+                    eng.kv_used -= s.kv
+                    self.host.put(s)
+                src.drop(s, self.now)
+                s.cell = sc
+                sc.join(s, self.now)
 
     # ---- training side --------------------------------------------------------------------
     def _claim_all(self):
@@ -362,7 +417,7 @@ class Simulation:
         self._claim(sc)
         if self.queue.step_complete() and not self.optimizing:
             self.optimizing = True
-            self._at(self.now + self.preset.optimizer_step_s, OPT_END, None)
+            self._at(self.now + self.costs.optimizer_step_s, OPT_END, None)
 
     def _on_opt_end(self, _obj, _token):
         self.optimizing = False
@@ -392,10 +447,16 @@ class Simulation:
                      max_sessions=sc.max_sessions, gen_tok_s=sc.gen_tok_s)
             for sc in self.cells
         )
+        current = self.queue.current_step
+        demand = sum(sc.eng.generating(self.now) for sc in self.cells) * self.preset.session_tok_s
+        running_ahead = sum(n for step, n in self.running_by_step.items() if step > current)
         return Observation(
             now_s=self.now, cells=views, queued=len(self.waiting), running=self.running,
-            queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > self.queue.current_step),
-            gen_demand_tok_s=sum(sc.eng.generating(self.now) for sc in self.cells) * self.preset.session_tok_s,
+            queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > current),
+            running_ahead=running_ahead,
+            # estimated pro rata: executions of later steps draw as much per session as the rest
+            gen_demand_ahead_tok_s=demand * running_ahead / self.running if self.running else 0.0,
+            gen_demand_tok_s=demand,
             pooled_sessions=self.pooled_sessions,
             ready_train_s=self.queue.ready_tokens() / self.sat_train_tok_s,
             ready_ahead_train_s=self.queue.ready_tokens_ahead() / self.sat_train_tok_s,
@@ -476,6 +537,8 @@ class Simulation:
         if sc.cell.role is Role.TRAIN:
             self._claim(sc)
         else:
+            if self.cfg.rebalance_on_return:
+                self._rebalance(sc)
             self._fill_slots()
             self._unblock()
 
@@ -492,12 +555,18 @@ class Simulation:
             useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / slots)
             st.idle_fraction = min(1.0, max(0.0, 1.0 - useful / total))
         prefill = sum(sc.eng.prefill_tokens for sc in self.cells)
-        gen = sum(sc.gen_tokens for sc in self.cells)
+        recompute = sum(sc.eng.recompute_tokens for sc in self.cells)
         # The ideal counts only work the N steps needed: executions trained or excluded, not those
-        # dropped as stale or still running for later steps (prefill shared out pro rata).
-        useful = self.useful_gen / gen if gen else 1.0
-        rollout_node_s = useful * (gen / self.preset.decode_tok_s_per_node + prefill / self.preset.prefill_tok_s_per_node)
-        work_node_s = rollout_node_s + self.train_tokens_total / self.preset.train_tok_s_per_node
+        # dropped as stale or still running for later steps; recomputed context is a mode's own
+        # waste and not counted. Decode and prefill share a cell's GPUs (gyre.sim.kv reserves
+        # both against its decode throughput), so their times add; training is compute on cells
+        # that are not serving.
+        gen_cap = sum(sc.eng.gen_tok_s for sc in self.cells)
+        prefill_cap = sum(sc.eng.prefill_tok_s for sc in self.cells)
+        train_cap = sum(sc.train_tok_s for sc in self.cells)
+        rollout_s = self.useful_gen / gen_cap + self.useful_prompt / prefill_cap
+        train_s = self.train_tokens_total / train_cap
+        work_node_s = (rollout_s + train_s) * self.preset.num_nodes
         # A step waits for its longest execution only with fixed batching; otherwise only the
         # sequential optimizer steps bound the latency.
         longest = self.longest_s[:self.num_steps] if self.cfg.batching == "fixed" else [0.0] * self.num_steps
@@ -509,7 +578,13 @@ class Simulation:
             async_train_cells=getattr(self.policy, "num_train", None),
             num_blocked=self.num_blocked, max_staleness=self.queue.max_lag, prefill_tokens=prefill,
             reload_tokens=sum(sc.eng.load_tokens for sc in self.cells),
-            critical_path_s=critical_path_s(longest, self.cfg.staleness, self.preset.optimizer_step_s),
+            critical_path_s=critical_path_s(longest, self.cfg.staleness, self.costs.optimizer_step_s,
+                                            early_admission=self.cfg.admission == "staleness"),
+            rollout_work_s=rollout_s, train_work_s=train_s, recompute_tokens=recompute,
+            budget_hit_fraction=self.num_timeouts / max(1, self.started),
+            rollout_latency_s=sum(self.longest_s[:self.num_steps]) / self.num_steps,
+            train_tok_s_per_node=self.costs.train_tok_s_per_node,
+            prefill_tok_s_per_node=self.costs.prefill_tok_s_per_node,
             num_stale_dropped=self.num_stale_dropped,
             masked_fraction=self.masked_segments / max(1, self.masked_segments + self.trained_segments),
         )
