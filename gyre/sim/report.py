@@ -11,7 +11,8 @@ def format_regime(reg: dict) -> str:
     return (f"regime: T/R {reg['t_over_r']:.3f} (per step: training {reg['train_h_per_step']:.2f} h on every node / "
             f"rollout {reg['rollout_h_per_step']:.2f} h, its compute or its longest execution), ceiling over Colocate 1 + 2T/R = "
             f"{reg['ceiling_vs_colocate']:.2f}x; bounds: work/capacity {reg['ideal_h']:.2f} h, critical path "
-            f"{reg['critical_path_h']:.2f} h, tighter {reg['bound_h']:.2f} h; train {reg['train_tok_s_per_node']} "
+            f"{reg['critical_path_h']:.2f} h, tighter {reg['bound_h']:.2f} h; budget hit {reg['budget_hit_unloaded']:.1%} "
+            f"unloaded at this model's speed; train {reg['train_tok_s_per_node']} "
             f"tok/s/node, prefill {reg['prefill_tok_s_per_node']} tok/s/node (FLOPs x MFU unless measured)")
 
 
@@ -72,6 +73,11 @@ def format_sensitivity(table: dict) -> str:
     lines.append("duration tail (x profile's sigma)        elastic h   vs async   vs colocate")
     for r in table["tail"]:
         lines.append(f"{r['tail_scale']:>38.1f}x {r['elastic_h']:>10} {_g(r, 'vs_async'):>10} {_g(r, 'vs_colocate'):>13}")
+    lines.append("time budget (x profile's)  budget hit unloaded   elastic h   vs async   vs colocate   hit per mode")
+    for r in table.get("budget", []):
+        hits = " ".join(f"{m} {h:.1%}" for m, h in r["budget_hit"].items())
+        lines.append(f"{r['budget_scale']:>24.1f}x {r['budget_hit_unloaded']:>19.1%} {r['elastic_h']:>11} "
+                     f"{_g(r, 'vs_async'):>10} {_g(r, 'vs_colocate'):>13}   {hits}")
     return "\n".join(lines)
 
 

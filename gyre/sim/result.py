@@ -57,6 +57,9 @@ class ModeResult:
     step takes, however many cells serve it."""
     budget_hit_fraction: float = 0.0
     """Share of started executions that ran out of their time budget."""
+    budget_hit_unloaded: float = 0.0
+    """Share of the workload's executions whose unloaded duration at this model's session speed
+    reaches the budget (the profile's budget-hit rate calibrated to the model, before queueing)."""
     train_tok_s_per_node: float = 0.0
     prefill_tok_s_per_node: float = 0.0
     reload_tokens: float = 0.0
@@ -143,6 +146,7 @@ def regime(results: list["ModeResult"]) -> dict:
         "ideal_h": round(ideal_lower_bound_s(results) / 3600, 3),
         "critical_path_h": round(min(x.critical_path_s for x in results) / 3600, 3),
         "bound_h": round(tighter_bound_s(results) / 3600, 3),
+        "budget_hit_unloaded": round(r.budget_hit_unloaded, 3),
         "train_tok_s_per_node": round(r.train_tok_s_per_node),
         "prefill_tok_s_per_node": round(r.prefill_tok_s_per_node),
     }

@@ -10,6 +10,8 @@ SWITCH_COST_SCALES = (0.5, 1.0, 2.0, 4.0)
 """Multiples of the seed's measured switch costs for the sensitivity table."""
 TAIL_SCALES = (0.5, 1.0, 1.5, 2.0)
 """Multiples of the profile's duration-tail sigma for the sensitivity table."""
+BUDGET_SCALES = (0.5, 1.0, 1.5, 2.0)
+"""Multiples of the profile's time budget: the budget-hit rate swept, not assumed."""
 
 
 def run_modes(sim: SimConfig, modes=None, switch_scale: float = 1.0, tail_scale: float = 1.0) -> list[ModeResult]:
@@ -116,7 +118,13 @@ def sensitivity(sim: SimConfig) -> dict:
     for k in TAIL_SCALES:
         res = run_modes(sim, modes=modes, tail_scale=k)
         tail_rows.append({"tail_scale": k, **speedups(res), "elastic_h": _hours(res, "elastic")})
-    return {"switch_cost": switch_rows, "tail": tail_rows}
+    budget_rows = []
+    for k in BUDGET_SCALES:
+        res = run_modes(replace(sim, profile=replace(sim.profile, timeout_s=sim.profile.timeout_s * k)), modes=modes)
+        budget_rows.append({"budget_scale": k, **speedups(res), "elastic_h": _hours(res, "elastic"),
+                            "budget_hit_unloaded": round(res[0].budget_hit_unloaded, 3),
+                            "budget_hit": {r.mode: round(r.budget_hit_fraction, 3) for r in res}})
+    return {"switch_cost": switch_rows, "tail": tail_rows, "budget": budget_rows}
 
 
 def _hours(results: list[ModeResult], mode: str) -> float | None:
