@@ -148,7 +148,7 @@ class ElasticPolicy(BasePolicy):
 
     def _urgent(self, obs: Observation) -> Observation:
         """`obs` without the prefetch queue when the critical path comes first."""
-        if not (self.cfg.critical_path or self.cfg.leave_rule == "value") or not obs.queued_ahead:
+        if not self.cfg.critical_path or not obs.queued_ahead:
             return obs
         return replace(obs, queued=obs.queued - obs.queued_ahead, queued_ahead=0)
 
@@ -248,10 +248,13 @@ class ElasticPolicy(BasePolicy):
 
 
     def _leaves_by_value(self, obs: Observation) -> tuple[int, ...]:
-        """The value-based leave rule (`leave_rule: value`): a satellite trains when the ready
-        work of the current step it takes pays for its round trip and the remaining cells still
-        serve the current step's executions with headroom; executions of later steps are
-        deferrable (slowed, their KV in the offload tier), though every live session keeps a place."""
+        """The value-based leave rule (`leave_rule: value`): once the current step's batch is
+        ready, its training is the critical path: a satellite trains when the ready work it takes
+        pays for its round trip and the remaining cells still serve the current step's executions
+        with headroom; executions of later steps are deferrable (slowed, their KV in the offload
+        tier), though every live session keeps a place. Before that, the waterlevel rule."""
+        if not obs.batch_ready:
+            obs = replace(obs, queued_ahead=0, running_ahead=0, gen_demand_ahead_tok_s=0.0)
         urgent = replace(obs, queued=obs.queued - obs.queued_ahead, running=obs.running - obs.running_ahead,
                          queued_ahead=0, running_ahead=0,
                          gen_demand_tok_s=max(0.0, obs.gen_demand_tok_s - obs.gen_demand_ahead_tok_s))

@@ -383,10 +383,11 @@ class Simulation:
             in_call = {e[2] for e in eng.busy} | set(eng.waiters)
             movable = [s for s in src.members if s not in in_call][:n]
             for s in movable:
-                if s.eng is eng and s.where == GPU:
-                    eng.idle.pop(s, None)
-                    eng.idle_kv -= s.kv
-                    eng.kv_used -= s.kv
+                if s.where == GPU and s in s.eng.idle:  # cached between calls: offload, reload there
+                    old = s.eng
+                    del old.idle[s]
+                    old.idle_kv -= s.kv
+                    old.kv_used -= s.kv
                     self.host.put(s)
                 src.drop(s, self.now)
                 s.cell = sc

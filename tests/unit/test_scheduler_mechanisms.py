@@ -17,14 +17,17 @@ VALUE = SchedulerConfig(leave_rule="value")
 R, T = Role.ROLLOUT, Role.TRAIN
 
 VALUE_CASES = [
-    ("prefetch-is-deferrable: leaves although the whole waterlevel does not fit with headroom",
-     obs(cells(T, R, R), running=95, running_ahead=60, ready_s=1e6), Decision(to_train=(1,))),
+    ("batch-ready-so-prefetch-is-deferrable: leaves although the whole waterlevel does not fit with headroom",
+     obs(cells(T, R, R), running=95, running_ahead=60, ready_s=1e6, batch_ready=True), Decision(to_train=(1,))),
+    ("batch-not-ready: the current rollout is the critical path, prefetch counts in full",
+     obs(cells(T, R, R), running=95, running_ahead=60, ready_s=1e6), Decision()),
     ("every-live-session-keeps-a-place: 150 live on 100 slots and no tier -> stays",
      obs(cells(T, R, R), running=150, running_ahead=120, ready_s=1e6), Decision()),
     ("the-current-step-must-still-be-served-with-headroom",
      obs(cells(T, R, R), running=95, running_ahead=0, ready_s=1e6), Decision()),
     ("deferrable-decode-does-not-count: 1500 tok/s demand, 1000 of it ahead",
-     obs(cells(T, R, R), running=50, running_ahead=30, demand=1500.0, gen_demand_ahead_tok_s=1000.0, ready_s=1e6),
+     obs(cells(T, R, R), running=50, running_ahead=30, demand=1500.0, gen_demand_ahead_tok_s=1000.0, ready_s=1e6,
+         batch_ready=True),
      Decision(to_train=(1,))),
     ("work-must-pay-the-round-trip",
      obs(cells(T, R, R), running=10, running_ahead=10, ready_s=20.0), Decision()),
@@ -46,13 +49,14 @@ role_st = st.sampled_from([Role.ROLLOUT, Role.TRAIN, Role.TO_TRAIN, Role.TO_ROLL
 
 @settings(max_examples=300, deadline=None)
 @given(roles=st.lists(role_st, min_size=2, max_size=6), running=st.integers(0, 600), ahead=st.integers(0, 600),
-       queued=st.integers(0, 600), ready_s=st.floats(0, 1e5), pooled=st.integers(0, 300), core_in_step=st.booleans())
+       queued=st.integers(0, 600), ready_s=st.floats(0, 1e5), pooled=st.integers(0, 300), core_in_step=st.booleans(),
+       batch_ready=st.booleans())
 def test_value_rule_never_strands_live_work_nor_moves_the_core(roles, running, ahead, queued, ready_s, pooled,
-                                                              core_in_step):
+                                                              core_in_step, batch_ready):
     roles[0] = Role.TRAIN if core_in_step else roles[0]
     cs = cells(*roles, sessions=[running // len(roles)] * len(roles), in_step=(0,) if core_in_step else ())
     o = obs(cs, running=running, running_ahead=min(ahead, running), queued=queued, ready_s=ready_s,
-            pooled_sessions=pooled)
+            pooled_sessions=pooled, batch_ready=batch_ready)
     d = ElasticPolicy(VALUE, len(cs)).decide(o)
     assert 0 not in d.to_train + d.to_rollout and not set(d.to_train) & set(d.to_rollout)
     if d.to_train:
