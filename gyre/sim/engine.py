@@ -27,10 +27,12 @@ contexts the GPU KV, not the batch limit, caps the calls in flight).
 import heapq
 import itertools
 from collections import deque
+from dataclasses import replace
 
 from gyre.scheduler.cells import PHASE_SHARES, Phase, Role, make_cells
 from gyre.scheduler.config import SchedulerConfig
-from gyre.scheduler.policy import CellView, Decision, Observation, make_policy, rebalance
+from gyre.scheduler.observe import make_observation
+from gyre.scheduler.policy import Decision, Observation, make_policy, rebalance
 from gyre.scheduler.streaming import MicroStepQueue, may_admit, trained_spans
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.cost import Costs, derive_costs
@@ -447,28 +449,19 @@ class Simulation:
         self._at(self.now + self.tick_s, TICK, None)
 
     def _observe(self) -> Observation:
-        views = tuple(
-            CellView(index=sc.cell.index, role=sc.cell.role, is_core=sc.cell.is_core,
-                     in_step=sc.cell.step is not None, since_s=sc.cell.since_s, sessions=len(sc.members),
-                     max_sessions=sc.max_sessions, gen_tok_s=sc.gen_tok_s)
-            for sc in self.cells
-        )
-        current = self.queue.current_step
-        demand = sum(sc.eng.generating(self.now) for sc in self.cells) * self.preset.session_tok_s
-        running_ahead = sum(n for step, n in self.running_by_step.items() if step > current)
-        return Observation(
-            now_s=self.now, cells=views, queued=len(self.waiting), running=self.running,
+        cells, current = self.cells, self.queue.current_step
+        demand = sum(sc.eng.generating(self.now) for sc in cells) * self.preset.session_tok_s
+        obs = make_observation(
+            self.now, [sc.cell for sc in cells], [len(sc.members) for sc in cells], [sc.max_sessions for sc in cells],
+            [sc.gen_tok_s for sc in cells], queued=len(self.waiting), running=self.running,
             queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > current),
-            running_ahead=running_ahead,
-            # estimated pro rata: executions of later steps draw as much per session as the rest
-            gen_demand_ahead_tok_s=demand * running_ahead / self.running if self.running else 0.0,
-            gen_demand_tok_s=demand,
-            pooled_sessions=self.pooled_sessions,
-            ready_train_s=self.queue.ready_tokens() / self.sat_train_tok_s,
-            ready_ahead_train_s=self.queue.ready_tokens_ahead() / self.sat_train_tok_s,
-            batch_ready=self.queue.batch_ready(),
-            step_open=self.queue.step_started() or self.optimizing,
+            queue=self.queue, train_tok_s=self.sat_train_tok_s, optimizing=self.optimizing,
+            gen_demand_tok_s=demand, pooled_sessions=self.pooled_sessions,
         )
+        running_ahead = sum(n for step, n in self.running_by_step.items() if step > current)
+        # estimated pro rata: executions of later steps draw as much decode per session as the rest
+        return replace(obs, running_ahead=running_ahead,
+                       gen_demand_ahead_tok_s=demand * running_ahead / self.running if self.running else 0.0)
 
     def _consult(self):
         d: Decision = self.policy.decide(self._observe())
