@@ -80,11 +80,14 @@ def baselines(sim: SimConfig) -> list[tuple[str, ModeResult]]:
 
 
 def mechanisms(sim: SimConfig) -> list[tuple[str, ModeResult]]:
-    """Elastic with every mechanism off, each alone, and all together (same executions)."""
+    """Elastic with every mechanism off, each alone, those that train the same data together (all
+    but staleness admission, which masks spans), and all together (same executions)."""
     off = {"leave_rule": "waterlevel", "rebalance_on_return": False, "microstep_tokens": 0, "admission": "step"}
     runs = [_run(sim, "elastic, none", mode="elastic", **off)]
     for name, switch in MECHANISMS.items():
         runs.append(_run(sim, f"elastic + {name}", mode="elastic", **{**off, **switch}))
+    neutral = {k: v for name, switch in MECHANISMS.items() if name != "staleness_admission" for k, v in switch.items()}
+    runs.append(_run(sim, "elastic, all but admission", mode="elastic", **neutral))
     everything = {k: v for switch in MECHANISMS.values() for k, v in switch.items()}
     runs.append(_run(sim, "elastic, all", mode="elastic", **everything))
     return runs
