@@ -35,71 +35,13 @@ from gyre.scheduler.observe import make_observation
 from gyre.scheduler.policy import Decision, Observation, make_policy, rebalance
 from gyre.scheduler.streaming import MicroStepQueue, may_admit, trained_spans
 from gyre.sim.config import PresetConfig, ProfileConfig
-from gyre.sim.cost import Costs, derive_costs
-from gyre.sim.kv import GPU, NONE, CellEngine, HostTier
-from gyre.sim.result import CellStats, ModeResult, critical_path_s
+from gyre.sim.cost import derive_costs
+from gyre.sim.kv import GPU, HostTier
+from gyre.sim.parts import Group, Session, SimCell
+from gyre.sim.result import ModeResult, critical_path_s
 from gyre.sim.workload import budget_hit_fraction, draw_batch, mean_context_tokens, train_share, train_tokens
 
 SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS, WAKE = range(8)
-
-
-class _Session:
-    """One execution; it has at most one pending event (segment end or time budget), none while blocked."""
-
-    __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "excluded", "gen", "tool",
-                 "eng", "where", "kv", "call", "ver", "marks", "gtok", "ptok", "kvs")
-
-    def __init__(self, group, n_seg, off, excluded, batch):
-        self.group, self.n_seg, self.off, self.excluded = group, n_seg, off, excluded
-        self.seg, self.deadline, self.cell = 0, 0.0, None
-        self.eng, self.where, self.kv, self.call = None, NONE, 0.0, 0
-        self.gen, self.tool = batch.gen_tokens, batch.tool_s
-        self.ver, self.marks, self.gtok, self.ptok = -1, [], 0.0, 0.0  # marks: (version, first segment under it)
-        self.kvs = 0.0  # KV token-seconds its calls held at least (context x unloaded decode time)
-
-
-class _Group:
-    __slots__ = ("gid", "step", "version", "remaining", "execs")
-
-    def __init__(self, gid, step, version, size):
-        self.gid, self.step, self.version, self.remaining, self.execs = gid, step, version, size, []
-
-
-class _SimCell:
-    """The simulator's bookkeeping beside one scheduler Cell."""
-
-    def __init__(self, cell, preset: PresetConfig, costs: Costs, ctx_tokens: float, host: HostTier):
-        self.cell = cell
-        self.serving = cell.role is Role.ROLLOUT
-        self.members: dict = {}  # insertion-ordered set: hand-offs replay the same in every process
-        self.gen_tokens = 0.0
-        n = cell.num_nodes
-        gen = preset.cell_gen_tok_s[cell.index] if preset.cell_gen_tok_s else preset.gen_tok_s_per_node * n
-        self.eng = CellEngine(preset.kv_tokens_per_node * n, preset.max_sessions_per_node * n,
-                              gen, preset.session_tok_s,
-                              costs.prefill_tok_s_per_node * n, preset.kv_load_tok_s_per_node * n, host)
-        self.max_sessions = preset.sessions_per_node(ctx_tokens) * n
-        # what the policy is told: the decode those sessions sustain at the mean context
-        self.gen_tok_s = min(gen, preset.serving_tok_s_per_node(ctx_tokens) * n)
-        self.train_tok_s = (preset.cell_train_tok_s[cell.index] if preset.cell_train_tok_s
-                            else costs.train_tok_s_per_node * n)
-        self.slot_s = 0.0
-        self.slot_t = 0.0
-        self.micro = None
-        self.micro_start = self.micro_end = 0.0
-        self.token = 0
-        self.target = None
-        self.stats = CellStats(index=cell.index, is_core=cell.is_core)
-
-    def join(self, s, now):
-        self.slot_s += len(self.members) * (now - self.slot_t)
-        self.slot_t = now
-        self.members[s] = None
-
-    def drop(self, s, now):
-        self.slot_s += len(self.members) * (now - self.slot_t)
-        self.slot_t = now
-        self.members.pop(s, None)
 
 
 class Simulation:
@@ -129,7 +71,7 @@ class Simulation:
             host_nodes = sum(c.num_nodes for c in cells if c.role is Role.ROLLOUT)
         self.pooled_sessions = preset.pooled_sessions(ctx, host_nodes)
         self.host = HostTier(preset.host_kv_tokens_per_node * host_nodes)
-        self.cells = [_SimCell(c, preset, costs, ctx, self.host) for c in cells]
+        self.cells = [SimCell(c, preset, costs, ctx, self.host) for c in cells]
         self.core = self.cells[0]
         self.sat_train_tok_s = self.cells[-1].train_tok_s
         self.queue = MicroStepQueue(profile.groups_per_step, scheduler.staleness)
@@ -206,9 +148,9 @@ class Simulation:
             self.longest_s.append(b.longest_s)
             g_size = self.profile.group_size
             for g in range(self.profile.groups_per_step):
-                group = _Group(g, step, self.queue.version, g_size)
+                group = Group(g, step, self.queue.version, g_size)
                 for e in range(g * g_size, (g + 1) * g_size):
-                    self.waiting.append(_Session(group, b.segments[e], b.offsets[e], b.excluded[e], b))
+                    self.waiting.append(Session(group, b.segments[e], b.offsets[e], b.excluded[e], b))
             self.waiting_by_step[step] = self.profile.executions_per_step
             self.next_batch += 1
         self._fill_slots()
