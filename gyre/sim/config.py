@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from gyre.errors import require
+from gyre.scheduler.cells import Phase
 from gyre.scheduler.config import MODES, SchedulerConfig
 
 
@@ -230,6 +231,10 @@ class SimConfig:
     """Also run the seed's four workloads and print the side-by-side table."""
     sensitivity: bool = False
     """Also print speedups as switch costs grow and as the duration tail thickens."""
+    phase_s: dict[str, float] = field(default_factory=dict)
+    """Measured seconds of switch phases by name (gyre.scheduler.cells.Phase values, e.g.
+    pull_weights: 4.1), as a live run's cell leaders time them; a phase not named costs its share
+    of the scheduler's rollout_to_train_s / train_to_rollout_s."""
     baselines: bool = False
     """Also run every baseline variant (async even / each pool size / tier per role, colocate at
     matched staleness and s=0) and print them against the tighter bound."""
@@ -249,4 +254,8 @@ class SimConfig:
             f"must be 0 (none) or a satellite index 1..{(num_cells or 0) - 1}, got {self.lose_cell}",
         )
         require(self.lose_at_h >= 0, "lose_at_h", f"must be >= 0 h, got {self.lose_at_h}")
+        phases = {p.value for p in Phase if p is not Phase.FINISH_MICROSTEP}
+        for name, seconds in self.phase_s.items():
+            require(name in phases, "phase_s", f"unknown phase {name!r}; valid: {', '.join(sorted(phases))}")
+            require(seconds >= 0, "phase_s", f"{name} must be >= 0 s, got {seconds}")
 

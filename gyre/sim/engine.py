@@ -54,8 +54,9 @@ class Simulation:
 
     def __init__(self, profile: ProfileConfig, preset: PresetConfig, scheduler: SchedulerConfig,
                  num_steps: int, seed: int = 0, tick_s: float = 10.0, tail_scale: float = 1.0,
-                 losses: tuple[tuple[int, float], ...] = ()):
+                 losses: tuple[tuple[int, float], ...] = (), phase_s: dict[str, float] | None = None):
         self.profile, self.preset, self.cfg = profile, preset, scheduler
+        self.phase_s = phase_s or {}  # measured seconds per switch phase, by Phase value
         self.losses = losses
         self.stall_s = 20 * profile.timeout_s + 86400.0
         self.num_steps, self.seed, self.tick_s, self.tail_scale = num_steps, seed, tick_s, tail_scale
@@ -429,7 +430,7 @@ class Simulation:
             dur = self._finish_or_hand_back(sc)
         else:
             cost = self.cfg.rollout_to_train_s if sc.target is Role.TRAIN else self.cfg.train_to_rollout_s
-            dur = cost * PHASE_SHARES[phase]
+            dur = self.phase_s.get(phase.value, cost * PHASE_SHARES[phase])
         sc.stats.switch_s += dur
         self._at(self.now + dur, PHASE_END, sc, sc.token)
 

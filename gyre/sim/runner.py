@@ -24,7 +24,8 @@ def run_modes(sim: SimConfig, modes=None, switch_scale: float = 1.0, tail_scale:
     )
     return [
         Simulation(sim.profile, sim.preset, replace(sched, mode=m), sim.num_steps, seed=sim.seed,
-                   tick_s=sim.tick_s, tail_scale=tail_scale, losses=losses).run()
+                   tick_s=sim.tick_s, tail_scale=tail_scale, losses=losses,
+                   phase_s={k: v * switch_scale for k, v in sim.phase_s.items()}).run()
         for m in (modes or sim.modes)
     ]
 

@@ -222,3 +222,14 @@ def test_measured_per_cell_throughputs_and_duration_samples_drive_the_run():
     with pytest.raises(ConfigError) as err:
         replace(PRESET, cell_gen_tok_s=[1.0])
     assert err.value.key == "preset.cell_gen_tok_s" or err.value.key == "cell_gen_tok_s"
+
+
+def test_measured_switch_phase_times_replace_the_shares():
+    sched = SchedulerConfig(mode="colocate")
+    base = Simulation(PROFILE, PRESET, sched, num_steps=2, tick_s=5.0).run()
+    slow = Simulation(PROFILE, PRESET, sched, num_steps=2, tick_s=5.0, phase_s={"pull_weights": 200.0}).run()
+    # every rollout->train switch of colocate's 4 cells pays 200 s for pull_weights instead of 40% of 8.52 s
+    assert slow.cells[1].switch_s >= base.cells[1].switch_s + 2 * (200 - 0.4 * 8.52) - 1e-6
+    with pytest.raises(ConfigError) as err:
+        validate_sim(compose("+phase_s.warp_drive=1"))
+    assert err.value.key == "phase_s"
