@@ -14,6 +14,9 @@ elastic: the core trains; satellites roll out unless the waterlevel W = queued +
     from thrashing: the leave rule looks at the peak waterlevel of a trailing window, a gap
     separates it from the return rule (spare capacity with headroom vs a queue of a fraction of a
     cell), and a minimum dwell time in each role.
+    Switches (gyre.scheduler.config) measured alone: `leave_rule: value` treats executions of later
+    steps as deferrable once the current batch is ready; `rebalance` (a pure function the caller
+    applies) moves live sessions onto a cell that returns to rollout.
 async: fixed pools chosen once (`async_split`: even by default); it never switches.
 colocate: every cell rolls out until the step's batch is ready, then every cell trains until the
     optimizer step is applied.
@@ -245,7 +248,6 @@ class ElasticPolicy(BasePolicy):
             serving = rest
             n_train += 1
         return tuple(leaving)
-
 
     def _leaves_by_value(self, obs: Observation) -> tuple[int, ...]:
         """The value-based leave rule (`leave_rule: value`): once the current step's batch is
