@@ -12,6 +12,8 @@ MODES = ("elastic", "async", "colocate")
 ASYNC_SPLITS = ("even", "work_share")
 BATCHING = ("fixed", "first_ready")
 """Which step trains a ready group (see gyre.scheduler.streaming); the same in every mode."""
+LEAVE_RULES = ("waterlevel", "value")
+ADMISSION = ("step", "staleness")
 """elastic: satellites switch roles by waterlevel; async: fixed rollout and train pools;
 colocate: all cells roll out a batch, then all train."""
 
@@ -64,6 +66,27 @@ class SchedulerConfig:
     """async: cells in the fixed training pool, the core included (0 = sized by `async_split`;
     the rest roll out)."""
 
+    leave_rule: str = "waterlevel"
+    """elastic, one of LEAVE_RULES. waterlevel: a satellite leaves only if the remaining cells
+    serve the whole waterlevel with headroom. value: executions of later steps (queued or running,
+    admitted early as the staleness bound allows) are deferrable: the remaining cells must keep
+    every live session (GPU or offload tier) but serve with headroom only the current step's, and
+    the ready training work on the critical path must pay for the round trip."""
+    rebalance_on_return: bool = False
+    """A cell that returns to rollout takes live sessions (between model calls) from the most
+    loaded serving cells until loads are even (proxy reroute + KV migration through the offload
+    tier), instead of waiting for new sessions to fill it."""
+    microstep_tokens: int = 0
+    """Token bound of one micro-step (0 = one group per micro-step): a group's training splits
+    into micro-steps of at most this many tokens, so every training cell shares the burst of
+    training after the batch is ready. Gradients accumulate the same either way."""
+    admission: str = "step"
+    """One of ADMISSION. step: a batch of step k starts once optimizer step k - s - 1 is applied.
+    staleness: it starts once step k - s - 1's batch is ready (no more rollout for it); spans
+    generated before version k - s is published fall outside the bound and are masked out of the
+    loss (trained_spans), so no trained token is older than the bound, at a cost in training data
+    the simulator reports as masked_fraction and stale_dropped."""
+
     def __post_init__(self):
         require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}; got {self.mode!r}")
         require(self.batching in BATCHING, "batching", f"must be one of {', '.join(BATCHING)}; got {self.batching!r}")
@@ -84,6 +107,11 @@ class SchedulerConfig:
         )
         require(self.async_split in ASYNC_SPLITS, "async_split",
                 f"must be one of {', '.join(ASYNC_SPLITS)}; got {self.async_split!r}")
+        require(self.leave_rule in LEAVE_RULES, "leave_rule",
+                f"must be one of {', '.join(LEAVE_RULES)}; got {self.leave_rule!r}")
+        require(self.admission in ADMISSION, "admission", f"must be one of {', '.join(ADMISSION)}; got {self.admission!r}")
+        require(self.microstep_tokens >= 0, "microstep_tokens",
+                f"must be >= 0 (0 = one group per micro-step), got {self.microstep_tokens}")
         require(self.async_train_cells >= 0, "async_train_cells",
                 f"must be >= 0 (0 = sized by async_split), got {self.async_train_cells}")
 

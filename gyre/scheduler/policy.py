@@ -14,6 +14,9 @@ elastic: the core trains; satellites roll out unless the waterlevel W = queued +
     from thrashing: the leave rule looks at the peak waterlevel of a trailing window, a gap
     separates it from the return rule (spare capacity with headroom vs a queue of a fraction of a
     cell), and a minimum dwell time in each role.
+    Switches (gyre.scheduler.config) measured alone: `leave_rule: value` treats executions of later
+    steps as deferrable once the current batch is ready; `rebalance` (a pure function the caller
+    applies) moves live sessions onto a cell that returns to rollout.
 async: fixed pools chosen once (`async_split`: even by default); it never switches.
 colocate: every cell rolls out until the step's batch is ready, then every cell trains until the
     optimizer step is applied.
@@ -59,6 +62,10 @@ class Observation:
     staleness bound allows); the next optimizer step does not wait for them."""
     running: int = 0
     """Executions holding a slot (in a model or a tool call)."""
+    running_ahead: int = 0
+    """Of `running`, those bound to steps after the one being trained (prefetch already live)."""
+    gen_demand_ahead_tok_s: float = 0.0
+    """Of `gen_demand_tok_s`, what the executions bound to later steps draw, tokens/s."""
     pooled_sessions: int = 0
     """Sessions a cluster-wide offload tier keeps beyond the serving cells' own memory, whichever
     cells serve (sessions in tool calls hold no compute, only KV)."""
@@ -225,6 +232,8 @@ class ElasticPolicy(BasePolicy):
         """Satellites to move to training: spare rollout capacity and work that pays the switch."""
         if obs.ready_train_s <= 0:
             return ()
+        if self.cfg.leave_rule == "value":
+            return self._leaves_by_value(obs)
         serving = [c for c in obs.cells if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
         n_train = sum(c.role in (Role.TRAIN, Role.TO_TRAIN) for c in obs.cells)
         candidates = [c for c in serving if c.role == Role.ROLLOUT and not c.is_core and self._dwelt(c, obs.now_s)]
@@ -239,6 +248,58 @@ class ElasticPolicy(BasePolicy):
             serving = rest
             n_train += 1
         return tuple(leaving)
+
+    def _leaves_by_value(self, obs: Observation) -> tuple[int, ...]:
+        """The value-based leave rule (`leave_rule: value`): once the current step's batch is
+        ready, its training is the critical path: a satellite trains when the ready work it takes
+        pays for its round trip and the remaining cells still serve the current step's executions
+        with headroom; executions of later steps are deferrable (slowed, their KV in the offload
+        tier), though every live session keeps a place. Before that, the waterlevel rule."""
+        if not obs.batch_ready:
+            obs = replace(obs, queued_ahead=0, running_ahead=0, gen_demand_ahead_tok_s=0.0)
+        urgent = replace(obs, queued=obs.queued - obs.queued_ahead, running=obs.running - obs.running_ahead,
+                         queued_ahead=0, running_ahead=0,
+                         gen_demand_tok_s=max(0.0, obs.gen_demand_tok_s - obs.gen_demand_ahead_tok_s))
+        serving = [c for c in obs.cells if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
+        n_train = sum(c.role in (Role.TRAIN, Role.TO_TRAIN) for c in obs.cells)
+        candidates = [c for c in serving if c.role == Role.ROLLOUT and not c.is_core and self._dwelt(c, obs.now_s)]
+        candidates.sort(key=lambda c: (c.sessions, c.index))
+        leaving: list[int] = []
+        for c in candidates:
+            rest = [s for s in serving if s.index != c.index]
+            if obs.ready_train_s / (n_train + 1) < self.cfg.gain_factor * self.cfg.round_trip_s:
+                break
+            holds_all = not obs.waterlevel or (rest and _capacity(rest)[0] + obs.pooled_sessions >= obs.waterlevel)
+            if not holds_all or not _serves(rest, urgent, self.cfg.leave_headroom):
+                break
+            leaving.append(c.index)
+            serving = rest
+            n_train += 1
+        return tuple(leaving)
+
+
+def rebalance(cells: tuple[CellView, ...], target: int) -> dict[int, int]:
+    """Sessions to move from each serving cell onto cell `target`, which just returned to
+    rollout, so every serving cell's load (sessions / max_sessions) is as even as whole sessions
+    allow; the most loaded give first. Returns {source index: sessions to move}."""
+    serving = [c for c in cells if c.role == Role.ROLLOUT]
+    if not any(c.index == target for c in serving):
+        return {}
+    total = sum(c.sessions for c in serving)
+    capacity = sum(c.max_sessions for c in serving)
+    moves: dict[int, int] = {}
+    want = {c.index: math.ceil(total * c.max_sessions / capacity) for c in serving}
+    need = want[target] - next(c.sessions for c in serving if c.index == target)
+    for c in sorted(serving, key=lambda c: (-c.sessions / c.max_sessions, c.index)):
+        if need <= 0:
+            break
+        if c.index == target:
+            continue
+        give = min(need, c.sessions - want[c.index])
+        if give > 0:
+            moves[c.index] = give
+            need -= give
+    return moves
 
 
 class AsyncPolicy(BasePolicy):

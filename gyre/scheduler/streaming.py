@@ -66,6 +66,14 @@ def trained_spans(marks: list[tuple[int, int]], num_spans: int, step: int, stale
     return None
 
 
+def split_tokens(tokens: int, max_tokens: int) -> list[int]:
+    """`tokens` as near-equal parts of at most `max_tokens` each (0 = one part; none for 0 tokens)."""
+    if tokens <= 0:
+        return []
+    n = -(-tokens // max_tokens) if max_tokens > 0 else 1
+    return [tokens // n + (1 if i < tokens % n else 0) for i in range(n)]
+
+
 @dataclass(frozen=True)
 class MicroStep:
     """One ready group's training work for one step."""
@@ -126,15 +134,17 @@ class MicroStepQueue:
             step += 1
         return step
 
-    def add_ready(self, step: int, group_id: int, start_version: int, tokens: int) -> None:
+    def add_ready(self, step: int, group_id: int, start_version: int, tokens: int, max_tokens: int = 0) -> None:
         """A group of `step` is ready: all its executions finished or were excluded.
 
         `start_version` is the version of its oldest span that is trained (not masked).
+        `max_tokens` > 0 splits the group into micro-steps of at most that many tokens (as even
+        as whole tokens allow), so several cells can share one group's training.
         """
         st = self._state(step)
         self._account(st, step)
-        if tokens > 0:
-            st.ready.append(MicroStep(step, group_id, start_version, tokens))
+        for part in split_tokens(tokens, max_tokens):
+            st.ready.append(MicroStep(step, group_id, start_version, part))
             st.num_micro += 1
 
     def exclude(self, step: int, group_id: int) -> None:

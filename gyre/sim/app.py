@@ -18,8 +18,8 @@ from gyre.errors import ConfigError
 from gyre.launch.train import CONF_DIR
 from gyre.metrics.plots import draw_timelines
 from gyre.sim.config import SimConfig
-from gyre.sim.report import format_compare, format_modes, format_sensitivity, timeline_panels
-from gyre.sim.runner import run_modes, sensitivity, summarize
+from gyre.sim.report import format_compare, format_labels, format_modes, format_sensitivity, timeline_panels
+from gyre.sim.runner import baselines, label_table, mechanisms, run_modes, sensitivity, summarize
 from gyre.sim.seed import SEED_ROWS
 
 ConfigStore.instance().store(name="sim_schema", node=SimConfig)
@@ -37,7 +37,8 @@ def validate_sim(cfg: DictConfig) -> SimConfig:
     return SimConfig(**sections)
 
 
-_SCENARIO_KEYS = ("profile=", "preset=", "num_steps=", "compare=", "sensitivity=", "json=", "plot=", "modes=")
+_SCENARIO_KEYS = ("profile=", "preset=", "num_steps=", "compare=", "sensitivity=", "json=", "plot=", "modes=",
+                  "baselines=", "mechanisms=")
 
 
 def _compare_rows(user_overrides: list[str]) -> list[dict]:
@@ -57,26 +58,39 @@ def _compare_rows(user_overrides: list[str]) -> list[dict]:
                            *row.overrides],
             )
             sim = validate_sim(cfg)
-            results = run_modes(sim, modes=["elastic", "async", "colocate"])
-            out = summarize(sim, results)
-            # async with pools sized by the measured work share: the oracle split, for reference
-            tuned = replace(sim, scheduler=replace(sim.scheduler, async_split="work_share"))
-            (oracle,) = run_modes(tuned, modes=["async"])
-            out["speedup"]["vs_async_work_share"] = round(oracle.total_s / results[0].total_s, 3)
-            sims.append(out)
+            runs = baselines(sim)
+            table = label_table(runs)
+            print(f"\n{row.workload} on {preset}:\n{format_labels(table)}", flush=True)
+            sims.append(dict(_speedups(runs), table=table))
         rows.append({
             "workload": row.workload,
             "seed_vs_async": row.vs_async,
             "seed_vs_colocate": row.vs_colocate,
-            "sim_vs_async": _span([s["speedup"]["vs_async"] for s in sims]),
-            "sim_vs_colocate": _span([s["speedup"]["vs_colocate"] for s in sims]),
-            "sim_vs_async_work_share": _span([s["speedup"]["vs_async_work_share"] for s in sims]),
-            "elastic_ideal": _span([s["modes"]["elastic"]["ratio_to_ideal"] for s in sims]),
-            "elastic_switches": " / ".join(str(s["modes"]["elastic"]["switches"]) for s in sims),
-            "sim_elastic_h": " / ".join(f"{s['modes']['elastic']['time_h']:.1f}" for s in sims),
-            "runs": sims,
+            **{k: _span([s[k] for s in sims]) for k in sims[0] if k not in ("table", "t_over_r", "sim_elastic_h")},
+            "t_over_r": " / ".join(f"{s['t_over_r']:.2f}" for s in sims),
+            "sim_elastic_h": " / ".join(f"{s['sim_elastic_h']:.1f}" for s in sims),
+            "runs": [s["table"] for s in sims],
         })
     return rows
+
+
+def _speedups(runs: list) -> dict:
+    """Elastic's speedup over each baseline variant, its ratio to the bound, T/R, hours."""
+    by = {label: r.total_s for label, r in runs}
+    elastic = by["elastic"]
+    table = label_table(runs)
+    oracle = next(label for label in by if label.startswith("async oracle"))
+    colocate = [label for label in by if label.startswith("colocate")]
+    return {
+        "vs_async_even": by["async even"] / elastic,
+        "vs_async_oracle": by[oracle] / elastic,
+        "vs_async_per_role": by["async even, tier per role"] / elastic,
+        "vs_colocate": by[colocate[0]] / elastic,
+        "vs_colocate_s0": by[colocate[-1]] / elastic,
+        "elastic_bound": table["rows"][0]["ratio_to_bound"],
+        "t_over_r": table["regime"]["t_over_r"],
+        "sim_elastic_h": elastic / 3600,
+    }
 
 
 def _span(values: list[float]) -> str:
@@ -98,6 +112,14 @@ def run(cfg: DictConfig) -> None:
         draw_timelines(timeline_panels(results), path)
         out["plot"] = path
         print(f"timeline: {path}")
+    if sim.baselines:
+        out["baselines"] = label_table(baselines(sim))
+        print(f"\nelastic and every baseline variant on {sim.profile.name} / {sim.preset.name}:\n"
+              f"{format_labels(out['baselines'])}")
+    if sim.mechanisms:
+        out["mechanisms"] = label_table(mechanisms(sim))
+        print(f"\neach policy mechanism alone on {sim.profile.name} / {sim.preset.name}:\n"
+              f"{format_labels(out['mechanisms'])}")
     if sim.sensitivity:
         out["sensitivity"] = sensitivity(sim)
         print(f"\nsensitivity on {sim.profile.name} / {sim.preset.name}:\n{format_sensitivity(out['sensitivity'])}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from gyre.errors import require
+from gyre.scheduler.cells import Phase
 from gyre.scheduler.config import MODES, SchedulerConfig
 
 
@@ -51,6 +52,13 @@ class ProfileConfig:
     """Per-execution time budget; a timed-out execution is scored on its workspace and trained."""
     excluded_fraction: float = 0.03
     """Executions that end without a valid reward and are excluded (never trained as zero)."""
+    segments_samples: list[int] = field(default_factory=list)
+    """Measured segments per execution (a live run's); non-empty = drawn from these (bootstrap,
+    scaled by the task's difficulty draw) instead of the log-normal around `segments_median`."""
+    gen_tokens_samples: list[float] = field(default_factory=list)
+    """Measured tokens generated per segment; non-empty = drawn from these."""
+    tool_s_samples: list[float] = field(default_factory=list)
+    """Measured tool seconds per segment; non-empty = drawn from these."""
 
     def __post_init__(self):
         for key in ("groups_per_step", "group_size", "max_segments", "max_context_tokens"):
@@ -64,6 +72,9 @@ class ProfileConfig:
         require(
             0 <= self.excluded_fraction < 1, "excluded_fraction", f"must be in [0, 1), got {self.excluded_fraction}"
         )
+        for key in ("segments_samples", "gen_tokens_samples", "tool_s_samples"):
+            require(all(x >= 0 for x in getattr(self, key)), key, "samples must be >= 0")
+        require(all(x >= 1 for x in self.segments_samples), "segments_samples", "samples must be >= 1")
 
     @property
     def executions_per_step(self) -> int:
@@ -83,23 +94,59 @@ class PresetConfig:
     """GPU KV cache one node's engine holds, tokens: the contexts of sessions in a model call must
     fit, idle sessions stay cached there until evicted (LRU; see gyre.sim.kv)."""
     host_kv_tokens_per_node: float = 32e6
-    """Offload tier per node (HiCache host memory / Mooncake L3, pooled across the cluster),
-    tokens; 0 = no offload (evicted KV is recomputed)."""
+    """Offload tier per node (HiCache host memory / Mooncake L3), tokens; 0 = no offload (evicted
+    KV is recomputed)."""
+    host_tier_scope: str = "cluster"
+    """cluster: every node's host memory is pooled whatever its role; rollout_pool: only nodes of
+    cells that start in rollout hold KV (what a user of fixed pools gets: training nodes' host
+    memory is the trainer's)."""
     kv_load_tok_s_per_node: float = 2e6
     """Reload bandwidth from the offload tier to one node's GPUs, tokens/s."""
     max_sessions_per_node: int = 128
     """Engine batch limit: concurrent model calls per node even when KV is plentiful."""
-    prefill_tok_s_per_node: float = 50000.0
-    """Prefill throughput of one node, tokens/s: a session whose KV was evicted and not offloaded
-    recomputes its whole context on its next model call."""
     gen_tok_s_per_node: float = 4000.0
-    """Aggregate decode throughput of one node at full load, tokens/s."""
+    """Aggregate decode throughput of one node at full load, tokens/s (memory-bound: measured,
+    not derived from FLOPs)."""
     session_tok_s: float = 60.0
     """Decode speed of one session on an unloaded engine, tokens/s."""
-    train_tok_s_per_node: float = 20000.0
-    """Training throughput (forward + backward) of one node, tokens/s."""
-    optimizer_step_s: float = 30.0
-    """Core's optimizer step plus publishing the new weight version, seconds."""
+    # ---- compute: FLOPs x MFU (gyre.sim.cost) --------------------------------------------
+    gpus_per_node: int = 8
+    gpu_peak_tflops: float = 989.0
+    """Dense bf16 peak of one GPU, TFLOP/s (H100/H200 SXM)."""
+    active_params_b: float = 10.0
+    """Active parameters per token, billions (MoE: the routed experts' share, not the total)."""
+    attention_layers: int = 12
+    """Layers with full (quadratic) attention; linear-attention layers are counted in the 6N term."""
+    attention_dim: int = 8192
+    """Query width of a full-attention layer (heads x head dim)."""
+    train_mfu: float = 0.30
+    """Fraction of peak training reaches at long context (25-35% is typical for MoE with context
+    parallelism)."""
+    prefill_mfu: float = 0.40
+    """Fraction of peak the engines' prefill reaches."""
+    logprob_recompute: bool = True
+    """Recompute the behaviour policy's log-probs before training (one forward per token)."""
+    reference_pass: bool = False
+    """A reference-model forward per token (KL penalty)."""
+    train_tok_s_per_node: float = 0.0
+    """Training throughput per node, tokens/s; 0 = derived from FLOPs at the profile's context,
+    > 0 = measured (it replaces the derivation)."""
+    prefill_tok_s_per_node: float = 0.0
+    """Prefill throughput per node, tokens/s; 0 = derived from FLOPs, > 0 = measured. Every new
+    prompt token (tool output) is prefilled; a session whose KV was dropped recomputes it all."""
+    optimizer_s: float = 5.0
+    """The core's optimizer step, seconds."""
+    weight_gb: float = 244.0
+    """Bytes of weights published to the engines after each optimizer step, GB."""
+    weight_sync_gb_s: float = 25.0
+    """Effective bandwidth of publishing weights (broadcast over RDMA), GB/s."""
+    optimizer_step_s: float = 0.0
+    """Optimizer step plus weight sync, seconds; 0 = optimizer_s + weight_gb / weight_sync_gb_s,
+    > 0 = measured."""
+    cell_gen_tok_s: list[float] = field(default_factory=list)
+    """Measured decode throughput of each cell, tokens/s (core first); empty = nodes x per node."""
+    cell_train_tok_s: list[float] = field(default_factory=list)
+    """Measured training throughput of each cell, tokens/s; empty = nodes x per node."""
 
     def __post_init__(self):
         require(self.num_nodes >= 1, "num_nodes", f"must be >= 1, got {self.num_nodes}")
@@ -115,11 +162,20 @@ class PresetConfig:
             f"must divide num_nodes={self.num_nodes} into equal cells, got {self.num_cells}",
         )
         for key in ("kv_tokens_per_node", "max_sessions_per_node", "gen_tok_s_per_node", "session_tok_s",
-                    "train_tok_s_per_node", "prefill_tok_s_per_node", "kv_load_tok_s_per_node"):
+                    "kv_load_tok_s_per_node", "gpus_per_node", "gpu_peak_tflops", "active_params_b",
+                    "weight_sync_gb_s"):
             require(getattr(self, key) > 0, key, f"must be > 0 (no capacity cannot run), got {getattr(self, key)}")
-        require(self.host_kv_tokens_per_node >= 0, "host_kv_tokens_per_node",
-                f"must be >= 0 (0 = no offload tier), got {self.host_kv_tokens_per_node}")
-        require(self.optimizer_step_s >= 0, "optimizer_step_s", f"must be >= 0 s, got {self.optimizer_step_s}")
+        for key in ("train_mfu", "prefill_mfu"):
+            require(0 < getattr(self, key) <= 1, key, f"must be in (0, 1], got {getattr(self, key)}")
+        for key in ("host_kv_tokens_per_node", "train_tok_s_per_node", "prefill_tok_s_per_node", "optimizer_s",
+                    "weight_gb", "optimizer_step_s", "attention_layers", "attention_dim"):
+            require(getattr(self, key) >= 0, key, f"must be >= 0 (0 = derived or none), got {getattr(self, key)}")
+        require(self.host_tier_scope in ("cluster", "rollout_pool"), "host_tier_scope",
+                f"must be cluster or rollout_pool, got {self.host_tier_scope!r}")
+        for key in ("cell_gen_tok_s", "cell_train_tok_s"):
+            values = getattr(self, key)
+            require(not values or (len(values) == self.num_cells and min(values) > 0), key,
+                    f"must be empty or {self.num_cells} values > 0 (one per cell), got {values}")
 
     @property
     def cell_nodes(self) -> int:
@@ -140,10 +196,11 @@ class PresetConfig:
         of the calls its GPU KV can hold at once, each at session speed, make less."""
         return min(self.decode_tok_s_per_node, self.sessions_per_node(mean_context_tokens) * self.session_tok_s)
 
-    def pooled_sessions(self, mean_context_tokens: float) -> int:
-        """Live sessions the cluster-wide offload tier keeps beyond the GPUs (every node's host
-        memory is pooled, whatever the node's role)."""
-        return int(self.host_kv_tokens_per_node * self.num_nodes // max(1.0, mean_context_tokens))
+    def pooled_sessions(self, mean_context_tokens: float, host_nodes: int | None = None) -> int:
+        """Live sessions the offload tier keeps beyond the GPUs: every node's host memory pooled
+        (or only `host_nodes` nodes' when the tier is scoped to the rollout pool)."""
+        nodes = self.num_nodes if host_nodes is None else host_nodes
+        return int(self.host_kv_tokens_per_node * nodes // max(1.0, mean_context_tokens))
 
 
 @dataclass(kw_only=True)
@@ -174,6 +231,15 @@ class SimConfig:
     """Also run the seed's four workloads and print the side-by-side table."""
     sensitivity: bool = False
     """Also print speedups as switch costs grow and as the duration tail thickens."""
+    phase_s: dict[str, float] = field(default_factory=dict)
+    """Measured seconds of switch phases by name (gyre.scheduler.cells.Phase values, e.g.
+    pull_weights: 4.1), as a live run's cell leaders time them; a phase not named costs its share
+    of the scheduler's rollout_to_train_s / train_to_rollout_s."""
+    baselines: bool = False
+    """Also run every baseline variant (async even / each pool size / tier per role, colocate at
+    matched staleness and s=0) and print them against the tighter bound."""
+    mechanisms: bool = False
+    """Also run elastic with each policy mechanism alone (gyre.scheduler.config switches)."""
 
     def __post_init__(self):
         require(self.num_steps >= 1, "num_steps", f"must be >= 1, got {self.num_steps}")
@@ -188,4 +254,8 @@ class SimConfig:
             f"must be 0 (none) or a satellite index 1..{(num_cells or 0) - 1}, got {self.lose_cell}",
         )
         require(self.lose_at_h >= 0, "lose_at_h", f"must be >= 0 h, got {self.lose_at_h}")
+        phases = {p.value for p in Phase if p is not Phase.FINISH_MICROSTEP}
+        for name, seconds in self.phase_s.items():
+            require(name in phases, "phase_s", f"unknown phase {name!r}; valid: {', '.join(sorted(phases))}")
+            require(seconds >= 0, "phase_s", f"{name} must be >= 0 s, got {seconds}")
 

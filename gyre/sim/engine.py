@@ -15,7 +15,7 @@ hand-off, colocate's switch to training) offloads its sessions' KV to the host t
 cell that serves them next reloads it. A model call keeps the duration computed at its start
 even if its session is handed off meanwhile. A session whose cell left with no serving cell to
 take it (colocate while training) keeps running tool calls and waits at its next model call
-with its time budget paused.
+while its time budget keeps running (a harness's wall clock never pauses).
 
 Live sessions are bounded by what the serving cells' GPUs and the cluster-wide (pooled) offload
 tier hold at the profile's mean context (beyond that every call would recompute); executions
@@ -27,73 +27,21 @@ contexts the GPU KV, not the batch limit, caps the calls in flight).
 import heapq
 import itertools
 from collections import deque
+from dataclasses import replace
 
 from gyre.scheduler.cells import PHASE_SHARES, Phase, Role, make_cells
 from gyre.scheduler.config import SchedulerConfig
 from gyre.scheduler.observe import make_observation
-from gyre.scheduler.policy import Decision, Observation, make_policy
+from gyre.scheduler.policy import Decision, Observation, make_policy, rebalance
 from gyre.scheduler.streaming import MicroStepQueue, may_admit, trained_spans
 from gyre.sim.config import PresetConfig, ProfileConfig
-from gyre.sim.kv import NONE, CellEngine, HostTier
-from gyre.sim.result import CellStats, ModeResult, critical_path_s
-from gyre.sim.workload import draw_batch, mean_context_tokens, train_share, train_tokens
+from gyre.sim.cost import derive_costs
+from gyre.sim.kv import GPU, HostTier
+from gyre.sim.parts import Group, Session, SimCell
+from gyre.sim.result import ModeResult, critical_path_s
+from gyre.sim.workload import budget_hit_fraction, draw_batch, mean_context_tokens, train_share, train_tokens
 
 SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS, WAKE = range(8)
-
-
-class _Session:
-    """One execution; it has at most one pending event (segment end or time budget), none while blocked."""
-
-    __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "excluded", "gen", "tool",
-                 "eng", "where", "kv", "call", "ver", "marks", "gtok")
-
-    def __init__(self, group, n_seg, off, excluded, batch):
-        self.group, self.n_seg, self.off, self.excluded = group, n_seg, off, excluded
-        self.seg, self.deadline, self.cell = 0, 0.0, None
-        self.eng, self.where, self.kv, self.call = None, NONE, 0.0, 0
-        self.gen, self.tool = batch.gen_tokens, batch.tool_s
-        self.ver, self.marks, self.gtok = -1, [], 0.0  # marks: (version, first segment under it)
-
-
-class _Group:
-    __slots__ = ("gid", "step", "version", "remaining", "execs")
-
-    def __init__(self, gid, step, version, size):
-        self.gid, self.step, self.version, self.remaining, self.execs = gid, step, version, size, []
-
-
-class _SimCell:
-    """The simulator's bookkeeping beside one scheduler Cell."""
-
-    def __init__(self, cell, preset: PresetConfig, ctx_tokens: float, host: HostTier):
-        self.cell = cell
-        self.serving = cell.role is Role.ROLLOUT
-        self.members: dict = {}  # insertion-ordered set: hand-offs replay the same in every process
-        self.gen_tokens = 0.0
-        n = cell.num_nodes
-        self.eng = CellEngine(preset.kv_tokens_per_node * n, preset.max_sessions_per_node * n,
-                              preset.gen_tok_s_per_node * n, preset.session_tok_s,
-                              preset.prefill_tok_s_per_node * n, preset.kv_load_tok_s_per_node * n, host)
-        self.max_sessions = preset.sessions_per_node(ctx_tokens) * n
-        self.gen_tok_s = preset.serving_tok_s_per_node(ctx_tokens) * n  # what the policy is told
-        self.train_tok_s = preset.train_tok_s_per_node * cell.num_nodes
-        self.slot_s = 0.0
-        self.slot_t = 0.0
-        self.micro = None
-        self.micro_start = self.micro_end = 0.0
-        self.token = 0
-        self.target = None
-        self.stats = CellStats(index=cell.index, is_core=cell.is_core)
-
-    def join(self, s, now):
-        self.slot_s += len(self.members) * (now - self.slot_t)
-        self.slot_t = now
-        self.members[s] = None
-
-    def drop(self, s, now):
-        self.slot_s += len(self.members) * (now - self.slot_t)
-        self.slot_t = now
-        self.members.pop(s, None)
 
 
 class Simulation:
@@ -106,19 +54,25 @@ class Simulation:
 
     def __init__(self, profile: ProfileConfig, preset: PresetConfig, scheduler: SchedulerConfig,
                  num_steps: int, seed: int = 0, tick_s: float = 10.0, tail_scale: float = 1.0,
-                 losses: tuple[tuple[int, float], ...] = ()):
+                 losses: tuple[tuple[int, float], ...] = (), phase_s: dict[str, float] | None = None):
         self.profile, self.preset, self.cfg = profile, preset, scheduler
+        self.phase_s = phase_s or {}  # measured seconds per switch phase, by Phase value
         self.losses = losses
         self.stall_s = 20 * profile.timeout_s + 86400.0
         self.num_steps, self.seed, self.tick_s, self.tail_scale = num_steps, seed, tick_s, tail_scale
         cells = make_cells(preset.num_cells, preset.cell_nodes)
-        self.policy = make_policy(scheduler, preset.num_cells, train_share(profile, preset, seed))
+        self.costs = costs = derive_costs(profile, preset, seed)
+        share = train_share(profile, preset, seed, costs.train_tok_s_per_node, costs.prefill_tok_s_per_node)
+        self.policy = make_policy(scheduler, preset.num_cells, share)
         for cell, role in zip(cells, self.policy.initial_roles()):
             cell.role = role
         ctx = mean_context_tokens(profile, seed)
-        self.pooled_sessions = preset.pooled_sessions(ctx)
-        self.host = HostTier(preset.host_kv_tokens_per_node * preset.num_nodes)
-        self.cells = [_SimCell(c, preset, ctx, self.host) for c in cells]
+        host_nodes = preset.num_nodes
+        if preset.host_tier_scope == "rollout_pool":  # only nodes that start in rollout hold KV
+            host_nodes = sum(c.num_nodes for c in cells if c.role is Role.ROLLOUT)
+        self.pooled_sessions = preset.pooled_sessions(ctx, host_nodes)
+        self.host = HostTier(preset.host_kv_tokens_per_node * host_nodes)
+        self.cells = [SimCell(c, preset, costs, ctx, self.host) for c in cells]
         self.core = self.cells[0]
         self.sat_train_tok_s = self.cells[-1].train_tok_s
         self.queue = MicroStepQueue(profile.groups_per_step, scheduler.staleness)
@@ -127,6 +81,7 @@ class Simulation:
         self.now = 0.0
         self.waiting: deque = deque()
         self.waiting_by_step: dict[int, int] = {}
+        self.running_by_step: dict[int, int] = {}
         self.blocked: dict = {}  # insertion-ordered set
         self.running = 0
         self.next_batch = 0
@@ -144,6 +99,10 @@ class Simulation:
         self.num_stale_dropped = 0
         self.masked_segments = self.trained_segments = 0
         self.useful_gen = 0.0  # tokens generated by executions that were trained or excluded
+        self.useful_prompt = 0.0  # new prompt tokens of those executions
+        self.useful_kvs = 0.0  # KV token-seconds of those executions' model calls
+        self.prompt_total = 0.0
+        self.started = 0
 
     # ---- event plumbing -------------------------------------------------------------------
     def _at(self, t, kind, obj, token=0):
@@ -174,17 +133,25 @@ class Simulation:
         return self._result()
 
     # ---- rollout side ---------------------------------------------------------------------
+    def _may_admit(self, step: int) -> bool:
+        """The staleness rule, or (admission: staleness) one step further once the batch that
+        must be trained first is ready (its early spans are masked as older than the bound)."""
+        v, s = self.queue.version, self.cfg.staleness
+        if may_admit(step, v, s):
+            return True
+        return self.cfg.admission == "staleness" and step == v + s + 1 and self.queue.batch_ready(v)
+
     def _admit_batches(self):
         first_ready = self.cfg.batching == "first_ready"  # a slice of a longer run: keep launching
-        while (first_ready or self.next_batch < self.num_steps) and may_admit(self.next_batch, self.queue.version, self.cfg.staleness):
+        while (first_ready or self.next_batch < self.num_steps) and self._may_admit(self.next_batch):
             step = self.next_batch
             b = draw_batch(self.profile, step, self.seed, self.tail_scale, self.preset.session_tok_s)
             self.longest_s.append(b.longest_s)
             g_size = self.profile.group_size
             for g in range(self.profile.groups_per_step):
-                group = _Group(g, step, self.queue.version, g_size)
+                group = Group(g, step, self.queue.version, g_size)
                 for e in range(g * g_size, (g + 1) * g_size):
-                    self.waiting.append(_Session(group, b.segments[e], b.offsets[e], b.excluded[e], b))
+                    self.waiting.append(Session(group, b.segments[e], b.offsets[e], b.excluded[e], b))
             self.waiting_by_step[step] = self.profile.executions_per_step
             self.next_batch += 1
         self._fill_slots()
@@ -207,6 +174,8 @@ class Simulation:
                 return
             s = self.waiting.popleft()
             self.waiting_by_step[s.group.step] -= 1
+            self.running_by_step[s.group.step] = self.running_by_step.get(s.group.step, 0) + 1
+            self.started += 1
             s.cell = sc
             sc.join(s, self.now)
             s.deadline = self.now + self.profile.timeout_s
@@ -221,7 +190,7 @@ class Simulation:
             sc = self._least_loaded(need_slot=False)
             s.cell = sc
             if sc is None:
-                self.blocked[s] = self.now  # its time budget pauses while no cell serves it
+                self.blocked[s] = self.now  # its time budget keeps running, as a harness's clock does
                 self.num_blocked += 1
                 return
             sc.join(s, self.now)
@@ -238,11 +207,16 @@ class Simulation:
         need = ctx + self.ctx_per_seg
         if need > self.max_ctx:
             need = self.max_ctx
-        end = sc.eng.start(s, self.now, ctx, need, s.gen[i])
+        gen = s.gen[i]
+        prompt = self.ctx_per_seg - gen if gen < self.ctx_per_seg else 0.0  # tool output to prefill
+        end = sc.eng.start(s, self.now, ctx, need, gen, prompt)
         if end is None:
             return False
-        sc.gen_tokens += s.gen[i]
-        s.gtok += s.gen[i]
+        sc.gen_tokens += gen
+        s.gtok += gen
+        s.ptok += prompt
+        s.kvs += ctx * gen / self.session_tok_s
+        self.prompt_total += prompt
         v = self.queue.version
         if s.ver != v:
             s.ver = v
@@ -281,8 +255,9 @@ class Simulation:
             s.eng.release(s)
         self.running -= 1
         g = s.group
+        self.running_by_step[g.step] -= 1
         g.remaining -= 1
-        g.execs.append((s.marks, s.seg, s.excluded, s.gtok))
+        g.execs.append((s.marks, s.seg, s.excluded, s.gtok, s.ptok, s.kvs))
         if g.remaining == 0:
             self._group_ready(g)
         self._fill_slots()
@@ -291,10 +266,12 @@ class Simulation:
         """Place a ready group in its step (see `batching`) and mask its spans older than the bound."""
         step = self.queue.open_step() if self.cfg.batching == "first_ready" else g.step
         tokens, oldest = 0, step
-        for marks, done, excluded, gtok in g.execs:
-            if excluded:
+        for marks, done, excluded, gtok, ptok, kvs in g.execs:
+            if excluded or done == 0:  # no valid reward, or its budget ran out before one segment
                 self.num_excluded += 1
                 self.useful_gen += gtok  # no mode avoids it: part of the ideal's work
+                self.useful_prompt += ptok
+                self.useful_kvs += kvs
                 continue
             kept = trained_spans(marks, done, step, self.cfg.staleness)
             if kept is None:
@@ -304,15 +281,18 @@ class Simulation:
             self.masked_segments += first
             self.trained_segments += done - first
             self.useful_gen += gtok
+            self.useful_prompt += ptok
+            self.useful_kvs += kvs
             tokens += train_tokens(self.profile, done)  # masked spans are still computed as context
             oldest = min(oldest, v)
         if tokens:
-            self.queue.add_ready(step, g.gid, oldest, tokens)
+            self.queue.add_ready(step, g.gid, oldest, tokens, max_tokens=self.cfg.microstep_tokens)
         else:
             self.queue.exclude(step, g.gid)
         if step == self.queue.current_step:
             self._claim_all()
             if self.queue.batch_ready():
+                self._admit_batches()
                 self._consult()
 
     def _hand_off(self, sc):
@@ -328,10 +308,35 @@ class Simulation:
             self._start_gen(s)
 
     def _unblock(self):
+        """Parked sessions resume; a harness's clock never pauses, so one whose budget ran out
+        while parked ends now as a timeout."""
         blocked, self.blocked = self.blocked, {}
-        for s, since in blocked.items():
-            s.deadline += self.now - since
-            self._start_gen(s)
+        for s in blocked:
+            if self.now >= s.deadline:
+                self._on_exec_end(s, 0)
+            else:
+                self._start_gen(s)
+
+    def _rebalance(self, sc):
+        """Move live sessions between model calls onto `sc` (just back in rollout) from the most
+        loaded serving cells: proxy reroute, their GPU KV through the offload tier."""
+        moves = rebalance(self._observe().cells, sc.cell.index)
+        for src_index, n in moves.items():
+            src = self.cells[src_index]
+            eng = src.eng
+            eng.retire(self.now)
+            in_call = {e[2] for e in eng.busy} | set(eng.waiters)
+            movable = [s for s in src.members if s not in in_call][:n]
+            for s in movable:
+                if s.where == GPU and s in s.eng.idle:  # cached between calls: offload, reload there
+                    old = s.eng
+                    del old.idle[s]
+                    old.idle_kv -= s.kv
+                    old.kv_used -= s.kv
+                    self.host.put(s)
+                src.drop(s, self.now)
+                s.cell = sc
+                sc.join(s, self.now)
 
     # ---- training side --------------------------------------------------------------------
     def _claim_all(self):
@@ -363,7 +368,7 @@ class Simulation:
         self._claim(sc)
         if self.queue.step_complete() and not self.optimizing:
             self.optimizing = True
-            self._at(self.now + self.preset.optimizer_step_s, OPT_END, None)
+            self._at(self.now + self.costs.optimizer_step_s, OPT_END, None)
 
     def _on_opt_end(self, _obj, _token):
         self.optimizing = False
@@ -387,15 +392,19 @@ class Simulation:
         self._at(self.now + self.tick_s, TICK, None)
 
     def _observe(self) -> Observation:
-        cells = self.cells
-        return make_observation(
+        cells, current = self.cells, self.queue.current_step
+        demand = sum(sc.eng.generating(self.now) for sc in cells) * self.preset.session_tok_s
+        obs = make_observation(
             self.now, [sc.cell for sc in cells], [len(sc.members) for sc in cells], [sc.max_sessions for sc in cells],
             [sc.gen_tok_s for sc in cells], queued=len(self.waiting), running=self.running,
-            queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > self.queue.current_step),
+            queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > current),
             queue=self.queue, train_tok_s=self.sat_train_tok_s, optimizing=self.optimizing,
-            gen_demand_tok_s=sum(sc.eng.generating(self.now) for sc in cells) * self.preset.session_tok_s,
-            pooled_sessions=self.pooled_sessions,
+            gen_demand_tok_s=demand, pooled_sessions=self.pooled_sessions,
         )
+        running_ahead = sum(n for step, n in self.running_by_step.items() if step > current)
+        # estimated pro rata: executions of later steps draw as much decode per session as the rest
+        return replace(obs, running_ahead=running_ahead,
+                       gen_demand_ahead_tok_s=demand * running_ahead / self.running if self.running else 0.0)
 
     def _consult(self):
         d: Decision = self.policy.decide(self._observe())
@@ -421,7 +430,7 @@ class Simulation:
             dur = self._finish_or_hand_back(sc)
         else:
             cost = self.cfg.rollout_to_train_s if sc.target is Role.TRAIN else self.cfg.train_to_rollout_s
-            dur = cost * PHASE_SHARES[phase]
+            dur = self.phase_s.get(phase.value, cost * PHASE_SHARES[phase])
         sc.stats.switch_s += dur
         self._at(self.now + dur, PHASE_END, sc, sc.token)
 
@@ -470,6 +479,8 @@ class Simulation:
         if sc.cell.role is Role.TRAIN:
             self._claim(sc)
         else:
+            if self.cfg.rebalance_on_return:
+                self._rebalance(sc)
             self._fill_slots()
             self._unblock()
 
@@ -486,12 +497,21 @@ class Simulation:
             useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / slots)
             st.idle_fraction = min(1.0, max(0.0, 1.0 - useful / total))
         prefill = sum(sc.eng.prefill_tokens for sc in self.cells)
-        gen = sum(sc.gen_tokens for sc in self.cells)
+        recompute = sum(sc.eng.recompute_tokens for sc in self.cells)
         # The ideal counts only work the N steps needed: executions trained or excluded, not those
-        # dropped as stale or still running for later steps (prefill shared out pro rata).
-        useful = self.useful_gen / gen if gen else 1.0
-        rollout_node_s = useful * (gen / self.preset.decode_tok_s_per_node + prefill / self.preset.prefill_tok_s_per_node)
-        work_node_s = rollout_node_s + self.train_tokens_total / self.preset.train_tok_s_per_node
+        # dropped as stale or still running for later steps; recomputed context is a mode's own
+        # waste and not counted. Decode and prefill share a cell's GPUs (gyre.sim.kv reserves
+        # both against its decode throughput), so their times add; a call also holds at least its
+        # context in GPU KV for at least its unloaded decode time, so serving takes at least the
+        # calls' KV token-seconds / the cluster's GPU KV; training is compute on cells that are
+        # not serving. Every node-second either serves or trains (or switches), so the sum bounds.
+        gen_cap = sum(sc.eng.gen_tok_s for sc in self.cells)
+        prefill_cap = sum(sc.eng.prefill_tok_s for sc in self.cells)
+        kv_cap = sum(sc.eng.kv_cap for sc in self.cells)
+        train_cap = sum(sc.train_tok_s for sc in self.cells)
+        rollout_s = max(self.useful_gen / gen_cap + self.useful_prompt / prefill_cap, self.useful_kvs / kv_cap)
+        train_s = self.train_tokens_total / train_cap
+        work_node_s = (rollout_s + train_s) * self.preset.num_nodes
         # A step waits for its longest execution only with fixed batching; otherwise only the
         # sequential optimizer steps bound the latency.
         longest = self.longest_s[:self.num_steps] if self.cfg.batching == "fixed" else [0.0] * self.num_steps
@@ -503,7 +523,14 @@ class Simulation:
             async_train_cells=getattr(self.policy, "num_train", None),
             num_blocked=self.num_blocked, max_staleness=self.queue.max_lag, prefill_tokens=prefill,
             reload_tokens=sum(sc.eng.load_tokens for sc in self.cells),
-            critical_path_s=critical_path_s(longest, self.cfg.staleness, self.preset.optimizer_step_s),
+            critical_path_s=critical_path_s(longest, self.cfg.staleness, self.costs.optimizer_step_s,
+                                            early_admission=self.cfg.admission == "staleness"),
+            rollout_work_s=rollout_s, train_work_s=train_s, recompute_tokens=recompute,
+            budget_hit_fraction=self.num_timeouts / max(1, self.started),
+            rollout_latency_s=sum(self.longest_s[:self.num_steps]) / self.num_steps,
+            budget_hit_unloaded=budget_hit_fraction(self.profile, self.preset.session_tok_s, self.seed),
+            train_tok_s_per_node=self.costs.train_tok_s_per_node,
+            prefill_tok_s_per_node=self.costs.prefill_tok_s_per_node,
             num_stale_dropped=self.num_stale_dropped,
             masked_fraction=self.masked_segments / max(1, self.masked_segments + self.trained_segments),
         )

@@ -8,12 +8,18 @@ bandwidth cost, or be evicted and recomputed by prefill when memory is needed:
     model call: wait for a slot (batch limit, and GPU KV for the busy sessions' contexts)
         -> evict idle sessions LRU-first (to the host tier while it has room, else drop)
         -> KV on this GPU: start now | in the host tier: reload (load server) | dropped: prefill
-        -> decode at min(session speed, cell throughput / busy sessions)
+        -> prefill the call's new prompt tokens (tool output), then decode at min(session speed,
+           cell throughput / busy sessions)
     cell leaves rollout (any mode, colocate's parking included) or is lost: every session's GPU KV
         goes to the host tier while it has room (lost: dropped); whoever serves it next reloads it.
 
 Reloads and prefills queue on one load server and one prefill server per cell (FIFO), so a cell
-that recomputes a lot serves calls later. Pure bookkeeping on times handed in by the simulator.
+that recomputes a lot serves calls later. Prefill and decode share the GPUs: each call reserves,
+for its whole duration, the decode-equivalent rate of its decode plus its prefill (prefill tokens x
+decode/prefill throughput), and the reservations of a cell never exceed its decode throughput (a
+call that would exceed it is slowed to fit, or waits when nothing is left). So a cell never does
+more than its throughput allows, and work / capacity is a true lower bound of every run.
+Pure bookkeeping on times handed in by the simulator.
 """
 
 import heapq
@@ -48,7 +54,8 @@ class CellEngine:
         self.kv_cap, self.batch_cap, self.host = kv_cap, batch_cap, host
         self.gen_tok_s, self.session_tok_s = gen_tok_s, session_tok_s
         self.prefill_tok_s, self.load_tok_s = prefill_tok_s, load_tok_s
-        self.busy: list = []  # heap of (call end, seq, session, call id)
+        self.busy: list = []  # heap of (call end, seq, session, call id, reserved decode-equivalent tok/s)
+        self.reserved = 0.0  # decode-equivalent tokens/s the busy calls hold
         self.idle: dict = {}  # sessions whose KV is cached here between calls, LRU first
         self.kv_used = 0.0  # GPU KV held: busy and idle sessions
         self.idle_kv = 0.0
@@ -56,31 +63,39 @@ class CellEngine:
         self.wake_at = None  # time of the scheduled wake-up while waiters exist
         self.prefill_free = self.load_free = 0.0
         self.prefill_tokens = self.load_tokens = 0.0
+        self.recompute_tokens = 0.0  # of prefill_tokens: context recomputed because its KV was dropped
         self.seq = itertools.count()
 
     def retire(self, now: float) -> None:
         """Calls that ended by `now` free their slots; their sessions' KV stays cached (idle)."""
         busy, idle = self.busy, self.idle
         while busy and busy[0][0] <= now:
-            _, _, s, call = heapq.heappop(busy)
+            _, _, s, call, rate = heapq.heappop(busy)
+            self.reserved -= rate
             if s.eng is self and s.call == call and s.where == GPU:
                 idle[s] = None
                 self.idle_kv += s.kv
+        if not busy:
+            self.reserved = 0.0  # no rounding drift survives an idle engine
 
     def generating(self, now: float) -> int:
         """Sessions in a model call here now, waiting ones included."""
         self.retire(now)
         return len(self.busy) + len(self.waiters)
 
-    def start(self, s, now: float, ctx: float, need: float, tokens: float) -> float | None:
-        """Start `s`'s model call of `tokens` at `now` with context `ctx` growing to `need`.
+    def start(self, s, now: float, ctx: float, need: float, tokens: float, prompt: float = 0.0) -> float | None:
+        """Start `s`'s model call of `tokens` at `now` with context `ctx` growing to `need`, after
+        prefilling `prompt` new tokens.
 
-        Returns its end time, or None when no slot is free (the caller queues it in `waiters`).
+        Returns its end time, or None when no slot (or no decode capacity) is free: the caller
+        queues it in `waiters`.
         """
         busy = self.busy
         if busy and busy[0][0] <= now:
             self.retire(now)
-        if busy and (len(busy) >= self.batch_cap or self.kv_used - self.idle_kv + need > self.kv_cap):
+        free_rate = self.gen_tok_s - self.reserved
+        if busy and (len(busy) >= self.batch_cap or self.kv_used - self.idle_kv + need > self.kv_cap
+                     or free_rate < 1e-6 * self.gen_tok_s):
             return None
         on_gpu = s.where == GPU and s.eng is self
         held = 0.0
@@ -99,17 +114,26 @@ class CellEngine:
                 self.load_free = max(now, self.load_free) + ctx / self.load_tok_s
                 self.load_tokens += ctx
                 t0 = self.load_free
-            elif ctx > 0:
-                self.prefill_free = max(now, self.prefill_free) + ctx / self.prefill_tok_s
-                self.prefill_tokens += ctx
-                t0 = self.prefill_free
+            else:
+                prompt += ctx  # dropped: the whole context is recomputed
+                self.recompute_tokens += ctx
+        if prompt > 0:
+            self.prefill_free = max(t0, self.prefill_free) + prompt / self.prefill_tok_s
+            self.prefill_tokens += prompt
+            t0 = self.prefill_free
         s.eng, s.where, s.kv = self, GPU, need
         s.call += 1
         rate = self.gen_tok_s / (len(busy) + 1)
         if rate > self.session_tok_s:
             rate = self.session_tok_s
         end = t0 + tokens / rate
-        heapq.heappush(busy, (end, next(self.seq), s, s.call))
+        work = tokens + prompt * self.gen_tok_s / self.prefill_tok_s  # decode-equivalent tokens
+        hold = work / (end - now) if end > now else free_rate
+        if hold > free_rate:  # the GPUs are shared: slow the call until its work fits
+            end = now + work / free_rate
+            hold = free_rate
+        self.reserved += hold
+        heapq.heappush(busy, (end, next(self.seq), s, s.call, hold))
         return end
 
     def _evict(self, excess: float) -> None:
@@ -145,5 +169,5 @@ class CellEngine:
                     self.host.put(s)
         waiters = self.waiters
         self.busy, self.idle, self.waiters, self.wake_at = [], {}, deque(), None
-        self.kv_used = self.idle_kv = 0.0
+        self.kv_used = self.idle_kv = self.reserved = 0.0
         return waiters

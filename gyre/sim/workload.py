@@ -41,17 +41,43 @@ def draw_batch(
     n = profile.executions_per_step
     task = np.repeat(rng.lognormal(0.0, profile.segments_sigma * tail_scale, profile.groups_per_step), profile.group_size)
     spread = task * rng.lognormal(0.0, profile.exec_sigma, n)
-    segs = np.clip(np.rint(profile.segments_median * spread), 1, profile.max_segments)
+    base = rng.choice(profile.segments_samples, n) if profile.segments_samples else profile.segments_median
+    segs = np.clip(np.rint(base * spread), 1, profile.max_segments)
     segs = segs.astype(np.int64)
     total = int(segs.sum())
-    gen = profile.gen_tokens_median * rng.lognormal(0.0, GEN_TOKENS_SIGMA, total)
-    tool = profile.tool_s_median * rng.lognormal(0.0, profile.tool_s_sigma, total)
+    gen = _draw(rng, profile.gen_tokens_samples, profile.gen_tokens_median, GEN_TOKENS_SIGMA, total)
+    tool = _draw(rng, profile.tool_s_samples, profile.tool_s_median, profile.tool_s_sigma, total)
     offsets = np.concatenate(([0], np.cumsum(segs)[:-1]))
     excluded = rng.random(n) < profile.excluded_fraction
     longest = 0.0
     if session_tok_s > 0:
         longest = min(profile.timeout_s, float(np.add.reduceat(gen / session_tok_s + tool, offsets).max()))
     return Batch(step, segs.tolist(), offsets.tolist(), gen.tolist(), tool.tolist(), excluded.tolist(), longest)
+
+
+def _draw(rng, samples: list[float], median: float, sigma: float, n: int) -> np.ndarray:
+    """`n` values: bootstrapped from measured `samples` when given, else log-normal around `median`."""
+    if samples:
+        return rng.choice(np.asarray(samples, dtype=float), n)
+    return median * rng.lognormal(0.0, sigma, n)
+
+
+def prompt_tokens(profile: ProfileConfig, gen_tokens: float) -> float:
+    """New prompt tokens a segment's model call prefills: the context it adds beyond its own output
+    (tool results, instructions)."""
+    return max(0.0, profile.context_tokens_per_segment - gen_tokens)
+
+
+def budget_hit_fraction(profile: ProfileConfig, session_tok_s: float, seed: int, steps: int = 4) -> float:
+    """Share of executions whose unloaded duration (decode at `session_tok_s` + tool time)
+    reaches the time budget: the profile's budget-hit rate at this model's speed, before queueing."""
+    hit = total = 0
+    for step in range(steps):
+        b = draw_batch(profile, step, seed)
+        d = np.add.reduceat(np.asarray(b.gen_tokens) / session_tok_s + np.asarray(b.tool_s), b.offsets)
+        hit += int((d >= profile.timeout_s).sum())
+        total += len(d)
+    return hit / total
 
 
 def train_tokens(profile: ProfileConfig, segments_done: int) -> int:
@@ -73,11 +99,13 @@ def mean_context_tokens(profile: ProfileConfig, seed: int) -> float:
     return total / sum(b.segments)
 
 
-def train_share(profile: ProfileConfig, preset: PresetConfig, seed: int) -> float:
-    """Expected fraction of node-seconds that training takes (sizes async's pools), from step 0's draw.
+def train_share(profile: ProfileConfig, preset: PresetConfig, seed: int, train_tok_s_per_node: float,
+                prefill_tok_s_per_node: float) -> float:
+    """Expected fraction of node-seconds that training takes (sizes async's work_share pools),
+    from step 0's draw.
 
-    Rollout node-seconds count the binding resource: decode throughput or KV slots held for the
-    execution's unloaded duration (tool calls included).
+    Rollout node-seconds count the binding resource: decode plus prefill compute, or KV slots
+    held for the execution's unloaded duration (tool calls included).
     """
     b = draw_batch(profile, 0, seed)
     ctx = mean_context_tokens(profile, seed)
@@ -86,6 +114,8 @@ def train_share(profile: ProfileConfig, preset: PresetConfig, seed: int) -> floa
         min(profile.timeout_s, sum(g / preset.session_tok_s + t for g, t in zip(b.gen_tokens[o:o + n], b.tool_s[o:o + n])))
         for o, n in zip(b.offsets, b.segments)
     ]
-    gen_node_s = max(sum(b.gen_tokens) / preset.gen_tok_s_per_node, sum(full_speed_s) / per_node)
-    train_node_s = sum(train_tokens(profile, s) for s in b.segments) / preset.train_tok_s_per_node
+    prefill = sum(prompt_tokens(profile, g) for g in b.gen_tokens)
+    compute_s = sum(b.gen_tokens) / preset.gen_tok_s_per_node + prefill / prefill_tok_s_per_node
+    gen_node_s = max(compute_s, sum(full_speed_s) / per_node)
+    train_node_s = sum(train_tokens(profile, s) for s in b.segments) / train_tok_s_per_node
     return train_node_s / (train_node_s + gen_node_s)

@@ -95,5 +95,29 @@ def test_colocate_parks_sessions_through_the_same_offload_tier():
     none = Simulation(PROFILE, replace(PRESET, host_kv_tokens_per_node=0), sched, num_steps=3, tick_s=5.0).run()
     roomy = Simulation(PROFILE, replace(PRESET, host_kv_tokens_per_node=50_000_000), sched, num_steps=3,
                        tick_s=5.0).run()
-    assert none.prefill_tokens > 0 and none.reload_tokens == 0
-    assert roomy.prefill_tokens == 0 and roomy.reload_tokens > 0
+    assert none.recompute_tokens > 0 and none.reload_tokens == 0
+    assert roomy.recompute_tokens == 0 and roomy.reload_tokens > 0
+
+
+def test_every_new_prompt_token_is_prefilled_even_with_the_kv_cached():
+    e = engine()
+    a = S()
+    e.start(a, 0.0, 0, 40, tokens=10)
+    assert e.start(a, 5.0, 40, 50, tokens=10, prompt=20) == pytest.approx(5.0 + 20 / 10 + 1.0)
+    assert e.prefill_tokens == 20 and e.recompute_tokens == 0
+
+
+def test_prefill_and_decode_share_the_cell_throughput():
+    # 100 tok/s of decode in all; each call decodes 10 tokens after prefilling 10 prompt tokens
+    # (10 tok/s): 10 + 10 x 100/10 = 110 decode-equivalent tokens. However many calls start, the
+    # reservations never exceed the throughput, so the work done by time t is at most 100 t.
+    e = CellEngine(1e6, 1000, gen_tok_s=100.0, session_tok_s=10.0, prefill_tok_s=10.0, load_tok_s=100.0,
+                   host=HostTier(0.0))
+    ends = []
+    for i in range(20):
+        end = e.start(S(), 0.0, 0, 1, tokens=10, prompt=10)
+        assert e.reserved <= 100.0 + 1e-9
+        if end is not None:
+            ends.append(end)
+    assert ends and all(110 * (k + 1) / 100 <= end + 1e-9 for k, end in enumerate(sorted(ends)))
+    assert e.start(S(), 0.0, 0, 1, tokens=10) is None  # nothing left: the call waits
