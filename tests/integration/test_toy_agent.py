@@ -1,6 +1,7 @@
 """The toy agent through a real proxy and builtin engine: it completes a toy task, and its records
 rebuild into a call tree with a sub-agent and a compaction summary."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,9 @@ from gyre.harness.sandbox import Sandbox
 from gyre.records.io import read_records
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import toy_taskset
+from gyre.tasks.warmstart import reference_transcript
 from gyre.trajectory.tree import build_call_tree
+from gyre.models.tokenizer import ByteTokenizer
 from proxy_fixtures import new_execution, start_engine, start_proxy
 
 WRITE = '<tool_call>\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "apple"}}\n</tool_call>'
@@ -36,7 +39,7 @@ def stack(tmp_path_factory):
 @pytest.mark.parametrize("api", ["anthropic", "openai"])
 def test_toy_agent_completes_task_and_records_form_a_tree(stack, api):
     tmp, proxy = stack
-    task = toy_taskset().get("word-apple")
+    task = dataclasses.replace(toy_taskset().get("word-apple"), time_budget_s=120)  # a loaded box is slow
     ex = f"toy-{api}"
     harness = HarnessConfig(kind="toy", toy=ToyAgentConfig(api=api, compact_chars=60, tool_median_s=0.01))
     sb = Sandbox(task, ex, tmp / "sandboxes", harness, proxy.url, new_execution(proxy, ex), "gyre")
@@ -61,3 +64,33 @@ def test_toy_agent_completes_task_and_records_form_a_tree(stack, api):
         assert kinds.count("main") == 3
     roots = [n for n in tree.nodes if n.parent is None and n.kind == "main"]
     assert len(roots) == 2  # the first conversation and the one restarted from the summary
+
+
+REFERENCE_RULES = [  # the toy agent's reference path: the warm start's transcripts
+    {"match": "List the files", "emit": '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call>'},
+    {"match": "exit 0", "emit": "task.md"},
+    {"match": "wrote 5 bytes", "emit": "Done."},
+    {"match": "Write the word apple", "emit": WRITE},
+]
+
+
+def test_warm_start_transcripts_are_what_the_proxy_renders(tmp_path):
+    """The warm start's prompts and targets equal the proxy's records of the same conversation."""
+    engine = start_engine(tmp_path, REFERENCE_RULES)
+    proxy = start_proxy(tmp_path, [engine.url])
+    try:
+        task = dataclasses.replace(toy_taskset().get("word-apple"), time_budget_s=120)  # a loaded box is slow
+        harness = HarnessConfig(kind="toy", toy=ToyAgentConfig(tool_median_s=0.0))
+        sb = Sandbox(task, "ref", tmp_path / "sandboxes", harness, proxy.url, new_execution(proxy, "ref"), "gyre")
+        sb.prepare()
+        sb.start()
+        assert sb.wait().exit_code == 0
+    finally:
+        proxy.stop()
+        engine.stop()
+    records = sorted(read_records(tmp_path / "records" / "ref.jsonl")[0], key=lambda r: r.seq)
+    transcript = reference_transcript(ByteTokenizer(512), task)
+    assert len(records) == len(transcript) == 4
+    for r, (prompt, target) in zip(records, transcript):
+        assert r.input_ids.tolist() == prompt
+        assert r.output_ids.tolist() == target
