@@ -5,6 +5,10 @@ import subprocess
 import sys
 from importlib import resources
 
+import pytest
+
+from gyre.harness.agents import find_claude_code
+
 
 def gyre_task(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gyre.tasks.cli", *args], capture_output=True, text=True, timeout=300)
@@ -31,3 +35,21 @@ def test_run_command_harness_with_own_engine_and_proxy(tmp_path):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["outcome"] == "finished" and 0.2 < out["score"] < 1.0  # a near miss: partial credit
     assert out["workspace"].startswith(str(tmp_path)) and out["records_path"].endswith(".jsonl") and out["duration_s"] > 0
+
+
+CC_RULES = {"rules": [  # Claude Code writes the answer with its Bash tool, then stops
+    {"match": "Write the word apple", "emit": '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo apple > answer.txt", '
+                                              '"description": "write the answer"}}\n</tool_call>'},
+    {"match": ".", "emit": "Done."},
+]}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_claude_code() is None, reason="Claude Code is not installed (tools/setup.sh)")
+def test_run_claude_code_with_scripted_policy(tmp_path):
+    (tmp_path / "rules.json").write_text(json.dumps(CC_RULES))
+    done = gyre_task("run", "word-apple", "--harness", "claude_code", "--root", str(tmp_path / "run"),
+                     "--scripted-policy", str(tmp_path / "rules.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (out["outcome"], out["score"], out["timed_out"]) == ("finished", 1.0, False), done.stderr
