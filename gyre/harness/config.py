@@ -63,6 +63,10 @@ class HarnessConfig:
     """RLIMIT_AS per process (virtual memory); None: unlimited (Node reserves large address spaces)."""
     max_processes: int | None = 4096
     """RLIMIT_NPROC (processes of the user; not enforced for root); None: unlimited."""
+    container_image: str | None = None
+    """Run each sandbox in this Apptainer/enroot image (Slurm sites); None: on the host."""
+    container_runtime: str = "apptainer"
+    """apptainer | enroot."""
     claude_code_tools: list[str] = field(default_factory=lambda: ["Bash", "Read", "Write", "Edit", "Agent"])
     toy: ToyAgentConfig = field(default_factory=ToyAgentConfig)
 
@@ -75,6 +79,8 @@ class HarnessConfig:
                 self.command.format(**{p: "" for p in PLACEHOLDERS})
             except (KeyError, IndexError, ValueError) as e:
                 raise ConfigError("command", f"bad placeholder {e}; valid: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
+        require(self.container_runtime in ("apptainer", "enroot"), "container_runtime",
+                f"{self.container_runtime!r} is not one of apptainer, enroot")  # fmt: skip
         require(self.grace_s >= 0, "grace_s", "must be >= 0 s")
         require(self.cpu_limit_s is None or self.cpu_limit_s >= 1, "cpu_limit_s", "must be >= 1 s or null")
         require(self.mem_limit_gb is None or self.mem_limit_gb > 0, "mem_limit_gb", "must be > 0 GB or null")

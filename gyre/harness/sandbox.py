@@ -13,9 +13,10 @@ to the plain runner; `isolation=bwrap` refuses to start.
 
 Apptainer/enroot on Slurm: the runner is the same inside the image (bubblewrap needs to be in the
 image; unprivileged user namespaces must be allowed, which Apptainer's own sandbox also needs);
-with `isolation=none` the container itself is the isolation, and `make_container_prefix` wraps
-the harness command in `apptainer exec --bind <workspace>,<home> IMAGE` for sites that start each
-sandbox in its own container.
+with `isolation=none` the container itself is the isolation. Sites that start each sandbox in
+its own container set `harness.container_image`: `make_container_prefix` then wraps the harness
+command (and bubblewrap, which then must be in the image) in `apptainer exec --contain --bind
+<workspace>,<home> IMAGE` or `enroot start --rw --mount ...`; the environment passes through.
 """
 
 import logging
@@ -65,7 +66,7 @@ def make_container_prefix(image: str, writable: list[Path], cwd: Path, runtime: 
     """`apptainer exec` / `enroot start` argv running a harness inside IMAGE (pure; Slurm sites)."""
     if runtime == "enroot":
         return ["enroot", "start", "--rw", *[a for p in writable for a in ("--mount", f"{p}:{p}")], image]
-    return ["apptainer", "exec", "--containall", "--bind", ",".join(map(str, writable)), "--pwd", str(cwd), image]
+    return ["apptainer", "exec", "--contain", "--bind", ",".join(map(str, writable)), "--pwd", str(cwd), image]
 
 
 def bwrap_available() -> bool:
@@ -139,6 +140,9 @@ class Sandbox:
             raise SandboxError("harness.isolation=bwrap but bubblewrap cannot run here; use auto or none")
         if self.isolated:
             argv = make_bwrap_prefix([self.workspace, self.home], self.workspace) + argv
+        if self.cfg.container_image:
+            argv = make_container_prefix(self.cfg.container_image, [self.workspace, self.home], self.workspace,
+                                         self.cfg.container_runtime) + argv  # fmt: skip
         self._log = open(self.log_path, "ab")
         self._started = time.monotonic()
         try:

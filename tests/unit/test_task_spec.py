@@ -7,7 +7,7 @@ import pytest
 from gyre.errors import ConfigError
 from gyre.harness.commands import make_template_command
 from gyre.harness.config import HarnessConfig
-from gyre.harness.sandbox import make_bwrap_prefix
+from gyre.harness.sandbox import make_bwrap_prefix, make_container_prefix
 from gyre.tasks.spec import TaskSet, TaskSpecError, parse_task, toy_taskset
 
 GOOD = {"task_id": "t1", "instruction": "do it", "workspace": {"files": {"a.txt": "x"}}, "setup": None,
@@ -99,3 +99,10 @@ def test_bwrap_prefix_binds_only_the_writable_paths(tmp_path):
     assert argv[:4] == ["bwrap", "--ro-bind", "/", "/"]
     binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
     assert binds == [str(tmp_path / "ws"), str(tmp_path / "home")] and argv[-1] == "--"
+
+
+def test_container_prefix_binds_workspace_and_home(tmp_path):
+    ws, home = tmp_path / "ws", tmp_path / "home"
+    assert make_container_prefix("img.sif", [ws, home], ws) == ["apptainer", "exec", "--contain", "--bind", f"{ws},{home}",
+                                                                  "--pwd", str(ws), "img.sif"]  # fmt: skip
+    assert make_container_prefix("img", [ws], ws, "enroot") == ["enroot", "start", "--rw", "--mount", f"{ws}:{ws}", "img"]
