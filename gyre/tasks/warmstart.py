@@ -140,8 +140,9 @@ def train(cfg: ModelConfig, weights: dict, examples: list, ws: WarmStartConfig) 
 
 
 @torch.no_grad()
-def sample(cfg: ModelConfig, weights: dict, prompt: list[int], max_tokens: int, stop: set[int], gen: torch.Generator) -> list[int]:
-    """Temperature-1 sampling with a KV cache (the engine's default sampling)."""
+def sample(cfg: ModelConfig, weights: dict, prompt: list[int], max_tokens: int, stop: set[int],
+           gen: torch.Generator) -> tuple[list[int], list[float]]:  # fmt: skip
+    """(output ids, their log-probs): temperature-1 sampling with a KV cache, as the engine samples."""
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     state = {"cached": 0}
 
@@ -151,18 +152,27 @@ def sample(cfg: ModelConfig, weights: dict, prompt: list[int], max_tokens: int, 
         cache[i] = (k, v)
         return attend(q, k, v, state["cached"])
 
-    ids, out = list(prompt), []
-    new = torch.tensor(ids)
+    out, logprobs = [], []
+    new = torch.tensor(prompt)
     for _ in range(max_tokens):
         hidden = forward_tokens(cfg, weights, new, torch.arange(state["cached"], state["cached"] + len(new)), attend_cached)
         state["cached"] += len(new)
-        probs = torch.softmax(logits_of(cfg, weights, hidden[-1:]).float(), -1)
-        token = int(torch.multinomial(probs[0], 1, generator=gen))
+        logp = torch.log_softmax(logits_of(cfg, weights, hidden[-1:]).float(), -1)[0]
+        token = int(torch.multinomial(logp.exp(), 1, generator=gen))
         out.append(token)
+        logprobs.append(float(logp[token]))
         if token in stop:
             break
         new = torch.tensor([token])
-    return out
+    return out, logprobs
+
+
+def score_turn(tok: ByteTokenizer, task: Task, output: list[int], workspace: Path):
+    """Apply one sampled main-agent turn's tool calls to a fresh workspace and evaluate it."""
+    ws = make_workspace(task.workspace, workspace)
+    for c in tok.parse_assistant(output).tool_calls:
+        toy.run_tool(c.name, c.arguments, ws)
+    return evaluate(task, ws, "finished")
 
 
 def score_policy(cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per_task: int, seed: int, max_tokens: int) -> dict:
@@ -173,11 +183,8 @@ def score_policy(cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per
         for task in tasks:
             prompt, _ = reference_transcript(tok, task)[2]
             for k in range(samples_per_task):
-                parsed = tok.parse_assistant(sample(cfg, weights, prompt, max_tokens, set(tok.stop_token_ids), gen))
-                ws = make_workspace(task.workspace, Path(tmp) / f"{task.task_id}-{k}")
-                for c in parsed.tool_calls:
-                    toy.run_tool(c.name, c.arguments, ws)
-                ev = evaluate(task, ws, "finished")
+                output, _ = sample(cfg, weights, prompt, max_tokens, set(tok.stop_token_ids), gen)
+                ev = score_turn(tok, task, output, Path(tmp) / f"{task.task_id}-{k}")
                 if ev.outcome != "evaluator_error":
                     scores.append(ev.score)
     return {"mean_score": round(sum(scores) / len(scores), 4), "success_rate": round(sum(s == 1.0 for s in scores) / len(scores), 4),
