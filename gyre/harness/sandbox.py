@@ -1,7 +1,7 @@
 """Harness sandboxes: one per execution, a fresh workspace, its own process group, a budget, limits.
 
     prepare(): <root>/<execution_id>/{workspace (fresh copy + setup), home (private HOME, TMPDIR)}
-    start():   [bwrap ...] harness-command   env: proxy URL, execution key, model; rlimits; own group
+    start():   prlimit [container] [bwrap ...] harness-command   env: proxy URL, execution key, model; own group
     poll():    exited -> SandboxResult | past budget -> SIGTERM the group, after grace SIGKILL
     the workspace stays for the evaluator (partial credit for timed-out runs)
 
@@ -21,7 +21,6 @@ command (and bubblewrap, which then must be in the image) in `apptainer exec --c
 
 import logging
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -86,17 +85,13 @@ def bwrap_available() -> bool:
     return _bwrap_ok
 
 
-def _limits(cfg: HarnessConfig):
-    """A preexec function setting the harness's rlimits (inherited by all it starts)."""
-    pairs = [(resource.RLIMIT_CPU, cfg.cpu_limit_s), (resource.RLIMIT_NPROC, cfg.max_processes),
-             (resource.RLIMIT_AS, None if cfg.mem_limit_gb is None else int(cfg.mem_limit_gb * 2**30))]  # fmt: skip
-
-    def apply() -> None:
-        for which, value in pairs:
-            if value is not None:
-                resource.setrlimit(which, (value, value))
-
-    return apply
+def make_limits_prefix(cfg: HarnessConfig) -> list[str]:
+    """util-linux `prlimit` argv setting the harness's rlimits, inherited by all it starts (pure).
+    An exec'd wrapper rather than a preexec function: safe in a multi-threaded coordinator."""
+    limits = [("cpu", cfg.cpu_limit_s), ("nproc", cfg.max_processes),
+              ("as", None if cfg.mem_limit_gb is None else int(cfg.mem_limit_gb * 2**30))]  # fmt: skip
+    flags = [f"--{name}={value}" for name, value in limits if value is not None]
+    return ["prlimit", *flags, "--"] if flags else []
 
 
 class Sandbox:
@@ -143,11 +138,12 @@ class Sandbox:
         if self.cfg.container_image:
             argv = make_container_prefix(self.cfg.container_image, [self.workspace, self.home], self.workspace,
                                          self.cfg.container_runtime) + argv  # fmt: skip
+        argv = make_limits_prefix(self.cfg) + argv
         self._log = open(self.log_path, "ab")
         self._started = time.monotonic()
         try:
             self._proc = subprocess.Popen(argv, cwd=self.workspace, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
-                                          stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_limits(self.cfg))  # fmt: skip
+                                          stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         except OSError as e:
             self._log.close()
             raise SandboxError(f"cannot start harness {argv[0]!r}: {e}") from e
