@@ -13,8 +13,9 @@ PLACEHOLDERS = ("instruction", "workspace", "proxy_url", "api_key", "model")
 class ToyAgentConfig:
     """The toy agent's behaviour (`python -m gyre.harness.toy_agent`)."""
 
-    api: str = "anthropic"
-    """`anthropic` (Messages API: sub-agents and summaries are hinted) or `openai` (chat completions)."""
+    api: str = "openai"
+    """`openai` (chat completions: sub-agents hinted; its SDK imports in ~1.2 CPU-s) or `anthropic`
+    (Messages API: sub-agents and summaries hinted; ~2.8 CPU-s to import, per execution)."""
     max_tokens: int = 96
     """New tokens per model call."""
     max_turns: int = 3

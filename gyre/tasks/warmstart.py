@@ -30,6 +30,7 @@ from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import ByteTokenizer
 from gyre.models.transformer import attend, forward_tokens, init_weights, logits_of
 from gyre.proxy import anthropic as anthropic_wire
+from gyre.proxy import openai as openai_wire
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import Task, TaskSet, toy_taskset
 from gyre.tasks.workspace import make_workspace
@@ -48,10 +49,12 @@ class WarmStartConfig:
     max_tokens: int = 96
 
 
-def render_call(tok: ByteTokenizer, messages: list[dict], reply: dict) -> tuple[list[int], list[int]]:
-    """(prompt ids as the proxy renders this toy-agent call, the reply's ids ending in <|im_end|>)."""
-    body = toy.make_anthropic_body("gyre", messages, 96, tools=True)
-    chat = anthropic_wire.parse_request(body, ["gyre"])
+def render_call(tok: ByteTokenizer, messages: list[dict], reply: dict, api: str = "openai") -> tuple[list[int], list[int]]:
+    """(prompt ids as the proxy renders this toy-agent call on `api`, the reply's ids ending in <|im_end|>)."""
+    if api == "anthropic":
+        chat = anthropic_wire.parse_request(toy.make_anthropic_body("gyre", messages, 96, tools=True), ["gyre"])
+    else:
+        chat = openai_wire.parse_request(toy.make_openai_body("gyre", messages, 96, tools=True), ["gyre"], 96)
     prompt = tok.apply_chat_template(chat.messages, chat.tools, add_generation_prompt=True)
     reply_msg = {"role": "assistant", "content": reply["content"],
                  "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in reply["tool_calls"]]}  # fmt: skip
@@ -61,29 +64,34 @@ def render_call(tok: ByteTokenizer, messages: list[dict], reply: dict) -> tuple[
     return prompt, full[len(prompt): -len(tok.encode("\n"))]
 
 
-def _agent_calls(tok, system: str, prompt: str, replies: list[dict], results: list[str]) -> list[tuple[list[int], list[int]]]:
+def _conversation(system: str, prompt: str, turns: list[tuple[dict, list[str]]]) -> list[tuple[list[dict], dict]]:
+    """(messages so far, reply) per call of one agent; each turn is a reply and its tools' results."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
     out = []
-    for i, reply in enumerate(replies):
-        out.append(render_call(tok, messages, reply))
+    for reply, results in turns:
+        out.append((list(messages), reply))
         messages.append({"role": "assistant", **reply})
-        for c in reply["tool_calls"]:
-            messages.append({"role": "tool", "tool_call_id": c["id"], "content": results[i]})
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(reply["tool_calls"], results)]
     return out
 
 
-def reference_transcript(tok: ByteTokenizer, task: Task) -> list[tuple[list[int], list[int]]]:
+def reference_conversations(task: Task) -> list[tuple[list[dict], dict]]:
     """The toy agent's calls when the model answers with the reference: sub-agent (ls, report),
-    main agent (write each reference file, then done)."""
-    ls = {"content": "", "tool_calls": [{"id": "toolu_ls", "name": "run", "arguments": {"command": "ls"}}]}
-    sub = _agent_calls(tok, toy.SUB_SYSTEM, toy.SUB_TASK, [ls, {"content": SUB_REPORT, "tool_calls": []}],
-                       [f"exit 0\n{SUB_REPORT}\n", ""])  # fmt: skip
+    main agent (write each reference file, then done); tool results as the toy agent's tools word them."""
+    ls = {"content": "", "tool_calls": [{"id": "call_ls", "name": "run", "arguments": {"command": "ls"}}]}
+    sub = _conversation(toy.SUB_SYSTEM, toy.SUB_TASK, [(ls, [f"exit 0\n{SUB_REPORT}\n"]), ({"content": SUB_REPORT, "tool_calls": []}, [])])
     files = (task.reference or {}).get("files", {})
-    writes = [{"id": f"toolu_w{i}", "name": "write_file", "arguments": {"path": p, "content": t}} for i, (p, t) in enumerate(files.items())]
-    result = "; ".join(f"wrote {len(t)} bytes to {p}" for p, t in files.items())
-    main = _agent_calls(tok, toy.MAIN_SYSTEM, toy.make_main_prompt(task.instruction, SUB_REPORT),
-                        [{"content": "", "tool_calls": writes}, {"content": "Done.", "tool_calls": []}], [result, ""])  # fmt: skip
+    writes = {"content": "", "tool_calls": [{"id": f"call_w{i}", "name": "write_file", "arguments": {"path": p, "content": t}}
+                                            for i, (p, t) in enumerate(files.items())]}  # fmt: skip
+    results = [f"wrote {len(t)} bytes to {p}" for p, t in files.items()]
+    main = _conversation(toy.MAIN_SYSTEM, toy.make_main_prompt(task.instruction, SUB_REPORT),
+                         [(writes, results), ({"content": "Done.", "tool_calls": []}, [])])  # fmt: skip
     return sub + main
+
+
+def reference_transcript(tok: ByteTokenizer, task: Task, api: str = "openai") -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, target ids) of each reference call, rendered as the proxy renders them."""
+    return [render_call(tok, messages, reply, api) for messages, reply in reference_conversations(task)]
 
 
 def common_prefix(prompts: list[list[int]]) -> int:

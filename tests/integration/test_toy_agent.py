@@ -11,7 +11,7 @@ from gyre.harness.sandbox import Sandbox
 from gyre.records.io import read_records
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import toy_taskset
-from gyre.tasks.warmstart import reference_transcript
+from gyre.tasks.warmstart import reference_conversations, reference_transcript, render_call
 from gyre.trajectory.tree import build_call_tree
 from gyre.models.tokenizer import ByteTokenizer
 from proxy_fixtures import new_execution, start_engine, start_proxy
@@ -60,8 +60,9 @@ def test_toy_agent_completes_task_and_records_form_a_tree(stack, api):
         summary = next(n for n in tree.nodes if n.kind == "summary")
         assert tree.nodes[summary.parent].kind == "main"
         assert kinds.count("main") == 2
-    else:  # chat completions has no summary hint: the summary is a main-agent call
+    else:  # the proxy reads no summary hint on chat completions: the summary is a main call with the header kept
         assert kinds.count("main") == 3
+        assert sum(n.record.hints.get("x-gyre-call-kind") == "summary" for n in tree.nodes) == 1
     roots = [n for n in tree.nodes if n.parent is None and n.kind == "main"]
     assert len(roots) == 2  # the first conversation and the one restarted from the summary
 
@@ -75,7 +76,8 @@ REFERENCE_RULES = [  # the toy agent's reference path: the warm start's transcri
 
 
 def test_warm_start_transcripts_are_what_the_proxy_renders(tmp_path):
-    """The warm start's prompts and targets equal the proxy's records of the same conversation."""
+    """The warm start's prompts and targets equal the proxy's records of the same conversation
+    (the default API, chat completions; the Messages API renders the same ids, checked in-process)."""
     engine = start_engine(tmp_path, REFERENCE_RULES)
     proxy = start_proxy(tmp_path, [engine.url])
     try:
@@ -89,8 +91,10 @@ def test_warm_start_transcripts_are_what_the_proxy_renders(tmp_path):
         proxy.stop()
         engine.stop()
     records = sorted(read_records(tmp_path / "records" / "ref.jsonl")[0], key=lambda r: r.seq)
-    transcript = reference_transcript(ByteTokenizer(512), task)
+    tok = ByteTokenizer(512)
+    transcript = reference_transcript(tok, task)
     assert len(records) == len(transcript) == 4
+    assert [render_call(tok, *c, api="anthropic") for c in reference_conversations(task)] == transcript
     for r, (prompt, target) in zip(records, transcript):
         assert r.input_ids.tolist() == prompt
         assert r.output_ids.tolist() == target
