@@ -27,9 +27,10 @@ class ToyAgentConfig:
     """Compact (summary request, fresh conversation) once the conversation passes this many characters."""
     tool_median_s: float = 0.05
     """Median tool-call duration; durations are log-normal: median * exp(sigma * N(0, 1))."""
-    tool_sigma: float = 1.5
-    """Log-normal shape: 1.5 puts p90 at ~7x and p99 at ~33x the median (the long tail)."""
-    tool_max_s: float = 30.0
+    tool_sigma: float = 2.5
+    """Log-normal shape: 2.5 puts p90 at ~25x and p99 at ~330x the median (the long tail: ~2 % of
+    toy executions outlast their 30 s budget on an idle box)."""
+    tool_max_s: float = 60.0
     seed: int = 0
     """Tool durations are seeded by this and the execution id."""
 

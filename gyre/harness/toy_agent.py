@@ -57,8 +57,8 @@ class ToolTime:
     """Log-normal tool-call durations: median_s * exp(sigma * N(0,1)), capped at max_s."""
 
     median_s: float = 0.05
-    sigma: float = 1.5
-    max_s: float = 30.0
+    sigma: float = 2.5
+    max_s: float = 60.0
 
     def draw(self, rng: random.Random) -> float:
         return min(self.max_s, self.median_s * math.exp(self.sigma * rng.gauss(0.0, 1.0))) if self.median_s > 0 else 0.0
@@ -226,8 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--subagent-turns", type=int, default=2)
     p.add_argument("--compact-chars", type=int, default=400, help="compact once the conversation exceeds this")
     p.add_argument("--tool-median-s", type=float, default=0.05)
-    p.add_argument("--tool-sigma", type=float, default=1.5)
-    p.add_argument("--tool-max-s", type=float, default=30.0)
+    p.add_argument("--tool-sigma", type=float, default=2.5)
+    p.add_argument("--tool-max-s", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0, help="tool durations: seeded by this and GYRE_EXECUTION_ID")
     return p.parse_args(argv)
 
