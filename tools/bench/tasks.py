@@ -45,6 +45,7 @@ def toy_executions(ts, n: int, model_dir: str | None) -> dict:
     from gyre.models.config import ModelConfig
     from gyre.proxy.config import ProxyConfig
     from gyre.proxy.main import ProxyProcess
+    from gyre.records.io import read_records
     from gyre.tasks.cli import register_execution
 
     with tempfile.TemporaryDirectory(prefix="gyre-bench-toy-") as tmp:
@@ -65,13 +66,15 @@ def toy_executions(ts, n: int, model_dir: str | None) -> dict:
                     if sb.execution_id not in results and (r := sb.poll()) is not None:
                         results[sb.execution_id] = r
                 time.sleep(0.05)
+            calls = [len(read_records(Path(tmp) / "records" / f"{ex}.jsonl")[0]) for ex in results]
         finally:
             proxy.stop()
             engine.stop()
     d = [r.duration_s for r in results.values()]
     timed_out = sum(r.timed_out for r in results.values())
-    print(f"toy executions ({n} concurrent): p50 {pct(d, 0.5):.1f} s, p90 {pct(d, 0.9):.1f} s, max {max(d):.1f} s, timed out {timed_out}")
-    return {"exec_p50_s": round(pct(d, 0.5), 2), "exec_p90_s": round(pct(d, 0.9), 2), "exec_max_s": round(max(d), 2), "exec_timed_out": timed_out}
+    print(f"toy executions ({n} concurrent): p50 {pct(d, 0.5):.1f} s, p90 {pct(d, 0.9):.1f} s, max {max(d):.1f} s, "
+          f"timed out {timed_out}, model calls per execution {sorted(calls)}")  # fmt: skip
+    return {"exec_calls_mean": round(sum(calls) / n, 2), "exec_p50_s": round(pct(d, 0.5), 2), "exec_p90_s": round(pct(d, 0.9), 2), "exec_max_s": round(max(d), 2), "exec_timed_out": timed_out}
 
 
 def pct(xs: list[float], q: float) -> float:
