@@ -22,6 +22,7 @@ RULES = [  # the scripted policy forces these outputs for prompts whose unanswer
     {"match": "List the files", "emit": '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call>'},
     {"match": "exit 0", "emit": "task.md"},
     {"match": "Summary so far", "emit": "Done."},
+    {"match": "wrote 5 bytes", "emit": "Done."},  # no compaction: the reference path
     {"match": "Write the word apple", "emit": WRITE},
 ]
 
@@ -67,30 +68,17 @@ def test_toy_agent_completes_task_and_records_form_a_tree(stack, api):
     assert len(roots) == 2  # the first conversation and the one restarted from the summary
 
 
-REFERENCE_RULES = [  # the toy agent's reference path: the warm start's transcripts
-    {"match": "List the files", "emit": '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call>'},
-    {"match": "exit 0", "emit": "task.md"},
-    {"match": "wrote 5 bytes", "emit": "Done."},
-    {"match": "Write the word apple", "emit": WRITE},
-]
-
-
-def test_warm_start_transcripts_are_what_the_proxy_renders(tmp_path):
+def test_warm_start_transcripts_are_what_the_proxy_renders(stack):
     """The warm start's prompts and targets equal the proxy's records of the same conversation
     (the default API, chat completions; the Messages API renders the same ids, checked in-process)."""
-    engine = start_engine(tmp_path, REFERENCE_RULES)
-    proxy = start_proxy(tmp_path, [engine.url])
-    try:
-        task = dataclasses.replace(toy_taskset().get("word-apple"), time_budget_s=120)  # a loaded box is slow
-        harness = HarnessConfig(kind="toy", toy=ToyAgentConfig(tool_median_s=0.0))
-        sb = Sandbox(task, "ref", tmp_path / "sandboxes", harness, proxy.url, new_execution(proxy, "ref"), "gyre")
-        sb.prepare()
-        sb.start()
-        assert sb.wait().exit_code == 0
-    finally:
-        proxy.stop()
-        engine.stop()
-    records = sorted(read_records(tmp_path / "records" / "ref.jsonl")[0], key=lambda r: r.seq)
+    tmp, proxy = stack
+    task = dataclasses.replace(toy_taskset().get("word-apple"), time_budget_s=120)  # a loaded box is slow
+    harness = HarnessConfig(kind="toy", toy=ToyAgentConfig(tool_median_s=0.0))
+    sb = Sandbox(task, "ref", tmp / "sandboxes", harness, proxy.url, new_execution(proxy, "ref"), "gyre")
+    sb.prepare()
+    sb.start()
+    assert sb.wait().exit_code == 0
+    records = sorted(read_records(tmp / "records" / "ref.jsonl")[0], key=lambda r: r.seq)
     tok = ByteTokenizer(512)
     transcript = reference_transcript(tok, task)
     assert len(records) == len(transcript) == 4
