@@ -6,8 +6,8 @@ reference solution as the model's answers, parsed by the proxy's own request par
 with the tokenizer's chat template, so the prompts are token for token what the proxy sends the
 engine. Training is next-token cross-entropy on the assistant turns (the engine's functional
 model, engine-named weights), and the result is a model directory in engine format
-(`save_checkpoint`), cached under a content hash of the transcripts and the settings: a second
-run with the same inputs reuses it.
+(`save_checkpoint`), cached under a content hash of the transcripts, the settings and this
+module's code: a second run with the same inputs reuses it.
 
     python -m gyre.tasks.warmstart --out DIR [--steps N --lr X --taskset PATH]   # last line: JSON report
 """
@@ -103,7 +103,7 @@ def common_prefix(prompts: list[list[int]]) -> int:
 
 
 def shared_prefix_loss(cfg: ModelConfig, weights: dict, examples: list) -> torch.Tensor:
-    """Mean cross-entropy over the targets of examples that share a prompt prefix (one system
+    """Summed cross-entropy over the targets of examples that share a prompt prefix (one system
     prompt): the prefix is computed once and each example's rest attends to its keys and values."""
     n = common_prefix([p for p, _ in examples])
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -121,7 +121,7 @@ def shared_prefix_loss(cfg: ModelConfig, weights: dict, examples: list) -> torch
         first = len(prompt) - n - 1
         logits = logits_of(cfg, weights, hidden[first: first + len(target)])
         losses.append(F.cross_entropy(logits.float(), torch.tensor(target), reduction="sum"))
-    return sum(losses) / sum(len(t) for _, t in examples)
+    return sum(losses)
 
 
 def group_examples(examples: list) -> list[list]:
@@ -133,12 +133,14 @@ def group_examples(examples: list) -> list[list]:
 
 
 def train(cfg: ModelConfig, weights: dict, examples: list, ws: WarmStartConfig) -> tuple[dict, list[float]]:
-    """AdamW steps; each draws up to `batch_size` examples from every system-prompt group."""
+    """AdamW steps; each draws up to `batch_size` examples from every system-prompt group and
+    averages over all their target tokens (the main agent's long tool calls weigh most)."""
     params = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
     opt = torch.optim.AdamW(params.values(), lr=ws.lr, weight_decay=0.0)
     rng, losses, groups = random.Random(ws.seed), [], group_examples(examples)
     for _ in range(ws.steps):
-        loss = sum(shared_prefix_loss(cfg, params, rng.sample(g, min(ws.batch_size, len(g)))) for g in groups) / len(groups)
+        batches = [rng.sample(g, min(ws.batch_size, len(g))) for g in groups]
+        loss = sum(shared_prefix_loss(cfg, params, b) for b in batches) / sum(len(t) for b in batches for _, t in b)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
@@ -200,7 +202,9 @@ def score_policy(cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per
 
 
 def content_hash(cfg: ModelConfig, ws: WarmStartConfig, examples: list) -> str:
+    """Hash of everything the weights depend on: settings, transcripts, and this module's code."""
     h = hashlib.sha256(json.dumps([asdict(cfg), asdict(ws)], sort_keys=True).encode())
+    h.update(Path(__file__).read_bytes())
     for p, t in examples:
         h.update(json.dumps([p, t]).encode())
     return h.hexdigest()[:16]
