@@ -1,4 +1,4 @@
-"""Tasks config (Hydra group `tasks`): which task set executions draw from, and the warm start."""
+"""Which task set a run draws from, and whether the initial policy is warm-started on it."""
 
 from dataclasses import dataclass
 
@@ -7,23 +7,13 @@ from gyre.errors import require
 
 @dataclass(kw_only=True)
 class TasksConfig:
-    """The task set and the optional warm start of the policy (see gyre/tasks/warmstart.py).
-
-    The toy profile's tool-duration distribution belongs to the toy agent: `harness.toy.tool_*`.
-    """
-
-    taskset: str | None = None
-    """A directory of *.json specs or a JSONL file; None: the embedded toy set."""
-    seed: int = 0
-    """Seed of the draw order (`TaskSet.pick(seed, cursor)`); a resumed run keeps it and its cursor."""
+    path: str | None = None
+    """Task set: a directory or JSONL file of task specs (gyre.tasks.spec); None: the embedded toy set."""
     warm_start: bool = True
-    """Start RL from the supervised warm start on the set's reference transcripts (cached)."""
-    warm_start_dir: str = "~/.cache/gyre/warmstart"
-    """Cache of warm-started model directories (one per content hash)."""
-    warm_start_steps: int = 60
-    warm_start_lr: float = 3e-3
+    """Without coordinator.init_weights: start RL from a policy trained on the task set's reference
+    solutions (gyre.tasks.warmstart), so rewards vary from the first step; False: the seeded init."""
+    warm_start_dir: str = "outputs/warmstart"
+    """Cache of warm-started models (relative to the launch directory), reused when the inputs match."""
 
     def __post_init__(self):
-        require(self.taskset is None or bool(self.taskset.strip()), "taskset", "must be a path or null (the toy set)")
-        require(self.warm_start_steps >= 1, "warm_start_steps", "must be >= 1")
-        require(self.warm_start_lr > 0, "warm_start_lr", "must be > 0")
+        require(bool(self.warm_start_dir), "warm_start_dir", "must name a directory")

@@ -247,8 +247,3 @@ class TaskSet:
 def toy_taskset() -> TaskSet:
     """The embedded default task set (shipped inside the package)."""
     return TaskSet.load(TOY_TASKSET)
-
-
-def load_taskset(path: str | None) -> TaskSet:
-    """`TasksConfig.taskset`: a path, or None for the embedded toy set."""
-    return toy_taskset() if path is None else TaskSet.load(path)
