@@ -5,9 +5,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from gyre.errors import GyreError
 from gyre.harness import agents
 from gyre.harness.config import HarnessConfig
-from gyre.errors import GyreError
 
 
 class HarnessNotFound(GyreError):

@@ -13,8 +13,9 @@ PLACEHOLDERS = ("instruction", "workspace", "proxy_url", "api_key", "model")
 class ToyAgentConfig:
     """The toy agent's behaviour (`python -m gyre.harness.toy_agent`)."""
 
-    api: str = "anthropic"
-    """`anthropic` (Messages API: sub-agents and summaries are hinted) or `openai` (chat completions)."""
+    api: str = "openai"
+    """`openai` (chat completions: sub-agents hinted; its SDK imports in ~1.2 CPU-s) or `anthropic`
+    (Messages API: sub-agents and summaries hinted; ~2.8 CPU-s to import, per execution)."""
     max_tokens: int = 96
     """New tokens per model call."""
     max_turns: int = 3
@@ -26,9 +27,10 @@ class ToyAgentConfig:
     """Compact (summary request, fresh conversation) once the conversation passes this many characters."""
     tool_median_s: float = 0.05
     """Median tool-call duration; durations are log-normal: median * exp(sigma * N(0, 1))."""
-    tool_sigma: float = 1.5
-    """Log-normal shape: 1.5 puts p90 at ~7x and p99 at ~33x the median (the long tail)."""
-    tool_max_s: float = 30.0
+    tool_sigma: float = 2.5
+    """Log-normal shape: 2.5 puts p90 at ~25x and p99 at ~330x the median (the long tail: ~2 % of
+    toy executions outlast their 30 s budget on an idle box)."""
+    tool_max_s: float = 60.0
     seed: int = 0
     """Tool durations are seeded by this and the execution id."""
 
@@ -63,6 +65,10 @@ class HarnessConfig:
     """RLIMIT_AS per process (virtual memory); None: unlimited (Node reserves large address spaces)."""
     max_processes: int | None = 4096
     """RLIMIT_NPROC (processes of the user; not enforced for root); None: unlimited."""
+    container_image: str | None = None
+    """Run each sandbox in this Apptainer/enroot image (Slurm sites); None: on the host."""
+    container_runtime: str = "apptainer"
+    """apptainer | enroot."""
     claude_code_tools: list[str] = field(default_factory=lambda: ["Bash", "Read", "Write", "Edit", "Agent"])
     toy: ToyAgentConfig = field(default_factory=ToyAgentConfig)
 
@@ -75,6 +81,8 @@ class HarnessConfig:
                 self.command.format(**{p: "" for p in PLACEHOLDERS})
             except (KeyError, IndexError, ValueError) as e:
                 raise ConfigError("command", f"bad placeholder {e}; valid: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
+        require(self.container_runtime in ("apptainer", "enroot"), "container_runtime",
+                f"{self.container_runtime!r} is not one of apptainer, enroot")  # fmt: skip
         require(self.grace_s >= 0, "grace_s", "must be >= 0 s")
         require(self.cpu_limit_s is None or self.cpu_limit_s >= 1, "cpu_limit_s", "must be >= 1 s or null")
         require(self.mem_limit_gb is None or self.mem_limit_gb > 0, "mem_limit_gb", "must be > 0 GB or null")

@@ -1,7 +1,7 @@
 """Harness sandboxes: one per execution, a fresh workspace, its own process group, a budget, limits.
 
     prepare(): <root>/<execution_id>/{workspace (fresh copy + setup), home (private HOME, TMPDIR)}
-    start():   [bwrap ...] harness-command   env: proxy URL, execution key, model; rlimits; own group
+    start():   prlimit [container] [bwrap ...] harness-command   env: proxy URL, execution key, model; own group
     poll():    exited -> SandboxResult | past budget -> SIGTERM the group, after grace SIGKILL
     the workspace stays for the evaluator (partial credit for timed-out runs)
 
@@ -13,14 +13,14 @@ to the plain runner; `isolation=bwrap` refuses to start.
 
 Apptainer/enroot on Slurm: the runner is the same inside the image (bubblewrap needs to be in the
 image; unprivileged user namespaces must be allowed, which Apptainer's own sandbox also needs);
-with `isolation=none` the container itself is the isolation, and `make_container_prefix` wraps
-the harness command in `apptainer exec --bind <workspace>,<home> IMAGE` for sites that start each
-sandbox in its own container.
+with `isolation=none` the container itself is the isolation. Sites that start each sandbox in
+its own container set `harness.container_image`: `make_container_prefix` then wraps the harness
+command (and bubblewrap, which then must be in the image) in `apptainer exec --contain --bind
+<workspace>,<home> IMAGE` or `enroot start --rw --mount ...`; the environment passes through.
 """
 
 import logging
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -65,7 +65,7 @@ def make_container_prefix(image: str, writable: list[Path], cwd: Path, runtime: 
     """`apptainer exec` / `enroot start` argv running a harness inside IMAGE (pure; Slurm sites)."""
     if runtime == "enroot":
         return ["enroot", "start", "--rw", *[a for p in writable for a in ("--mount", f"{p}:{p}")], image]
-    return ["apptainer", "exec", "--containall", "--bind", ",".join(map(str, writable)), "--pwd", str(cwd), image]
+    return ["apptainer", "exec", "--contain", "--bind", ",".join(map(str, writable)), "--pwd", str(cwd), image]
 
 
 def bwrap_available() -> bool:
@@ -85,17 +85,13 @@ def bwrap_available() -> bool:
     return _bwrap_ok
 
 
-def _limits(cfg: HarnessConfig):
-    """A preexec function setting the harness's rlimits (inherited by all it starts)."""
-    pairs = [(resource.RLIMIT_CPU, cfg.cpu_limit_s), (resource.RLIMIT_NPROC, cfg.max_processes),
-             (resource.RLIMIT_AS, None if cfg.mem_limit_gb is None else int(cfg.mem_limit_gb * 2**30))]  # fmt: skip
-
-    def apply() -> None:
-        for which, value in pairs:
-            if value is not None:
-                resource.setrlimit(which, (value, value))
-
-    return apply
+def make_limits_prefix(cfg: HarnessConfig) -> list[str]:
+    """util-linux `prlimit` argv setting the harness's rlimits, inherited by all it starts (pure).
+    An exec'd wrapper rather than a preexec function: safe in a multi-threaded coordinator."""
+    limits = [("cpu", cfg.cpu_limit_s), ("nproc", cfg.max_processes),
+              ("as", None if cfg.mem_limit_gb is None else int(cfg.mem_limit_gb * 2**30))]  # fmt: skip
+    flags = [f"--{name}={value}" for name, value in limits if value is not None]
+    return ["prlimit", *flags, "--"] if flags else []
 
 
 class Sandbox:
@@ -139,11 +135,15 @@ class Sandbox:
             raise SandboxError("harness.isolation=bwrap but bubblewrap cannot run here; use auto or none")
         if self.isolated:
             argv = make_bwrap_prefix([self.workspace, self.home], self.workspace) + argv
+        if self.cfg.container_image:
+            argv = make_container_prefix(self.cfg.container_image, [self.workspace, self.home], self.workspace,
+                                         self.cfg.container_runtime) + argv  # fmt: skip
+        argv = make_limits_prefix(self.cfg) + argv
         self._log = open(self.log_path, "ab")
         self._started = time.monotonic()
         try:
             self._proc = subprocess.Popen(argv, cwd=self.workspace, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
-                                          stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_limits(self.cfg))  # fmt: skip
+                                          stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         except OSError as e:
             self._log.close()
             raise SandboxError(f"cannot start harness {argv[0]!r}: {e}") from e

@@ -15,8 +15,9 @@ seeded log-normal (median, sigma, cap), so executions have the long tail the sch
 Agents are told apart the way the proxy's hints read them (gyre/proxy/hints.py): on the
 Messages API with Claude Code's `x-claude-code-agent-id` / `-parent-agent-id` headers, and a
 summary request's last user message asks for a summary and not to call tools; on chat completions
-with `x-gyre-agent-id` / `x-gyre-parent-agent-id` (that API has no summary hint: a summary is a
-main-agent call there). The pure functions (`make_*`) are shared with the warm start, which
+with `x-gyre-agent-id` / `x-gyre-parent-agent-id`; there a summary request also sends
+`x-gyre-call-kind: summary`, which the proxy keeps in the record's hints (its kind stays `main`:
+gyre/proxy/hints.py reads no summary hint on chat completions yet). The pure functions (`make_*`) are shared with the warm start, which
 renders reference transcripts exactly as this agent's calls reach the proxy.
 """
 
@@ -56,8 +57,8 @@ class ToolTime:
     """Log-normal tool-call durations: median_s * exp(sigma * N(0,1)), capped at max_s."""
 
     median_s: float = 0.05
-    sigma: float = 1.5
-    max_s: float = 30.0
+    sigma: float = 2.5
+    max_s: float = 60.0
 
     def draw(self, rng: random.Random) -> float:
         return min(self.max_s, self.median_s * math.exp(self.sigma * rng.gauss(0.0, 1.0))) if self.median_s > 0 else 0.0
@@ -164,10 +165,12 @@ class ToyAgent:
             self.client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=2, timeout=600)
         self.num_calls = 0
 
-    def call(self, messages: list[dict], agent_id: str | None, tools: bool = True) -> dict:
+    def call(self, messages: list[dict], agent_id: str | None, tools: bool = True, summary: bool = False) -> dict:
         """One model call; returns the assistant message (content, parsed tool calls with ids)."""
         a = self.args
         headers = make_agent_headers(a.api, agent_id, "main" if agent_id else None)
+        if summary and a.api == "openai":
+            headers["x-gyre-call-kind"] = "summary"
         self.num_calls += 1
         if a.api == "anthropic":
             r = self.client.messages.create(**make_anthropic_body(a.model, messages, a.max_tokens, tools), extra_headers=headers)
@@ -199,7 +202,7 @@ class ToyAgent:
                 break
             self.tools_round(reply, messages)
             if agent_id is None and conversation_chars(messages) > self.args.compact_chars:
-                summary = self.call(messages + [{"role": "user", "content": SUMMARY_REQUEST}], None, tools=True)
+                summary = self.call(messages + [{"role": "user", "content": SUMMARY_REQUEST}], None, summary=True)
                 print(f"toy-agent: compacted {conversation_chars(messages)} chars", file=sys.stderr, flush=True)
                 messages = [messages[0], {"role": "user", "content": make_resumed_prompt(self.args.instruction, summary["content"])}]
         return reply["content"]
@@ -215,7 +218,7 @@ class ToyAgent:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m gyre.harness.toy_agent", description=__doc__.split("\n\n")[0])
     p.add_argument("instruction")
-    p.add_argument("--api", choices=APIS, default="anthropic")
+    p.add_argument("--api", choices=APIS, default="openai")
     p.add_argument("--model", default=os.environ.get("GYRE_MODEL", "gyre"))
     p.add_argument("--max-tokens", type=int, default=96, help="new tokens per call")
     p.add_argument("--max-turns", type=int, default=4, help="main-agent model calls (summaries aside)")
@@ -223,8 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--subagent-turns", type=int, default=2)
     p.add_argument("--compact-chars", type=int, default=400, help="compact once the conversation exceeds this")
     p.add_argument("--tool-median-s", type=float, default=0.05)
-    p.add_argument("--tool-sigma", type=float, default=1.5)
-    p.add_argument("--tool-max-s", type=float, default=30.0)
+    p.add_argument("--tool-sigma", type=float, default=2.5)
+    p.add_argument("--tool-max-s", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0, help="tool durations: seeded by this and GYRE_EXECUTION_ID")
     return p.parse_args(argv)
 

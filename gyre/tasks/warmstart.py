@@ -6,8 +6,8 @@ reference solution as the model's answers, parsed by the proxy's own request par
 with the tokenizer's chat template, so the prompts are token for token what the proxy sends the
 engine. Training is next-token cross-entropy on the assistant turns (the engine's functional
 model, engine-named weights), and the result is a model directory in engine format
-(`save_checkpoint`), cached under a content hash of the transcripts and the settings: a second
-run with the same inputs reuses it.
+(`save_checkpoint`), cached under a content hash of the transcripts, the settings and this
+module's code: a second run with the same inputs reuses it.
 
     python -m gyre.tasks.warmstart --out DIR [--steps N --lr X --taskset PATH]   # last line: JSON report
 """
@@ -30,6 +30,7 @@ from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import ByteTokenizer
 from gyre.models.transformer import attend, forward_tokens, init_weights, logits_of
 from gyre.proxy import anthropic as anthropic_wire
+from gyre.proxy import openai as openai_wire
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import Task, TaskSet, toy_taskset
 from gyre.tasks.workspace import make_workspace
@@ -48,10 +49,12 @@ class WarmStartConfig:
     max_tokens: int = 96
 
 
-def render_call(tok: ByteTokenizer, messages: list[dict], reply: dict) -> tuple[list[int], list[int]]:
-    """(prompt ids as the proxy renders this toy-agent call, the reply's ids ending in <|im_end|>)."""
-    body = toy.make_anthropic_body("gyre", messages, 96, tools=True)
-    chat = anthropic_wire.parse_request(body, ["gyre"])
+def render_call(tok: ByteTokenizer, messages: list[dict], reply: dict, api: str = "openai") -> tuple[list[int], list[int]]:
+    """(prompt ids as the proxy renders this toy-agent call on `api`, the reply's ids ending in <|im_end|>)."""
+    if api == "anthropic":
+        chat = anthropic_wire.parse_request(toy.make_anthropic_body("gyre", messages, 96, tools=True), ["gyre"])
+    else:
+        chat = openai_wire.parse_request(toy.make_openai_body("gyre", messages, 96, tools=True), ["gyre"], 96)
     prompt = tok.apply_chat_template(chat.messages, chat.tools, add_generation_prompt=True)
     reply_msg = {"role": "assistant", "content": reply["content"],
                  "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in reply["tool_calls"]]}  # fmt: skip
@@ -61,29 +64,34 @@ def render_call(tok: ByteTokenizer, messages: list[dict], reply: dict) -> tuple[
     return prompt, full[len(prompt): -len(tok.encode("\n"))]
 
 
-def _agent_calls(tok, system: str, prompt: str, replies: list[dict], results: list[str]) -> list[tuple[list[int], list[int]]]:
+def _conversation(system: str, prompt: str, turns: list[tuple[dict, list[str]]]) -> list[tuple[list[dict], dict]]:
+    """(messages so far, reply) per call of one agent; each turn is a reply and its tools' results."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
     out = []
-    for i, reply in enumerate(replies):
-        out.append(render_call(tok, messages, reply))
+    for reply, results in turns:
+        out.append((list(messages), reply))
         messages.append({"role": "assistant", **reply})
-        for c in reply["tool_calls"]:
-            messages.append({"role": "tool", "tool_call_id": c["id"], "content": results[i]})
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(reply["tool_calls"], results)]
     return out
 
 
-def reference_transcript(tok: ByteTokenizer, task: Task) -> list[tuple[list[int], list[int]]]:
+def reference_conversations(task: Task) -> list[tuple[list[dict], dict]]:
     """The toy agent's calls when the model answers with the reference: sub-agent (ls, report),
-    main agent (write each reference file, then done)."""
-    ls = {"content": "", "tool_calls": [{"id": "toolu_ls", "name": "run", "arguments": {"command": "ls"}}]}
-    sub = _agent_calls(tok, toy.SUB_SYSTEM, toy.SUB_TASK, [ls, {"content": SUB_REPORT, "tool_calls": []}],
-                       [f"exit 0\n{SUB_REPORT}\n", ""])  # fmt: skip
+    main agent (write each reference file, then done); tool results as the toy agent's tools word them."""
+    ls = {"content": "", "tool_calls": [{"id": "call_ls", "name": "run", "arguments": {"command": "ls"}}]}
+    sub = _conversation(toy.SUB_SYSTEM, toy.SUB_TASK, [(ls, [f"exit 0\n{SUB_REPORT}\n"]), ({"content": SUB_REPORT, "tool_calls": []}, [])])
     files = (task.reference or {}).get("files", {})
-    writes = [{"id": f"toolu_w{i}", "name": "write_file", "arguments": {"path": p, "content": t}} for i, (p, t) in enumerate(files.items())]
-    result = "; ".join(f"wrote {len(t)} bytes to {p}" for p, t in files.items())
-    main = _agent_calls(tok, toy.MAIN_SYSTEM, toy.make_main_prompt(task.instruction, SUB_REPORT),
-                        [{"content": "", "tool_calls": writes}, {"content": "Done.", "tool_calls": []}], [result, ""])  # fmt: skip
+    writes = {"content": "", "tool_calls": [{"id": f"call_w{i}", "name": "write_file", "arguments": {"path": p, "content": t}}
+                                            for i, (p, t) in enumerate(files.items())]}  # fmt: skip
+    results = [f"wrote {len(t)} bytes to {p}" for p, t in files.items()]
+    main = _conversation(toy.MAIN_SYSTEM, toy.make_main_prompt(task.instruction, SUB_REPORT),
+                         [(writes, results), ({"content": "Done.", "tool_calls": []}, [])])  # fmt: skip
     return sub + main
+
+
+def reference_transcript(tok: ByteTokenizer, task: Task, api: str = "openai") -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, target ids) of each reference call, rendered as the proxy renders them."""
+    return [render_call(tok, messages, reply, api) for messages, reply in reference_conversations(task)]
 
 
 def common_prefix(prompts: list[list[int]]) -> int:
@@ -95,7 +103,7 @@ def common_prefix(prompts: list[list[int]]) -> int:
 
 
 def shared_prefix_loss(cfg: ModelConfig, weights: dict, examples: list) -> torch.Tensor:
-    """Mean cross-entropy over the targets of examples that share a prompt prefix (one system
+    """Summed cross-entropy over the targets of examples that share a prompt prefix (one system
     prompt): the prefix is computed once and each example's rest attends to its keys and values."""
     n = common_prefix([p for p, _ in examples])
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -113,7 +121,7 @@ def shared_prefix_loss(cfg: ModelConfig, weights: dict, examples: list) -> torch
         first = len(prompt) - n - 1
         logits = logits_of(cfg, weights, hidden[first: first + len(target)])
         losses.append(F.cross_entropy(logits.float(), torch.tensor(target), reduction="sum"))
-    return sum(losses) / sum(len(t) for _, t in examples)
+    return sum(losses)
 
 
 def group_examples(examples: list) -> list[list]:
@@ -125,12 +133,14 @@ def group_examples(examples: list) -> list[list]:
 
 
 def train(cfg: ModelConfig, weights: dict, examples: list, ws: WarmStartConfig) -> tuple[dict, list[float]]:
-    """AdamW steps; each draws up to `batch_size` examples from every system-prompt group."""
+    """AdamW steps; each draws up to `batch_size` examples from every system-prompt group and
+    averages over all their target tokens (the main agent's long tool calls weigh most)."""
     params = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
     opt = torch.optim.AdamW(params.values(), lr=ws.lr, weight_decay=0.0)
     rng, losses, groups = random.Random(ws.seed), [], group_examples(examples)
     for _ in range(ws.steps):
-        loss = sum(shared_prefix_loss(cfg, params, rng.sample(g, min(ws.batch_size, len(g)))) for g in groups) / len(groups)
+        batches = [rng.sample(g, min(ws.batch_size, len(g))) for g in groups]
+        loss = sum(shared_prefix_loss(cfg, params, b) for b in batches) / sum(len(t) for b in batches for _, t in b)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
@@ -140,8 +150,9 @@ def train(cfg: ModelConfig, weights: dict, examples: list, ws: WarmStartConfig) 
 
 
 @torch.no_grad()
-def sample(cfg: ModelConfig, weights: dict, prompt: list[int], max_tokens: int, stop: set[int], gen: torch.Generator) -> list[int]:
-    """Temperature-1 sampling with a KV cache (the engine's default sampling)."""
+def sample(cfg: ModelConfig, weights: dict, prompt: list[int], max_tokens: int, stop: set[int],
+           gen: torch.Generator) -> tuple[list[int], list[float]]:  # fmt: skip
+    """(output ids, their log-probs): temperature-1 sampling with a KV cache, as the engine samples."""
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     state = {"cached": 0}
 
@@ -151,18 +162,27 @@ def sample(cfg: ModelConfig, weights: dict, prompt: list[int], max_tokens: int, 
         cache[i] = (k, v)
         return attend(q, k, v, state["cached"])
 
-    ids, out = list(prompt), []
-    new = torch.tensor(ids)
+    out, logprobs = [], []
+    new = torch.tensor(prompt)
     for _ in range(max_tokens):
         hidden = forward_tokens(cfg, weights, new, torch.arange(state["cached"], state["cached"] + len(new)), attend_cached)
         state["cached"] += len(new)
-        probs = torch.softmax(logits_of(cfg, weights, hidden[-1:]).float(), -1)
-        token = int(torch.multinomial(probs[0], 1, generator=gen))
+        logp = torch.log_softmax(logits_of(cfg, weights, hidden[-1:]).float(), -1)[0]
+        token = int(torch.multinomial(logp.exp(), 1, generator=gen))
         out.append(token)
+        logprobs.append(float(logp[token]))
         if token in stop:
             break
         new = torch.tensor([token])
-    return out
+    return out, logprobs
+
+
+def score_turn(tok: ByteTokenizer, task: Task, output: list[int], workspace: Path):
+    """Apply one sampled main-agent turn's tool calls to a fresh workspace and evaluate it."""
+    ws = make_workspace(task.workspace, workspace)
+    for c in tok.parse_assistant(output).tool_calls:
+        toy.run_tool(c.name, c.arguments, ws)
+    return evaluate(task, ws, "finished")
 
 
 def score_policy(cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per_task: int, seed: int, max_tokens: int) -> dict:
@@ -173,11 +193,8 @@ def score_policy(cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per
         for task in tasks:
             prompt, _ = reference_transcript(tok, task)[2]
             for k in range(samples_per_task):
-                parsed = tok.parse_assistant(sample(cfg, weights, prompt, max_tokens, set(tok.stop_token_ids), gen))
-                ws = make_workspace(task.workspace, Path(tmp) / f"{task.task_id}-{k}")
-                for c in parsed.tool_calls:
-                    toy.run_tool(c.name, c.arguments, ws)
-                ev = evaluate(task, ws, "finished")
+                output, _ = sample(cfg, weights, prompt, max_tokens, set(tok.stop_token_ids), gen)
+                ev = score_turn(tok, task, output, Path(tmp) / f"{task.task_id}-{k}")
                 if ev.outcome != "evaluator_error":
                     scores.append(ev.score)
     return {"mean_score": round(sum(scores) / len(scores), 4), "success_rate": round(sum(s == 1.0 for s in scores) / len(scores), 4),
@@ -185,7 +202,9 @@ def score_policy(cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per
 
 
 def content_hash(cfg: ModelConfig, ws: WarmStartConfig, examples: list) -> str:
+    """Hash of everything the weights depend on: settings, transcripts, and this module's code."""
     h = hashlib.sha256(json.dumps([asdict(cfg), asdict(ws)], sort_keys=True).encode())
+    h.update(Path(__file__).read_bytes())
     for p, t in examples:
         h.update(json.dumps([p, t]).encode())
     return h.hexdigest()[:16]

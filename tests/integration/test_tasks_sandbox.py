@@ -88,10 +88,13 @@ def test_budget_kill_is_timed_out_with_workspace_score(tmp_path, trap, isolation
     assert "started" in r.log_path.read_text()
 
 
-def test_environment_carries_proxy_key_and_model(tmp_path):
-    _, _, r = run_sandbox(tmp_path, "sh -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY {model} $OPENAI_BASE_URL > env.txt'")
-    assert (r.exit_code, r.timed_out) == (0, False)
-    assert (r.workspace / "env.txt").read_text().split() == ["http://127.0.0.1:9", "key-123", "tiny", "http://127.0.0.1:9/v1"]
+def test_environment_carries_proxy_key_and_model_and_limits(tmp_path):
+    _, _, r = run_sandbox(tmp_path, "bash -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY {model} $OPENAI_BASE_URL $(ulimit -t -v -u | "
+                                    "sed \"s/.* //\") > env.txt'")  # fmt: skip
+    assert (r.exit_code, r.timed_out) == (0, False), r.log_path.read_text()
+    cfg = HarnessConfig()
+    assert (r.workspace / "env.txt").read_text().split() == ["http://127.0.0.1:9", "key-123", "tiny", "http://127.0.0.1:9/v1",
+                                                            str(cfg.cpu_limit_s), str(int(cfg.mem_limit_gb * 2**20)), str(cfg.max_processes)]  # fmt: skip
 
 
 @pytest.mark.skipif(not bwrap_available(), reason="bubblewrap cannot run here")

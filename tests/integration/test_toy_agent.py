@@ -1,6 +1,7 @@
 """The toy agent through a real proxy and builtin engine: it completes a toy task, and its records
 rebuild into a call tree with a sub-agent and a compaction summary."""
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,9 @@ from gyre.harness.sandbox import Sandbox
 from gyre.records.io import read_records
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import toy_taskset
+from gyre.tasks.warmstart import reference_conversations, reference_transcript, render_call
 from gyre.trajectory.tree import build_call_tree
+from gyre.models.tokenizer import ByteTokenizer
 from proxy_fixtures import new_execution, start_engine, start_proxy
 
 WRITE = '<tool_call>\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "apple"}}\n</tool_call>'
@@ -19,6 +22,7 @@ RULES = [  # the scripted policy forces these outputs for prompts whose unanswer
     {"match": "List the files", "emit": '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call>'},
     {"match": "exit 0", "emit": "task.md"},
     {"match": "Summary so far", "emit": "Done."},
+    {"match": "wrote 5 bytes", "emit": "Done."},  # no compaction: the reference path
     {"match": "Write the word apple", "emit": WRITE},
 ]
 
@@ -36,7 +40,7 @@ def stack(tmp_path_factory):
 @pytest.mark.parametrize("api", ["anthropic", "openai"])
 def test_toy_agent_completes_task_and_records_form_a_tree(stack, api):
     tmp, proxy = stack
-    task = toy_taskset().get("word-apple")
+    task = dataclasses.replace(toy_taskset().get("word-apple"), time_budget_s=120)  # a loaded box is slow
     ex = f"toy-{api}"
     harness = HarnessConfig(kind="toy", toy=ToyAgentConfig(api=api, compact_chars=60, tool_median_s=0.01))
     sb = Sandbox(task, ex, tmp / "sandboxes", harness, proxy.url, new_execution(proxy, ex), "gyre")
@@ -57,7 +61,28 @@ def test_toy_agent_completes_task_and_records_form_a_tree(stack, api):
         summary = next(n for n in tree.nodes if n.kind == "summary")
         assert tree.nodes[summary.parent].kind == "main"
         assert kinds.count("main") == 2
-    else:  # chat completions has no summary hint: the summary is a main-agent call
+    else:  # the proxy reads no summary hint on chat completions: the summary is a main call with the header kept
         assert kinds.count("main") == 3
+        assert sum(n.record.hints.get("x-gyre-call-kind") == "summary" for n in tree.nodes) == 1
     roots = [n for n in tree.nodes if n.parent is None and n.kind == "main"]
     assert len(roots) == 2  # the first conversation and the one restarted from the summary
+
+
+def test_warm_start_transcripts_are_what_the_proxy_renders(stack):
+    """The warm start's prompts and targets equal the proxy's records of the same conversation
+    (the default API, chat completions; the Messages API renders the same ids, checked in-process)."""
+    tmp, proxy = stack
+    task = dataclasses.replace(toy_taskset().get("word-apple"), time_budget_s=120)  # a loaded box is slow
+    harness = HarnessConfig(kind="toy", toy=ToyAgentConfig(tool_median_s=0.0))
+    sb = Sandbox(task, "ref", tmp / "sandboxes", harness, proxy.url, new_execution(proxy, "ref"), "gyre")
+    sb.prepare()
+    sb.start()
+    assert sb.wait().exit_code == 0
+    records = sorted(read_records(tmp / "records" / "ref.jsonl")[0], key=lambda r: r.seq)
+    tok = ByteTokenizer(512)
+    transcript = reference_transcript(tok, task)
+    assert len(records) == len(transcript) == 4
+    assert [render_call(tok, *c, api="anthropic") for c in reference_conversations(task)] == transcript
+    for r, (prompt, target) in zip(records, transcript):
+        assert r.input_ids.tolist() == prompt
+        assert r.output_ids.tolist() == target

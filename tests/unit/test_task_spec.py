@@ -1,15 +1,17 @@
 """Task specs: the validation table (each bad field named), task-set loading and the seeded draw order."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from gyre.errors import ConfigError
 from gyre.harness.commands import make_template_command
 from gyre.harness.config import HarnessConfig
-from gyre.harness.sandbox import make_bwrap_prefix
+from gyre.harness.sandbox import make_bwrap_prefix, make_container_prefix
 from gyre.tasks.spec import TaskSet, TaskSpecError, parse_task, toy_taskset
 
+CONF = Path(__file__).resolve().parents[2] / "conf"
 GOOD = {"task_id": "t1", "instruction": "do it", "workspace": {"files": {"a.txt": "x"}}, "setup": None,
         "evaluator": {"kind": "files", "files": {"a.txt": "y"}}, "time_budget_s": 5}  # fmt: skip
 
@@ -99,3 +101,23 @@ def test_bwrap_prefix_binds_only_the_writable_paths(tmp_path):
     assert argv[:4] == ["bwrap", "--ro-bind", "/", "/"]
     binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
     assert binds == [str(tmp_path / "ws"), str(tmp_path / "home")] and argv[-1] == "--"
+
+
+def test_container_prefix_binds_workspace_and_home(tmp_path):
+    ws, home = tmp_path / "ws", tmp_path / "home"
+    assert make_container_prefix("img.sif", [ws, home], ws) == ["apptainer", "exec", "--contain", "--bind", f"{ws},{home}",
+                                                                  "--pwd", str(ws), "img.sif"]  # fmt: skip
+    assert make_container_prefix("img", [ws], ws, "enroot") == ["enroot", "start", "--rw", "--mount", f"{ws}:{ws}", "img"]
+
+
+def test_tasks_config_yaml_matches_and_validates():
+    import yaml  # PyYAML comes with Hydra
+
+    from gyre.tasks.config import TasksConfig
+
+    assert TasksConfig(**yaml.safe_load(open(CONF / "tasks/toy.yaml"))) == TasksConfig()
+    with pytest.raises(ConfigError, match="^warm_start_dir"):
+        TasksConfig(warm_start_dir="")
+    assert HarnessConfig(**yaml.safe_load(open(CONF / "harness/toy.yaml"))) == HarnessConfig(grace_s=2.0)
+    for name in ("claude_code", "mini_swe_agent", "command"):
+        assert HarnessConfig(**yaml.safe_load(open(CONF / f"harness/{name}.yaml"))).kind == name

@@ -1,0 +1,55 @@
+"""`gyre-task`: check on the embedded toy set, list, and run with the command harness (own engine and proxy)."""
+
+import json
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+
+from gyre.harness.agents import find_claude_code
+
+
+def gyre_task(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gyre.tasks.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_check_and_list(tmp_path):
+    ids = [line.split("\t")[0] for line in gyre_task("list").stdout.splitlines()]
+    assert len(ids) == 16 and ids[0] == "word-apple"  # the embedded toy set
+    lines = (resources.files("gyre") / "tasks/toy/tasks.jsonl").read_text().splitlines()[:2]
+    (tmp_path / "two.jsonl").write_text("\n".join(lines) + "\n")
+    done = gyre_task("check", str(tmp_path / "two.jsonl"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["passed"] == 2
+    broken = json.loads(lines[0]) | {"reference": {"files": {"answer.txt": "wrong"}}}
+    (tmp_path / "broken.jsonl").write_text(json.dumps(broken) + "\n")
+    done = gyre_task("check", str(tmp_path / "broken.jsonl"))
+    assert done.returncode == 1 and "word-apple\tFAIL" in done.stdout
+
+
+def test_run_command_harness_with_own_engine_and_proxy(tmp_path):
+    done = gyre_task("run", "word-river", "--harness", "command", "--root", str(tmp_path),
+                     "--command", "sh -c 'echo rivers > answer.txt; echo {model}'")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["outcome"] == "finished" and 0.2 < out["score"] < 1.0  # a near miss: partial credit
+    assert out["workspace"].startswith(str(tmp_path)) and out["records_path"].endswith(".jsonl") and out["duration_s"] > 0
+
+
+CC_RULES = {"rules": [  # Claude Code writes the answer with its Bash tool, then stops
+    {"match": "Write the word apple", "emit": '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo apple > answer.txt", '
+                                              '"description": "write the answer"}}\n</tool_call>'},
+    {"match": ".", "emit": "Done."},
+]}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_claude_code() is None, reason="Claude Code is not installed (tools/setup.sh)")
+def test_run_claude_code_with_scripted_policy(tmp_path):
+    (tmp_path / "rules.json").write_text(json.dumps(CC_RULES))
+    done = gyre_task("run", "word-apple", "--harness", "claude_code", "--root", str(tmp_path / "run"),
+                     "--scripted-policy", str(tmp_path / "rules.json"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (out["outcome"], out["score"], out["timed_out"]) == ("finished", 1.0, False), done.stderr

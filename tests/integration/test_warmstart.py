@@ -1,0 +1,25 @@
+"""The warm start writes an engine model directory, cached by content hash (a tiny run: two steps)."""
+
+import dataclasses
+
+import torch
+
+from gyre.models.checkpoint import load_checkpoint
+from gyre.models.config import ModelConfig
+from gyre.tasks.spec import TaskSet, toy_taskset
+from gyre.tasks.warmstart import WarmStartConfig, warm_start
+
+
+def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
+    one = TaskSet(toy_taskset().tasks[:1])
+    cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, num_query_groups=1)
+    ws = WarmStartConfig(steps=2, batch_size=2, max_tokens=8)
+    out, report = warm_start(tmp_path, one, cfg, ws, samples_per_task=1)
+    assert not report["reused"] and report["num_examples"] == 4 and report["loss_last"] < report["loss_first"]
+    loaded_cfg, weights = load_checkpoint(out)
+    shape = lambda c: {k: v for k, v in dataclasses.asdict(c).items() if k not in ("name", "path")}  # noqa: E731
+    assert shape(loaded_cfg) == shape(cfg) and all(torch.isfinite(t).all() for t in weights.values())
+    again, report2 = warm_start(tmp_path, one, cfg, ws, samples_per_task=1)
+    assert again == out and report2["reused"] and report2["after"] == report["after"]
+    other, _ = warm_start(tmp_path, one, cfg, WarmStartConfig(steps=2, batch_size=2, max_tokens=8, lr=1e-3), samples_per_task=1)
+    assert other != out

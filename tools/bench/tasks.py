@@ -1,0 +1,130 @@
+"""Sandbox start-up overhead (bubblewrap vs plain), evaluator time per toy task, and the toy
+profile's duration distribution (tool calls drawn from the harness config's log-normal).
+
+    python tools/bench/tasks.py [--runs N]      # last line: one JSON object
+
+Overhead is measured side by side in one run: the same trivial harness (`true`) started through
+Sandbox.prepare/start/wait with isolation none and bwrap, interleaved; CPU time from /proc
+(children's user+sys via os.times) and wall time are both reported.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from gyre.harness.config import HarnessConfig
+from gyre.harness.sandbox import Sandbox, bwrap_available
+from gyre.harness.toy_agent import ToolTime
+from gyre.tasks.evaluate import evaluate
+from gyre.tasks.spec import toy_taskset
+from gyre.tasks.workspace import apply_reference, make_workspace
+
+
+def start_cost(task, root: Path, isolation: str) -> tuple[float, float]:
+    """(wall s, children CPU s) of one prepare + start + wait of a harness that does nothing."""
+    cfg = HarnessConfig(kind="command", command="true", isolation=isolation)
+    before, t0 = os.times(), time.perf_counter()
+    sb = Sandbox(task, f"b-{uuid.uuid4().hex[:8]}", root, cfg, "http://127.0.0.1:9", "k", "gyre")
+    sb.prepare()
+    sb.start()
+    sb.wait(poll_interval_s=0.001)
+    after = os.times()
+    return time.perf_counter() - t0, (after.children_user + after.children_system) - (before.children_user + before.children_system)
+
+
+def toy_executions(ts, n: int, model_dir: str | None) -> dict:
+    """Durations of `n` toy-agent executions run concurrently through one engine and proxy."""
+    from gyre.engines.config import EngineConfig
+    from gyre.engines.launch import BuiltinEngineProcess
+    from gyre.models.config import ModelConfig
+    from gyre.proxy.config import ProxyConfig
+    from gyre.proxy.main import ProxyProcess
+    from gyre.records.io import read_records
+    from gyre.tasks.cli import register_execution
+
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-toy-") as tmp:
+        engine = BuiltinEngineProcess(EngineConfig(model_path=model_dir, startup_timeout_s=300), ModelConfig())
+        engine.start()
+        proxy = ProxyProcess(ProxyConfig(records_dir=f"{tmp}/records", engines=[engine.url], model_names=["gyre"], context_len=4096)).start()
+        try:
+            boxes = []
+            for i in range(n):
+                ex = f"toy-{i}"
+                sb = Sandbox(ts.pick(0, i), ex, Path(tmp) / "sb", HarnessConfig(), proxy.url, register_execution(proxy, ex), "gyre")
+                sb.prepare()
+                sb.start()
+                boxes.append(sb)
+            results = {}
+            while len(results) < n:
+                for sb in boxes:
+                    if sb.execution_id not in results and (r := sb.poll()) is not None:
+                        results[sb.execution_id] = r
+                time.sleep(0.05)
+            calls = [len(read_records(Path(tmp) / "records" / f"{ex}.jsonl")[0]) for ex in results]
+        finally:
+            proxy.stop()
+            engine.stop()
+    d = [r.duration_s for r in results.values()]
+    timed_out = sum(r.timed_out for r in results.values())
+    print(f"toy executions ({n} concurrent): p50 {pct(d, 0.5):.1f} s, p90 {pct(d, 0.9):.1f} s, max {max(d):.1f} s, "
+          f"timed out {timed_out}, model calls per execution {sorted(calls)}")  # fmt: skip
+    return {"exec_calls_mean": round(sum(calls) / n, 2), "exec_p50_s": round(pct(d, 0.5), 2), "exec_p90_s": round(pct(d, 0.9), 2), "exec_max_s": round(max(d), 2), "exec_timed_out": timed_out}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--draws", type=int, default=20000, help="tool-duration draws for the toy profile")
+    p.add_argument("--executions", type=int, default=0, help="also run this many toy executions (engine + proxy)")
+    p.add_argument("--model-dir", default=None, help="engine weights for --executions (default: random tiny)")
+    a = p.parse_args()
+    ts = toy_taskset()
+    task = ts.tasks[0]
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-tasks-") as tmp:
+        modes = ["none"] + (["bwrap"] if bwrap_available() else [])
+        costs = {m: [] for m in modes}
+        for _ in range(a.runs):
+            for m in modes:
+                costs[m].append(start_cost(task, Path(tmp) / "sb", m))
+        for m in modes:
+            wall, cpu = statistics.median(c[0] for c in costs[m]), sum(c[1] for c in costs[m]) / a.runs  # CPU: 10 ms ticks
+            out[f"start_{m}_wall_ms"], out[f"start_{m}_cpu_ms"] = round(wall * 1e3, 2), round(cpu * 1e3, 2)
+            print(f"sandbox start ({m}): median wall {wall * 1e3:.1f} ms, children CPU {cpu * 1e3:.1f} ms over {a.runs} runs")
+        if "bwrap" in modes:
+            out["bwrap_over_plain_wall"] = round(out["start_bwrap_wall_ms"] / out["start_none_wall_ms"], 2)
+        evals = []
+        for t in ts.tasks:
+            ws = make_workspace(t.workspace, Path(tmp) / "ev" / t.task_id)
+            apply_reference(t, ws)
+            t0 = time.perf_counter()
+            evaluate(t, ws, "finished")
+            evals.append(time.perf_counter() - t0)
+        out["evaluator_ms_median"], out["evaluator_ms_max"] = round(statistics.median(evals) * 1e3, 1), round(max(evals) * 1e3, 1)
+        print(f"toy evaluator: median {out['evaluator_ms_median']} ms, max {out['evaluator_ms_max']} ms per task ({len(evals)} tasks)")
+    t = HarnessConfig().toy
+    tool, rng = ToolTime(t.tool_median_s, t.tool_sigma, t.tool_max_s), __import__("random").Random(0)
+    draws = [tool.draw(rng) for _ in range(a.draws)]
+    for q, name in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
+        out[f"tool_{name}_s"] = round(pct(draws, q), 3)
+    out["tool_max_s"] = round(max(draws), 3)
+    print(f"toy tool durations ({a.draws} draws): p50 {out['tool_p50_s']} s, p90 {out['tool_p90_s']} s, "
+          f"p99 {out['tool_p99_s']} s, max {out['tool_max_s']} s")  # fmt: skip
+    if a.executions:
+        out.update(toy_executions(ts, a.executions, a.model_dir))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
