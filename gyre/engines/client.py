@@ -27,7 +27,8 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.key_by_weight_version = key_by_weight_version
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.weight_version: str | None = None
+        self.weight_version: int | None = None
+        """The last weight version an engine reported (an int: the trainer's step)."""
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "EngineClient":
@@ -68,7 +69,7 @@ class EngineClient:
                 "return_logprob": return_logprob, "stream": stream}  # fmt: skip
         if rid is not None:
             body["rid"] = rid
-        key = extra_key if extra_key is not None or not self.key_by_weight_version else self.weight_version
+        key = extra_key if extra_key is not None or not self.key_by_weight_version else _wire(self.weight_version)
         if key is not None:
             body["extra_key"] = key
         return body
@@ -86,7 +87,7 @@ class EngineClient:
         """One /generate answer. input_ids_json: `input_ids` already encoded (IdsJsonCache), sent as is."""
         payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, False, extra_key, input_ids_json)
         out = await self._request("POST", "/generate", raw=payload)
-        self.weight_version = out["meta_info"].get("weight_version", self.weight_version)
+        self.weight_version = _version(out["meta_info"].get("weight_version"), self.weight_version)
         return out
 
     async def generate_stream(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
@@ -115,14 +116,14 @@ class EngineClient:
         return await self.post("/continue_generation", {})
 
     # --- weights, memory, cache ---------------------------------------------------------------
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **extra) -> dict:
-        out = await self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version, **extra})
-        self.weight_version = out.get("weight_version", weight_version)
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None, **extra) -> dict:
+        out = await self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": _wire(weight_version), **extra})
+        self.weight_version = _version(out.get("weight_version"), weight_version)
         return out
 
-    async def update_weights_from_tensor(self, weight_version: str | None = None, **payload) -> dict:
-        out = await self.post("/update_weights_from_tensor", {"weight_version": weight_version, **payload})
-        self.weight_version = out.get("weight_version", weight_version)
+    async def update_weights_from_tensor(self, weight_version: int | None = None, **payload) -> dict:
+        out = await self.post("/update_weights_from_tensor", {"weight_version": _wire(weight_version), **payload})
+        self.weight_version = _version(out.get("weight_version"), weight_version)
         return out
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -133,12 +134,12 @@ class EngineClient:
             "world_size": world_size, "group_name": group_name, "backend": backend})  # fmt: skip
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              weight_version: str | None = None, group_name: str = "gyre") -> dict:  # fmt: skip
+                                              weight_version: int | None = None, group_name: str = "gyre") -> dict:  # fmt: skip
         """SGLang only: receive these tensors by NCCL broadcast from the trainer's rank 0."""
         out = await self.post("/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "weight_version": weight_version, "flush_cache": True})  # fmt: skip
-        self.weight_version = weight_version or self.weight_version
+            "weight_version": _wire(weight_version), "flush_cache": True})  # fmt: skip
+        self.weight_version = self.weight_version if weight_version is None else weight_version
         return out
 
     async def flush_cache(self) -> dict:
@@ -163,7 +164,7 @@ class EngineClient:
 
     async def model_info(self) -> dict:
         info = await self.get("/model_info")
-        self.weight_version = info.get("weight_version", self.weight_version)
+        self.weight_version = _version(info.get("weight_version"), self.weight_version)
         return info
 
     async def loads(self) -> dict:
@@ -232,3 +233,13 @@ class IdsJsonCache:
 
 def _ids_json(ids) -> bytes:
     return json.dumps(ids, separators=(",", ":")).encode()
+
+
+def _wire(version: int | None) -> str | None:
+    """A version as the engines' HTTP APIs take it (SGLang declares it a string; the builtin engine parses both)."""
+    return None if version is None else str(version)
+
+
+def _version(reported: object, default: int | None) -> int | None:
+    """The integer version an engine reported (SGLang reports strings), else `default`."""
+    return default if reported is None else int(reported)
