@@ -122,7 +122,7 @@ def core(args) -> dict:
                 return time.perf_counter() - t0, (await client.model_info())["weight_version"]
 
         push_s, version = asyncio.run(push())
-        assert version == str(tiny.step), version
+        assert version == tiny.step, version
     finally:
         engine.stop()
         for s in servers:
