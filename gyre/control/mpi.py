@@ -28,7 +28,7 @@ from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout, Liste
 
 _MSG, _HEARTBEAT, _BYE = 1, 2, 3
 _BYE_SEEN = "the peer closed the channel"
-_POLL_S = (0.0005, 0.02)  # recv polls Iprobe with a backoff from the first to the second
+_POLL_S = (0.00005, 0.005)  # recv polls Iprobe with a backoff from the first to the second
 
 
 def _mpi():
@@ -189,7 +189,7 @@ class MpiListener(Listener):
 
     def _accept_loop(self) -> None:
         MPI = _mpi()
-        while not self._closed.wait(_POLL_S[1]):
+        while not self._closed.wait(0.02):
             for name in sorted(os.listdir(self._join_dir)):
                 if name.startswith("."):
                     continue  # being written

@@ -16,6 +16,10 @@ from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout, Liste
 class TcpChannel(Channel):
     def __init__(self, conn: Connection, peer: str):
         self._conn, self.peer = conn, peer
+        # multiprocessing writes a large message as header + payload: with Nagle's algorithm and
+        # delayed ACKs that stalls each one ~40 ms
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._send_lock = threading.Lock()
         self._closed = False
 
