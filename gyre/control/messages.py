@@ -111,15 +111,14 @@ class Claim:
 class Work:
     """Micro-step `index` of the step at weight `version`: write its gradient to `slot_addr`.
 
-    The gradient is computed with `normaliser` (1 while the step streams: the core divides the
-    folded sum by the step's total loss weight once it is known).
+    The gradient is computed with normaliser 1: the core divides the folded sum by the step's
+    total loss weight, which is known only once the step's batches have all arrived.
     """
 
     index: int
     version: int
     slot_addr: int
     batch: PackedBatch
-    normaliser: float = 1.0
 
 
 @message
