@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 class Satellite:
     """A warm satellite process: model built, waiting on stdin for the core's address."""
 
-    def __init__(self, log: Path, cfg: TrainerConfig, cell: str):
-        cmd = [sys.executable, "-m", "gyre.train.satellite", "--cell", cell, "--model", json.dumps(dataclasses.asdict(MODEL)),
+    def __init__(self, log: Path, cfg: TrainerConfig, cell: str, launcher: tuple[str, ...] = ()):
+        cmd = [*launcher, sys.executable, "-m", "gyre.train.satellite", "--cell", cell, "--model", json.dumps(dataclasses.asdict(MODEL)),
                "--trainer", json.dumps(dataclasses.asdict(cfg))]
         self.log = log
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -68,9 +68,9 @@ def start_satellites(tmp_path):
     torch.set_num_threads(1)
     started = []
 
-    def start(n: int, cfg: TrainerConfig = CFG) -> list[Satellite]:
+    def start(n: int, cfg: TrainerConfig = CFG, launcher: tuple[str, ...] = ()) -> list[Satellite]:
         base = len(started)
-        started.extend([Satellite(tmp_path / f"sat{base + i}.log", cfg, f"satellite{base + i + 1}") for i in range(n)])
+        started.extend([Satellite(tmp_path / f"sat{base + i}.log", cfg, f"satellite{base + i + 1}", launcher) for i in range(n)])
         return started[-n:]
 
     try:
@@ -241,3 +241,29 @@ def test_step_api_misuse_is_a_clear_error():
         assert server.run_step()["microsteps_by/core"] == 1 and core.step == 1
     finally:
         server.close()
+
+
+def test_over_the_mpi_control_transport_a_satellite_trains_the_same_step(start_satellites, tmp_path):
+    """The same core/satellite exchange with control messages on MPI (the satellite under mpiexec:
+    two MPICH singletons cannot connect); bytes still move over Mooncake."""
+    pytest.importorskip("mpi4py")
+    from gyre.control.transport import listen
+
+    cfg = replace(CFG, core_computes_microsteps=False)
+    (sat,) = start_satellites(1, cfg, launcher=(str(Path(sys.executable).with_name("mpiexec")), "-n", "1"))
+    batches = random_batches(MODEL, 3, 4, seed=31, max_len=64)
+    ref = Trainer(MODEL, cfg, seed=0)
+    ref.train_step(batches)
+    core = Trainer(MODEL, cfg, seed=0)
+    server = CoreServer(core, TransferEndpoint(), listener=listen("mpi", port_file=str(tmp_path / "core.port")))
+    try:
+        thread, metrics = _run_in_thread(server, batches)
+        sat.expect("ready")
+        sat.join(server.address)
+        thread.join(timeout=120)
+        os.kill(sat.proc.pid, signal.SIGTERM)  # mpiexec forwards it: the satellite leaves
+        report = json.loads(sat.expect("{"))
+    finally:
+        server.close()
+    assert metrics["microsteps_by/satellite1"] == 3 == report["computed"]
+    assert torch.equal(core.flat.weights, ref.flat.weights)
