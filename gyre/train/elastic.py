@@ -20,7 +20,7 @@ Micro-steps are computed with normaliser 1 and added in index order whoever comp
 is divided by the step's total loss weight before clipping, so the step does not depend on the
 split (bitwise on CPU) and can start before every batch exists.
 
-Weights never change while anybody reads them: the core applies its optimizer step only after every
+The satellite's side is gyre/train/satellite.py. Weights never change while anybody reads them: the core applies its optimizer step only after every
 micro-step is folded (so a satellite holding a claim may pull), and defers it while an announced
 pull (`Pull` ... `PullDone`) or a publish for engines is copying them. One slot per claim keeps the
 core's memory bounded (`num_grad_slots`); a freed slot goes to the back of the queue so a late
@@ -54,7 +54,8 @@ class ElasticError(GyreError):
     """The core and a satellite cannot work together (mismatched model, lost core, misuse of the step API)."""
 
 
-def _one_rank_cell() -> None:
+def one_rank_cell() -> None:
+    """Raise unless this cell is one rank (core and satellites pull and write whole flat buffers)."""
     if dist.get_world_size() != 1:
         raise ElasticError("core/satellite steps are built for one-rank cells only (per-rank pulls are not built)")
 
@@ -86,7 +87,7 @@ class CoreServer:
     """
 
     def __init__(self, trainer: Trainer, endpoint: TransferEndpoint, host: str = "127.0.0.1", listener: Listener | None = None):
-        _one_rank_cell()
+        one_rank_cell()
         self.trainer, self.endpoint = trainer, endpoint
         n = trainer.flat.weights.numel()
         self.slots = torch.zeros(trainer.cfg.num_grad_slots, n, dtype=torch.float32, device=trainer.flat.weights.device)
@@ -97,6 +98,7 @@ class CoreServer:
         self._queue = MicroStepQueue(groups_per_step=None, staleness=0)
         self._step: _Step | None = None
         self._readers: Counter = Counter()  # who is copying the weights now (cell pulls, "publish")
+        self._pull_started: dict[str, float] = {}
         self._applying = False
         self._cells: dict[str, Channel] = {}
         self._channels: set[Channel] = set()
@@ -200,7 +202,8 @@ class CoreServer:
                 self._compute_on_core(step, acc, *job)
             with self._cond:
                 while self._readers:  # an announced pull or a publish is copying the weights
-                    self._cond.wait()
+                    self._evict_hung_pulls()
+                    self._cond.wait(timeout=0.05 if self.trainer.cfg.claim_timeout_s else None)
                 self._applying = True
             metrics = self.trainer.apply_gradient(acc, step.total_weight)
             applied = True
@@ -266,6 +269,17 @@ class CoreServer:
             lost = [ms.index for ms in self._queue.release(cell)]
             self._quarantine.setdefault(cell, []).extend(step.slot_of.pop(i) for i in lost)
             logger.warning("satellite %s held micro-steps %s over %.1f s: redoing them elsewhere", cell, lost, timeout)
+
+    def _evict_hung_pulls(self) -> None:
+        """A cell whose announced pull lasts past `claim_timeout_s` is presumed hung: the step goes on
+        without waiting for it, and it gets no more work on this channel (its next claim is
+        answered Evicted, which makes it pull again after rejoining)."""
+        timeout, now = self.trainer.cfg.claim_timeout_s, time.monotonic()
+        for cell in [c for c in self._readers if c != "publish"] if timeout else []:
+            if now - self._pull_started.get(cell, now) > timeout:
+                del self._readers[cell]
+                self._evicted.add(cell)
+                logger.warning("satellite %s held a weight pull over %.1f s: stepping without it", cell, timeout)
 
     def _fold(self, step: _Step, acc: torch.Tensor) -> None:
         done = self._queue.done_by()
@@ -434,6 +448,7 @@ class CoreServer:
             while self._applying:
                 self._cond.wait()
             self._readers[cell] += 1
+            self._pull_started[cell] = time.monotonic()
             return m.WeightVersion(self.trainer.step)
 
     def _end_pull(self, cell: str, all_of_them: bool = False) -> None:
@@ -456,115 +471,3 @@ class CoreServer:
             self.endpoint.unregister(self._published[2])
         self.endpoint.unregister(self.slots)
         self.endpoint.unregister(self.trainer.flat.weights)
-
-
-class SatelliteCell:
-    """A satellite's side: join the core as `cell`, pull weights per version, compute claimed micro-steps.
-
-    One channel for the cell's life (rejoined if the core evicted it), so `serve` can run again
-    after a stint in another role, and `pull_latest` works at any time.
-    """
-
-    def __init__(self, trainer: Trainer, endpoint: TransferEndpoint, core_address: str, cell: str):
-        _one_rank_cell()
-        self.trainer, self.endpoint, self.cell = trainer, endpoint, cell
-        self._address = core_address
-        endpoint.register(trainer.flat.weights)
-        endpoint.register(trainer.grad)
-        self._ch: Channel | None = None
-        self._rpc = threading.Lock()  # one request/reply exchange at a time on the channel
-        self._weights = threading.Lock()  # a pull never overwrites weights a micro-step is using
-        self.version = -1
-        """Weight version held now (-1: never pulled)."""
-        self.num_computed = 0
-        self.pull_seconds: list[float] = []
-        self.microstep_seconds: list[float] = []
-        """Per micro-step: forward, backward and the gradient write to the core."""
-        self._join()
-
-    def _join(self) -> Channel:
-        if self._ch is None:
-            from gyre.control.transport import connect
-
-            ch = connect(self._address)
-            reply = ch.request(m.Join(self.cell, self.trainer.flat.signature()), timeout_s=60)
-            if not isinstance(reply, m.Welcome):
-                ch.close()
-                raise ElasticError(f"core refused {self.cell}: {getattr(reply, 'reason', reply)}")
-            self._ch, self._core_session, self._weights_addr = ch, reply.session_id, reply.weights_addr
-        return self._ch
-
-    def _drop(self) -> None:
-        if self._ch is not None:
-            self._ch.close()
-            self._ch = None
-
-    def serve(self, stop: threading.Event) -> int:
-        """Claim and compute micro-steps until `stop` is set (then finish the one in progress and
-        say Leave), the core evicts this cell, or the core goes away.
-
-        Returns:
-            The number of micro-steps computed by this call.
-        """
-        computed = 0
-        try:
-            ch = self._join()
-            while not stop.is_set():
-                with self._rpc:
-                    reply = ch.request(m.Claim(self.cell))
-                if isinstance(reply, m.Wait):
-                    stop.wait(self.trainer.cfg.claim_poll_s)
-                    continue
-                if isinstance(reply, m.Evicted):
-                    self._drop()  # presumed hung: the core redid our work; the next serve rejoins
-                    return computed
-                if not isinstance(reply, m.Work):
-                    raise m.ProtocolError(f"the core answered a Claim with {type(reply).__name__}")
-                self._compute(ch, reply)
-                computed += 1
-            ch.send(m.Leave(self.cell))
-        except ChannelClosed:
-            self._drop()  # the core closed: this cell's training role is over
-        return computed
-
-    def _compute(self, ch: Channel, work: m.Work) -> None:
-        with self._weights:
-            if work.version != self.version:
-                self._read_weights()  # safe: the core cannot step while we hold a claim
-                self.version = work.version
-            t0 = time.perf_counter()
-            grad, stats = self.trainer.microstep(work.batch)
-            self.endpoint.write(self._core_session, work.slot_addr, grad)
-        seconds = time.perf_counter() - t0
-        self.microstep_seconds.append(seconds)
-        ch.send(m.Done(work.index, stats, seconds))
-        self.num_computed += 1
-
-    def pull_latest(self) -> tuple[int, float]:
-        """Copy the core's newest weights now (any time: the core holds its optimizer step meanwhile).
-
-        Returns:
-            (version pulled, seconds from the request to the copy's end)
-        """
-        t0 = time.perf_counter()
-        ch = self._join()
-        with self._rpc:
-            reply = ch.request(m.Pull(self.cell))
-        if not isinstance(reply, m.WeightVersion):
-            raise m.ProtocolError(f"the core answered a Pull with {type(reply).__name__}")
-        try:
-            with self._weights:
-                self._read_weights()
-                self.version = reply.version
-        finally:
-            ch.send(m.PullDone(self.cell))
-        return reply.version, time.perf_counter() - t0
-
-    def _read_weights(self) -> None:
-        t0 = time.perf_counter()
-        self.endpoint.read(self._core_session, self._weights_addr, self.trainer.flat.weights)
-        self.pull_seconds.append(time.perf_counter() - t0)
-
-    def close(self) -> None:
-        """Leave the core for good (the channel closes; the core releases anything held)."""
-        self._drop()

@@ -21,7 +21,8 @@ import torch
 from _train_ref import random_batches
 from gyre.models.config import ModelConfig
 from gyre.train.config import TrainerConfig
-from gyre.train.elastic import CoreServer, ElasticError, SatelliteCell
+from gyre.train.elastic import CoreServer, ElasticError
+from gyre.train.satellite import SatelliteCell
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 

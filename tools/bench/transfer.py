@@ -41,7 +41,7 @@ def _batch(cfg: ModelConfig, seed: int):
 
 def satellite(args) -> None:
     """The satellite side: join each core, time the phases, print one JSON line."""
-    from gyre.train.elastic import SatelliteCell
+    from gyre.train.satellite import SatelliteCell
     from gyre.train.trainer import Trainer
     from gyre.transfer import TransferEndpoint
 
