@@ -100,13 +100,6 @@ def test_garbage_then_a_kill_drop_only_that_peer_and_the_next_peer_round_trips_e
     ch.close()
 
 
-def test_building_a_malformed_message_fails_at_once():
-    with pytest.raises(m.ProtocolError, match="Work.index"):
-        m.Work(index="0", version=1, slot_addr=0, batch=None)
-    with pytest.raises(m.ProtocolError, match="RoleSwitch.cell"):
-        m.RoleSwitch("cell2", "train")
-
-
 def test_connecting_to_a_closed_tcp_listener_is_channel_closed():
     lst = listen("tcp")
     address = lst.address
