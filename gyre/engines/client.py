@@ -39,7 +39,7 @@ class EngineClient:
         self.key_by_weight_version = key_by_weight_version
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.weight_version: int | None = None
-        """The engine's last weight version this client saw (None before any answer named one)."""
+        """The last weight version an engine reported (an int: the trainer's step)."""
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "EngineClient":
@@ -80,7 +80,7 @@ class EngineClient:
                 "return_logprob": return_logprob, "stream": stream}  # fmt: skip
         if rid is not None:
             body["rid"] = rid
-        key = extra_key if extra_key is not None or not self.key_by_weight_version else self.weight_version
+        key = extra_key if extra_key is not None or not self.key_by_weight_version else _wire(self.weight_version)
         if key is not None:
             body["extra_key"] = str(key)  # SGLang's GenerateReqInput.extra_key is a string
         return body
@@ -98,7 +98,7 @@ class EngineClient:
         """One /generate answer. input_ids_json: `input_ids` already encoded (IdsJsonCache), sent as is."""
         payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, False, extra_key, input_ids_json)
         out = await self._request("POST", "/generate", raw=payload)
-        self._saw_version(out["meta_info"].get("weight_version"))
+        self.weight_version = _version(out["meta_info"].get("weight_version"), self.weight_version)
         return out
 
     async def generate_stream(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
@@ -116,7 +116,7 @@ class EngineClient:
                 if payload == b"[DONE]":
                     return
                 chunk = json.loads(payload)
-                self._saw_version(chunk.get("meta_info", {}).get("weight_version"))
+                self.weight_version = _version(chunk.get("meta_info", {}).get("weight_version"), self.weight_version)
                 yield chunk
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
@@ -129,14 +129,14 @@ class EngineClient:
         return await self.post("/continue_generation", {})
 
     # --- weights, memory, cache ---------------------------------------------------------------
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **extra) -> dict:
-        out = await self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version, **extra})
-        self._saw_version(out.get("weight_version", weight_version))
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None, **extra) -> dict:
+        out = await self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": _wire(weight_version), **extra})
+        self.weight_version = _version(out.get("weight_version"), weight_version)
         return out
 
-    async def update_weights_from_tensor(self, weight_version: str | None = None, **payload) -> dict:
-        out = await self.post("/update_weights_from_tensor", {"weight_version": weight_version, **payload})
-        self._saw_version(out.get("weight_version", weight_version))
+    async def update_weights_from_tensor(self, weight_version: int | None = None, **payload) -> dict:
+        out = await self.post("/update_weights_from_tensor", {"weight_version": _wire(weight_version), **payload})
+        self.weight_version = _version(out.get("weight_version"), weight_version)
         return out
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -147,12 +147,12 @@ class EngineClient:
             "world_size": world_size, "group_name": group_name, "backend": backend})  # fmt: skip
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              weight_version: str | None = None, group_name: str = "gyre") -> dict:  # fmt: skip
+                                              weight_version: int | None = None, group_name: str = "gyre") -> dict:  # fmt: skip
         """SGLang only: receive these tensors by NCCL broadcast from the trainer's rank 0."""
         out = await self.post("/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "weight_version": weight_version, "flush_cache": True})  # fmt: skip
-        self._saw_version(weight_version)
+            "weight_version": _wire(weight_version), "flush_cache": True})  # fmt: skip
+        self.weight_version = self.weight_version if weight_version is None else weight_version
         return out
 
     async def flush_cache(self) -> dict:
@@ -177,12 +177,8 @@ class EngineClient:
 
     async def model_info(self) -> dict:
         info = await self.get("/model_info")
-        self._saw_version(info.get("weight_version"))
+        self.weight_version = _version(info.get("weight_version"), self.weight_version)
         return info
-
-    def _saw_version(self, value) -> None:
-        if value is not None:
-            self.weight_version = parse_weight_version(value)
 
     async def loads(self) -> dict:
         return await self.get("/v1/loads")
@@ -250,3 +246,13 @@ class IdsJsonCache:
 
 def _ids_json(ids) -> bytes:
     return json.dumps(ids, separators=(",", ":")).encode()
+
+
+def _wire(version: int | None) -> str | None:
+    """A version as the engines' HTTP APIs take it (SGLang declares it a string; the builtin engine parses both)."""
+    return None if version is None else str(version)
+
+
+def _version(reported: object, default: int | None) -> int | None:
+    """The integer version an engine reported (SGLang reports strings), else `default`."""
+    return default if reported is None else parse_weight_version(reported)

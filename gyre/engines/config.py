@@ -20,8 +20,8 @@ class EngineConfig:
     """Model directory (config.json + weights). Builtin: None means random weights from `init_seed`."""
     init_seed: int = 0
     """Seed of the builtin engine's random initial weights (when model_path is None)."""
-    weight_version: str = "0"
-    """Version reported for the initial weights; updates replace it."""
+    weight_version: int = 0
+    """Version reported for the initial weights (the trainer's step); updates replace it."""
     max_running_requests: int = 32
     """Requests decoded together in one batch (continuous batching); more wait in a queue."""
     max_prefill_tokens: int = 2048
@@ -61,6 +61,7 @@ class EngineConfig:
     def __post_init__(self):
         require(self.backend in BACKENDS, "backend", f"must be one of {list(BACKENDS)}, got {self.backend!r}")
         require(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")
+        require(self.weight_version >= 0, "weight_version", f"must be an integer >= 0 (the trainer's step), got {self.weight_version}")
         require(self.max_running_requests >= 1, "max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         require(self.max_prefill_tokens >= 1, "max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         require(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")

@@ -47,7 +47,7 @@ class Request:
     extra_key: str | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     """Weight version that produced each output token."""
     cached_tokens: int = 0
     finish: dict | None = None
@@ -68,7 +68,7 @@ class Request:
 
 
 class EngineCore:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_version: str, *,
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_version: int, *,
                  max_running_requests: int, max_prefill_tokens: int, page_size: int, prefix_cache_tokens: int):  # fmt: skip
         check_weights(cfg, weights)
         self.cfg = cfg
@@ -252,14 +252,14 @@ class EngineCore:
     def resume(self) -> None:
         self.paused = False
 
-    def update_weights(self, weights: dict[str, torch.Tensor], version: str | None, flush_cache: bool) -> str:
+    def update_weights(self, weights: dict[str, torch.Tensor], version: int | None, flush_cache: bool) -> int:
         """Swap weights between steps; running requests continue on them (their spans say so)."""
         try:
             check_weights(self.cfg, weights)
         except ValueError as e:
             raise EngineRequestError(str(e)) from None
         self.weights = weights
-        self.weight_version = version if version is not None else _next_version(self.weight_version)
+        self.weight_version = version if version is not None else self.weight_version + 1
         for r in self.running:
             r.kv_clean = False
         if flush_cache:
@@ -291,7 +291,7 @@ class EngineCore:
             self.weights = weights
         self.released -= set(tags)
 
-    def export_kv(self, input_ids: list[int], extra_key: str | None) -> tuple[int, torch.Tensor | None, str]:
+    def export_kv(self, input_ids: list[int], extra_key: str | None) -> tuple[int, torch.Tensor | None, int]:
         """The cached KV of the longest page-aligned prefix of `input_ids`.
 
         Returns: (num_tokens, KV [L,2,n,nKV,hd] or None, the weight version that computed it).
@@ -300,14 +300,23 @@ class EngineCore:
         kv = torch.cat(pages, dim=2) if pages else None
         return (0 if kv is None else kv.shape[2]), kv, self.weight_version
 
-    def import_kv(self, tokens: list[int], kv: torch.Tensor, version: str, extra_key: str | None) -> int:
+    def import_kv(self, tokens: list[int], kv: torch.Tensor, version: int, extra_key: str | None) -> int:
         if version != self.weight_version:
-            raise EngineRequestError(f"KV was computed with weight_version {version!r}, this engine has {self.weight_version!r}")
+            raise EngineRequestError(f"KV was computed with weight_version {version}, this engine has {self.weight_version}")
         if "kv_cache" in self.released:
             raise EngineRequestError("KV cache memory is released; resume it first")
         self.cache.insert((version, extra_key), tokens, kv)
         return len(tokens) // self.cache.page_size * self.cache.page_size
 
 
-def _next_version(v: str) -> str:
-    return str(int(v) + 1) if v.isdigit() else f"{v}+1"
+def parse_weight_version(value: object) -> int:
+    """A weight version from a request: an int >= 0, or its decimal string (what SGLang's API sends).
+
+    Raises:
+        EngineRequestError: anything else (HTTP 400).
+    """
+    if isinstance(value, str) and value.isdecimal():
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise EngineRequestError(f"weight_version must be an integer >= 0 (the trainer's step), got {value!r}")

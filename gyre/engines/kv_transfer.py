@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import torch
 
-from gyre.engines.core import EngineRequestError
+from gyre.engines.core import EngineRequestError, parse_weight_version
 from gyre.transfer import TransferEndpoint
 
 MAX_EXPORTS = 8
@@ -67,5 +67,5 @@ async def import_kv_pages(server, body: dict) -> int:
         raise EngineRequestError(f"imported KV has shape {None if kv is None else tuple(kv.shape)}, this model needs {want} float32")
     if len(ids) < n or any(not 0 <= t < cfg.vocab_size for t in ids[:n]):
         raise EngineRequestError(f"input_ids must hold the {n} exported tokens, all inside the vocabulary")
-    version, extra_key = str(body["weight_version"]), body.get("extra_key")
+    version, extra_key = parse_weight_version(body.get("weight_version")), body.get("extra_key")
     return await asyncio.wrap_future(server.core.call(lambda: server.core.import_kv(ids[:n], kv, version, extra_key)))

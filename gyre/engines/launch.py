@@ -27,7 +27,7 @@ def make_sglang_command(cfg: EngineConfig, port: int, python: str = sys.executab
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(cfg.model_path), "--host", cfg.host,
            "--port", str(port), "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
            "--page-size", str(cfg.page_size), "--load-format", cfg.load_format,
-           "--weight-version", cfg.weight_version]  # fmt: skip
+           "--weight-version", str(cfg.weight_version)]  # fmt: skip
     if cfg.enable_memory_saver:
         cmd.append("--enable-memory-saver")
     if cfg.enable_hicache:

@@ -99,7 +99,7 @@ def parse_generate(body, vocab_size: int, context_len: int, encode=None) -> Gene
                            None if extra_key is None else str(extra_key))  # fmt: skip
 
 
-def make_spans(versions: list[str]) -> list[dict]:
+def make_spans(versions: list[int]) -> list[dict]:
     """Runs of equal weight versions over output tokens: [{weight_version, start, end}], end exclusive."""
     spans: list[dict] = []
     for i, v in enumerate(versions):
@@ -110,7 +110,7 @@ def make_spans(versions: list[str]) -> list[dict]:
     return spans
 
 
-def make_response(req, text: str, weight_version: str, return_logprob: bool, latency_s: float) -> dict:
+def make_response(req, text: str, weight_version: int, return_logprob: bool, latency_s: float) -> dict:
     """The /generate response (or one stream chunk; cumulative like SGLang's default) for `req`."""
     meta = {
         "id": req.rid,

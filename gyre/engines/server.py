@@ -24,7 +24,7 @@ from aiohttp_sse import sse_response
 from safetensors.torch import load as load_safetensors
 
 from gyre.engines.config import EngineConfig
-from gyre.engines.core import EngineCore, EngineRequestError, Request
+from gyre.engines.core import EngineCore, EngineRequestError, Request, parse_weight_version
 from gyre.engines.kv_transfer import KVExporter, import_kv_pages
 from gyre.engines.protocol import BadRequest, make_response, parse_generate
 from gyre.engines.scripted import ScriptedPolicy
@@ -183,7 +183,8 @@ class BuiltinEngineServer:
         if body.get("abort_all_requests"):
             await self._call(lambda: self.core.abort(abort_all=True))
         flush = bool(body.get("flush_cache", True))
-        new = await self._call(lambda: self.core.update_weights(weights, None if version is None else str(version), flush))
+        version = None if version is None else parse_weight_version(version)
+        new = await self._call(lambda: self.core.update_weights(weights, version, flush))
         return web.json_response({"success": True, "message": "weights updated", "weight_version": new})
 
     async def update_from_disk(self, request: web.Request) -> web.Response:

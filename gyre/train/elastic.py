@@ -1,42 +1,46 @@
-"""Core and satellite cells computing one optimizer step together.
+"""Core and satellite cells computing one optimizer step together, while the step's batches stream in.
 
     core cell (owns optimizer state)                         satellite cell
     ------------------------------------------------         ---------------------------------
     weights [N] fp32, registered  <── Mooncake read ──────  pull when the step's version is new
     grad slots [K, N], registered <── Mooncake write ─────  write the micro-step's flat gradient
-    control listener (TCP, authkey) <── hello/claim/done ─>  claim -> (index, slot, batch, normaliser)
+    control Listener (gyre/control) <── Join/Claim/Done ─>  Claim -> Work(index, version, slot, batch)
+    begin_step / add_micro_batch (any thread) / end_step(total_weight)
     run_step: compute micro-steps too, fold finished slots in index order, then one optimizer step
 
 Bytes move over the Mooncake Transfer Engine in both directions (P2P handshake; TCP here, RDMA on
 clusters): one-sided reads and writes into registered memory need no collective communicator, so
 a cell can join or leave between micro-steps without rebuilding anything, and a dead cell cannot
-stall a collective (an MPI reduce would need every member alive and an intercommunicator per
-join). Small control messages (a few KB: claims, micro-batch tensors) go over a local TCP
-connection; a closed connection is how the core learns that a satellite died, and its claimed
-micro-step goes back to the ledger to be redone. A satellite that hangs (connection open, no
-result) loses its claim after `claim_timeout_s` and gets no more work. Gradients are added in micro-step order whoever
-computed them, so the step does not depend on the split (bitwise on CPU).
+stall a collective. Control messages (gyre/control/messages.py) go over a `Channel`; a closed
+channel is how the core learns that a satellite died, and its claimed micro-step goes back to the
+queue (gyre/scheduler/streaming.py) to be redone. A satellite that hangs (channel open, no result)
+loses its claim after `claim_timeout_s` and gets no more work on that channel.
 
-Weights never change while a satellite pulls: the core steps only after every micro-step of the
-step has been accepted, and a satellite pulls only while holding a claim. One slot per claim keeps
-the core's memory bounded (`num_grad_slots`); a freed slot goes to the back of the queue so a late
+Micro-steps are computed with normaliser 1 and added in index order whoever computed them; the sum
+is divided by the step's total loss weight before clipping, so the step does not depend on the
+split (bitwise on CPU) and can start before every batch exists.
+
+The satellite's side is gyre/train/satellite.py. Weights never change while anybody reads them: the core applies its optimizer step only after every
+micro-step is folded (so a satellite holding a claim may pull), and defers it while an announced
+pull (`Pull` ... `PullDone`) or a publish for engines is copying them. One slot per claim keeps the
+core's memory bounded (`num_grad_slots`); a freed slot goes to the back of the queue so a late
 write of a dead satellite cannot land in a slot that is being reused at once.
 """
 
+import asyncio
+import contextlib
 import logging
-import os
-import pickle
-import socket
 import threading
 import time
-from collections import deque
-from multiprocessing.connection import Client, Connection, Listener
+from collections import Counter, deque
 
 import torch
 import torch.distributed as dist
 
+from gyre.control import messages as m
+from gyre.control.transport import Channel, ChannelClosed, Listener, listen
 from gyre.errors import GyreError
-from gyre.train.ledger import MicroStepLedger
+from gyre.scheduler.streaming import MicroStepQueue
 from gyre.train.loss import finish_stats, merge_stats
 from gyre.train.trainer import Trainer, prepare_step
 from gyre.transfer import TransferEndpoint
@@ -47,23 +51,43 @@ logger = logging.getLogger(__name__)
 
 
 class ElasticError(GyreError):
-    """The core and a satellite cannot work together (mismatched model, lost core)."""
+    """The core and a satellite cannot work together (mismatched model, lost core, misuse of the step API)."""
 
 
-def _send(conn: Connection, msg: tuple) -> None:
-    conn.send_bytes(pickle.dumps(msg))  # plain pickle: torch's shared-memory reductions need a common parent
+def one_rank_cell() -> None:
+    """Raise unless this cell is one rank (core and satellites pull and write whole flat buffers)."""
+    if dist.get_world_size() != 1:
+        raise ElasticError("core/satellite steps are built for one-rank cells only (per-rank pulls are not built)")
 
 
-def _recv(conn: Connection) -> tuple:
-    return pickle.loads(conn.recv_bytes())
+class _Step:
+    """The open step: its micro-batches, where their gradients are, and who computed what."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.batches: dict[int, PackedBatch] = {}
+        self.micro: dict[int, object] = {}  # index -> the queue's MicroStep
+        self.slot_of: dict[int, int] = {}
+        self.stats: dict[int, dict] = {}
+        self.timing: dict[int, tuple[str, float]] = {}  # index -> (cell, seconds)
+        self.excluded: Counter = Counter()
+        self.screened_weight = 0.0
+        self.total_weight: float | None = None
+        self.folded = 0
+        self.running = False  # run_step is computing it
+        self.aborted = False
 
 
 class CoreServer:
-    """The core cell's side: publishes weights, hands out micro-steps, accumulates, steps once."""
+    """The core cell's side: hands out micro-steps as they arrive, folds them, steps once; publishes weights.
 
-    def __init__(self, trainer: Trainer, endpoint: TransferEndpoint):
-        if dist.get_world_size() != 1:
-            raise ElasticError("core/satellite steps are built for one-rank cells only (per-rank pulls are not built)")
+    Args:
+        host: interface the control listener binds (a routable address when cells are on other nodes).
+        listener: a ready listener (e.g. `listen("mpi", port_file=...)`); default TCP on `host`.
+    """
+
+    def __init__(self, trainer: Trainer, endpoint: TransferEndpoint, host: str = "127.0.0.1", listener: Listener | None = None):
+        one_rank_cell()
         self.trainer, self.endpoint = trainer, endpoint
         n = trainer.flat.weights.numel()
         self.slots = torch.zeros(trainer.cfg.num_grad_slots, n, dtype=torch.float32, device=trainer.flat.weights.device)
@@ -71,271 +95,379 @@ class CoreServer:
         self._slots_addr = endpoint.register(self.slots)
         self._cond = threading.Condition()
         self._free = deque(range(trainer.cfg.num_grad_slots))
-        self._step: dict | None = None
+        self._queue = MicroStepQueue(groups_per_step=None, staleness=0)
+        self._step: _Step | None = None
+        self._readers: Counter = Counter()  # who is copying the weights now (cell pulls, "publish")
+        self._pull_started: dict[str, float] = {}
+        self._applying = False
+        self._cells: dict[str, Channel] = {}
+        self._channels: set[Channel] = set()
         self._evicted: set[str] = set()
         self._quarantine: dict[str, list[int]] = {}  # slots an evicted (hung) cell may still write
-        self._closing = False
-        self._conns: list[Connection] = []
-        self._authkey = os.urandom(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        self._publish_lock = threading.Lock()
+        self._published: tuple[int, dict, torch.Tensor] | None = None  # (version, descriptor, buffer)
+        self._listener = listener or listen("tcp", host)
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="core-accept")]
         self._threads[0].start()
 
     @property
     def address(self) -> str:
-        """What a satellite needs to join: "host:port:authkey-hex"."""
-        host, port = self._listener.address
-        return f"{host}:{port}:{self._authkey.hex()}"
+        """What a satellite needs to join (gyre.control.transport.connect)."""
+        return self._listener.address
 
     def progress(self) -> tuple[dict[int, str], dict[int, str]]:
-        """Snapshot of the running step: (micro-step -> cell computing it, micro-step -> cell that did it)."""
+        """Snapshot of the open step: (micro-step -> cell computing it, micro-step -> cell that did it)."""
         with self._cond:
-            if self._step is None:
-                return {}, {}
-            ledger = self._step["ledger"]
-            return dict(ledger.claims), dict(ledger.done_by)
+            return self._queue.claims(), self._queue.done_by()
 
-    # ---- the step --------------------------------------------------------------------------
-    def run_step(self, batches: list[PackedBatch]) -> dict[str, float]:
-        """Compute one optimizer step over `batches` with whichever cells are connected.
+    # ---- the streaming step API ------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Open the step at version `trainer.step`: satellites may claim micro-batches as they arrive."""
+        with self._cond:
+            if self._step is not None:
+                raise ElasticError(f"step {self._step.version} is still open; run_step must finish it first")
+            self._queue.version = self.trainer.step
+            self._step = _Step(self.trainer.step)
+            self._cond.notify_all()
+
+    def add_micro_batch(self, batch: PackedBatch) -> int:
+        """Screen `batch` and make it claimable (thread-safe); returns its index in the step.
+
+        Raises:
+            BatchError: structurally broken, or nothing trainable left after screening.
+            ElasticError: no step is open, or end_step was already called.
+        """
+        (kept,), weight, excluded = prepare_step([batch], self.trainer.model_cfg.vocab_size)
+        with self._cond:
+            step = self._open_step("add_micro_batch")
+            index = len(step.batches)
+            step.batches[index] = kept
+            step.micro[index] = self._queue.add_ready(step.version, index, step.version, max(kept.num_tokens, 1))
+            step.screened_weight += weight
+            step.excluded.update(excluded)
+            self._cond.notify_all()
+        return index
+
+    def end_step(self, total_weight: float | None = None) -> None:
+        """No more micro-batches this step. `total_weight` is the normaliser (summed loss weight of
+        the step's targets); None uses the weight of what was screened in, as `Trainer.train_step` does."""
+        with self._cond:
+            step = self._open_step("end_step")
+            if not step.batches:
+                raise ElasticError(f"end_step: step {step.version} has no micro-batch; add one or abort_step()")
+            weight = step.screened_weight if total_weight is None else float(total_weight)
+            if not weight > 0:
+                raise ElasticError(f"end_step: the step's total loss weight must be > 0, got {weight}")
+            step.total_weight = weight
+            self._queue.close_step(step.version)
+            self._cond.notify_all()
+
+    def abort_step(self) -> None:
+        """Drop the open step without an optimizer step (a running run_step raises ElasticError)."""
+        with self._cond:
+            step = self._step
+            if step is None:
+                return
+            step.aborted = True
+            self._cond.notify_all()
+            if not step.running:
+                self._finish(step, applied=False)
+
+    def _open_step(self, what: str) -> _Step:
+        if self._step is None:
+            raise ElasticError(f"{what}: no step is open; call begin_step first")
+        if self._step.total_weight is not None:
+            raise ElasticError(f"{what}: step {self._step.version} was already ended")
+        return self._step
+
+    def run_step(self) -> dict:
+        """Compute the open step with whichever cells are connected; blocks until its optimizer step.
 
         Returns:
-            Loss metrics, grad norm, `microsteps_by/<cell>`, `microsteps_redone`, exclusions.
+            Loss metrics, grad norm, `microsteps_by/<cell>`, `microsteps_redone`, exclusions, and
+            `microsteps`: [(cell, seconds)] per micro-step in index order.
         Raises:
-            BatchError: the step has a structurally broken batch or nothing trainable.
+            ElasticError: no step is open, or it was aborted (abort_step).
         """
-        batches, normaliser, excluded = prepare_step(batches, self.trainer.model_cfg.vocab_size)
-        acc = torch.zeros_like(self.trainer.flat.weights)
-        ledger = MicroStepLedger(len(batches))
         with self._cond:
-            self._step = {"ledger": ledger, "batches": batches, "normaliser": normaliser, "version": self.trainer.step,
-                          "slot_of": {}, "stats": {}, "folded": 0}
-            self._cond.notify_all()
+            if self._step is None or self._step.running:
+                raise ElasticError("run_step: no step is open (call begin_step first) or it is running already")
+            step = self._step
+            step.running = True
+        acc = torch.zeros_like(self.trainer.flat.weights)
+        redone_before = self._queue.num_redone
+        applied = False
         try:
-            while True:
-                job = self._next_core_job(acc)
-                if job is None:
-                    break
-                self._compute_on_core(acc, *job)
-        finally:
+            while (job := self._next_core_job(step, acc)) is not None:
+                self._compute_on_core(step, acc, *job)
             with self._cond:
-                step, self._step = self._step, None
-                # Normally empty. After an error: results go back to the pool, in-flight claims of
-                # satellites keep their slot quarantined (a late write may still land there).
-                for index, slot in step["slot_of"].items():
-                    cell = ledger.claims.get(index, CORE)
-                    (self._free if cell == CORE else self._quarantine.setdefault(cell, [])).append(slot)
+                while self._readers:  # an announced pull or a publish is copying the weights
+                    self._evict_hung_pulls()
+                    self._cond.wait(timeout=0.05 if self.trainer.cfg.claim_timeout_s else None)
+                self._applying = True
+            metrics = self.trainer.apply_gradient(acc, step.total_weight)
+            applied = True
+        finally:
+            self._finish(step, applied)
         stats = {}
-        for i in range(len(batches)):
-            stats = merge_stats(stats, step["stats"][i])
-        by_cell = {}
-        for cell in ledger.done_by.values():
-            by_cell[f"microsteps_by/{cell}"] = by_cell.get(f"microsteps_by/{cell}", 0) + 1
-        metrics = finish_stats(stats) | excluded | by_cell | {"microsteps_redone": ledger.num_redone}
-        return metrics | self.trainer.apply_gradient(acc)
+        for i in range(len(step.batches)):
+            stats = merge_stats(stats, step.stats[i])
+        timing = [step.timing[i] for i in range(len(step.batches))]
+        by_cell = Counter(f"microsteps_by/{cell}" for cell, _ in timing)
+        return (finish_stats(stats) | dict(step.excluded) | dict(by_cell) | metrics
+                | {"microsteps_redone": self._queue.num_redone - redone_before, "microsteps": timing})  # fmt: skip
 
-    def _next_core_job(self, acc: torch.Tensor) -> tuple[int, int | None] | None:
+    def _finish(self, step: _Step, applied: bool) -> None:
+        with self._cond:
+            self._applying = False
+            self._step = None
+            if applied:
+                self._queue.apply_optimizer_step()
+            else:  # an error: drop the step; satellites' late results are refused (no claim matches)
+                claims = self._queue.claims()
+                self._queue = MicroStepQueue(groups_per_step=None, staleness=0)
+                for index, slot in step.slot_of.items():  # in-flight claims keep their slot quarantined
+                    cell = claims.get(index, CORE)
+                    (self._free if cell == CORE else self._quarantine.setdefault(cell, [])).append(slot)
+            self._cond.notify_all()
+
+    def _next_core_job(self, step: _Step, acc: torch.Tensor) -> tuple[object, int | None] | None:
         """Fold finished slots in order; return a (micro-step, slot) for the core, or None when done.
 
         The core also takes the next micro-step to fold when no slot is free (even with
         core_computes_microsteps off): it adds that one straight into the accumulator, so slots
         held by later results or quarantined by a hung cell can never stall the step.
         """
-        step = self._step
+        cfg = self.trainer.cfg
         with self._cond:
             while True:
                 self._fold(step, acc)
-                ledger = step["ledger"]
-                if step["folded"] == ledger.num_microsteps:
+                if step.aborted:
+                    raise ElasticError(f"step {step.version} was aborted")
+                if step.total_weight is not None and step.folded == len(step.batches):
                     return None
                 self._evict_overdue(step)
-                if ledger.has_pending and self._free and self.trainer.cfg.core_computes_microsteps:
-                    index = ledger.claim(CORE, time.monotonic())
-                    step["slot_of"][index] = slot = self._free.popleft()
-                    return index, slot
-                if not self._free and ledger.next_pending() == step["folded"]:
-                    return ledger.claim(CORE, time.monotonic()), None
-                self._cond.wait(timeout=0.05 if self.trainer.cfg.claim_timeout_s else 1.0)
+                now = time.monotonic()
+                if self._free and cfg.core_computes_microsteps and (ms := self._queue.claim(CORE, now)) is not None:
+                    step.slot_of[ms.index] = slot = self._free.popleft()
+                    return ms, slot
+                if not self._free and (ms := self._queue.claim(CORE, now, index=step.folded)) is not None:
+                    return ms, None
+                self._cond.wait(timeout=0.05 if cfg.claim_timeout_s else 1.0)
 
-    def _evict_overdue(self, step: dict) -> None:
+    def _evict_overdue(self, step: _Step) -> None:
         """Take micro-steps back from cells that hold one past `claim_timeout_s` (hung, not dead).
 
-        Their slots stay quarantined until their connection closes (the process is gone): a hung
+        Their slots stay quarantined until their channel closes (the process is gone): a hung
         process that wakes up could still write into them.
         """
         timeout = self.trainer.cfg.claim_timeout_s
         if not timeout:
             return
-        for cell in step["ledger"].overdue(time.monotonic(), timeout) - {CORE}:
+        for cell in self._queue.overdue(time.monotonic(), timeout) - {CORE}:
             self._evicted.add(cell)
-            lost = step["ledger"].release(cell)
-            self._quarantine.setdefault(cell, []).extend(step["slot_of"].pop(i) for i in lost)
+            lost = [ms.index for ms in self._queue.release(cell)]
+            self._quarantine.setdefault(cell, []).extend(step.slot_of.pop(i) for i in lost)
             logger.warning("satellite %s held micro-steps %s over %.1f s: redoing them elsewhere", cell, lost, timeout)
 
-    def _fold(self, step: dict, acc: torch.Tensor) -> None:
-        ledger = step["ledger"]
-        while step["folded"] in ledger.done_by:
-            slot = step["slot_of"].pop(step["folded"])
+    def _evict_hung_pulls(self) -> None:
+        """A cell whose announced pull lasts past `claim_timeout_s` is presumed hung: the step goes on
+        without waiting for it, and it gets no more work on this channel (its next claim is
+        answered Evicted, which makes it pull again after rejoining)."""
+        timeout, now = self.trainer.cfg.claim_timeout_s, time.monotonic()
+        for cell in [c for c in self._readers if c != "publish"] if timeout else []:
+            if now - self._pull_started.get(cell, now) > timeout:
+                del self._readers[cell]
+                self._evicted.add(cell)
+                logger.warning("satellite %s held a weight pull over %.1f s: stepping without it", cell, timeout)
+
+    def _fold(self, step: _Step, acc: torch.Tensor) -> None:
+        done = self._queue.done_by()
+        while step.folded in done and step.folded in step.slot_of:
+            slot = step.slot_of.pop(step.folded)
             acc.add_(self.slots[slot])
             self._free.append(slot)
-            step["folded"] += 1
+            step.folded += 1
             self._cond.notify_all()
 
-    def _compute_on_core(self, acc: torch.Tensor, index: int, slot: int | None) -> None:
-        step = self._step
-        grad, stats = self.trainer.microstep(step["batches"][index], step["normaliser"])
+    def _compute_on_core(self, step: _Step, acc: torch.Tensor, ms, slot: int | None) -> None:
+        t0 = time.perf_counter()
+        grad, stats = self.trainer.microstep(step.batches[ms.index])
         if slot is None:
-            acc.add_(grad)  # index is the next to fold: every earlier micro-step is in acc already
+            acc.add_(grad)  # ms is the next to fold: every earlier micro-step is in acc already
         else:
             self.slots[slot].copy_(grad)
         with self._cond:
-            step["ledger"].complete(CORE, index)
-            step["stats"][index] = stats
+            self._queue.complete(ms, CORE)
+            step.stats[ms.index] = stats
+            step.timing[ms.index] = (CORE, time.perf_counter() - t0)
             if slot is None:
-                step["folded"] += 1
+                step.folded += 1
             self._cond.notify_all()
+
+    # ---- weights for engines ---------------------------------------------------------------
+    def push_to(self, engine_urls: list[str], timeout_s: float = 600.0) -> float:
+        """Have every engine load the newest weights (version `trainer.step`) over Mooncake.
+
+        Safe from a control thread while `run_step` runs: the engine-format copy is made while the
+        optimizer step is held off, and stays registered until the next version is published.
+
+        Returns:
+            Seconds from the call to the last engine's reply.
+        Raises:
+            EngineHTTPError: an engine refused or failed the update.
+        """
+        from gyre.engines.client import EngineClient
+        from gyre.train.publish import push_published
+
+        t0 = time.perf_counter()
+        with self._publish_lock:
+            version, descriptor = self._publish_latest()
+
+            async def push() -> None:
+                async with contextlib.AsyncExitStack() as stack:
+                    clients = [await stack.enter_async_context(EngineClient(url, timeout_s)) for url in engine_urls]
+                    await push_published(descriptor, version, clients)
+
+            asyncio.run(push())
+        return time.perf_counter() - t0
+
+    def _publish_latest(self) -> tuple[int, dict]:
+        """(version, descriptor) of the engine-format buffer of the current weights (copied once per version)."""
+        with self._cond:
+            while self._applying:
+                self._cond.wait()
+            version = self.trainer.step
+            if self._published is not None and self._published[0] == version:
+                return version, self._published[1]
+            self._readers["publish"] += 1
+        try:
+            descriptor, buffer = self.endpoint.publish_tensors(self.trainer.engine_weights())
+        finally:
+            with self._cond:
+                self._readers["publish"] -= 1
+                self._readers += Counter()  # drop zero counts
+                self._cond.notify_all()
+        if self._published is not None:
+            self.endpoint.unregister(self._published[2])
+        self._published = (version, descriptor, buffer)
+        return version, descriptor
 
     # ---- satellites ------------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        count = 0
         while True:
             try:
-                conn = self._listener.accept()
-            except (OSError, EOFError):
-                if self._closing:
-                    return
-                continue  # a failed handshake (wrong authkey): keep serving others
-            if self._closing:
-                conn.close()
+                ch = self._listener.accept()
+            except ChannelClosed:
                 return
-            count += 1
-            self._conns.append(conn)
-            t = threading.Thread(target=self._serve, args=(conn, f"satellite{count}"), daemon=True)
+            with self._cond:
+                self._channels.add(ch)
+            t = threading.Thread(target=self._serve, args=(ch,), daemon=True, name=f"core-{ch.peer}")
             self._threads.append(t)
             t.start()
 
-    def _serve(self, conn: Connection, cell: str) -> None:
+    def _serve(self, ch: Channel) -> None:
+        cell = None
         try:
-            msg = _recv(conn)
-            if msg[0] != "hello" or msg[1] != self.trainer.flat.signature():
-                _send(conn, ("refused", "model parameters differ from the core's (names, shapes)"))
-                return
-            _send(conn, ("welcome", cell, self.endpoint.session_id, self._weights_addr, self.trainer.flat.weights.numel()))
-            while True:
-                msg = _recv(conn)
-                if msg[0] == "claim":
-                    _send(conn, self._grant(cell))
-                elif msg[0] == "done":
-                    self._accept_result(cell, msg[1], msg[2])
-                elif msg[0] == "leave":
-                    return
-        except (EOFError, OSError):
+            cell = self._welcome(ch, ch.recv(timeout_s=60))
+            while cell is not None:
+                msg = ch.recv()
+                if isinstance(msg, m.Claim):
+                    ch.send(self._grant(cell))
+                elif isinstance(msg, m.Done):
+                    self._accept_result(cell, msg)
+                elif isinstance(msg, m.Pull):
+                    ch.send(self._start_pull(cell))
+                elif isinstance(msg, m.PullDone):
+                    self._end_pull(cell)
+                elif isinstance(msg, m.Leave):
+                    self._release(cell)  # it finished its micro-step first; nothing should be held
+                elif not isinstance(msg, m.Heartbeat):
+                    raise m.ProtocolError(f"a satellite may not send {type(msg).__name__} to the core")
+        except m.ProtocolError as e:
+            logger.error("dropping %s (%s): %s", cell or "a peer", ch.peer, e)
+        except ChannelClosed:
             pass  # the satellite died or the core is closing: release below
         finally:
+            ch.close()
             with self._cond:
-                if self._step is not None:
-                    for index in self._step["ledger"].release(cell):
-                        self._free.append(self._step["slot_of"].pop(index))
-                self._free.extend(self._quarantine.pop(cell, []))  # the process is gone now
-                self._cond.notify_all()
-            conn.close()
+                self._channels.discard(ch)
+            if cell is not None:
+                with self._cond:
+                    if self._cells.get(cell) is ch:
+                        del self._cells[cell]
+                    self._evicted.discard(cell)
+                    self._free.extend(self._quarantine.pop(cell, []))  # the process is gone now
+                    self._cond.notify_all()
+                self._release(cell)
 
-    def _grant(self, cell: str) -> tuple:
+    def _welcome(self, ch: Channel, msg: object) -> str | None:
+        if not isinstance(msg, m.Join):
+            raise m.ProtocolError(f"expected Join first, got {type(msg).__name__}")
+        if [tuple(map(tuple, x)) for x in msg.signature] != [tuple(map(tuple, x)) for x in self.trainer.flat.signature()]:
+            ch.send(m.Refused("model parameters differ from the core's (names, shapes)"))
+            return None
+        with self._cond:
+            if msg.cell in self._cells or msg.cell == CORE:
+                ch.send(m.Refused(f"cell name {msg.cell!r} is in use"))
+                return None
+            self._cells[msg.cell] = ch
+            version = self.trainer.step
+        ch.send(m.Welcome(self.endpoint.session_id, self._weights_addr, self.trainer.flat.weights.numel(), version))
+        return msg.cell
+
+    def _release(self, cell: str) -> None:
+        with self._cond:
+            step = self._step
+            for ms in self._queue.release(cell) if step is not None else []:
+                self._free.append(step.slot_of.pop(ms.index))
+            self._end_pull(cell, all_of_them=True)
+            self._cond.notify_all()
+
+    def _grant(self, cell: str) -> object:
         with self._cond:
             step = self._step
             if cell in self._evicted:
-                return ("evicted",)
-            if step is None or not self._free or not step["ledger"].has_pending:
-                return ("wait",)
-            index = step["ledger"].claim(cell, time.monotonic())
-            slot = self._free.popleft()
-            step["slot_of"][index] = slot
-            addr = self._slots_addr + slot * self.slots.shape[1] * 4
-            return ("work", index, step["version"], addr, step["batches"][index], step["normaliser"])
+                return m.Evicted()
+            if step is None or not self._free or (ms := self._queue.claim(cell, time.monotonic())) is None:
+                return m.Wait()
+            step.slot_of[ms.index] = slot = self._free.popleft()
+            return m.Work(ms.index, step.version, self._slots_addr + slot * self.slots.shape[1] * 4, step.batches[ms.index])
 
-    def _accept_result(self, cell: str, index: int, stats: dict) -> None:
+    def _accept_result(self, cell: str, msg: m.Done) -> None:
         with self._cond:
-            if self._step is not None and self._step["ledger"].complete(cell, index):
-                self._step["stats"][index] = stats
+            step = self._step
+            ms = None if step is None else step.micro.get(msg.index)
+            if ms is not None and self._queue.complete(ms, cell):
+                step.stats[msg.index] = msg.stats
+                step.timing[msg.index] = (cell, msg.seconds)
+            self._cond.notify_all()
+
+    def _start_pull(self, cell: str) -> m.WeightVersion:
+        with self._cond:
+            while self._applying:
+                self._cond.wait()
+            self._readers[cell] += 1
+            self._pull_started[cell] = time.monotonic()
+            return m.WeightVersion(self.trainer.step)
+
+    def _end_pull(self, cell: str, all_of_them: bool = False) -> None:
+        with self._cond:
+            if self._readers[cell] > 0:
+                self._readers[cell] = 0 if all_of_them else self._readers[cell] - 1
+            self._readers += Counter()
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Stop serving: satellites see their connection close and exit their loop."""
-        self._closing = True
-        host, port, _ = self.address.split(":")
-        try:
-            Client((host, int(port)), authkey=self._authkey).close()  # wake the accept loop
-        except OSError:
-            pass
+        """Stop serving: satellites see their channel close and leave their loop."""
         self._listener.close()
-        for conn in list(self._conns):
-            # Shut the socket down (not close it) so the serving thread sees EOF and closes it itself.
-            try:
-                socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM).shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed by its thread
-        for t in self._threads[1:]:
+        with self._cond:
+            channels = list(self._channels)
+        for ch in channels:
+            ch.close()
+        for t in self._threads:
             t.join(timeout=5)
+        if self._published is not None:
+            self.endpoint.unregister(self._published[2])
         self.endpoint.unregister(self.slots)
         self.endpoint.unregister(self.trainer.flat.weights)
-
-
-class SatelliteCell:
-    """A satellite's side: join a core, pull weights per version, compute claimed micro-steps."""
-
-    def __init__(self, trainer: Trainer, endpoint: TransferEndpoint, core_address: str):
-        if dist.get_world_size() != 1:
-            raise ElasticError("core/satellite steps are built for one-rank cells only (per-rank pulls are not built)")
-        host, port, key = core_address.rsplit(":", 2)
-        self.trainer, self.endpoint = trainer, endpoint
-        self._conn = Client((host, int(port)), authkey=bytes.fromhex(key))
-        endpoint.register(trainer.flat.weights)
-        endpoint.register(trainer.grad)
-        _send(self._conn, ("hello", trainer.flat.signature()))
-        reply = _recv(self._conn)
-        if reply[0] != "welcome":
-            raise ElasticError(f"core refused the satellite: {reply[1]}")
-        _, self.name, self._core_session, self._weights_addr, numel = reply
-        self.version = -1
-        self.num_computed = 0
-        self.pull_seconds: list[float] = []
-        self.microstep_seconds: list[float] = []
-        """Per micro-step: forward, backward and the gradient write to the core."""
-
-    def serve(self, max_microsteps: int | None = None) -> int:
-        """Claim and compute micro-steps until the core goes away or `max_microsteps` are done.
-
-        Returns:
-            The number of micro-steps this satellite computed.
-        """
-        try:
-            while max_microsteps is None or self.num_computed < max_microsteps:
-                _send(self._conn, ("claim",))
-                reply = _recv(self._conn)
-                if reply[0] == "wait":
-                    time.sleep(self.trainer.cfg.claim_poll_s)
-                    continue
-                if reply[0] == "evicted":
-                    break  # presumed hung: the core redid our work; rejoin as a new cell if needed
-                _, index, version, slot_addr, batch, normaliser = reply
-                if version != self.version:
-                    self.pull()
-                    self.version = version
-                t0 = time.perf_counter()
-                grad, stats = self.trainer.microstep(batch, normaliser)
-                self.endpoint.write(self._core_session, slot_addr, grad)
-                self.microstep_seconds.append(time.perf_counter() - t0)
-                _send(self._conn, ("done", index, stats))
-                self.num_computed += 1
-            _send(self._conn, ("leave",))
-        except (EOFError, OSError):
-            pass  # the core closed: this cell's training role is over
-        finally:
-            self._conn.close()
-        return self.num_computed
-
-    def pull(self) -> None:
-        """Copy the core's current weights into this cell's (registered) flat buffer."""
-        t0 = time.perf_counter()
-        self.endpoint.read(self._core_session, self._weights_addr, self.trainer.flat.weights)
-        self.pull_seconds.append(time.perf_counter() - t0)

@@ -28,12 +28,16 @@ async def push_weights(trainer: Trainer, endpoint: TransferEndpoint, clients: li
     """
     descriptor, buffer = endpoint.publish_tensors(trainer.engine_weights())
     try:
-        return await asyncio.gather(*(
-            c.update_weights_from_tensor(weight_version=str(trainer.step), load_format="gyre_transfer", **descriptor)
-            for c in clients
-        ))
+        return await push_published(descriptor, trainer.step, clients)
     finally:
         endpoint.unregister(buffer)
+
+
+async def push_published(descriptor: dict, version: int, clients: list[EngineClient]) -> list[dict]:
+    """Have every engine pull an already published buffer (`TransferEndpoint.publish_tensors`) as `version`."""
+    return await asyncio.gather(*(
+        c.update_weights_from_tensor(weight_version=version, load_format="gyre_transfer", **descriptor) for c in clients
+    ))
 
 
 def write_weights(trainer: Trainer, root: str | os.PathLike) -> str:
@@ -53,4 +57,4 @@ def write_weights(trainer: Trainer, root: str | os.PathLike) -> str:
 
 async def load_weights_from_disk(clients: list[EngineClient], path: str, weight_version: int) -> list[dict]:
     """Have every engine load the model directory `path` as `weight_version`."""
-    return await asyncio.gather(*(c.update_weights_from_disk(path, weight_version=str(weight_version)) for c in clients))
+    return await asyncio.gather(*(c.update_weights_from_disk(path, weight_version=weight_version) for c in clients))

@@ -1,46 +1,166 @@
-"""Entry point of a satellite cell's training role: build the model, join the core, compute micro-steps.
+"""A satellite cell's training role (`SatelliteCell`) and its process entry point.
 
-    python -m gyre.train.satellite --model '{...ModelConfig...}' --trainer '{...TrainerConfig...}' [--core ADDR]
+    python -m gyre.train.satellite --cell NAME --model '{...ModelConfig...}' --trainer '{...TrainerConfig...}' [--core ADDR]
 
 Without --core the cell prepares (imports, builds the model, opens its Mooncake endpoint), prints
 `ready` and reads the core's address from stdin: a warm cell joins a running step within
-milliseconds. On exit it prints one JSON line: micro-steps computed and weight-pull times.
+milliseconds. SIGTERM makes it leave after the micro-step in progress (nothing is redone). On exit
+it prints one JSON line: micro-steps computed and weight-pull times.
 """
 
 import argparse
 import json
+import signal
 import sys
+import threading
+import time
 
+from gyre.control import messages as m
+from gyre.control.transport import Channel, ChannelClosed, connect
 from gyre.models.config import ModelConfig
 from gyre.train.config import TrainerConfig
+from gyre.train.elastic import ElasticError, one_rank_cell
+from gyre.train.trainer import Trainer
+from gyre.transfer import TransferEndpoint
+
+
+class SatelliteCell:
+    """A satellite's side: join the core as `cell`, pull weights per version, compute claimed micro-steps.
+
+    One channel for the cell's life (rejoined if the core evicted it), so `serve` can run again
+    after a stint in another role, and `pull_latest` works at any time.
+    """
+
+    def __init__(self, trainer: Trainer, endpoint: TransferEndpoint, core_address: str, cell: str):
+        one_rank_cell()
+        self.trainer, self.endpoint, self.cell = trainer, endpoint, cell
+        self._address = core_address
+        endpoint.register(trainer.flat.weights)
+        endpoint.register(trainer.grad)
+        self._ch: Channel | None = None
+        self._rpc = threading.Lock()  # one request/reply exchange at a time on the channel
+        self._weights = threading.Lock()  # a pull never overwrites weights a micro-step is using
+        self.version = -1
+        """Weight version held now (-1: never pulled)."""
+        self.num_computed = 0
+        self.pull_seconds: list[float] = []
+        self.microstep_seconds: list[float] = []
+        """Per micro-step: forward, backward and the gradient write to the core."""
+        self._join()
+
+    def _join(self) -> Channel:
+        if self._ch is None:
+            ch = connect(self._address)
+            reply = ch.request(m.Join(self.cell, self.trainer.flat.signature()), timeout_s=60)
+            if not isinstance(reply, m.Welcome):
+                ch.close()
+                raise ElasticError(f"core refused {self.cell}: {getattr(reply, 'reason', reply)}")
+            self._ch, self._core_session, self._weights_addr = ch, reply.session_id, reply.weights_addr
+        return self._ch
+
+    def _drop(self) -> None:
+        if self._ch is not None:
+            self._ch.close()
+            self._ch = None
+
+    def serve(self, stop: threading.Event) -> int:
+        """Claim and compute micro-steps until `stop` is set (then finish the one in progress and
+        say Leave), the core evicts this cell, or the core goes away.
+
+        Returns:
+            The number of micro-steps computed by this call.
+        """
+        computed = 0
+        try:
+            ch = self._join()
+            while not stop.is_set():
+                with self._rpc:
+                    reply = ch.request(m.Claim(self.cell))
+                if isinstance(reply, m.Wait):
+                    stop.wait(self.trainer.cfg.claim_poll_s)
+                    continue
+                if isinstance(reply, m.Evicted):
+                    self._drop()  # presumed hung: the core redid our work; the next serve rejoins
+                    self.version = -1  # and pulls again (a pull cut short by eviction may be torn)
+                    return computed
+                if not isinstance(reply, m.Work):
+                    raise m.ProtocolError(f"the core answered a Claim with {type(reply).__name__}")
+                self._compute(ch, reply)
+                computed += 1
+            ch.send(m.Leave(self.cell))
+        except ChannelClosed:
+            self._drop()  # the core closed: this cell's training role is over
+        return computed
+
+    def _compute(self, ch: Channel, work: m.Work) -> None:
+        with self._weights:
+            if work.version != self.version:
+                self._read_weights()  # safe: the core cannot step while we hold a claim
+                self.version = work.version
+            t0 = time.perf_counter()
+            grad, stats = self.trainer.microstep(work.batch)
+            self.endpoint.write(self._core_session, work.slot_addr, grad)
+        seconds = time.perf_counter() - t0
+        self.microstep_seconds.append(seconds)
+        ch.send(m.Done(work.index, stats, seconds))
+        self.num_computed += 1
+
+    def pull_latest(self) -> tuple[int, float]:
+        """Copy the core's newest weights now (any time: the core holds its optimizer step meanwhile).
+
+        Returns:
+            (version pulled, seconds from the request to the copy's end)
+        """
+        t0 = time.perf_counter()
+        ch = self._join()
+        with self._rpc:
+            reply = ch.request(m.Pull(self.cell))
+        if not isinstance(reply, m.WeightVersion):
+            raise m.ProtocolError(f"the core answered a Pull with {type(reply).__name__}")
+        try:
+            with self._weights:
+                self._read_weights()
+                self.version = reply.version
+        finally:
+            ch.send(m.PullDone(self.cell))
+        return reply.version, time.perf_counter() - t0
+
+    def _read_weights(self) -> None:
+        t0 = time.perf_counter()
+        self.endpoint.read(self._core_session, self._weights_addr, self.trainer.flat.weights)
+        self.pull_seconds.append(time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """Leave the core for good (the channel closes; the core releases anything held)."""
+        self._drop()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="ModelConfig fields as JSON")
     parser.add_argument("--trainer", required=True, help="TrainerConfig fields as JSON")
-    parser.add_argument("--core", help="the core's address (host:port:key); read from stdin if absent")
-    parser.add_argument("--max-microsteps", type=int, default=None, help="leave after this many micro-steps")
+    parser.add_argument("--cell", required=True, help="this cell's name (e.g. cell2: the scheduler's cell index)")
+    parser.add_argument("--core", help="the core's control address (tcp://... or mpi:...); read from stdin if absent")
+    parser.add_argument("--host", default="127.0.0.1", help="interface of this cell's Mooncake endpoint")
     args = parser.parse_args(argv)
 
     import torch
 
-    from gyre.train.elastic import SatelliteCell
-    from gyre.train.trainer import Trainer
-    from gyre.transfer import TransferEndpoint
-
     torch.set_num_threads(1)
     trainer = Trainer(ModelConfig(**json.loads(args.model)), TrainerConfig(**json.loads(args.trainer)))
-    endpoint = TransferEndpoint()
+    endpoint = TransferEndpoint(args.host)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     address = args.core
     if address is None:
         print("ready", flush=True)
         address = sys.stdin.readline().strip()
-    cell = SatelliteCell(trainer, endpoint, address)
-    print(f"joined {cell.name}", flush=True)
-    computed = cell.serve(args.max_microsteps)
+    cell = SatelliteCell(trainer, endpoint, address, args.cell)
+    print(f"joined {cell.cell}", flush=True)
+    computed = cell.serve(stop)
+    cell.close()
     endpoint.close()
-    print(json.dumps({"cell": cell.name, "computed": computed, "pull_s": cell.pull_seconds}), flush=True)
+    print(json.dumps({"cell": cell.cell, "computed": computed, "pull_s": cell.pull_seconds}), flush=True)
     return 0
 
 

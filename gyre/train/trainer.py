@@ -6,9 +6,11 @@ packed_seq_params counts positions across the whole row, and the local attention
 packed_seq_params); right padding never leaks into earlier tokens under a causal mask. This costs
 O(S * L_max^2) attention memory instead of O(T^2) for a block-diagonal mask over the packed row.
 
-A micro-step's gradient is always computed from zero and returned as one flat fp32 tensor; the
-caller (gyre/train/elastic.py) adds micro-steps in index order, which makes the step independent
-of which cell computed which micro-step.
+A micro-step's gradient is always computed from zero, with normaliser 1, and returned as one flat
+fp32 tensor; the caller (gyre/train/elastic.py) adds micro-steps in index order, which makes the
+step independent of which cell computed which micro-step, and divides the sum by the step's total
+loss weight once (`apply_gradient`): the loss is linear in 1 / normaliser, so a streaming step can
+start before it knows the normaliser.
 """
 
 from collections import Counter
@@ -90,11 +92,12 @@ class Trainer:
         return self._forward(batch, need_entropy=False)[0]
 
     # ---- micro-steps and steps --------------------------------------------------------------
-    def microstep(self, batch: PackedBatch, normaliser: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def microstep(self, batch: PackedBatch, normaliser: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
         """Gradient of one micro-batch's share of the step loss, in the flat buffer `self.grad`.
 
         Args:
-            normaliser: total loss weight of the whole step (see gyre/train/loss.py).
+            normaliser: total loss weight of the whole step (see gyre/train/loss.py); steps pass 1
+                and divide the summed gradient instead (`apply_gradient`).
         Returns:
             (self.grad, stats); the buffer is overwritten by the next call.
         Raises:
@@ -113,8 +116,11 @@ class Trainer:
         stats["num_tokens"] = batch.num_tokens
         return self.flat.gather_grads(self.grad), stats
 
-    def apply_gradient(self, grad: torch.Tensor) -> dict[str, float]:
-        """One optimizer step with the summed flat gradient; bumps `self.step` (the weight version)."""
+    def apply_gradient(self, grad: torch.Tensor, normaliser: float = 1.0) -> dict[str, float]:
+        """One optimizer step with the summed flat gradient divided by `normaliser` (the step's
+        total loss weight; in place); bumps `self.step` (the weight version)."""
+        if normaliser != 1.0:
+            grad.div_(normaliser)
         self.flat.set_grads(grad)
         norm = self._grad_norm()
         if self.cfg.max_grad_norm > 0 and norm > self.cfg.max_grad_norm:
@@ -155,7 +161,7 @@ class Trainer:
         total = torch.zeros_like(self.flat.weights)
         local = {}
         for i in mine:
-            g, local[i] = self.microstep(batches[i], normaliser)
+            g, local[i] = self.microstep(batches[i])
             total.add_(g)
         if dp > 1:
             dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
@@ -165,7 +171,7 @@ class Trainer:
         stats = dict(excluded)
         for i in sorted(local):
             stats = merge_stats(stats, local[i])
-        return finish_stats(stats) | self.apply_gradient(total)
+        return finish_stats(stats) | self.apply_gradient(total, normaliser)
 
     # ---- weights for engines ---------------------------------------------------------------
     def engine_weights(self) -> dict[str, torch.Tensor]:

@@ -178,11 +178,12 @@ def test_weight_update_from_disk_bumps_version_and_changes_outputs(server, tmp_p
         up = await c.update_weights_from_disk(str(tmp_path / "seed1"))
         after = await c.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0})
         v1 = (await c.model_info())["weight_version"]
-        await c.update_weights_from_disk(str(tmp_path / "seed0"), weight_version="restored")
+        await c.update_weights_from_disk(str(tmp_path / "seed0"), weight_version=0)
         return v0, before, up, after, v1
 
     v0, before, up, after, v1 = run(body, server.url)
-    assert v1 == up["weight_version"] != v0 and after["meta_info"]["weight_version"] == v1
+    # Integers on the builtin engine; SGLang reports the same numbers as strings (EngineClient parses them).
+    assert int(v1) == int(up["weight_version"]) == int(v0) + 1 and int(after["meta_info"]["weight_version"]) == int(v1)
     assert after["output_ids"] != before["output_ids"]
     assert after["meta_info"]["cached_tokens"] == 0  # KV of old weights is never reused
 
@@ -196,12 +197,31 @@ def test_update_mid_generation_reports_per_span_versions(server):
     blob = base64.b64encode(save_safetensors(init_weights(MODEL, SEED))).decode()
 
     async def update(c):
-        return await c.update_weights_from_tensor(weight_version="mid", serialized_named_tensors=[blob])
+        return await c.update_weights_from_tensor(weight_version=5, serialized_named_tensors=[blob])
 
     up, last = run(lambda c: _first_chunk_then(c, "spans", update, max_new=300), server.url)
     spans = last["meta_info"]["weight_version_spans"]
-    assert up["weight_version"] == "mid" and spans[-1]["weight_version"] == "mid" and len(spans) == 2
+    assert up["weight_version"] == 5 == spans[-1]["weight_version"] and len(spans) == 2
     assert spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 300
+
+
+def test_a_weight_version_that_is_not_an_integer_is_400_and_changes_nothing(server):
+    builtin_only(server)
+    import base64
+
+    from safetensors.torch import save as save_safetensors
+
+    blob = base64.b64encode(save_safetensors(init_weights(MODEL, SEED))).decode()
+
+    async def body(c):
+        before = (await c.model_info())["weight_version"]
+        try:
+            await c.update_weights_from_tensor(weight_version="mid", serialized_named_tensors=[blob])
+        except EngineHTTPError as e:
+            return before, e, (await c.model_info())["weight_version"]
+
+    before, err, after = run(body, server.url)
+    assert err.status == 400 and "weight_version must be an integer" in err.body and isinstance(before, int) and after == before
 
 
 def test_update_from_a_published_buffer_over_mooncake(server):
@@ -214,9 +234,9 @@ def test_update_from_a_published_buffer_over_mooncake(server):
     try:
         async def body(c):
             before = await c.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0})
-            up = await c.update_weights_from_tensor(weight_version="v2", load_format="gyre_transfer", **descriptor)
+            up = await c.update_weights_from_tensor(weight_version=2, load_format="gyre_transfer", **descriptor)
             after = await c.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0})
-            await c.update_weights_from_tensor(weight_version="v0", load_format="gyre_transfer",
+            await c.update_weights_from_tensor(weight_version=0, load_format="gyre_transfer",
                                                **trainer.publish_tensors(init_weights(MODEL, SEED))[0])  # fmt: skip
             return before, up, after
 
@@ -225,7 +245,7 @@ def test_update_from_a_published_buffer_over_mooncake(server):
         trainer.close()
     ref = sequence_logprobs(MODEL, init_weights(MODEL, 2), PROMPT + after["output_ids"])[len(PROMPT) - 1 :]
     got = torch.tensor([e[0] for e in after["meta_info"]["output_token_logprobs"]])
-    assert up["weight_version"] == "v2" == after["meta_info"]["weight_version"]
+    assert up["weight_version"] == 2 == after["meta_info"]["weight_version"]
     assert after["output_ids"] != before["output_ids"] and float((got - ref).abs().max()) <= 1e-5
 
 

@@ -69,15 +69,15 @@ def test_generate_body_defaults_and_unknown_fields():
 
 
 def test_spans_group_output_tokens_by_weight_version():
-    assert make_spans(["1", "1", "2", "2", "2"]) == [
-        {"weight_version": "1", "start": 0, "end": 2},
-        {"weight_version": "2", "start": 2, "end": 5},
+    assert make_spans([1, 1, 2, 2, 2]) == [
+        {"weight_version": 1, "start": 0, "end": 2},
+        {"weight_version": 2, "start": 2, "end": 5},
     ]
     assert make_spans([]) == []
 
 
 def test_sglang_command_golden():
-    cfg = EngineConfig(backend="sglang", model_path="/models/qwen", mooncake_master="10.0.0.1:50051", weight_version="7")
+    cfg = EngineConfig(backend="sglang", model_path="/models/qwen", mooncake_master="10.0.0.1:50051", weight_version=7)
     assert make_sglang_command(cfg, 30001, python="python") == [
         "python", "-m", "sglang.launch_server", "--model-path", "/models/qwen", "--host", "127.0.0.1",
         "--port", "30001", "--tp-size", "1", "--mem-fraction-static", "0.85", "--page-size", "16",

@@ -136,3 +136,54 @@ def test_first_ready_groups_fill_the_earliest_open_step():
 )
 def test_per_span_rule(marks, spans, step, s, expected):
     assert trained_spans(marks, spans, step, s) == expected
+
+
+def _claims(q: MicroStepQueue, events: list) -> None:
+    clock = iter(range(0, 1000, 10))  # each claim 10 s after the previous one
+    held = {}
+    for ev in events:
+        if ev[0] == "claim":
+            ms = q.claim(ev[1], now=next(clock))
+            assert (ms.index if ms else None) == ev[2]
+            held[(ev[1], ev[2])] = ms
+        elif ev[0] == "overdue":
+            assert q.overdue(now=ev[1], timeout_s=3) == ev[2]
+        elif ev[0] == "complete":
+            ms = held.get((ev[1], ev[2])) or next(m for m in held.values() if m and m.index == ev[2])
+            assert q.complete(ms, ev[1]) is ev[3]
+        else:
+            assert [m.index for m in q.release(ev[1])] == ev[2]
+
+
+@pytest.mark.parametrize(
+    "events, claims, done_by, redone",
+    [
+        pytest.param([("claim", "a", 0), ("claim", "b", 1), ("complete", "b", 1, True)], {0: "a"}, {1: "b"}, 0, id="two-cells"),
+        pytest.param([("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "b", 0, True)], {}, {0: "b"}, 1, id="dead-cell-redone"),
+        pytest.param([("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "a", 0, False)], {0: "b"}, {}, 1, id="late-result-of-presumed-dead-refused"),
+        pytest.param([("claim", "a", 0), ("claim", "a", 1), ("claim", "a", None)], {0: "a", 1: "a"}, {}, 0, id="nothing-left"),
+        pytest.param([("claim", "a", 0), ("overdue", 5, {"a"}), ("release", "a", [0]), ("claim", "b", 0), ("overdue", 12, set())], {0: "b"}, {}, 1, id="hung-cell-overdue"),
+        pytest.param([("claim", "a", 0), ("claim", "b", 1), ("release", "b", [1]), ("release", "a", [0]), ("claim", "c", 0), ("claim", "c", 1)], {0: "c", 1: "c"}, {}, 2, id="hand-backs-reclaimed-in-index-order"),
+    ],
+)
+def test_queue_tracks_which_cell_holds_each_claim(events, claims, done_by, redone):
+    q = MicroStepQueue(groups_per_step=2, staleness=0)
+    q.add_ready(0, 10, start_version=0, tokens=5)
+    q.add_ready(0, 11, start_version=0, tokens=5)
+    _claims(q, events)
+    assert (q.claims(), q.done_by(), q.num_redone) == (claims, done_by, redone)
+    assert q.step_complete() == (len(done_by) == 2)
+
+
+def test_an_open_ended_step_completes_once_closed_and_all_done():
+    q = MicroStepQueue(groups_per_step=None, staleness=0)
+    first = q.add_ready(0, 0, start_version=0, tokens=3)
+    assert q.claim("core", index=1) is None  # not there yet
+    second = q.add_ready(0, 1, start_version=0, tokens=3)
+    assert q.claim("core", index=1) == second and q.claim("sat") == first
+    assert q.complete(first, "sat") and q.complete(second, "core") and not q.step_complete()
+    q.close_step(0)
+    assert q.batch_ready() and q.step_complete() and q.num_microsteps() == 2
+    with pytest.raises(SchedulerError, match="closed"):
+        q.add_ready(0, 2, start_version=0, tokens=3)
+    assert q.apply_optimizer_step() == 1

@@ -1,6 +1,7 @@
 """Core + satellites: satellites are separate processes with their own Mooncake engines; they join
-mid-step, pull weights, return gradients; the step equals the core computing alone. A satellite
-killed mid-micro-step loses only that micro-step, which another cell redoes."""
+mid-step while its batches still stream in, pull weights, return gradients; the step equals the
+core computing alone. A satellite killed mid-micro-step loses only that micro-step, which another
+cell redoes; one told to leave finishes its micro-step first and can serve again later."""
 
 import dataclasses
 import json
@@ -20,7 +21,8 @@ import torch
 from _train_ref import random_batches
 from gyre.models.config import ModelConfig
 from gyre.train.config import TrainerConfig
-from gyre.train.elastic import CoreServer
+from gyre.train.elastic import CoreServer, ElasticError
+from gyre.train.satellite import SatelliteCell
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 
@@ -32,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 class Satellite:
     """A warm satellite process: model built, waiting on stdin for the core's address."""
 
-    def __init__(self, log: Path, cfg: TrainerConfig):
-        cmd = [sys.executable, "-m", "gyre.train.satellite", "--model", json.dumps(dataclasses.asdict(MODEL)),
+    def __init__(self, log: Path, cfg: TrainerConfig, cell: str, launcher: tuple[str, ...] = ()):
+        cmd = [*launcher, sys.executable, "-m", "gyre.train.satellite", "--cell", cell, "--model", json.dumps(dataclasses.asdict(MODEL)),
                "--trainer", json.dumps(dataclasses.asdict(cfg))]
         self.log = log
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -67,8 +69,9 @@ def start_satellites(tmp_path):
     torch.set_num_threads(1)
     started = []
 
-    def start(n: int, cfg: TrainerConfig = CFG) -> list[Satellite]:
-        started.extend(Satellite(tmp_path / f"sat{len(started) + i}.log", cfg) for i in range(n))
+    def start(n: int, cfg: TrainerConfig = CFG, launcher: tuple[str, ...] = ()) -> list[Satellite]:
+        base = len(started)
+        started.extend([Satellite(tmp_path / f"sat{base + i}.log", cfg, f"satellite{base + i + 1}", launcher) for i in range(n)])
         return started[-n:]
 
     try:
@@ -86,10 +89,16 @@ def _wait_for(cond, what: str, timeout_s: float = 60) -> None:
         time.sleep(0.001)
 
 
-def _run_in_thread(server, batches):
+def _run_in_thread(server, batches=(), end=True):
+    """Open a step, start run_step in a thread, add `batches` (and end the step if `end`)."""
     out = {}
-    t = threading.Thread(target=lambda: out.update(server.run_step(batches)))
+    server.begin_step()
+    t = threading.Thread(target=lambda: out.update(server.run_step()))
     t.start()
+    for b in batches:
+        server.add_micro_batch(b)
+    if end:
+        server.end_step()
     return t, out
 
 
@@ -112,12 +121,18 @@ def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(start_sa
     core = Trainer(MODEL, replace(CFG, core_computes_microsteps=False), seed=0)
     server = CoreServer(core, TransferEndpoint())
     try:
-        thread, first = _run_in_thread(server, steps[0])
+        thread, first = _run_in_thread(server, steps[0][:3], end=False)  # the rest is still being generated
         satellites[0].join(server.address)
         _wait_for(lambda: len(server.progress()[1]) >= 1, "the first satellite's first micro-step")
         satellites[1].join(server.address)  # joins a step that is already under way
+        satellites[1].expect("joined")
+        for b in steps[0][3:]:
+            server.add_micro_batch(b)
+        server.end_step(sum(float(b.loss_weights[b.target_mask].sum()) for b in steps[0]))
         thread.join(timeout=120)
         assert first["microsteps_by/satellite1"] >= 1 and first["microsteps_by/satellite2"] >= 1
+        assert [cell for cell, _ in first["microsteps"]].count("satellite1") == first["microsteps_by/satellite1"]
+        assert all(seconds > 0 for _, seconds in first["microsteps"])
         assert _rel_diff(core.flat.weights, expected[0]) <= 1e-6
         assert torch.equal(core.flat.weights, expected[0])  # on CPU it is in fact bitwise
 
@@ -126,12 +141,13 @@ def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(start_sa
         _wait_for(lambda: "satellite2" in server.progress()[0].values(), "satellite2 to claim a micro-step")
         os.kill(satellites[1].proc.pid, signal.SIGKILL)
         thread.join(timeout=120)
+        os.kill(satellites[0].proc.pid, signal.SIGTERM)  # leave (after a micro-step, were it computing one)
+        report = json.loads(satellites[0].expect("{"))
     finally:
         server.close()
     assert second["microsteps_redone"] >= 1
     assert second["microsteps_by/satellite1"] + second.get("microsteps_by/satellite2", 0) == 5
     assert torch.equal(core.flat.weights, expected[1])
-    report = json.loads(satellites[0].expect("{"))
     assert report["computed"] == first["microsteps_by/satellite1"] + second["microsteps_by/satellite1"]
     assert len(report["pull_s"]) == 2  # one weight pull per version
 
@@ -154,4 +170,101 @@ def test_a_hung_satellite_loses_its_micro_step_after_the_claim_timeout(start_sat
     finally:
         server.close()
     assert metrics["microsteps_redone"] >= 1 and metrics["microsteps_by/core"] >= 3
+    assert torch.equal(core.flat.weights, ref.flat.weights)
+
+
+def test_a_satellite_told_to_leave_finishes_its_micro_step_and_serves_again_later():
+    """In-process satellite (its own trainer and Mooncake endpoint), the core only sums: stop -> it
+    finishes the micro-step it holds (nothing redone) and says Leave; later serve() calls rejoin
+    without rebuilding anything; a pull at any time gets the core's current version."""
+    steps = [random_batches(MODEL, 3, 4, seed=21, max_len=200), random_batches(MODEL, 2, 4, seed=22, max_len=200)]
+    ref = Trainer(MODEL, CFG, seed=0)
+    for batches in steps:
+        ref.train_step(batches)
+    core = Trainer(MODEL, replace(CFG, core_computes_microsteps=False), seed=0)
+    server = CoreServer(core, TransferEndpoint())
+    sat_endpoint = TransferEndpoint()
+
+    def serve_in_thread(stop):
+        served = []
+        worker = threading.Thread(target=lambda: served.append(sat.serve(stop)))
+        worker.start()
+        return worker, served
+
+    try:
+        sat = SatelliteCell(Trainer(MODEL, CFG, seed=5), sat_endpoint, server.address, "cell2")
+        assert sat.pull_latest()[0] == 0 and torch.equal(sat.trainer.flat.weights, core.flat.weights)
+        thread, first = _run_in_thread(server, steps[0])
+        stop = threading.Event()
+        worker, served = serve_in_thread(stop)
+        _wait_for(lambda: "cell2" in server.progress()[0].values(), "cell2 to claim a micro-step")
+        stop.set()  # leave after the current micro-step
+        worker.join(timeout=120)
+        assert served == [1] and server.progress() == ({}, {0: "cell2"})  # done, nothing held
+        worker, served = serve_in_thread(threading.Event())  # rejoin: the step is not finished
+        thread.join(timeout=120)
+        assert first["microsteps_redone"] == 0 and first["microsteps_by/cell2"] == 3
+
+        thread, second = _run_in_thread(server, steps[1])  # the satellite is still serving
+        thread.join(timeout=120)
+        assert second["microsteps_by/cell2"] == 2
+        version, seconds = sat.pull_latest()  # between steps, outside any claim
+        assert version == 2 == core.step and seconds > 0
+        assert torch.equal(sat.trainer.flat.weights, core.flat.weights)
+    finally:
+        server.close()
+        worker.join(timeout=60)
+        sat_endpoint.close()
+    assert torch.equal(core.flat.weights, ref.flat.weights)
+    assert served == [2 + 2]  # the rest of step 1 and all of step 2; the core closed: serve returned
+
+
+def test_step_api_misuse_is_a_clear_error():
+    core = Trainer(MODEL, CFG, seed=0)
+    server = CoreServer(core, TransferEndpoint())
+    try:
+        with pytest.raises(ElasticError, match="begin_step"):
+            server.add_micro_batch(random_batches(MODEL, 1, 2, seed=1)[0])
+        server.begin_step()
+        with pytest.raises(ElasticError, match="still open"):
+            server.begin_step()
+        with pytest.raises(ElasticError, match="no micro-batch"):
+            server.end_step()
+        server.abort_step()  # e.g. every group of the step was excluded
+        assert core.step == 0  # nothing was applied; a new step can open
+        server.begin_step()
+        server.add_micro_batch(random_batches(MODEL, 1, 2, seed=1)[0])
+        with pytest.raises(ElasticError, match="must be > 0"):
+            server.end_step(0.0)
+        server.end_step()
+        with pytest.raises(ElasticError, match="already ended"):
+            server.add_micro_batch(random_batches(MODEL, 1, 2, seed=2)[0])
+        assert server.run_step()["microsteps_by/core"] == 1 and core.step == 1
+    finally:
+        server.close()
+
+
+def test_over_the_mpi_control_transport_a_satellite_trains_the_same_step(start_satellites, tmp_path):
+    """The same core/satellite exchange with control messages on MPI (the satellite under mpiexec:
+    two MPICH singletons cannot connect); bytes still move over Mooncake."""
+    pytest.importorskip("mpi4py")
+    from gyre.control.transport import listen
+
+    cfg = replace(CFG, core_computes_microsteps=False)
+    (sat,) = start_satellites(1, cfg, launcher=(str(Path(sys.executable).with_name("mpiexec")), "-n", "1"))
+    batches = random_batches(MODEL, 3, 4, seed=31, max_len=64)
+    ref = Trainer(MODEL, cfg, seed=0)
+    ref.train_step(batches)
+    core = Trainer(MODEL, cfg, seed=0)
+    server = CoreServer(core, TransferEndpoint(), listener=listen("mpi", port_file=str(tmp_path / "core.port")))
+    try:
+        thread, metrics = _run_in_thread(server, batches)
+        sat.expect("ready")
+        sat.join(server.address)
+        thread.join(timeout=120)
+        os.kill(sat.proc.pid, signal.SIGTERM)  # mpiexec forwards it: the satellite leaves
+        report = json.loads(sat.expect("{"))
+    finally:
+        server.close()
+    assert metrics["microsteps_by/satellite1"] == 3 == report["computed"]
     assert torch.equal(core.flat.weights, ref.flat.weights)

@@ -3,6 +3,7 @@ log-probs equal the trainer's recomputation under the same weights, before and a
 weights reach the engine over Mooncake; and the trainer's updates raise the engine's reward."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ async def _rollouts(url, endpoint, trainer, prompts, n_each, new_tokens, seed0):
                 for k, p in enumerate(prompts) for j in range(n_each)]
         outs = await asyncio.gather(*jobs)
     for o in outs:
-        assert o["meta_info"]["weight_version"] == str(trainer.step)
+        assert o["meta_info"]["weight_version"] == trainer.step
     return [(o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
 
 
@@ -108,7 +109,48 @@ def test_weights_reach_the_engine_through_a_model_directory(engine, tmp_path):
             return await client.generate(prompt, {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 5})
 
     out = asyncio.run(go())
-    assert out["meta_info"]["weight_version"] == "1"
+    assert out["meta_info"]["weight_version"] == 1
     lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
     gap, _ = _max_gap(tr, [prompt], 1, [(out["output_ids"], lps)])
     assert gap <= 1e-4
+
+
+def test_the_core_pushes_its_newest_weights_to_engines_while_a_step_runs(engine):
+    """push_to from a control thread while run_step computes the open step: the engine gets the
+    step's starting weights (version 0, whole: its log-probs equal an unstepped copy's); after the step, 1."""
+    from gyre.train.elastic import CoreServer
+
+    url, endpoint = engine
+    tr = _trainer(lr=1e-2)
+    before = _trainer(lr=1e-2)  # the same weights, never stepped
+    prompts = [[1, 2, 3], [9, 8, 7, 6]]
+    samples = asyncio.run(_rollouts(url, endpoint, tr, prompts, 2, 8, seed0=3))
+    _, batch = _max_gap(tr, prompts, 2, samples)
+    core = CoreServer(tr, endpoint)
+    try:
+        core.begin_step()
+        core.add_micro_batch(batch)
+        out = {}
+        step = threading.Thread(target=lambda: out.update(core.run_step()))
+        step.start()
+        pushed_s = core.push_to([url])  # races the step; must see version 0 whole
+        gen = asyncio.run(_generate(url, prompts[0]))
+        core.end_step()
+        step.join(timeout=120)
+        assert gen["meta_info"]["weight_version"] == 0 and pushed_s > 0
+        assert _max_gap(before, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
+        core.push_to([url])
+        gen = asyncio.run(_generate(url, prompts[0]))
+        assert gen["meta_info"]["weight_version"] == 1 == tr.step
+        assert _max_gap(tr, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
+    finally:
+        core.close()
+
+
+async def _generate(url, prompt):
+    async with EngineClient(url, timeout_s=120) as client:
+        return await client.generate(prompt, {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 7})
+
+
+def _sample(out):
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]

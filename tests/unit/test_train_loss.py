@@ -1,4 +1,4 @@
-"""Policy loss, batch screening and the micro-step ledger: pure cores, tables of cases."""
+"""Policy loss and batch screening: pure cores, tables of cases."""
 
 from dataclasses import replace
 
@@ -9,7 +9,6 @@ from _train_ref import pack
 from gyre.errors import ConfigError
 from gyre.train.batch import BatchError, screen_batch
 from gyre.train.config import TrainerConfig
-from gyre.train.ledger import MicroStepLedger
 from gyre.train.loss import finish_stats, merge_stats, policy_loss
 
 CFG = TrainerConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, truncation_cap=3.0)
@@ -129,32 +128,6 @@ def test_bad_sequences_are_dropped_with_a_reason(make, reason):
 def test_structural_faults_reject_the_whole_batch(make, match):
     with pytest.raises(BatchError, match=match):
         screen_batch(make(pack([_seq()])), vocab_size=16)
-
-
-@pytest.mark.parametrize(
-    "events, claims, done_by, redone",
-    [
-        pytest.param([("claim", "a", 0), ("claim", "b", 1), ("complete", "b", 1, True)], {0: "a"}, {1: "b"}, 0, id="two-cells"),
-        pytest.param([("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "b", 0, True)], {}, {0: "b"}, 1, id="dead-cell-redone"),
-        pytest.param([("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "a", 0, False)], {0: "b"}, {}, 1, id="late-result-of-presumed-dead-refused"),
-        pytest.param([("claim", "a", 0), ("claim", "a", 1), ("claim", "a", None)], {0: "a", 1: "a"}, {}, 0, id="nothing-left"),
-        pytest.param([("claim", "a", 0), ("overdue", 5, {"a"}), ("release", "a", [0]), ("claim", "b", 0), ("overdue", 12, set())], {0: "b"}, {}, 1, id="hung-cell-overdue"),
-    ],
-)
-def test_ledger_cases(events, claims, done_by, redone):
-    ledger = MicroStepLedger(2)
-    clock = iter(range(0, 1000, 10))  # each claim 10 s after the previous one
-    for ev in events:
-        if ev[0] == "claim":
-            assert ledger.claim(ev[1], now=next(clock)) == ev[2]
-        elif ev[0] == "overdue":
-            assert ledger.overdue(now=ev[1], timeout_s=3) == ev[2]
-        elif ev[0] == "complete":
-            assert ledger.complete(ev[1], ev[2]) is ev[3]
-        else:
-            assert ledger.release(ev[1]) == ev[2]
-    assert (ledger.claims, ledger.done_by, ledger.num_redone) == (claims, done_by, redone)
-    assert ledger.finished == (len(done_by) == 2)
 
 
 def test_trainer_group_composes_and_names_bad_keys():

@@ -4,7 +4,7 @@ of a rollout->train and a train->rollout switch for the tiny model (weights to a
     PYTHONPATH=. python tools/bench/transfer.py [--hidden 1024 --layers 3 --vocab 16384 --repeats 3]
 
 This process is the core cell; it starts one satellite process (this script with --satellite).
-The pull is `SatelliteCell.pull` (one `transfer_sync_read` into the parameters' flat buffer);
+The pull is `SatelliteCell.pull_latest` (one `transfer_sync_read` into the parameters' flat buffer);
 "raw" is `TransferEngine.transfer_sync_read` of the same bytes into a separate registered buffer,
 in the same run. Prints figures, then one JSON object on the last line.
 """
@@ -41,7 +41,7 @@ def _batch(cfg: ModelConfig, seed: int):
 
 def satellite(args) -> None:
     """The satellite side: join each core, time the phases, print one JSON line."""
-    from gyre.train.elastic import SatelliteCell
+    from gyre.train.satellite import SatelliteCell
     from gyre.train.trainer import Trainer
     from gyre.transfer import TransferEndpoint
 
@@ -49,34 +49,53 @@ def satellite(args) -> None:
     out = {}
     endpoint = TransferEndpoint()
     big = Trainer(_big(args), _CFG)
-    cell = SatelliteCell(big, endpoint, args.big_core)
+    cell = SatelliteCell(big, endpoint, args.big_core, "bench-big")
     raw_buf = torch.zeros_like(big.flat.weights)  # touched, like the parameters: no page faults timed
     endpoint.register(raw_buf)
     nbytes = raw_buf.numel() * 4
     pulls, raws = [], []
     for _ in range(args.repeats):
-        cell.pull()
+        cell.pull_latest()
         pulls.append(cell.pull_seconds[-1])
         t0 = time.perf_counter()
         rc = endpoint._engine.transfer_sync_read(cell._core_session, raw_buf.data_ptr(), cell._weights_addr, nbytes)
         raws.append(time.perf_counter() - t0)
         assert rc == 0, f"raw read returned {rc}"
     assert torch.equal(raw_buf, big.flat.weights)
-    cell.serve(max_microsteps=1)  # pull (new cell version) + micro-step + gradient write of the full size
+    _serve_one(cell)  # pull (new cell version) + micro-step + gradient write of the full size
     out["big/microstep_and_grad_write_s"] = cell.microstep_seconds[0]
     out |= {"bytes": nbytes, "pull_s": pulls, "raw_s": raws}
     del big, raw_buf
 
     tiny = Trainer(TINY, _CFG)
     t0 = time.perf_counter()
-    cell = SatelliteCell(tiny, endpoint, args.tiny_core)
+    cell = SatelliteCell(tiny, endpoint, args.tiny_core, "bench-tiny")
     out["switch_to_train/join_s"] = time.perf_counter() - t0
     print("tiny-joined", flush=True)
-    cell.serve(max_microsteps=1)
+    _serve_one(cell)
     out["switch_to_train/pull_s"] = cell.pull_seconds[0]
     out["switch_to_train/microstep_and_grad_write_s"] = cell.microstep_seconds[0]
     endpoint.close()
     print(json.dumps(out), flush=True)
+
+
+def _serve_one(cell) -> None:
+    """Serve until one micro-step is computed, then leave."""
+    stop, start = threading.Event(), cell.num_computed
+    worker = threading.Thread(target=cell.serve, args=(stop,))
+    worker.start()
+    while cell.num_computed == start and worker.is_alive():
+        time.sleep(0.001)
+    stop.set()
+    worker.join()
+
+
+def _step(server, batches) -> dict:
+    server.begin_step()
+    for b in batches:
+        server.add_micro_batch(b)
+    server.end_step()
+    return server.run_step()
 
 
 def core(args) -> dict:
@@ -100,11 +119,11 @@ def core(args) -> dict:
     try:
         engine.start()
         res = {}
-        t = threading.Thread(target=lambda: res.update(servers[0].run_step([_batch(big.model_cfg, 0)])))
+        t = threading.Thread(target=lambda: res.update(_step(servers[0], [_batch(big.model_cfg, 0)])))
         t.start(), t.join()
         assert sat.stdout.readline().strip() == "tiny-joined"
         t0 = time.perf_counter()
-        res_tiny = servers[1].run_step([_batch(TINY, 1)])
+        res_tiny = _step(servers[1], [_batch(TINY, 1)])
         step_total = time.perf_counter() - t0
         report = json.loads(sat.stdout.readline())
         # train -> rollout: the core's new weights leave for the engines (engine names, on disk here).
@@ -122,7 +141,7 @@ def core(args) -> dict:
                 return time.perf_counter() - t0, (await client.model_info())["weight_version"]
 
         push_s, version = asyncio.run(push())
-        assert version == str(tiny.step), version
+        assert version == tiny.step, version
     finally:
         engine.stop()
         for s in servers:

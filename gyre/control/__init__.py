@@ -1,0 +1,1 @@
+"""Control plane: typed messages (`messages`) over one channel interface (`transport`), TCP or MPI."""

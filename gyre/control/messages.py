@@ -1,0 +1,198 @@
+"""Typed control messages: what cells, the core and the coordinator say to each other (small; bulk
+bytes go over Mooncake).
+
+Every message is a frozen dataclass registered in `MESSAGES`; its fields are type-checked when it
+is built and again when it arrives (`check`), so a peer that sends something else gets a clear
+`ProtocolError` instead of an AttributeError deep inside a server thread.
+
+    satellite <-> core (gyre/train/elastic.py)
+      Join(cell, signature) -> Welcome(...) | Refused(reason)
+      Claim(cell) -> Work(index, version, slot_addr, batch, ...) | Wait() | Evicted()
+      Done(index, stats, seconds)             the gradient is in the slot
+      Pull(cell) -> WeightVersion(version)    weights stay at `version` until PullDone(cell)
+      Leave(cell)
+    coordinator <-> cell leader (gyre/coordinator, gyre/cells)
+      RoleSwitch(cell, target), PhaseDone(cell, phase, seconds), Heartbeat(cell, t),
+      WeightVersion(version), Failure(cell, reason)
+"""
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass
+
+from gyre.errors import GyreError
+from gyre.trajectory.sample import PackedBatch
+
+
+class ProtocolError(GyreError):
+    """A peer sent something that is not a well-formed control message."""
+
+
+MESSAGES: dict[str, type] = {}
+"""Message class name -> class: the only types a channel accepts."""
+
+
+def message(cls: type) -> type:
+    """Declare a control message: a frozen dataclass whose fields are checked against their types."""
+    cls.__post_init__ = check  # before dataclass(): its __init__ calls __post_init__ only if present
+    cls = dataclass(frozen=True)(cls)
+    MESSAGES[cls.__name__] = cls
+    return cls
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _is(value: object, kind: object) -> bool:
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is(value, k) for k in typing.get_args(kind))
+    if kind is typing.Any:
+        return True
+    if kind is type(None):
+        return value is None
+    cls = origin or kind
+    if cls is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if cls is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, cls)
+
+
+def check(msg: object) -> None:
+    """Raise ProtocolError unless `msg` is a registered message whose fields have their declared types."""
+    cls = type(msg)
+    if MESSAGES.get(cls.__name__) is not cls:
+        raise ProtocolError(f"{cls.__module__}.{cls.__qualname__} is not a control message; known: {sorted(MESSAGES)}")
+    for f in dataclasses.fields(cls):
+        value = getattr(msg, f.name, dataclasses.MISSING)
+        if value is dataclasses.MISSING or not _is(value, _hints(cls)[f.name]):
+            raise ProtocolError(f"{cls.__name__}.{f.name} must be {_hints(cls)[f.name]}, got {type(value).__name__}: {value!r:.80}")
+
+
+CellId = str | int
+"""A cell's name: trainer-side names ("core", "cell2") or the scheduler's cell index."""
+
+
+# ---- satellite <-> core ---------------------------------------------------------------------
+@message
+class Join:
+    """A satellite asks to train with the core; `signature` is its model's parameter names and shapes."""
+
+    cell: str
+    signature: list
+
+
+@message
+class Welcome:
+    """The core accepts: where its weights live (Mooncake session and address) and their version."""
+
+    session_id: str
+    weights_addr: int
+    numel: int
+    version: int
+
+
+@message
+class Refused:
+    reason: str
+
+
+@message
+class Claim:
+    cell: str
+
+
+@message
+class Work:
+    """Micro-step `index` of the step at weight `version`: write its gradient to `slot_addr`.
+
+    The gradient is computed with normaliser 1: the core divides the folded sum by the step's
+    total loss weight, which is known only once the step's batches have all arrived.
+    """
+
+    index: int
+    version: int
+    slot_addr: int
+    batch: PackedBatch
+
+
+@message
+class Wait:
+    """Nothing to claim now (no step open, all claimed, or no free slot): ask again soon."""
+
+
+@message
+class Evicted:
+    """The core presumed this cell hung and redid its work; it gets no more work on this channel."""
+
+
+@message
+class Done:
+    """Micro-step `index` is written into its slot; `seconds` = forward, backward and the write."""
+
+    index: int
+    stats: dict
+    seconds: float
+
+
+@message
+class Pull:
+    """The cell wants to read the core's weights; the core answers WeightVersion once it is safe."""
+
+    cell: str
+
+
+@message
+class PullDone:
+    """The pull is over: the core may change its weights again."""
+
+    cell: str
+
+
+@message
+class Leave:
+    cell: CellId
+
+
+# ---- coordinator <-> cell leaders -----------------------------------------------------------
+@message
+class RoleSwitch:
+    """Switch scheduler cell `cell` to role `target` (e.g. "train", "serve")."""
+
+    cell: int
+    target: str
+
+
+@message
+class PhaseDone:
+    """A phase of a role switch finished in `seconds` (see gyre/scheduler/cells.py)."""
+
+    cell: int
+    phase: str
+    seconds: float
+
+
+@message
+class Heartbeat:
+    """I am alive at `t` (sender's clock, seconds); silence past a timeout means dead."""
+
+    cell: CellId
+    t: float
+
+
+@message
+class WeightVersion:
+    version: int
+
+
+@message
+class Failure:
+    """Something broke on `cell`; `reason` says what."""
+
+    cell: CellId
+    reason: str

@@ -1,0 +1,263 @@
+"""The MPI backend (mpi4py + MPICH): dynamic processes joined by a port name published in a file.
+
+    listener: MPI.Open_port() -> written to PORT_FILE; a thread loops COMM_SELF.Accept(port)
+    peer:     reads PORT_FILE -> COMM_SELF.Connect(port)          one intercommunicator per peer
+
+MPI's failure model is the risk: a process that dies is not reported by MPICH on an
+intercommunicator (Iprobe and Isend on it keep returning as if it were alive, verified with
+MPICH 5.0 ch4:ucx), and a collective or a blocking send to it would hang. So every channel:
+runs with MPI_ERRORS_RETURN, uses only nonblocking point-to-point calls (a send never waits for
+the receiver; pending sends are completed lazily), sends a heartbeat every `heartbeat_s`, and
+declares the peer dead (ChannelClosed) after `peer_timeout_s` of silence. Nothing spans more than
+two processes; close() disconnects from a live peer (both sides do on goodbye) and only frees the
+intercommunicator of a dead one (Disconnect is collective and would wait for it forever).
+
+Processes started plainly are MPICH singletons; two singletons cannot connect to each other
+(MPICH: "Local and remote groups ... are not disjoint"), so peers run under `mpiexec -n 1` (on
+Slurm: their own `srun` step); the listener may be a singleton.
+"""
+
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+
+from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout, Listener, decode, encode
+
+_MSG, _HEARTBEAT, _BYE = 1, 2, 3
+_BYE_SEEN = "the peer closed the channel"
+_POLL_S = (0.00005, 0.005)  # recv polls Iprobe with a backoff from the first to the second
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+class MpiChannel(Channel):
+    def __init__(self, comm, peer: str, heartbeat_s: float, peer_timeout_s: float):
+        MPI = _mpi()
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        self._comm, self.peer = comm, peer
+        self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
+        self._lock = threading.Lock()  # every call on the communicator (freed in close)
+        self._pending: list = []  # (request, buffer): sends not known complete yet
+        self._closed = False
+        self._peer_gone: str | None = None
+        self._last_heard = time.monotonic()
+        self._beat = threading.Thread(target=self._heartbeats, daemon=True, name=f"mpi-heartbeat-{peer}")
+        self._beat.start()
+
+    def _isend(self, data: bytes, tag: int) -> None:
+        MPI = _mpi()
+        with self._lock:
+            if self._closed:
+                raise ChannelClosed(f"{self.peer}: channel closed")
+            try:
+                self._pending.append((self._comm.Isend([data, MPI.BYTE], dest=0, tag=tag), data))
+                self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+            except MPI.Exception as e:
+                raise ChannelClosed(f"{self.peer}: send failed ({e.Get_error_string()})") from None
+
+    def send(self, msg: object) -> None:
+        self._send_bytes(encode(msg))
+
+    def _send_bytes(self, data: bytes) -> None:
+        if self._peer_gone:
+            raise ChannelClosed(f"{self.peer}: {self._peer_gone}")
+        self._isend(data, _MSG)
+
+    def _heartbeats(self) -> None:
+        while not self._closed:
+            try:
+                self._isend(b"", _HEARTBEAT)
+            except ChannelClosed:
+                return
+            time.sleep(self._heartbeat_s)
+
+    def recv(self, timeout_s: float | None = None) -> object:
+        MPI = _mpi()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = _POLL_S[0]
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise ChannelClosed(f"{self.peer}: channel closed")
+                try:
+                    status = MPI.Status()
+                    data = None
+                    if self._comm.Iprobe(source=0, tag=MPI.ANY_TAG, status=status):
+                        data = bytearray(status.Get_count(MPI.BYTE))
+                        self._comm.Recv([data, MPI.BYTE], source=0, tag=status.Get_tag())
+                except MPI.Exception as e:
+                    self._peer_gone = f"receive failed ({e.Get_error_string()})"
+                    raise ChannelClosed(f"{self.peer}: {self._peer_gone}") from None
+            now = time.monotonic()
+            if data is not None:
+                self._last_heard, pause = now, _POLL_S[0]
+                if status.Get_tag() == _BYE:
+                    self._peer_gone = _BYE_SEEN
+                    raise ChannelClosed(f"{self.peer}: {self._peer_gone}")
+                if status.Get_tag() == _MSG:
+                    return decode(bytes(data))
+                continue  # a heartbeat
+            if now - self._last_heard > self._peer_timeout_s:
+                self._peer_gone = f"silent for {now - self._last_heard:.1f} s (heartbeat every {self._heartbeat_s} s): presumed dead"
+                raise ChannelClosed(f"{self.peer}: {self._peer_gone}")
+            if deadline is not None and now >= deadline:
+                raise ChannelTimeout(f"{self.peer}: nothing within {timeout_s} s")
+            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
+            pause = min(pause * 2, _POLL_S[1])
+
+    def close(self) -> None:
+        """Say goodbye and disconnect (MPI_Finalize waits for connected peers); a peer presumed
+        dead is only freed locally, and a disconnect that a peer never joins is abandoned after
+        `peer_timeout_s` (Disconnect is collective: it would wait forever)."""
+        if self._closed:
+            return
+        alive = self._peer_gone in (None, _BYE_SEEN)
+        try:
+            if self._peer_gone is None:
+                self._isend(b"", _BYE)  # eager: delivered without waiting for the peer
+        except ChannelClosed:
+            alive = False
+        with self._lock:
+            self._closed = True
+        MPI = _mpi()
+
+        def release() -> None:
+            try:
+                if alive:
+                    self._drain()
+                    self._comm.Disconnect()
+                else:
+                    self._comm.Free()
+            except MPI.Exception:
+                pass
+
+        t = threading.Thread(target=release, daemon=True, name=f"mpi-disconnect-{self.peer}")
+        t.start()
+        t.join(self._peer_timeout_s)
+
+
+    def _drain(self, quiet_s: float = 0.05) -> None:
+        """Receive what the peer still sent and finish our sends: Disconnect waits for both."""
+        MPI = _mpi()
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < quiet_s:
+            status = MPI.Status()
+            if self._comm.Iprobe(source=0, tag=MPI.ANY_TAG, status=status):
+                self._comm.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE], source=0, tag=status.Get_tag())
+                quiet_since = time.monotonic()
+            else:
+                time.sleep(_POLL_S[0])
+        MPI.Request.Waitall([r for r, _ in self._pending])
+        self._pending.clear()
+
+
+class MpiListener(Listener):
+    """Opens an MPI port and publishes its name in `port_file` (written atomically).
+
+    MPI_Comm_accept cannot be given a timeout or interrupted, and while one thread waits in it
+    MPICH 5.0 (ch4:ucx) makes no progress on the process's other communicators (seen here: a
+    message already sent on an established intercommunicator is never probed while another
+    thread sits in Accept): a listener blocked in Accept would starve every channel it has. So
+    Accept is called only for a peer that announced itself: `mpi_connect` starts its Connect, then
+    drops a file into `<port_file>.join/`; the accept thread polls that folder. A peer that dies
+    between announcing and connecting would leave Accept waiting (a window of milliseconds).
+    """
+
+    def __init__(self, port_file: str, heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0):
+        MPI = _mpi()
+        self._port = MPI.Open_port()
+        self._port_file, self._join_dir = port_file, f"{port_file}.join"
+        os.makedirs(self._join_dir, exist_ok=True)
+        tmp = f"{port_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(self._port)
+        os.replace(tmp, port_file)
+        self.address = f"mpi:{port_file}"
+        self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
+        self._accepted: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self._count = 0
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="mpi-accept")
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        MPI = _mpi()
+        while not self._closed.wait(0.02):
+            for name in sorted(os.listdir(self._join_dir)):
+                if name.startswith("."):
+                    continue  # being written
+                os.unlink(os.path.join(self._join_dir, name))
+                try:
+                    self._accepted.put(MPI.COMM_SELF.Accept(self._port))
+                except MPI.Exception:
+                    continue  # a failed handshake: keep serving others
+        self._accepted.put(None)
+
+    def accept(self, timeout_s: float | None = None) -> Channel:
+        if self._closed.is_set():
+            raise ChannelClosed("listener closed")
+        try:
+            comm = self._accepted.get(timeout=timeout_s)
+        except queue.Empty:
+            raise ChannelTimeout(f"no peer within {timeout_s} s") from None
+        if comm is None:
+            self._accepted.put(None)
+            raise ChannelClosed("listener closed")
+        self._count += 1
+        return MpiChannel(comm, f"mpi peer {self._count}", self._heartbeat_s, self._peer_timeout_s)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._thread.join(timeout=30)
+        _mpi().Close_port(self._port)
+        for path in (self._port_file, *(os.path.join(self._join_dir, n) for n in os.listdir(self._join_dir))):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        os.rmdir(self._join_dir)
+
+
+def mpi_connect(port_file: str, timeout_s: float = 30.0, heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0) -> Channel:
+    """Connect to the listener whose port name is in `port_file` (waits for the file up to `timeout_s`).
+
+    Raises:
+        ChannelClosed: no port file, or no listener accepted within `timeout_s`.
+    """
+    MPI = _mpi()
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(port_file):
+        if time.monotonic() > deadline:
+            raise ChannelClosed(f"no MPI port file {port_file} after {timeout_s} s")
+        time.sleep(0.05)
+    with open(port_file) as f:
+        port = f.read().strip()
+    result: list = []
+
+    def attempt() -> None:
+        try:
+            result.append(MPI.COMM_SELF.Connect(port))
+        except MPI.Exception as e:
+            result.append(e)
+
+    t = threading.Thread(target=attempt, daemon=True, name="mpi-connect")
+    t.start()
+    request = os.path.join(f"{port_file}.join", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    with open(os.path.join(os.path.dirname(request), "." + os.path.basename(request)), "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    os.replace(f.name, request)  # announce: the listener calls Accept for us now
+    t.join(max(0.0, deadline - time.monotonic()))
+    if not result:
+        raise ChannelClosed(f"no MPI listener accepted on {port_file} within {timeout_s} s")
+    if isinstance(result[0], Exception):
+        raise ChannelClosed(f"cannot connect to {port_file}: {result[0].Get_error_string()}")
+    return MpiChannel(result[0], f"mpi {port_file}", heartbeat_s, peer_timeout_s)

@@ -1,0 +1,110 @@
+"""The control transport's contract, run over every backend: peers in separate processes exchange
+every message type intact; a peer that sends garbage is an error on its channel only; a killed
+peer is a ChannelClosed (never a hang, never an abort of this process)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre.control import messages as m
+from gyre.control.transport import ChannelClosed, ChannelTimeout, connect, listen
+from gyre.trajectory.sample import PackedBatch
+
+PEER = Path(__file__).with_name("control_peer.py")
+ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = ["tcp", "mpi"]
+
+
+@pytest.fixture(params=BACKENDS)
+def listener(request, tmp_path):
+    if request.param == "mpi":
+        pytest.importorskip("mpi4py")
+    lst = listen(request.param, port_file=str(tmp_path / "control.port"))
+    yield lst
+    lst.close()
+
+
+@pytest.fixture
+def peers(tmp_path):
+    started = []
+
+    def start(address: str, mode: str) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        log = open(tmp_path / f"peer{len(started)}.log", "w")
+        # MPI peers get their own MPI world (two singletons cannot connect: see gyre/control/mpi.py)
+        launcher = [str(Path(sys.executable).with_name("mpiexec")), "-n", "1"] if address.startswith("mpi:") else []
+        started.append(subprocess.Popen([*launcher, sys.executable, str(PEER), address, mode], env=env, stdout=log, stderr=log))
+        return started[-1]
+
+    yield start
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+def _every_message() -> list:
+    t = torch.arange(6)
+    batch = PackedBatch(tokens=t, position_ids=t, cu_seqlens=torch.tensor([0, 6], dtype=torch.int32), target_mask=t > 2,
+                        behaviour_logprobs=-t.float(), loss_weights=torch.ones(6), advantages=t.float() - 2,
+                        weight_versions=t * 0, execution_ids=("e0",))
+    return [
+        m.Join("cell2", [("w", (2, 3))]), m.Welcome("127.0.0.1:1", 4096, 10, 3), m.Refused("no"), m.Claim("cell2"),
+        m.Work(index=1, version=2, slot_addr=8192, batch=batch), m.Wait(), m.Evicted(), m.Done(1, {"loss_sum": 0.5}, 0.25),
+        m.Pull("cell2"), m.PullDone("cell2"), m.RoleSwitch(2, "train"), m.PhaseDone(2, "pull_weights", 0.125),
+        m.Heartbeat(2, 12.5), m.WeightVersion(7), m.Failure("cell3", "engine exited 1"), m.Leave("cell2"),
+    ]
+
+
+def test_garbage_then_a_kill_drop_only_that_peer_and_the_next_peer_round_trips_every_message(listener, peers):
+    """Over each backend, peers in separate processes: undecodable bytes, a non-message and a
+    forbidden global are ProtocolErrors on that channel, which still works; SIGKILL of the peer is
+    a ChannelClosed within the heartbeat timeout (never a hang, never an abort of this process);
+    the listener then serves a new peer that echoes every message type intact."""
+    peers(listener.address, "garbage")
+    ch = listener.accept(timeout_s=60)
+    for expected in ("undecodable", "not a control message", "may not contain"):
+        with pytest.raises(m.ProtocolError, match=expected):
+            ch.recv(timeout_s=30)
+    hello = ch.recv(timeout_s=30)  # the channel still works
+    assert isinstance(hello, m.Heartbeat) and hello.t == 0.0
+    with pytest.raises(ChannelTimeout):
+        ch.recv(timeout_s=0.2)
+    os.kill(hello.cell, signal.SIGKILL)  # the peer's own process (under mpiexec: not the launcher)
+    t0 = time.monotonic()
+    with pytest.raises(ChannelClosed):
+        while time.monotonic() - t0 < 60:
+            try:
+                ch.recv(timeout_s=1)
+            except ChannelTimeout:
+                pass  # MPI: silence until the heartbeat timeout; TCP: EOF at once
+    ch.close()
+
+    peers(listener.address, "echo")
+    ch = listener.accept(timeout_s=60)
+    sent = _every_message()
+    assert {type(x).__name__ for x in sent} == set(m.MESSAGES)
+    for msg in sent:
+        back = ch.request(msg, timeout_s=30)
+        if isinstance(msg, m.Work):
+            assert (back.index, back.version, back.slot_addr) == (msg.index, msg.version, msg.slot_addr)
+            assert all(torch.equal(getattr(back.batch, f), getattr(msg.batch, f)) for f in ("tokens", "advantages", "cu_seqlens"))
+        else:
+            assert back == msg
+    ch.close()
+
+
+def test_connecting_to_a_closed_tcp_listener_is_channel_closed():
+    lst = listen("tcp")
+    address = lst.address
+    lst.close()
+    with pytest.raises(ChannelClosed, match="cannot connect"):
+        connect(address)
+    with pytest.raises(ValueError, match="unknown control"):
+        connect("udp://x")
