@@ -1,7 +1,8 @@
 """A cell leader: one process per cell that owns the cell's engine and trainer and switches roles.
 
-    coordinator ──SwitchRole──> leader ──(proxy admin, engine HTTP, core channel)──> RoleDone(phases)
-                  TrainStep ──> core leader: run_step in a worker thread ──> publish ──> StepDone
+    coordinator ──RoleSwitch──> leader ──(proxy admin, engine HTTP, core channel)──> PhaseDone... RoleDone
+                MicroBatches ──> core leader: add_micro_batch (run_step runs in a worker thread)
+                     EndStep ──> ... ──StepProgress... ──> publish ──> StepDone
 
 A local cell is this process (the trainer: the core's owns optimizer and weights; a satellite's
 pulls weights and pushes gradients over Mooncake) plus one builtin engine child. Both stay warm:
@@ -18,11 +19,15 @@ import sys
 import threading
 import time
 from collections import deque
-from multiprocessing.connection import Client
+from pathlib import Path
 
-from gyre.cells.protocol import (CellFailure, CellReady, CheckpointDone, PhaseDone, RoleDone, SaveCheckpoint, Stop,
-                                 StepDone, SwitchRole, TrainStep, recv, send)
 from gyre.cells.spec import CellSpec
+from gyre.control.messages import (CellReady, CheckpointDone, EndStep, Failure, MicroBatches, PhaseDone, RoleDone,
+                                   RoleSwitch, SaveCheckpoint, StepDone, StepProgress, Stop)
+from gyre.control.transport import ChannelClosed, ChannelTimeout, connect
+from gyre.metrics.config import MetricsConfig
+from gyre.metrics.events import MicroStep
+from gyre.metrics.log import EventLog
 from gyre.scheduler.cells import PHASES, Phase, Role
 
 log = logging.getLogger("gyre.cells.leader")
@@ -40,8 +45,8 @@ class CellLeader:
         torch.set_num_threads(1)
         self.spec = spec
         self.index, self.is_core = spec.index, spec.index == 0
-        host, port, key = spec.coordinator_address.rsplit(":", 2)
-        self.conn = Client((host, int(port)), authkey=bytes.fromhex(key))
+        self.channel = connect(spec.coordinator_address)
+        self.events = EventLog(spec.run_dir, MetricsConfig())
         self.engine = BuiltinEngineProcess(spec.engine, spec.model)
         self.engine.start()
         self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
@@ -50,18 +55,20 @@ class CellLeader:
         self.engine_id = f"cell{self.index}"
         self.checkpoints = CheckpointManager(spec.checkpoint_dir, spec.trainer.checkpoint_keep_last)
         self.weights: dict | None = None
-        self.core_address = ""
         """The newest weights this cell's engine should serve (descriptor + version)."""
+        self.core_address = ""
         self._published: deque = deque(maxlen=2)  # the last two buffers stay readable while engines load
         self._worker: threading.Thread | None = None
-        self._result: dict = {}
         self._stop = threading.Event()
         self.core = self.satellite = None
+        self._step: dict | None = None
+        """The core's open step: its number, the core index of each micro-batch received (None if
+        screened out), their tokens, the result of run_step once it returns."""
         if self.is_core:
             from gyre.train.elastic import CoreServer
 
             self._load_initial_weights()
-            self.core = CoreServer(self.trainer, self.endpoint)
+            self.core = CoreServer(self.trainer, self.endpoint, spec.host)
             self.weights = self._publish()
 
     # ---- start ---------------------------------------------------------------------------
@@ -82,72 +89,117 @@ class CellLeader:
         self._published.append(buffer)
         return {**descriptor, "version": self.trainer.step}
 
-    def ready(self) -> CellReady:
-        core = self.core.address if self.core else ""
-        return CellReady(self.index, self.engine.url, core, self.weights, self.trainer.step,
-                         self.weights_digest() if self.is_core else "")
-
     def weights_digest(self) -> str:
         return hashlib.sha256(self.trainer.flat.weights.detach().cpu().numpy().tobytes()).hexdigest()[:16]
 
+    def ready(self) -> CellReady:
+        if not self.is_core:
+            return CellReady(self.index, self.engine.url)
+        return CellReady(self.index, self.engine.url, self.core.address, self.weights, self.trainer.step,
+                         self.weights_digest())
+
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
-        send(self.conn, self.ready())
+        self.channel.send(self.ready())
         try:
             while True:
-                self._reap_worker()
-                if not self.conn.poll(0.05):
+                if self.is_core:
+                    self._watch_step()
+                try:
+                    msg = self.channel.recv(timeout_s=0.05)
+                except ChannelTimeout:
                     continue
-                msg = recv(self.conn)
                 if isinstance(msg, Stop):
                     return
                 self._handle(msg)
-        except (EOFError, OSError):
+        except ChannelClosed:
             log.warning("cell %d: the coordinator's channel closed; stopping", self.index)
         finally:
             self.close()
 
     def _handle(self, msg) -> None:
         try:
-            if isinstance(msg, SwitchRole):
+            if isinstance(msg, RoleSwitch):
                 self._switch(Role(msg.target), msg.weights, msg.core_address)
-            elif isinstance(msg, TrainStep):
-                self._start_step(msg)
+            elif isinstance(msg, MicroBatches):
+                self._add_batches(msg)
+            elif isinstance(msg, EndStep):
+                self._end_step(msg.step)
             elif isinstance(msg, SaveCheckpoint):
                 t0 = time.monotonic()
                 path = self.checkpoints.save(self.trainer, msg.extra)
-                send(self.conn, CheckpointDone(msg.step, str(path), time.monotonic() - t0, self.weights_digest()))
+                self.channel.send(CheckpointDone(msg.step, str(path), time.monotonic() - t0, self.weights_digest()))
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
+        except ChannelClosed:
+            raise
         except Exception as e:  # reported, the leader keeps serving: the coordinator decides
             log.exception("cell %d failed on %s", self.index, type(msg).__name__)
-            send(self.conn, CellFailure(self.index, f"{type(msg).__name__}: {e!r}"))
+            self.channel.send(Failure(self.index, f"{type(msg).__name__}: {e!r}"))
 
     # ---- training steps (core) -----------------------------------------------------------
-    def _start_step(self, msg: TrainStep) -> None:
-        if self._worker is not None:
-            raise RuntimeError(f"step {msg.step} sent while another step runs")
-        self._result = {"step": msg.step, "t0": time.monotonic()}
+    def _add_batches(self, msg: MicroBatches) -> None:
+        from gyre.train.batch import BatchError
 
-        def work():
+        if self._step is None:
+            if msg.step != self.trainer.step:
+                raise RuntimeError(f"micro-batches of step {msg.step} while the core is at step {self.trainer.step}")
+            self.core.begin_step()
+            self._step = {"step": msg.step, "index": [], "tokens": [], "t0": time.monotonic(), "sent": 0}
+            self._worker = threading.Thread(target=self._run_step, args=(self._step,), daemon=True)
+            self._worker.start()
+        for batch in msg.batches:
             try:
-                self._result["metrics"] = self.core.run_step(msg.batches)
-            except Exception as e:
-                self._result["error"] = repr(e)
+                self._step["index"].append(self.core.add_micro_batch(batch))
+            except BatchError as e:  # nothing trainable in it: counted as done, the step goes on
+                log.warning("step %d: micro-batch screened out: %s", msg.step, e)
+                self._step["index"].append(None)
+            self._step["tokens"].append(batch.num_tokens)
 
-        self._worker = threading.Thread(target=work, name=f"step-{msg.step}", daemon=True)
-        self._worker.start()
+    def _run_step(self, step: dict) -> None:
+        try:
+            step["metrics"] = self.core.run_step()
+        except Exception as e:
+            step["error"] = repr(e)
 
-    def _reap_worker(self) -> None:
-        if self._worker is None or self._worker.is_alive() or not self.is_core:
+    def _end_step(self, step: int) -> None:
+        if self._step is None or all(i is None for i in self._step["index"]):
+            if self._step is not None:
+                self.core.abort_step()
+                self._worker.join()
+            self.trainer.step += 1  # nothing to train: the version moves on, the weights do not
+            self._step = None
+            self._done(step, {"skipped": 1}, 0.0)
             return
-        self._worker = None
-        r = self._result
-        if "error" in r:
-            send(self.conn, CellFailure(self.index, f"step {r['step']}: {r['error']}"))
+        self._step["ended"] = True
+        self.core.end_step()
+
+    def _watch_step(self) -> None:
+        """Report micro-batches trained so far; once run_step returned, publish and say StepDone."""
+        st = self._step
+        if st is None:
             return
+        done_by = self.core.progress()[1]
+        done = [o for o, i in enumerate(st["index"]) if i is None or i in done_by]
+        if len(done) > st["sent"]:
+            st["sent"] = len(done)
+            self.channel.send(StepProgress(st["step"], done))
+        if self._worker.is_alive():
+            return
+        self._worker, self._step = None, None
+        if "error" in st:
+            self.channel.send(Failure(self.index, f"step {st['step']}: {st['error']}"))
+            return
+        metrics = st["metrics"]
+        trained = [t for t, i in zip(st["tokens"], st["index"]) if i is not None]
+        for k, ((cell, seconds), tokens) in enumerate(zip(metrics.pop("microsteps"), trained)):
+            by = 0 if cell == "core" else int(str(cell).removeprefix("cell"))
+            self.events.emit(MicroStep(step=st["step"], index=k, cell=by, tokens=tokens, seconds=seconds))
+        self._done(st["step"], metrics, time.monotonic() - st["t0"])
+
+    def _done(self, step: int, metrics: dict, seconds: float) -> None:
         self.weights = self._publish()
-        send(self.conn, StepDone(r["step"], self.trainer.step, r["metrics"], self.weights, time.monotonic() - r["t0"]))
+        self.channel.send(StepDone(step, self.trainer.step, metrics, self.weights, seconds))
 
     # ---- role switches -------------------------------------------------------------------
     def _switch(self, target: Role, weights: dict | None, core_address: str) -> None:
@@ -159,9 +211,9 @@ class CellLeader:
             t0 = time.monotonic()
             asyncio.run(self._phase(phase))
             phases[phase.value] = time.monotonic() - t0
-            send(self.conn, PhaseDone(self.index, phase.value, phases[phase.value]))
+            self.channel.send(PhaseDone(self.index, phase.value, phases[phase.value]))
         self.role = target
-        send(self.conn, RoleDone(self.index, target.value, t_start, phases))
+        self.channel.send(RoleDone(self.index, target.value, t_start, phases))
 
     async def _phase(self, phase: Phase) -> None:
         from gyre.proxy.admin import ProxyAdmin
@@ -175,42 +227,46 @@ class CellLeader:
             elif phase == Phase.RELEASE_ENGINE_MEMORY:
                 await engine.release_memory()
             elif phase == Phase.PULL_WEIGHTS and not self.is_core:
-                await asyncio.to_thread(self._join_core)
+                await asyncio.to_thread(self._pull)
             elif phase == Phase.JOIN_STEP and not self.is_core:
                 self._stop.clear()
-                self._worker = threading.Thread(target=self.satellite.serve_until, args=(self._stop,), daemon=True)
+                self._worker = threading.Thread(target=self.satellite.serve, args=(self._stop,), daemon=True)
                 self._worker.start()
             elif phase == Phase.FINISH_MICROSTEP and not self.is_core:
-                self._stop.set()
+                self._stop.set()  # the satellite finishes the micro-step in hand, then leaves
                 await asyncio.to_thread(self._worker.join)
                 self._worker = None
             elif phase == Phase.LOAD_WEIGHTS:
                 await engine.resume_memory()
                 w = dict(self.weights)
-                await engine.update_weights_from_tensor(weight_version=str(w.pop("version")),
-                                                        load_format="gyre_transfer", **w)
+                await engine.update_weights_from_tensor(weight_version=w.pop("version"), load_format="gyre_transfer", **w)
             elif phase == Phase.ANNOUNCE_TO_PROXY:
                 await proxy.engine_op(self.engine_id, "activate")
 
-    def _join_core(self) -> None:
-        from gyre.cells.satellite import LeavingSatellite
+    def _pull(self) -> None:
+        from gyre.train.satellite import SatelliteCell
 
-        self.satellite = LeavingSatellite(self.trainer, self.endpoint, self.core_address)
-        self.satellite.pull()
+        if self.satellite is None:
+            self.satellite = SatelliteCell(self.trainer, self.endpoint, self.core_address, self.engine_id)
+        self.satellite.pull_latest()
 
     def close(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
+        self._stop.set()
+        if self.satellite is not None:
+            self.satellite.close()
         if self.core is not None:
             self.core.close()
         self.engine.stop()
-        self.conn.close()
+        self.channel.close()
+        self.events.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    CellLeader(CellSpec.from_json(argv[0])).run()
+    spec = CellSpec.from_json(argv[0])
+    Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+    CellLeader(spec).run()
     return 0
 
 

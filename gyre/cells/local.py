@@ -9,12 +9,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 
-from gyre.cells.protocol import PhaseDone, RoleDone, SwitchRole, send
 from gyre.cells.quota import CpuQuota
 from gyre.cells.spec import CellSpec
+from gyre.control.messages import PhaseDone, RoleDone, RoleSwitch
+from gyre.control.transport import Channel, ChannelTimeout
 from gyre.errors import GyreError
 from gyre.launch.serve import die_with_parent
 from gyre.scheduler.cells import Cell, Role
@@ -33,7 +33,7 @@ class LocalCell:
     log_path: Path
     quota: CpuQuota
     proc: subprocess.Popen | None = None
-    conn: Connection | None = None
+    channel: Channel | None = None
     engine_url: str = ""
     engine_version: int = -1
     """Weight version its engine serves (after the last load or push)."""
@@ -64,7 +64,16 @@ class LocalCell:
         """Start a role switch: the state machine first (it refuses what is not allowed), then the leader."""
         self.state.begin_switch(target, now_s)
         self.switch_started, self.phases = now_s, {}
-        send(self.conn, SwitchRole(target.value, weights, core_address))
+        self.channel.send(RoleSwitch(self.index, target.value, weights, core_address))
+
+    def messages(self) -> list:
+        """What the leader sent since the last call (non-blocking)."""
+        out = []
+        while True:
+            try:
+                out.append(self.channel.recv(timeout_s=0))
+            except ChannelTimeout:
+                return out
 
     def on_phase(self, msg: PhaseDone | RoleDone, now_s: float) -> None:
         if isinstance(msg, PhaseDone):
@@ -72,8 +81,8 @@ class LocalCell:
             self.state.next_phase(now_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.conn is not None:
-            self.conn.close()  # the leader sees EOF, stops its engine and exits
+        if self.channel is not None:
+            self.channel.close()  # the leader sees EOF, stops its engine and exits
         if self.proc is not None and self.proc.poll() is None:
             deadline = time.monotonic() + timeout_s
             while self.proc.poll() is None and time.monotonic() < deadline:

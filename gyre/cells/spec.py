@@ -22,10 +22,12 @@ class CellSpec:
     host: str
     """Interface its servers bind (the core's satellite listener, Mooncake)."""
     coordinator_address: str
-    """"host:port:authkey-hex" of the coordinator's cell listener."""
+    """The coordinator's cell listener (gyre.control.transport address)."""
     proxy_url: str
     proxy_admin_token: str
     checkpoint_dir: str
+    run_dir: str
+    """Where the cell's events go (the run's events.jsonl)."""
     init_weights: str | None = None
     """Engine-format model directory the core starts from (None: the seeded init)."""
     resume: bool = False

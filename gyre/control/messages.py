@@ -12,8 +12,10 @@ is built and again when it arrives (`check`), so a peer that sends something els
       Pull(cell) -> WeightVersion(version)    weights stay at `version` until PullDone(cell)
       Leave(cell)
     coordinator <-> cell leader (gyre/coordinator, gyre/cells)
-      RoleSwitch(cell, target), PhaseDone(cell, phase, seconds), Heartbeat(cell, t),
-      WeightVersion(version), Failure(cell, reason)
+      CellReady(cell, engine_url, ...)        once the leader's trainer and engine are up
+      RoleSwitch(cell, target, ...) -> PhaseDone(cell, phase, seconds)... -> RoleDone(cell, role, ...)
+      MicroBatches(step, batches)... EndStep(step) -> StepProgress(step, done)... -> StepDone(...)
+      SaveCheckpoint(step, extra) -> CheckpointDone(...); Stop; Failure(cell, reason)
 """
 
 import dataclasses
@@ -161,11 +163,28 @@ class Leave:
 
 # ---- coordinator <-> cell leaders -----------------------------------------------------------
 @message
+class CellReady:
+    """A cell leader built its trainer and engine. The core adds where satellites join it, its
+    weights as published (descriptor + version), its step and a digest of its weights."""
+
+    cell: int
+    engine_url: str
+    core_address: str = ""
+    weights: dict | None = None
+    step: int = 0
+    weights_digest: str = ""
+
+
+@message
 class RoleSwitch:
-    """Switch scheduler cell `cell` to role `target` (e.g. "train", "serve")."""
+    """Switch scheduler cell `cell` to role `target` ("train" or "rollout"). `weights`: the newest
+    published weights an engine returning to rollout loads; `core_address`: where a satellite
+    joining training finds the core."""
 
     cell: int
     target: str
+    weights: dict | None = None
+    core_address: str = ""
 
 
 @message
@@ -175,6 +194,71 @@ class PhaseDone:
     cell: int
     phase: str
     seconds: float
+
+
+@message
+class RoleDone:
+    """The switch is over: the cell holds `role`; `phases` maps each phase to its seconds, in order."""
+
+    cell: int
+    role: str
+    t_start: float
+    phases: dict
+
+
+@message
+class MicroBatches:
+    """More micro-batches of step `step` for the core (streamed as their groups become ready)."""
+
+    step: int
+    batches: list
+
+
+@message
+class EndStep:
+    """Step `step` has all its micro-batches: apply its optimizer step once they are trained."""
+
+    step: int
+
+
+@message
+class StepProgress:
+    """Ordinals (in the order received) of the step's micro-batches trained so far."""
+
+    step: int
+    done: list
+
+
+@message
+class StepDone:
+    """The core applied step `step`: weights are now `version`, published as `weights`."""
+
+    step: int
+    version: int
+    metrics: dict
+    weights: dict
+    seconds: float
+
+
+@message
+class SaveCheckpoint:
+    """Checkpoint the core at `step`; `extra` is the coordinator's state saved with it."""
+
+    step: int
+    extra: dict
+
+
+@message
+class CheckpointDone:
+    step: int
+    path: str
+    seconds: float
+    weights_digest: str = ""
+
+
+@message
+class Stop:
+    """Leave: stop the engine and exit."""
 
 
 @message

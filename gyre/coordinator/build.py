@@ -12,14 +12,14 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Listener
 from pathlib import Path
 
 from gyre.cells.local import CellError, LocalCell
-from gyre.cells.protocol import CellReady, recv
 from gyre.cells.quota import make_quota
 from gyre.cells.spec import CellSpec
 from gyre.config import GyreConfig
+from gyre.control.messages import CellReady
+from gyre.control.transport import ChannelTimeout, Listener, listen
 from gyre.engines.client import EngineClient
 from gyre.proxy.admin import ProxyAdmin
 from gyre.proxy.main import ProxyProcess
@@ -56,13 +56,6 @@ class Parts:
         return self.cells[0]
 
 
-def _listener() -> tuple[Listener, str]:
-    key = os.urandom(16)
-    listener = Listener(("127.0.0.1", 0), authkey=key)
-    host, port = listener.address
-    return listener, f"{host}:{port}:{key.hex()}"
-
-
 async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
     """Start every process of a local run; on failure whatever started is stopped and the error raised."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -82,12 +75,14 @@ async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
     n = cfg.cluster.num_cells
     parts.policy = RolloutOnlyPolicy(cfg.scheduler, n) if cfg.mode == "rollout" else make_policy(cfg.scheduler, n)
     roles = parts.policy.initial_roles()
-    parts.listener, address = _listener()
+    parts.listener = listen("tcp", "127.0.0.1")
+    address = parts.listener.address
     for state, role in zip(make_cells(n, cfg.cluster.cell_nodes), roles):
         state.role = role
         spec = CellSpec(index=state.index, role=role.value, model=cfg.model, trainer=cfg.trainer, engine=cfg.engine,
                         seed=cfg.seed, host="127.0.0.1", coordinator_address=address, proxy_url=parts.proxy.url,
                         proxy_admin_token=parts.proxy.admin_token, checkpoint_dir=str(parts.run_dir / "checkpoints"),
+                        run_dir=str(parts.run_dir),
                         init_weights=cfg.coordinator.init_weights, resume=resume)  # fmt: skip
         quota = make_quota(f"gyre-{os.getpid()}-cell{state.index}", cfg.coordinator.cpus_per_cell, state.index)
         cell = LocalCell(spec, state, parts.run_dir / "logs" / f"cell{state.index}.log", quota)
@@ -100,20 +95,20 @@ def _accept_cells(parts: Parts, timeout_s: float) -> None:
     """Accept every leader's connection and its CellReady (leaders build trainer + engine meanwhile)."""
     deadline = time.monotonic() + timeout_s
     pending = len(parts.cells)
-    sock = parts.listener._listener._socket  # noqa: SLF001 - the stdlib listener has no accept timeout
     while pending:
         for c in parts.cells:
             c.check_alive()
         if time.monotonic() > deadline:
             raise CellError(f"{pending} cell leader(s) not ready after {timeout_s} s (coordinator.cell_start_timeout_s)")
-        sock.settimeout(1.0)
         try:
-            conn = parts.listener.accept()
-        except TimeoutError:
+            channel = parts.listener.accept(timeout_s=1.0)
+        except ChannelTimeout:
             continue
-        ready = recv(conn)
+        ready = channel.recv(timeout_s=timeout_s)
+        if not isinstance(ready, CellReady):
+            raise CellError(f"a cell leader said {type(ready).__name__} before CellReady")
         cell = parts.cells[ready.cell]
-        cell.conn, cell.engine_url = conn, ready.engine_url
+        cell.channel, cell.engine_url = channel, ready.engine_url
         if ready.cell == 0:
             parts.core_address, parts.initial = ready.core_address, ready
         pending -= 1
@@ -125,7 +120,7 @@ async def _register_engines(parts: Parts) -> None:
     version = weights.pop("version")
     for cell in parts.cells:
         async with EngineClient(cell.engine_url) as engine:
-            await engine.update_weights_from_tensor(weight_version=str(version), load_format="gyre_transfer", **weights)
+            await engine.update_weights_from_tensor(weight_version=version, load_format="gyre_transfer", **weights)
             if cell.state.role != Role.ROLLOUT:
                 await engine.release_memory()
         cell.engine_version = version

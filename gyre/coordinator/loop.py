@@ -14,7 +14,7 @@ import logging
 import time
 from pathlib import Path
 
-from gyre.cells.protocol import CellFailure, CheckpointDone, PhaseDone, RoleDone, StepDone, recv, send
+from gyre.control.messages import CheckpointDone, Failure, PhaseDone, RoleDone, StepDone, StepProgress
 from gyre.config import GyreConfig
 from gyre.coordinator.build import Parts, build, close
 from gyre.coordinator.ledger import ExecutionLedger, read_ledger
@@ -60,14 +60,14 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
             now = time.time()
             for cell in parts.cells:
                 cell.check_alive()
-                while cell.conn.poll():
-                    await _on_message(recv(cell.conn), cell, parts, train, source, events, cfg, now)
+                for msg in cell.messages():
+                    await _on_message(msg, cell, parts, train, source, events, cfg, now)
             queued, ahead, running = source.counts(train.version)
             sessions = await _sessions(parts)
             obs = make_observation(
                 now, [x.state for x in parts.cells], sessions, [c.sessions_per_cell] * len(parts.cells),
                 [1.0] * len(parts.cells), queued=queued, queued_ahead=ahead, running=running, queue=train.queue,
-                train_tok_s=train.train_tok_s, optimizing=train.in_flight is not None)  # fmt: skip
+                train_tok_s=train.train_tok_s, optimizing=train.optimizing)  # fmt: skip
             events.observe(obs, sessions)
             decision = parts.policy.decide(obs)
             for i in decision.to_train + decision.to_rollout:
@@ -82,9 +82,10 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
                     group.batched = True  # evaluated and recorded; never trained
                     continue
                 source.log_exclusions(group, train.add_group(group).excluded)
-            if parts.core.state.role == Role.TRAIN and (step := train.next_step()) is not None:
-                parts.core.state.join_step(step.step)
-                send(parts.core.conn, step)
+            if parts.core.state.role == Role.TRAIN:
+                for msg in train.to_send():
+                    parts.core.state.join_step(msg.step)
+                    parts.core.channel.send(msg)
             events.update()
             await asyncio.sleep(c.tick_s)
     except BaseException as e:
@@ -124,6 +125,8 @@ async def _on_message(msg, cell, parts: Parts, train: Training, source, events: 
         if msg.role == Role.ROLLOUT.value and cell.engine_version < train.version:
             await _load_newest(cell, train.weights)
         cell.engine_version = max(cell.engine_version, (train.weights or {}).get("version", -1))
+    elif isinstance(msg, StepProgress):
+        train.on_progress(msg)
     elif isinstance(msg, StepDone):
         rec = train.on_step_done(msg, sum(x.state.role == Role.TRAIN for x in parts.cells))
         parts.core.state.leave_step()
@@ -132,14 +135,14 @@ async def _on_message(msg, cell, parts: Parts, train: Training, source, events: 
         await asyncio.gather(*(_load_newest(x, msg.weights) for x in serving))
         events.publish(train.version, time.monotonic() - t0, len(serving))
         if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= cfg.num_steps:
-            send(parts.core.conn, train.checkpoint({"next_group": source.next_group}))
+            parts.core.channel.send(train.checkpoint({"next_group": source.next_group}))
     elif isinstance(msg, CheckpointDone):
         events.checkpoint(msg)
         for rec in train.on_checkpoint_done(msg):
             for group, batch in rec.groups:
                 source.mark_trained(group, {eid for mb in batch.micro_batches for eid in mb.execution_ids}, rec.step)
-    elif isinstance(msg, CellFailure):
-        raise RunFailed(f"cell {msg.cell}: {msg.message}")
+    elif isinstance(msg, Failure):
+        raise RunFailed(f"cell {msg.cell}: {msg.reason}")
 
 
 async def _load_newest(cell, weights: dict) -> None:
@@ -149,5 +152,5 @@ async def _load_newest(cell, weights: dict) -> None:
     w = dict(weights)
     version = w.pop("version")
     async with EngineClient(cell.engine_url) as engine:
-        await engine.update_weights_from_tensor(weight_version=str(version), load_format="gyre_transfer", **w)
+        await engine.update_weights_from_tensor(weight_version=version, load_format="gyre_transfer", **w)
     cell.engine_version = version

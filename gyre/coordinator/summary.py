@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gyre.cells.protocol import CellReady, CheckpointDone, RoleDone
+from gyre.control.messages import CellReady, CheckpointDone, RoleDone
 from gyre.coordinator.ledger import LedgerEntry, LedgerView
 from gyre.metrics.events import (Checkpoint, ExecutionState, Exclusion, Failure, Observation, OptimizerStep, RoleSwitch,
                                  RunStart, WeightPublish)

@@ -1,22 +1,22 @@
-"""The training side of the run: ready groups become the step's micro-batches, the core steps once.
+"""The training side of the run: ready groups stream to the core as micro-batches; it steps once.
 
-    group ready ─> make_group_batch ─> MicroStepQueue[step] ─(batch ready, core in TRAIN)─> TrainStep
+    group ready ─> make_group_batch ─> MicroStepQueue[step] ─(core in TRAIN)─> MicroBatches ─> core
+    the step's every group accounted ─> EndStep;  StepProgress ─> groups done in the queue
     StepDone ─> version + 1 ─> engines of serving cells load it ─> checkpoint ─> ledger: trained
 
-Executions are written to the ledger as trained only once the checkpoint that holds their step
-is complete, so a resume never loses one and never trains one twice.
+A group is one micro-step of the queue (what the policy counts as ready training work) until the
+core reports all its micro-batches trained. Executions are written to the ledger as trained only
+once the checkpoint that holds their step is complete, so a resume never loses one and never
+trains one twice.
 """
 
-import logging
 from dataclasses import dataclass, field
 
-from gyre.cells.protocol import CheckpointDone, SaveCheckpoint, StepDone, TrainStep
+from gyre.control.messages import CheckpointDone, EndStep, MicroBatches, SaveCheckpoint, StepDone, StepProgress
 from gyre.coordinator.batching import GroupBatch, make_group_batch
 from gyre.coordinator.rollouts import Group
-from gyre.scheduler.streaming import MicroStepQueue
+from gyre.scheduler.streaming import MicroStep, MicroStepQueue
 from gyre.trajectory.config import TrajectoryConfig
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,6 +27,11 @@ class StepRecord:
     groups: list[tuple[Group, GroupBatch]] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     seconds: float = 0.0
+    sent: list[int] = field(default_factory=list)
+    """Group of each micro-batch sent to the core, in the order sent (StepProgress ordinals)."""
+    micro: dict[int, MicroStep] = field(default_factory=dict)
+    """Group -> its micro-step in the queue, until the core trained all its micro-batches."""
+    ended: bool = False
 
     @property
     def rewards(self) -> list[float]:
@@ -40,48 +45,73 @@ class Training:
         self.queue.version = version
         self.staleness, self.trajectory, self.max_tokens = staleness, trajectory, max_tokens
         self.steps: dict[int, StepRecord] = {}
-        self.in_flight: StepRecord | None = None
         self.train_tok_s = train_tok_s
         """Training throughput of one cell, tokens/s: the configured guess until a step measures it."""
         self.uncheckpointed: list[StepRecord] = []
         self.weights = weights
         """The newest published weights (descriptor + version)."""
-        self._claimed: list = []
 
     @property
     def version(self) -> int:
         return self.queue.version
+
+    @property
+    def optimizing(self) -> bool:
+        """The current step's batch is complete and the core is finishing it."""
+        rec = self.steps.get(self.version)
+        return rec is not None and rec.ended
+
+    def _record(self, step: int) -> StepRecord:
+        return self.steps.setdefault(step, StepRecord(step))
 
     def add_group(self, group: Group) -> GroupBatch:
         """Turn a ready group into micro-batches of its step (excluded as a whole if nothing trains)."""
         batch = make_group_batch([(ex.records_path, ex.evaluation) for ex in group.executions], group.step,
                                  self.staleness, self.trajectory, self.max_tokens)
         group.batched = True
-        self.steps.setdefault(group.step, StepRecord(group.step)).groups.append((group, batch))
+        rec = self._record(group.step)
+        rec.groups.append((group, batch))
         tokens = sum(b.num_tokens for b in batch.micro_batches)
         if tokens:
-            self.queue.add_ready(group.step, group.index, batch.min_version, tokens)
+            rec.micro[group.index] = self.queue.add_ready(group.step, group.index, batch.min_version, tokens)
         else:
             self.queue.exclude(group.step, group.index)
         return batch
 
-    def next_step(self) -> TrainStep | None:
-        """The current step's TrainStep once its batch is complete and no step is running."""
-        if self.in_flight is not None or not self.queue.batch_ready():
-            return None
-        rec = self.steps.setdefault(self.version, StepRecord(self.version))
-        self._claimed = []
-        while (ms := self.queue.claim()) is not None:
-            self._claimed.append(ms)
-        batches = [mb for _, b in rec.groups for mb in b.micro_batches]
-        self.in_flight = rec
-        return TrainStep(rec.step, batches, sum(b.total_weight for _, b in rec.groups))
+    def to_send(self) -> list:
+        """Messages for the core now (it must be in TRAIN): new micro-batches of the current step,
+        then EndStep once every group of the step is accounted for."""
+        rec, out = self._record(self.version), []
+        sent = set(rec.sent)
+        for group, batch in rec.groups:
+            if group.index not in sent and batch.micro_batches:
+                out.append(MicroBatches(rec.step, batch.micro_batches))
+                rec.sent += [group.index] * len(batch.micro_batches)
+        if not rec.ended and self.queue.batch_ready():
+            out.append(EndStep(rec.step))
+            rec.ended = True
+        return out
+
+    def on_progress(self, msg: StepProgress) -> None:
+        """Groups whose micro-batches are all trained leave the ready work."""
+        rec = self.steps.get(msg.step)
+        if rec is None:
+            return
+        done = {rec.sent[o] for o in msg.done}
+        for gi in done - {rec.sent[o] for o in range(len(rec.sent)) if o not in msg.done}:
+            self._complete(rec, gi)
+
+    def _complete(self, rec: StepRecord, group_index: int) -> None:
+        ms = rec.micro.pop(group_index, None)
+        if ms is not None:
+            claimed = self.queue.claim("core", index=ms.index)
+            self.queue.complete(claimed)
 
     def on_step_done(self, msg: StepDone, num_train_cells: int) -> StepRecord:
-        rec, self.in_flight = self.in_flight, None
+        rec = self.steps.pop(msg.step)
         rec.metrics, rec.seconds = msg.metrics, msg.seconds
-        for ms in self._claimed:
-            self.queue.complete(ms)
+        for gi in list(rec.micro):
+            self._complete(rec, gi)
         self.queue.apply_optimizer_step()
         if msg.version != self.version:
             raise RuntimeError(f"core reports version {msg.version}, the queue is at {self.version}")
