@@ -1,8 +1,10 @@
 """One async HTTP client for both rollout servers (builtin `gyre-engine` and SGLang 0.5.x).
 
 Every call has an explicit timeout; a non-2xx answer raises EngineHTTPError carrying the status
-and the response body. `generate` sends `extra_key` = the last weight version this client saw,
-so SGLang's HiCache (and the builtin prefix cache) never mixes KV across weight versions.
+and the response body. With `key_by_weight_version` (SGLang engines), `generate` sends
+`extra_key` = the last weight version this client saw, so SGLang's HiCache (and the builtin prefix
+cache) never mixes KV across weight versions. Weight versions are integers (the optimizer step)
+on Gyre's side; on the wire they are what the engine sends (SGLang: strings).
 """
 
 import json
@@ -12,6 +14,15 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from gyre.errors import GyreError
+
+
+def parse_weight_version(value) -> int:
+    """An engine's `weight_version` as Gyre's integer; -1 for one that is not a number (SGLang
+    starts at "default" until a weight update names a version)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    s = str(value).strip()
+    return int(s) if s.lstrip("-").isdigit() else -1
 
 
 class EngineHTTPError(GyreError):
@@ -27,7 +38,8 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.key_by_weight_version = key_by_weight_version
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.weight_version: str | None = None
+        self.weight_version: int | None = None
+        """The engine's last weight version this client saw (None before any answer named one)."""
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "EngineClient":
@@ -70,7 +82,7 @@ class EngineClient:
             body["rid"] = rid
         key = extra_key if extra_key is not None or not self.key_by_weight_version else self.weight_version
         if key is not None:
-            body["extra_key"] = key
+            body["extra_key"] = str(key)  # SGLang's GenerateReqInput.extra_key is a string
         return body
 
     def _generate_payload(self, input_ids, sampling_params, rid, return_logprob, stream, extra_key, input_ids_json) -> bytes:
@@ -86,7 +98,7 @@ class EngineClient:
         """One /generate answer. input_ids_json: `input_ids` already encoded (IdsJsonCache), sent as is."""
         payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, False, extra_key, input_ids_json)
         out = await self._request("POST", "/generate", raw=payload)
-        self.weight_version = out["meta_info"].get("weight_version", self.weight_version)
+        self._saw_version(out["meta_info"].get("weight_version"))
         return out
 
     async def generate_stream(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
@@ -103,7 +115,9 @@ class EngineClient:
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     return
-                yield json.loads(payload)
+                chunk = json.loads(payload)
+                self._saw_version(chunk.get("meta_info", {}).get("weight_version"))
+                yield chunk
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
         return await self.post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
@@ -117,12 +131,12 @@ class EngineClient:
     # --- weights, memory, cache ---------------------------------------------------------------
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, **extra) -> dict:
         out = await self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version, **extra})
-        self.weight_version = out.get("weight_version", weight_version)
+        self._saw_version(out.get("weight_version", weight_version))
         return out
 
     async def update_weights_from_tensor(self, weight_version: str | None = None, **payload) -> dict:
         out = await self.post("/update_weights_from_tensor", {"weight_version": weight_version, **payload})
-        self.weight_version = out.get("weight_version", weight_version)
+        self._saw_version(out.get("weight_version", weight_version))
         return out
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -138,7 +152,7 @@ class EngineClient:
         out = await self.post("/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "weight_version": weight_version, "flush_cache": True})  # fmt: skip
-        self.weight_version = weight_version or self.weight_version
+        self._saw_version(weight_version)
         return out
 
     async def flush_cache(self) -> dict:
@@ -163,8 +177,12 @@ class EngineClient:
 
     async def model_info(self) -> dict:
         info = await self.get("/model_info")
-        self.weight_version = info.get("weight_version", self.weight_version)
+        self._saw_version(info.get("weight_version"))
         return info
+
+    def _saw_version(self, value) -> None:
+        if value is not None:
+            self.weight_version = parse_weight_version(value)
 
     async def loads(self) -> dict:
         return await self.get("/v1/loads")

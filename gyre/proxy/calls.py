@@ -50,11 +50,6 @@ class Call:
         self.seq, self.started_at = self.ex.begin_call()
 
 
-def _version(v) -> int:
-    s = str(v)
-    return int(s) if s.lstrip("-").isdigit() else -1
-
-
 class CallRunner:
     def __init__(self, cfg: ProxyConfig, tokenizer: BaseTokenizer, renderer: Renderer, pool: EnginePool):
         self.cfg, self.tok, self.renderer, self.pool = cfg, tokenizer, renderer, pool
@@ -104,7 +99,7 @@ class CallRunner:
                  "engine_ms": round(g.engine_s * 1e3, 3), "retokenized_turns": call.rendered.num_retokenized}  # fmt: skip
         return CallRecord.build(
             input_ids=call.rendered.input_ids, output_ids=g.output_ids, logprobs=g.logprobs,
-            versions=[_version(v) for v in g.versions], execution_id=call.ex.execution_id, call_id=f"c{call.seq}",
+            versions=g.versions, execution_id=call.ex.execution_id, call_id=f"c{call.seq}",
             seq=call.seq, agent_id=call.hints.agent_id, parent_agent_id=call.hints.parent_agent_id,
             kind_hint=call.hints.kind_hint, finish_reason=g.finish, engine_id=g.engine_ids[-1] if g.engine_ids else "",
             cell_id=self._cell_of(g.engine_ids[-1]) if g.engine_ids else "",
@@ -117,6 +112,13 @@ class CallRunner:
         completes (fsynced per `fsync_window_ms`), so whoever sees a harness finish can read all of
         its records."""
         self.pool.metrics.num_calls += 1
+        call.ex.num_inflight += 1
+        try:
+            return await self._respond(request, call, wire)
+        finally:
+            call.ex.num_inflight -= 1
+
+    async def _respond(self, request: web.Request, call: Call, wire) -> web.StreamResponse:
         stream = call.gen.stream()
         try:
             first = await stream.__anext__()  # errors before any byte is sent are plain HTTP errors

@@ -57,6 +57,8 @@ class Execution:
         self.revoked = False
         self.turns = TurnMemory()
         self.num_calls = 0
+        self.num_inflight = 0
+        """Calls of this execution being answered now (the coordinator's load signal)."""
         self._parse = parse
         self._writer = RecordWriter(records_path, fsync=fsync, group=group)  # cuts a torn tail before we read
         self._sync_each = fsync and group is None

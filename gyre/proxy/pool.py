@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from gyre.engines.client import EngineClient, EngineHTTPError, IdsJsonCache, migrate_prefix
+from gyre.engines.client import EngineClient, EngineHTTPError, IdsJsonCache, migrate_prefix, parse_weight_version
 from gyre.proxy.chat import ApiError
-from gyre.proxy.routing import RoutingTable
+from gyre.proxy.routing import SERVING, RoutingTable
 
 log = logging.getLogger(__name__)
 _ENGINE_DOWN = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
@@ -72,17 +72,24 @@ class EnginePool:
         await client.__aenter__()
         try:
             info = await asyncio.wait_for(client.model_info(), 10)
-        except (*_ENGINE_DOWN, EngineHTTPError) as e:
+        except (*_ENGINE_DOWN, EngineHTTPError, ValueError) as e:
             await client.close()
             raise ApiError("invalid_request", f"engine {engine_id} at {url} did not answer /model_info: {e!r}") from None
+        builtin = info.get("engine") == "gyre-builtin"
+        client.key_by_weight_version = not builtin  # SGLang: HiCache keys KV by extra_key = weight version
         old = self.clients.pop(engine_id, None)
         if old:
             await old.close()
         self.clients[engine_id] = client
         self.inflight.setdefault(engine_id, set())
-        self.table.add(engine_id, url, supports_kv_export=info.get("engine") == "gyre-builtin", cell_id=cell_id)
+        self.table.add(engine_id, url, supports_kv_export=builtin, cell_id=cell_id)
         await self._notify()
-        return {"engine_id": engine_id, "url": url, "weight_version": info.get("weight_version")}
+        return {"engine_id": engine_id, "url": url, "weight_version": client.weight_version}
+
+    async def stop_admission(self, engine_id: str) -> None:
+        """Phase 1 of a cell leaving rollout: no new sessions; its current ones stay (see routing)."""
+        self.table.set_status(engine_id, "closing")
+        await self._notify()
 
     async def drain(self, engine_id: str) -> int:
         """Stop routing to the engine and abort its in-flight calls (they resume elsewhere)."""
@@ -104,8 +111,12 @@ class EnginePool:
             await client.close()
 
     def describe(self) -> list[dict]:
+        """Each engine's state and load: calls in flight and sessions routed to it."""
+        sessions = self.table.num_sessions()
         return [{"engine_id": e.engine_id, "url": e.url, "status": e.status, "num_inflight": e.num_inflight,
-                 "supports_kv_export": e.supports_kv_export, "cell_id": e.cell_id} for e in self.table.engines.values()]  # fmt: skip
+                 "num_sessions": sessions[e.engine_id], "supports_kv_export": e.supports_kv_export, "cell_id": e.cell_id,
+                 "weight_version": self.clients[e.engine_id].weight_version if e.engine_id in self.clients else None}
+                for e in self.table.engines.values()]  # fmt: skip
 
     # --- health -----------------------------------------------------------------------------
     async def _health_loop(self) -> None:
@@ -119,7 +130,7 @@ class EnginePool:
                     ok = await asyncio.wait_for(client.health(), self.health_interval_s * 5)
                 except TimeoutError:
                     ok = False
-                if not ok and entry.status == "active":
+                if not ok and entry.status in SERVING:
                     self.mark_dead(eid, "health check failed")
                 elif ok and entry.status == "dead":
                     log.warning("engine %s answers /health again: active", eid)
@@ -128,7 +139,7 @@ class EnginePool:
 
     def mark_dead(self, engine_id: str, why: str) -> None:
         entry = self.table.engines.get(engine_id)
-        if entry is not None and entry.status == "active":
+        if entry is not None and entry.status in SERVING:
             log.warning("engine %s marked dead: %s", engine_id, why)
             entry.status = "dead"
             self.metrics.num_engine_failures += 1
@@ -173,7 +184,7 @@ class Generation:
     """Called once, when the call first gets an engine (the proxy numbers calls then)."""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     finish: str = "abort"
     engine_ids: list[str] = field(default_factory=list)
     num_migrated: int = 0
@@ -256,9 +267,9 @@ class Generation:
         if spans:  # the versions of output positions [seen, seen + len(new)) from the spans overlapping them
             end = seen + len(new)
             versions = [v for s in spans if s["end"] > seen and s["start"] < end
-                        for v in [s["weight_version"]] * (min(s["end"], end) - max(s["start"], seen))]  # fmt: skip
+                        for v in [parse_weight_version(s["weight_version"])] * (min(s["end"], end) - max(s["start"], seen))]  # fmt: skip
         else:
-            versions = [str(meta.get("weight_version", "0"))] * len(new)
+            versions = [parse_weight_version(meta.get("weight_version", 0))] * len(new)
         self.output_ids += new
         self.logprobs += lps
         self.versions += versions

@@ -3,15 +3,19 @@
 Sessions (one agent of one execution) stick to an engine, so its prefix cache keeps their KV; a
 session moves when its engine stops being active (drained, crashed, removed) or when its engine
 carries `max_imbalance` more calls in flight than the least-loaded one. New sessions go to the
-least-loaded active engine. No clocks, no sockets: the proxy's edge updates it as calls start and
-end and as the admin API or health checks change an engine's status.
+least-loaded active engine. A `closing` engine (its cell is leaving rollout: phase 1, admission
+stopped) takes no new sessions but keeps serving the ones it has; `draining` (phase 2) aborts and
+moves them too. No clocks, no sockets: the proxy's edge updates it as calls start and end and as
+the admin API or health checks change an engine's status.
 """
 
 from dataclasses import dataclass
 
 from gyre.errors import GyreError
 
-STATUSES = ("active", "draining", "dead")
+STATUSES = ("active", "closing", "draining", "dead")
+SERVING = ("active", "closing")
+"""Statuses whose engine still serves the sessions routed to it."""
 
 
 class RoutingError(GyreError):
@@ -63,16 +67,34 @@ class RoutingTable:
         return [e for e in self.engines.values() if e.status == "active"]
 
     def pick(self, session: str, exclude: frozenset[str] = frozenset()) -> str | None:
-        """The engine for `session`'s next call (sticky, balanced), or None if none is active."""
+        """The engine for `session`'s next call (sticky, balanced), or None if none serves it.
+
+        A session stays on its engine (active or closing) unless that carries `max_imbalance` more
+        calls in flight than the least-loaded active one; a closing engine with no active one left
+        keeps its own sessions."""
+        current = self.engines.get(self.sessions.get(session, ""))
+        stays = current is not None and current.status in SERVING and current.engine_id not in exclude
         candidates = [e for e in self.active() if e.engine_id not in exclude]
         if not candidates:
-            return None
+            return current.engine_id if stays else None
         least = min(candidates, key=lambda e: (e.num_inflight, e.engine_id))
-        current = self.engines.get(self.sessions.get(session, ""))
-        if current in candidates and current.num_inflight <= least.num_inflight + self.max_imbalance:
+        if stays and current.num_inflight <= least.num_inflight + self.max_imbalance:
             return current.engine_id
         self.sessions[session] = least.engine_id
         return least.engine_id
+
+    def num_sessions(self) -> dict[str, int]:
+        """Engine id -> sessions routed to it (every engine listed; one pass over the sessions)."""
+        counts = dict.fromkeys(self.engines, 0)
+        for eid in self.sessions.values():
+            if eid in counts:
+                counts[eid] += 1
+        return counts
+
+    def executions_with_sessions(self) -> set[str]:
+        """Ids of executions with a session in the table (keys are `<execution id>/<agent id>`;
+        sessions leave when their execution is revoked or their engine removed)."""
+        return {s.split("/", 1)[0] for s in self.sessions}
 
     def begin(self, engine_id: str) -> None:
         self.get(engine_id).num_inflight += 1

@@ -6,7 +6,9 @@ Harness side (per-execution key in `x-api-key`, `Authorization: Bearer`, or `x-g
 Admin side (`Authorization: Bearer <admin token>`):
     POST /admin/executions {execution_id, api_key?} -> {api_key}; DELETE /admin/executions/{id} (revoke);
     GET/POST /admin/engines {engine_id, url, cell_id?}; DELETE /admin/engines/{id};
-    POST /admin/engines/{id}/drain | /activate; GET /admin/metrics
+    POST /admin/engines/{id}/stop_admission (phase 1 of leaving rollout: no new sessions) | /drain
+    (phase 2: abort and resume its calls elsewhere) | /activate;
+    GET /admin/metrics (counters, each engine's and each execution's load)
 Every error answers in the API's own format; a bad request never takes the proxy down.
 """
 
@@ -82,6 +84,7 @@ class ProxyServer:
             web.get("/admin/engines", self.list_engines), web.post("/admin/engines", self.add_engine),
             web.delete("/admin/engines/{id}", self.remove_engine), web.post("/admin/engines/{id}/drain", self.drain_engine),
             web.post("/admin/engines/{id}/activate", self.activate_engine), web.get("/admin/metrics", self.metrics),
+            web.post("/admin/engines/{id}/stop_admission", self.stop_admission),
         ])  # fmt: skip
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._close)
@@ -217,7 +220,15 @@ class ProxyServer:
     async def activate_engine(self, request: web.Request) -> web.Response:
         return await self._engine_op(request, self.pool.activate)
 
+    async def stop_admission(self, request: web.Request) -> web.Response:
+        return await self._engine_op(request, self.pool.stop_admission)
+
     async def metrics(self, request: web.Request) -> web.Response:
+        """Counters, engines (status, calls in flight, sessions) and executions (calls in flight,
+        whether a session of theirs is in the routing table): O(engines + sessions + executions)."""
         self._admin(request)
-        m = self.pool.metrics
-        return web.json_response({**vars(m), "num_executions": len(self.executions.by_id), "engines": self.pool.describe()})
+        with_sessions = self.pool.table.executions_with_sessions()
+        executions = {eid: {"num_inflight": ex.num_inflight, "has_session": eid in with_sessions}
+                      for eid, ex in self.executions.by_id.items() if not ex.revoked}  # fmt: skip
+        return web.json_response({**vars(self.pool.metrics), "num_executions": len(self.executions.by_id),
+                                  "engines": self.pool.describe(), "executions": executions})  # fmt: skip

@@ -155,6 +155,38 @@ def test_bad_input_answers_4xx_in_each_format(engines, tmp_path):
         proxy.stop()
 
 
+def test_stop_admission_keeps_old_sessions_and_metrics_show_load(engines, tmp_path):
+    """Phase 1 of a cell leaving rollout: a closing engine serves its sessions, takes no new ones."""
+    proxy = start_proxy(tmp_path, [engines[0].url, engines[1].url])
+    try:
+        keys = {name: new_execution(proxy, name) for name in ("old", "new")}
+        body = {"model": "gyre", "max_tokens": 400, "tools": A_TOOLS, "messages": [{"role": "user", "content": "please take a step"}]}
+
+        def call(name: str) -> str:
+            status, out = http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": keys[name]})
+            assert status == 200, out
+            records, _ = read_records(tmp_path / "records" / f"{name}.jsonl")
+            return records[-1].engine_id
+
+        first = call("old")
+        other = {"e0": "e1", "e1": "e0"}[first]
+        status, out = http(f"{proxy.url}/admin/engines/{first}/stop_admission", "POST", token=proxy.admin_token)
+        assert status == 200 and {e["engine_id"]: e["status"] for e in out["engines"]}[first] == "closing"
+        assert call("new") == other and call("old") == first  # new sessions elsewhere, the old one stays
+        status, m = http(proxy.url + "/admin/metrics", token=proxy.admin_token)
+        assert status == 200 and {e["engine_id"]: e["num_sessions"] for e in m["engines"]} == {first: 1, other: 1}
+        assert m["executions"] == {"old": {"num_inflight": 0, "has_session": True}, "new": {"num_inflight": 0, "has_session": True}}
+        assert all(e["num_inflight"] == 0 and e["weight_version"] == 0 for e in m["engines"])
+        http(proxy.url + "/admin/executions/new", "DELETE", token=proxy.admin_token)
+        status, m = http(proxy.url + "/admin/metrics", token=proxy.admin_token)
+        assert set(m["executions"]) == {"old"} and {e["engine_id"]: e["num_sessions"] for e in m["engines"]}[other] == 0
+        status, out = http(f"{proxy.url}/admin/engines/{first}/activate", "POST", token=proxy.admin_token)
+        assert {e["engine_id"]: e["status"] for e in out["engines"]}[first] == "active"
+        assert http(proxy.url + "/admin/engines/zz/stop_admission", "POST", token=proxy.admin_token)[0] == 404
+    finally:
+        proxy.stop()
+
+
 def test_20_drains_during_16_sessions(engines, tmp_path):
     """Drains abort in-flight calls; they resume elsewhere (KV prefix migrated) with no visible error."""
     proxy = start_proxy(tmp_path, [e.url for e in engines], max_imbalance=2)

@@ -187,6 +187,39 @@ def test_routing_sticky_balanced_and_drained():
         t.set_status("a", "sleeping")
 
 
+@pytest.mark.parametrize("case_id, ops, expect", [
+    ("new-session-avoids-closing", [("s1", "a"), ("close", "a"), ("s2", "b")], {"a": 1, "b": 1}),
+    ("old-session-stays-on-closing", [("s1", "a"), ("close", "a"), ("s1", "a")], {"a": 1, "b": 0}),
+    ("closing-alone-keeps-its-own", [("s1", "a"), ("close", "a"), ("close", "b"), ("s1", "a"), ("s2", None)], {"a": 1, "b": 0}),
+    ("activate-reverts", [("close", "a"), ("activate", "a"), ("s1", "a")], {"a": 1, "b": 0}),
+    ("drain-moves-closing-sessions", [("s1", "a"), ("close", "a"), ("drain", "a"), ("s1", "b")], {"a": 0, "b": 1}),
+])  # fmt: skip
+def test_routing_stop_admission(case_id, ops, expect):
+    t = RoutingTable(max_imbalance=4)
+    t.add("a", "u1")
+    t.add("b", "u2")
+    for op, arg in ops:
+        if op in ("close", "activate", "drain"):
+            t.set_status(arg, {"close": "closing", "activate": "active", "drain": "draining"}[op])
+        else:
+            assert t.pick(op) == arg, (case_id, op)
+    assert t.num_sessions() == expect
+    assert t.executions_with_sessions() == ({"s1"} if "s1" in t.sessions else set()) | ({"s2"} if "s2" in t.sessions else set())
+
+
+def test_engine_client_keys_sglang_generations_by_weight_version():
+    from gyre.engines.client import EngineClient, parse_weight_version
+
+    c = EngineClient("http://x", key_by_weight_version=True)
+    assert "extra_key" not in c._generate_body([1], {}, "r", True, False, None)
+    c._saw_version("7")
+    assert c.weight_version == 7 and c._generate_body([1], {}, "r", True, False, None)["extra_key"] == "7"
+    builtin = EngineClient("http://x")
+    builtin._saw_version(7)
+    assert "extra_key" not in builtin._generate_body([1], {}, "r", True, False, None)
+    assert [parse_weight_version(v) for v in (3, "12", "-1", "default")] == [3, 12, -1, -1]
+
+
 def test_scripted_policy_resumes_mid_output():
     tok = ByteTokenizer()
     policy = ScriptedPolicy([ScriptRule(__import__("re").compile("ping"), "pong <tool_call>x</tool_call>")], tok)
@@ -287,6 +320,8 @@ def test_generation_takes_versions_of_new_tokens_from_spans():
     spans = [{"weight_version": "3", "start": 0, "end": 2}, {"weight_version": "4", "start": 2, "end": 5}]
     g._extend([7], [-0.5], {"weight_version_spans": spans[:1]}, 0)
     g._extend([8, 9, 10], [-0.1, -0.2, -0.3], {"weight_version_spans": spans}, 1)
-    assert g.output_ids == [7, 8, 9, 10] and g.versions == ["3", "3", "4", "4"]
+    assert g.output_ids == [7, 8, 9, 10] and g.versions == [3, 3, 4, 4]
+    g._extend([11], [-0.1], {"weight_version": "default"}, 4)  # SGLang before any numbered update
+    assert g.versions[-1] == -1
     with pytest.raises(ApiError, match="2 log-probs for 1 tokens"):
         g._extend([1], [-1.0, -1.0], {}, 4)
