@@ -8,7 +8,6 @@ on Gyre's side; on the wire they are what the engine sends (SGLang: strings).
 """
 
 import json
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -213,40 +212,3 @@ async def migrate_prefix(src: EngineClient, dst: EngineClient, input_ids: list[i
         finally:
             await src.release_kv_export(export["export_id"])
     return {"transferred_tokens": n, "recomputed_tokens": len(input_ids) - n}
-
-
-class IdsJsonCache:
-    """Prompt ids as JSON arrays, encoded incrementally per session.
-
-    A harness re-sends its whole context every call and the proxy forwards it as a JSON list of
-    token ids: encoding 80K ids costs ~20 ms of the proxy's event loop, every call. Token-faithful
-    prompts extend the session's previous prompt, so each session's last prompt and its text are
-    kept and only the new tokens are encoded (checking the prefix is one list comparison, ~0.3 ms).
-    Least recently used sessions are dropped beyond `max_tokens` kept in all.
-    """
-
-    def __init__(self, max_tokens: int = 8_000_000):
-        self.max_tokens = max_tokens
-        self.num_hits = self.num_tokens = 0
-        self._by_session: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
-
-    def encode(self, session: str, ids: list[int]) -> bytes:
-        """`ids` as a compact JSON array, reusing the session's last prompt's text when it is a prefix."""
-        last_ids, last_text = self._by_session.pop(session, ((), b""))
-        self.num_tokens -= len(last_ids)
-        n = len(last_ids)
-        if 0 < n <= len(ids) and ids[:n] == last_ids:
-            self.num_hits += 1
-            text = last_text if n == len(ids) else b"".join((memoryview(last_text)[:-1], b",", _ids_json(ids[n:])[1:]))
-        else:
-            text = _ids_json(ids)
-        self._by_session[session] = (list(ids), text)
-        self.num_tokens += len(ids)
-        while self.num_tokens > self.max_tokens and len(self._by_session) > 1:
-            old, _ = self._by_session.popitem(last=False)[1]
-            self.num_tokens -= len(old)
-        return text
-
-
-def _ids_json(ids) -> bytes:
-    return json.dumps(ids, separators=(",", ":")).encode()

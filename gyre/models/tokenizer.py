@@ -214,4 +214,5 @@ class HFTokenizer(BaseTokenizer):
             if m.get("tool_calls") else m
             for m in messages
         ]  # fmt: skip
-        return list(self._tok.apply_chat_template(hf_msgs, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt))
+        return list(self._tok.apply_chat_template(hf_msgs, tools=tools, tokenize=True, return_dict=False,
+                                                add_generation_prompt=add_generation_prompt))

@@ -18,17 +18,18 @@ output ids, so a continuing conversation reuses the model's exact tokens across 
 
 import asyncio
 import hashlib
-import json
 import logging
 import re
 import secrets
 import time
-from collections import deque
 from pathlib import Path
+
+import numpy as np
 
 from gyre.errors import GyreError
 from gyre.launch.serve import write_private_file
 from gyre.proxy.chat import ApiError
+from gyre.proxy.conversation import ConversationCache
 from gyre.proxy.render import TurnMemory, remember_records
 from gyre.records.io import (
     GroupCommit,
@@ -56,6 +57,9 @@ class Execution:
         self.execution_id, self.key, self.digest, self.records_path = execution_id, key, digest, records_path
         self.revoked = False
         self.turns = TurnMemory()
+        self.conversations = ConversationCache()
+        self._restored_inputs: dict[str, np.ndarray] = {}
+        """Each agent's last recorded input, read at a restart: its first call repeating it is a retry."""
         self.num_calls = 0
         self.num_inflight = 0
         """Calls of this execution being answered now (the coordinator's load signal)."""
@@ -64,7 +68,6 @@ class Execution:
         self._sync_each = fsync and group is None
         self._restore_pending = records_path.stat().st_size > 0
         self._restore_lock = asyncio.Lock()
-        self._recent: deque[str] = deque(maxlen=64)
         self._write_lock = asyncio.Lock()
 
     async def ready(self) -> None:
@@ -84,6 +87,7 @@ class Execution:
             except RecordFileError as e:
                 raise ApiError("api_error", f"execution {self.execution_id}: cannot continue its records: {e}") from None
             remember_records(self.turns, records, self._parse)
+            self._restored_inputs = {r.agent_id: r.input_ids for r in records}
             self._writer.continue_from(records)
             self.num_calls = max([self.num_calls] + [r.seq + 1 for r in records])
             self._restore_pending = False
@@ -95,12 +99,11 @@ class Execution:
         self.num_calls += 1
         return seq, time.time()
 
-    def is_retry(self, body: dict) -> bool:
-        """Whether this body (ignoring `stream`) was sent before: a harness re-sending a call."""
-        digest = hashlib.sha256(json.dumps({k: v for k, v in body.items() if k != "stream"}, sort_keys=True).encode()).hexdigest()
-        seen = digest in self._recent
-        self._recent.append(digest)
-        return seen
+    def repeats_restored(self, agent_id: str, input_ids: np.ndarray) -> bool:
+        """After a restart (no snapshots yet): whether the agent's first call has the prompt of its
+        last recorded call (a harness re-sending the call the old process was answering)."""
+        last = self._restored_inputs.pop(agent_id, None) if self._restored_inputs else None
+        return last is not None and last.size == input_ids.size and bool(np.array_equal(last, input_ids))
 
     async def append(self, record: CallRecord) -> None:
         if not self._sync_each:  # one write() to the page cache (~0.1 ms with the encoding): a thread hop costs more

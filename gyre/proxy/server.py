@@ -19,6 +19,7 @@ import logging
 import secrets
 import time
 
+import orjson
 from aiohttp import web
 
 from gyre.errors import GyreError
@@ -50,10 +51,10 @@ def _credentials(request: web.Request) -> list[str]:
 
 async def _json_body(request: web.Request):
     try:
-        return json.loads(await request.read())
+        return orjson.loads(await request.read())
     except web.HTTPRequestEntityTooLarge:
         raise ApiError("too_large", f"request body exceeds {request.app['max_body']} bytes") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except orjson.JSONDecodeError as e:
         raise invalid(f"malformed JSON body: {e}") from None
 
 
@@ -137,9 +138,8 @@ class ProxyServer:
             body = await _json_body(request)
             if isinstance(body, dict):
                 body = {**body, "max_tokens": body.get("max_tokens") or 1}
-            chat = self.anthropic.parse(body)
-            ids = self.renderer.render(chat.messages, chat.tools, ex.turns).input_ids
-            return web.json_response({"input_tokens": len(ids)})
+            _, _, rendered, _ = self.runner.render(ex, self.anthropic, body, request.headers, keep=False)
+            return web.json_response({"input_tokens": int(rendered.input_ids.size)})
         except ApiError as e:
             status, body = self.anthropic.error(e)
             return web.json_response(body, status=status)
@@ -187,6 +187,7 @@ class ProxyServer:
         except GyreError as e:
             return self._bad(str(e), 404)
         self.pool.table.forget(ex.execution_id + "/")
+        ex.conversations.clear()
         return web.json_response({"execution_id": ex.execution_id, "revoked": True})
 
     async def list_engines(self, request: web.Request) -> web.Response:

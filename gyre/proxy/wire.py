@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from gyre.models.tokenizer import ParsedAssistant, ToolCall, parse_assistant_text
 from gyre.proxy import anthropic, openai
-from gyre.proxy.chat import ApiError, ChatRequest
+from gyre.proxy.chat import ApiError, ChatRequest, Resume
+from gyre.proxy.conversation import WireRequest
 from gyre.proxy.hints import CallHints, anthropic_hints, openai_hints
 
 _MARKERS = ("<tool_call>", "<|im_end|>", "<|endoftext|>")
@@ -242,14 +243,26 @@ def _same_call(oc: _Occurrence, call: ToolCall) -> bool:
         return False
 
 
+def split_request(body, messages_key: str, head_keys: tuple[str, ...]) -> WireRequest | None:
+    """The body as conversation matching sees it; None for one that is not a dict with a message list
+    (parsing it answers the error)."""
+    if not isinstance(body, dict) or not isinstance(body.get(messages_key), list):
+        return None
+    rest = {k: v for k, v in body.items() if k != messages_key and k != "stream"}
+    return WireRequest(tuple(body.get(k) for k in head_keys), body[messages_key], rest)
+
+
 class AnthropicWire:
     name = "anthropic"
 
     def __init__(self, models: list[str], default_max_tokens: int):
         self.models = models
 
-    def parse(self, body) -> ChatRequest:
-        return anthropic.parse_request(body, self.models)
+    def split(self, body) -> WireRequest | None:
+        return split_request(body, "messages", ("system", "tools"))
+
+    def parse(self, body, resume: Resume | None = None) -> ChatRequest:
+        return anthropic.parse_request(body, self.models, resume)
 
     def hints(self, headers, body: dict, chat: ChatRequest) -> CallHints:
         return anthropic_hints(headers, body, anthropic.summary_request(body), bool(chat.tools))
@@ -296,8 +309,11 @@ class OpenAIWire:
     def __init__(self, models: list[str], default_max_tokens: int):
         self.models, self.default_max_tokens = models, default_max_tokens
 
-    def parse(self, body) -> ChatRequest:
-        return openai.parse_request(body, self.models, self.default_max_tokens)
+    def split(self, body) -> WireRequest | None:
+        return split_request(body, "messages", ("tools",))
+
+    def parse(self, body, resume: Resume | None = None) -> ChatRequest:
+        return openai.parse_request(body, self.models, self.default_max_tokens, resume)
 
     def hints(self, headers, body: dict, chat: ChatRequest) -> CallHints:
         return openai_hints(headers, body)

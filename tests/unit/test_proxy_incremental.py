@@ -1,0 +1,107 @@
+"""Per-call work that tracks what a call adds: a conversation's next call converts and renders only
+its new messages, yet its prompt equals a full rendering; retries are recognised without hashing."""
+
+import copy
+
+import pytest
+
+from gyre.models.tokenizer import ByteTokenizer
+from gyre.proxy.calls import CallRunner
+from gyre.proxy.config import ProxyConfig
+from gyre.proxy.executions import ExecutionRegistry
+from gyre.proxy.render import Renderer, assistant_key
+from gyre.proxy.wire import AnthropicWire, OpenAIWire
+
+
+class CountingTokenizer(ByteTokenizer):
+    """Counts the message characters the chat template is asked to render."""
+
+    num_chars = 0
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        self.num_chars += sum(len(m.get("content") or "") for m in messages)
+        return super().apply_chat_template(messages, tools, add_generation_prompt)
+
+
+TOOLS = [{"name": "bash", "description": "run", "input_schema": {"type": "object"}}]
+
+
+def answer(tok, n: int) -> tuple[list[int], dict]:
+    """The model's ids for a tool call, and the assistant message a harness echoes back."""
+    s = tok.special_ids
+    out = list(b"ok") + [s["<tool_call>"]] + list(f'{{"name": "bash", "arguments": {{"n": {n}}}}}'.encode()) + [s["</tool_call>"], s["<|im_end|>"]]
+    return out, {"role": "assistant", "content": [{"type": "text", "text": "ok"}, {"type": "tool_use", "id": f"t{n}", "name": "bash", "input": {"n": n}}]}
+
+
+def result(n: int, text: str) -> dict:
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{n}", "content": text}]}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    tok = CountingTokenizer()
+    runner = CallRunner(ProxyConfig(records_dir=str(tmp_path)), tok, Renderer(tok), pool=None)
+    ex = ExecutionRegistry(str(tmp_path), fsync=False).create("e1")
+    return tok, runner, ex
+
+
+def serve(tok, runner, ex, body: dict, n: int):
+    """Render one call as the proxy does and remember the model's answer; (rendered, retry, answer
+    message, message characters the template rendered for the call)."""
+    before = tok.num_chars
+    chat, hints, rendered, retry = runner.render(ex, AnthropicWire(["gyre"], 16), body, {})
+    used = tok.num_chars - before
+    full = runner.renderer.render(chat.messages, chat.tools, ex.turns, hints.agent_id)  # no snapshot: from scratch
+    assert rendered.input_ids.tolist() == full.input_ids.tolist() and rendered.input_json == full.input_json
+    out, echoed = answer(tok, n)
+    parsed = tok.parse_assistant(out)
+    ex.turns.remember(assistant_key(parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]), out)
+    return rendered, retry, echoed, used
+
+
+def test_growing_conversation_renders_only_new_messages(setup):
+    tok, runner, ex = setup
+    body = {"model": "gyre", "max_tokens": 16, "system": "sys " * 50, "tools": TOOLS, "messages": [{"role": "user", "content": "go"}]}
+    rendered, retry, echoed, _ = serve(tok, runner, ex, body, 0)
+    assert rendered.num_rendered_messages == 2 and not retry  # system and user
+    for n in range(1, 6):
+        body = copy.deepcopy(body)  # a harness sends fresh JSON each time: equal, not identical, objects
+        body["messages"] += [echoed, result(n - 1, f"output {n} " * 40)]
+        rendered, retry, echoed, used = serve(tok, runner, ex, body, n)
+        # this call: the echoed turn (from memory) and one tool result, the only text the template saw
+        assert rendered.num_rendered_messages == 2 and rendered.num_reused == n and not retry
+        assert used == len(f"output {n} " * 40), "the earlier history was rendered again"
+
+
+@pytest.mark.parametrize("case_id, edit, retry", [
+    ("same-body", lambda b: b, True),
+    ("stream-flag-only", lambda b: {**b, "stream": True}, True),
+    ("other-max-tokens", lambda b: {**b, "max_tokens": 8}, False),
+    ("user-text-joins-the-last-run", lambda b: {**b, "messages": b["messages"] + [{"role": "user", "content": "more"}]}, False),
+    ("edited-early-result", lambda b: {**b, "messages": b["messages"][:2] + [result(0, "changed")] + b["messages"][3:]}, False),
+    ("other-system", lambda b: {**b, "system": "other"}, False),
+])  # fmt: skip
+def test_variants_render_like_a_full_rendering(setup, case_id, edit, retry):
+    tok, runner, ex = setup
+    body = {"model": "gyre", "max_tokens": 16, "system": "sys", "tools": TOOLS, "messages": [{"role": "user", "content": "go"}]}
+    _, _, echoed, _ = serve(tok, runner, ex, body, 0)
+    body = {**body, "messages": body["messages"] + [echoed, result(0, "r0")]}
+    _, _, echoed, _ = serve(tok, runner, ex, body, 1)
+    body = {**body, "messages": body["messages"] + [echoed, result(1, "r1")]}
+    serve(tok, runner, ex, body, 2)
+    _, is_retry, _, _ = serve(tok, runner, ex, copy.deepcopy(edit(body)), 3)  # serve() checks it equals a full render
+    assert is_retry == retry, case_id
+
+
+def test_openai_conversation_resumes_too(setup):
+    tok, runner, ex = setup
+    wire = OpenAIWire(["gyre"], 16)
+    body = {"model": "gyre", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "go"}]}
+    for n in range(3):
+        chat, hints, rendered, _ = runner.render(ex, wire, copy.deepcopy(body), {})
+        assert rendered.input_ids.tolist() == runner.renderer.render(chat.messages, None, ex.turns).input_ids.tolist()
+        assert rendered.num_rendered_messages == 2  # system and user, then the echoed turn and the result
+        out, _ = answer(tok, n)
+        ex.turns.remember(assistant_key("ok", [{"name": "bash", "arguments": {"n": n}}]), out)
+        call = {"id": f"c{n}", "type": "function", "function": {"name": "bash", "arguments": f'{{"n": {n}}}'}}
+        body["messages"] += [{"role": "assistant", "content": "ok", "tool_calls": [call]}, {"role": "tool", "tool_call_id": f"c{n}", "content": "x"}]
