@@ -85,15 +85,17 @@ class EngineClient:
         return body
 
     def _generate_payload(self, input_ids, sampling_params, rid, return_logprob, stream, extra_key, input_ids_json) -> bytes:
-        """The /generate body as JSON; `input_ids_json` (input_ids already as a JSON array) is spliced in as is."""
+        """The /generate body as JSON; `input_ids_json` (input_ids already as a JSON array, whole or
+        in pieces) is spliced in as is."""
         if input_ids_json is None:
             return json.dumps(self._generate_body(input_ids, sampling_params, rid, return_logprob, stream, extra_key)).encode()
         rest = self._generate_body((), sampling_params, rid, return_logprob, stream, extra_key)
         del rest["input_ids"]
-        return b"".join((b'{"input_ids":', input_ids_json, b",", json.dumps(rest).encode()[1:]))  # one copy
+        pieces = (input_ids_json,) if isinstance(input_ids_json, bytes) else input_ids_json
+        return b"".join((b'{"input_ids":', *pieces, b",", json.dumps(rest).encode()[1:]))  # one copy
 
     async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
-                       input_ids_json: bytes | None = None) -> dict:  # fmt: skip
+                       input_ids_json: bytes | tuple[bytes, ...] | None = None) -> dict:  # fmt: skip
         """One /generate answer. input_ids_json: `input_ids` already encoded (IdsJsonCache), sent as is."""
         payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, False, extra_key, input_ids_json)
         out = await self._request("POST", "/generate", raw=payload)
@@ -101,7 +103,7 @@ class EngineClient:
         return out
 
     async def generate_stream(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
-                              input_ids_json: bytes | None = None) -> AsyncIterator[dict]:  # fmt: skip
+                              input_ids_json: bytes | tuple[bytes, ...] | None = None) -> AsyncIterator[dict]:  # fmt: skip
         """Yield each SSE chunk (cumulative output, SGLang's default) until `data: [DONE]`."""
         payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, True, extra_key, input_ids_json)
         async with self._session.post(self.base_url + "/generate", data=payload, headers={"Content-Type": "application/json"}) as r:

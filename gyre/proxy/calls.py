@@ -154,31 +154,34 @@ class CallRunner:
         self._remember(call, text, calls)
         await call.ex.append(self.make_record(call))
         n_in, n_out = call.rendered.input_ids.size, len(call.gen.output_ids)
-        return web.json_response(wire.response(call.chat.model, text, calls, call.gen.finish, n_in, n_out))
+        return web.json_response(wire.response(call.chat, text, calls, call.gen.finish, n_in, n_out))
 
     async def _stream(self, request, call: Call, wire, stream, first: list[int]) -> web.StreamResponse:
         """SSE answer; a call failing after the stream began ends with an error event and no record."""
-        events = wire.stream(call.chat.model, call.chat, call.rendered.input_ids.size)
+        events = wire.stream(call.chat, call.rendered.input_ids.size)
         out = OutputStream(events, self.tok.decode, wire.new_call_id)
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
-            for name, data in events.start():
-                await sse.send(data, event=name)
-            new = first
+            pending, new = events.start(), first
             try:
                 while True:
                     if new:
-                        for name, data in out.update(call.gen.output_ids):
-                            await sse.send(data, event=name)
+                        pending += out.update(call.gen.output_ids)
+                    if pending:  # the events of one engine chunk in one write: one syscall, not one each
+                        await sse.write(_sse_text(pending))
+                        pending = []
                     new = await stream.__anext__()
             except StopAsyncIteration:
                 pass
             except ApiError as e:
-                for name, data in wire.stream_error(e):
-                    await sse.send(data, event=name)
+                await sse.write(_sse_text(wire.stream_error(e)))
                 return sse
             text, calls = out.result(self.tok.parse_assistant(call.gen.output_ids))
             self._remember(call, text, calls)
             await call.ex.append(self.make_record(call))
-            for name, data in out.finish(text, calls, call.gen.finish, call.rendered.input_ids.size, len(call.gen.output_ids)):
-                await sse.send(data, event=name)
+            await sse.write(_sse_text(out.finish(text, calls, call.gen.finish, call.rendered.input_ids.size, len(call.gen.output_ids))))
         return sse
+
+
+def _sse_text(events: list[tuple[str | None, str]]) -> bytes:
+    """Server-sent events as aiohttp-sse's `send(data, event=name)` frames them (one-line JSON data)."""
+    return "".join((f"event: {name}\n" if name else "") + f"data: {data}\n\n" for name, data in events).encode()

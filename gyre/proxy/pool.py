@@ -177,8 +177,8 @@ class Generation:
     rid: str
     input_ids: np.ndarray
     """int32 prompt ids."""
-    input_json: bytes
-    """The same as a JSON array (rendered incrementally: a long context costs only its new ids to send)."""
+    input_json: tuple[bytes, ...]
+    """The same as a JSON array in pieces (rendered incrementally: a long context costs only its new ids)."""
     sampling: dict
     max_resumes: int = 16
     incremental: bool = True
@@ -229,13 +229,13 @@ class Generation:
             prev = eid
         raise ApiError("api_error", f"call {self.rid} was interrupted {self.max_resumes + 1} times; giving up")
 
-    def _prompt_json(self) -> bytes:
-        """The prompt of the next engine attempt (input + output so far) as a JSON array."""
+    def _prompt_json(self) -> tuple[bytes, ...]:
+        """The prompt of the next engine attempt (input + output so far) as JSON array pieces."""
         if not self.output_ids:
             return self.input_json
-        return b"".join((memoryview(self.input_json)[:-1], b",", orjson.dumps(self.output_ids)[1:]))
+        return (*self.input_json[:-1], b"," + orjson.dumps(self.output_ids)[1:])
 
-    async def _one_engine(self, eid: str, rid: str, ids_json: bytes, params: dict):
+    async def _one_engine(self, eid: str, rid: str, ids_json: tuple[bytes, ...], params: dict):
         """Stream from one engine; yields new-id lists, then the finish dict (None if the engine failed)."""
         pool, client = self.pool, self.pool.clients[eid]
         prompt = ()  # sent as `ids_json`

@@ -108,7 +108,7 @@ class Checkpoint:
     """Messages rendered before this point (a prefix of the template's message list)."""
     num_ids: int
     num_json: int
-    """Bytes of the prompt's JSON array up to here: "[" and the ids, without a trailing comma."""
+    """Pieces of the prompt's JSON array up to here ("[" and the ids' pieces; see PromptIds)."""
     num_reused: int
     num_retokenized: int
     closed: bool
@@ -116,25 +116,26 @@ class Checkpoint:
 
 
 class PromptIds:
-    """A prompt built from pieces: int32 ids and their JSON array (the /generate field), starting
-    from an earlier prompt's prefix without re-encoding it (a copy of bytes, not a Python loop)."""
+    """A prompt built from pieces: int32 ids and their JSON array (the /generate field) as a list
+    of byte pieces, starting from an earlier prompt's prefix without encoding or copying it again
+    (the pieces are joined once, into the request to the engine)."""
 
     def __init__(self, base: "RenderResult | None" = None, at: Checkpoint | None = None):
         self._ids: list = [base.input_ids[: at.num_ids]] if base is not None else []
-        self._json: list = [memoryview(base.input_json)[: at.num_json]] if base is not None else [b"["]
+        self._json: list = list(base.input_json[: at.num_json]) if base is not None else [b"["]
         self.num_ids = at.num_ids if base is not None else 0
-        self.num_json = at.num_json if base is not None else 1
+
+    @property
+    def num_json(self) -> int:
+        return len(self._json)
 
     def add(self, ids: list[int]) -> None:
         if not ids:
             return
         text = orjson.dumps(ids)[1:-1]
-        if self.num_ids:
-            text = b"," + text
+        self._json.append(b"," + text if self.num_ids else text)
         self._ids.append(ids)
-        self._json.append(text)
         self.num_ids += len(ids)
-        self.num_json += len(text)
 
     @staticmethod
     def of(ids: list[int]) -> tuple[np.ndarray, bytes]:
@@ -142,17 +143,17 @@ class PromptIds:
         p.add(ids)
         return p.finish()
 
-    def finish(self) -> tuple[np.ndarray, bytes]:
+    def finish(self) -> tuple[np.ndarray, tuple[bytes, ...]]:
         ids = np.concatenate([np.asarray(p, dtype=np.int32) for p in self._ids]) if self._ids else np.empty(0, np.int32)
-        return ids, b"".join(self._json) + b"]"
+        return ids, (*self._json, b"]")
 
 
 @dataclass(frozen=True, eq=False)
 class RenderResult:
     input_ids: np.ndarray
     """int32 prompt ids."""
-    input_json: bytes
-    """`input_ids` as a compact JSON array (what /generate is sent)."""
+    input_json: tuple[bytes, ...]
+    """`input_ids` as a compact JSON array in pieces (what /generate is sent; `b"".join` them)."""
     num_reused: int
     """Assistant turns whose ids came from memory."""
     num_retokenized: int

@@ -2,7 +2,7 @@
 
 Harness side (per-execution key in `x-api-key`, `Authorization: Bearer`, or `x-gyre-key`):
     HEAD/GET /api/hello, POST /v1/messages[?beta=true], POST /v1/messages/count_tokens,
-    POST /v1/chat/completions, GET /v1/models
+    POST /v1/chat/completions, POST /v1/responses, GET /v1/models
 Admin side (`Authorization: Bearer <admin token>`):
     POST /admin/executions {execution_id, api_key?} -> {api_key}; DELETE /admin/executions/{id} (revoke);
     GET/POST /admin/engines {engine_id, url, cell_id?}; DELETE /admin/engines/{id};
@@ -31,7 +31,7 @@ from gyre.proxy.executions import ExecutionRegistry
 from gyre.proxy.pool import EnginePool
 from gyre.proxy.render import Renderer
 from gyre.proxy.routing import RoutingError
-from gyre.proxy.wire import AnthropicWire, OpenAIWire
+from gyre.proxy.wire import AnthropicWire, OpenAIWire, ResponsesWire
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class ProxyServer:
         self.runner = CallRunner(cfg, tokenizer, self.renderer, self.pool)
         self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
         self.openai = OpenAIWire(cfg.model_names, cfg.default_max_tokens)
+        self.responses = ResponsesWire(cfg.model_names, cfg.default_max_tokens)
         self._create_lock = asyncio.Lock()
         """Serialises changes to the execution registry (creation runs in a thread: it fsyncs files)."""
 
@@ -81,6 +82,7 @@ class ProxyServer:
             web.get("/api/hello", self.hello), web.get("/health", self.hello),
             web.post("/v1/messages", self.messages), web.post("/v1/messages/count_tokens", self.count_tokens),
             web.post("/v1/chat/completions", self.chat_completions), web.get("/v1/models", self.models),
+            web.post("/v1/responses", self.responses_api),
             web.post("/admin/executions", self.create_execution), web.delete("/admin/executions/{id}", self.revoke_execution),
             web.get("/admin/engines", self.list_engines), web.post("/admin/engines", self.add_engine),
             web.delete("/admin/engines/{id}", self.remove_engine), web.post("/admin/engines/{id}/drain", self.drain_engine),
@@ -130,6 +132,9 @@ class ProxyServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._chat(request, self.openai)
+
+    async def responses_api(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request, self.responses)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:

@@ -18,18 +18,19 @@ pieces = st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=5), max_size=6)
 def test_prompt_from_a_checkpoint_is_the_json_of_its_ids(first, cut, second):
     """Any pieces, resumed from any of their points with any further pieces: ids and JSON agree."""
     ids = PromptIds()
-    points = [Checkpoint(0, 0, 1, 0, 0, True)]
+    points = [Checkpoint(0, 0, 1, 0, 0, True)]  # after "[": one piece
     for p in first:
         ids.add(p)
         points.append(Checkpoint(0, ids.num_ids, ids.num_json, 0, 0, True))
-    arr, text = ids.finish()
+    arr, pieces = ids.finish()
+    text = b"".join(pieces)
     assert json.loads(text) == arr.tolist() == [i for p in first for i in p] and arr.dtype == np.int32
     at = points[min(cut, len(points) - 1)]
-    again = PromptIds(RenderResult(arr, text, 0, 0), at)
+    again = PromptIds(RenderResult(arr, pieces, 0, 0), at)
     for p in second:
         again.add(p)
-    arr2, text2 = again.finish()
-    assert json.loads(text2) == arr2.tolist() == arr[: at.num_ids].tolist() + [i for p in second for i in p]
+    arr2, pieces2 = again.finish()
+    assert json.loads(b"".join(pieces2)) == arr2.tolist() == arr[: at.num_ids].tolist() + [i for p in second for i in p]
 
 
 def test_generate_payload_with_encoded_ids_is_the_same_request():

@@ -317,7 +317,7 @@ def test_turn_memory_prefers_the_asking_agents_own_tokens():
 def test_generation_takes_versions_of_new_tokens_from_spans():
     from gyre.proxy.pool import Generation
 
-    g = Generation(pool=None, session="s", rid="r", input_ids=np.array([1], np.int32), input_json=b"[1]", sampling={"max_new_tokens": 9})
+    g = Generation(pool=None, session="s", rid="r", input_ids=np.array([1], np.int32), input_json=(b"[1]",), sampling={"max_new_tokens": 9})
     spans = [{"weight_version": "3", "start": 0, "end": 2}, {"weight_version": "4", "start": 2, "end": 5}]
     g._extend([7], [-0.5], {"weight_version_spans": spans[:1]}, 0)
     g._extend([8, 9, 10], [-0.1, -0.2, -0.3], {"weight_version_spans": spans}, 1)

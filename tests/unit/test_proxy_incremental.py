@@ -52,7 +52,7 @@ def serve(tok, runner, ex, body: dict, n: int):
     chat, hints, rendered, retry = runner.render(ex, AnthropicWire(["gyre"], 16), body, {})
     used = tok.num_chars - before
     full = runner.renderer.render(chat.messages, chat.tools, ex.turns, hints.agent_id)  # no snapshot: from scratch
-    assert rendered.input_ids.tolist() == full.input_ids.tolist() and rendered.input_json == full.input_json
+    assert rendered.input_ids.tolist() == full.input_ids.tolist() and b"".join(rendered.input_json) == b"".join(full.input_json)
     out, echoed = answer(tok, n)
     parsed = tok.parse_assistant(out)
     ex.turns.remember(assistant_key(parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]), out)
