@@ -53,6 +53,10 @@ class ProxyConfig:
     """Vocabulary size of the byte tokenizer (the served model's)."""
     max_body_mb: int = 64
     """Largest request body accepted (413 beyond)."""
+    num_workers: int = 1
+    """Proxy worker processes serving the run (gyre.proxy.workers); each execution is pinned to one."""
+    worker_index: int = 0
+    """This process's worker (0..num_workers-1): it serves only the executions pinned to it."""
 
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")
@@ -66,3 +70,5 @@ class ProxyConfig:
         require(self.max_resumes >= 0, "max_resumes", f"must be >= 0, got {self.max_resumes}")
         require(0 <= self.fsync_window_ms <= 10_000, "fsync_window_ms", f"must be 0..10000, got {self.fsync_window_ms}")
         require(self.max_body_mb >= 1, "max_body_mb", f"must be >= 1, got {self.max_body_mb}")
+        require(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
+        require(0 <= self.worker_index < self.num_workers, "worker_index", f"must be 0..{self.num_workers - 1}, got {self.worker_index}")

@@ -22,6 +22,7 @@ import logging
 import re
 import secrets
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,11 @@ log = logging.getLogger(__name__)
 
 _ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _KEY = re.compile(r"^[A-Za-z0-9._~-]{24,256}$")
+
+
+def worker_of(execution_id: str, num_workers: int) -> int:
+    """The proxy worker an execution is pinned to (stable across processes and restarts)."""
+    return zlib.crc32(execution_id.encode()) % num_workers
 
 
 def key_digest(key: str) -> str:
@@ -121,9 +127,13 @@ class ExecutionRegistry:
 
     Args:
         parse: output ids -> ParsedAssistant (the tokenizer's), to refill turn memory from records.
+        worker: (this worker's index, number of workers): only executions pinned here (`worker_of`)
+            are loaded or created, so each records file has one writer.
     """
 
-    def __init__(self, records_dir: str, fsync: bool = True, parse=None, fsync_window_ms: float = 0.0):
+    def __init__(self, records_dir: str, fsync: bool = True, parse=None, fsync_window_ms: float = 0.0,
+                 worker: tuple[int, int] = (0, 1)):  # fmt: skip
+        self.worker = worker
         self.records_dir = Path(records_dir)
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.fsync, self.parse = fsync, parse
@@ -132,10 +142,10 @@ class ExecutionRegistry:
         self._by_digest: dict[str, Execution] = {}
         for path in sorted(self.records_dir.glob("*.key")):
             digest = path.read_text().strip()
-            if _ID.match(path.stem) and re.fullmatch(r"[0-9a-f]{64}", digest):
-                self._add(path.stem, None, digest)
-            else:
+            if not (_ID.match(path.stem) and re.fullmatch(r"[0-9a-f]{64}", digest)):
                 log.warning("%s: not an execution key file (ignored)", path)
+            elif worker_of(path.stem, worker[1]) == worker[0]:
+                self._add(path.stem, None, digest)
 
     def _add(self, execution_id: str, key: str | None, digest: str) -> Execution:
         ex = Execution(execution_id, key, digest, self.records_dir / f"{execution_id}.jsonl", self.fsync, self.parse, self.group)
@@ -148,12 +158,16 @@ class ExecutionRegistry:
         it); its records go to `<records_dir>/<id>.jsonl`, continuing an existing file.
 
         Raises:
-            GyreError: a malformed or already registered id, a malformed key or one in use.
+            GyreError: a malformed or already registered id, one pinned to another worker, a malformed
+                key or one in use.
         """
         if not isinstance(execution_id, str) or not _ID.match(execution_id):
             raise GyreError(f"execution_id must match {_ID.pattern}, got {execution_id!r}")
         if execution_id in self.by_id:
             raise GyreError(f"execution {execution_id!r} is already registered")
+        pinned = worker_of(execution_id, self.worker[1])
+        if pinned != self.worker[0]:
+            raise GyreError(f"execution {execution_id!r} is pinned to proxy worker {pinned}, this is worker {self.worker[0]}")
         if key is not None and (not isinstance(key, str) or not _KEY.match(key)):
             raise GyreError(f"api_key must match {_KEY.pattern} (24+ URL-safe characters)")
         key = key or "gyre-" + secrets.token_urlsafe(24)

@@ -67,7 +67,8 @@ class ProxyServer:
         self.pool = EnginePool(no_engine_wait_s=cfg.no_engine_wait_s, health_interval_s=cfg.health_interval_s,
                                request_timeout_s=cfg.request_timeout_s, max_imbalance=cfg.max_imbalance,
                                migrate_kv=cfg.migrate_kv)  # fmt: skip
-        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant, cfg.fsync_window_ms)
+        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant, cfg.fsync_window_ms,
+                                            (cfg.worker_index, cfg.num_workers))  # fmt: skip
         self.runner = CallRunner(cfg, tokenizer, self.renderer, self.pool)
         self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
         self.openai = OpenAIWire(cfg.model_names, cfg.default_max_tokens)
@@ -236,5 +237,6 @@ class ProxyServer:
         with_sessions = self.pool.table.executions_with_sessions()
         executions = {eid: {"num_inflight": ex.num_inflight, "has_session": eid in with_sessions}
                       for eid, ex in self.executions.by_id.items() if not ex.revoked}  # fmt: skip
-        return web.json_response({**vars(self.pool.metrics), "num_executions": len(self.executions.by_id),
-                                  "engines": self.pool.describe(), "executions": executions})  # fmt: skip
+        return web.json_response({**vars(self.pool.metrics), "worker_index": self.cfg.worker_index,
+                                  "num_executions": len(self.executions.by_id), "engines": self.pool.describe(),
+                                  "executions": executions})  # fmt: skip
