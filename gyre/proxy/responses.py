@@ -7,8 +7,10 @@ conversation in `input` every call). Mapping to the chat template: `instructions
 after it are one assistant turn (as the model produced them: text, then calls), so a turn the
 proxy served renders from its remembered ids; `function_call_output` items become `tool` messages
 and must answer a call of the turn before; `reasoning` items are dropped (the template has no
-reasoning turn). Only `function` tools exist for the template; other tool types are refused.
-Stateless: `previous_response_id` is refused (nothing is stored).
+reasoning turn). Only `function` tools exist for the template: a `namespace` tool's functions are
+offered by name; hosted tools (`web_search`, ...) run on OpenAI's servers, which a model served
+here cannot call, so they are left out (Codex sends `web_search` on every call); `custom` and other
+client tool types are refused. Stateless: `previous_response_id` is refused (nothing is stored).
 """
 
 import json
@@ -121,17 +123,27 @@ def _convert_input(body: dict, resume: Resume | None) -> tuple[list[dict], list]
     return _finish(out, marks[-1][1]), marks
 
 
-def _convert_tools(tools) -> list[dict] | None:
+HOSTED_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation", "mcp")
+"""Tool types OpenAI runs on its side: not offered to a model served here (see module doc)."""
+
+
+def _convert_tools(tools, where: str = "tools") -> list[dict] | None:
     if tools is None:
         return None
-    require_type(tools, list, "tools", "an array")
+    require_type(tools, list, where, "an array")
     out = []
     for i, t in enumerate(tools):
-        require_type(t, dict, f"tools[{i}]", "an object")
-        if t.get("type") != "function":
-            raise invalid(f"tools[{i}].type: {t.get('type')!r} is not supported; valid: function")
-        name = require_type(t.get("name"), str, f"tools[{i}].name", "a string")
-        schema = check_tool_schema(t.get("parameters") or {"type": "object"}, f"tools[{i}].parameters")
+        require_type(t, dict, f"{where}[{i}]", "an object")
+        kind = t.get("type")
+        if kind == "namespace":
+            out += _convert_tools(t.get("tools") or [], f"{where}[{i}].tools") or []
+            continue
+        if kind in HOSTED_TOOLS:
+            continue
+        if kind != "function":
+            raise invalid(f"{where}[{i}].type: {kind!r} is not supported; valid: function, namespace (hosted tools are left out)")
+        name = require_type(t.get("name"), str, f"{where}[{i}].name", "a string")
+        schema = check_tool_schema(t.get("parameters") or {"type": "object"}, f"{where}[{i}].parameters")
         out.append({"type": "function", "function": {"name": name, "description": t.get("description") or "", "parameters": schema}})
     return out or None
 

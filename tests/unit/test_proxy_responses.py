@@ -53,6 +53,10 @@ def test_output_items_fold_into_assistant_turns():
         {"id": "c1", "name": "bash", "arguments": {"cmd": "ls"}}, {"id": "c2", "name": "bash", "arguments": {"cmd": "pwd"}}]}
     assert chat.messages[6] == {"role": "assistant", "content": "", "tool_calls": [{"id": "c3", "name": "bash", "arguments": {}}]}
     assert chat.messages[-1] == {"role": "assistant", "content": "Done."} and chat.tools[0]["function"]["name"] == "bash"
+    codex_tools = [*TOOLS, {"type": "web_search", "external_web_access": True},
+                   {"type": "namespace", "name": "multi_agent_v1", "tools": [{"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]}]  # fmt: skip
+    chat = responses.parse_request({**GOOD, "tools": codex_tools}, ["gyre"], 64)
+    assert [t["function"]["name"] for t in chat.tools] == ["bash", "spawn_agent"]  # hosted tools left out, namespaces flattened
 
 
 @pytest.mark.parametrize("num_shared", range(1, len(CONVERSATION) + 1))
