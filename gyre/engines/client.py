@@ -11,6 +11,7 @@ import json
 from collections.abc import AsyncIterator
 
 import aiohttp
+import orjson
 
 from gyre.errors import GyreError
 
@@ -116,7 +117,7 @@ class EngineClient:
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     return
-                chunk = json.loads(payload)
+                chunk = orjson.loads(payload)
                 self._saw_version(chunk.get("meta_info", {}).get("weight_version"))
                 yield chunk
 

@@ -11,6 +11,8 @@ import logging
 import re
 from dataclasses import dataclass
 
+import orjson
+
 from gyre.models.tokenizer import ParsedAssistant, ToolCall, parse_assistant_text
 from gyre.proxy import anthropic, openai, responses
 from gyre.proxy.chat import ApiError, ChatRequest, Resume
@@ -18,6 +20,11 @@ from gyre.proxy.conversation import WireRequest
 from gyre.proxy.hints import CallHints, anthropic_hints, openai_hints
 
 _MARKERS = ("<tool_call>", "<|im_end|>", "<|endoftext|>")
+
+
+def _js(obj) -> str:
+    """One event's JSON (orjson: a few times faster than json.dumps, the same compact JSON)."""
+    return orjson.dumps(obj).decode()
 
 
 def streamable_text(text: str) -> str:
@@ -288,19 +295,19 @@ class AnthropicStream:
         self.ev = events
 
     def start(self):
-        return [(n, json.dumps(d)) for n, d in self.ev.start()]
+        return [(n, _js(d)) for n, d in self.ev.start()]
 
     def text(self, delta: str):
-        return [(n, json.dumps(d)) for n, d in self.ev.text(delta)]
+        return [(n, _js(d)) for n, d in self.ev.text(delta)]
 
     def tool_start(self, call_id: str, name: str):
-        return [(n, json.dumps(d)) for n, d in self.ev.tool_start(call_id, name)]
+        return [(n, _js(d)) for n, d in self.ev.tool_start(call_id, name)]
 
     def tool_args(self, chunk: str):
-        return [(n, json.dumps(d)) for n, d in self.ev.tool_args(chunk)]
+        return [(n, _js(d)) for n, d in self.ev.tool_args(chunk)]
 
     def finish(self, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int):
-        return [(n, json.dumps(d)) for n, d in self.ev.finish(calls, finish, n_out)]
+        return [(n, _js(d)) for n, d in self.ev.finish(calls, finish, n_out)]
 
 
 class OpenAIWire:
@@ -339,20 +346,20 @@ class OpenAIStream:
         self.ch = chunks
 
     def start(self):
-        return [(None, json.dumps(c)) for c in self.ch.start()]
+        return [(None, _js(c)) for c in self.ch.start()]
 
     def text(self, delta: str):
-        return [(None, json.dumps(c)) for c in self.ch.text(delta)]
+        return [(None, _js(c)) for c in self.ch.text(delta)]
 
     def tool_start(self, call_id: str, name: str):
-        return [(None, json.dumps(c)) for c in self.ch.tool_start(call_id, name)]
+        return [(None, _js(c)) for c in self.ch.tool_start(call_id, name)]
 
     def tool_args(self, chunk: str):
-        return [(None, json.dumps(c)) for c in self.ch.tool_args(chunk)]
+        return [(None, _js(c)) for c in self.ch.tool_args(chunk)]
 
     def finish(self, calls, finish: str, n_in: int, n_out: int):
         chunks = self.ch.finish(calls, finish, openai.make_usage(n_in, n_out))
-        return [(None, json.dumps(c)) for c in chunks] + [(None, "[DONE]")]
+        return [(None, _js(c)) for c in chunks] + [(None, "[DONE]")]
 
 
 class ResponsesWire:
@@ -395,16 +402,16 @@ class ResponsesStream:
         self.ev = events
 
     def start(self):
-        return [(n, json.dumps(d)) for n, d in self.ev.start()]
+        return [(n, _js(d)) for n, d in self.ev.start()]
 
     def text(self, delta: str):
-        return [(n, json.dumps(d)) for n, d in self.ev.text(delta)]
+        return [(n, _js(d)) for n, d in self.ev.text(delta)]
 
     def tool_start(self, call_id: str, name: str):
-        return [(n, json.dumps(d)) for n, d in self.ev.tool_start(call_id, name)]
+        return [(n, _js(d)) for n, d in self.ev.tool_start(call_id, name)]
 
     def tool_args(self, chunk: str):
-        return [(n, json.dumps(d)) for n, d in self.ev.tool_args(chunk)]
+        return [(n, _js(d)) for n, d in self.ev.tool_args(chunk)]
 
     def finish(self, calls, finish: str, n_in: int, n_out: int):
-        return [(n, json.dumps(d)) for n, d in self.ev.finish(calls, finish, responses.make_usage(n_in, n_out))]
+        return [(n, _js(d)) for n, d in self.ev.finish(calls, finish, responses.make_usage(n_in, n_out))]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from gyre.errors import GyreError
 from gyre.records.record import CallRecord, RecordError, VersionSpan
@@ -101,7 +102,7 @@ def encode_record(record: CallRecord, base: tuple[str, np.ndarray] | tuple[str, 
     obj["input_suffix"] = _b64(record.input_ids[prefix:], "<i4")
     obj["output"] = _b64(record.output_ids, "<i4")
     obj["logprobs"] = _b64(record.logprobs, "<f4")
-    return json.dumps(obj, separators=(",", ":")) + "\n"
+    return orjson.dumps(obj).decode() + "\n"
 
 
 def decode_record(obj: dict, sequences: dict[str, tuple[np.ndarray, np.ndarray]]) -> CallRecord:
