@@ -23,6 +23,16 @@ class CountingTokenizer(ByteTokenizer):
         return super().apply_chat_template(messages, tools, add_generation_prompt)
 
 
+class InjectingTokenizer(CountingTokenizer):
+    """A template that injects a default system prompt where none leads (as Qwen's does): the
+    renderer renders runs after an anchor system message it cuts off again."""
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        if not messages or messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": "default"}, *messages]
+        return super().apply_chat_template(messages, tools, add_generation_prompt)
+
+
 TOOLS = [{"name": "bash", "description": "run", "input_schema": {"type": "object"}}]
 
 
@@ -37,9 +47,9 @@ def result(n: int, text: str) -> dict:
     return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{n}", "content": text}]}
 
 
-@pytest.fixture
-def setup(tmp_path):
-    tok = CountingTokenizer()
+@pytest.fixture(params=[CountingTokenizer, InjectingTokenizer], ids=["plain", "default-system"])
+def setup(tmp_path, request):
+    tok = request.param()
     runner = CallRunner(ProxyConfig(records_dir=str(tmp_path)), tok, Renderer(tok), pool=None)
     ex = ExecutionRegistry(str(tmp_path), fsync=False).create("e1")
     return tok, runner, ex
@@ -59,18 +69,22 @@ def serve(tok, runner, ex, body: dict, n: int):
     return rendered, retry, echoed, used
 
 
-def test_growing_conversation_renders_only_new_messages(setup):
+@pytest.mark.parametrize("system", ["sys " * 50, None], ids=["system", "no-system"])
+def test_growing_conversation_renders_only_new_messages(setup, system):
     tok, runner, ex = setup
-    body = {"model": "gyre", "max_tokens": 16, "system": "sys " * 50, "tools": TOOLS, "messages": [{"role": "user", "content": "go"}]}
+    body = {"model": "gyre", "max_tokens": 16, "tools": TOOLS, "messages": [{"role": "user", "content": "go"}]}
+    if system:
+        body["system"] = system
+    anchor = len("anchor") if runner.renderer.anchored else 0  # the cut-off system message runs render after
     rendered, retry, echoed, _ = serve(tok, runner, ex, body, 0)
-    assert rendered.num_rendered_messages == 2 and not retry  # system and user
+    assert rendered.num_rendered_messages == (2 if system else 1) and not retry  # system and user
     for n in range(1, 6):
         body = copy.deepcopy(body)  # a harness sends fresh JSON each time: equal, not identical, objects
         body["messages"] += [echoed, result(n - 1, f"output {n} " * 40)]
         rendered, retry, echoed, used = serve(tok, runner, ex, body, n)
         # this call: the echoed turn (from memory) and one tool result, the only text the template saw
         assert rendered.num_rendered_messages == 2 and rendered.num_reused == n and not retry
-        assert used == len(f"output {n} " * 40), "the earlier history was rendered again"
+        assert used == len(f"output {n} " * 40) + anchor, "the earlier history was rendered again"
 
 
 @pytest.mark.parametrize("case_id, edit, retry", [
@@ -105,3 +119,30 @@ def test_openai_conversation_resumes_too(setup):
         ex.turns.remember(assistant_key("ok", [{"name": "bash", "arguments": {"n": n}}]), out)
         call = {"id": f"c{n}", "type": "function", "function": {"name": "bash", "arguments": f'{{"n": {n}}}'}}
         body["messages"] += [{"role": "assistant", "content": "ok", "tool_calls": [call]}, {"role": "tool", "tool_call_id": f"c{n}", "content": "x"}]
+
+
+def test_retry_is_recognised_after_a_restart(tmp_path):
+    """A restarted proxy has no snapshots: the first call repeating the agent's last recorded prompt
+    is a retry; the one after it, extending the conversation, is not."""
+    import asyncio
+
+    from gyre.records.record import CallRecord
+
+    tok = CountingTokenizer()
+    runner = CallRunner(ProxyConfig(records_dir=str(tmp_path)), tok, Renderer(tok), pool=None)
+    reg = ExecutionRegistry(str(tmp_path), fsync=False, parse=tok.parse_assistant)
+    ex = reg.create("e1")
+    body = {"model": "gyre", "max_tokens": 16, "system": "sys", "tools": TOOLS, "messages": [{"role": "user", "content": "go"}]}
+    _, _, rendered, _ = runner.render(ex, AnthropicWire(["gyre"], 16), body, {})
+    out, echoed = answer(tok, 0)
+    asyncio.run(ex.append(CallRecord.build(input_ids=rendered.input_ids, output_ids=out, logprobs=[-0.1] * len(out),
+                                           versions=[0] * len(out), execution_id="e1", call_id="c0", seq=0, agent_id="main",
+                                           parent_agent_id=None, kind_hint="main", finish_reason="stop")))  # fmt: skip
+    reg.close()
+    ex2 = ExecutionRegistry(str(tmp_path), fsync=False, parse=tok.parse_assistant).by_id["e1"]  # the restarted proxy
+    asyncio.run(ex2.ready())
+    _, _, again, retry = runner.render(ex2, AnthropicWire(["gyre"], 16), copy.deepcopy({**body, "stream": True}), {})
+    assert retry and again.input_ids.tolist() == rendered.input_ids.tolist()
+    body["messages"] += [echoed, result(0, "r0")]
+    _, _, longer, retry = runner.render(ex2, AnthropicWire(["gyre"], 16), body, {})
+    assert not retry and longer.input_ids[: rendered.input_ids.size + len(out)].tolist() == rendered.input_ids.tolist() + out
