@@ -13,13 +13,20 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+import os
+
+from gyre.coordinator.config import RUN_MODES, CoordinatorConfig
 from gyre.engines.config import EngineConfig
-from gyre.errors import ConfigError
+from gyre.errors import ConfigError, require
+from gyre.harness.config import HarnessConfig
 from gyre.launch.config import ClusterConfig
+from gyre.metrics.config import MetricsConfig
 from gyre.models.config import ModelConfig
 from gyre.proxy.config import ProxyConfig
 from gyre.scheduler.config import SchedulerConfig
+from gyre.tasks.config import TasksConfig
 from gyre.train.config import TrainerConfig
+from gyre.trajectory.config import TrajectoryConfig
 
 
 @dataclass(kw_only=True)
@@ -32,14 +39,44 @@ class GyreConfig:
     proxy: ProxyConfig = MISSING
     scheduler: SchedulerConfig = MISSING
     trainer: TrainerConfig = MISSING
+    coordinator: CoordinatorConfig = MISSING
+    trajectory: TrajectoryConfig = MISSING
+    harness: HarnessConfig = MISSING
+    tasks: TasksConfig = MISSING
+    metrics: MetricsConfig = MISSING
     seed: int = 0
     """Seed for every random generator of the run."""
     num_steps: int = 2
     """RL steps (optimizer steps on the core cell) to run."""
 
+    mode: str = "train"
+    """One of RUN_MODES (gyre.coordinator.config)."""
+    resume: bool = False
+    """Continue the run in this run directory (hydra.run.dir=...) from its latest checkpoint."""
+    records: str | None = None
+    """mode=replay: the records directory of an earlier run (its ledger.jsonl beside it gives the scores)."""
+
     def __post_init__(self):
-        if self.num_steps < 1:
-            raise ConfigError("num_steps", f"must be >= 1, got {self.num_steps}")
+        require(self.num_steps >= 1, "num_steps", f"must be >= 1, got {self.num_steps}")
+        require(self.mode in RUN_MODES, "mode", f"must be one of {', '.join(RUN_MODES)}; got {self.mode!r}")
+        require(self.mode != "replay" or bool(self.records), "records", "mode=replay needs records=DIR (an earlier run's records)")
+        if not all(isinstance(getattr(self, f.name), f.type) for f in fields(self) if f.type in _SECTIONS):
+            return  # a section left unset (partial configs in tests); cross-section checks need all
+        self._check_across()
+
+    def _check_across(self) -> None:
+        """Checks that span sections, each naming the key to change."""
+        require(self.proxy.context_len <= self.model.max_seq_len, "proxy.context_len",
+                f"{self.proxy.context_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
+        if self.cluster.backend == "local":
+            need, have = self.cluster.num_cells * self.coordinator.cpus_per_cell, len(os.sched_getaffinity(0))
+            require(need <= have, "cluster.num_cells",
+                    f"{self.cluster.num_cells} cells x coordinator.cpus_per_cell={self.coordinator.cpus_per_cell} "
+                    f"need {need:g} CPUs; this machine has {have}")
+
+
+_SECTIONS = (ClusterConfig, EngineConfig, ModelConfig, ProxyConfig, SchedulerConfig, TrainerConfig, CoordinatorConfig,
+             TrajectoryConfig, HarnessConfig, TasksConfig, MetricsConfig)
 
 
 def register_configs() -> None:

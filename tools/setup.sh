@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 
-# Mooncake's Transfer Engine links libibverbs even for TCP transfers.
-APT_PACKAGES=(libibverbs1 ibverbs-providers)
+# Mooncake's Transfer Engine links libibverbs even for TCP transfers; bubblewrap isolates harness sandboxes.
+APT_PACKAGES=(libibverbs1 ibverbs-providers bubblewrap)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

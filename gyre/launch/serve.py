@@ -3,6 +3,7 @@ tells the parent its port through a file and serves until SIGINT/SIGTERM; the pa
 (`ChildServer`) spawns it, waits for that file and stops it. Shared by `gyre-engine` and `gyre-proxy`."""
 
 import asyncio
+import ctypes
 import os
 import signal
 import subprocess
@@ -26,6 +27,14 @@ def write_private_file(path: str, text: str, fsync: bool = False) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` of a child that must not outlive its parent (SIGTERM when the parent dies, even
+    by SIGKILL): a killed coordinator leaves no cell, engine or sandbox behind (Linux prctl). The
+    "parent" is the thread that forked: spawn long-lived children from a thread that lives as long."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def serve_app(app: web.Application, host: str, port: int, name: str, *, port_file: str | None = None,
@@ -67,7 +76,8 @@ class ChildServer:
         self._log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
 
     def spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
 
     def spawn_and_wait_port(self, cmd: list[str], timeout_s: float, env: dict[str, str] | None = None) -> list[str]:
         """Run `cmd --port-file F` and return the fields `serve_app` wrote to F (the port first).

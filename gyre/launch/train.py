@@ -1,5 +1,11 @@
-"""`gyre-train`: the Hydra app that composes, validates and (once the coordinator lands) runs a Gyre job."""
+"""`gyre-train`: the Hydra app that composes, validates and runs a Gyre job (the coordinator).
 
+The run directory is Hydra's (`hydra.run.dir`); the summary's last line is one JSON object.
+"""
+
+import asyncio
+import json
+import logging
 import sys
 from pathlib import Path
 
@@ -9,8 +15,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from gyre.config import register_configs, validate
-from gyre.errors import ConfigError
+from gyre.config import GyreConfig, register_configs, validate
+from gyre.errors import ConfigError, GyreError
+from gyre.tasks.spec import TaskSet, toy_taskset
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -20,15 +27,38 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def run(cfg: DictConfig) -> None:
     try:
-        validate(cfg)
+        gyre_cfg = validate(cfg)
     except ConfigError as e:
         sys.exit(f"gyre-train: invalid config: {e}")
-    # TODO(coordinator issue): wire cells, proxy, engines, trainer and scheduler here.
-    print(
-        "gyre-train: the config is valid, but the coordinator is not built yet, so nothing was run.",
-        file=sys.stderr,
-    )
-    sys.exit(3)
+    from hydra.core.hydra_config import HydraConfig
+
+    from gyre.coordinator.loop import run as run_coordinator
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        taskset = load_tasks(gyre_cfg)
+    except GyreError as e:
+        sys.exit(f"gyre-train: {e}")
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    summary = asyncio.run(run_coordinator(gyre_cfg, run_dir, taskset, resume=gyre_cfg.resume))
+    print(json.dumps(summary), flush=True)
+
+
+def load_tasks(cfg: GyreConfig) -> TaskSet:
+    """The run's task set; warm-starts the initial policy on it when asked (sets init_weights).
+
+    Raises:
+        TaskSpecError: a task spec that does not load (names the task and the field).
+    """
+    taskset = TaskSet.load(cfg.tasks.path) if cfg.tasks.path else toy_taskset()
+    if cfg.tasks.warm_start and cfg.coordinator.init_weights is None and not cfg.resume:
+        from gyre.tasks.warmstart import warm_start
+
+        out, report = warm_start(Path(cfg.tasks.warm_start_dir), taskset, cfg.model)
+        print(f"gyre-train: warm start {'reused' if report['reused'] else 'trained'}: {out} "
+              f"(score before {report['before']}, after {report['after']})", file=sys.stderr, flush=True)
+        cfg.coordinator.init_weights = str(out)
+    return taskset
 
 
 def check_config(overrides: list[str]) -> None:
@@ -48,3 +78,7 @@ def main() -> None:
     if args.cfg and not args.multirun and not args.config_dir and not args.config_name:
         check_config(args.overrides)
     run()
+
+
+if __name__ == "__main__":
+    main()

@@ -16,8 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from gyre.errors import ConfigError
 from gyre.launch.train import CONF_DIR
+from gyre.metrics.plots import draw_timelines
 from gyre.sim.config import SimConfig
-from gyre.sim.report import format_compare, format_modes, format_sensitivity, plot_timeline
+from gyre.sim.report import format_compare, format_modes, format_sensitivity, timeline_panels
 from gyre.sim.runner import run_modes, sensitivity, summarize
 from gyre.sim.seed import SEED_ROWS
 
@@ -94,7 +95,7 @@ def run(cfg: DictConfig) -> None:
     print(format_modes(out))
     if sim.plot:
         path = os.path.join(HydraConfig.get().runtime.output_dir, sim.plot)
-        plot_timeline(results, path)
+        draw_timelines(timeline_panels(results), path)
         out["plot"] = path
         print(f"timeline: {path}")
     if sim.sensitivity:

@@ -30,7 +30,8 @@ from collections import deque
 
 from gyre.scheduler.cells import PHASE_SHARES, Phase, Role, make_cells
 from gyre.scheduler.config import SchedulerConfig
-from gyre.scheduler.policy import CellView, Decision, Observation, make_policy
+from gyre.scheduler.observe import make_observation
+from gyre.scheduler.policy import Decision, Observation, make_policy
 from gyre.scheduler.streaming import MicroStepQueue, may_admit, trained_spans
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.kv import NONE, CellEngine, HostTier
@@ -386,21 +387,14 @@ class Simulation:
         self._at(self.now + self.tick_s, TICK, None)
 
     def _observe(self) -> Observation:
-        views = tuple(
-            CellView(index=sc.cell.index, role=sc.cell.role, is_core=sc.cell.is_core,
-                     in_step=sc.cell.step is not None, since_s=sc.cell.since_s, sessions=len(sc.members),
-                     max_sessions=sc.max_sessions, gen_tok_s=sc.gen_tok_s)
-            for sc in self.cells
-        )
-        return Observation(
-            now_s=self.now, cells=views, queued=len(self.waiting), running=self.running,
+        cells = self.cells
+        return make_observation(
+            self.now, [sc.cell for sc in cells], [len(sc.members) for sc in cells], [sc.max_sessions for sc in cells],
+            [sc.gen_tok_s for sc in cells], queued=len(self.waiting), running=self.running,
             queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > self.queue.current_step),
-            gen_demand_tok_s=sum(sc.eng.generating(self.now) for sc in self.cells) * self.preset.session_tok_s,
+            queue=self.queue, train_tok_s=self.sat_train_tok_s, optimizing=self.optimizing,
+            gen_demand_tok_s=sum(sc.eng.generating(self.now) for sc in cells) * self.preset.session_tok_s,
             pooled_sessions=self.pooled_sessions,
-            ready_train_s=self.queue.ready_tokens() / self.sat_train_tok_s,
-            ready_ahead_train_s=self.queue.ready_tokens_ahead() / self.sat_train_tok_s,
-            batch_ready=self.queue.batch_ready(),
-            step_open=self.queue.step_started() or self.optimizing,
         )
 
     def _consult(self):

@@ -1,9 +1,7 @@
-"""Rendering of simulator results: text tables (pure) and the PNG timeline (writes one file)."""
+"""Rendering of simulator results: text tables and timeline panels (pure; gyre.metrics.plots draws them)."""
 
+from gyre.metrics.state import Span, TimelinePanel
 from gyre.sim.result import ModeResult
-
-ROLE_COLOURS = {"rollout": "tab:blue", "train": "tab:orange", "to_train": "tab:red",
-                "to_rollout": "tab:purple", "lost": "black"}
 
 
 def format_modes(summary: dict) -> str:
@@ -59,29 +57,14 @@ def _g(row: dict, key: str) -> str:
     return f"{row[key]:.3f}" if key in row else "-"
 
 
-def plot_timeline(results: list[ModeResult], path: str) -> None:
-    """One panel per mode: each cell's role over time, and the waterlevel curve on a second axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    fig, axes = plt.subplots(len(results), 1, figsize=(12, 2.2 + 1.6 * len(results)), squeeze=False)
-    for ax, r in zip(axes[:, 0], results):
+def timeline_panels(results: list[ModeResult]) -> list[TimelinePanel]:
+    """One timeline panel per mode (drawn by gyre.metrics.plots.draw_timelines, as live runs are)."""
+    panels = []
+    for r in results:
+        lanes = []
         for c in r.cells:
-            spans = c.timeline + [(r.total_s, "")]
-            for (t0, role), (t1, _) in zip(spans, spans[1:]):
-                if t1 > t0:
-                    ax.broken_barh([(t0 / 3600, (t1 - t0) / 3600)], (c.index - 0.4, 0.8), color=ROLE_COLOURS[role])
-        ax.set_yticks([c.index for c in r.cells], [("core" if c.is_core else f"cell {c.index}") for c in r.cells])
-        ax.set_title(f"{r.mode}: {r.total_s / 3600:.1f} h")
-        ax.set_xlim(0, r.total_s / 3600)
-        twin = ax.twinx()
-        twin.plot([t / 3600 for t, _ in r.levels], [w for _, w in r.levels], color="black", lw=0.7)
-        twin.set_ylabel("waterlevel")
-    axes[-1, 0].set_xlabel("hours")
-    fig.legend(handles=[Patch(color=v, label=k) for k, v in ROLE_COLOURS.items()], loc="upper right", ncol=5)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+            marks = c.timeline + [(r.total_s, "")]
+            spans = [Span(t0, t1, role) for (t0, role), (t1, _) in zip(marks, marks[1:]) if t1 > t0]
+            lanes.append(("core" if c.is_core else f"cell {c.index}", spans))
+        panels.append(TimelinePanel(f"{r.mode}: {r.total_s / 3600:.1f} h", lanes, r.levels, 0.0, r.total_s))
+    return panels

@@ -4,7 +4,6 @@ under concurrent sessions, no-engine waits, and records surviving a SIGKILL of t
 import asyncio
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import numpy as np
@@ -24,8 +23,8 @@ O_TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engines")
-    with ThreadPoolExecutor(3) as pool:  # engines start in parallel (each loads torch)
-        procs = list(pool.map(lambda i: start_engine(tmp, RULES, name=f"e{i}"), range(3)))
+    # from this thread, one by one: an engine dies with the thread that spawned it (die_with_parent)
+    procs = [start_engine(tmp, RULES, name=f"e{i}") for i in range(3)]
     yield procs
     for p in procs:
         p.stop()
@@ -191,12 +190,18 @@ def test_responses_api_answers_parse_with_the_openai_sdk(engines, tmp_path):
 def test_workers_pin_executions_and_share_engines(engines, tmp_path):
     """Two proxy workers over one records directory: each execution is served and recorded by the
     worker it is pinned to only; engine changes reach every worker."""
-    from gyre.proxy.workers import ProxyAdminError, ProxyWorkers
+    from gyre.proxy.admin import ProxyAdminError
+    from gyre.proxy.workers import ProxyWorkers
 
     cfg = ProxyConfig(records_dir=str(tmp_path / "records"), engines=[engines[0].url], model_names=["gyre"], health_interval_s=0.5)
     workers = ProxyWorkers(cfg, 2).start()
+
+    async def admin(method: str, *args):
+        async with workers.admin() as a:
+            return await getattr(a, method)(*args)
+
     try:
-        made = {eid: workers.create_execution(eid) for eid in ("w-a", "w-b", "w-c", "w-d")}
+        made = {eid: asyncio.run(admin("create_execution", eid)) for eid in ("w-a", "w-b", "w-c", "w-d")}
         assert {m["url"] for m in made.values()} == set(workers.urls)  # these ids land on both workers
         body = {"model": "gyre", "max_tokens": 50, "messages": [{"role": "user", "content": "please"}]}
         for eid, m in made.items():
@@ -207,11 +212,12 @@ def test_workers_pin_executions_and_share_engines(engines, tmp_path):
             assert status == 400 and "pinned to proxy worker" in out["error"]["message"]
             (record,), _ = read_records(tmp_path / "records" / f"{eid}.jsonl")
             assert record.seq == 0
-        assert [r["result"] for r in workers.engine_op("e0", "stop_admission")] == [None, None]
-        assert all(m["engines"][0]["status"] == "closing" for m in workers.metrics())
-        assert sum(len(m["executions"]) for m in workers.metrics()) == 4
+        assert [r["result"] for r in asyncio.run(admin("engine_op", "e0", "stop_admission"))] == [None, None]
+        metrics = asyncio.run(admin("metrics"))
+        assert metrics["num_calls"] == 4 and len(metrics["executions"]) == 4
+        assert [(e["engine_id"], e["status"], e["num_sessions"]) for e in metrics["engines"]] == [("e0", "closing", 4)]
         with pytest.raises(ProxyAdminError, match="404"):
-            workers.engine_op("nope", "drain")
+            asyncio.run(admin("engine_op", "nope", "drain"))
     finally:
         workers.stop()
 

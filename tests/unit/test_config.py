@@ -42,6 +42,11 @@ def test_valid_configs_compose_and_validate(overrides):
         pytest.param("scheduler.mode=sync", "scheduler.mode", id="unknown-mode"),
         pytest.param("num_steps=0", "num_steps", id="no-steps"),
         pytest.param("proxy.fsync_window_ms=-1", "proxy.fsync_window_ms", id="negative-fsync-window"),
+        pytest.param("coordinator.group_size=1", "coordinator.group_size", id="group-of-one"),
+        pytest.param("mode=debug", "mode", id="unknown-run-mode"),
+        pytest.param("proxy.context_len=100000", "proxy.context_len", id="context-beyond-the-model"),
+        pytest.param("cluster.num_cells=64", "cluster.num_cells", id="more-cells-than-cpus"),
+        pytest.param("harness.kind=emacs", "harness.kind", id="unknown-harness"),
     ],
 )
 def test_bad_values_name_their_key(override, key):
@@ -77,10 +82,10 @@ def test_cli_cfg_job_prints_only_validated_configs():
     assert good.returncode == 0 and "mode: colocate" in good.stdout
 
 
-def test_cli_run_says_the_coordinator_is_not_built(tmp_path):
-    out = _gyre_train(f"hydra.run.dir={tmp_path}")
-    assert out.returncode != 0
-    assert "coordinator is not built yet" in out.stderr
+def test_cli_run_with_more_cells_than_the_machine_fails_before_starting_anything(tmp_path):
+    out = _gyre_train(f"hydra.run.dir={tmp_path}", "cluster.num_cells=64")
+    assert out.returncode != 0 and "cluster.num_cells" in out.stderr and "CPUs" in out.stderr
+    assert not (tmp_path / "ledger.jsonl").exists()
 
 
 def test_submitit_launcher_plugin_composes():

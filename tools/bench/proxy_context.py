@@ -221,7 +221,7 @@ class Proxies:
             return
         w = ProxyWorkers(cfg, num_workers).start()
         self.stop, self.pids = w.stop, w.pids
-        self.new_execution = lambda eid: (w.url_for(eid), w.create_execution(eid)["api_key"])
+        self.new_execution = lambda eid: (w.url_for(eid), admin(w.url_for(eid), w.admin_token, "/admin/executions", {"execution_id": eid})["api_key"])
 
 
 async def idle_rate(pids: list[int], seconds: float = 2.0) -> float:

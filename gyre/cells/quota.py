@@ -1,0 +1,75 @@
+"""A fixed CPU quota per local cell, so an idle cell's compute is not silently used by another.
+
+On GPUs a cell's idle accelerators are simply idle; on one CPU box every process would otherwise
+share every core, and elastic vs async vs colocate would measure nothing. Each cell gets a cgroup
+with a CFS quota (`cpu.max` on cgroup v2, `cpu.cfs_quota_us` on v1). Where no writable cgroup
+exists (not root, a read-only hierarchy) the cell is pinned with `sched_setaffinity` to its own
+cores instead — coarser (whole cores), and said once in the run's summary.
+"""
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    """How a cell's processes are held to `cpus` CPUs."""
+
+    name: str
+    cpus: float
+    mechanism: str
+    """"cgroup_v2", "cgroup_v1", "affinity" or "none"."""
+    path: str = ""
+    """The cgroup directory (cgroup mechanisms) or the cores (affinity), for the summary."""
+
+    def add(self, pid: int) -> None:
+        """Put process `pid` under the quota (its children started later inherit it)."""
+        if self.mechanism.startswith("cgroup"):
+            Path(self.path, "cgroup.procs").write_text(str(pid))
+        elif self.mechanism == "affinity":
+            os.sched_setaffinity(pid, {int(c) for c in self.path.split(",")})
+
+    def remove(self) -> None:
+        """Delete the cgroup (its processes must have exited)."""
+        if self.mechanism.startswith("cgroup"):
+            try:
+                os.rmdir(self.path)
+            except OSError as e:
+                log.warning("could not remove cgroup %s: %s", self.path, e)
+
+
+def quota_us(cpus: float) -> int:
+    """CFS quota per period for `cpus` CPUs (at least 1 ms, the kernel's minimum)."""
+    return max(1000, round(cpus * PERIOD_US))
+
+
+def make_quota(name: str, cpus: float, index: int, root: Path = CGROUP_ROOT) -> CpuQuota:
+    """A quota of `cpus` CPUs named `name` (the `index`-th cell picks its cores for the fallback)."""
+    if (root / "cgroup.controllers").exists():  # v2: one unified hierarchy
+        path = root / name
+        try:
+            path.mkdir(exist_ok=True)
+            (path / "cpu.max").write_text(f"{quota_us(cpus)} {PERIOD_US}")
+            return CpuQuota(name, cpus, "cgroup_v2", str(path))
+        except OSError as e:
+            log.warning("cgroup v2 quota for %s failed (%s)", name, e)
+    elif (root / "cpu" / "cpu.cfs_quota_us").exists():
+        path = root / "cpu" / name
+        try:
+            path.mkdir(exist_ok=True)
+            (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (path / "cpu.cfs_quota_us").write_text(str(quota_us(cpus)))
+            return CpuQuota(name, cpus, "cgroup_v1", str(path))
+        except OSError as e:
+            log.warning("cgroup v1 quota for %s failed (%s)", name, e)
+    cores = sorted(os.sched_getaffinity(0))
+    n = max(1, round(cpus))
+    mine = [cores[(index * n + i) % len(cores)] for i in range(n)]
+    log.warning("no writable cgroup: cell %s pinned to cores %s instead of a %.2f-CPU quota", name, mine, cpus)
+    return CpuQuota(name, cpus, "affinity", ",".join(map(str, mine)))

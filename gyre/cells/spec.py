@@ -1,0 +1,41 @@
+"""What a cell leader process needs to start: its sections of the run's config, serialised."""
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from gyre.engines.config import EngineConfig
+from gyre.models.config import ModelConfig
+from gyre.train.config import TrainerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellSpec:
+    index: int
+    """Scheduler cell index; 0 is the core."""
+    role: str
+    """Initial role (gyre.scheduler.cells.Role value)."""
+    model: ModelConfig
+    trainer: TrainerConfig
+    engine: EngineConfig
+    seed: int
+    host: str
+    """Interface its servers bind (the core's satellite listener, Mooncake)."""
+    coordinator_address: str
+    """"host:port:authkey-hex" of the coordinator's cell listener."""
+    proxy_url: str
+    proxy_admin_token: str
+    checkpoint_dir: str
+    init_weights: str | None = None
+    """Engine-format model directory the core starts from (None: the seeded init)."""
+    resume: bool = False
+    """The core restores the latest checkpoint under checkpoint_dir."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "CellSpec":
+        raw = json.loads(text)
+        sections = {"model": ModelConfig, "trainer": TrainerConfig, "engine": EngineConfig}
+        return cls(**{k: sections[k](**v) if k in sections else v for k, v in raw.items()})

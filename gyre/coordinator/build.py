@@ -1,0 +1,144 @@
+"""Building and closing a run's processes: the proxy, the cell leaders (each with its engine), tokens.
+
+    build: proxy ─> cell listener ─> cell leaders (quota'd) ─> CellReady ─> engines registered,
+           version-0 weights (or the checkpoint's) pushed from the core to every engine
+    close: sandboxes killed ─> leaders stopped (their engines with them) ─> proxy stopped
+
+Everything started here is stopped by `close`, also after a failure half way through `build`.
+"""
+
+import asyncio
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Listener
+from pathlib import Path
+
+from gyre.cells.local import CellError, LocalCell
+from gyre.cells.protocol import CellReady, recv
+from gyre.cells.quota import make_quota
+from gyre.cells.spec import CellSpec
+from gyre.config import GyreConfig
+from gyre.engines.client import EngineClient
+from gyre.proxy.admin import ProxyAdmin
+from gyre.proxy.main import ProxyProcess
+from gyre.scheduler.cells import Role, make_cells
+from gyre.scheduler.policy import BasePolicy, Decision, make_policy
+
+
+class RolloutOnlyPolicy(BasePolicy):
+    """mode=rollout: every cell serves rollouts and none ever switches."""
+
+    def initial_roles(self) -> list[Role]:
+        return [Role.ROLLOUT] * self.num_cells
+
+    def decide(self, obs) -> Decision:
+        return Decision()
+
+
+@dataclass
+class Parts:
+    """The run's live processes and the handles the loop drives them with."""
+
+    run_dir: Path
+    proxy: ProxyProcess
+    admin: ProxyAdmin
+    cells: list[LocalCell] = field(default_factory=list)
+    policy: BasePolicy | None = None
+    listener: Listener | None = None
+    core_address: str = ""
+    initial: CellReady | None = None
+    """The core's CellReady: its step (weight version) and published weights."""
+
+    @property
+    def core(self) -> LocalCell:
+        return self.cells[0]
+
+
+def _listener() -> tuple[Listener, str]:
+    key = os.urandom(16)
+    listener = Listener(("127.0.0.1", 0), authkey=key)
+    host, port = listener.address
+    return listener, f"{host}:{port}:{key.hex()}"
+
+
+async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
+    """Start every process of a local run; on failure whatever started is stopped and the error raised."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    proxy_cfg = dataclasses.replace(cfg.proxy, records_dir=str(run_dir / "records"), vocab_size=cfg.model.vocab_size)
+    proxy = ProxyProcess(proxy_cfg).start()
+    parts = Parts(run_dir, proxy, await ProxyAdmin(proxy.url, proxy.admin_token).__aenter__())
+    try:
+        await _start_cells(cfg, parts, resume)
+        await _register_engines(parts)
+    except BaseException:
+        await close(parts)
+        raise
+    return parts
+
+
+async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
+    n = cfg.cluster.num_cells
+    parts.policy = RolloutOnlyPolicy(cfg.scheduler, n) if cfg.mode == "rollout" else make_policy(cfg.scheduler, n)
+    roles = parts.policy.initial_roles()
+    parts.listener, address = _listener()
+    for state, role in zip(make_cells(n, cfg.cluster.cell_nodes), roles):
+        state.role = role
+        spec = CellSpec(index=state.index, role=role.value, model=cfg.model, trainer=cfg.trainer, engine=cfg.engine,
+                        seed=cfg.seed, host="127.0.0.1", coordinator_address=address, proxy_url=parts.proxy.url,
+                        proxy_admin_token=parts.proxy.admin_token, checkpoint_dir=str(parts.run_dir / "checkpoints"),
+                        init_weights=cfg.coordinator.init_weights, resume=resume)  # fmt: skip
+        quota = make_quota(f"gyre-{os.getpid()}-cell{state.index}", cfg.coordinator.cpus_per_cell, state.index)
+        cell = LocalCell(spec, state, parts.run_dir / "logs" / f"cell{state.index}.log", quota)
+        parts.cells.append(cell)
+        cell.start()
+    await asyncio.to_thread(_accept_cells, parts, cfg.coordinator.cell_start_timeout_s)
+
+
+def _accept_cells(parts: Parts, timeout_s: float) -> None:
+    """Accept every leader's connection and its CellReady (leaders build trainer + engine meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    pending = len(parts.cells)
+    sock = parts.listener._listener._socket  # noqa: SLF001 - the stdlib listener has no accept timeout
+    while pending:
+        for c in parts.cells:
+            c.check_alive()
+        if time.monotonic() > deadline:
+            raise CellError(f"{pending} cell leader(s) not ready after {timeout_s} s (coordinator.cell_start_timeout_s)")
+        sock.settimeout(1.0)
+        try:
+            conn = parts.listener.accept()
+        except TimeoutError:
+            continue
+        ready = recv(conn)
+        cell = parts.cells[ready.cell]
+        cell.conn, cell.engine_url = conn, ready.engine_url
+        if ready.cell == 0:
+            parts.core_address, parts.initial = ready.core_address, ready
+        pending -= 1
+
+
+async def _register_engines(parts: Parts) -> None:
+    """Every engine in the proxy (serving ones active, the others closed) at the core's weights."""
+    weights = dict(parts.initial.weights)
+    version = weights.pop("version")
+    for cell in parts.cells:
+        async with EngineClient(cell.engine_url) as engine:
+            await engine.update_weights_from_tensor(weight_version=str(version), load_format="gyre_transfer", **weights)
+            if cell.state.role != Role.ROLLOUT:
+                await engine.release_memory()
+        cell.engine_version = version
+        await parts.admin.add_engine(cell.engine_id, cell.engine_url, str(cell.index))
+        if cell.state.role != Role.ROLLOUT:
+            await parts.admin.engine_op(cell.engine_id, "stop_admission")
+
+
+async def close(parts: Parts) -> None:
+    """Stop everything `build` started (idempotent)."""
+    for cell in parts.cells:
+        await asyncio.to_thread(cell.stop)
+    if parts.listener is not None:
+        parts.listener.close()
+    await parts.admin.__aexit__(None, None, None)
+    parts.proxy.stop()

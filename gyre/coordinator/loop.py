@@ -1,0 +1,151 @@
+"""The coordinator's entry loop: one elastic RL run, start to summary.
+
+    observe ─> decide ─> switch ─> admit ─> collect + evaluate ─> batch ─> train ─> publish ─> checkpoint
+       ^                                                                                     │
+       └──────────────────────────────── every tick_s ───────────────────────────────────────┘
+
+Everything here is wiring: building processes is gyre.coordinator.build, executions are
+gyre.coordinator.rollouts, batches and steps gyre.coordinator.training, the decisions are the
+scheduler's pure policy over gyre.scheduler.observe.make_observation.
+"""
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from gyre.cells.protocol import CellFailure, CheckpointDone, PhaseDone, RoleDone, StepDone, recv, send
+from gyre.config import GyreConfig
+from gyre.coordinator.build import Parts, build, close
+from gyre.coordinator.ledger import ExecutionLedger, read_ledger
+from gyre.coordinator.replay import ReplaySource
+from gyre.coordinator.rollouts import Rollouts
+from gyre.coordinator.summary import RunEvents
+from gyre.coordinator.training import Training
+from gyre.errors import GyreError
+from gyre.scheduler.cells import Role
+from gyre.scheduler.observe import make_observation
+from gyre.tasks.spec import TaskSet
+
+log = logging.getLogger(__name__)
+
+
+class RunFailed(GyreError):
+    """A cell reported a failure the run cannot continue from."""
+
+
+async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = False) -> dict:
+    """Run `cfg.num_steps` RL steps into `run_dir` (cfg.mode: train, replay or rollout); returns the summary."""
+    t_start, c = time.time(), cfg.coordinator
+    view = read_ledger(run_dir / "ledger.jsonl")
+    ledger, events = ExecutionLedger(run_dir / "ledger.jsonl"), RunEvents(run_dir, cfg)
+    source = ReplaySource(Path(cfg.records), taskset, c.groups_per_step, ledger, events.execution_state) \
+        if cfg.mode == "replay" else None
+    parts = None
+    try:
+        parts = await build(cfg, run_dir, resume)
+        events.start(parts.initial, [x.state.role.value for x in parts.cells])
+        train = Training(groups_per_step=c.groups_per_step, staleness=cfg.scheduler.staleness, trajectory=cfg.trajectory,
+                         max_tokens=c.max_micro_batch_tokens, version=parts.initial.step, train_tok_s=c.train_tok_s,
+                         weights=parts.initial.weights)  # fmt: skip
+        source = source or Rollouts(
+            taskset=taskset, harness=cfg.harness, group_size=c.group_size, groups_per_step=c.groups_per_step,
+            num_steps=cfg.num_steps, staleness=cfg.num_steps if cfg.mode == "rollout" else cfg.scheduler.staleness,
+            seed=cfg.seed, model=cfg.proxy.model_names[0], run_dir=run_dir, ledger=ledger, proxy=parts.admin,
+            proxy_url=parts.proxy.url, records_dir=run_dir / "records", on_state=events.execution_state)  # fmt: skip
+        if resume:
+            source.restore(view, train.version)
+        num_steps = min(cfg.num_steps, getattr(source, "num_steps", cfg.num_steps))
+        while not _finished(cfg.mode, num_steps, train, source):
+            now = time.time()
+            for cell in parts.cells:
+                cell.check_alive()
+                while cell.conn.poll():
+                    await _on_message(recv(cell.conn), cell, parts, train, source, events, cfg, now)
+            queued, ahead, running = source.counts(train.version)
+            sessions = await _sessions(parts)
+            obs = make_observation(
+                now, [x.state for x in parts.cells], sessions, [c.sessions_per_cell] * len(parts.cells),
+                [1.0] * len(parts.cells), queued=queued, queued_ahead=ahead, running=running, queue=train.queue,
+                train_tok_s=train.train_tok_s, optimizing=train.in_flight is not None)  # fmt: skip
+            events.observe(obs, sessions)
+            decision = parts.policy.decide(obs)
+            for i in decision.to_train + decision.to_rollout:
+                target = Role.TRAIN if i in decision.to_train else Role.ROLLOUT
+                parts.cells[i].begin_switch(target, now, train.weights, parts.core_address)
+            source.admit_groups(train.version)
+            serving = sum(x.state.role == Role.ROLLOUT for x in parts.cells)
+            await source.start_queued(serving * c.sessions_per_cell - running)
+            await source.collect()
+            for group in source.ready_groups():
+                if cfg.mode == "rollout":
+                    group.batched = True  # evaluated and recorded; never trained
+                    continue
+                source.log_exclusions(group, train.add_group(group).excluded)
+            if parts.core.state.role == Role.TRAIN and (step := train.next_step()) is not None:
+                parts.core.state.join_step(step.step)
+                send(parts.core.conn, step)
+            events.update()
+            await asyncio.sleep(c.tick_s)
+    except BaseException as e:
+        events.failure("coordinator", repr(e))
+        raise
+    else:
+        return events.summary(read_ledger(run_dir / "ledger.jsonl"), time.time() - t_start, train.version)
+    finally:
+        if source is not None:
+            source.close()
+        if parts is not None:
+            await close(parts)
+        ledger.close()
+        events.close()
+
+
+def _finished(mode: str, num_steps: int, train: Training, source) -> bool:
+    if mode == "rollout":
+        return source.next_group >= num_steps * source.groups_per_step and all(g.batched for g in source.groups.values())
+    return train.version >= num_steps and not train.uncheckpointed
+
+
+async def _sessions(parts: Parts) -> list[int]:
+    """Live sessions per cell, as the proxy routes them."""
+    engines = {e["engine_id"]: e for e in (await parts.admin.metrics())["engines"]}
+    return [engines.get(x.engine_id, {}).get("num_sessions", 0) for x in parts.cells]
+
+
+async def _on_message(msg, cell, parts: Parts, train: Training, source, events: RunEvents, cfg: GyreConfig,
+                      now: float) -> None:  # fmt: skip
+    if isinstance(msg, PhaseDone):
+        cell.on_phase(msg, now)
+    elif isinstance(msg, RoleDone):
+        events.role_switch(msg)
+        if msg.role == Role.ROLLOUT.value and cell.engine_version < train.version:
+            await _load_newest(cell, train.weights)
+        cell.engine_version = max(cell.engine_version, (train.weights or {}).get("version", -1))
+    elif isinstance(msg, StepDone):
+        rec = train.on_step_done(msg, sum(x.state.role == Role.TRAIN for x in parts.cells))
+        parts.core.state.leave_step()
+        events.step(rec)
+        t0, serving = time.monotonic(), [x for x in parts.cells if x.state.role == Role.ROLLOUT]
+        await asyncio.gather(*(_load_newest(x, msg.weights) for x in serving))
+        events.publish(train.version, time.monotonic() - t0, len(serving))
+        if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= cfg.num_steps:
+            send(parts.core.conn, train.checkpoint({"next_group": source.next_group}))
+    elif isinstance(msg, CheckpointDone):
+        events.checkpoint(msg)
+        for rec in train.on_checkpoint_done(msg):
+            for group, batch in rec.groups:
+                source.mark_trained(group, {eid for mb in batch.micro_batches for eid in mb.execution_ids}, rec.step)
+    elif isinstance(msg, CellFailure):
+        raise RunFailed(f"cell {msg.cell}: {msg.message}")
+
+
+async def _load_newest(cell, weights: dict) -> None:
+    """Have a serving cell's engine load the newest published weights (Mooncake read from the core)."""
+    from gyre.engines.client import EngineClient
+
+    w = dict(weights)
+    version = w.pop("version")
+    async with EngineClient(cell.engine_url) as engine:
+        await engine.update_weights_from_tensor(weight_version=str(version), load_format="gyre_transfer", **w)
+    cell.engine_version = version

@@ -1,0 +1,86 @@
+"""Harness config (Hydra group `harness`): which agent program runs in each sandbox, and its limits."""
+
+from dataclasses import dataclass, field
+
+from gyre.errors import ConfigError, require
+
+KINDS = ("toy", "claude_code", "mini_swe_agent", "command")
+ISOLATIONS = ("auto", "bwrap", "none")
+PLACEHOLDERS = ("instruction", "workspace", "proxy_url", "api_key", "model")
+
+
+@dataclass(kw_only=True)
+class ToyAgentConfig:
+    """The toy agent's behaviour (`python -m gyre.harness.toy_agent`)."""
+
+    api: str = "anthropic"
+    """`anthropic` (Messages API: sub-agents and summaries are hinted) or `openai` (chat completions)."""
+    max_tokens: int = 96
+    """New tokens per model call."""
+    max_turns: int = 3
+    """Main-agent model calls (summaries aside)."""
+    subagent: bool = True
+    """Spawn one sub-agent that surveys the workspace before the main agent starts."""
+    subagent_turns: int = 2
+    compact_chars: int = 300
+    """Compact (summary request, fresh conversation) once the conversation passes this many characters."""
+    tool_median_s: float = 0.05
+    """Median tool-call duration; durations are log-normal: median * exp(sigma * N(0, 1))."""
+    tool_sigma: float = 1.5
+    """Log-normal shape: 1.5 puts p90 at ~7x and p99 at ~33x the median (the long tail)."""
+    tool_max_s: float = 30.0
+    seed: int = 0
+    """Tool durations are seeded by this and the execution id."""
+
+    def __post_init__(self):
+        require(self.api in ("anthropic", "openai"), "api", f"{self.api!r} is not one of anthropic, openai")
+        require(self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        require(self.max_turns >= 1, "max_turns", "must be >= 1")
+        require(self.subagent_turns >= 1, "subagent_turns", "must be >= 1")
+        require(self.compact_chars >= 1, "compact_chars", "must be >= 1 character")
+        require(self.tool_median_s >= 0, "tool_median_s", "must be >= 0 s")
+        require(self.tool_sigma >= 0, "tool_sigma", "must be >= 0")
+        require(self.tool_max_s >= self.tool_median_s, "tool_max_s", "must be >= tool_median_s")
+
+
+@dataclass(kw_only=True)
+class HarnessConfig:
+    """One sandboxed agent program per execution (see gyre/harness/sandbox.py)."""
+
+    kind: str = "toy"
+    """toy | claude_code | mini_swe_agent | command."""
+    command: str = ""
+    """kind=command: a command line (split like a shell would, then each word formatted) with the
+    placeholders {instruction} {workspace} {proxy_url} {api_key} {model}; write {{ }} for braces."""
+    isolation: str = "auto"
+    """bwrap: bubblewrap (workspace and a private HOME writable, the rest read-only; fails if it
+    cannot run); none: the plain runner; auto: bwrap where it runs, else a warning and none."""
+    grace_s: float = 5.0
+    """Seconds between SIGTERM at the time budget and SIGKILL of the whole process group."""
+    cpu_limit_s: int | None = 3600
+    """RLIMIT_CPU per process (CPU seconds); None: unlimited."""
+    mem_limit_gb: float | None = 4.0
+    """RLIMIT_AS per process (virtual memory); None: unlimited (Node reserves large address spaces)."""
+    max_processes: int | None = 4096
+    """RLIMIT_NPROC (processes of the user; not enforced for root); None: unlimited."""
+    claude_code_tools: list[str] = field(default_factory=lambda: ["Bash", "Read", "Write", "Edit", "Agent"])
+    toy: ToyAgentConfig = field(default_factory=ToyAgentConfig)
+
+    def __post_init__(self):
+        require(self.kind in KINDS, "kind", f"{self.kind!r} is not one of {', '.join(KINDS)}")
+        require(self.isolation in ISOLATIONS, "isolation", f"{self.isolation!r} is not one of {', '.join(ISOLATIONS)}")
+        require(self.kind != "command" or bool(self.command.strip()), "command", "kind=command needs a command line")
+        if self.kind == "command":
+            try:
+                self.command.format(**{p: "" for p in PLACEHOLDERS})
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError("command", f"bad placeholder {e}; valid: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
+        require(self.grace_s >= 0, "grace_s", "must be >= 0 s")
+        require(self.cpu_limit_s is None or self.cpu_limit_s >= 1, "cpu_limit_s", "must be >= 1 s or null")
+        require(self.mem_limit_gb is None or self.mem_limit_gb > 0, "mem_limit_gb", "must be > 0 GB or null")
+        require(self.max_processes is None or self.max_processes >= 1, "max_processes", "must be >= 1 or null")
+        if isinstance(self.toy, dict):
+            try:
+                self.toy = ToyAgentConfig(**self.toy)
+            except ConfigError as e:
+                raise e.under("toy") from None

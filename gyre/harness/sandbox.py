@@ -1,0 +1,186 @@
+"""Harness sandboxes: one per execution, a fresh workspace, its own process group, a budget, limits.
+
+    prepare(): <root>/<execution_id>/{workspace (fresh copy + setup), home (private HOME, TMPDIR)}
+    start():   [bwrap ...] harness-command   env: proxy URL, execution key, model; rlimits; own group
+    poll():    exited -> SandboxResult | past budget -> SIGTERM the group, after grace SIGKILL
+    the workspace stays for the evaluator (partial credit for timed-out runs)
+
+Isolation is bubblewrap: the whole filesystem read-only, the workspace and the private home
+writable, /dev and /proc fresh, a pid namespace (the network is shared: the proxy is on loopback).
+A write anywhere else fails with EROFS and shows in the harness log. Where bubblewrap cannot run
+(not installed, no user namespaces in a container), `isolation=auto` says so once and falls back
+to the plain runner; `isolation=bwrap` refuses to start.
+
+Apptainer/enroot on Slurm: the runner is the same inside the image (bubblewrap needs to be in the
+image; unprivileged user namespaces must be allowed, which Apptainer's own sandbox also needs);
+with `isolation=none` the container itself is the isolation, and `make_container_prefix` wraps
+the harness command in `apptainer exec --bind <workspace>,<home> IMAGE` for sites that start each
+sandbox in its own container.
+"""
+
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gyre.errors import GyreError
+from gyre.harness.commands import make_harness_command
+from gyre.harness.config import HarnessConfig
+from gyre.tasks.spec import Task
+from gyre.tasks.workspace import make_workspace, run_setup
+
+log = logging.getLogger(__name__)
+_bwrap_ok: bool | None = None
+
+
+class SandboxError(GyreError):
+    """A sandbox that cannot start (isolation required but unavailable, harness binary missing)."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    exit_code: int
+    """The harness's exit status (negative: killed by that signal)."""
+    timed_out: bool
+    """The wall-clock budget ended it (SIGTERM, then SIGKILL after the grace)."""
+    duration_s: float
+    workspace: Path
+    log_path: Path
+
+
+def make_bwrap_prefix(writable: list[Path], cwd: Path) -> list[str]:
+    """bubblewrap argv: the root read-only, `writable` paths bound read-write (pure)."""
+    argv = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "--die-with-parent"]
+    for p in writable:
+        argv += ["--bind", str(p), str(p)]
+    return argv + ["--chdir", str(cwd), "--"]
+
+
+def make_container_prefix(image: str, writable: list[Path], cwd: Path, runtime: str = "apptainer") -> list[str]:
+    """`apptainer exec` / `enroot start` argv running a harness inside IMAGE (pure; Slurm sites)."""
+    if runtime == "enroot":
+        return ["enroot", "start", "--rw", *[a for p in writable for a in ("--mount", f"{p}:{p}")], image]
+    return ["apptainer", "exec", "--containall", "--bind", ",".join(map(str, writable)), "--pwd", str(cwd), image]
+
+
+def bwrap_available() -> bool:
+    """Whether bubblewrap runs here (checked once per process)."""
+    global _bwrap_ok
+    if _bwrap_ok is None:
+        binary = shutil.which("bwrap")
+        try:
+            _bwrap_ok = binary is not None and subprocess.run(
+                [binary, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "true"],
+                capture_output=True, timeout=30).returncode == 0  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            _bwrap_ok = False
+        if not _bwrap_ok:
+            log.warning("bubblewrap (bwrap) cannot run here: harness sandboxes run unisolated "
+                        "(apt-get install bubblewrap; containers need user namespaces)")  # fmt: skip
+    return _bwrap_ok
+
+
+def _limits(cfg: HarnessConfig):
+    """A preexec function setting the harness's rlimits (inherited by all it starts)."""
+    pairs = [(resource.RLIMIT_CPU, cfg.cpu_limit_s), (resource.RLIMIT_NPROC, cfg.max_processes),
+             (resource.RLIMIT_AS, None if cfg.mem_limit_gb is None else int(cfg.mem_limit_gb * 2**30))]  # fmt: skip
+
+    def apply() -> None:
+        for which, value in pairs:
+            if value is not None:
+                resource.setrlimit(which, (value, value))
+
+    return apply
+
+
+class Sandbox:
+    """One execution's harness process: prepare, start, poll until it ends (or kill)."""
+
+    def __init__(self, task: Task, execution_id: str, root: Path, harness: HarnessConfig, proxy_url: str,
+                 api_key: str, model: str):  # fmt: skip
+        self.task, self.execution_id, self.cfg = task, execution_id, harness
+        self.proxy_url, self.api_key, self.model = proxy_url, api_key, model
+        self.dir = Path(root).resolve() / execution_id
+        self.workspace, self.home, self.log_path = self.dir / "workspace", self.dir / "home", self.dir / "harness.log"
+        self.isolated = False
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+        self._started = self._term_at = 0.0
+        self._result: SandboxResult | None = None
+
+    def prepare(self) -> Path:
+        """A fresh workspace copy with the task's setup run in it, and a private home.
+
+        Raises:
+            WorkspaceError: the source cannot be copied or the setup failed.
+        """
+        make_workspace(self.task.workspace, self.workspace)
+        run_setup(self.task, self.workspace)
+        (self.home / "tmp").mkdir(parents=True, exist_ok=True)
+        return self.workspace
+
+    def start(self) -> None:
+        """Start the harness (non-blocking) in its own process group, under the budget's clock.
+
+        Raises:
+            SandboxError: isolation=bwrap where bubblewrap cannot run, or the harness is missing.
+        """
+        argv, env = make_harness_command(self.cfg, self.task.instruction, self.workspace, self.proxy_url,
+                                         self.api_key, self.model, self.home)  # fmt: skip
+        env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"))
+        want = self.cfg.isolation
+        self.isolated = want == "bwrap" or (want == "auto" and bwrap_available())
+        if want == "bwrap" and not bwrap_available():
+            raise SandboxError("harness.isolation=bwrap but bubblewrap cannot run here; use auto or none")
+        if self.isolated:
+            argv = make_bwrap_prefix([self.workspace, self.home], self.workspace) + argv
+        self._log = open(self.log_path, "ab")
+        self._started = time.monotonic()
+        try:
+            self._proc = subprocess.Popen(argv, cwd=self.workspace, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
+                                          stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_limits(self.cfg))  # fmt: skip
+        except OSError as e:
+            self._log.close()
+            raise SandboxError(f"cannot start harness {argv[0]!r}: {e}") from e
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def poll(self) -> SandboxResult | None:
+        """The result once the harness has exited, else None; enforces the budget (cheap, non-blocking)."""
+        if self._result is not None or self._proc is None:
+            return self._result
+        now = time.monotonic()
+        code = self._proc.poll()
+        if code is None:
+            if not self._term_at and now - self._started > self.task.time_budget_s:
+                self._term_at = now
+                self._signal(signal.SIGTERM)
+            elif self._term_at and now - self._term_at > self.cfg.grace_s:
+                self._signal(signal.SIGKILL)
+            return None
+        self._signal(signal.SIGKILL)  # what the harness left running in its group
+        self._log.close()
+        self._result = SandboxResult(code, bool(self._term_at), now - self._started, self.workspace, self.log_path)
+        return self._result
+
+    def kill(self) -> None:
+        """SIGKILL the whole group now (shutdown); poll() then returns the result."""
+        if self._proc is not None and self._result is None:
+            self._signal(signal.SIGKILL)
+            self._proc.wait()
+            self.poll()
+
+    def wait(self, poll_interval_s: float = 0.05) -> SandboxResult:
+        """Poll until the harness ends (for one-off runs; the coordinator polls many)."""
+        while (result := self.poll()) is None:
+            time.sleep(poll_interval_s)
+        return result

@@ -1,0 +1,237 @@
+"""The toy agent: a real multi-turn coding agent, in its own process, for the embedded default.
+
+It talks to the proxy the way a user's agent would, with an official SDK (`anthropic` Messages
+API, or `openai` chat completions), calls tools in its workspace (write_file, read_file, run),
+spawns a sub-agent that surveys the workspace, and compacts its context with a summary request
+once the conversation grows past `--compact-chars`. Each tool call lasts a duration drawn from a
+seeded log-normal (median, sigma, cap), so executions have the long tail the scheduler exists for.
+
+    main agent ──spawns──> sub-agent (run / read_file, reports in one line)
+        │ instruction + report
+        ├─ turn: model call ─> tool calls ─> tool results (sleep to the drawn duration) ─> ...
+        ├─ conversation > compact_chars: summary request ─> fresh conversation with the summary
+        └─ a turn without tool calls (or max turns) ends the run
+
+Agents are told apart the way the proxy's hints read them (gyre/proxy/hints.py): on the
+Messages API with Claude Code's `x-claude-code-agent-id` / `-parent-agent-id` headers, and a
+summary request's last user message asks for a summary and not to call tools; on chat completions
+with `x-gyre-agent-id` / `x-gyre-parent-agent-id` (that API has no summary hint: a summary is a
+main-agent call there). The pure functions (`make_*`) are shared with the warm start, which
+renders reference transcripts exactly as this agent's calls reach the proxy.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+APIS = ("anthropic", "openai")
+MAIN_SYSTEM = "You are a coding agent. Use the tools to complete the task in the current directory."
+SUB_SYSTEM = "You are a helper agent. Look at the workspace and report what you find in one line."
+SUB_TASK = "List the files in the workspace."
+SUMMARY_REQUEST = "Write a short summary of the conversation so far. Do NOT call any tools."
+TOOLS = [
+    {"name": "write_file", "description": "Write text to a file.",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                    "required": ["path", "content"]}},
+    {"name": "read_file", "description": "Read a file.",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
+    {"name": "run", "description": "Run a shell command.",
+     "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}},
+]  # fmt: skip
+RESULT_CHARS = 200
+"""Tool results and reports are cut to this many characters (short prompts for the tiny model)."""
+
+
+@dataclass(frozen=True)
+class ToolTime:
+    """Log-normal tool-call durations: median_s * exp(sigma * N(0,1)), capped at max_s."""
+
+    median_s: float = 0.05
+    sigma: float = 1.5
+    max_s: float = 30.0
+
+    def draw(self, rng: random.Random) -> float:
+        return min(self.max_s, self.median_s * math.exp(self.sigma * rng.gauss(0.0, 1.0))) if self.median_s > 0 else 0.0
+
+
+def make_main_prompt(instruction: str, report: str) -> str:
+    return f"{instruction}\nFiles: {report[:RESULT_CHARS]}" if report else instruction
+
+
+def make_resumed_prompt(instruction: str, summary: str) -> str:
+    return f"{instruction}\nSummary so far: {summary[:RESULT_CHARS]}"
+
+
+def conversation_chars(messages: list[dict]) -> int:
+    """Size of a conversation beyond its system prompt: what compaction bounds."""
+    return sum(len(m.get("content") or "") + sum(len(json.dumps(c["arguments"])) for c in m.get("tool_calls", []))
+               for m in messages[1:])  # fmt: skip
+
+
+def make_openai_body(model: str, messages: list[dict], max_tokens: int, tools: bool) -> dict:
+    """A chat completions body from the agent's conversation (OpenAI-style messages, parsed calls)."""
+    wire = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                     for c in m["tool_calls"]]  # fmt: skip
+            wire.append({"role": "assistant", "content": m["content"] or None, "tool_calls": calls})
+        elif m["role"] == "tool":
+            wire.append({"role": "tool", "tool_call_id": m["tool_call_id"], "content": m["content"]})
+        else:
+            wire.append({"role": m["role"], "content": m["content"]})
+    body = {"model": model, "messages": wire, "max_tokens": max_tokens}
+    if tools:
+        body["tools"] = [{"type": "function", "function": t} for t in TOOLS]
+    return body
+
+
+def make_anthropic_body(model: str, messages: list[dict], max_tokens: int, tools: bool) -> dict:
+    """A Messages API body from the same conversation (tool results become user tool_result blocks)."""
+    wire: list[dict] = []
+    for m in messages[1:]:
+        if m["role"] == "assistant":
+            blocks = [{"type": "text", "text": m["content"]}] if m["content"] else []
+            blocks += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]} for c in m.get("tool_calls", [])]
+            wire.append({"role": "assistant", "content": blocks or [{"type": "text", "text": ""}]})
+        elif m["role"] == "tool":
+            block = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
+            if wire and wire[-1]["role"] == "user" and isinstance(wire[-1]["content"], list):
+                wire[-1]["content"].append(block)
+            else:
+                wire.append({"role": "user", "content": [block]})
+        elif wire and wire[-1]["role"] == "user":  # a text after tool results joins their message
+            wire[-1]["content"].append({"type": "text", "text": m["content"]})
+        else:
+            wire.append({"role": "user", "content": [{"type": "text", "text": m["content"]}]})
+    body = {"model": model, "system": messages[0]["content"], "messages": wire, "max_tokens": max_tokens}
+    if tools:
+        body["tools"] = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in TOOLS]
+    return body
+
+
+def make_agent_headers(api: str, agent_id: str | None, parent_id: str | None) -> dict[str, str]:
+    """Headers naming a sub-agent and its spawner (none for the main agent)."""
+    if agent_id is None:
+        return {}
+    prefix = "x-claude-code" if api == "anthropic" else "x-gyre"
+    return {f"{prefix}-agent-id": agent_id, **({f"{prefix}-parent-agent-id": parent_id} if parent_id else {})}
+
+
+def run_tool(name: str, args: dict, workspace: Path) -> str:
+    """Execute one tool call in the workspace; failures are results the model reads, not crashes."""
+    try:
+        if name == "write_file":
+            text = str(args.get("content", ""))
+            (workspace / str(args["path"])).write_text(text)
+            return f"wrote {len(text)} bytes to {args['path']}"
+        if name == "read_file":
+            return (workspace / str(args["path"])).read_text(errors="replace")[:RESULT_CHARS]
+        if name == "run":
+            done = subprocess.run(str(args["command"]), shell=True, cwd=workspace, capture_output=True, text=True, timeout=30)
+            return f"exit {done.returncode}\n{(done.stdout + done.stderr)[:RESULT_CHARS]}"
+        return f"error: unknown tool {name!r}; valid: write_file, read_file, run"
+    except (OSError, KeyError, subprocess.TimeoutExpired) as e:
+        print(f"toy-agent: tool {name} failed: {e!r}", file=sys.stderr, flush=True)
+        return f"error: {e}"
+
+
+class ToyAgent:
+    """One execution's agents (main, sub-agent) over one SDK client."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.workspace = args, Path.cwd()
+        seed = int.from_bytes(hashlib.sha256(f"{args.seed}:{os.environ.get('GYRE_EXECUTION_ID', '')}".encode()).digest()[:8], "little")
+        self.rng = random.Random(seed)
+        self.tool_time = ToolTime(args.tool_median_s, args.tool_sigma, args.tool_max_s)
+        key, base = os.environ["GYRE_API_KEY"], os.environ["GYRE_PROXY_URL"]
+        if args.api == "anthropic":
+            import anthropic
+
+            self.client = anthropic.Anthropic(base_url=base, api_key=key, max_retries=2, timeout=600)
+        else:
+            import openai
+
+            self.client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=2, timeout=600)
+        self.num_calls = 0
+
+    def call(self, messages: list[dict], agent_id: str | None, tools: bool = True) -> dict:
+        """One model call; returns the assistant message (content, parsed tool calls with ids)."""
+        a = self.args
+        headers = make_agent_headers(a.api, agent_id, "main" if agent_id else None)
+        self.num_calls += 1
+        if a.api == "anthropic":
+            r = self.client.messages.create(**make_anthropic_body(a.model, messages, a.max_tokens, tools), extra_headers=headers)
+            text = "".join(b.text for b in r.content if b.type == "text")
+            calls = [{"id": b.id, "name": b.name, "arguments": dict(b.input)} for b in r.content if b.type == "tool_use"]
+        else:
+            r = self.client.chat.completions.create(**make_openai_body(a.model, messages, a.max_tokens, tools), extra_headers=headers)
+            msg = r.choices[0].message
+            text = msg.content or ""
+            calls = [{"id": c.id, "name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}
+                     for c in msg.tool_calls or []]  # fmt: skip
+        return {"role": "assistant", "content": text, "tool_calls": calls}
+
+    def tools_round(self, reply: dict, messages: list[dict]) -> None:
+        for c in reply["tool_calls"]:
+            start = time.monotonic()
+            result = run_tool(c["name"], c["arguments"], self.workspace)
+            time.sleep(max(0.0, self.tool_time.draw(self.rng) - (time.monotonic() - start)))
+            messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
+
+    def run_agent(self, system: str, prompt: str, agent_id: str | None, max_turns: int) -> str:
+        """Turns until a reply without tool calls (its text is returned) or `max_turns`."""
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+        reply = {"content": ""}
+        for _ in range(max_turns):
+            reply = self.call(messages, agent_id)
+            messages.append(reply)
+            if not reply["tool_calls"]:
+                break
+            self.tools_round(reply, messages)
+            if agent_id is None and conversation_chars(messages) > self.args.compact_chars:
+                summary = self.call(messages + [{"role": "user", "content": SUMMARY_REQUEST}], None, tools=True)
+                print(f"toy-agent: compacted {conversation_chars(messages)} chars", file=sys.stderr, flush=True)
+                messages = [messages[0], {"role": "user", "content": make_resumed_prompt(self.args.instruction, summary["content"])}]
+        return reply["content"]
+
+    def run(self) -> None:
+        report = ""
+        if self.args.subagent:
+            report = self.run_agent(SUB_SYSTEM, SUB_TASK, f"sub-{uuid.uuid4().hex[:8]}", self.args.subagent_turns)
+        self.run_agent(MAIN_SYSTEM, make_main_prompt(self.args.instruction, report), None, self.args.max_turns)
+        print(json.dumps({"num_calls": self.num_calls}), flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gyre.harness.toy_agent", description=__doc__.split("\n\n")[0])
+    p.add_argument("instruction")
+    p.add_argument("--api", choices=APIS, default="anthropic")
+    p.add_argument("--model", default=os.environ.get("GYRE_MODEL", "gyre"))
+    p.add_argument("--max-tokens", type=int, default=96, help="new tokens per call")
+    p.add_argument("--max-turns", type=int, default=4, help="main-agent model calls (summaries aside)")
+    p.add_argument("--subagent", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--subagent-turns", type=int, default=2)
+    p.add_argument("--compact-chars", type=int, default=400, help="compact once the conversation exceeds this")
+    p.add_argument("--tool-median-s", type=float, default=0.05)
+    p.add_argument("--tool-sigma", type=float, default=1.5)
+    p.add_argument("--tool-max-s", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0, help="tool durations: seeded by this and GYRE_EXECUTION_ID")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ToyAgent(parse_args(argv)).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The run's pictures (matplotlib, Agg): timeline.png, reward.png, tokens.png, utilisation.png, compare.png.
+
+`draw_timelines` is the one timeline drawing, used by live runs (from a RunState, with each
+switch's phases) and by the simulator (gyre.sim.report builds its panels from simulated cells).
+"""
+
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+from matplotlib import colormaps, patheffects  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import PercentFormatter  # noqa: E402
+
+from gyre.metrics.state import RunState, Span, TimelinePanel  # noqa: E402
+
+ROLE_COLOURS = {"rollout": "tab:blue", "train": "tab:orange", "to_train": "tab:red", "to_rollout": "tab:purple",
+                "lost": "black"}
+_PHASE_ORDER = {"to_train": ("stop_admission", "hand_off_sessions", "release_engine_memory", "pull_weights",
+                             "join_step"),
+                "to_rollout": ("finish_microstep", "load_weights", "announce_to_proxy")}
+_PHASE_MAPS = {"to_train": "Reds", "to_rollout": "Purples"}
+DPI = 100
+
+
+def save(fig, path: str | os.PathLike) -> None:
+    """Write the figure beside `path`, then rename it there: a viewer never opens half a PNG."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, dpi=DPI, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def span_colour(span: Span) -> str | tuple:
+    """A role's colour; a switch phase gets a shade of its switching state's colour map."""
+    order = _PHASE_ORDER.get(span.role, ())
+    if span.phase is None or span.phase not in order:
+        return ROLE_COLOURS.get(span.role, "grey")
+    return colormaps[_PHASE_MAPS[span.role]](0.35 + 0.55 * order.index(span.phase) / max(len(order) - 1, 1))
+
+
+def time_unit(seconds: float) -> tuple[str, float]:
+    """(label, divisor) that keeps a span of `seconds` readable."""
+    if seconds <= 600:
+        return "seconds", 1.0
+    return ("minutes", 60.0) if seconds <= 2 * 3600 else ("hours", 3600.0)
+
+
+def draw_timelines(panels: list[TimelinePanel], path: str | os.PathLike) -> None:
+    """One panel per run: each cell's role over time (switch phases shaded), the waterlevel on a second axis.
+
+    Panels share one time scale (the longest run's), so a shorter run ends early.
+    """
+    longest_s = max(p.t1 - p.t0 for p in panels)
+    unit, div = time_unit(longest_s)
+    ratios = [0.9 + 0.32 * len(p.lanes) for p in panels]
+    height = sum(ratios) + 0.8
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, height), squeeze=False, height_ratios=ratios)
+    legend: dict[str, object] = {}
+    for ax, p in zip(axes[:, 0], panels):
+        for row, (label, spans) in enumerate(p.lanes):
+            for s in spans:
+                colour = span_colour(s)
+                ax.broken_barh([((s.t0 - p.t0) / div, (s.t1 - s.t0) / div)], (row - 0.4, 0.8), color=colour, lw=0)
+                legend.setdefault(s.phase or s.role, colour)
+        ax.set_yticks(range(len(p.lanes)), [label for label, _ in p.lanes])
+        ax.set_ylim(-0.6, len(p.lanes) - 0.4)
+        ax.invert_yaxis()
+        ax.set_xlim(0, longest_s / div)  # one scale for every panel, so runs compare at a glance
+        ax.set_title(p.title, loc="left", fontsize=10)
+        if p.levels:
+            twin = ax.twinx()
+            xs = [(t - p.t0) / div for t, _ in p.levels] + [(p.t1 - p.t0) / div]
+            ys = [w for _, w in p.levels] + [p.levels[-1][1]]
+            twin.step(xs, ys, where="post", color="black", lw=1.1, label="waterlevel",
+                      path_effects=[patheffects.withStroke(linewidth=2.8, foreground="white")])  # readable on any bar
+            twin.set_ylim(0, max(ys) * 1.15 + 1)
+            twin.set_ylabel("waterlevel", fontsize=9)
+    axes[-1, 0].set_xlabel(unit)
+    handles = [Patch(color=c, label=k.replace("_", " ")) for k, c in _legend_order(legend)]
+    handles.append(plt.Line2D([], [], color="black", lw=1.0, label="waterlevel"))
+    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 7), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / height))
+    save(fig, path)
+
+
+def _legend_order(legend: dict) -> list:
+    order = ["rollout", "train", "to_train", *_PHASE_ORDER["to_train"], "to_rollout", *_PHASE_ORDER["to_rollout"], "lost"]
+    return sorted(legend.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+
+
+def lane_label(state: RunState, index: int) -> str:
+    core = state.run.core_cell if state.run else None
+    return f"core (cell {index})" if index == core else f"cell {index}"
+
+
+def timeline_panel(state: RunState, title: str) -> TimelinePanel:
+    lanes = [(lane_label(state, i), state.cells[i].spans_until(state.t_last)) for i in sorted(state.cells)]
+    return TimelinePanel(title, lanes, state.levels, state.t_first, state.t_last)
+
+
+def plot_reward(state: RunState, path: str | os.PathLike, title: str) -> None:
+    """Each evaluated execution's reward per step (dots), the step's mean and its +-1 std band."""
+    by_step = state.step_rewards()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if by_step:
+        steps = list(by_step)
+        means = [sum(r) / len(r) for r in by_step.values()]
+        stds = [(sum((x - m) ** 2 for x in r) / len(r)) ** 0.5 for r, m in zip(by_step.values(), means)]
+        for k, rewards in by_step.items():
+            jitter = [k + 0.12 * ((i * 7919) % 11 / 10 - 0.5) for i in range(len(rewards))]
+            ax.scatter(jitter, rewards, s=14, color="tab:blue", alpha=0.45, lw=0)
+        ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
+                        color="tab:blue", alpha=0.15, label="mean +- 1 std")
+        ax.plot(steps, means, color="tab:blue", marker="o", label="mean reward (evaluated executions)")
+        trained = sorted(state.steps.items())
+        if trained:
+            ax.plot([k for k, _ in trained], [s.reward_mean for _, s in trained], color="tab:orange", ls="--",
+                    marker="x", label="mean reward of the trained batch")
+        ax.set_xticks(steps)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
+    else:
+        ax.text(0.5, 0.5, "no evaluated executions yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("step", labelpad=1)
+    ax.set_ylabel("reward")
+    if by_step and all(0.0 <= r <= 1.0 for rewards in by_step.values() for r in rewards):
+        ax.set_ylim(-0.04, 1.04)
+    ax.set_title(title, loc="left", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    save(fig, path)
+
+
+def plot_tokens(state: RunState, path: str | os.PathLike, title: str) -> None:
+    """Training targets per step: naive (every path), capped (at most K paths), deduplicated (shared targets once)."""
+    steps = sorted(state.steps.items())
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.27
+    for j, (name, colour) in enumerate((("naive", "tab:grey"), ("capped", "tab:blue"), ("dedup", "tab:green"))):
+        values = [getattr(s, f"targets_{name}") for _, s in steps]
+        ax.bar([k + (j - 1) * width for k, _ in steps], values, width, color=colour, label=f"targets {name}")
+    for k, s in steps:
+        if s.targets_naive:
+            ax.annotate(f"-{1 - s.targets_dedup / s.targets_naive:.0%}\nvs naive", (k + width, s.targets_dedup),
+                        ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([k for k, _ in steps])
+    ax.set_xlabel("step")
+    ax.set_ylabel("target tokens")
+    ax.set_title(title, loc="left", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    save(fig, path)
+
+
+_UTIL_PARTS = (("rollout", "busy", "tab:blue", 1.0), ("rollout", "idle", "tab:blue", 0.3),
+               ("train", "busy", "tab:orange", 1.0), ("train", "idle", "tab:orange", 0.3),
+               ("switching", "", "tab:red", 0.8), ("lost", "", "black", 1.0))
+
+
+def utilisation(state: RunState) -> dict[int, dict[str, float]]:
+    """Per cell, the share of the run's time in each part: rollout/train busy and idle, switching, lost."""
+    total = max(state.duration_s, 1e-9)
+    out = {}
+    for i in sorted(state.cells):
+        time_s = state.role_time_s(i)
+        busy = {r: state.busy_s(i, r) for r in ("rollout", "train")}
+        out[i] = {"rollout busy": busy["rollout"] / total,
+                  "rollout idle": (time_s.get("rollout", 0.0) - busy["rollout"]) / total,
+                  "train busy": busy["train"] / total,
+                  "train idle": (time_s.get("train", 0.0) - busy["train"]) / total,
+                  "switching": (time_s.get("to_train", 0.0) + time_s.get("to_rollout", 0.0)) / total,
+                  "lost": time_s.get("lost", 0.0) / total}
+    return out
+
+
+def plot_utilisation(state: RunState, path: str | os.PathLike, title: str) -> None:
+    """One bar per cell: share of run time per role, busy (serving a call / computing a micro-step) vs idle."""
+    shares = utilisation(state)
+    cells = list(shares)
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.55 * max(len(cells), 1)))
+    left = [0.0] * len(cells)
+    for role, part, colour, alpha in _UTIL_PARTS:
+        key = f"{role} {part}".strip()
+        widths = [shares[i][key] for i in cells]
+        if not any(w > 0 for w in widths):
+            continue
+        ax.barh(range(len(cells)), widths, left=left, color=colour, alpha=alpha, label=key, edgecolor="white", lw=0.5)
+        for row, (x, w) in enumerate(zip(left, widths)):
+            if w >= 0.06 and part != "idle":
+                ax.text(x + w / 2, row, f"{w:.0%}", ha="center", va="center", fontsize=8,
+                        color="white" if alpha >= 0.8 else "black")
+        left = [x + w for x, w in zip(left, widths)]
+    ax.set_yticks(range(len(cells)), [lane_label(state, i) for i in cells])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.xaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_xlabel("share of run time")
+    ax.set_title(title, loc="left", fontsize=10)
+    fig.legend(fontsize=8, ncol=6, loc="lower center", frameon=False)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))
+    save(fig, path)
+
+
+def write_figures(state: RunState, out_dir: str | os.PathLike, name: str) -> list[Path]:
+    """Every figure of one run into `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    paths = {k: out / f"{k}.png" for k in ("timeline", "reward", "tokens", "utilisation")}
+    if state.t_first is None:
+        return []
+    draw_timelines([timeline_panel(state, f"{name}: cell roles and waterlevel")], paths["timeline"])
+    plot_reward(state, paths["reward"], f"{name}: reward per step")
+    plot_tokens(state, paths["tokens"], f"{name}: training targets per step (path cap, then prefix dedup)")
+    plot_utilisation(state, paths["utilisation"], f"{name}: per-cell time by role, busy vs idle")
+    return list(paths.values())
+
+
+def plot_compare(states: list[RunState], names: list[str], path: str | os.PathLike) -> None:
+    """Runs side by side: mean reward per step against wall time, and steps done against wall time."""
+    span = max((s.duration_s for s in states), default=0.0)
+    unit, div = time_unit(span)
+    fig, (ax_r, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for s, name in zip(states, names):
+        steps = sorted(s.steps.values(), key=lambda e: e.step)
+        xs = [(e.t - s.t_first) / div for e in steps]
+        ax_r.plot(xs, [e.reward_mean for e in steps], marker="o", label=name)
+        ax_s.step([0.0, *xs], range(len(xs) + 1), where="post", label=name)
+    for ax, ylabel in ((ax_r, "mean reward of the trained batch"), (ax_s, "optimizer steps done")):
+        ax.set_xlabel(unit)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    save(fig, path)

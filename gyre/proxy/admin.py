@@ -1,0 +1,49 @@
+"""The proxy's admin API from the other side: what the coordinator and cell leaders call (aiohttp)."""
+
+import aiohttp
+
+from gyre.errors import GyreError
+
+
+class ProxyAdminError(GyreError):
+    """The proxy refused an admin call; carries its status and message."""
+
+
+class ProxyAdmin:
+    """Admin calls with the run's admin token. Use as an async context manager."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 60.0):
+        self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "ProxyAdmin":
+        self._session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.token}"},
+                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._session.close()
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        async with self._session.request(method, self.url + path, json=body) as r:
+            out = await r.json(content_type=None)
+            if r.status >= 400:
+                raise ProxyAdminError(f"{method} {path}: {r.status} {out.get('error', {}).get('message', out)}")
+            return out
+
+    async def create_execution(self, execution_id: str) -> dict:
+        """Register an execution; returns {api_key, records_path}."""
+        return await self._call("POST", "/admin/executions", {"execution_id": execution_id})
+
+    async def revoke_execution(self, execution_id: str) -> dict:
+        return await self._call("DELETE", f"/admin/executions/{execution_id}")
+
+    async def add_engine(self, engine_id: str, url: str, cell_id: str) -> dict:
+        return await self._call("POST", "/admin/engines", {"engine_id": engine_id, "url": url, "cell_id": cell_id})
+
+    async def engine_op(self, engine_id: str, op: str) -> dict:
+        """`op` one of drain, activate, stop_admission."""
+        return await self._call("POST", f"/admin/engines/{engine_id}/{op}")
+
+    async def metrics(self) -> dict:
+        return await self._call("GET", "/admin/metrics")

@@ -1,0 +1,40 @@
+"""The one Observation builder (pure): the live coordinator and the simulator both call it.
+
+Each side measures the same quantities in its own way (the coordinator from the proxy, its queue
+and the trainer's throughput; the simulator from its virtual clock) and this function turns them
+into what the policy sees, so the two can never disagree on what a field means.
+"""
+
+from collections.abc import Sequence
+
+from gyre.scheduler.cells import Cell
+from gyre.scheduler.policy import CellView, Observation
+from gyre.scheduler.streaming import MicroStepQueue
+
+
+def make_observation(now_s: float, cells: Sequence[Cell], sessions: Sequence[int], max_sessions: Sequence[int],
+                     gen_tok_s: Sequence[float], *, queued: int, queued_ahead: int, running: int,
+                     queue: MicroStepQueue, train_tok_s: float, optimizing: bool,
+                     gen_demand_tok_s: float = 0.0, pooled_sessions: int = 0) -> Observation:
+    """What the policy sees now.
+
+    Args:
+        sessions, max_sessions, gen_tok_s: per cell (index order): live sessions it serves, how
+            many it can serve, generation throughput it sustains.
+        queue: the micro-step queue (ready training work, batch state of the current step).
+        train_tok_s: training throughput of one satellite cell, tokens/s (measured or configured).
+        optimizing: the core is applying the current step's optimizer step.
+    """
+    views = tuple(
+        CellView(index=c.index, role=c.role, is_core=c.is_core, in_step=c.step is not None, since_s=c.since_s,
+                 sessions=n, max_sessions=m, gen_tok_s=g)
+        for c, n, m, g in zip(cells, sessions, max_sessions, gen_tok_s)
+    )
+    return Observation(
+        now_s=now_s, cells=views, queued=queued, queued_ahead=queued_ahead, running=running,
+        pooled_sessions=pooled_sessions, gen_demand_tok_s=gen_demand_tok_s,
+        ready_train_s=queue.ready_tokens() / train_tok_s,
+        ready_ahead_train_s=queue.ready_tokens_ahead() / train_tok_s,
+        batch_ready=queue.batch_ready(),
+        step_open=queue.step_started() or optimizing,
+    )

@@ -1,0 +1,1 @@
+"""Tasks: specs and task sets (`spec`), evaluators (`evaluate`), the embedded toy set and its warm start."""

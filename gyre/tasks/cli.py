@@ -1,0 +1,159 @@
+"""`gyre-task`: run one execution, list a task set, check a task set's reference solutions.
+
+    gyre-task run TASK --harness toy|claude_code|mini_swe_agent|command [--proxy URL --key K]
+    gyre-task list [TASKSET]
+    gyre-task check [TASKSET]
+
+Without --proxy, `run` starts a builtin engine (random weights, or --model-dir) and a proxy of its
+own, and stops them after. Without TASKSET the embedded toy set is used. `run` and `check` print
+one JSON object on their last line.
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from gyre.engines.config import EngineConfig
+from gyre.engines.launch import BuiltinEngineProcess
+from gyre.harness.config import KINDS, HarnessConfig
+from gyre.harness.sandbox import Sandbox
+from gyre.models.checkpoint import load_checkpoint
+from gyre.models.config import ModelConfig
+from gyre.proxy.config import ProxyConfig
+from gyre.proxy.main import ProxyProcess
+from gyre.tasks.evaluate import evaluate
+from gyre.tasks.spec import TOY_TASKSET, TaskSet
+from gyre.tasks.workspace import apply_reference, make_workspace
+
+CHECK_ATTEMPTS = 3
+"""Evaluator errors are retried this often in `check` (toy evaluators fail at a configured rate)."""
+
+
+def register_execution(proxy: ProxyProcess, execution_id: str) -> str:
+    req = urllib.request.Request(proxy.url + "/admin/executions", data=json.dumps({"execution_id": execution_id}).encode(),
+                                 headers={"Authorization": f"Bearer {proxy.admin_token}", "Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["api_key"]
+
+
+def start_stack(args, root: Path) -> tuple[list, str, str, str]:
+    """An engine and a proxy of our own: (processes to stop, proxy URL, key, records path)."""
+    model_cfg = load_checkpoint(args.model_dir)[0] if args.model_dir else ModelConfig(max_seq_len=32768)
+    engine = BuiltinEngineProcess(EngineConfig(model_path=args.model_dir, scripted_policy=args.scripted_policy,
+                                               startup_timeout_s=300), model_cfg)  # fmt: skip
+    engine.start()
+    procs = [engine]
+    try:
+        proxy = ProxyProcess(ProxyConfig(records_dir=str(root / "records"), engines=[engine.url], model_names=[args.model],
+                                         context_len=model_cfg.max_seq_len, temperature=args.temperature)).start()  # fmt: skip
+        procs.insert(0, proxy)
+        key = register_execution(proxy, args.execution_id)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs, proxy.url, key, str(root / "records" / f"{args.execution_id}.jsonl")
+
+
+def cmd_run(args) -> int:
+    task = TaskSet.load(args.taskset).get(args.task)
+    harness = HarnessConfig(kind=args.harness, command=args.command or "", isolation=args.isolation,
+                            mem_limit_gb=None if args.harness == "claude_code" else 4.0)  # fmt: skip
+    root = Path(args.root or tempfile.mkdtemp(prefix="gyre-task-")).resolve()
+    args.execution_id = args.execution_id or f"{task.task_id}-{uuid.uuid4().hex[:8]}"
+    procs, records = [], None
+    if args.proxy:
+        if not args.key:
+            raise SystemExit("gyre-task run: --proxy needs --key (the execution's API key)")
+        url, key = args.proxy, args.key
+    else:
+        procs, url, key, records = start_stack(args, root)
+    try:
+        sb = Sandbox(task, args.execution_id, root / "sandboxes", harness, url, key, args.model)
+        sb.prepare()
+        sb.start()
+        result = sb.wait()
+    finally:
+        for p in procs:
+            p.stop()
+    ev = evaluate(task, result.workspace, "timed_out" if result.timed_out else "finished")
+    print(result.log_path.read_text(errors="replace")[-2000:], file=sys.stderr)
+    print(json.dumps({"outcome": ev.outcome, "score": ev.score, "records_path": records, "workspace": str(result.workspace),
+                      "duration_s": round(result.duration_s, 3), "exit_code": result.exit_code, "timed_out": result.timed_out,
+                      "isolated": sb.isolated, "execution_id": args.execution_id, "detail": ev.detail}))  # fmt: skip
+    return 0
+
+
+def cmd_list(args) -> int:
+    for t in TaskSet.load(args.taskset).tasks:
+        print(f"{t.task_id}\t{t.time_budget_s:g}s\t{t.evaluator.kind}\t{t.instruction.splitlines()[0][:80]}")
+    return 0
+
+
+def check_task(task, root: Path) -> tuple[bool, str, float]:
+    """(ok, line, evaluator seconds) for one task: the empty workspace scores < 1, the reference 1."""
+    ws = make_workspace(task.workspace, root / task.task_id)
+    start = time.monotonic()
+    before = evaluate(task, ws, "finished")
+    apply_reference(task, ws)
+    errors = 0
+    for _ in range(CHECK_ATTEMPTS):
+        after = evaluate(task, ws, "finished")
+        if after.outcome != "evaluator_error":
+            break
+        errors += 1
+    seconds = (time.monotonic() - start) / (2 + errors)
+    ok = after.outcome == "finished" and after.score == 1.0 and before.score != 1.0
+    line = (f"{task.task_id}\t{'ok' if ok else 'FAIL'}\tempty={before.score} reference={after.score} "
+            f"eval_s={seconds:.3f}{f' evaluator_errors={errors}' if errors else ''} {after.detail if not ok else ''}")  # fmt: skip
+    return ok, line.rstrip(), seconds
+
+
+def cmd_check(args) -> int:
+    ts = TaskSet.load(args.taskset)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="gyre-check-") as tmp:
+        for t in ts.tasks:
+            ok, line, seconds = check_task(t, Path(tmp))
+            print(line, flush=True)
+            results.append((ok, seconds))
+    passed = sum(ok for ok, _ in results)
+    print(json.dumps({"tasks": len(results), "passed": passed, "evaluator_s_mean": round(sum(s for _, s in results) / len(results), 4)}))
+    return 0 if passed == len(results) else 1
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="gyre-task", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run one execution and print its evaluation")
+    run.add_argument("task")
+    run.add_argument("--taskset", default=TOY_TASKSET)
+    run.add_argument("--harness", choices=KINDS, default="toy")
+    run.add_argument("--command", help="harness=command: the command line (placeholders: {instruction} {workspace} {proxy_url} {api_key} {model})")
+    run.add_argument("--proxy", help="a running proxy's URL (else an engine and a proxy are started)")
+    run.add_argument("--key", help="the execution's API key on --proxy")
+    run.add_argument("--model", default="gyre", help="model name the harness asks for")
+    run.add_argument("--model-dir", help="own engine: weights directory (default: random tiny weights)")
+    run.add_argument("--scripted-policy", help="own engine: a scripted policy file (tests, demos)")
+    run.add_argument("--temperature", type=float, default=None)
+    run.add_argument("--isolation", choices=("auto", "bwrap", "none"), default="auto")
+    run.add_argument("--root", help="directory for sandboxes and records (default: a new temporary one)")
+    run.add_argument("--execution-id")
+    for name in ("list", "check"):
+        s = sub.add_parser(name, help="list task ids" if name == "list" else "validate a set and score its reference solutions")
+        s.add_argument("taskset", nargs="?", default=TOY_TASKSET)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    sys.exit({"run": cmd_run, "list": cmd_list, "check": cmd_check}[args.cmd](args))
+
+
+if __name__ == "__main__":
+    main()

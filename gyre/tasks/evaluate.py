@@ -1,0 +1,149 @@
+"""Evaluators: score a finished (or timed-out, preserved) workspace into an `Evaluation`.
+
+Kinds: `pytest` (pass fraction from a junit XML report), `json_score` (a command whose last stdout
+line is a JSON number or {"score": x}), `files` (fraction of expected files with equal content).
+Anything that says nothing about the policy, an evaluator that crashes, hangs past its own
+timeout, prints garbage or finds its own files gone, is `evaluator_error` (the execution is
+excluded, never scored 0). A file the harness should have written and did not is a real 0.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from gyre.tasks.spec import EvaluatorSpec, Task
+from gyre.trajectory.rewards import Evaluation
+
+HARNESS_OUTCOMES = ("finished", "timed_out")
+PYTEST_OK_EXITS = (0, 1)
+"""pytest exit codes that mean the tests ran (all passed / some failed); 2-5 mean they did not."""
+
+
+class EvaluatorFailed(Exception):
+    """The evaluator itself failed (internal: becomes an evaluator_error Evaluation)."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+def make_command(template: str, workspace: Path) -> str:
+    """The evaluator's shell command with {python}, {workspace} and {pkg} filled in."""
+    return template.format(python=sys.executable, workspace=str(workspace), pkg=str(resources.files("gyre")))
+
+
+def run_command(command: str, workspace: Path, timeout_s: float) -> CommandResult:
+    """Run `command` in its own process group; on timeout kill the whole group.
+
+    Raises:
+        EvaluatorFailed: it ran past `timeout_s`.
+    """
+    proc = subprocess.Popen(command, shell=True, cwd=workspace, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise EvaluatorFailed(f"evaluator ran past its timeout of {timeout_s} s") from None
+    return CommandResult(proc.returncode, out, err)
+
+
+def parse_json_score(stdout: str) -> float:
+    """The score on the last non-empty stdout line: a JSON number or an object with `score`.
+
+    Raises:
+        EvaluatorFailed: no such line, not JSON, or not a number in [0, 1].
+    """
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    if not lines:
+        raise EvaluatorFailed("evaluator printed nothing (expected a JSON score on its last line)")
+    try:
+        value = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        raise EvaluatorFailed(f"last line is not JSON: {lines[-1][:200]!r}") from None
+    score = value.get("score") if isinstance(value, dict) else value
+    if not isinstance(score, (int, float)) or isinstance(score, bool) or not 0.0 <= score <= 1.0:
+        raise EvaluatorFailed(f"score must be a number in [0, 1], got {score!r}")
+    return float(score)
+
+
+def parse_junit_fraction(xml_text: str) -> tuple[float, str]:
+    """(passed / run, summary) from a junit XML report (skipped tests do not count).
+
+    Raises:
+        EvaluatorFailed: unreadable report, or no test ran.
+    """
+    try:
+        root = ET.fromstring(xml_text)
+    except ET.ParseError as e:
+        raise EvaluatorFailed(f"junit report is not XML ({e})") from None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    ran = counts["tests"] - counts["skipped"]
+    if ran <= 0:
+        raise EvaluatorFailed("no test ran")
+    passed = ran - counts["failures"] - counts["errors"]
+    return passed / ran, f"{passed}/{ran} tests passed"
+
+
+def score_files(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
+    """Fraction of expected files whose content equals (trailing whitespace ignored)."""
+    equal = [rel for rel, text in spec.files.items()
+             if (workspace / rel).is_file() and (workspace / rel).read_text(errors="replace").rstrip() == text.rstrip()]  # fmt: skip
+    return len(equal) / len(spec.files), f"{len(equal)}/{len(spec.files)} files match"
+
+
+def _score_pytest(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
+    with tempfile.TemporaryDirectory(prefix="gyre-junit-") as tmp:
+        report = Path(tmp) / "report.xml"
+        cmd = f"{make_command(spec.command, workspace)} -p no:cacheprovider --junitxml={report}"
+        done = run_command(cmd, workspace, spec.timeout_s)
+        if done.exit_code not in PYTEST_OK_EXITS:
+            raise EvaluatorFailed(f"pytest exited {done.exit_code} (tests did not run): {(done.stdout + done.stderr)[-300:]}")
+        if not report.exists():
+            raise EvaluatorFailed("pytest wrote no junit report")
+        return parse_junit_fraction(report.read_text())
+
+
+def _score_json(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
+    done = run_command(make_command(spec.command, workspace), workspace, spec.timeout_s)
+    if done.exit_code != 0:
+        raise EvaluatorFailed(f"evaluator exited {done.exit_code}: {done.stderr.strip()[-300:]}")
+    return parse_json_score(done.stdout), ""
+
+
+SCORERS = {"pytest": _score_pytest, "json_score": _score_json, "files": score_files}
+
+
+def evaluate(task: Task, workspace: Path, outcome: str) -> Evaluation:
+    """Score `workspace` for `task` after the harness ended with `outcome` (finished / timed_out).
+
+    Never raises for evaluator trouble: that is an `evaluator_error` Evaluation with the reason
+    in `detail` (and the seconds the evaluator took).
+
+    Raises:
+        ValueError: `outcome` is not a harness outcome (a caller bug).
+    """
+    if outcome not in HARNESS_OUTCOMES:
+        raise ValueError(f"outcome must be one of {', '.join(HARNESS_OUTCOMES)}, got {outcome!r}")
+    start = time.monotonic()
+    workspace = Path(workspace)
+    try:
+        if not workspace.is_dir():
+            raise EvaluatorFailed(f"workspace {workspace} is missing")
+        score, detail = SCORERS[task.evaluator.kind](task.evaluator, workspace)
+    except (EvaluatorFailed, OSError, UnicodeError) as e:
+        return Evaluation("evaluator_error", None, f"{e} ({time.monotonic() - start:.2f} s)")
+    return Evaluation(outcome, score, f"{detail} ({time.monotonic() - start:.2f} s)".lstrip())

@@ -1,0 +1,249 @@
+"""Task specs and task sets (pure but for reading the set): what an execution works on and how it is scored.
+
+A task set is a directory of `*.json` specs (one task each) or a JSONL file (one task per line).
+Relative paths in a spec (workspace sources, tarballs) are relative to the set's directory;
+`pkg:<path>` names a file shipped inside the `gyre` package (the embedded toy set).
+Every error names the task id (or the line) and the field.
+
+    {"task_id": "...", "instruction": "...", "workspace": {"dir": "ws"} | {"git": URL, "commit": SHA}
+     | {"tar": "ws.tar.gz"} | {"files": {"name": "text"}}, "setup": "shell command" | null,
+     "evaluator": {"kind": "pytest" | "json_score" | "files", ...}, "time_budget_s": 60,
+     "reference": {"files": {...}} | {"command": "..."} | null}
+"""
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from gyre.errors import GyreError
+
+EVALUATOR_KINDS = ("pytest", "json_score", "files")
+WORKSPACE_KINDS = ("dir", "git", "tar", "files")
+TOY_TASKSET = "pkg:tasks/toy/tasks.jsonl"
+
+
+class TaskSpecError(GyreError, ValueError):
+    """A task spec that cannot run; names the task (or line) and the field."""
+
+    def __init__(self, where: str, field_name: str, message: str):
+        self.where, self.field_name = where, field_name
+        super().__init__(f"{where}: {field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class WorkspaceSource:
+    """Where a fresh workspace copy comes from: one of WORKSPACE_KINDS."""
+
+    kind: str
+    location: str = ""
+    """Directory, repository URL/path or tarball (absolute after loading); empty for `files`."""
+    commit: str = ""
+    """For `git`: the commit checked out."""
+    files: dict[str, str] = field(default_factory=dict)
+    """For `files`: relative path -> content, written into an empty workspace."""
+
+
+@dataclass(frozen=True)
+class EvaluatorSpec:
+    """How a finished workspace is scored: pytest pass fraction, a script's JSON score, or exact files."""
+
+    kind: str
+    command: str = ""
+    """pytest / json_score: a shell command run in the workspace; `{python}` is this interpreter,
+    `{workspace}` the workspace, `{pkg}` the installed gyre package directory."""
+    files: dict[str, str] = field(default_factory=dict)
+    """files: relative path -> expected content (score = fraction equal, trailing whitespace ignored)."""
+    timeout_s: float = 60.0
+    """The evaluator's own time limit; past it the evaluation is an evaluator error."""
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    instruction: str
+    workspace: WorkspaceSource
+    setup: str | None
+    """Shell command run in the fresh workspace before the harness starts (not part of the budget)."""
+    evaluator: EvaluatorSpec
+    time_budget_s: float
+    """Wall-clock budget of the harness; past it the execution is timed out (workspace still scored)."""
+    reference: dict | None = None
+    """A reference solution: {"files": {path: text}} written into the workspace, or {"command": sh}
+    run in it; `gyre-task check` scores it and the warm start trains on it."""
+
+
+def _where(obj: dict, where: str) -> str:
+    tid = obj.get("task_id")
+    return f"task {tid!r}" if isinstance(tid, str) and tid else where
+
+
+def _text_map(value, where: str, name: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise TaskSpecError(where, name, "must be an object of relative path -> text")
+    for k in value:
+        if not k or k.startswith("/") or ".." in Path(k).parts:
+            raise TaskSpecError(where, name, f"path {k!r} must be relative and stay inside the workspace")
+    return dict(value)
+
+
+def resolve_path(location: str, base: Path) -> Path:
+    """`pkg:<p>` inside the gyre package, absolute as is, else relative to `base`."""
+    if location.startswith("pkg:"):
+        return Path(str(resources.files("gyre"))) / location[4:]
+    p = Path(location)
+    return p if p.is_absolute() else base / p
+
+
+def _workspace(value, where: str, base: Path) -> WorkspaceSource:
+    if not isinstance(value, dict) or len(value.keys() & set(WORKSPACE_KINDS)) != 1:
+        raise TaskSpecError(where, "workspace", f"must be an object with exactly one of {', '.join(WORKSPACE_KINDS)}")
+    kind = next(k for k in WORKSPACE_KINDS if k in value)
+    if kind == "files":
+        return WorkspaceSource("files", files=_text_map(value["files"], where, "workspace.files"))
+    loc = value[kind]
+    if not isinstance(loc, str) or not loc:
+        raise TaskSpecError(where, f"workspace.{kind}", "must be a non-empty string")
+    if kind == "git":
+        commit = value.get("commit")
+        if not isinstance(commit, str) or not commit:
+            raise TaskSpecError(where, "workspace.commit", "a git workspace needs the commit to check out")
+        is_remote = "://" in loc or loc.startswith("git@")
+        path = loc if is_remote else str(resolve_path(loc, base))
+        return WorkspaceSource("git", path, commit=commit)
+    path = resolve_path(loc, base)
+    if kind == "dir" and not path.is_dir():
+        raise TaskSpecError(where, "workspace.dir", f"{path} is not a directory")
+    if kind == "tar" and not path.is_file():
+        raise TaskSpecError(where, "workspace.tar", f"{path} is not a file")
+    return WorkspaceSource(kind, str(path))
+
+
+def _evaluator(value, where: str) -> EvaluatorSpec:
+    if not isinstance(value, dict):
+        raise TaskSpecError(where, "evaluator", "must be an object with a `kind`")
+    kind = value.get("kind")
+    if kind not in EVALUATOR_KINDS:
+        raise TaskSpecError(where, "evaluator.kind", f"{kind!r} is not one of {', '.join(EVALUATOR_KINDS)}")
+    timeout_s = value.get("timeout_s", 60.0)
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+        raise TaskSpecError(where, "evaluator.timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
+    if kind == "files":
+        files = _text_map(value.get("files"), where, "evaluator.files")
+        if not files:
+            raise TaskSpecError(where, "evaluator.files", "needs at least one expected file")
+        return EvaluatorSpec("files", files=files, timeout_s=float(timeout_s))
+    command = value.get("command")
+    if not isinstance(command, str) or not command.strip():
+        raise TaskSpecError(where, "evaluator.command", f"a {kind} evaluator needs a shell command")
+    return EvaluatorSpec(kind, command=command, timeout_s=float(timeout_s))
+
+
+def _reference(value, where: str) -> dict | None:
+    if value is None:
+        return None
+    if isinstance(value, dict) and set(value) == {"files"}:
+        return {"files": _text_map(value["files"], where, "reference.files")}
+    if isinstance(value, dict) and set(value) == {"command"} and isinstance(value["command"], str):
+        return dict(value)
+    raise TaskSpecError(where, "reference", 'must be null, {"files": {...}} or {"command": "..."}')
+
+
+def parse_task(obj, where: str, base: Path) -> Task:
+    """A validated Task from one spec object (`where` names it in errors until its id is known).
+
+    Raises:
+        TaskSpecError: naming the task and the field.
+    """
+    if not isinstance(obj, dict):
+        raise TaskSpecError(where, "(spec)", "must be a JSON object")
+    where = _where(obj, where)
+    known = {"task_id", "instruction", "workspace", "setup", "evaluator", "time_budget_s", "reference"}
+    if unknown := sorted(set(obj) - known):
+        raise TaskSpecError(where, unknown[0], f"unknown field; valid: {', '.join(sorted(known))}")
+    tid = obj.get("task_id")
+    if not isinstance(tid, str) or not tid or not all(c.isalnum() or c in "-_." for c in tid):
+        raise TaskSpecError(where, "task_id", f"must be a non-empty string of letters, digits, - _ . (got {tid!r})")
+    instruction = obj.get("instruction")
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise TaskSpecError(where, "instruction", "must be a non-empty string")
+    setup = obj.get("setup")
+    if setup is not None and not isinstance(setup, str):
+        raise TaskSpecError(where, "setup", "must be a shell command string or null")
+    budget = obj.get("time_budget_s")
+    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0:
+        raise TaskSpecError(where, "time_budget_s", f"must be a positive number of seconds, got {budget!r}")
+    return Task(task_id=tid, instruction=instruction, workspace=_workspace(obj.get("workspace"), where, base),
+                setup=setup, evaluator=_evaluator(obj.get("evaluator"), where), time_budget_s=float(budget),
+                reference=_reference(obj.get("reference"), where))  # fmt: skip
+
+
+def _read_specs(path: Path) -> list[tuple[object, str]]:
+    if path.is_dir():
+        out = []
+        for f in sorted(path.glob("*.json")):
+            try:
+                out.append((json.loads(f.read_text()), f.name))
+            except json.JSONDecodeError as e:
+                raise TaskSpecError(f.name, "(spec)", f"not valid JSON ({e})") from None
+        return out
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                out.append((json.loads(line), f"{path.name} line {n}"))
+            except json.JSONDecodeError as e:
+                raise TaskSpecError(f"{path.name} line {n}", "(spec)", f"not valid JSON ({e})") from None
+    return out
+
+
+class TaskSet:
+    """An ordered, validated list of tasks and a deterministic draw order over them."""
+
+    def __init__(self, tasks: list[Task], name: str = ""):
+        if not tasks:
+            raise TaskSpecError(name or "task set", "(tasks)", "no tasks")
+        ids = [t.task_id for t in tasks]
+        if dup := sorted({i for i in ids if ids.count(i) > 1}):
+            raise TaskSpecError(f"task {dup[0]!r}", "task_id", "used by more than one task")
+        self.tasks, self.name = list(tasks), name
+        self._by_id = {t.task_id: t for t in tasks}
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TaskSet":
+        """Read and validate a directory of `*.json` specs or a JSONL file (`pkg:` paths allowed).
+
+        Raises:
+            TaskSpecError: a missing set, bad JSON, or a bad field (naming task and field).
+        """
+        p = resolve_path(str(path), Path.cwd())
+        if not p.exists():
+            raise TaskSpecError(str(path), "(path)", "no such task set (a directory of *.json or a .jsonl file)")
+        base = p if p.is_dir() else p.parent
+        return cls([parse_task(obj, where, base) for obj, where in _read_specs(p)], name=str(path))
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def get(self, task_id: str) -> Task:
+        if task_id not in self._by_id:
+            raise TaskSpecError(f"task {task_id!r}", "task_id", f"not in {self.name}; valid: {', '.join(self._by_id)}")
+        return self._by_id[task_id]
+
+    def pick(self, seed: int, cursor: int) -> Task:
+        """The cursor-th task of the seeded order: each epoch (len(tasks) draws) is a fresh
+        permutation, so every task comes once per epoch and a resumed run continues the cursor."""
+        if cursor < 0:
+            raise ValueError(f"cursor must be >= 0, got {cursor}")
+        epoch, i = divmod(cursor, len(self.tasks))
+        digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
+        order = list(range(len(self.tasks)))
+        random.Random(int.from_bytes(digest[:8], "little")).shuffle(order)
+        return self.tasks[order[i]]
+
+
+def toy_taskset() -> TaskSet:
+    """The embedded default task set (shipped inside the package)."""
+    return TaskSet.load(TOY_TASKSET)

@@ -1,0 +1,231 @@
+"""Warm start: supervised training of the tiny model on the toy set's reference transcripts.
+
+RL from random weights never sees a reward; from a policy that sometimes succeeds it has a signal
+at once. The transcripts are the toy agent's own calls (gyre/harness/toy_agent.py) with the
+reference solution as the model's answers, parsed by the proxy's own request parser and rendered
+with the tokenizer's chat template, so the prompts are token for token what the proxy sends the
+engine. Training is next-token cross-entropy on the assistant turns (the engine's functional
+model, engine-named weights), and the result is a model directory in engine format
+(`save_checkpoint`), cached under a content hash of the transcripts and the settings: a second
+run with the same inputs reuses it.
+
+    python -m gyre.tasks.warmstart --out DIR [--steps N --lr X --taskset PATH]   # last line: JSON report
+"""
+
+import argparse
+import hashlib
+import json
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gyre.harness import toy_agent as toy
+from gyre.models.checkpoint import load_checkpoint, save_checkpoint
+from gyre.models.config import ModelConfig
+from gyre.models.tokenizer import ByteTokenizer
+from gyre.models.transformer import attend, forward_tokens, init_weights, logits_of
+from gyre.proxy import anthropic as anthropic_wire
+from gyre.tasks.evaluate import evaluate
+from gyre.tasks.spec import Task, TaskSet, toy_taskset
+from gyre.tasks.workspace import make_workspace
+
+SUB_REPORT = "task.md"
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    steps: int = 60
+    """Optimizer steps (batches of `batch_size` transcripts' turns)."""
+    lr: float = 3e-3
+    batch_size: int = 6
+    seed: int = 0
+    init_seed: int = 0
+    max_tokens: int = 96
+
+
+def render_call(tok: ByteTokenizer, messages: list[dict], reply: dict) -> tuple[list[int], list[int]]:
+    """(prompt ids as the proxy renders this toy-agent call, the reply's ids ending in <|im_end|>)."""
+    body = toy.make_anthropic_body("gyre", messages, 96, tools=True)
+    chat = anthropic_wire.parse_request(body, ["gyre"])
+    prompt = tok.apply_chat_template(chat.messages, chat.tools, add_generation_prompt=True)
+    reply_msg = {"role": "assistant", "content": reply["content"],
+                 "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in reply["tool_calls"]]}  # fmt: skip
+    full = tok.apply_chat_template(chat.messages + [reply_msg], chat.tools, add_generation_prompt=False)
+    head = prompt[: -len(tok.encode("assistant\n")) - 1]  # the prompt without its generation prompt
+    assert full[: len(head)] == head, "the chat template is not separable per turn"
+    return prompt, full[len(prompt): -len(tok.encode("\n"))]
+
+
+def _agent_calls(tok, system: str, prompt: str, replies: list[dict], results: list[str]) -> list[tuple[list[int], list[int]]]:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+    out = []
+    for i, reply in enumerate(replies):
+        out.append(render_call(tok, messages, reply))
+        messages.append({"role": "assistant", **reply})
+        for c in reply["tool_calls"]:
+            messages.append({"role": "tool", "tool_call_id": c["id"], "content": results[i]})
+    return out
+
+
+def reference_transcript(tok: ByteTokenizer, task: Task) -> list[tuple[list[int], list[int]]]:
+    """The toy agent's calls when the model answers with the reference: sub-agent (ls, report),
+    main agent (write each reference file, then done)."""
+    ls = {"content": "", "tool_calls": [{"id": "toolu_ls", "name": "run", "arguments": {"command": "ls"}}]}
+    sub = _agent_calls(tok, toy.SUB_SYSTEM, toy.SUB_TASK, [ls, {"content": SUB_REPORT, "tool_calls": []}],
+                       [f"exit 0\n{SUB_REPORT}\n", ""])  # fmt: skip
+    files = (task.reference or {}).get("files", {})
+    writes = [{"id": f"toolu_w{i}", "name": "write_file", "arguments": {"path": p, "content": t}} for i, (p, t) in enumerate(files.items())]
+    result = "; ".join(f"wrote {len(t)} bytes to {p}" for p, t in files.items())
+    main = _agent_calls(tok, toy.MAIN_SYSTEM, toy.make_main_prompt(task.instruction, SUB_REPORT),
+                        [{"content": "", "tool_calls": writes}, {"content": "Done.", "tool_calls": []}], [result, ""])  # fmt: skip
+    return sub + main
+
+
+def common_prefix(prompts: list[list[int]]) -> int:
+    n = min(len(p) for p in prompts) - 1  # every prompt keeps at least one token of its own
+    first = prompts[0]
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return n
+
+
+def shared_prefix_loss(cfg: ModelConfig, weights: dict, examples: list) -> torch.Tensor:
+    """Mean cross-entropy over the targets of examples that share a prompt prefix (one system
+    prompt): the prefix is computed once and each example's rest attends to its keys and values."""
+    n = common_prefix([p for p, _ in examples])
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def attend_prefix(i, q, k, v):
+        cache[i] = (k, v)
+        return attend(q, k, v, 0)
+
+    forward_tokens(cfg, weights, torch.tensor(examples[0][0][:n]), torch.arange(n), attend_prefix)
+    losses = []
+    for prompt, target in examples:
+        rest = torch.tensor(prompt[n:] + target)
+        hidden = forward_tokens(cfg, weights, rest, torch.arange(n, n + len(rest)),
+                                lambda i, q, k, v: attend(q, torch.cat([cache[i][0], k]), torch.cat([cache[i][1], v]), n))  # fmt: skip
+        first = len(prompt) - n - 1
+        logits = logits_of(cfg, weights, hidden[first: first + len(target)])
+        losses.append(F.cross_entropy(logits.float(), torch.tensor(target), reduction="sum"))
+    return sum(losses) / sum(len(t) for _, t in examples)
+
+
+def group_examples(examples: list) -> list[list]:
+    """Distinct examples grouped by their first 256 tokens (the agent's system prompt)."""
+    groups: dict[tuple, dict] = {}
+    for p, t in examples:
+        groups.setdefault(tuple(p[:256]), {})[json.dumps([p, t])] = (p, t)
+    return [list(g.values()) for g in groups.values()]
+
+
+def train(cfg: ModelConfig, weights: dict, examples: list, ws: WarmStartConfig) -> tuple[dict, list[float]]:
+    """AdamW steps; each draws up to `batch_size` examples from every system-prompt group."""
+    params = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
+    opt = torch.optim.AdamW(params.values(), lr=ws.lr, weight_decay=0.0)
+    rng, losses, groups = random.Random(ws.seed), [], group_examples(examples)
+    for _ in range(ws.steps):
+        loss = sum(shared_prefix_loss(cfg, params, rng.sample(g, min(ws.batch_size, len(g)))) for g in groups) / len(groups)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {n: t.detach() for n, t in params.items()}, losses
+
+
+@torch.no_grad()
+def sample(cfg: ModelConfig, weights: dict, prompt: list[int], max_tokens: int, stop: set[int], gen: torch.Generator) -> list[int]:
+    """Temperature-1 sampling with a KV cache (the engine's default sampling)."""
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    state = {"cached": 0}
+
+    def attend_cached(i, q, k, v):
+        if i in cache:
+            k, v = torch.cat([cache[i][0], k]), torch.cat([cache[i][1], v])
+        cache[i] = (k, v)
+        return attend(q, k, v, state["cached"])
+
+    ids, out = list(prompt), []
+    new = torch.tensor(ids)
+    for _ in range(max_tokens):
+        hidden = forward_tokens(cfg, weights, new, torch.arange(state["cached"], state["cached"] + len(new)), attend_cached)
+        state["cached"] += len(new)
+        probs = torch.softmax(logits_of(cfg, weights, hidden[-1:]).float(), -1)
+        token = int(torch.multinomial(probs[0], 1, generator=gen))
+        out.append(token)
+        if token in stop:
+            break
+        new = torch.tensor([token])
+    return out
+
+
+def score_policy(cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per_task: int, seed: int, max_tokens: int) -> dict:
+    """Mean score and success rate (score 1) of the main agent's first turn, sampled, applied, evaluated."""
+    tok, gen = ByteTokenizer(cfg.vocab_size), torch.Generator().manual_seed(seed)
+    scores = []
+    with tempfile.TemporaryDirectory(prefix="gyre-warm-") as tmp:
+        for task in tasks:
+            prompt, _ = reference_transcript(tok, task)[2]
+            for k in range(samples_per_task):
+                parsed = tok.parse_assistant(sample(cfg, weights, prompt, max_tokens, set(tok.stop_token_ids), gen))
+                ws = make_workspace(task.workspace, Path(tmp) / f"{task.task_id}-{k}")
+                for c in parsed.tool_calls:
+                    toy.run_tool(c.name, c.arguments, ws)
+                ev = evaluate(task, ws, "finished")
+                if ev.outcome != "evaluator_error":
+                    scores.append(ev.score)
+    return {"mean_score": round(sum(scores) / len(scores), 4), "success_rate": round(sum(s == 1.0 for s in scores) / len(scores), 4),
+            "num_samples": len(scores)}  # fmt: skip
+
+
+def content_hash(cfg: ModelConfig, ws: WarmStartConfig, examples: list) -> str:
+    h = hashlib.sha256(json.dumps([asdict(cfg), asdict(ws)], sort_keys=True).encode())
+    for p, t in examples:
+        h.update(json.dumps([p, t]).encode())
+    return h.hexdigest()[:16]
+
+
+def warm_start(out_root: Path, taskset: TaskSet | None = None, cfg: ModelConfig | None = None,
+               ws: WarmStartConfig | None = None, samples_per_task: int = 2) -> tuple[Path, dict]:  # fmt: skip
+    """The warm-started model directory under `out_root` (reused when its hash matches) and its report."""
+    taskset, cfg, ws = taskset or toy_taskset(), cfg or ModelConfig(), ws or WarmStartConfig()
+    tok = ByteTokenizer(cfg.vocab_size)
+    examples = [e for t in taskset.tasks for e in reference_transcript(tok, t)]
+    out = Path(out_root) / f"warmstart-{content_hash(cfg, ws, examples)}"
+    if (out / "report.json").exists():
+        return out, {**json.loads((out / "report.json").read_text()), "reused": True}
+    start = time.process_time()
+    weights = init_weights(cfg, ws.init_seed)
+    before = score_policy(cfg, weights, taskset.tasks, samples_per_task, ws.seed, ws.max_tokens)
+    trained, losses = train(cfg, weights, examples, ws)
+    train_cpu_s = time.process_time() - start
+    after = score_policy(cfg, trained, taskset.tasks, samples_per_task, ws.seed + 1, ws.max_tokens)
+    save_checkpoint(out, cfg, trained)
+    report = {"model_dir": str(out), "num_examples": len(examples), "steps": ws.steps, "lr": ws.lr, "loss_first": round(losses[0], 4),
+              "loss_last": round(losses[-1], 4), "train_cpu_s": round(train_cpu_s, 1), "before": before, "after": after}  # fmt: skip
+    (out / "report.json").write_text(json.dumps(report))
+    return out, {**report, "reused": False}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m gyre.tasks.warmstart", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="cache directory; the model goes to OUT/warmstart-<hash>")
+    p.add_argument("--taskset", default=None)
+    p.add_argument("--steps", type=int, default=WarmStartConfig.steps)
+    p.add_argument("--lr", type=float, default=WarmStartConfig.lr)
+    p.add_argument("--samples-per-task", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    taskset = TaskSet.load(a.taskset) if a.taskset else None
+    out, report = warm_start(Path(a.out), taskset, ws=WarmStartConfig(steps=a.steps, lr=a.lr), samples_per_task=a.samples_per_task)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Evaluators on good and bad workspaces, and sandboxes: budget kill, isolation, environment."""
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from gyre.harness.config import HarnessConfig
+from gyre.harness.sandbox import Sandbox, bwrap_available
+from gyre.tasks.evaluate import evaluate
+from gyre.tasks.spec import parse_task, toy_taskset
+from gyre.tasks.workspace import apply_reference, make_workspace
+
+PYTEST_WS = {
+    "calc.py": "def add(a, b):\n    return a - b\n",
+    "tests/test_calc.py": "from calc import add\n\ndef test_zero():\n    assert add(0, 0) == 0\n\n"
+                          "def test_two():\n    assert add(1, 1) == 2\n",
+}  # fmt: skip
+
+
+def task_of(evaluator: dict, files: dict | None = None, budget_s: float = 30, **kw):
+    spec = {"task_id": "t", "instruction": "solve", "workspace": {"files": files or {"a.txt": ""}}, "setup": None,
+            "evaluator": evaluator, "time_budget_s": budget_s, **kw}  # fmt: skip
+    return parse_task(spec, "test", Path.cwd())
+
+
+def workspace_of(task, tmp_path, name="ws"):
+    return make_workspace(task.workspace, tmp_path / name)
+
+
+def test_pytest_evaluator_pass_fraction(tmp_path):
+    task = task_of({"kind": "pytest", "command": "{python} -m pytest -q tests"}, PYTEST_WS,
+                   reference={"files": {"calc.py": "def add(a, b):\n    return a + b\n"}})  # fmt: skip
+    ws = workspace_of(task, tmp_path)
+    assert (evaluate(task, ws, "finished").outcome, evaluate(task, ws, "finished").score) == ("finished", 0.5)
+    apply_reference(task, ws)
+    assert evaluate(task, ws, "timed_out").score == 1.0
+    (ws / "tests/test_calc.py").unlink()  # the task's own tests gone: no test ran
+    e = evaluate(task, ws, "finished")
+    assert e.outcome == "evaluator_error" and "did not run" in e.detail
+
+
+def test_json_score_evaluator_good_garbage_crash_hang(tmp_path):
+    toy = toy_taskset().tasks[0]
+    ws = workspace_of(toy, tmp_path)
+    assert evaluate(toy, ws, "finished").score == 0.0  # nothing written: a real zero
+    (ws / "answer.txt").write_text("appel")
+    assert 0.2 < evaluate(toy, ws, "finished").score < 1.0  # near miss: partial credit
+    apply_reference(toy, ws)
+    assert evaluate(toy, ws, "finished").score == 1.0
+    cases = {"garbage": "echo 'score: high'", "out-of-range": "echo 1.5", "crash": "exit 3",
+             "hang": "sleep 30", "script-missing": "{python} {workspace}/check.py"}  # fmt: skip
+    for name, cmd in cases.items():
+        task = task_of({"kind": "json_score", "command": cmd, "timeout_s": 0.5})
+        e = evaluate(task, workspace_of(task, tmp_path, name), "finished")
+        assert (e.outcome, e.score) == ("evaluator_error", None), name
+    assert "timeout" in evaluate(task_of({"kind": "json_score", "command": "sleep 30", "timeout_s": 0.3}), ws, "finished").detail
+
+
+def test_files_evaluator_and_missing_workspace(tmp_path):
+    task = task_of({"kind": "files", "files": {"a.txt": "one", "b.txt": "two"}})
+    ws = workspace_of(task, tmp_path)
+    (ws / "a.txt").write_text("one\n")
+    assert evaluate(task, ws, "finished").score == 0.5
+    e = evaluate(task, tmp_path / "gone", "finished")
+    assert e.outcome == "evaluator_error" and "missing" in e.detail
+
+
+def run_sandbox(tmp_path, command: str, budget_s: float = 30, isolation: str = "auto", grace_s: float = 0.5, evaluator=None):
+    task = task_of(evaluator or {"kind": "files", "files": {"answer.txt": "apple"}}, budget_s=budget_s)
+    sb = Sandbox(task, f"ex-{uuid.uuid4().hex[:6]}", tmp_path / "sandboxes", HarnessConfig(kind="command", command=command,
+                 isolation=isolation, grace_s=grace_s), "http://127.0.0.1:9", "key-123", "tiny")  # fmt: skip
+    sb.prepare()
+    sb.start()
+    return task, sb, sb.wait()
+
+
+@pytest.mark.parametrize("trap,isolation,min_s", [pytest.param("", "auto", 1.0, id="sigterm"),
+                                                  pytest.param("trap '' TERM; ", "none", 1.5, id="sigkill-after-grace")])  # fmt: skip
+def test_budget_kill_is_timed_out_with_workspace_score(tmp_path, trap, isolation, min_s):
+    cmd = f"sh -c \"{trap}echo apple > answer.txt; echo started; sleep 60 & sleep 60\""
+    task, sb, r = run_sandbox(tmp_path, cmd, budget_s=1.0, isolation=isolation, grace_s=0.5)
+    assert r.timed_out and r.exit_code == (-9 if trap else r.exit_code) and r.exit_code != 0
+    assert min_s <= r.duration_s < 10  # a harness ignoring SIGTERM lasts the grace longer
+    assert evaluate(task, r.workspace, "timed_out").score == 1.0
+    assert "started" in r.log_path.read_text()
+
+
+def test_environment_carries_proxy_key_and_model(tmp_path):
+    _, _, r = run_sandbox(tmp_path, "sh -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY {model} $OPENAI_BASE_URL > env.txt'")
+    assert (r.exit_code, r.timed_out) == (0, False)
+    assert (r.workspace / "env.txt").read_text().split() == ["http://127.0.0.1:9", "key-123", "tiny", "http://127.0.0.1:9/v1"]
+
+
+@pytest.mark.skipif(not bwrap_available(), reason="bubblewrap cannot run here")
+def test_writes_outside_the_workspace_fail_under_bubblewrap(tmp_path):
+    outside = [Path("/tmp") / f"gyre-escape-{uuid.uuid4().hex}", Path(os.path.expanduser("~")) / f"gyre-escape-{uuid.uuid4().hex}"]
+    cmd = (f"sh -c 'echo in > inside.txt; echo x > ../escape.txt; echo y > {outside[0]}; echo z > {outside[1]}; "
+           f"echo h > $HOME/private.txt; exit 0'")  # fmt: skip
+    _, sb, r = run_sandbox(tmp_path, cmd, isolation="bwrap")
+    assert sb.isolated and r.exit_code == 0
+    assert (r.workspace / "inside.txt").read_text() == "in\n"
+    assert not (r.workspace.parent / "escape.txt").exists() and not any(p.exists() for p in outside)
+    assert (sb.home / "private.txt").exists()  # the private HOME is writable, the real one is not
+    assert r.log_path.read_text().count("Read-only file system") == 3
+
+
+def test_plain_runner_without_isolation(tmp_path):
+    _, sb, r = run_sandbox(tmp_path, f"{sys.executable} -c \"open('answer.txt', 'w').write('apple')\"", isolation="none")
+    assert not sb.isolated and r.exit_code == 0 and (r.workspace / "answer.txt").read_text() == "apple"

@@ -1,0 +1,63 @@
+"""The toy agent through a real proxy and builtin engine: it completes a toy task, and its records
+rebuild into a call tree with a sub-agent and a compaction summary."""
+
+import json
+
+import pytest
+
+from gyre.harness.config import HarnessConfig, ToyAgentConfig
+from gyre.harness.sandbox import Sandbox
+from gyre.records.io import read_records
+from gyre.tasks.evaluate import evaluate
+from gyre.tasks.spec import toy_taskset
+from gyre.trajectory.tree import build_call_tree
+from proxy_fixtures import new_execution, start_engine, start_proxy
+
+WRITE = '<tool_call>\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "apple"}}\n</tool_call>'
+RULES = [  # the scripted policy forces these outputs for prompts whose unanswered part matches
+    {"match": "Do NOT call any tools", "emit": "Wrote apple to answer.txt."},
+    {"match": "List the files", "emit": '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call>'},
+    {"match": "exit 0", "emit": "task.md"},
+    {"match": "Summary so far", "emit": "Done."},
+    {"match": "Write the word apple", "emit": WRITE},
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("toy")
+    engine = start_engine(tmp, RULES)
+    proxy = start_proxy(tmp, [engine.url])
+    yield tmp, proxy
+    proxy.stop()
+    engine.stop()
+
+
+@pytest.mark.parametrize("api", ["anthropic", "openai"])
+def test_toy_agent_completes_task_and_records_form_a_tree(stack, api):
+    tmp, proxy = stack
+    task = toy_taskset().get("word-apple")
+    ex = f"toy-{api}"
+    harness = HarnessConfig(kind="toy", toy=ToyAgentConfig(api=api, compact_chars=60, tool_median_s=0.01))
+    sb = Sandbox(task, ex, tmp / "sandboxes", harness, proxy.url, new_execution(proxy, ex), "gyre")
+    sb.prepare()
+    sb.start()
+    r = sb.wait()
+    log = r.log_path.read_text()
+    assert (r.exit_code, r.timed_out) == (0, False), log
+    assert json.loads(log.strip().splitlines()[-1])["num_calls"] == 5  # sub-agent 2, main 1, summary 1, resumed main 1
+    assert evaluate(task, r.workspace, "finished").score == 1.0
+    records, _ = read_records(tmp / "records" / f"{ex}.jsonl")
+    tree = build_call_tree(records)
+    kinds = [n.kind for n in tree.nodes]
+    sub = [n for n in tree.nodes if n.kind == "subagent"]
+    assert len(sub) == 2 and sub[1].parent == tree.nodes.index(sub[0]) and sub[0].record.parent_agent_id == "main"
+    assert sub[0].record.agent_id.startswith("sub-") and tree.nodes[tree.nodes.index(sub[0])].spawned_by is None
+    if api == "anthropic":  # the Messages API hints summaries; a summary continues the main conversation
+        summary = next(n for n in tree.nodes if n.kind == "summary")
+        assert tree.nodes[summary.parent].kind == "main"
+        assert kinds.count("main") == 2
+    else:  # chat completions has no summary hint: the summary is a main-agent call
+        assert kinds.count("main") == 3
+    roots = [n for n in tree.nodes if n.parent is None and n.kind == "main"]
+    assert len(roots) == 2  # the first conversation and the one restarted from the summary

@@ -1,0 +1,83 @@
+"""The coordinator's pure parts: the execution ledger, the live staleness mask, CPU quotas."""
+
+import os
+
+import numpy as np
+import pytest
+
+from gyre.cells.quota import PERIOD_US, make_quota, quota_us
+from gyre.coordinator.batching import mask_stale
+from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
+from gyre.trajectory.paths import PathSample
+from gyre.trajectory.process import TrainingSample
+
+
+def test_ledger_reads_back_states_outcomes_and_skips_a_torn_last_line(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    ledger = ExecutionLedger(path)
+    for state, extra in [("queued", {}), ("running", {}), ("finished", {"score": 0.5}), ("excluded", {"reason": "uniform_group"})]:
+        ledger.append(LedgerEntry("a", state, 1.0, group=0, task_id="t", **extra))
+    ledger.append(LedgerEntry("b", "queued", 2.0, group=0, task_id="t"))
+    ledger.append(LedgerEntry("b", "timed_out", 3.0, group=0, task_id="t", score=0.25))
+    ledger.append(LedgerEntry("b", "trained", 4.0, group=0, step=0))
+    ledger.close()
+    with open(path, "ab") as f:
+        f.write(b'{"execution_id": "c", "sta')  # the machine died mid-write
+    view = read_ledger(path)
+    assert view.num_torn == 1 and set(view.history) == {"a", "b"}
+    assert view.outcome("a").state == "finished" and view.outcome("a").score == 0.5  # the rollout's outcome
+    assert view.trained_step("b") == 0 and view.trained_step("a") is None
+    assert view.counts() == {"finished": 1, "timed_out": 1, "trained": 1, "excluded/uniform_group": 1}
+
+
+def test_ledger_refuses_an_unknown_state(tmp_path):
+    ledger = ExecutionLedger(tmp_path / "l.jsonl")
+    with pytest.raises(ValueError, match="lost"):
+        ledger.append(LedgerEntry("a", "lost", 0.0))
+
+
+def _sample(versions: list[int]) -> TrainingSample:
+    """A path of 2 context tokens then one target per entry of `versions` (its weight version)."""
+    n = 2 + len(versions)
+    target = np.array([False, False] + [True] * len(versions))
+    path = PathSample(execution_id="e", leaf_call_id="c", path_class="main", tokens=np.arange(n, dtype=np.int32),
+                      target_mask=target, unique_mask=target.copy(),
+                      logprobs=np.where(target, np.float32(-1.0), np.float32(0.0)).astype(np.float32),
+                      versions=np.array([-1, -1] + versions, dtype=np.int64))
+    return TrainingSample(path=path, loss_weights=target.astype(np.float32) / len(versions), advantage=1.0)
+
+
+@pytest.mark.parametrize("versions, step, staleness, masked, kept_targets", [
+    pytest.param([3, 3, 4], 4, 1, 0, 3, id="all-within-the-bound"),
+    pytest.param([1, 2, 3, 3], 4, 1, 2, 2, id="older-spans-masked"),
+    pytest.param([5, 6], 4, 0, 0, 2, id="newer-than-the-step"),
+    pytest.param([1, 1], 4, 1, 2, 0, id="nothing-left-dropped"),
+])
+def test_stale_targets_are_masked_by_the_per_span_rule(versions, step, staleness, masked, kept_targets):
+    kept, n = mask_stale(_sample(versions), step, staleness)
+    assert n == masked
+    if kept_targets == 0:
+        assert kept is None
+        return
+    assert int(kept.path.target_mask.sum()) == kept_targets
+    on = kept.path.target_mask
+    assert (kept.path.versions[on] >= step - staleness).all() and (kept.loss_weights[~on] == 0).all()
+    assert (kept.path.logprobs[~on] == 0).all() and not kept.path.unique_mask[~on].any()
+
+
+def test_quota_uses_cgroup_v2_then_v1_then_pins_cores(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("cpu\n")
+    q = make_quota("cellA", 0.5, 0, root=v2)
+    assert q.mechanism == "cgroup_v2" and (v2 / "cellA" / "cpu.max").read_text() == f"{quota_us(0.5)} {PERIOD_US}"
+
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1")
+    q = make_quota("cellB", 1.5, 0, root=v1)
+    assert q.mechanism == "cgroup_v1" and (v1 / "cpu" / "cellB" / "cpu.cfs_quota_us").read_text() == "150000"
+
+    q = make_quota("cellC", 1, 1, root=tmp_path / "none")
+    assert q.mechanism == "affinity" and {int(c) for c in q.path.split(",")} <= os.sched_getaffinity(0)
+    assert quota_us(0.001) == 1000  # the kernel's minimum
