@@ -66,6 +66,8 @@ class GyreConfig:
 
     def _check_across(self) -> None:
         """Checks that span sections, each naming the key to change."""
+        if self.proxy.context_len == 0:
+            self.proxy.context_len = self.model.max_seq_len
         require(self.proxy.context_len <= self.model.max_seq_len, "proxy.context_len",
                 f"{self.proxy.context_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
         if self.cluster.backend == "local":

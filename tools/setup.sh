@@ -49,4 +49,15 @@ if [[ $("$claude" --version 2>/dev/null) != "$CLAUDE_CODE_VERSION"* ]]; then
     log "npm not found: Claude Code harness tests will be skipped"
   fi
 fi
+# Codex CLI, pinned, the same way (it speaks the Responses API; its binary comes in an npm package).
+CODEX_VERSION=0.171.0
+codex=.venv/harness/node_modules/.bin/codex
+if [[ $("$codex" --version 2>/dev/null) != *"$CODEX_VERSION" ]]; then
+  if command -v npm >/dev/null; then
+    log "installing Codex CLI $CODEX_VERSION into .venv/harness"
+    npm install --prefix .venv/harness --no-audit --no-fund --loglevel=error "@openai/codex@$CODEX_VERSION" >/dev/null
+  else
+    log "npm not found: Codex harness tests will be skipped"
+  fi
+fi
 log "ready: $(.venv/bin/python -c 'import torch, megatron.core, gyre; print("torch", torch.__version__, "megatron-core", megatron.core.__version__)')"

@@ -8,10 +8,10 @@ on Gyre's side; on the wire they are what the engine sends (SGLang: strings).
 """
 
 import json
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import aiohttp
+import orjson
 
 from gyre.errors import GyreError
 
@@ -86,23 +86,25 @@ class EngineClient:
         return body
 
     def _generate_payload(self, input_ids, sampling_params, rid, return_logprob, stream, extra_key, input_ids_json) -> bytes:
-        """The /generate body as JSON; `input_ids_json` (input_ids already as a JSON array) is spliced in as is."""
+        """The /generate body as JSON; `input_ids_json` (input_ids already as a JSON array, whole or
+        in pieces) is spliced in as is."""
         if input_ids_json is None:
             return json.dumps(self._generate_body(input_ids, sampling_params, rid, return_logprob, stream, extra_key)).encode()
         rest = self._generate_body((), sampling_params, rid, return_logprob, stream, extra_key)
         del rest["input_ids"]
-        return b"".join((b'{"input_ids":', input_ids_json, b",", json.dumps(rest).encode()[1:]))  # one copy
+        pieces = (input_ids_json,) if isinstance(input_ids_json, bytes) else input_ids_json
+        return b"".join((b'{"input_ids":', *pieces, b",", json.dumps(rest).encode()[1:]))  # one copy
 
     async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
-                       input_ids_json: bytes | None = None) -> dict:  # fmt: skip
-        """One /generate answer. input_ids_json: `input_ids` already encoded (IdsJsonCache), sent as is."""
+                       input_ids_json: bytes | tuple[bytes, ...] | None = None) -> dict:  # fmt: skip
+        """One /generate answer. input_ids_json: `input_ids` already encoded (the proxy keeps each prompt's JSON), sent as is."""
         payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, False, extra_key, input_ids_json)
         out = await self._request("POST", "/generate", raw=payload)
         self.weight_version = _version(out["meta_info"].get("weight_version"), self.weight_version)
         return out
 
     async def generate_stream(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
-                              input_ids_json: bytes | None = None) -> AsyncIterator[dict]:  # fmt: skip
+                              input_ids_json: bytes | tuple[bytes, ...] | None = None) -> AsyncIterator[dict]:  # fmt: skip
         """Yield each SSE chunk (cumulative output, SGLang's default) until `data: [DONE]`."""
         payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, True, extra_key, input_ids_json)
         async with self._session.post(self.base_url + "/generate", data=payload, headers={"Content-Type": "application/json"}) as r:
@@ -115,7 +117,7 @@ class EngineClient:
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     return
-                chunk = json.loads(payload)
+                chunk = orjson.loads(payload)
                 self.weight_version = _version(chunk.get("meta_info", {}).get("weight_version"), self.weight_version)
                 yield chunk
 
@@ -209,43 +211,6 @@ async def migrate_prefix(src: EngineClient, dst: EngineClient, input_ids: list[i
         finally:
             await src.release_kv_export(export["export_id"])
     return {"transferred_tokens": n, "recomputed_tokens": len(input_ids) - n}
-
-
-class IdsJsonCache:
-    """Prompt ids as JSON arrays, encoded incrementally per session.
-
-    A harness re-sends its whole context every call and the proxy forwards it as a JSON list of
-    token ids: encoding 80K ids costs ~20 ms of the proxy's event loop, every call. Token-faithful
-    prompts extend the session's previous prompt, so each session's last prompt and its text are
-    kept and only the new tokens are encoded (checking the prefix is one list comparison, ~0.3 ms).
-    Least recently used sessions are dropped beyond `max_tokens` kept in all.
-    """
-
-    def __init__(self, max_tokens: int = 8_000_000):
-        self.max_tokens = max_tokens
-        self.num_hits = self.num_tokens = 0
-        self._by_session: OrderedDict[str, tuple[list[int], bytes]] = OrderedDict()
-
-    def encode(self, session: str, ids: list[int]) -> bytes:
-        """`ids` as a compact JSON array, reusing the session's last prompt's text when it is a prefix."""
-        last_ids, last_text = self._by_session.pop(session, ((), b""))
-        self.num_tokens -= len(last_ids)
-        n = len(last_ids)
-        if 0 < n <= len(ids) and ids[:n] == last_ids:
-            self.num_hits += 1
-            text = last_text if n == len(ids) else b"".join((memoryview(last_text)[:-1], b",", _ids_json(ids[n:])[1:]))
-        else:
-            text = _ids_json(ids)
-        self._by_session[session] = (list(ids), text)
-        self.num_tokens += len(ids)
-        while self.num_tokens > self.max_tokens and len(self._by_session) > 1:
-            old, _ = self._by_session.popitem(last=False)[1]
-            self.num_tokens -= len(old)
-        return text
-
-
-def _ids_json(ids) -> bytes:
-    return json.dumps(ids, separators=(",", ":")).encode()
 
 
 def _wire(version: int | None) -> str | None:

@@ -7,6 +7,9 @@ non-essential traffic are off; HOME is a per-execution directory (its sessions l
 the proxy too. mini-swe-agent (PyPI) speaks OpenAI chat completions through litellm (~8 CPU-s
 to import per process); its model classes without litellm (openrouter, requesty) hard-code their
 service URLs, so litellm's `openai/` route with `api_base` is its only way to reach a proxy.
+Codex CLI (npm `@openai/codex`, pinned in tools/setup.sh) speaks only the Responses API; `codex
+exec` reaches the proxy through a custom model provider given with `-c` overrides (`wire_api =
+"responses"`, the key from an environment variable), with CODEX_HOME a per-execution directory.
 """
 
 import os
@@ -17,6 +20,7 @@ from pathlib import Path
 
 CLAUDE_CODE_VERSION = "2.1.220"
 MINI_SWE_AGENT_VERSION = "2.4.6"
+CODEX_VERSION = "0.171.0"
 
 
 def find_claude_code() -> str | None:
@@ -52,6 +56,35 @@ def make_claude_code_command(binary: str, prompt: str, *, model: str, tools: lis
     cmd = [binary, "-p", prompt, "--dangerously-skip-permissions", "--model", model, "--tools", ",".join(tools),
            "--output-format", "json"]  # fmt: skip
     return cmd + (["--continue"] if resume else []) + (["--bare"] if bare else [])
+
+
+def find_codex() -> str | None:
+    """The `codex` binary: $GYRE_CODEX, else the one tools/setup.sh installs into the venv."""
+    for candidate in (os.environ.get("GYRE_CODEX"), str(Path(sys.prefix) / "harness/node_modules/.bin/codex")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def make_codex_env(base: dict[str, str], api_key: str, home: str) -> dict[str, str]:
+    """CODEX_HOME and HOME in the execution's directory; the proxy key in GYRE_API_KEY."""
+    return {**base, "CODEX_HOME": home, "HOME": home, "GYRE_API_KEY": api_key, "NO_COLOR": "1"}
+
+
+def make_codex_command(binary: str, prompt: str, *, proxy_url: str, model: str, instructions_file: str | None = None,
+                       resume: bool = False) -> list[str]:  # fmt: skip
+    """`codex exec PROMPT` (JSONL events on stdout) against the proxy as provider `gyre`, with no
+    approvals or sandbox (the sandbox is Gyre's), web search off and no project docs read;
+    `instructions_file` replaces Codex's built-in instructions (a shorter, fixed system prompt);
+    `resume` continues the last session (`codex exec resume --last`)."""
+    provider = f'{{name="gyre", base_url="{proxy_url}/v1", env_key="GYRE_API_KEY", wire_api="responses"}}'
+    cmd = [binary, "exec", *(["resume", "--last"] if resume else []), "--skip-git-repo-check",
+           "--dangerously-bypass-approvals-and-sandbox", "--json", "-m", model,
+           "-c", "model_provider=gyre", "-c", f"model_providers.gyre={provider}", "-c", 'web_search="disabled"',
+           "-c", "project_doc_max_bytes=0", "-c", "features.multi_agent=false", "-c", "features.goals=false"]  # fmt: skip
+    if instructions_file:
+        cmd += ["-c", f"model_instructions_file={instructions_file}"]
+    return cmd + [prompt]
 
 
 def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ import re
 import uuid
 
 from gyre.models.tokenizer import ToolCall
-from gyre.proxy.chat import ApiError, ChatRequest, check_sampling, check_tool_schema, invalid, require_type
+from gyre.proxy.chat import ApiError, ChatRequest, Resume, check_sampling, check_tool_schema, convert_messages, invalid, require_type
 
 ERROR_TYPES = {
     "invalid_request": "invalid_request_error", "authentication": "authentication_error",
@@ -88,28 +88,30 @@ def _assistant_message(content, i: int) -> tuple[dict, set[str]]:
     return msg, {c["id"] for c in calls}
 
 
-def _convert_messages(messages, system: str | None) -> list[dict]:
+def _convert_step(i: int, m, out: list[dict], pending: frozenset[str]) -> frozenset[str]:
+    """One wire message into `out`; the state is the tool_use ids a user message may answer."""
+    require_type(m, dict, f"messages.{i}", "an object")
+    role = m.get("role")
+    if role == "system":
+        text = _text_of(m.get("content", ""), f"messages.{i}.content")
+        out.append({"role": "system" if not out else "user", "content": text})
+        return pending
+    if role == "user":
+        out += _user_messages(m.get("content", ""), i, pending)
+        return frozenset()
+    if role == "assistant":
+        msg, ids = _assistant_message(m.get("content", ""), i)
+        out.append(msg)
+        return frozenset(ids)
+    raise invalid(f"messages.{i}.role: {role!r} is not one of 'user', 'assistant', 'system'")
+
+
+def _convert_messages(messages, system: str | None, resume: Resume | None = None) -> tuple[list[dict], list]:
     require_type(messages, list, "messages", "a list")
     if not messages:
         raise invalid("messages: at least one message is required")
-    out = [{"role": "system", "content": system}] if system is not None else []
-    pending: set[str] = set()
-    for i, m in enumerate(messages):
-        require_type(m, dict, f"messages.{i}", "an object")
-        role = m.get("role")
-        if role == "system":
-            text = _text_of(m.get("content", ""), f"messages.{i}.content")
-            out.append({"role": "system" if not out else "user", "content": text})
-            continue
-        if role == "user":
-            out += _user_messages(m.get("content", ""), i, pending)
-            pending = set()
-        elif role == "assistant":
-            msg, pending = _assistant_message(m.get("content", ""), i)
-            out.append(msg)
-        else:
-            raise invalid(f"messages.{i}.role: {role!r} is not one of 'user', 'assistant', 'system'")
-    return out
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return convert_messages(messages, _convert_step, frozenset(), head, resume)
 
 
 def _convert_tools(tools) -> list[dict] | None:
@@ -127,8 +129,9 @@ def _convert_tools(tools) -> list[dict] | None:
     return out or None
 
 
-def parse_request(body, models: list[str]) -> ChatRequest:
-    """A validated ChatRequest from a /v1/messages body.
+def parse_request(body, models: list[str], resume: Resume | None = None) -> ChatRequest:
+    """A validated ChatRequest from a /v1/messages body (converting only the messages after
+    `resume.num_raw`, when a previous call of the conversation shares them and the system prompt).
 
     Raises:
         ApiError: invalid_request naming the field, or not_found for an unknown model.
@@ -142,8 +145,9 @@ def parse_request(body, models: list[str]) -> ChatRequest:
     sampling = check_sampling(body, max_tokens_key="max_tokens", default_max_tokens=None)
     stream = body.get("stream", False)
     require_type(stream, bool, "stream", "a boolean")
-    return ChatRequest(model=model, messages=_convert_messages(body.get("messages"), system),
-                       tools=_convert_tools(body.get("tools")), stream=stream, **sampling)  # fmt: skip
+    messages, marks = _convert_messages(body.get("messages"), system, resume)
+    return ChatRequest(model=model, messages=messages, tools=_convert_tools(body.get("tools")), stream=stream,
+                       marks=marks, **sampling)  # fmt: skip
 
 
 _NO_TOOLS = re.compile(r"(?i)\b(do not|don't|must not|never) (call|use) (any )?tools\b")

@@ -17,7 +17,8 @@ from aiohttp import web
 from aiohttp_sse import sse_response
 
 from gyre.models.tokenizer import BaseTokenizer, ChatTemplateError
-from gyre.proxy.chat import ApiError, ChatRequest, invalid
+from gyre.proxy.chat import ApiError, ChatRequest, Resume, invalid
+from gyre.proxy.conversation import Snapshot
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.executions import Execution
 from gyre.proxy.hints import CallHints
@@ -54,19 +55,37 @@ class CallRunner:
     def __init__(self, cfg: ProxyConfig, tokenizer: BaseTokenizer, renderer: Renderer, pool: EnginePool):
         self.cfg, self.tok, self.renderer, self.pool = cfg, tokenizer, renderer, pool
 
+    def render(self, ex: Execution, wire, body, headers, keep: bool = True) -> tuple[ChatRequest, CallHints, RenderResult, bool]:
+        """Parse and render only what the call adds to its conversation's snapshot (see
+        gyre.proxy.conversation); `keep` stores the call as the conversation's new snapshot.
+
+        Returns:
+            (request, hints, rendered prompt, whether the call re-sends an earlier one)
+        Raises:
+            ApiError: invalid_request (naming the field) or not_found.
+        """
+        request = wire.split(body)
+        snap, num = ex.conversations.match(request) if request is not None else (None, 0)
+        chat = wire.parse(body, Resume(snap.chat.messages, snap.chat.marks, num) if num else None)
+        hints = wire.hints(headers, body, chat)
+        try:
+            rendered = self.renderer.render(chat.messages, chat.tools, ex.turns, hints.agent_id,
+                                            (snap.rendered, chat.marks[num][0]) if num else None)  # fmt: skip
+        except ChatTemplateError as e:
+            raise invalid(f"messages: {e}") from None
+        is_retry = ex.conversations.is_retry(snap, num, request) or ex.repeats_restored(hints.agent_id, rendered.input_ids)
+        if keep and request is not None:
+            ex.conversations.store(Snapshot(request, chat, rendered), snap if snap is not None and num == len(snap.request.messages) else None)
+        return chat, hints, rendered, is_retry
+
     def prepare(self, ex: Execution, wire, body: dict, headers, received_mono: float) -> Call:
         """Validate and render; raises ApiError before anything is numbered or recorded.
 
         Args:
             received_mono: time.monotonic() when the handler started (for the proxy_ms hint).
         """
-        chat = wire.parse(body)
-        hints = wire.hints(headers, body, chat)
-        try:
-            rendered = self.renderer.render(chat.messages, chat.tools, ex.turns, hints.agent_id)
-        except ChatTemplateError as e:
-            raise invalid(f"messages: {e}") from None
-        n = len(rendered.input_ids)
+        chat, hints, rendered, is_retry = self.render(ex, wire, body, headers)
+        n = rendered.input_ids.size
         if n >= self.cfg.context_len:
             raise invalid(f"prompt is too long: {n} tokens > {self.cfg.context_len - 1} maximum")
         sampling = {"max_new_tokens": min(chat.max_tokens, self.cfg.context_len - n),
@@ -77,8 +96,9 @@ class CallRunner:
         if chat.top_k is not None:
             sampling["top_k"] = chat.top_k
         gen = Generation(self.pool, f"{ex.execution_id}/{hints.agent_id}", f"{ex.execution_id}-{uuid.uuid4().hex[:12]}",
-                         rendered.input_ids, sampling, max_resumes=self.cfg.max_resumes, incremental=chat.stream)  # fmt: skip
-        call = Call(ex, chat, hints, rendered, gen, ex.is_retry(body), wire.name, received_mono=received_mono)
+                         rendered.input_ids, rendered.input_json, sampling, max_resumes=self.cfg.max_resumes,
+                         incremental=chat.stream)  # fmt: skip
+        call = Call(ex, chat, hints, rendered, gen, is_retry, wire.name, received_mono=received_mono)
         gen.on_admit = call.admit
         return call
 
@@ -96,7 +116,8 @@ class CallRunner:
         hints = {**call.hints.raw, "api": call.api, "engines": g.engine_ids, "cached_tokens": g.cached_tokens,
                  "received_at": call.received_at, "reused_turns": call.rendered.num_reused,
                  "proxy_ms": round((time.monotonic() - call.received_mono - g.engine_s) * 1e3, 3),
-                 "engine_ms": round(g.engine_s * 1e3, 3), "retokenized_turns": call.rendered.num_retokenized}  # fmt: skip
+                 "engine_ms": round(g.engine_s * 1e3, 3), "retokenized_turns": call.rendered.num_retokenized,
+                 "rendered_messages": call.rendered.num_rendered_messages}  # fmt: skip
         return CallRecord.build(
             input_ids=call.rendered.input_ids, output_ids=g.output_ids, logprobs=g.logprobs,
             versions=g.versions, execution_id=call.ex.execution_id, call_id=f"c{call.seq}",
@@ -132,32 +153,35 @@ class CallRunner:
         text, calls = parsed.content, [(wire.new_call_id(), c) for c in parsed.tool_calls]
         self._remember(call, text, calls)
         await call.ex.append(self.make_record(call))
-        n_in, n_out = len(call.rendered.input_ids), len(call.gen.output_ids)
-        return web.json_response(wire.response(call.chat.model, text, calls, call.gen.finish, n_in, n_out))
+        n_in, n_out = call.rendered.input_ids.size, len(call.gen.output_ids)
+        return web.json_response(wire.response(call.chat, text, calls, call.gen.finish, n_in, n_out))
 
     async def _stream(self, request, call: Call, wire, stream, first: list[int]) -> web.StreamResponse:
         """SSE answer; a call failing after the stream began ends with an error event and no record."""
-        events = wire.stream(call.chat.model, call.chat, len(call.rendered.input_ids))
+        events = wire.stream(call.chat, call.rendered.input_ids.size)
         out = OutputStream(events, self.tok.decode, wire.new_call_id)
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
-            for name, data in events.start():
-                await sse.send(data, event=name)
-            new = first
+            pending, new = events.start(), first
             try:
                 while True:
                     if new:
-                        for name, data in out.update(call.gen.output_ids):
-                            await sse.send(data, event=name)
+                        pending += out.update(call.gen.output_ids)
+                    if pending:  # the events of one engine chunk in one write: one syscall, not one each
+                        await sse.write(_sse_text(pending))
+                        pending = []
                     new = await stream.__anext__()
             except StopAsyncIteration:
                 pass
             except ApiError as e:
-                for name, data in wire.stream_error(e):
-                    await sse.send(data, event=name)
+                await sse.write(_sse_text(wire.stream_error(e)))
                 return sse
             text, calls = out.result(self.tok.parse_assistant(call.gen.output_ids))
             self._remember(call, text, calls)
             await call.ex.append(self.make_record(call))
-            for name, data in out.finish(text, calls, call.gen.finish, len(call.rendered.input_ids), len(call.gen.output_ids)):
-                await sse.send(data, event=name)
+            await sse.write(_sse_text(out.finish(text, calls, call.gen.finish, call.rendered.input_ids.size, len(call.gen.output_ids))))
         return sse
+
+
+def _sse_text(events: list[tuple[str | None, str]]) -> bytes:
+    """Server-sent events as aiohttp-sse's `send(data, event=name)` frames them (one-line JSON data)."""
+    return "".join((f"event: {name}\n" if name else "") + f"data: {data}\n\n" for name, data in events).encode()

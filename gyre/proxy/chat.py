@@ -6,7 +6,8 @@ recording never depend on the API. Errors are `ApiError`s with a kind each API m
 error body and status.
 """
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from gyre.errors import GyreError
 
@@ -48,6 +49,39 @@ class ChatRequest:
     top_k: int | None = None
     include_usage: bool = False
     """OpenAI `stream_options.include_usage`: a last chunk with usage."""
+    marks: list = field(default_factory=list, compare=False, repr=False)
+    """Conversion marks of the wire's message list (see `convert_messages`), for the next call to resume."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where the previous call of a conversation left its conversion: its converted messages and
+    marks, and how many of the wire's raw messages this call shares with it (same head too)."""
+
+    messages: list[dict]
+    marks: list
+    num_raw: int
+
+
+def convert_messages(raw: list, step: Callable, state, head: list[dict], resume: Resume | None) -> tuple[list[dict], list]:
+    """Convert a wire's message list with `step(i, message, out, state) -> state` (appending to
+    `out`), resuming after the `resume.num_raw` messages a previous call converted alike.
+
+    Returns:
+        (converted messages, marks): marks[i] = (len(out), state) before raw message i, plus one
+        after the last, so a later call sharing raw[:k] starts at marks[k]. States are immutable.
+    """
+    k = resume.num_raw if resume is not None and 0 < resume.num_raw < len(resume.marks) else 0
+    if k:
+        n, state = resume.marks[k]
+        out, marks = resume.messages[:n], resume.marks[:k]
+    else:
+        out, marks = list(head), []
+    for i in range(k, len(raw)):
+        marks.append((len(out), state))
+        state = step(i, raw[i], out, state)
+    marks.append((len(out), state))
+    return out, marks
 
 
 def require_type(value, types, where: str, what: str):

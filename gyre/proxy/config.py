@@ -20,7 +20,8 @@ class ProxyConfig:
     model_names: list[str] = field(default_factory=lambda: ["gyre"])
     """Model names harnesses may ask for (others: 404 in the API's format)."""
     context_len: int = 32768
-    """Prompt + output token limit; longer prompts are refused with the API's prompt-too-long error."""
+    """Prompt + output token limit; longer prompts are refused with the API's prompt-too-long error
+    (0 in a run's config: the model's max_seq_len, filled in by gyre.config)."""
     default_max_tokens: int = 4096
     """OpenAI requests without max_tokens get this many."""
     temperature: float | None = None
@@ -53,11 +54,16 @@ class ProxyConfig:
     """Vocabulary size of the byte tokenizer (the served model's)."""
     max_body_mb: int = 64
     """Largest request body accepted (413 beyond)."""
+    num_workers: int = 1
+    """Proxy worker processes serving the run (gyre.proxy.workers); each execution is pinned to one."""
+    worker_index: int = 0
+    """This process's worker (0..num_workers-1): it serves only the executions pinned to it."""
 
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")
         require(bool(self.model_names), "model_names", "must name at least one model")
-        require(self.context_len >= 2, "context_len", f"must be >= 2, got {self.context_len}")
+        require(self.context_len == 0 or self.context_len >= 2, "context_len",
+                f"must be >= 2 (0: the served model's max_seq_len), got {self.context_len}")
         require(self.default_max_tokens >= 1, "default_max_tokens", f"must be >= 1, got {self.default_max_tokens}")
         require(self.temperature is None or self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         require(self.no_engine_wait_s >= 0, "no_engine_wait_s", f"must be >= 0, got {self.no_engine_wait_s}")
@@ -66,3 +72,5 @@ class ProxyConfig:
         require(self.max_resumes >= 0, "max_resumes", f"must be >= 0, got {self.max_resumes}")
         require(0 <= self.fsync_window_ms <= 10_000, "fsync_window_ms", f"must be 0..10000, got {self.fsync_window_ms}")
         require(self.max_body_mb >= 1, "max_body_mb", f"must be >= 1, got {self.max_body_mb}")
+        require(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
+        require(0 <= self.worker_index < self.num_workers, "worker_index", f"must be 0..{self.num_workers - 1}, got {self.worker_index}")

@@ -18,17 +18,19 @@ output ids, so a continuing conversation reuses the model's exact tokens across 
 
 import asyncio
 import hashlib
-import json
 import logging
 import re
 import secrets
 import time
-from collections import deque
+import zlib
 from pathlib import Path
+
+import numpy as np
 
 from gyre.errors import GyreError
 from gyre.launch.serve import write_private_file
 from gyre.proxy.chat import ApiError
+from gyre.proxy.conversation import ConversationCache
 from gyre.proxy.render import TurnMemory, remember_records
 from gyre.records.io import (
     GroupCommit,
@@ -45,6 +47,11 @@ _ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _KEY = re.compile(r"^[A-Za-z0-9._~-]{24,256}$")
 
 
+def worker_of(execution_id: str, num_workers: int) -> int:
+    """The proxy worker an execution is pinned to (stable across processes and restarts)."""
+    return zlib.crc32(execution_id.encode()) % num_workers
+
+
 def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -56,6 +63,9 @@ class Execution:
         self.execution_id, self.key, self.digest, self.records_path = execution_id, key, digest, records_path
         self.revoked = False
         self.turns = TurnMemory()
+        self.conversations = ConversationCache()
+        self._restored_inputs: dict[str, np.ndarray] = {}
+        """Each agent's last recorded input, read at a restart: its first call repeating it is a retry."""
         self.num_calls = 0
         self.num_inflight = 0
         """Calls of this execution being answered now (the coordinator's load signal)."""
@@ -64,7 +74,6 @@ class Execution:
         self._sync_each = fsync and group is None
         self._restore_pending = records_path.stat().st_size > 0
         self._restore_lock = asyncio.Lock()
-        self._recent: deque[str] = deque(maxlen=64)
         self._write_lock = asyncio.Lock()
 
     async def ready(self) -> None:
@@ -84,6 +93,7 @@ class Execution:
             except RecordFileError as e:
                 raise ApiError("api_error", f"execution {self.execution_id}: cannot continue its records: {e}") from None
             remember_records(self.turns, records, self._parse)
+            self._restored_inputs = {r.agent_id: r.input_ids for r in records}
             self._writer.continue_from(records)
             self.num_calls = max([self.num_calls] + [r.seq + 1 for r in records])
             self._restore_pending = False
@@ -95,12 +105,11 @@ class Execution:
         self.num_calls += 1
         return seq, time.time()
 
-    def is_retry(self, body: dict) -> bool:
-        """Whether this body (ignoring `stream`) was sent before: a harness re-sending a call."""
-        digest = hashlib.sha256(json.dumps({k: v for k, v in body.items() if k != "stream"}, sort_keys=True).encode()).hexdigest()
-        seen = digest in self._recent
-        self._recent.append(digest)
-        return seen
+    def repeats_restored(self, agent_id: str, input_ids: np.ndarray) -> bool:
+        """After a restart (no snapshots yet): whether the agent's first call has the prompt of its
+        last recorded call (a harness re-sending the call the old process was answering)."""
+        last = self._restored_inputs.pop(agent_id, None) if self._restored_inputs else None
+        return last is not None and last.size == input_ids.size and bool(np.array_equal(last, input_ids))
 
     async def append(self, record: CallRecord) -> None:
         if not self._sync_each:  # one write() to the page cache (~0.1 ms with the encoding): a thread hop costs more
@@ -118,9 +127,13 @@ class ExecutionRegistry:
 
     Args:
         parse: output ids -> ParsedAssistant (the tokenizer's), to refill turn memory from records.
+        worker: (this worker's index, number of workers): only executions pinned here (`worker_of`)
+            are loaded or created, so each records file has one writer.
     """
 
-    def __init__(self, records_dir: str, fsync: bool = True, parse=None, fsync_window_ms: float = 0.0):
+    def __init__(self, records_dir: str, fsync: bool = True, parse=None, fsync_window_ms: float = 0.0,
+                 worker: tuple[int, int] = (0, 1)):  # fmt: skip
+        self.worker = worker
         self.records_dir = Path(records_dir)
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.fsync, self.parse = fsync, parse
@@ -129,10 +142,10 @@ class ExecutionRegistry:
         self._by_digest: dict[str, Execution] = {}
         for path in sorted(self.records_dir.glob("*.key")):
             digest = path.read_text().strip()
-            if _ID.match(path.stem) and re.fullmatch(r"[0-9a-f]{64}", digest):
-                self._add(path.stem, None, digest)
-            else:
+            if not (_ID.match(path.stem) and re.fullmatch(r"[0-9a-f]{64}", digest)):
                 log.warning("%s: not an execution key file (ignored)", path)
+            elif worker_of(path.stem, worker[1]) == worker[0]:
+                self._add(path.stem, None, digest)
 
     def _add(self, execution_id: str, key: str | None, digest: str) -> Execution:
         ex = Execution(execution_id, key, digest, self.records_dir / f"{execution_id}.jsonl", self.fsync, self.parse, self.group)
@@ -145,12 +158,16 @@ class ExecutionRegistry:
         it); its records go to `<records_dir>/<id>.jsonl`, continuing an existing file.
 
         Raises:
-            GyreError: a malformed or already registered id, a malformed key or one in use.
+            GyreError: a malformed or already registered id, one pinned to another worker, a malformed
+                key or one in use.
         """
         if not isinstance(execution_id, str) or not _ID.match(execution_id):
             raise GyreError(f"execution_id must match {_ID.pattern}, got {execution_id!r}")
         if execution_id in self.by_id:
             raise GyreError(f"execution {execution_id!r} is already registered")
+        pinned = worker_of(execution_id, self.worker[1])
+        if pinned != self.worker[0]:
+            raise GyreError(f"execution {execution_id!r} is pinned to proxy worker {pinned}, this is worker {self.worker[0]}")
         if key is not None and (not isinstance(key, str) or not _KEY.match(key)):
             raise GyreError(f"api_key must match {_KEY.pattern} (24+ URL-safe characters)")
         key = key or "gyre-" + secrets.token_urlsafe(24)

@@ -11,7 +11,7 @@ import time
 import uuid
 
 from gyre.models.tokenizer import ToolCall
-from gyre.proxy.chat import ApiError, ChatRequest, check_sampling, check_tool_schema, invalid, require_type
+from gyre.proxy.chat import ApiError, ChatRequest, Resume, check_sampling, check_tool_schema, convert_messages, invalid, require_type
 
 ERROR_TYPES = {
     "invalid_request": ("invalid_request_error", None), "authentication": ("invalid_request_error", "invalid_api_key"),
@@ -64,38 +64,38 @@ def _tool_calls(calls, where: str) -> list[dict]:
     return out
 
 
-def _convert_messages(messages) -> list[dict]:
+def _convert_step(i: int, m, out: list[dict], pending: frozenset[str]) -> frozenset[str]:
+    """One wire message into `out`; the state is the tool call ids a `tool` message may answer."""
+    require_type(m, dict, f"messages[{i}]", "an object")
+    role, where = m.get("role"), f"messages[{i}]"
+    text = _content_text(m.get("content"), f"{where}.content")
+    if role in ("system", "developer"):
+        out.append({"role": "system" if not out else "user", "content": text})
+    elif role == "user":
+        out.append({"role": "user", "content": text})
+    elif role == "assistant":
+        msg = {"role": "assistant", "content": text}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        out.append(msg)
+        return frozenset(c["id"] for c in msg.get("tool_calls", []))
+    elif role == "tool":
+        tid = m.get("tool_call_id")
+        if tid not in pending:
+            raise invalid(f"{where}.tool_call_id: {tid!r} does not answer a tool call of the preceding "
+                          f"assistant message (ids: {sorted(pending) or 'none'})")
+        out.append({"role": "tool", "content": text, "tool_call_id": tid})
+        return pending
+    else:
+        raise invalid(f"{where}.role: {role!r} is not one of system, developer, user, assistant, tool")
+    return frozenset()
+
+
+def _convert_messages(messages, resume: Resume | None = None) -> tuple[list[dict], list]:
     require_type(messages, list, "messages", "an array")
     if not messages:
         raise invalid("messages: at least one message is required")
-    out: list[dict] = []
-    pending: set[str] = set()
-    for i, m in enumerate(messages):
-        require_type(m, dict, f"messages[{i}]", "an object")
-        role, where = m.get("role"), f"messages[{i}]"
-        text = _content_text(m.get("content"), f"{where}.content")
-        if role in ("system", "developer"):
-            out.append({"role": "system" if not out else "user", "content": text})
-        elif role == "user":
-            out.append({"role": "user", "content": text})
-        elif role == "assistant":
-            msg = {"role": "assistant", "content": text}
-            if m.get("tool_calls"):
-                msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
-            pending = {c["id"] for c in msg.get("tool_calls", [])}
-            out.append(msg)
-            continue
-        elif role == "tool":
-            tid = m.get("tool_call_id")
-            if tid not in pending:
-                raise invalid(f"{where}.tool_call_id: {tid!r} does not answer a tool call of the preceding "
-                              f"assistant message (ids: {sorted(pending) or 'none'})")
-            out.append({"role": "tool", "content": text, "tool_call_id": tid})
-            continue
-        else:
-            raise invalid(f"{where}.role: {role!r} is not one of system, developer, user, assistant, tool")
-        pending = set()
-    return out
+    return convert_messages(messages, _convert_step, frozenset(), [], resume)
 
 
 def _convert_tools(tools) -> list[dict] | None:
@@ -114,7 +114,7 @@ def _convert_tools(tools) -> list[dict] | None:
     return out or None
 
 
-def parse_request(body, models: list[str], default_max_tokens: int) -> ChatRequest:
+def parse_request(body, models: list[str], default_max_tokens: int, resume: Resume | None = None) -> ChatRequest:
     """A validated ChatRequest from a /v1/chat/completions body.
 
     Raises:
@@ -132,8 +132,9 @@ def parse_request(body, models: list[str], default_max_tokens: int) -> ChatReque
     require_type(stream, bool, "stream", "a boolean")
     opts = body.get("stream_options") or {}
     require_type(opts, dict, "stream_options", "an object")
-    return ChatRequest(model=model, messages=_convert_messages(body.get("messages")), tools=_convert_tools(body.get("tools")),
-                       stream=stream, include_usage=bool(opts.get("include_usage")), **sampling)  # fmt: skip
+    messages, marks = _convert_messages(body.get("messages"), resume)
+    return ChatRequest(model=model, messages=messages, tools=_convert_tools(body.get("tools")), stream=stream,
+                       include_usage=bool(opts.get("include_usage")), marks=marks, **sampling)  # fmt: skip
 
 
 def new_completion_id() -> str:

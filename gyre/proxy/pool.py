@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from gyre.engines.client import EngineClient, EngineHTTPError, IdsJsonCache, migrate_prefix, parse_weight_version
+import numpy as np
+import orjson
+
+from gyre.engines.client import EngineClient, EngineHTTPError, migrate_prefix, parse_weight_version
 from gyre.proxy.chat import ApiError
 from gyre.proxy.routing import SERVING, RoutingTable
 
@@ -47,8 +50,6 @@ class EnginePool:
         self.inflight: dict[str, set[str]] = {}
         """engine id -> rids of calls streaming from it (what a drain aborts)."""
         self.metrics = PoolMetrics()
-        self.ids_json = IdsJsonCache()
-        """Each session's last prompt as JSON: a longer context costs only its new tokens to send."""
         self._changed = asyncio.Condition()
         self._health_task: asyncio.Task | None = None
 
@@ -174,7 +175,10 @@ class Generation:
     pool: EnginePool
     session: str
     rid: str
-    input_ids: list[int]
+    input_ids: np.ndarray
+    """int32 prompt ids."""
+    input_json: tuple[bytes, ...]
+    """The same as a JSON array in pieces (rendered incrementally: a long context costs only its new ids)."""
     sampling: dict
     max_resumes: int = 16
     incremental: bool = True
@@ -205,9 +209,9 @@ class Generation:
             if not self.engine_ids and self.on_admit is not None:
                 self.on_admit()
             self.engine_ids.append(eid)
-            prompt = self.input_ids + self.output_ids
+            prompt = self._prompt_json()
             if prev is not None:
-                await self._migrate(prev, eid, prompt)
+                await self._migrate(prev, eid, np.concatenate((self.input_ids, np.asarray(self.output_ids, np.int32))).tolist())
             params = {**self.sampling, "max_new_tokens": budget - len(self.output_ids)}
             finish = None
             async for new in self._one_engine(eid, f"{self.rid}-{attempt}", prompt, params):
@@ -225,10 +229,16 @@ class Generation:
             prev = eid
         raise ApiError("api_error", f"call {self.rid} was interrupted {self.max_resumes + 1} times; giving up")
 
-    async def _one_engine(self, eid: str, rid: str, prompt: list[int], params: dict):
+    def _prompt_json(self) -> tuple[bytes, ...]:
+        """The prompt of the next engine attempt (input + output so far) as JSON array pieces."""
+        if not self.output_ids:
+            return self.input_json
+        return (*self.input_json[:-1], b"," + orjson.dumps(self.output_ids)[1:])
+
+    async def _one_engine(self, eid: str, rid: str, ids_json: tuple[bytes, ...], params: dict):
         """Stream from one engine; yields new-id lists, then the finish dict (None if the engine failed)."""
         pool, client = self.pool, self.pool.clients[eid]
-        ids_json = pool.ids_json.encode(self.session, prompt)  # the proxy's own work: outside engine_s
+        prompt = ()  # sent as `ids_json`
         pool.table.begin(eid)
         pool.inflight[eid].add(rid)
         seen, t0 = 0, time.monotonic()

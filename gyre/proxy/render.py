@@ -17,6 +17,13 @@ piece by piece equals rendering the whole list (checked once per tokenizer by `R
 A template that is not separable (one that numbers turns, or renders earlier turns differently
 from the last) is rendered whole, with no reuse: every assistant turn counts as retokenized.
 
+Per call, only what the call adds is rendered and tokenized: a render leaves checkpoints (after the
+head, after each remembered assistant turn, and after its last run), and the next call of the
+same conversation, which shares the messages up to one (`RenderResult.resume_from`), starts there
+with the earlier ids and their JSON (`PromptIds`, what the engine is sent) instead of rendering the
+prefix again. The last run's checkpoint holds only if the run ends at the same message, that is,
+if the next message is a remembered assistant turn (or there is none: a re-sent call).
+
 The memory survives a proxy restart: the records are its durable copy, and the first call of an
 execution a process has no memory of refills it from them (`remember_records`, called by
 `gyre.proxy.executions.Execution.ready`).
@@ -32,7 +39,10 @@ turns (recorded in the record's hints).
 import json
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
 
 from gyre.models.tokenizer import BaseTokenizer
 
@@ -91,12 +101,80 @@ _ANCHOR = ({"role": "system", "content": "anchor"},)
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    """A point of a rendered prompt where the next call of the conversation may start."""
+
+    num_messages: int
+    """Messages rendered before this point (a prefix of the template's message list)."""
+    num_ids: int
+    num_json: int
+    """Pieces of the prompt's JSON array up to here ("[" and the ids' pieces; see PromptIds)."""
+    num_reused: int
+    num_retokenized: int
+    closed: bool
+    """False for the point after the last run: valid only where the next message closes that run."""
+
+
+class PromptIds:
+    """A prompt built from pieces: int32 ids and their JSON array (the /generate field) as a list
+    of byte pieces, starting from an earlier prompt's prefix without encoding or copying it again
+    (the pieces are joined once, into the request to the engine)."""
+
+    def __init__(self, base: "RenderResult | None" = None, at: Checkpoint | None = None):
+        self._ids: list = [base.input_ids[: at.num_ids]] if base is not None else []
+        self._json: list = list(base.input_json[: at.num_json]) if base is not None else [b"["]
+        self.num_ids = at.num_ids if base is not None else 0
+
+    @property
+    def num_json(self) -> int:
+        return len(self._json)
+
+    def add(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        text = orjson.dumps(ids)[1:-1]
+        self._json.append(b"," + text if self.num_ids else text)
+        self._ids.append(ids)
+        self.num_ids += len(ids)
+
+    @staticmethod
+    def of(ids: list[int]) -> tuple[np.ndarray, bytes]:
+        p = PromptIds()
+        p.add(ids)
+        return p.finish()
+
+    def finish(self) -> tuple[np.ndarray, tuple[bytes, ...]]:
+        ids = np.concatenate([np.asarray(p, dtype=np.int32) for p in self._ids]) if self._ids else np.empty(0, np.int32)
+        return ids, (*self._json, b"]")
+
+
+@dataclass(frozen=True, eq=False)
 class RenderResult:
-    input_ids: list[int]
+    input_ids: np.ndarray
+    """int32 prompt ids."""
+    input_json: tuple[bytes, ...]
+    """`input_ids` as a compact JSON array in pieces (what /generate is sent; `b"".join` them)."""
     num_reused: int
     """Assistant turns whose ids came from memory."""
     num_retokenized: int
     """Assistant turns rendered from text (memory miss: edited history or another proxy)."""
+    checkpoints: tuple[Checkpoint, ...] = ()
+    num_rendered_messages: int = 0
+    """Messages this call rendered itself (the rest came from an earlier call's checkpoint)."""
+    tools: list | None = field(default=None, repr=False)
+
+    def resume_from(self, messages: list[dict], num_shared: int, memory: "TurnMemory", agent_id: str) -> Checkpoint | None:
+        """The last checkpoint within the first `num_shared` messages (equal to this render's) that
+        holds for `messages`; None if there is none."""
+        for c in reversed(self.checkpoints):
+            if c.num_messages > num_shared:
+                continue
+            if c.closed or c.num_messages == len(messages):
+                return c
+            m = messages[c.num_messages]
+            if m["role"] == "assistant" and memory.get(assistant_key(m.get("content") or "", m.get("tool_calls")), agent_id) is not None:
+                return c
+        return None
 
 
 class Renderer:
@@ -140,8 +218,8 @@ class Renderer:
                 {"role": "tool", "content": "r"}, {"role": "tool", "content": "r2"}]  # fmt: skip
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         probes = [(msgs, tools), (msgs[1:], tools), (msgs[1:], None)]
-        pieces = [self._piecewise(m, t, TurnMemory(), "") for m, t in probes]
-        return all(p is not None and p.input_ids == self.tok.apply_chat_template(m, t, True) for p, (m, t) in zip(pieces, probes))
+        pieces = [self._piecewise(m, t, TurnMemory(), "", None) for m, t in probes]
+        return all(p is not None and p.input_ids.tolist() == self.tok.apply_chat_template(m, t, True) for p, (m, t) in zip(pieces, probes))
 
     def _head(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[dict]] | None:
         """The ids before the first non-system message (the system turn, given or the template's
@@ -154,27 +232,53 @@ class Renderer:
             return None
         return first[: len(first) - len(alone)], messages
 
-    def render(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory, agent_id: str = "") -> RenderResult:
+    def render(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory, agent_id: str = "",
+               resume: tuple[RenderResult, int] | None = None) -> RenderResult:  # fmt: skip
         """Prompt ids for `messages` (system first, if any) and `tools`, ending with the generation prompt.
+
+        Args:
+            resume: (an earlier render of this conversation with the same tools, how many leading
+                messages it shares with `messages`): rendering starts at its last checkpoint that holds.
 
         Raises:
             ChatTemplateError: a message the template cannot render.
         """
-        done = self._piecewise(messages, tools, memory, agent_id) if self.separable else None
+        done = self._piecewise(messages, tools, memory, agent_id, resume) if self.separable else None
         if done is None:
             n = sum(m["role"] == "assistant" for m in messages)
-            return RenderResult(self.tok.apply_chat_template(messages, tools, True), 0, n)
+            ids = PromptIds()
+            ids.add(self.tok.apply_chat_template(messages, tools, True))
+            return RenderResult(*ids.finish(), 0, n, num_rendered_messages=len(messages), tools=tools)
         return done
 
-    def _piecewise(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory, agent_id: str) -> RenderResult | None:
-        """Message-by-message rendering with remembered turns; None where the template does not split."""
+    def _start(self, messages, tools, memory, agent_id, resume) -> tuple[PromptIds, int, int, int, list, int] | None:
+        """Where rendering starts: (prompt so far, first message to render, reused, retokenized,
+        checkpoints so far, messages taken from `resume`); from `resume`'s checkpoint when one holds,
+        else after the head."""
+        if resume is not None and resume[0].tools == tools:
+            base, shared = resume
+            at = base.resume_from(messages, shared, memory, agent_id)
+            if at is not None:
+                kept = [c for c in base.checkpoints if c.num_messages <= at.num_messages and c.closed] + ([] if at.closed else [at])
+                return PromptIds(base, at), at.num_messages, at.num_reused, at.num_retokenized, kept, at.num_messages
         head = self._head(messages, tools) if messages else None
         if head is None:
             return None
-        ids, rest = head
-        reused = retokenized = 0
+        ids = PromptIds()
+        ids.add(head[0])
+        first = len(messages) - len(head[1])
+        return ids, first, 0, 0, [Checkpoint(first, ids.num_ids, ids.num_json, 0, 0, True)], 0
+
+    def _piecewise(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory, agent_id: str,
+                   resume: tuple[RenderResult, int] | None) -> RenderResult | None:  # fmt: skip
+        """Message-by-message rendering with remembered turns; None where the template does not split."""
+        start = self._start(messages, tools, memory, agent_id, resume)
+        if start is None:
+            return None
+        ids, first, reused, retokenized, checkpoints, num_kept = start
         run: list[dict] = []  # messages rendered by the template together (consecutive tool results may share a turn)
-        for m in [*rest, None]:
+        for j in range(first, len(messages) + 1):
+            m = messages[j] if j < len(messages) else None
             out = None
             if m is not None and m["role"] == "assistant":
                 out = memory.get(assistant_key(m.get("content") or "", m.get("tool_calls")), agent_id)
@@ -186,10 +290,13 @@ class Renderer:
                 alone = self._run(run)
                 if alone is None:
                     return None
-                ids += alone
+                ids.add(alone)
                 run = []
+                if m is None:  # the last run: the next call may start here if it closes the run alike
+                    checkpoints.append(Checkpoint(j, ids.num_ids, ids.num_json, reused, retokenized, False))
             if out is not None:
-                ids += self.gen_prompt + out + ([] if out and out[-1] in self.stops else [self.end_of_turn])
-                ids += self.separator
+                ids.add(self.gen_prompt + out + ([] if out and out[-1] in self.stops else [self.end_of_turn]) + self.separator)
                 reused += 1
-        return RenderResult(ids + self.gen_prompt, reused, retokenized)
+                checkpoints.append(Checkpoint(j + 1, ids.num_ids, ids.num_json, reused, retokenized, True))
+        ids.add(self.gen_prompt)
+        return RenderResult(*ids.finish(), reused, retokenized, tuple(checkpoints), len(messages) - num_kept, tools)

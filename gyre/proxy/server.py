@@ -2,7 +2,7 @@
 
 Harness side (per-execution key in `x-api-key`, `Authorization: Bearer`, or `x-gyre-key`):
     HEAD/GET /api/hello, POST /v1/messages[?beta=true], POST /v1/messages/count_tokens,
-    POST /v1/chat/completions, GET /v1/models
+    POST /v1/chat/completions, POST /v1/responses, GET /v1/models
 Admin side (`Authorization: Bearer <admin token>`):
     POST /admin/executions {execution_id, api_key?} -> {api_key}; DELETE /admin/executions/{id} (revoke);
     GET/POST /admin/engines {engine_id, url, cell_id?}; DELETE /admin/engines/{id};
@@ -19,6 +19,7 @@ import logging
 import secrets
 import time
 
+import orjson
 from aiohttp import web
 
 from gyre.errors import GyreError
@@ -30,7 +31,7 @@ from gyre.proxy.executions import ExecutionRegistry
 from gyre.proxy.pool import EnginePool
 from gyre.proxy.render import Renderer
 from gyre.proxy.routing import RoutingError
-from gyre.proxy.wire import AnthropicWire, OpenAIWire
+from gyre.proxy.wire import AnthropicWire, OpenAIWire, ResponsesWire
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,10 @@ def _credentials(request: web.Request) -> list[str]:
 
 async def _json_body(request: web.Request):
     try:
-        return json.loads(await request.read())
+        return orjson.loads(await request.read())
     except web.HTTPRequestEntityTooLarge:
         raise ApiError("too_large", f"request body exceeds {request.app['max_body']} bytes") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except orjson.JSONDecodeError as e:
         raise invalid(f"malformed JSON body: {e}") from None
 
 
@@ -66,10 +67,12 @@ class ProxyServer:
         self.pool = EnginePool(no_engine_wait_s=cfg.no_engine_wait_s, health_interval_s=cfg.health_interval_s,
                                request_timeout_s=cfg.request_timeout_s, max_imbalance=cfg.max_imbalance,
                                migrate_kv=cfg.migrate_kv)  # fmt: skip
-        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant, cfg.fsync_window_ms)
+        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant, cfg.fsync_window_ms,
+                                            (cfg.worker_index, cfg.num_workers))  # fmt: skip
         self.runner = CallRunner(cfg, tokenizer, self.renderer, self.pool)
         self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
         self.openai = OpenAIWire(cfg.model_names, cfg.default_max_tokens)
+        self.responses = ResponsesWire(cfg.model_names, cfg.default_max_tokens)
         self._create_lock = asyncio.Lock()
         """Serialises changes to the execution registry (creation runs in a thread: it fsyncs files)."""
 
@@ -80,6 +83,7 @@ class ProxyServer:
             web.get("/api/hello", self.hello), web.get("/health", self.hello),
             web.post("/v1/messages", self.messages), web.post("/v1/messages/count_tokens", self.count_tokens),
             web.post("/v1/chat/completions", self.chat_completions), web.get("/v1/models", self.models),
+            web.post("/v1/responses", self.responses_api),
             web.post("/admin/executions", self.create_execution), web.delete("/admin/executions/{id}", self.revoke_execution),
             web.get("/admin/engines", self.list_engines), web.post("/admin/engines", self.add_engine),
             web.delete("/admin/engines/{id}", self.remove_engine), web.post("/admin/engines/{id}/drain", self.drain_engine),
@@ -130,6 +134,9 @@ class ProxyServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._chat(request, self.openai)
 
+    async def responses_api(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request, self.responses)
+
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:
             ex = self._execution(request)
@@ -137,9 +144,8 @@ class ProxyServer:
             body = await _json_body(request)
             if isinstance(body, dict):
                 body = {**body, "max_tokens": body.get("max_tokens") or 1}
-            chat = self.anthropic.parse(body)
-            ids = self.renderer.render(chat.messages, chat.tools, ex.turns).input_ids
-            return web.json_response({"input_tokens": len(ids)})
+            _, _, rendered, _ = self.runner.render(ex, self.anthropic, body, request.headers, keep=False)
+            return web.json_response({"input_tokens": int(rendered.input_ids.size)})
         except ApiError as e:
             status, body = self.anthropic.error(e)
             return web.json_response(body, status=status)
@@ -187,6 +193,7 @@ class ProxyServer:
         except GyreError as e:
             return self._bad(str(e), 404)
         self.pool.table.forget(ex.execution_id + "/")
+        ex.conversations.clear()
         return web.json_response({"execution_id": ex.execution_id, "revoked": True})
 
     async def list_engines(self, request: web.Request) -> web.Response:
@@ -230,5 +237,6 @@ class ProxyServer:
         with_sessions = self.pool.table.executions_with_sessions()
         executions = {eid: {"num_inflight": ex.num_inflight, "has_session": eid in with_sessions}
                       for eid, ex in self.executions.by_id.items() if not ex.revoked}  # fmt: skip
-        return web.json_response({**vars(self.pool.metrics), "num_executions": len(self.executions.by_id),
-                                  "engines": self.pool.describe(), "executions": executions})  # fmt: skip
+        return web.json_response({**vars(self.pool.metrics), "worker_index": self.cfg.worker_index,
+                                  "num_executions": len(self.executions.by_id), "engines": self.pool.describe(),
+                                  "executions": executions})  # fmt: skip

@@ -11,12 +11,20 @@ import logging
 import re
 from dataclasses import dataclass
 
+import orjson
+
 from gyre.models.tokenizer import ParsedAssistant, ToolCall, parse_assistant_text
-from gyre.proxy import anthropic, openai
-from gyre.proxy.chat import ApiError, ChatRequest
+from gyre.proxy import anthropic, openai, responses
+from gyre.proxy.chat import ApiError, ChatRequest, Resume
+from gyre.proxy.conversation import WireRequest
 from gyre.proxy.hints import CallHints, anthropic_hints, openai_hints
 
 _MARKERS = ("<tool_call>", "<|im_end|>", "<|endoftext|>")
+
+
+def _js(obj) -> str:
+    """One event's JSON (orjson: a few times faster than json.dumps, the same compact JSON)."""
+    return orjson.dumps(obj).decode()
 
 
 def streamable_text(text: str) -> str:
@@ -242,14 +250,26 @@ def _same_call(oc: _Occurrence, call: ToolCall) -> bool:
         return False
 
 
+def split_request(body, messages_key: str, head_keys: tuple[str, ...]) -> WireRequest | None:
+    """The body as conversation matching sees it; None for one that is not a dict with a message list
+    (parsing it answers the error)."""
+    if not isinstance(body, dict) or not isinstance(body.get(messages_key), list):
+        return None
+    rest = {k: v for k, v in body.items() if k != messages_key and k != "stream"}
+    return WireRequest(tuple(body.get(k) for k in head_keys), body[messages_key], rest)
+
+
 class AnthropicWire:
     name = "anthropic"
 
     def __init__(self, models: list[str], default_max_tokens: int):
         self.models = models
 
-    def parse(self, body) -> ChatRequest:
-        return anthropic.parse_request(body, self.models)
+    def split(self, body) -> WireRequest | None:
+        return split_request(body, "messages", ("system", "tools"))
+
+    def parse(self, body, resume: Resume | None = None) -> ChatRequest:
+        return anthropic.parse_request(body, self.models, resume)
 
     def hints(self, headers, body: dict, chat: ChatRequest) -> CallHints:
         return anthropic_hints(headers, body, anthropic.summary_request(body), bool(chat.tools))
@@ -260,11 +280,11 @@ class AnthropicWire:
     def new_call_id(self) -> str:
         return anthropic.new_tool_id()
 
-    def response(self, model, text, calls, finish, n_in, n_out) -> dict:
-        return anthropic.make_response(anthropic.new_message_id(), model, text, calls, finish, anthropic.make_usage(n_in, n_out))
+    def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
+        return anthropic.make_response(anthropic.new_message_id(), chat.model, text, calls, finish, anthropic.make_usage(n_in, n_out))
 
-    def stream(self, model: str, chat: ChatRequest, n_in: int) -> "AnthropicStream":
-        return AnthropicStream(anthropic.StreamEvents(anthropic.new_message_id(), model, n_in))
+    def stream(self, chat: ChatRequest, n_in: int) -> "AnthropicStream":
+        return AnthropicStream(anthropic.StreamEvents(anthropic.new_message_id(), chat.model, n_in))
 
     def stream_error(self, err: ApiError) -> list[tuple[str | None, str]]:
         return [("error", json.dumps(anthropic.make_error(err)))]
@@ -275,19 +295,19 @@ class AnthropicStream:
         self.ev = events
 
     def start(self):
-        return [(n, json.dumps(d)) for n, d in self.ev.start()]
+        return [(n, _js(d)) for n, d in self.ev.start()]
 
     def text(self, delta: str):
-        return [(n, json.dumps(d)) for n, d in self.ev.text(delta)]
+        return [(n, _js(d)) for n, d in self.ev.text(delta)]
 
     def tool_start(self, call_id: str, name: str):
-        return [(n, json.dumps(d)) for n, d in self.ev.tool_start(call_id, name)]
+        return [(n, _js(d)) for n, d in self.ev.tool_start(call_id, name)]
 
     def tool_args(self, chunk: str):
-        return [(n, json.dumps(d)) for n, d in self.ev.tool_args(chunk)]
+        return [(n, _js(d)) for n, d in self.ev.tool_args(chunk)]
 
     def finish(self, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int):
-        return [(n, json.dumps(d)) for n, d in self.ev.finish(calls, finish, n_out)]
+        return [(n, _js(d)) for n, d in self.ev.finish(calls, finish, n_out)]
 
 
 class OpenAIWire:
@@ -296,8 +316,11 @@ class OpenAIWire:
     def __init__(self, models: list[str], default_max_tokens: int):
         self.models, self.default_max_tokens = models, default_max_tokens
 
-    def parse(self, body) -> ChatRequest:
-        return openai.parse_request(body, self.models, self.default_max_tokens)
+    def split(self, body) -> WireRequest | None:
+        return split_request(body, "messages", ("tools",))
+
+    def parse(self, body, resume: Resume | None = None) -> ChatRequest:
+        return openai.parse_request(body, self.models, self.default_max_tokens, resume)
 
     def hints(self, headers, body: dict, chat: ChatRequest) -> CallHints:
         return openai_hints(headers, body)
@@ -308,11 +331,11 @@ class OpenAIWire:
     def new_call_id(self) -> str:
         return openai.new_call_id()
 
-    def response(self, model, text, calls, finish, n_in, n_out) -> dict:
-        return openai.make_response(openai.new_completion_id(), model, text, calls, finish, openai.make_usage(n_in, n_out))
+    def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
+        return openai.make_response(openai.new_completion_id(), chat.model, text, calls, finish, openai.make_usage(n_in, n_out))
 
-    def stream(self, model: str, chat: ChatRequest, n_in: int) -> "OpenAIStream":
-        return OpenAIStream(openai.StreamChunks(openai.new_completion_id(), model, chat.include_usage))
+    def stream(self, chat: ChatRequest, n_in: int) -> "OpenAIStream":
+        return OpenAIStream(openai.StreamChunks(openai.new_completion_id(), chat.model, chat.include_usage))
 
     def stream_error(self, err: ApiError) -> list[tuple[str | None, str]]:
         return [(None, json.dumps(openai.make_error(err))), (None, "[DONE]")]
@@ -323,17 +346,72 @@ class OpenAIStream:
         self.ch = chunks
 
     def start(self):
-        return [(None, json.dumps(c)) for c in self.ch.start()]
+        return [(None, _js(c)) for c in self.ch.start()]
 
     def text(self, delta: str):
-        return [(None, json.dumps(c)) for c in self.ch.text(delta)]
+        return [(None, _js(c)) for c in self.ch.text(delta)]
 
     def tool_start(self, call_id: str, name: str):
-        return [(None, json.dumps(c)) for c in self.ch.tool_start(call_id, name)]
+        return [(None, _js(c)) for c in self.ch.tool_start(call_id, name)]
 
     def tool_args(self, chunk: str):
-        return [(None, json.dumps(c)) for c in self.ch.tool_args(chunk)]
+        return [(None, _js(c)) for c in self.ch.tool_args(chunk)]
 
     def finish(self, calls, finish: str, n_in: int, n_out: int):
         chunks = self.ch.finish(calls, finish, openai.make_usage(n_in, n_out))
-        return [(None, json.dumps(c)) for c in chunks] + [(None, "[DONE]")]
+        return [(None, _js(c)) for c in chunks] + [(None, "[DONE]")]
+
+
+class ResponsesWire:
+    """OpenAI's Responses API (what Codex CLI speaks); hints as for chat completions."""
+
+    name = "responses"
+
+    def __init__(self, models: list[str], default_max_tokens: int):
+        self.models, self.default_max_tokens = models, default_max_tokens
+
+    def split(self, body) -> WireRequest | None:
+        return split_request(body, "input", ("instructions", "tools"))
+
+    def parse(self, body, resume: Resume | None = None) -> ChatRequest:
+        return responses.parse_request(body, self.models, self.default_max_tokens, resume)
+
+    def hints(self, headers, body: dict, chat: ChatRequest) -> CallHints:
+        return openai_hints(headers, body)
+
+    def error(self, err: ApiError) -> tuple[int, dict]:
+        return openai.error_status(err), responses.make_error(err)
+
+    def new_call_id(self) -> str:
+        return responses.new_call_id()
+
+    def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
+        return responses.make_response(responses.new_response_id(), chat, responses.output_items(text, calls), finish,
+                                       responses.make_usage(n_in, n_out))  # fmt: skip
+
+    def stream(self, chat: ChatRequest, n_in: int) -> "ResponsesStream":
+        return ResponsesStream(responses.StreamEvents(responses.new_response_id(), chat))
+
+    def stream_error(self, err: ApiError) -> list[tuple[str | None, str]]:
+        kind, code = openai.ERROR_TYPES[err.kind]
+        return [("error", json.dumps({"type": "error", "code": code or kind, "message": err.message, "param": None}))]
+
+
+class ResponsesStream:
+    def __init__(self, events: responses.StreamEvents):
+        self.ev = events
+
+    def start(self):
+        return [(n, _js(d)) for n, d in self.ev.start()]
+
+    def text(self, delta: str):
+        return [(n, _js(d)) for n, d in self.ev.text(delta)]
+
+    def tool_start(self, call_id: str, name: str):
+        return [(n, _js(d)) for n, d in self.ev.tool_start(call_id, name)]
+
+    def tool_args(self, chunk: str):
+        return [(n, _js(d)) for n, d in self.ev.tool_args(chunk)]
+
+    def finish(self, calls, finish: str, n_in: int, n_out: int):
+        return [(n, _js(d)) for n, d in self.ev.finish(calls, finish, responses.make_usage(n_in, n_out))]

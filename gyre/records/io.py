@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from gyre.errors import GyreError
 from gyre.records.record import CallRecord, RecordError, VersionSpan
@@ -77,11 +78,23 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def encode_record(record: CallRecord, base: tuple[str, np.ndarray] | None = None) -> str:
-    """One JSON line (with trailing newline) for `record`; `base` = (call_id, its input+output) to delta against."""
+def _prefix_over(a: np.ndarray, parts: tuple[np.ndarray, ...]) -> int:
+    """Common prefix length of `a` and the concatenation of `parts` (without concatenating them)."""
+    n = 0
+    for p in parts:
+        m = common_prefix_len(a[n:], p)
+        n += m
+        if m < p.size:
+            break
+    return n
+
+
+def encode_record(record: CallRecord, base: tuple[str, np.ndarray] | tuple[str, np.ndarray, np.ndarray] | None = None) -> str:
+    """One JSON line (with trailing newline) for `record`; `base` = (call_id, its input+output, as
+    one array or as input and output) to delta against."""
     obj = {"v": FORMAT_VERSION, **{k: getattr(record, k) for k in _SCALARS}}
     obj["versions"] = [[s.start, s.end, s.version] for s in record.version_spans]
-    prefix = common_prefix_len(record.input_ids, base[1]) if base is not None else 0
+    prefix = _prefix_over(record.input_ids, base[1:]) if base is not None else 0
     if prefix < MIN_SHARED_PREFIX:
         base, prefix = None, 0
     obj["input_base"] = base[0] if base is not None else None
@@ -89,7 +102,7 @@ def encode_record(record: CallRecord, base: tuple[str, np.ndarray] | None = None
     obj["input_suffix"] = _b64(record.input_ids[prefix:], "<i4")
     obj["output"] = _b64(record.output_ids, "<i4")
     obj["logprobs"] = _b64(record.logprobs, "<f4")
-    return json.dumps(obj, separators=(",", ":")) + "\n"
+    return orjson.dumps(obj).decode() + "\n"
 
 
 def decode_record(obj: dict, sequences: dict[str, tuple[np.ndarray, np.ndarray]]) -> CallRecord:
@@ -144,7 +157,8 @@ class RecordWriter:
         self._fsync = fsync and group is None
         self._group = group
         self._lock = threading.Lock()
-        self._last_by_agent: dict[str, tuple[str, np.ndarray]] = {}
+        self._last_by_agent: dict[str, tuple[str, np.ndarray, np.ndarray]] = {}
+        """Agent -> (call id, input, output) of its last record, the base of its next one."""
         self._execution_id: str | None = None
         self._unsynced = False
         created = not self.path.exists()
@@ -190,7 +204,7 @@ class RecordWriter:
             for record in records:
                 if self._execution_id is None:
                     self._execution_id = record.execution_id
-                self._last_by_agent[record.agent_id] = (record.call_id, np.concatenate((record.input_ids, record.output_ids)))
+                self._last_by_agent[record.agent_id] = (record.call_id, record.input_ids, record.output_ids)
 
     def append(self, record: CallRecord) -> None:
         """Write `record` as one line (fsynced first if `fsync`); raises RecordError for a record of
@@ -205,8 +219,7 @@ class RecordWriter:
             self._write(encode_record(record, base).encode("utf-8"))
             if self._fsync:
                 os.fsync(self._file.fileno())
-            full = np.concatenate((record.input_ids, record.output_ids))
-            self._last_by_agent[record.agent_id] = (record.call_id, full)
+            self._last_by_agent[record.agent_id] = (record.call_id, record.input_ids, record.output_ids)
             first_unsynced = self._group is not None and not self._unsynced
             self._unsynced = self._group is not None
         if first_unsynced:

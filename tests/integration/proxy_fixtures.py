@@ -14,14 +14,15 @@ MODEL = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_atten
 """The tiny model with a context long enough for Claude Code's prompts (byte tokens)."""
 
 
-def start_engine(tmp_path, rules: list[dict] | None = None, name: str = "engine", **overrides) -> BuiltinEngineProcess:
+def start_engine(tmp_path, rules: list[dict] | None = None, name: str = "engine", model: ModelConfig = MODEL,
+                 **overrides) -> BuiltinEngineProcess:  # fmt: skip
     """A builtin engine; `rules` (scripted policy) force what it emits for matching prompts."""
     policy = None
     if rules is not None:
         policy = tmp_path / f"{name}-policy.json"
         policy.write_text(json.dumps({"rules": rules}))
     cfg = EngineConfig(init_seed=0, startup_timeout_s=120, scripted_policy=str(policy) if policy else None, **overrides)
-    proc = BuiltinEngineProcess(cfg, MODEL)
+    proc = BuiltinEngineProcess(cfg, model)
     proc.start()
     return proc
 

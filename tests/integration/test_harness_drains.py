@@ -1,5 +1,6 @@
-"""SLOW (~1.5 min on 2 idle cores, ~140 CPU-s): 16 real harness processes at once, 8 Claude Code
-(Anthropic API, `--bare`) and 8 mini-swe-agent (OpenAI API), through one proxy and three builtin
+"""SLOW (~1.5 min on 2 idle cores, ~120 CPU-s): 16 real harness processes at once, 6 Claude Code
+(Anthropic API, `--bare`), 6 mini-swe-agent (OpenAI chat completions) and 4 Codex CLI (OpenAI
+Responses API, a short fixed instructions file), through one proxy and three builtin
 engines (scripted policy) while 20 drains, each aborting calls in flight, move them between the
 engines. Every harness exits 0 having done its whole task, and every execution's records still
 form one token-for-token chain.
@@ -10,7 +11,7 @@ open and the drains begin. Each scripted step's tool asks for another step until
 the drains over, so all 16 are still running at the last drain however fast the machine is.
 Without the gate they would not overlap on 2 cores: a mini-swe-agent process costs ~10 CPU-s
 (~8 of them importing litellm), a Claude Code one ~3, so Claude Code would be done before the
-last mini-swe-agent sent its first call. (12 + 4 instead of 8 + 8 would save ~25 CPU-s.)
+last mini-swe-agent sent its first call. (Codex is a native binary: ~1 CPU-s a process.)
 """
 
 import json
@@ -18,7 +19,6 @@ import os
 import resource
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,9 +26,12 @@ from proxy_fixtures import http, new_execution, start_engine, start_proxy
 
 from gyre.harness.agents import (
     find_claude_code,
+    find_codex,
     find_mini_swe_agent,
     make_claude_code_command,
     make_claude_code_env,
+    make_codex_command,
+    make_codex_env,
     make_mini_swe_command,
     make_mini_swe_env,
 )
@@ -37,7 +40,7 @@ from gyre.trajectory.tree import build_call_tree
 
 pytestmark = pytest.mark.slow
 
-NUM_CC, NUM_MINI, NUM_DRAINS = 8, 8, 20
+NUM_CC, NUM_MINI, NUM_CODEX, NUM_DRAINS = 6, 6, 4, 20
 FILLER = "Checking the output; "
 DONE_FILE = "drains-done"
 """Created next to the workspaces after the last drain; until then every step asks for another."""
@@ -47,17 +50,20 @@ def tool_call(name: str, args: dict) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
 
-def step(tool: str, marker: str) -> str:
+def step(tool: str, marker: str, arg: str = "command") -> str:
     """A tool call printing MARKER-NEXT, or MARKER-LAST once the drains are over (and logging it)."""
     command = f"{{ test -e ../{DONE_FILE} && echo {marker}-LAST || echo {marker}-NEXT; }} | tee -a steps.txt"
-    return FILLER + tool_call(tool, {"command": command})
+    return FILLER + tool_call(tool, {arg: command})
 
 
 # The harnesses keep stepping while the drains go on, so all 16 run until the last one.
 RULES = [{"match": "CC-TASK|CC-NEXT", "emit": step("Bash", "CC")},
          {"match": "CC-LAST", "emit": "All steps done. CC-COMPLETE"},
          {"match": "Please solve this issue|MINI-NEXT", "emit": step("bash", "MINI")},
-         {"match": "MINI-LAST", "emit": "Done. " + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})}]  # fmt: skip
+         {"match": "MINI-LAST", "emit": "Done. " + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})},
+         {"match": "CODEX-TASK|CODEX-NEXT", "emit": step("exec_command", "CODEX", arg="cmd")},
+         {"match": "CODEX-LAST", "emit": "All steps done. CODEX-COMPLETE"}]  # fmt: skip
+MARKERS = {"cc": "CC", "mini": "MINI", "codex": "CODEX"}
 
 
 def launch(tmp_path, proxy, name: str) -> subprocess.Popen:
@@ -70,6 +76,11 @@ def launch(tmp_path, proxy, name: str) -> subprocess.Popen:
         cmd = make_claude_code_command(find_claude_code(), "CC-TASK: print the step markers", model="tiny", tools=["Bash"],
                                        bare=True)  # fmt: skip
         env = make_claude_code_env(dict(os.environ), proxy.url, key, str(home), "tiny")
+    elif name.startswith("codex"):
+        (home / "instructions.md").write_text("You are a coding agent. Run shell commands with exec_command.\n")
+        cmd = make_codex_command(find_codex(), "CODEX-TASK: print the step markers", proxy_url=proxy.url, model="gyre",
+                                 instructions_file=str(home / "instructions.md"))  # fmt: skip
+        env = make_codex_env(dict(os.environ), key, str(home))
     else:
         cmd = make_mini_swe_command(find_mini_swe_agent(), "Print the step markers.", proxy_url=proxy.url, api_key=key,
                                     model="gyre", output=str(tmp_path / f"traj-{name}.json"))  # fmt: skip
@@ -147,11 +158,10 @@ def drain_repeatedly(proxy, engine_ids: list[str], procs: dict, timeout_s: float
 
 
 def test_20_drains_during_16_real_harness_sessions(tmp_path):
-    if find_claude_code() is None or find_mini_swe_agent() is None:
-        pytest.skip("Claude Code or mini-swe-agent not installed: run tools/setup.sh")
+    if find_claude_code() is None or find_mini_swe_agent() is None or find_codex() is None:
+        pytest.skip("Claude Code, mini-swe-agent or Codex not installed: run tools/setup.sh")
     engine_ids = ["e0", "e1", "e2"]
-    with ThreadPoolExecutor(len(engine_ids)) as pool:
-        engines = list(pool.map(lambda eid: start_engine(tmp_path, RULES, name=eid), engine_ids))
+    engines = [start_engine(tmp_path, RULES, name=eid) for eid in engine_ids]  # from this thread (die_with_parent)
     proxy = start_proxy(tmp_path, [e.url for e in engines], max_imbalance=2, no_engine_wait_s=400)
     procs: dict[str, subprocess.Popen] = {}
     t0, children0 = time.monotonic(), cpu_s()
@@ -159,7 +169,7 @@ def test_20_drains_during_16_real_harness_sessions(tmp_path):
         for eid in engine_ids:  # the gate: calls wait until the engines open
             admin(proxy, f"/admin/engines/{eid}/drain")
         # mini-swe-agent first: its imports are the slow part
-        names = [f"mini{i}" for i in range(NUM_MINI)] + [f"cc{i}" for i in range(NUM_CC)]
+        names = [f"mini{i}" for i in range(NUM_MINI)] + [f"cc{i}" for i in range(NUM_CC)] + [f"codex{i}" for i in range(NUM_CODEX)]
         for name in names:
             procs[name] = launch(tmp_path, proxy, name)
         wait_for_gate(proxy, procs, tmp_path, 400)
@@ -205,12 +215,16 @@ def test_20_drains_during_16_real_harness_sessions(tmp_path):
 
 def check_task_done(tmp_path, name: str, num_calls: int) -> None:
     """The harness ran one tool per call but the last, in order, and ended its task the normal way."""
-    marker = "CC" if name.startswith("cc") else "MINI"
+    marker = MARKERS[name.rstrip("0123456789")]
     steps = (tmp_path / f"ws-{name}" / "steps.txt").read_text()
     assert steps == f"{marker}-NEXT\n" * (num_calls - 2) + f"{marker}-LAST\n", (name, num_calls, steps)
     if name.startswith("cc"):
         result = json.loads((tmp_path / f"{name}.out").read_text())
         assert result["result"] == "All steps done. CC-COMPLETE" and not result["is_error"], (name, result)
+    elif name.startswith("codex"):
+        events = [json.loads(line) for line in (tmp_path / f"{name}.out").read_text().splitlines() if line.startswith("{")]
+        said = [e["item"]["text"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
+        assert said[-1] == "All steps done. CODEX-COMPLETE" and events[-1]["type"] == "turn.completed", (name, events[-3:])
     else:
         info = json.loads((tmp_path / f"traj-{name}.json").read_text())["info"]
         assert info["exit_status"] == "Submitted", (name, info)

@@ -4,13 +4,13 @@ under concurrent sessions, no-engine waits, and records surviving a SIGKILL of t
 import asyncio
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import numpy as np
 import pytest
 from proxy_fixtures import anthropic_call, http, new_execution, openai_call, start_engine, start_proxy
 
+from gyre.proxy.config import ProxyConfig
 from gyre.records.io import read_records
 from gyre.trajectory.tree import build_call_tree
 
@@ -23,8 +23,8 @@ O_TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engines")
-    with ThreadPoolExecutor(3) as pool:  # engines start in parallel (each loads torch)
-        procs = list(pool.map(lambda i: start_engine(tmp, RULES, name=f"e{i}"), range(3)))
+    # from this thread, one by one: an engine dies with the thread that spawned it (die_with_parent)
+    procs = [start_engine(tmp, RULES, name=f"e{i}") for i in range(3)]
     yield procs
     for p in procs:
         p.stop()
@@ -153,6 +153,73 @@ def test_bad_input_answers_4xx_in_each_format(engines, tmp_path):
         assert http(proxy.url + "/admin/engines/zz/drain", "POST", token=proxy.admin_token)[0] == 404
     finally:
         proxy.stop()
+
+
+def test_responses_api_answers_parse_with_the_openai_sdk(engines, tmp_path):
+    """`responses.create` and `responses.stream` of the official SDK read the proxy's answers, and a
+    conversation continued with the output items reuses the model's tokens (a clean record chain)."""
+    import openai
+
+    proxy = start_proxy(tmp_path, [engines[0].url])
+    try:
+        client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=new_execution(proxy, "resp"), max_retries=0)
+        tools = [{"type": "function", "name": "bash", "description": "run a command", "parameters": A_TOOLS[0]["input_schema"]}]
+        items = [{"role": "user", "content": "please take a step"}]
+        first = client.responses.create(model="gyre", input=items, tools=tools, max_output_tokens=400, instructions="Be brief.")
+        calls = [o for o in first.output if o.type == "function_call"]
+        assert first.status == "completed" and first.output_text == FILLER.strip() and first.usage.input_tokens > 0
+        assert len(calls) == 1 and calls[0].name == "bash" and json.loads(calls[0].arguments) == {"command": "ls"}
+        items += [o.model_dump(exclude_none=True) for o in first.output]
+        items.append({"type": "function_call_output", "call_id": calls[0].call_id, "output": "a.txt"})
+        with client.responses.stream(model="gyre", input=items, tools=tools, max_output_tokens=400, instructions="Be brief.") as s:
+            kinds = [e.type for e in s]
+            final = s.get_final_response()
+        assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+        assert kinds.count("response.output_text.delta") > 1 and kinds.count("response.function_call_arguments.delta") > 1
+        (call,) = [o for o in final.output if o.type == "function_call"]
+        assert final.output_text == FILLER.strip() and json.loads(call.arguments) == {"command": "ls"}
+        assert_clean_chain(tmp_path / "records" / "resp.jsonl", 2)
+        with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+            client.responses.create(model="gyre", input="x", previous_response_id=first.id)
+        with pytest.raises(openai.BadRequestError, match="does not answer a function_call"):
+            client.responses.create(model="gyre", input=[{"type": "function_call_output", "call_id": "nope", "output": "x"}])
+    finally:
+        proxy.stop()
+
+
+def test_workers_pin_executions_and_share_engines(engines, tmp_path):
+    """Two proxy workers over one records directory: each execution is served and recorded by the
+    worker it is pinned to only; engine changes reach every worker."""
+    from gyre.proxy.admin import ProxyAdminError
+    from gyre.proxy.workers import ProxyWorkers
+
+    cfg = ProxyConfig(records_dir=str(tmp_path / "records"), engines=[engines[0].url], model_names=["gyre"], health_interval_s=0.5)
+    workers = ProxyWorkers(cfg, 2).start()
+
+    async def admin(method: str, *args):
+        async with workers.admin() as a:
+            return await getattr(a, method)(*args)
+
+    try:
+        made = {eid: asyncio.run(admin("create_execution", eid)) for eid in ("w-a", "w-b", "w-c", "w-d")}
+        assert {m["url"] for m in made.values()} == set(workers.urls)  # these ids land on both workers
+        body = {"model": "gyre", "max_tokens": 50, "messages": [{"role": "user", "content": "please"}]}
+        for eid, m in made.items():
+            other = next(u for u in workers.urls if u != m["url"])
+            assert http(m["url"] + "/v1/messages", "POST", body, headers={"x-api-key": m["api_key"]})[0] == 200
+            assert http(other + "/v1/messages", "POST", body, headers={"x-api-key": m["api_key"]})[0] == 401
+            status, out = http(other + "/admin/executions", "POST", {"execution_id": eid}, token=workers.admin_token)
+            assert status == 400 and "pinned to proxy worker" in out["error"]["message"]
+            (record,), _ = read_records(tmp_path / "records" / f"{eid}.jsonl")
+            assert record.seq == 0
+        assert [r["result"] for r in asyncio.run(admin("engine_op", "e0", "stop_admission"))] == [None, None]
+        metrics = asyncio.run(admin("metrics"))
+        assert metrics["num_calls"] == 4 and len(metrics["executions"]) == 4
+        assert [(e["engine_id"], e["status"], e["num_sessions"]) for e in metrics["engines"]] == [("e0", "closing", 4)]
+        with pytest.raises(ProxyAdminError, match="404"):
+            asyncio.run(admin("engine_op", "nope", "drain"))
+    finally:
+        workers.stop()
 
 
 def test_stop_admission_keeps_old_sessions_and_metrics_show_load(engines, tmp_path):

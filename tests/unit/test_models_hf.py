@@ -158,7 +158,7 @@ def test_renderer_reuses_output_ids_and_renders_the_rest_as_transformers_does(qw
     msgs = [{"role": "system", "content": "You are a coding agent."}][default_system:] + [{"role": "user", "content": "Fix the bug in main.py"}]
     first = renderer.render(msgs, tools, memory)
     assert ("You are a helpful assistant." in tok.decode(first.input_ids)) == default_system
-    assert first.input_ids == tok.apply_chat_template(msgs, tools, True)
+    assert first.input_ids.tolist() == tok.apply_chat_template(msgs, tools, True)
     # The model thinks, then calls a tool; its ids are kept verbatim (the template would drop the thinking).
     call = tok.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": [{"name": "read", "arguments": {"path": "main.py"}}]}], None, False)
     out = tok.encode("<think>\nLook at the file first.\n</think>\n\nReading it.") + call[call.index(tok.encode("<tool_call>")[0]) - 1 : -1]
@@ -171,9 +171,9 @@ def test_renderer_reuses_output_ids_and_renders_the_rest_as_transformers_does(qw
     second = renderer.render(msgs2, tools, memory)
     assert (second.num_reused, second.num_retokenized) == (1, 0)
     n = len(first.input_ids)
-    assert second.input_ids[:n] == first.input_ids and second.input_ids[n : n + len(out)] == out
+    assert second.input_ids[:n].tolist() == first.input_ids.tolist() and second.input_ids[n : n + len(out)].tolist() == out
     assert tok.decode(out[-1:]) == "<|im_end|>"  # the model stopped on it; it is part of its ids
-    fresh = second.input_ids[n + len(out) :]  # separator, the joined tool results, the generation prompt
+    fresh = second.input_ids[n + len(out) :].tolist()  # separator, the joined tool results, the generation prompt
     full = tok.apply_chat_template(msgs2, tools, True)
     assert full[-len(fresh) :] == fresh and tok.decode(fresh).count("<tool_response>") == 2
     assert tok.decode(fresh).startswith("\n<|im_start|>user\n<tool_response>\nprint(1/0)")

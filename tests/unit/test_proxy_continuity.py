@@ -69,9 +69,9 @@ def test_restarted_registry_reuses_recorded_tokens(tmp_path, how):
     history = MSGS + echoed("ok", {"x": 1})
     out = renderer.render(history, TOOLS, ex2.turns, "main")
     served = np.concatenate((first.input_ids, first.output_ids)).tolist()
-    assert out.input_ids[: len(served)] == served and (out.num_reused, out.num_retokenized) == (1, 0)
+    assert out.input_ids.tolist()[: len(served)] == served and (out.num_reused, out.num_retokenized) == (1, 0)
     sub_served = np.concatenate((sub.input_ids, sub.output_ids)).tolist()
-    assert renderer.render(history, TOOLS, ex2.turns, "a1").input_ids[: len(sub_served)] == sub_served
+    assert renderer.render(history, TOOLS, ex2.turns, "a1").input_ids.tolist()[: len(sub_served)] == sub_served
     assert serve(ex2, renderer, history, model_output("done ", "{}")).seq == 2
     reg2.close()
     last = json.loads(ex2.records_path.read_text().splitlines()[-1])

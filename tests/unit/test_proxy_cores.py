@@ -3,6 +3,7 @@ text, hints, routing, and the engine's scripted policy."""
 
 import json
 
+import numpy as np
 import pytest
 
 from gyre.engines.scripted import ScriptedPolicy, ScriptRule
@@ -123,7 +124,7 @@ def test_render_reuses_model_tokens_exactly():
     tok = ByteTokenizer()
     r, mem = Renderer(tok), TurnMemory()
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
-    first = r.render(msgs, None, mem).input_ids
+    first = r.render(msgs, None, mem).input_ids.tolist()
     # The model emitted a tool call with odd spacing; the harness echoes it back parsed.
     out = tok.apply_chat_template([{"role": "user", "content": "x"}], None, False)[:0] + list(b"ok ") + [tok.special_ids["<tool_call>"]]
     out += list(b'\n{"name":"f","arguments":{"x":1}}\n') + [tok.special_ids["</tool_call>"], tok.eos_token_id]
@@ -131,18 +132,18 @@ def test_render_reuses_model_tokens_exactly():
     mem.remember(assistant_key(parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]), out)
     echoed = {"role": "assistant", "content": "ok", "tool_calls": [{"id": "t", "name": "f", "arguments": {"x": 1}}]}
     second = r.render(msgs + [echoed, {"role": "tool", "content": "r"}], None, mem)
-    assert second.input_ids[: len(first) + len(out)] == first + out
+    assert second.input_ids.tolist()[: len(first) + len(out)] == first + out
     assert (second.num_reused, second.num_retokenized) == (1, 0)
     edited = r.render(msgs + [{**echoed, "content": "edited"}, {"role": "tool", "content": "r"}], None, mem)
     assert (edited.num_reused, edited.num_retokenized) == (0, 1)
-    assert edited.input_ids == tok.apply_chat_template(msgs + [{**echoed, "content": "edited"}, {"role": "tool", "content": "r"}])
+    assert edited.input_ids.tolist() == tok.apply_chat_template(msgs + [{**echoed, "content": "edited"}, {"role": "tool", "content": "r"}])
 
 
 def test_render_length_finish_gets_end_of_turn():
     tok = ByteTokenizer()
     r, mem = Renderer(tok), TurnMemory()
     mem.remember(assistant_key("abc", []), list(b"abc"))
-    ids = r.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "n"}], None, mem).input_ids
+    ids = r.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "n"}], None, mem).input_ids.tolist()
     assert ids == tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "n"}])
 
 
@@ -208,14 +209,14 @@ def test_routing_stop_admission(case_id, ops, expect):
 
 
 def test_engine_client_keys_sglang_generations_by_weight_version():
-    from gyre.engines.client import EngineClient, parse_weight_version
+    from gyre.engines.client import EngineClient, _version, parse_weight_version
 
     c = EngineClient("http://x", key_by_weight_version=True)
     assert "extra_key" not in c._generate_body([1], {}, "r", True, False, None)
-    c._saw_version("7")
+    c.weight_version = _version("7", None)
     assert c.weight_version == 7 and c._generate_body([1], {}, "r", True, False, None)["extra_key"] == "7"
     builtin = EngineClient("http://x")
-    builtin._saw_version(7)
+    builtin.weight_version = 7
     assert "extra_key" not in builtin._generate_body([1], {}, "r", True, False, None)
     assert [parse_weight_version(v) for v in (3, "12", "-1", "default")] == [3, 12, -1, -1]
 
@@ -267,7 +268,7 @@ def test_render_keeps_consecutive_tool_results_in_one_turn():
     msgs = [{"role": "user", "content": "q"}, call, {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"}]
     mem.remember(assistant_key("", call["tool_calls"]), tok.apply_chat_template([call], None, False)[len(r.gen_prompt) : -1])
     out = r.render(msgs, None, mem)
-    assert r.separable and out.input_ids == tok.apply_chat_template(msgs) and out.num_reused == 1
+    assert r.separable and out.input_ids.tolist() == tok.apply_chat_template(msgs) and out.num_reused == 1
 
 
 def test_render_reuses_tokens_under_a_template_injecting_a_default_system_prompt():
@@ -278,7 +279,7 @@ def test_render_reuses_tokens_under_a_template_injecting_a_default_system_prompt
     mem.remember(assistant_key("a", []), list(b"a") + [tok.eos_token_id])
     for t in (None, tools):
         out = r.render(msgs, t, mem)
-        assert r.separable and out.input_ids == tok.apply_chat_template(msgs, t) and (out.num_reused, out.num_retokenized) == (1, 0)
+        assert r.separable and out.input_ids.tolist() == tok.apply_chat_template(msgs, t) and (out.num_reused, out.num_retokenized) == (1, 0)
 
 
 def test_render_falls_back_to_whole_rendering_for_non_separable_templates():
@@ -287,7 +288,7 @@ def test_render_falls_back_to_whole_rendering_for_non_separable_templates():
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "n"}]
     mem.remember(assistant_key("a", []), list(b"a") + [tok.eos_token_id])
     out = r.render(msgs, None, mem)
-    assert not r.separable and out.input_ids == tok.apply_chat_template(msgs) and out.num_retokenized == 1
+    assert not r.separable and out.input_ids.tolist() == tok.apply_chat_template(msgs) and out.num_retokenized == 1
 
 
 def test_incremental_text_matches_full_decode():
@@ -316,7 +317,7 @@ def test_turn_memory_prefers_the_asking_agents_own_tokens():
 def test_generation_takes_versions_of_new_tokens_from_spans():
     from gyre.proxy.pool import Generation
 
-    g = Generation(pool=None, session="s", rid="r", input_ids=[1], sampling={"max_new_tokens": 9})
+    g = Generation(pool=None, session="s", rid="r", input_ids=np.array([1], np.int32), input_json=(b"[1]",), sampling={"max_new_tokens": 9})
     spans = [{"weight_version": "3", "start": 0, "end": 2}, {"weight_version": "4", "start": 2, "end": 5}]
     g._extend([7], [-0.5], {"weight_version_spans": spans[:1]}, 0)
     g._extend([8, 9, 10], [-0.1, -0.2, -0.3], {"weight_version_spans": spans}, 1)

@@ -21,7 +21,7 @@ def emitted(text: str) -> list[int]:
 
 def run_stream(wire, ids: list[int], step: int = 1) -> tuple[list[tuple], tuple]:
     """(events as (name, data dict), (text, calls)) of streaming `ids` `step` tokens at a time."""
-    events = wire.stream("gyre", CHAT, 10)
+    events = wire.stream(CHAT, 10)
     out = OutputStream(events, TOK.decode, wire.new_call_id)
     sent = list(events.start())
     for n in range(step, len(ids) + step, step):
@@ -65,7 +65,7 @@ def test_anthropic_streams_tool_input_in_chunks_equal_to_the_plain_answer(step):
     events, (text, calls) = run_stream(wire, ids, step)
     blocks, n_json = anthropic_blocks(events)
     parsed = TOK.parse_assistant(ids)
-    plain = wire.response("gyre", parsed.content, [(tid, c) for tid, c in calls], "stop", 10, len(ids))
+    plain = wire.response(CHAT, parsed.content, [(tid, c) for tid, c in calls], "stop", 10, len(ids))
     assert [{k: v for k, v in b.items() if k != "id"} for b in blocks] == [{k: v for k, v in b.items() if k != "id"} for b in plain["content"]]
     assert [b["id"] for b in blocks if b["type"] == "tool_use"] == [tid for tid, _ in calls]
     assert n_json > 10  # the input arrived in many chunks, not one at the end

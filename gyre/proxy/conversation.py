@@ -1,0 +1,76 @@
+"""Each execution's recent conversations as the proxy last saw them, so a call costs what it adds (pure).
+
+A harness re-sends its whole conversation on every call. The proxy keeps, per execution, the last
+few requests' message lists as they came off the wire (a `Snapshot`: the parsed JSON, its
+conversion to template messages, and its rendered prompt with checkpoints), and a new call first
+finds the snapshot sharing the longest run of leading messages with it (same head: system prompt
+and tools). Comparing parsed JSON is a C-level walk over equal objects (strings compare by memcmp),
+much cheaper than converting, rendering or tokenizing them again; only the messages after the
+shared run are converted (`gyre.proxy.chat.convert_messages`) and rendered
+(`gyre.proxy.render.Renderer.render`, from a checkpoint). A call whose messages and other fields
+equal its snapshot's (`stream` aside) is a harness re-sending it: a retry.
+"""
+
+from dataclasses import dataclass
+
+from gyre.proxy.chat import ChatRequest
+from gyre.proxy.render import RenderResult
+
+
+@dataclass(frozen=True)
+class WireRequest:
+    """A request body split the way matching needs it (per wire: which fields are the head)."""
+
+    head: tuple
+    """The fields every call of a conversation repeats before its messages (system, tools)."""
+    messages: list
+    """The wire's message list, as parsed."""
+    rest: dict
+    """Every other field except `stream` (a retry repeats them)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Snapshot:
+    request: WireRequest
+    chat: ChatRequest
+    rendered: RenderResult
+
+
+def num_shared(a: list, b: list) -> int:
+    """How many leading items `a` and `b` share (identity first: the same parsed object is equal)."""
+    n, i = min(len(a), len(b)), 0
+    while i < n and (a[i] is b[i] or a[i] == b[i]):
+        i += 1
+    return i
+
+
+class ConversationCache:
+    """The last `max_snapshots` conversations of one execution (most recent first)."""
+
+    def __init__(self, max_snapshots: int = 4):
+        self.max_snapshots = max_snapshots
+        self._snapshots: list[Snapshot] = []
+
+    def match(self, request: WireRequest) -> tuple[Snapshot | None, int]:
+        """The snapshot with the same head sharing the most leading messages, and how many."""
+        best, best_n = None, 0
+        for snap in self._snapshots:
+            if snap.request.head != request.head:
+                continue
+            n = num_shared(snap.request.messages, request.messages)
+            if n > best_n:
+                best, best_n = snap, n
+        return best, best_n
+
+    @staticmethod
+    def is_retry(snap: Snapshot | None, num: int, request: WireRequest) -> bool:
+        """Whether `request` repeats `snap` (as matched, sharing `num` messages) but for `stream`."""
+        return (snap is not None and num == len(request.messages) == len(snap.request.messages)
+                and snap.request.rest == request.rest)  # fmt: skip
+
+    def store(self, snap: Snapshot, replaces: Snapshot | None) -> None:
+        """Keep `snap` first; `replaces` (the snapshot it continues, if any) goes."""
+        self._snapshots = [snap] + [s for s in self._snapshots if s is not replaces][: self.max_snapshots - 1]
+
+    def clear(self) -> None:
+        self._snapshots = []
