@@ -16,8 +16,7 @@ Agents are told apart the way the proxy's hints read them (gyre/proxy/hints.py):
 Messages API with Claude Code's `x-claude-code-agent-id` / `-parent-agent-id` headers, and a
 summary request's last user message asks for a summary and not to call tools; on chat completions
 with `x-gyre-agent-id` / `x-gyre-parent-agent-id`; there a summary request also sends
-`x-gyre-call-kind: summary`, which the proxy keeps in the record's hints (its kind stays `main`:
-gyre/proxy/hints.py reads no summary hint on chat completions yet). The pure functions (`make_*`) are shared with the warm start, which
+`x-gyre-call-kind: summary`, which the proxy records as kind `summary`. The pure functions (`make_*`) are shared with the warm start, which
 renders reference transcripts exactly as this agent's calls reach the proxy.
 """
 

@@ -69,7 +69,8 @@ def anthropic_hints(headers: dict[str, str], body: dict, is_summary: bool, has_t
 
 
 def openai_hints(headers: dict[str, str], body: dict) -> CallHints:
-    """Hints of a /v1/chat/completions call: an explicit agent header, else the main agent."""
+    """Hints of a /v1/chat/completions call: an explicit agent header, else the main agent;
+    `x-gyre-call-kind: summary` marks a compaction summary (chat completions have no other sign)."""
     raw = _kept_headers(headers)
     if isinstance(body.get("user"), str):
         raw["user"] = body["user"][:500]
@@ -77,4 +78,6 @@ def openai_hints(headers: dict[str, str], body: dict) -> CallHints:
     if agent and agent != MAIN_AGENT:
         parent = _header(headers, "x-gyre-parent-agent-id")
         return CallHints(agent, parent if parent and parent != agent else MAIN_AGENT, "subagent", raw)
+    if _header(headers, "x-gyre-call-kind") == "summary":
+        return CallHints(MAIN_AGENT, None, "summary", raw)
     return CallHints(MAIN_AGENT, None, "main" if body.get("tools") else "unknown", raw)

@@ -57,13 +57,10 @@ def test_toy_agent_completes_task_and_records_form_a_tree(stack, api):
     sub = [n for n in tree.nodes if n.kind == "subagent"]
     assert len(sub) == 2 and sub[1].parent == tree.nodes.index(sub[0]) and sub[0].record.parent_agent_id == "main"
     assert sub[0].record.agent_id.startswith("sub-") and tree.nodes[tree.nodes.index(sub[0])].spawned_by is None
-    if api == "anthropic":  # the Messages API hints summaries; a summary continues the main conversation
-        summary = next(n for n in tree.nodes if n.kind == "summary")
-        assert tree.nodes[summary.parent].kind == "main"
-        assert kinds.count("main") == 2
-    else:  # the proxy reads no summary hint on chat completions: the summary is a main call with the header kept
-        assert kinds.count("main") == 3
-        assert sum(n.record.hints.get("x-gyre-call-kind") == "summary" for n in tree.nodes) == 1
+    # Both APIs hint summaries (chat completions through x-gyre-call-kind); a summary continues the main conversation.
+    summary = next(n for n in tree.nodes if n.kind == "summary")
+    assert tree.nodes[summary.parent].kind == "main"
+    assert kinds.count("main") == 2
     roots = [n for n in tree.nodes if n.parent is None and n.kind == "main"]
     assert len(roots) == 2  # the first conversation and the one restarted from the summary
 

@@ -162,6 +162,8 @@ def test_claude_code_hints():
     assert anthropic_hints({}, {}, False, False).kind_hint == "auxiliary"
     assert anthropic_hints({"x-claude-code-agent-id": "a1"}, {}, True, True).kind_hint == "subagent_summary"
     assert openai_hints({"x-gyre-agent-id": "s2"}, {}).parent_agent_id == "main"
+    assert openai_hints({"x-gyre-call-kind": "summary"}, {"tools": []}).kind_hint == "summary"
+    assert openai_hints({}, {"tools": [{}]}).kind_hint == "main"
 
 
 def test_summary_request_shape():
