@@ -59,7 +59,8 @@ class Parts:
 async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
     """Start every process of a local run; on failure whatever started is stopped and the error raised."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    proxy_cfg = dataclasses.replace(cfg.proxy, records_dir=str(run_dir / "records"), vocab_size=cfg.model.vocab_size)
+    proxy_cfg = dataclasses.replace(cfg.proxy, records_dir=str(run_dir / "records"), events_dir=str(run_dir),
+                                    vocab_size=cfg.model.vocab_size)
     proxy = ProxyProcess(proxy_cfg).start()
     parts = Parts(run_dir, proxy, await ProxyAdmin(proxy.url, proxy.admin_token).__aenter__())
     try:

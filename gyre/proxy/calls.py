@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from aiohttp_sse import sse_response
 
+from gyre.metrics.events import ModelCall
+from gyre.metrics.log import EventLog
 from gyre.models.tokenizer import BaseTokenizer, ChatTemplateError
 from gyre.proxy.chat import ApiError, ChatRequest, Resume, invalid
 from gyre.proxy.conversation import Snapshot
@@ -52,8 +54,9 @@ class Call:
 
 
 class CallRunner:
-    def __init__(self, cfg: ProxyConfig, tokenizer: BaseTokenizer, renderer: Renderer, pool: EnginePool):
-        self.cfg, self.tok, self.renderer, self.pool = cfg, tokenizer, renderer, pool
+    def __init__(self, cfg: ProxyConfig, tokenizer: BaseTokenizer, renderer: Renderer, pool: EnginePool,
+                 events: EventLog | None = None):  # fmt: skip
+        self.cfg, self.tok, self.renderer, self.pool, self.events = cfg, tokenizer, renderer, pool, events
 
     def render(self, ex: Execution, wire, body, headers, keep: bool = True) -> tuple[ChatRequest, CallHints, RenderResult, bool]:
         """Parse and render only what the call adds to its conversation's snapshot (see
@@ -128,6 +131,17 @@ class CallRunner:
             started_at=call.started_at, finished_at=time.time(), is_retry=call.is_retry, hints=hints,
         )  # fmt: skip
 
+    async def _record(self, call: Call) -> None:
+        """Append the call's record (before the answer completes) and its ModelCall event."""
+        record = self.make_record(call)
+        await call.ex.append(record)
+        if self.events is not None:
+            self.events.emit(ModelCall(
+                execution_id=record.execution_id, agent_id=record.agent_id,
+                cell=int(record.cell_id) if record.cell_id.isdigit() else None, engine_id=record.engine_id,
+                prompt_tokens=int(record.input_ids.size), output_tokens=int(record.output_ids.size),
+                cached_tokens=int(call.gen.cached_tokens), latency_s=record.finished_at - call.received_at))  # fmt: skip
+
     async def respond(self, request: web.Request, call: Call, wire) -> web.StreamResponse:
         """Run the generation and answer (JSON or SSE). The record is written before the answer
         completes (fsynced per `fsync_window_ms`), so whoever sees a harness finish can read all of
@@ -152,7 +166,7 @@ class CallRunner:
         parsed = self.tok.parse_assistant(call.gen.output_ids)
         text, calls = parsed.content, [(wire.new_call_id(), c) for c in parsed.tool_calls]
         self._remember(call, text, calls)
-        await call.ex.append(self.make_record(call))
+        await self._record(call)
         n_in, n_out = call.rendered.input_ids.size, len(call.gen.output_ids)
         return web.json_response(wire.response(call.chat, text, calls, call.gen.finish, n_in, n_out))
 
@@ -177,7 +191,7 @@ class CallRunner:
                 return sse
             text, calls = out.result(self.tok.parse_assistant(call.gen.output_ids))
             self._remember(call, text, calls)
-            await call.ex.append(self.make_record(call))
+            await self._record(call)
             await sse.write(_sse_text(out.finish(text, calls, call.gen.finish, call.rendered.input_ids.size, len(call.gen.output_ids))))
         return sse
 

@@ -17,6 +17,8 @@ class ProxyConfig:
     """Bearer token of the admin API (engines, drains, executions, metrics); empty: generated at start."""
     records_dir: str = "records"
     """One `<execution_id>.jsonl` records file per execution."""
+    events_dir: str | None = None
+    """A run directory whose events.jsonl gets one ModelCall event per answered call (None: none)."""
     model_names: list[str] = field(default_factory=lambda: ["gyre"])
     """Model names harnesses may ask for (others: 404 in the API's format)."""
     context_len: int = 32768
