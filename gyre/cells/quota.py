@@ -9,6 +9,7 @@ cores instead — coarser (whole cores), and said once in the run's summary.
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,13 +36,22 @@ class CpuQuota:
         elif self.mechanism == "affinity":
             os.sched_setaffinity(pid, {int(c) for c in self.path.split(",")})
 
-    def remove(self) -> None:
-        """Delete the cgroup (its processes must have exited)."""
-        if self.mechanism.startswith("cgroup"):
+    def remove(self, timeout_s: float = 10.0) -> None:
+        """Delete the cgroup once its processes have exited (a child may take a moment to go)."""
+        if not self.mechanism.startswith("cgroup"):
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
             try:
                 os.rmdir(self.path)
+                return
+            except FileNotFoundError:
+                return
             except OSError as e:
-                log.warning("could not remove cgroup %s: %s", self.path, e)
+                if time.monotonic() > deadline:
+                    log.warning("could not remove cgroup %s: %s", self.path, e)
+                    return
+                time.sleep(0.1)
 
 
 def quota_us(cpus: float) -> int:
