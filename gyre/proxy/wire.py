@@ -290,8 +290,11 @@ class AnthropicWire:
         return [("error", json.dumps(anthropic.make_error(err)))]
 
 
-class AnthropicStream:
-    def __init__(self, events: anthropic.StreamEvents):
+class NamedEventStream:
+    """SSE events with names (the Messages and Responses APIs): each event builder's output as
+    (event name, JSON text); subclasses add `finish`, whose usage shape differs per API."""
+
+    def __init__(self, events):
         self.ev = events
 
     def start(self):
@@ -306,6 +309,8 @@ class AnthropicStream:
     def tool_args(self, chunk: str):
         return [(n, _js(d)) for n, d in self.ev.tool_args(chunk)]
 
+
+class AnthropicStream(NamedEventStream):
     def finish(self, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int):
         return [(n, _js(d)) for n, d in self.ev.finish(calls, finish, n_out)]
 
@@ -397,21 +402,6 @@ class ResponsesWire:
         return [("error", json.dumps({"type": "error", "code": code or kind, "message": err.message, "param": None}))]
 
 
-class ResponsesStream:
-    def __init__(self, events: responses.StreamEvents):
-        self.ev = events
-
-    def start(self):
-        return [(n, _js(d)) for n, d in self.ev.start()]
-
-    def text(self, delta: str):
-        return [(n, _js(d)) for n, d in self.ev.text(delta)]
-
-    def tool_start(self, call_id: str, name: str):
-        return [(n, _js(d)) for n, d in self.ev.tool_start(call_id, name)]
-
-    def tool_args(self, chunk: str):
-        return [(n, _js(d)) for n, d in self.ev.tool_args(chunk)]
-
+class ResponsesStream(NamedEventStream):
     def finish(self, calls, finish: str, n_in: int, n_out: int):
         return [(n, _js(d)) for n, d in self.ev.finish(calls, finish, responses.make_usage(n_in, n_out))]

@@ -58,7 +58,12 @@ def _every_message() -> list:
         m.Join("cell2", [("w", (2, 3))]), m.Welcome("127.0.0.1:1", 4096, 10, 3), m.Refused("no"), m.Claim("cell2"),
         m.Work(index=1, version=2, slot_addr=8192, batch=batch), m.Wait(), m.Evicted(), m.Done(1, {"loss_sum": 0.5}, 0.25),
         m.Pull("cell2"), m.PullDone("cell2"), m.RoleSwitch(2, "train"), m.PhaseDone(2, "pull_weights", 0.125),
-        m.Heartbeat(2, 12.5), m.WeightVersion(7), m.Failure("cell3", "engine exited 1"), m.Leave("cell2"),
+        m.Heartbeat(2, 12.5), m.WeightVersion(7), m.Failure("cell3", "engine exited 1"),
+        m.CellReady(0, "http://127.0.0.1:1", "tcp://127.0.0.1:2/00", {"address": 1, "version": 0}, 0, "ab12"),
+        m.RoleDone(2, "train", 10.5, {"stop_admission": 0.01}), m.MicroBatches(3, []), m.EndStep(3),
+        m.StepProgress(3, [0]), m.StepDone(3, 4, {"loss": 0.5}, {"address": 1, "version": 4}, 2.5),
+        m.SaveCheckpoint(4, {"next_group": 16}), m.CheckpointDone(4, "/ckpt/step_00000004", 1.5, "ab12"), m.Stop(),
+        m.Leave("cell2"),
     ]
 
 
