@@ -19,7 +19,7 @@ from gyre.config import GyreConfig, register_configs, validate
 from gyre.errors import ConfigError, GyreError
 from gyre.tasks.spec import TaskSet, toy_taskset
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # package data: works installed, not only editable
 
 register_configs()
 

@@ -157,7 +157,7 @@ def test_shipped_yaml_sets_every_field_and_validates():
 
     from omegaconf import OmegaConf
 
-    yaml = OmegaConf.load(Path(__file__).parents[2] / "conf" / "metrics" / "default.yaml")
+    yaml = OmegaConf.load(Path(__file__).parents[2] / "gyre" / "conf" / "metrics" / "default.yaml")
     assert set(yaml) == {f.name for f in fields(MetricsConfig)}
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MetricsConfig), yaml))
     assert cfg == MetricsConfig()

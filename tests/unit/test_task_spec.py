@@ -11,7 +11,7 @@ from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import make_bwrap_prefix, make_container_prefix
 from gyre.tasks.spec import TaskSet, TaskSpecError, parse_task, toy_taskset
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "gyre" / "conf"
 GOOD = {"task_id": "t1", "instruction": "do it", "workspace": {"files": {"a.txt": "x"}}, "setup": None,
         "evaluator": {"kind": "files", "files": {"a.txt": "y"}}, "time_budget_s": 5}  # fmt: skip
 

@@ -15,7 +15,7 @@ import hydra
 
 from gyre.sim.app import validate_sim
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "gyre" / "conf")
 TARGET_S = 30.0
 
 
