@@ -1,0 +1,1 @@
+"""Local cells: leader processes (engine + trainer), their role switches and CPU quotas."""

@@ -1,0 +1,1 @@
+"""The coordinator: one RL run from admission to checkpoint (entry loop: loop.py)."""
