@@ -50,6 +50,12 @@ def make_harness_command(cfg: HarnessConfig, instruction: str, workspace: Path, 
             raise HarnessNotFound("Claude Code is not installed (tools/setup.sh, or set GYRE_CLAUDE_CODE)")
         argv = agents.make_claude_code_command(binary, instruction, model=model, tools=cfg.claude_code_tools, bare=True)
         return argv, agents.make_claude_code_env(env, proxy_url, api_key, str(home), model)
+    if cfg.kind == "codex":
+        binary = agents.find_codex()
+        if binary is None:
+            raise HarnessNotFound("Codex CLI is not installed (tools/setup.sh, or set GYRE_CODEX)")
+        argv = agents.make_codex_command(binary, instruction, proxy_url=proxy_url, model=model)
+        return argv, agents.make_codex_env(env, api_key, str(home))
     binary = agents.find_mini_swe_agent()
     if binary is None:
         raise HarnessNotFound("mini-swe-agent is not installed (pip install -e '.[harness]')")

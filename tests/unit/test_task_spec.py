@@ -119,5 +119,5 @@ def test_tasks_config_yaml_matches_and_validates():
     with pytest.raises(ConfigError, match="^warm_start_dir"):
         TasksConfig(warm_start_dir="")
     assert HarnessConfig(**yaml.safe_load(open(CONF / "harness/toy.yaml"))) == HarnessConfig(grace_s=2.0)
-    for name in ("claude_code", "mini_swe_agent", "command"):
+    for name in ("claude_code", "mini_swe_agent", "codex", "command"):
         assert HarnessConfig(**yaml.safe_load(open(CONF / f"harness/{name}.yaml"))).kind == name
