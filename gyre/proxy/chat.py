@@ -93,6 +93,15 @@ def require_type(value, types, where: str, what: str):
     return value
 
 
+def require_model(body, models: list[str]) -> str:
+    """The requested model of a JSON-object body; not_found (listing the served ones) if it is not served."""
+    require_type(body, dict, "body", "a JSON object")
+    model = require_type(body.get("model"), str, "model", "a string")
+    if model not in models:
+        raise ApiError("not_found", f"The model {model!r} does not exist; available: {', '.join(models)}")
+    return model
+
+
 def check_tool_schema(schema, where: str) -> dict:
     """A tool's parameter schema must be a JSON-schema object (`type: object`)."""
     if not isinstance(schema, dict):

@@ -11,7 +11,7 @@ import time
 import uuid
 
 from gyre.models.tokenizer import ToolCall
-from gyre.proxy.chat import ApiError, ChatRequest, Resume, check_sampling, check_tool_schema, convert_messages, invalid, require_type
+from gyre.proxy.chat import ApiError, ChatRequest, Resume, check_sampling, check_tool_schema, convert_messages, invalid, require_model, require_type
 
 ERROR_TYPES = {
     "invalid_request": ("invalid_request_error", None), "authentication": ("invalid_request_error", "invalid_api_key"),
@@ -120,10 +120,7 @@ def parse_request(body, models: list[str], default_max_tokens: int, resume: Resu
     Raises:
         ApiError: invalid_request naming the field, or not_found for an unknown model.
     """
-    require_type(body, dict, "body", "a JSON object")
-    model = require_type(body.get("model"), str, "model", "a string")
-    if model not in models:
-        raise ApiError("not_found", f"The model {model!r} does not exist; available: {', '.join(models)}")
+    model = require_model(body, models)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = check_sampling(body, max_tokens_key=key, default_max_tokens=default_max_tokens)
     if body.get("n", 1) != 1:

@@ -18,7 +18,7 @@ import time
 import uuid
 
 from gyre.models.tokenizer import ToolCall
-from gyre.proxy.chat import ApiError, ChatRequest, Resume, check_sampling, check_tool_schema, convert_messages, invalid, require_type
+from gyre.proxy.chat import ApiError, ChatRequest, Resume, check_sampling, check_tool_schema, convert_messages, invalid, require_model, require_type
 from gyre.proxy.openai import ERROR_TYPES
 
 
@@ -154,10 +154,7 @@ def parse_request(body, models: list[str], default_max_tokens: int, resume: Resu
     Raises:
         ApiError: invalid_request naming the field, or not_found for an unknown model.
     """
-    require_type(body, dict, "body", "a JSON object")
-    model = require_type(body.get("model"), str, "model", "a string")
-    if model not in models:
-        raise ApiError("not_found", f"The model {model!r} does not exist; available: {', '.join(models)}")
+    model = require_model(body, models)
     if body.get("previous_response_id") is not None:
         raise invalid("previous_response_id: responses are not stored here; send the whole conversation in input")
     sampling = check_sampling(body, max_tokens_key="max_output_tokens", default_max_tokens=default_max_tokens)
