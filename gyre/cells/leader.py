@@ -18,7 +18,6 @@ import logging
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from gyre.cells.spec import CellSpec
@@ -29,6 +28,7 @@ from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import MicroStep
 from gyre.metrics.log import EventLog
 from gyre.scheduler.cells import PHASES, Phase, Role
+from gyre.train.publish import load_published
 
 log = logging.getLogger("gyre.cells.leader")
 
@@ -57,7 +57,6 @@ class CellLeader:
         self.weights: dict | None = None
         """The newest weights this cell's engine should serve (descriptor + version)."""
         self.core_address = ""
-        self._published: deque = deque(maxlen=2)  # the last two buffers stay readable while engines load
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
         self.core = self.satellite = None
@@ -83,11 +82,9 @@ class CellLeader:
             self.trainer.load_engine_weights(tensors)
 
     def _publish(self) -> dict:
-        descriptor, buffer = self.endpoint.publish_tensors(self.trainer.engine_weights())
-        if len(self._published) == self._published.maxlen:
-            self.endpoint.unregister(self._published[0])
-        self._published.append(buffer)
-        return {**descriptor, "version": self.trainer.step}
+        """The core's newest weights as engines load them: its published descriptor and version."""
+        version, descriptor = self.core.publish()
+        return {**descriptor, "version": version}
 
     def weights_digest(self) -> str:
         return hashlib.sha256(self.trainer.flat.weights.detach().cpu().numpy().tobytes()).hexdigest()[:16]
@@ -238,8 +235,7 @@ class CellLeader:
                 self._worker = None
             elif phase == Phase.LOAD_WEIGHTS:
                 await engine.resume_memory()
-                w = dict(self.weights)
-                await engine.update_weights_from_tensor(weight_version=w.pop("version"), load_format="gyre_transfer", **w)
+                await load_published(self.engine.url, self.weights)
             elif phase == Phase.ANNOUNCE_TO_PROXY:
                 await proxy.engine_op(self.engine_id, "activate")
 

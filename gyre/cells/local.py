@@ -8,12 +8,12 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from gyre.cells.quota import CpuQuota
 from gyre.cells.spec import CellSpec
-from gyre.control.messages import PhaseDone, RoleDone, RoleSwitch
+from gyre.control.messages import PhaseDone, RoleSwitch
 from gyre.control.transport import Channel, ChannelTimeout
 from gyre.errors import GyreError
 from gyre.launch.serve import die_with_parent
@@ -37,8 +37,6 @@ class LocalCell:
     engine_url: str = ""
     engine_version: int = -1
     """Weight version its engine serves (after the last load or push)."""
-    switch_started: float = 0.0
-    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def index(self) -> int:
@@ -63,7 +61,8 @@ class LocalCell:
     def begin_switch(self, target: Role, now_s: float, weights: dict | None, core_address: str) -> None:
         """Start a role switch: the state machine first (it refuses what is not allowed), then the leader."""
         self.state.begin_switch(target, now_s)
-        self.switch_started, self.phases = now_s, {}
+        if target == Role.ROLLOUT and weights is not None:
+            self.engine_version = weights["version"]  # what its engine loads in the switch's load_weights phase
         self.channel.send(RoleSwitch(self.index, target.value, weights, core_address))
 
     def messages(self) -> list:
@@ -75,10 +74,9 @@ class LocalCell:
             except ChannelTimeout:
                 return out
 
-    def on_phase(self, msg: PhaseDone | RoleDone, now_s: float) -> None:
-        if isinstance(msg, PhaseDone):
-            self.phases[msg.phase] = msg.seconds
-            self.state.next_phase(now_s)
+    def on_phase(self, msg: PhaseDone, now_s: float) -> None:
+        """A phase of the switch is over: the state machine moves to the next (or to the new role)."""
+        self.state.next_phase(now_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.channel is not None:

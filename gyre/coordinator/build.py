@@ -24,6 +24,7 @@ from gyre.engines.client import EngineClient
 from gyre.proxy.admin import ProxyAdmin
 from gyre.proxy.main import ProxyProcess
 from gyre.scheduler.cells import Role, make_cells
+from gyre.train.publish import load_published
 from gyre.scheduler.policy import BasePolicy, Decision, make_policy
 
 
@@ -117,14 +118,12 @@ def _accept_cells(parts: Parts, timeout_s: float) -> None:
 
 async def _register_engines(parts: Parts) -> None:
     """Every engine in the proxy (serving ones active, the others closed) at the core's weights."""
-    weights = dict(parts.initial.weights)
-    version = weights.pop("version")
     for cell in parts.cells:
-        async with EngineClient(cell.engine_url) as engine:
-            await engine.update_weights_from_tensor(weight_version=version, load_format="gyre_transfer", **weights)
-            if cell.state.role != Role.ROLLOUT:
+        await load_published(cell.engine_url, parts.initial.weights)
+        cell.engine_version = parts.initial.weights["version"]
+        if cell.state.role != Role.ROLLOUT:
+            async with EngineClient(cell.engine_url) as engine:
                 await engine.release_memory()
-        cell.engine_version = version
         await parts.admin.add_engine(cell.engine_id, cell.engine_url, str(cell.index))
         if cell.state.role != Role.ROLLOUT:
             await parts.admin.engine_op(cell.engine_id, "stop_admission")

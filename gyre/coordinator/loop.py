@@ -26,6 +26,7 @@ from gyre.errors import GyreError
 from gyre.scheduler.cells import Role
 from gyre.scheduler.observe import make_observation
 from gyre.tasks.spec import TaskSet
+from gyre.train.publish import load_published
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
             for cell in parts.cells:
                 cell.check_alive()
                 for msg in cell.messages():
-                    await _on_message(msg, cell, parts, train, source, events, cfg, now)
+                    await _on_message(msg, cell, parts, train, source, events, cfg, num_steps, now)
             queued, ahead, running = source.counts(train.version)
             sessions = await _sessions(parts)
             obs = make_observation(
@@ -117,14 +118,13 @@ async def _sessions(parts: Parts) -> list[int]:
 
 
 async def _on_message(msg, cell, parts: Parts, train: Training, source, events: RunEvents, cfg: GyreConfig,
-                      now: float) -> None:  # fmt: skip
+                      num_steps: int, now: float) -> None:  # fmt: skip
     if isinstance(msg, PhaseDone):
         cell.on_phase(msg, now)
     elif isinstance(msg, RoleDone):
         events.role_switch(msg)
         if msg.role == Role.ROLLOUT.value and cell.engine_version < train.version:
-            await _load_newest(cell, train.weights)
-        cell.engine_version = max(cell.engine_version, (train.weights or {}).get("version", -1))
+            await _load_newest(cell, train.weights)  # published while the cell was switching
     elif isinstance(msg, StepProgress):
         train.on_progress(msg)
     elif isinstance(msg, StepDone):
@@ -134,7 +134,7 @@ async def _on_message(msg, cell, parts: Parts, train: Training, source, events: 
         t0, serving = time.monotonic(), [x for x in parts.cells if x.state.role == Role.ROLLOUT]
         await asyncio.gather(*(_load_newest(x, msg.weights) for x in serving))
         events.publish(train.version, time.monotonic() - t0, len(serving))
-        if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= cfg.num_steps:
+        if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= num_steps:
             parts.core.channel.send(train.checkpoint({"next_group": source.next_group}))
     elif isinstance(msg, CheckpointDone):
         events.checkpoint(msg)
@@ -147,10 +147,5 @@ async def _on_message(msg, cell, parts: Parts, train: Training, source, events: 
 
 async def _load_newest(cell, weights: dict) -> None:
     """Have a serving cell's engine load the newest published weights (Mooncake read from the core)."""
-    from gyre.engines.client import EngineClient
-
-    w = dict(weights)
-    version = w.pop("version")
-    async with EngineClient(cell.engine_url) as engine:
-        await engine.update_weights_from_tensor(weight_version=version, load_format="gyre_transfer", **w)
-    cell.engine_version = version
+    await load_published(cell.engine_url, weights)
+    cell.engine_version = weights["version"]

@@ -105,7 +105,7 @@ class CoreServer:
         self._evicted: set[str] = set()
         self._quarantine: dict[str, list[int]] = {}  # slots an evicted (hung) cell may still write
         self._publish_lock = threading.Lock()
-        self._published: tuple[int, dict, torch.Tensor] | None = None  # (version, descriptor, buffer)
+        self._published: deque = deque(maxlen=2)  # (version, descriptor, buffer) of the last two versions
         self._listener = listener or listen("tcp", host)
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="core-accept")]
         self._threads[0].start()
@@ -322,7 +322,7 @@ class CoreServer:
 
         t0 = time.perf_counter()
         with self._publish_lock:
-            version, descriptor = self._publish_latest()
+            version, descriptor = self.publish()
 
             async def push() -> None:
                 async with contextlib.AsyncExitStack() as stack:
@@ -332,14 +332,16 @@ class CoreServer:
             asyncio.run(push())
         return time.perf_counter() - t0
 
-    def _publish_latest(self) -> tuple[int, dict]:
-        """(version, descriptor) of the engine-format buffer of the current weights (copied once per version)."""
+    def publish(self) -> tuple[int, dict]:
+        """(version, descriptor) of the engine-format buffer of the current weights (copied once per
+        version). The previous version's buffer stays readable too, so an engine that was handed
+        it a moment ago still loads it whole."""
         with self._cond:
             while self._applying:
                 self._cond.wait()
             version = self.trainer.step
-            if self._published is not None and self._published[0] == version:
-                return version, self._published[1]
+            if self._published and self._published[-1][0] == version:
+                return version, self._published[-1][1]
             self._readers["publish"] += 1
         try:
             descriptor, buffer = self.endpoint.publish_tensors(self.trainer.engine_weights())
@@ -348,9 +350,9 @@ class CoreServer:
                 self._readers["publish"] -= 1
                 self._readers += Counter()  # drop zero counts
                 self._cond.notify_all()
-        if self._published is not None:
-            self.endpoint.unregister(self._published[2])
-        self._published = (version, descriptor, buffer)
+        if len(self._published) == self._published.maxlen:
+            self.endpoint.unregister(self._published[0][2])
+        self._published.append((version, descriptor, buffer))
         return version, descriptor
 
     # ---- satellites ------------------------------------------------------------------------
@@ -467,7 +469,7 @@ class CoreServer:
             ch.close()
         for t in self._threads:
             t.join(timeout=5)
-        if self._published is not None:
-            self.endpoint.unregister(self._published[2])
+        for _, _, buffer in self._published:
+            self.endpoint.unregister(buffer)
         self.endpoint.unregister(self.slots)
         self.endpoint.unregister(self.trainer.flat.weights)

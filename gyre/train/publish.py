@@ -40,6 +40,15 @@ async def push_published(descriptor: dict, version: int, clients: list[EngineCli
     ))
 
 
+async def load_published(engine_url: str, weights: dict) -> dict:
+    """Have the engine at `engine_url` load `weights` ({**descriptor, "version": v}, as the core
+    publishes them: gyre.cells.leader) over Mooncake."""
+    descriptor = dict(weights)
+    version = descriptor.pop("version")
+    async with EngineClient(engine_url) as client:
+        return (await push_published(descriptor, version, [client]))[0]
+
+
 def write_weights(trainer: Trainer, root: str | os.PathLike) -> str:
     """Write the current weights to `<root>/version_<step>` (all TP ranks gather; rank 0 writes).
 

@@ -96,12 +96,14 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
     proc = _gyre_train(run_dir, tasks, "num_steps=3", start_new_session=True)
     deadline = time.monotonic() + 900
-    while not (run_dir / "checkpoints" / "step_00000001").is_dir():  # step 0 trained and durable
+    def checkpointed() -> bool:  # step 0 trained, its checkpoint complete and announced
+        path = run_dir / "events.jsonl"
+        return path.exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint"))
+
+    while not checkpointed():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:]
-        time.sleep(0.5)
-    while not any(e.state == "running" and e.group >= 3 for e in read_ledger(run_dir / "ledger.jsonl").entries.values()):
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.2)
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed mid-run"
     os.killpg(proc.pid, signal.SIGKILL)  # the coordinator; its children die with it (PR_SET_PDEATHSIG)
     proc.wait()
     before = read_ledger(run_dir / "ledger.jsonl")
