@@ -304,18 +304,25 @@ def test_crashed_engine_is_detected_and_rerouted(engines, tmp_path):
     try:
         keys = [new_execution(proxy, f"c{i}") for i in range(4)]
 
+        def victim_state() -> dict:
+            return next(e for e in http(proxy.url + "/admin/engines", token=proxy.admin_token)[1]["engines"]
+                        if e["engine_id"] == "e0")  # fmt: skip
+
         async def main():
             async with aiohttp.ClientSession() as s:
                 tasks = [asyncio.create_task(anthropic_session(s, proxy.url, k, 2, True)) for k in keys]
-                await asyncio.sleep(1.0)
+                while victim_state()["num_inflight"] == 0:  # kill it with calls in flight, not after they finished
+                    await asyncio.sleep(0.01)
                 victim.proc.kill()  # SIGKILL: connections drop mid-stream
                 await asyncio.gather(*tasks)
 
         asyncio.run(main())
-        status, engines_now = http(proxy.url + "/admin/engines", token=proxy.admin_token)
-        assert {e["engine_id"]: e["status"] for e in engines_now["engines"]}["e0"] == "dead"
-        for i in range(4):
-            assert_clean_chain(tmp_path / "records" / f"c{i}.jsonl", 2)
+        deadline = time.monotonic() + 30
+        while victim_state()["status"] != "dead" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert victim_state()["status"] == "dead"
+        records = [r for i in range(4) for r in assert_clean_chain(tmp_path / "records" / f"c{i}.jsonl", 2)]
+        assert any(r.rerouted for r in records)
     finally:
         proxy.stop()
         victim.stop()
