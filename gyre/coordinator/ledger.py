@@ -32,9 +32,11 @@ class LedgerEntry:
     step: int | None = None
     """trained: the optimizer step that trained it."""
     reason: str = ""
-    """excluded: why (evaluator_error, no_records, uniform_group, ...)."""
+    """excluded: why (evaluator_error, harness_failed, no_model_calls, uniform_group, ...)."""
     score: float | None = None
     duration_s: float | None = None
+    exit_code: int | None = None
+    """The harness's exit status (an outcome's entry; negative: killed by that signal)."""
 
 
 @dataclass

@@ -184,19 +184,25 @@ class Rollouts(GroupBook):
         return [ex for ex, _ in done]
 
     async def _evaluate(self, ex: Execution, result) -> None:
+        """Score the workspace, unless the policy never acted: a harness that made no model call
+        (exited at once, crashed on start, or did the work itself) is excluded, never scored."""
         outcome = "timed_out" if result.timed_out else "finished"
         ex.duration_s = result.duration_s
-        ex.evaluation = await asyncio.to_thread(evaluate, ex.task, result.workspace, outcome)
         try:
             await self.proxy.revoke_execution(ex.execution_id)
         except Exception as e:  # a revoke that fails leaves a key valid, nothing else
             log.warning("revoking %s: %s", ex.execution_id, e)
-        ev = ex.evaluation
+        if not _made_calls(ex.records_path):
+            reason = "harness_failed" if result.exit_code != 0 else "no_model_calls"
+            ex.evaluation = Evaluation(outcome, None, reason)
+            self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
+            return
+        ex.evaluation = ev = await asyncio.to_thread(evaluate, ex.task, result.workspace, outcome)
         if ev.outcome in ("finished", "timed_out") and ev.score is not None:
-            self._log(ex, ev.outcome, score=ev.score, duration_s=ex.duration_s)
+            self._log(ex, ev.outcome, score=ev.score, duration_s=ex.duration_s, exit_code=result.exit_code)
         else:
             reason = "no_score" if ev.outcome in ("finished", "timed_out") else ev.outcome
-            self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s)
+            self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
 
     def counts(self, version: int) -> tuple[int, int, int]:
         """(queued, queued for later steps than `version`, running)."""
@@ -206,3 +212,8 @@ class Rollouts(GroupBook):
     def close(self) -> None:
         for ex in self.running:
             ex.sandbox.kill()
+
+
+def _made_calls(records_path: Path | None) -> bool:
+    """Whether the proxy recorded at least one model call of the execution."""
+    return records_path is not None and records_path.is_file() and records_path.stat().st_size > 0

@@ -165,3 +165,49 @@ def test_real_harnesses_roll_out_through_the_coordinator(tmp_path, harness):
         tree = build_call_tree(records)
         assert len(records) >= 2 and stats.num_torn == 0 and not tree.missing_seqs
         assert (run_dir / "sandboxes" / eid / "workspace" / "answer.txt").read_text() == "apple"
+
+
+# A harness (harness=command) that misbehaves the way its task asks; otherwise it asks the model once.
+AGENT = """import pathlib, sys, openai
+instruction, url, key, model, outside = sys.argv[1:6]
+if "exit" in instruction:
+    sys.exit(3)  # crashes before its first model call
+if "silent" in instruction:
+    pathlib.Path("answer.txt").write_text("done without the model")
+    sys.exit(0)
+if "escape" in instruction:
+    try:
+        pathlib.Path(outside).write_text("escaped")
+    except OSError as e:
+        print("refused:", e)
+reply = openai.OpenAI(base_url=url + "/v1", api_key=key).chat.completions.create(
+    model=model, max_tokens=8, messages=[{"role": "user", "content": instruction}])
+pathlib.Path("answer.txt").write_text(reply.choices[0].message.content or "")
+"""
+
+
+def test_misbehaving_harnesses_and_a_broken_task_are_excluded_and_counted_while_the_run_trains(tmp_path):
+    tasks = _taskset(tmp_path, ("apple", "river", "escape", "exit", "silent"))
+    (tmp_path / "broken.tar.gz").write_bytes(b"\x1f\x8b not a whole archive")  # present, its files are not
+    lines = tasks.read_text().splitlines()
+    broken = json.loads(lines[0]) | {"task_id": "t-broken", "workspace": {"tar": "broken.tar.gz"}}
+    tasks.write_text("\n".join([*lines, json.dumps(broken)]) + "\n")
+    (tmp_path / "agent.py").write_text(AGENT)
+    outside = tmp_path / "escaped.txt"
+    command = f"{sys.executable} {tmp_path / 'agent.py'} {{instruction}} {{proxy_url}} {{api_key}} {{model}} {outside}"
+    run_dir = tmp_path / "run"
+    summary = _finish(_gyre_train(run_dir, tasks, "num_steps=1", "coordinator.groups_per_step=6", "harness=command",
+                                  f"harness.command='{command}'", "harness.isolation=bwrap"))  # fmt: skip
+
+    view = read_ledger(run_dir / "ledger.jsonl")
+    reasons = {view.history[eid][0].task_id: view.outcome(eid).reason for eid in view.history}
+    assert reasons["t-exit"] == "harness_failed" and reasons["t-silent"] == "no_model_calls"
+    assert reasons["t-broken"] == "sandbox_error"
+    exits = {e.task_id: e.exit_code for es in view.history.values() for e in es if e.exit_code is not None}
+    assert exits["t-exit"] == 3 and exits["t-silent"] == 0
+    escaped = [eid for eid in view.history if view.history[eid][0].task_id == "t-escape"]
+    assert not outside.exists() and all(view.outcome(eid).state == "finished" for eid in escaped)
+    assert all("Read-only file system" in (run_dir / "sandboxes" / eid / "harness.log").read_text() for eid in escaped)
+    counts = summary["executions"]
+    assert counts["excluded/harness_failed"] == counts["excluded/no_model_calls"] == counts["excluded/sandbox_error"] == 2
+    assert summary["num_steps"] == 1 and counts["trained"] == 6  # apple, river and escape: 3 groups of 2
