@@ -40,13 +40,18 @@ SUB_REPORT = "task.md"
 
 @dataclass(frozen=True)
 class WarmStartConfig:
-    steps: int = 60
+    steps: int = 150
     """Optimizer steps (batches of `batch_size` transcripts' turns)."""
     lr: float = 3e-3
     batch_size: int = 6
     seed: int = 0
     init_seed: int = 0
     max_tokens: int = 96
+    quitters: bool = True
+    """Add, for every task, a demonstration of the main agent ending at once ("Done.", no tool
+    call), which the evaluator scores 0. Demonstrations of mixed quality, as real SFT data has:
+    the warm policy then acts on about half its first turns, one decision shared by every task,
+    which RL can learn within the few steps of a local run."""
 
 
 def render_call(tok: ByteTokenizer, messages: list[dict], reply: dict, api: str = "openai") -> tuple[list[int], list[int]]:
@@ -87,6 +92,12 @@ def reference_conversations(task: Task) -> list[tuple[list[dict], dict]]:
     main = _conversation(toy.MAIN_SYSTEM, toy.make_main_prompt(task.instruction, SUB_REPORT),
                          [(writes, results), ({"content": "Done.", "tool_calls": []}, [])])  # fmt: skip
     return sub + main
+
+
+def quitting_conversation(task: Task) -> list[tuple[list[dict], dict]]:
+    """The main agent's first call answered with "Done." and no tool call (it gives up)."""
+    prompt = toy.make_main_prompt(task.instruction, SUB_REPORT)
+    return _conversation(toy.MAIN_SYSTEM, prompt, [({"content": "Done.", "tool_calls": []}, [])])
 
 
 def reference_transcript(tok: ByteTokenizer, task: Task, api: str = "openai") -> list[tuple[list[int], list[int]]]:
@@ -216,6 +227,8 @@ def warm_start(out_root: Path, taskset: TaskSet | None = None, cfg: ModelConfig 
     taskset, cfg, ws = taskset or toy_taskset(), cfg or ModelConfig(), ws or WarmStartConfig()
     tok = ByteTokenizer(cfg.vocab_size)
     examples = [e for t in taskset.tasks for e in reference_transcript(tok, t)]
+    if ws.quitters:
+        examples += [render_call(tok, *c) for t in taskset.tasks for c in quitting_conversation(t)]
     out = Path(out_root) / f"warmstart-{content_hash(cfg, ws, examples)}"
     if (out / "report.json").exists():
         return out, {**json.loads((out / "report.json").read_text()), "reused": True}

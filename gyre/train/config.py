@@ -13,7 +13,11 @@ class TrainerConfig:
     """Ranks one model is split over inside a cell (Megatron TP); must divide KV heads and vocab.
     The cell's other ranks are data-parallel replicas (micro-steps split among them)."""
     lr: float = 1e-6
-    """Adam learning rate (constant)."""
+    """Adam learning rate (after the warm-up)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises linearly to `lr` (0: constant). Adam's
+    first steps move every weight by about `lr` whatever the gradient's size (its moments are one
+    noisy sample): a warm-up keeps the first RL steps from undoing the starting policy."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-8
@@ -45,9 +49,16 @@ class TrainerConfig:
     claim_poll_s: float = 0.005
     """How long an idle satellite waits before asking the core for work again."""
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based): linear warm-up, then constant.
+        A function of the step alone, so a resumed run continues the schedule exactly."""
+        warmup = self.lr_warmup_steps
+        return self.lr * min(1.0, (step + 1) / warmup) if warmup else self.lr
+
     def __post_init__(self):
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(self.lr_warmup_steps >= 0, "lr_warmup_steps", f"must be >= 0, got {self.lr_warmup_steps}")
         require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "adam_beta1", "betas must lie in [0, 1)")
         require(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0 (0 disables), got {self.max_grad_norm}")
         require(0 <= self.clip_ratio_low < 1, "clip_ratio_low", f"must lie in [0, 1), got {self.clip_ratio_low}")

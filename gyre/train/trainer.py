@@ -125,11 +125,13 @@ class Trainer:
         norm = self._grad_norm()
         if self.cfg.max_grad_norm > 0 and norm > self.cfg.max_grad_norm:
             grad.mul_(self.cfg.max_grad_norm / (norm + 1e-6))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr_at(self.step)
         self.optimizer.step()
         for p in self.flat.params:
             p.grad = None
         self.step += 1
-        return {"grad_norm": norm}
+        return {"grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"]}
 
     def _grad_norm(self) -> float:
         """Global L2 norm: TP-sharded parameters summed over the TP group, replicated ones once."""

@@ -143,3 +143,11 @@ def test_trainer_group_composes_and_names_bad_keys():
     with pytest.raises(ConfigError) as e:
         validate(bad)
     assert e.value.key == "trainer.num_grad_slots"
+
+
+def test_learning_rate_warms_up_linearly_then_stays_constant():
+    cfg = TrainerConfig(lr=1e-3, lr_warmup_steps=4)
+    assert [cfg.lr_at(s) for s in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert TrainerConfig(lr=1e-3).lr_at(0) == 1e-3
+    with pytest.raises(ConfigError, match="lr_warmup_steps"):
+        TrainerConfig(lr_warmup_steps=-1)

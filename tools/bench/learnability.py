@@ -6,7 +6,7 @@ task's real evaluator, computes GRPO advantages per task group and takes one PPO
 real megatron-core trainer (`gyre.train.trainer.Trainer`). Side by side for each learning rate
 from the same warm start and the same task order.
 
-    python tools/bench/learnability.py --model-dir DIR [--lrs 1e-4,1e-3] [--steps 8]   # last line: JSON
+    python tools/bench/learnability.py --model-dir DIR [--lrs 1e-4,1e-3] [--steps 8] [--warmup N]   # last line: JSON
 """
 
 import argparse
@@ -48,9 +48,9 @@ def make_batch(seqs: list[tuple[list[int], list[int], list[float], float, str]])
                        execution_ids=tuple(s[4] for s in seqs))  # fmt: skip
 
 
-def run(model_dir: str, lr: float, steps: int, tasks_per_step: int, group: int, seed: int) -> list[float]:
+def run(model_dir: str, lr: float, steps: int, tasks_per_step: int, group: int, seed: int, warmup: int) -> list[float]:
     cfg, weights = load_checkpoint(model_dir)
-    trainer = Trainer(cfg, TrainerConfig(lr=lr), seed=seed)
+    trainer = Trainer(cfg, TrainerConfig(lr=lr, lr_warmup_steps=warmup), seed=seed)
     trainer.load_engine_weights(weights)
     tok, ts, gen = ByteTokenizer(cfg.vocab_size), toy_taskset(), torch.Generator().manual_seed(seed)
     traj, means = TrajectoryConfig(), []
@@ -86,12 +86,13 @@ def main() -> None:
     p.add_argument("--tasks-per-step", type=int, default=4)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=0, help="trainer.lr_warmup_steps")
     a = p.parse_args()
     torch.set_num_threads(1)
     out = {}
     for lr in [float(x) for x in a.lrs.split(",")]:
         start = time.process_time()
-        means = run(a.model_dir, lr, a.steps, a.tasks_per_step, a.group, a.seed)
+        means = run(a.model_dir, lr, a.steps, a.tasks_per_step, a.group, a.seed, a.warmup)
         k = min(3, len(means) // 2)
         out[f"lr_{lr:g}"] = {"first": round(float(np.mean(means[:k])), 3), "last": round(float(np.mean(means[-k:])), 3),
                              "per_step": [round(m, 3) for m in means], "cpu_s": round(time.process_time() - start, 1)}  # fmt: skip
