@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gyre.records import CallRecord, RecordError, RecordFileError, RecordWriter, VersionSpan, read_records
-from gyre.trajectory.synthetic import SyntheticExecution, Thread
+from _synthetic import SyntheticExecution, Thread
 
 
 def _conversation(n_turns=6, execution_id="ex"):

@@ -15,7 +15,7 @@ from gyre.records import RecordWriter, read_records
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.pack import pack
 from gyre.trajectory.process import process_execution, weight_samples
-from gyre.trajectory.synthetic import SyntheticExecution, Thread
+from _synthetic import SyntheticExecution, Thread
 from gyre.trajectory.tree import build_call_tree
 
 OPS = ("turn", "turn", "turn", "turn", "new_main", "new_sub", "rewind", "resend", "summary", "aux")

@@ -9,7 +9,7 @@ from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.pack import make_micro_batches, pack
 from gyre.trajectory.process import process_group
 from gyre.trajectory.rewards import Evaluation, group_advantages, reward_of
-from gyre.trajectory.synthetic import SyntheticExecution, Thread
+from _synthetic import SyntheticExecution, Thread
 from gyre.trajectory.tree import TrajectoryError
 
 

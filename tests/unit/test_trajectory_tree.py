@@ -12,7 +12,7 @@ from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.paths import make_paths, select_paths
 from gyre.trajectory.process import process_execution, process_group
 from gyre.trajectory.rewards import Evaluation
-from gyre.trajectory.synthetic import POLICY_LO, SyntheticExecution, Thread
+from _synthetic import POLICY_LO, SyntheticExecution, Thread
 from gyre.trajectory.tree import TrajectoryError, build_call_tree
 
 
@@ -207,7 +207,7 @@ def test_benchmark_execution_has_the_promised_shape():
     4 duplicate re-sends, 1 auxiliary call, 1 rewound main branch."""
     from collections import Counter
 
-    from gyre.trajectory.synthetic import make_claude_like
+    from _synthetic import make_claude_like
 
     records = make_claude_like(scale=0.02, num_rewinds=1).records
     paths = make_paths(build_call_tree(records))

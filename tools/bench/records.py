@@ -16,10 +16,14 @@ import argparse
 import json
 import os
 import tempfile
+import sys
 import time
+from pathlib import Path
 
 from gyre.records import RecordWriter, read_records
-from gyre.trajectory.synthetic import make_claude_like
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "unit"))
+from _synthetic import make_claude_like  # noqa: E402  (test data shapes, not library code)
 
 
 def write_all(path: str, records, fsync: bool) -> float:

@@ -21,13 +21,17 @@ import argparse
 import json
 import resource
 import statistics
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.pack import pack
 from gyre.trajectory.process import process_execution, weight_samples
-from gyre.trajectory.synthetic import make_claude_like
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "unit"))
+from _synthetic import make_claude_like  # noqa: E402  (test data shapes, not library code)
 
 
 def run_once(records, config: TrajectoryConfig):

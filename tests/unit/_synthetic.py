@@ -1,4 +1,5 @@
-"""Synthetic executions shaped like a coding-agent harness's calls, for tests, benchmarks and the simulator.
+"""Synthetic executions shaped like a coding-agent harness's calls, for tests and benchmarks
+(test data, so the library never depends on it).
 
 Policy tokens are drawn from [POLICY_LO, POLICY_HI) and context tokens (system prompts, user turns,
 tool results, summary instructions) from [CONTEXT_LO, CONTEXT_HI), so a test can tell them apart.
