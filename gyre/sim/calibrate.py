@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from gyre.coordinator.ledger import OUTCOMES, LedgerView, read_ledger
-from gyre.errors import GyreError
+from gyre.coordinator.ledger import LedgerView, read_ledger
+from gyre.errors import ConfigError, GyreError
 from gyre.metrics.events import Event
 from gyre.metrics.log import read_events
 from gyre.records.io import read_records
@@ -83,6 +83,9 @@ def load_run(run_dir: str | Path) -> LiveRun:
     events, _ = read_events(d / "events.jsonl")
     config = yaml.safe_load(cfg_path.read_text())
     run = LiveRun(d, config, records, read_ledger(d / "ledger.jsonl"), events, cfg_path.stat().st_mtime)
+    start = next((e for e in events if e.kind == "run_start"), None)
+    if start is None or start.start_step:
+        raise CalibrationError(f"{d}: events.jsonl has no run_start from step 0 (a resumed run is not modelled)")
     steps = {e.step for e in _of(run, "optimizer_step")}
     if len(steps) < config["num_steps"]:
         raise CalibrationError(f"{d}: unfinished run: events.jsonl has {len(steps)} of num_steps="
@@ -94,15 +97,9 @@ def _of(run: LiveRun, kind: str) -> list:
     return [e for e in run.events if e.kind == kind]
 
 
-def _step_of(run: LiveRun, execution_id: str) -> int:
-    return run.ledger.history[execution_id][0].group // run.config["coordinator"]["groups_per_step"]
-
-
 def _executions(run: LiveRun) -> list[str]:
-    """Executions of the run's steps that produced a rollout (those admitted for a step beyond the
-    last ran, but the simulator stops before it)."""
-    return [e for e in run.ledger.history
-            if _step_of(run, e) < run.config["num_steps"] and run.ledger.outcome(e) is not None]
+    """Executions whose rollout ended (finished, timed out or excluded)."""
+    return [e for e in run.ledger.history if run.ledger.outcome(e) is not None]
 
 
 def new_prompt_tokens(call: CallRecord) -> int:
@@ -161,24 +158,32 @@ def measure_workload(run: LiveRun) -> dict:
 
 
 def _concurrency(calls: list[CallRecord]) -> np.ndarray:
-    """Mean number of calls in flight on the same engine during each call, itself included."""
+    """Mean number of calls in flight on the same engine during each call, itself included: the
+    integral of calls in flight over its span, from one sweep over every start and end."""
     st = np.array([c.started_at for c in calls])
     fi = np.array([c.finished_at for c in calls])
-    dur = np.maximum(fi - st, 1e-9)
-    overlap = np.clip(np.minimum(fi[:, None], fi[None, :]) - np.maximum(st[:, None], st[None, :]), 0, None)
-    return overlap.sum(axis=1) / dur
+    t = np.concatenate([st, fi])
+    order = np.argsort(t, kind="stable")
+    t = t[order]
+    in_flight = np.cumsum(np.concatenate([np.ones(len(st)), -np.ones(len(fi))])[order])
+    area = np.concatenate([[0.0], np.cumsum(in_flight[:-1] * np.diff(t))])
+    return (np.interp(fi, t, area) - np.interp(st, t, area)) / np.maximum(fi - st, 1e-9)
 
 
 def _loaded_rate(calls: list[CallRecord]) -> float:
     """Output tokens/s an engine delivered while two or more calls shared it (each call's tokens
     spread evenly over its span): its aggregate decode throughput under load."""
-    edges = sorted({c.started_at for c in calls} | {c.finished_at for c in calls})
-    tokens = seconds = 0.0
-    for a, b in zip(edges, edges[1:]):
-        active = [c for c in calls if c.started_at < b and c.finished_at > a]
-        if len(active) >= 2:
-            seconds += b - a
-            tokens += (b - a) * sum(len(c.output_ids) / (c.finished_at - c.started_at) for c in active)
+    changes = []
+    for c in calls:
+        rate = len(c.output_ids) / max(c.finished_at - c.started_at, 1e-9)
+        changes += [(c.started_at, 1, rate), (c.finished_at, -1, -rate)]
+    changes.sort(key=lambda x: (x[0], x[1]))  # ends before starts at the same instant
+    in_flight, rate, tokens, seconds, prev = 0, 0.0, 0.0, 0.0, None
+    for t, step, dr in changes:
+        if in_flight >= 2:
+            seconds += t - prev
+            tokens += (t - prev) * rate
+        in_flight, rate, prev = in_flight + step, rate + dr, t
     return tokens / seconds if seconds else 0.0
 
 
@@ -227,9 +232,11 @@ def measure_training(run: LiveRun, num_cells: int) -> dict:
     mean = float(np.mean(list(rates.values())))
     publish = [e.seconds for e in _of(run, "weight_publish")]
     ckpt = [e.seconds for e in _of(run, "checkpoint")]
+    if not publish or not ckpt:
+        raise CalibrationError(f"{run.run_dir}: events.jsonl has no weight_publish or no checkpoint event")
     return {
         "cell_train_tok_s": [round(rates.get(i, mean), 1) for i in range(num_cells)],
-        "optimizer_step_s": round((np.mean(publish) if publish else 0.0) + (np.mean(ckpt) if ckpt else 0.0), 3) or 1e-3,
+        "optimizer_step_s": round(float(np.mean(publish) + np.mean(ckpt)), 3),
     }
 
 
@@ -320,11 +327,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run = load_run(args.run_dir)
         overrides = make_overrides(run)
-    except CalibrationError as e:
+        sim = compose_sim(overrides, modes)
+    except (CalibrationError, ConfigError) as e:
         sys.exit(f"gyre.sim.calibrate: {e}")
     live = live_wall(run)
     print("overrides:\n  " + "\n  ".join(o if len(o) < 160 else o[:150] + " ...]" for o in overrides))
-    predicted = predict(compose_sim(overrides, modes))
+    predicted = predict(sim)
     mode = run.config["scheduler"]["mode"]
     print(f"live {mode}: {live['live_s']} s from the first execution to the last optimizer step "
           f"(not simulated: {live['startup_s']} s start-up before, {live['after_last_step_s']} s after)")
