@@ -112,9 +112,10 @@ def measure_workload(run: LiveRun) -> dict:
     growth per call, trained tokens per context token, the time budget and the excluded share.
 
     An execution's time outside model calls (harness start before its first call, tool calls
-    between calls, the harness's exit and the evaluation after its last) is split into one
-    sample per call: the gaps between calls, and start plus end as the last call's; the
-    simulator runs a call then its tool time, so each execution's sum is kept.
+    between calls, the harness's exit and the evaluation after its last) is spread evenly over
+    its calls, one sample per call: the simulator draws each segment's tool time on its own, and
+    a start-up drawn as one sample among the gaps would land in a random number of segments of
+    an execution (0, 1 or several) instead of once.
     """
     execs = _executions(run)
     calls_of = {e: run.records.get(e, []) for e in execs}
@@ -127,7 +128,8 @@ def measure_workload(run: LiveRun) -> dict:
         started = next(x.t for x in hist if x.state == "running")
         ended = run.ledger.outcome(e).t
         gaps = [max(0.0, b.started_at - a.finished_at) for a, b in zip(calls, calls[1:])]
-        tool += gaps + [max(0.0, calls[0].started_at - started) + max(0.0, ended - calls[-1].finished_at)]
+        outside = sum(gaps) + max(0.0, calls[0].started_at - started) + max(0.0, ended - calls[-1].finished_at)
+        tool += [outside / len(calls)] * len(calls)
         segments.append(len(calls))
         gen += [len(c.output_ids) for c in calls]
     all_calls = [c for e in with_calls for c in calls_of[e]]
@@ -150,7 +152,9 @@ def measure_workload(run: LiveRun) -> dict:
         "tool_s_samples": [round(t, 3) for t in tool],
         "context_tokens_per_segment": round(ctx, 1),
         "max_context_tokens": int(np.ceil(max(segments) * ctx)),  # the harness's compaction is in ctx
-        "train_token_factor": round(trained_tokens / (sum(len(calls_of[e]) for e in trained) * ctx), 4),
+        # the simulator excludes executions at random, so the factor keeps the run's trained tokens
+        # per step at its mean calls per execution (live, longer executions were trained more often)
+        "train_token_factor": round(trained_tokens / (len(trained) * float(np.mean(segments)) * ctx), 4),
         # the live cut-off is the budget plus the coordinator's poll; none cut off: the budget never bound
         "timeout_s": round(float(np.median(timed_out)) if timed_out else max(spans), 2),
         "excluded_fraction": round(1 - len(trained) / len(execs), 4),

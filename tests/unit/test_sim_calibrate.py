@@ -95,10 +95,11 @@ def test_overrides_reproduce_the_measured_workload(run_dir):
     ctx = (120 + 20 + 230 + 5 + 40 + 40) / 6  # new prompt + output tokens per call
     assert v["profile.segments_samples"] == "[2,2,1,1]"
     assert v["profile.gen_tokens_samples"] == "[20,10,30,5,40,40]"
-    # gaps between calls, then harness start + exit (and evaluation) as the last call's tool time
-    assert v["profile.tool_s_samples"] == "[2.0,2.9,0.5,1.0,2.0,2.0]"
+    # harness start + gaps between calls + exit and evaluation, spread evenly over each execution's calls
+    assert v["profile.tool_s_samples"] == "[2.45,2.45,0.75,0.75,2.0,2.0]"
     assert float(v["profile.context_tokens_per_segment"]) == round(ctx, 1)
-    assert float(v["profile.train_token_factor"]) == round(PACKED_TOKENS / (5 * ctx), 4)
+    # three executions trained, at the run's mean of 1.5 calls per execution
+    assert float(v["profile.train_token_factor"]) == round(PACKED_TOKENS / (3 * 1.5 * ctx), 4)
     assert float(v["profile.timeout_s"]) == 7.0
     assert float(v["profile.excluded_fraction"]) == 0.25
     assert (v["profile.groups_per_step"], v["profile.group_size"]) == ("1", "4")
@@ -119,7 +120,7 @@ def test_overrides_reproduce_the_measured_machine(run_dir):
 def test_overrides_compose_into_a_sim_config_that_runs(run_dir):
     run = load_run(run_dir)
     sim = compose_sim(make_overrides(run), ["elastic", "colocate"])
-    assert sim.preset.cell_train_tok_s == [300.0, 400.0, 350.0] and sim.profile.tool_s_samples[1] == 2.9
+    assert sim.preset.cell_train_tok_s == [300.0, 400.0, 350.0] and sim.profile.tool_s_samples[2] == 0.75
     assert sim.scheduler.min_dwell_s == SchedulerConfig().min_dwell_s and sim.num_steps == 1
     assert sim.preset.sessions_per_node(1.0) == 4  # the coordinator's sessions_per_cell, not the KV
     predicted = predict(sim)
