@@ -121,7 +121,7 @@ def measure_workload(run: LiveRun) -> dict:
     calls_of = {e: run.records.get(e, []) for e in execs}
     with_calls = [e for e in execs if calls_of[e]]
     if not with_calls:
-        raise CalibrationError(f"{run.run_dir}: no execution of the run's steps made a model call")
+        raise CalibrationError(f"{run.run_dir}: no execution made a model call")
     segments, gen, tool = [], [], []
     for e in with_calls:
         calls, hist = calls_of[e], run.ledger.history[e]
@@ -258,12 +258,13 @@ def live_wall(run: LiveRun) -> dict:
     and what it leaves out: start-up before it and the final checkpoint after."""
     first = min(x.t for h in run.ledger.history.values() for x in h if x.state == "running")
     last = max(e.t for e in _of(run, "optimizer_step"))
-    end = max([e.t for e in run.events])
+    end = max(e.t for e in run.events)
     return {"live_s": round(last - first, 1), "startup_s": round(first - run.config_written_at, 1),
             "after_last_step_s": round(end - last, 1)}
 
 
 def _fmt(value) -> str:
+    """A value in Hydra's override syntax."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, list):
