@@ -104,6 +104,9 @@ class PresetConfig:
     """Reload bandwidth from the offload tier to one node's GPUs, tokens/s."""
     max_sessions_per_node: int = 128
     """Engine batch limit: concurrent model calls per node even when KV is plentiful."""
+    live_sessions_per_node: int = 0
+    """Live executions a node serves at most, whatever its KV holds (a live coordinator's
+    sessions_per_cell per node); 0 = bounded by the GPU KV alone."""
     gen_tok_s_per_node: float = 4000.0
     """Aggregate decode throughput of one node at full load, tokens/s (memory-bound: measured,
     not derived from FLOPs)."""
@@ -167,7 +170,7 @@ class PresetConfig:
             require(getattr(self, key) > 0, key, f"must be > 0 (no capacity cannot run), got {getattr(self, key)}")
         for key in ("train_mfu", "prefill_mfu"):
             require(0 < getattr(self, key) <= 1, key, f"must be in (0, 1], got {getattr(self, key)}")
-        for key in ("host_kv_tokens_per_node", "train_tok_s_per_node", "prefill_tok_s_per_node", "optimizer_s",
+        for key in ("live_sessions_per_node", "host_kv_tokens_per_node", "train_tok_s_per_node", "prefill_tok_s_per_node", "optimizer_s",
                     "weight_gb", "optimizer_step_s", "attention_layers", "attention_dim"):
             require(getattr(self, key) >= 0, key, f"must be >= 0 (0 = derived or none), got {getattr(self, key)}")
         require(self.host_tier_scope in ("cluster", "rollout_pool"), "host_tier_scope",
@@ -188,8 +191,9 @@ class PresetConfig:
 
     def sessions_per_node(self, mean_context_tokens: float) -> int:
         """Live sessions a node's own GPUs keep at `mean_context_tokens` (>= 1); sessions in tool
-        calls hold no compute slot."""
-        return max(1, int(self.kv_tokens_per_node // max(1.0, mean_context_tokens)))
+        calls hold no compute slot; at most `live_sessions_per_node` when set."""
+        held = max(1, int(self.kv_tokens_per_node // max(1.0, mean_context_tokens)))
+        return min(held, self.live_sessions_per_node) if self.live_sessions_per_node else held
 
     def serving_tok_s_per_node(self, mean_context_tokens: float) -> float:
         """Decode a node sustains at `mean_context_tokens`: its throughput, unless the contexts

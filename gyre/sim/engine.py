@@ -294,6 +294,7 @@ class Simulation:
             if self.queue.batch_ready():
                 self._admit_batches()
                 self._consult()
+            self._maybe_optimize()
 
     def _hand_off(self, sc):
         """Move a leaving cell's sessions to the serving cells (proxy reroute; KV via the host tier)."""
@@ -366,6 +367,11 @@ class Simulation:
         if not sc.cell.is_core:
             sc.cell.leave_step()
         self._claim(sc)
+        self._maybe_optimize()
+
+    def _maybe_optimize(self):
+        """Start the core's optimizer step once the current step is complete: its last micro-step
+        ended, or its last group was excluded (a step whose every group is excluded has none)."""
         if self.queue.step_complete() and not self.optimizing:
             self.optimizing = True
             self._at(self.now + self.costs.optimizer_step_s, OPT_END, None)
@@ -380,6 +386,7 @@ class Simulation:
         self._admit_batches()
         self._consult()  # before claiming: colocate sends its cells back before they touch the next step
         self._claim_all()
+        self._maybe_optimize()
 
     # ---- roles ----------------------------------------------------------------------------
     def _on_tick(self, _obj, _token):

@@ -233,3 +233,11 @@ def test_measured_switch_phase_times_replace_the_shares():
     with pytest.raises(ConfigError) as err:
         validate_sim(compose("+phase_s.warp_drive=1"))
     assert err.value.key == "phase_s"
+
+
+@pytest.mark.parametrize("mode", ["elastic", "async", "colocate"])
+def test_a_step_whose_every_group_is_excluded_still_steps(mode):
+    """A live core steps over a batch with nothing to train (e.g. every group uniform); so must the sim."""
+    profile = replace(PROFILE, groups_per_step=2, group_size=2, excluded_fraction=0.9)
+    r = Simulation(profile, PRESET, SchedulerConfig(mode=mode), num_steps=6, tick_s=5.0).run()
+    assert len(r.step_times_s) == 6 and r.num_excluded > 6 * 2
