@@ -4,7 +4,10 @@ tiny model, local cells under CPU quotas) once per scheduler mode, one after ano
 Each mode runs `gyre-train` with the same seed, steps, staleness bound and cells; only
 `scheduler=` differs. The cells' CPU quotas make their compute a fixed budget like a GPU's, so
 wall time is the figure compared (the speedup of elastic over each baseline); the CPU-seconds the
-run's processes used (getrusage of the reaped children) are printed beside it.
+run's processes used (getrusage of the reaped children) are printed beside it. Then the simulator,
+calibrated on the first mode's run alone (gyre.sim.calibrate), predicts every mode, and each
+prediction is set against that mode's live time (first execution to last optimizer step: what
+the simulator models).
 
     PYTHONPATH=. python tools/bench/modes.py [--steps 10] [--modes elastic,async,colocate] [-- OVERRIDES...]
 """
@@ -17,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gyre.sim.calibrate import compose_sim, live_wall, load_run, make_overrides, predict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,12 +52,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gyre-modes-") as tmp:
         out = Path(a.out or tmp)
         results = {m: run_mode(m, a.steps, a.seed, out, a.overrides) for m in modes}
+        live = {m: live_wall(load_run(out / m))["live_s"] for m in modes}
+        predicted = predict(compose_sim(make_overrides(load_run(out / modes[0])), modes))
     print(f"{'mode':<10} {'wall_s':>7} {'cpu_s':>7} {'steps':>5} {'reward first3':>13} {'last3':>6} {'switches':>8}")
     for m, r in results.items():
         print(f"{m:<10} {r['wall_s']:>7} {r['cpu_s']:>7} {r['num_steps']:>5} {r.get('reward_first3', 0):>13.3f} "
               f"{r.get('reward_last3', 0):>6.3f} {r.get('num_role_switches', 0):>8}")  # fmt: skip
     report = {m: {k: r.get(k) for k in ("wall_s", "cpu_s", "num_steps", "reward_first3", "reward_last3",
                                         "num_role_switches", "executions")} for m, r in results.items()}  # fmt: skip
+    print(f"simulator calibrated on the {modes[0]} run:")
+    for m in modes:
+        report[m] |= {"live_s": live[m], "predicted_s": round(predicted[m], 1), "predicted_ratio": round(predicted[m] / live[m], 3)}
+        print(f"  {m:<10} live {live[m]:7.1f} s  predicted {predicted[m]:7.1f} s  ({predicted[m] / live[m]:.3f}x)")
     if "elastic" in results:
         for m in modes:
             if m != "elastic":
