@@ -16,7 +16,7 @@ from gyre.cells.spec import CellSpec
 from gyre.control.messages import PhaseDone, RoleSwitch
 from gyre.control.transport import Channel, ChannelTimeout
 from gyre.errors import GyreError
-from gyre.launch.serve import die_with_parent
+from gyre.common.serve import die_with_parent
 from gyre.scheduler.cells import Cell, Role
 
 

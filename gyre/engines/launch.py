@@ -14,7 +14,7 @@ import time
 
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
-from gyre.launch.serve import ChildServer, ChildServerError
+from gyre.common.serve import ChildServer, ChildServerError
 from gyre.models.config import ModelConfig
 
 

@@ -29,7 +29,7 @@ from gyre.engines.kv_transfer import KVExporter, import_kv_pages
 from gyre.engines.protocol import BadRequest, make_response, parse_generate
 from gyre.engines.scripted import ScriptedPolicy
 from gyre.errors import GyreError
-from gyre.launch.serve import serve_app
+from gyre.common.serve import serve_app
 from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer, HFTokenizer, has_hf_tokenizer

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from gyre.config import register_configs, validate
 from gyre.engines.server import serve
 from gyre.errors import ConfigError
-from gyre.launch.train import CONF_DIR
+from gyre.common import CONF_DIR
 
 register_configs()
 

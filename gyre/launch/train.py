@@ -15,11 +15,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from gyre.common import CONF_DIR
 from gyre.config import GyreConfig, register_configs, validate
 from gyre.errors import ConfigError, GyreError
 from gyre.tasks.spec import TaskSet, toy_taskset
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # package data: works installed, not only editable
 
 register_configs()
 

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from gyre.launch.serve import ChildServer, serve_app
+from gyre.common.serve import ChildServer, serve_app
 from gyre.models.tokenizer import ByteTokenizer, HFTokenizer
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.server import ProxyServer

@@ -31,7 +31,7 @@ class ProxyWorkers:
                                                          worker_index=i), startup_timeout_s) for i in range(num_workers)]  # fmt: skip
 
     def start(self) -> "ProxyWorkers":
-        try:  # from this thread: a child dies with the thread that spawned it (launch.serve.die_with_parent)
+        try:  # from this thread: a child dies with the thread that spawned it (common.serve.die_with_parent)
             for w in self.workers:
                 w.start()
         except BaseException:

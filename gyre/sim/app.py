@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gyre.errors import ConfigError
-from gyre.launch.train import CONF_DIR
+from gyre.common import CONF_DIR
 from gyre.metrics.plots import draw_timelines
 from gyre.sim.config import SimConfig
 from gyre.sim.report import format_compare, format_labels, format_modes, format_sensitivity, timeline_panels

@@ -305,7 +305,7 @@ def compose_sim(overrides: list[str], modes: list[str]):
     """
     import hydra
 
-    from gyre.launch.train import CONF_DIR
+    from gyre.common import CONF_DIR
     from gyre.sim.app import validate_sim
 
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

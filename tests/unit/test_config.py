@@ -8,9 +8,11 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from gyre.config import GyreConfig, validate
+from gyre.common import CONF_DIR
+from gyre.config import GyreConfig, register_configs, validate
 from gyre.errors import ConfigError
-from gyre.launch.train import CONF_DIR
+
+register_configs()
 
 
 def compose(*overrides: str):

@@ -124,10 +124,11 @@ def test_unsupported_architectures_fail_naming_the_field(change, field):
 def test_sglang_launch_serves_the_model_groups_directory(qwen3):
     import hydra
 
-    from gyre.config import validate
+    from gyre.common import CONF_DIR
+    from gyre.config import register_configs, validate
     from gyre.engines.launch import make_sglang_command
-    from gyre.launch.train import CONF_DIR
 
+    register_configs()
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         composed = hydra.compose(config_name="config", overrides=["engine=sglang", "model=hf", f"model.path={qwen3}", "engine.mooncake_master=10.0.0.1:50051"])
     cfg = validate(composed)

@@ -9,7 +9,7 @@ import hydra
 import pytest
 
 from gyre.errors import ConfigError
-from gyre.launch.train import CONF_DIR
+from gyre.common import CONF_DIR
 from gyre.scheduler.config import SchedulerConfig
 from gyre.sim.app import validate_sim
 from gyre.sim.config import PresetConfig, ProfileConfig

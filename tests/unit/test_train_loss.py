@@ -133,9 +133,10 @@ def test_structural_faults_reject_the_whole_batch(make, match):
 def test_trainer_group_composes_and_names_bad_keys():
     import hydra
 
-    from gyre.config import validate
-    from gyre.launch.train import CONF_DIR
+    from gyre.common import CONF_DIR
+    from gyre.config import register_configs, validate
 
+    register_configs()
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         good = validate(hydra.compose(config_name="config"))
         bad = hydra.compose(config_name="config", overrides=["trainer.num_grad_slots=0"])

@@ -40,7 +40,7 @@ import aiohttp
 import orjson
 import psutil
 
-from gyre.launch.serve import ChildServer, serve_app
+from gyre.common.serve import ChildServer, serve_app
 from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer, HFTokenizer
 from gyre.proxy.config import ProxyConfig
 

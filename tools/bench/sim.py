@@ -13,9 +13,9 @@ from pathlib import Path
 
 import hydra
 
+from gyre.common import CONF_DIR
 from gyre.sim.app import validate_sim
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "gyre" / "conf")
 TARGET_S = 30.0
 
 
