@@ -1,15 +1,27 @@
-"""submitit against the real dev Slurm cluster (tools/slurm-dev): results, het jobs, cancellations."""
+"""submitit and Gyre runs against the real dev Slurm cluster (tools/slurm-dev): het jobs, requeues, limits."""
 
+import json
+import subprocess
 import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import submitit
 
+from gyre.coordinator.ledger import read_ledger
 from gyre.launch.config import ClusterConfig
 from gyre.launch.environment import current_placement
-from gyre.launch.slurm import make_cells_executor
+from gyre.launch.slurm import make_cell_components, make_hetjob_executor
+from tests.integration.test_coordinator import _events, _finish, _gyre_train, _taskset
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
+
+# The issue's shape on the dev cluster: a coordinator node + 3 cells of 8 fake nodes (25 of 32),
+# each node asking for little, so CI jobs of the main checkout can share the cluster.
+DEV = ["cluster.backend=slurm", "cluster.num_cells=3", "cluster.cell_nodes=8", "cluster.cpus_per_node=1",
+       "cluster.mem_gb_per_node=1", "cluster.coordinator_cpus=1", "cluster.coordinator_mem_gb=2",
+       "cluster.time_limit_min=20"]
 
 
 def test_autoexecutor_returns_a_result(tmp_path):
@@ -22,7 +34,7 @@ def test_autoexecutor_returns_a_result(tmp_path):
 def test_hetjob_runs_one_task_per_cell(tmp_path):
     cluster = ClusterConfig(backend="slurm", num_cells=2, cell_nodes=2, cpus_per_node=1, mem_gb_per_node=1,
                             time_limit_min=5)
-    submitted = make_cells_executor(cluster, tmp_path, tasks_per_node=1).submit(current_placement)
+    submitted = make_hetjob_executor(cluster, make_cell_components(cluster), tmp_path).submit(current_placement)
     # submitit counts only the first component's tasks; the step has one task per node of every cell.
     job = submitit.SlurmJob(folder=tmp_path, job_id=submitted.job_id, tasks=range(cluster.num_nodes))
     placements = [job.task(rank).result() for rank in range(cluster.num_nodes)]
@@ -45,3 +57,88 @@ def test_cancelled_job_is_reported_failed(tmp_path):
     with pytest.raises(submitit.core.utils.UncompletedJobError):
         job.result()
     assert job.state.startswith("CANCELLED")
+
+
+# ---- gyre-train cluster.backend=slurm ------------------------------------------------------------
+def _components(job_id: str) -> dict[str, str]:
+    """Het component -> its nodes, from accounting (the latest run of a requeued job)."""
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "jobid,nodelist"], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    return dict(line.split("|") for line in out.split())
+
+
+def _first_running_t(run_dir: Path, after_t: float = 0.0) -> float:
+    view = read_ledger(run_dir / "ledger.jsonl")
+    return min(e.t for es in view.history.values() for e in es if e.state == "running" and e.t > after_t)
+
+
+def _check_ledger(run_dir: Path, num_steps: int) -> Counter:
+    """Every execution reached an outcome; none trained twice; every step trained something."""
+    view = read_ledger(run_dir / "ledger.jsonl")
+    assert view.num_torn == 0
+    assert all(view.outcome(eid) is not None for eid in view.history)
+    trained = Counter(e.execution_id for es in view.history.values() for e in es if e.state == "trained")
+    assert trained and max(trained.values()) == 1
+    assert {e.step for es in view.history.values() for e in es if e.state == "trained"} == set(range(num_steps))
+    return trained
+
+
+@pytest.mark.timeout(1200)
+def test_two_step_run_goes_through_one_het_job(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = _finish(_gyre_train(run_dir, _taskset(tmp_path), "num_steps=2", *DEV), timeout_s=1100)
+
+    assert summary["num_steps"] == 2 and summary["cpu_quota"]["mechanism"] == "slurm"
+    job = json.loads((run_dir / "slurm" / "job.json").read_text())
+    assert summary["cpu_quota"]["job_id"] == job["job_id"] and summary["cpu_quota"]["restart_count"] == 0
+    components = _components(job["job_id"])
+    assert sorted(components) == [f"{job['job_id']}+{k}" for k in range(4)], components
+    assert len(set(components.values())) == 4, "each component on its own nodes"
+    for k in range(3):  # every cell's leader got its spec from the coordinator and did not fail
+        assert (run_dir / "slurm" / f"cell{k}.r0.json").exists()
+        assert not (run_dir / "slurm" / f"cell{k}.r0.failed").exists()
+    _check_ledger(run_dir, 2)
+    assert (run_dir / "checkpoints" / "step_00000002").is_dir()
+    assert summary["num_role_switches"] >= 1  # the satellites' leaders switched roles over the channel
+    print(f"submission to first rollout: {_first_running_t(run_dir) - job['submitted_t']:.1f} s")
+
+
+def _wait_for(what: str, proc: subprocess.Popen, condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"gyre-train ended waiting for {what}: {proc.stdout.read()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(1500)
+def test_usr2_mid_step_checkpoints_requeues_and_resumes_to_the_same_step_count(tmp_path):
+    run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
+    proc = _gyre_train(run_dir, tasks, "num_steps=3", *DEV)
+    job_file = run_dir / "slurm" / "job.json"
+    _wait_for("step-1 checkpoint", proc, lambda: (run_dir / "events.jsonl").exists() and any(
+        e["step"] == 1 for e in _events(run_dir, "checkpoint")), 900)
+    job_id = json.loads(job_file.read_text())["job_id"]
+    signal_t = time.time()
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # every step's tasks, as Slurm's preemption warning
+    before = read_ledger(run_dir / "ledger.jsonl")
+    saved = {e["step"]: e["weights_digest"] for e in _events(run_dir, "checkpoint")}
+
+    summary = _finish(proc, timeout_s=1300)
+    assert summary["num_steps"] == 3
+    assert summary["cpu_quota"] == {"mechanism": "slurm", "job_id": job_id, "restart_count": 1}
+    preempted = json.loads((run_dir / "slurm" / "preempted.r0.json").read_text())
+    assert preempted["signal_t"] >= signal_t
+    starts = _events(run_dir, "run_start")
+    assert len(starts) == 2 and starts[1]["start_step"] >= 1
+    assert starts[1]["weights_digest"] == saved[starts[1]["start_step"]]  # resumed from the checkpoint
+    trained = _check_ledger(run_dir, 3)
+    view = read_ledger(run_dir / "ledger.jsonl")
+    for eid in before.history:  # nothing queued before the signal was lost: it has an outcome or a re-run
+        if view.outcome(eid).reason == "interrupted":
+            assert view.outcome(f"{eid}.r1") is not None and f"{eid}" not in trained
+    assert (run_dir / "checkpoints" / "step_00000003").is_dir()
+    print(f"signal to checkpointed and closed: {preempted['closed_t'] - preempted['signal_t']:.1f} s; "
+          f"requeue call: {preempted['requeue_t'] - preempted['closed_t']:.1f} s; "
+          f"requeue to resumed coordinator: {starts[1]['t'] - preempted['requeue_t']:.1f} s; "
+          f"resume to first rollout: {_first_running_t(run_dir, starts[1]['t']) - starts[1]['t']:.1f} s")
