@@ -1,6 +1,7 @@
 """submitit and Gyre runs against the real dev Slurm cluster (tools/slurm-dev): het jobs, requeues, limits."""
 
 import json
+import os
 import subprocess
 import time
 from collections import Counter
@@ -65,6 +66,13 @@ def _components(job_id: str) -> dict[str, str]:
     out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "jobid,nodelist"], capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
     return dict(line.split("|") for line in out.split())
+
+
+def _latest_start_t(job_id: str) -> float:
+    """When the job's latest run started (after a requeue: the restart), from accounting."""
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "start"], capture_output=True, text=True,
+                         check=True).stdout.split()[0]  # fmt: skip
+    return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
 
 
 def _first_running_t(run_dir: Path, after_t: float = 0.0) -> float:
@@ -138,7 +146,39 @@ def test_usr2_mid_step_checkpoints_requeues_and_resumes_to_the_same_step_count(t
         if view.outcome(eid).reason == "interrupted":
             assert view.outcome(f"{eid}.r1") is not None and f"{eid}" not in trained
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
+    restarted_t = _latest_start_t(job_id)
     print(f"signal to checkpointed and closed: {preempted['closed_t'] - preempted['signal_t']:.1f} s; "
-          f"requeue call: {preempted['requeue_t'] - preempted['closed_t']:.1f} s; "
-          f"requeue to resumed coordinator: {starts[1]['t'] - preempted['requeue_t']:.1f} s; "
-          f"resume to first rollout: {_first_running_t(run_dir, starts[1]['t']) - starts[1]['t']:.1f} s")
+          f"requeue to the job running again: {restarted_t - preempted['requeue_t']:.1f} s; "
+          f"then to cells ready (run_start): {starts[1]['t'] - restarted_t:.1f} s; "
+          f"then to first rollout: {_first_running_t(run_dir, starts[1]['t']) - starts[1]['t']:.1f} s")
+
+
+@pytest.fixture
+def small_partition():
+    """A real partition of 4 nodes and a 5-minute limit, made for this test and deleted after it."""
+    name = f"gyre-small-{os.getpid()}"
+    subprocess.run(["scontrol", "create", f"PartitionName={name}", "Nodes=n[1-4]", "MaxTime=5", "State=UP"],
+                   check=True)  # fmt: skip
+    yield name
+    subprocess.run(["scontrol", "delete", f"PartitionName={name}"], check=True)
+
+
+@pytest.mark.parametrize("overrides, key, says", [
+    pytest.param(["cluster.partition=no-such-partition"], "cluster.partition", "not found", id="unknown-partition"),
+    pytest.param(["cluster.num_cells=2", "cluster.cell_nodes=2"], "cluster.num_cells", "has 4", id="more-nodes"),
+    pytest.param(["cluster.num_cells=1", "cluster.cell_nodes=1", "cluster.time_limit_min=6"], "cluster.time_limit_min",
+                 "MaxTime of 5 min",
+                 id="time-above-max"),
+    pytest.param(["cluster.allocation_nodes=3", "cluster.cell_nodes=2"], "cluster.cell_nodes", "do not divide",
+                 id="cell-does-not-divide"),
+])
+def test_bad_cluster_config_fails_before_submitting(tmp_path, small_partition, overrides, key, says):
+    run_dir = tmp_path / "run"
+    partition = [] if "partition" in overrides[0] else [f"cluster.partition={small_partition}"]
+    keys = {o.split("=")[0] for o in overrides}
+    fits = {**dict(o.split("=") for o in DEV), "cluster.time_limit_min": "5"}  # the partition's limit
+    dev = [f"{k}={v}" for k, v in fits.items() if k not in keys]
+    proc = _gyre_train(run_dir, _taskset(tmp_path), *dev, *partition, *overrides)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and f"invalid config: {key}:" in out and says in out, out[-2000:]
+    assert not (run_dir / "slurm" / "job.json").exists(), "nothing may be submitted"
