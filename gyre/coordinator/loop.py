@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gyre.control.messages import CheckpointDone, Failure, PhaseDone, RoleDone, StepDone, StepProgress
 from gyre.config import GyreConfig
+from gyre.cells.base import CellError
 from gyre.coordinator.build import Parts, build, close
 from gyre.coordinator.ledger import ExecutionLedger, read_ledger
 from gyre.coordinator.replay import ReplaySource
@@ -72,8 +73,7 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
             now = time.time()
             preempting = preempt is not None and preempt.is_set()
             for cell in parts.cells:
-                cell.check_alive()
-                for msg in cell.messages():
+                for msg in _poll(cell, parts, events, now):
                     await _on_message(msg, cell, parts, train, source, events, cfg, num_steps, now, preempting)
             if preempting and not train.uncheckpointed:
                 raise Preempted(f"preempted at weight version {train.version}, its checkpoint complete")
@@ -118,6 +118,25 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
             await close(parts)
         ledger.close()
         events.close()
+
+
+def _poll(cell, parts: Parts, events: RunEvents, now: float) -> list:
+    """A cell's new messages. A satellite that died is marked lost and the run goes on without it (the
+    proxy's health check reroutes its sessions, the core takes back its micro-steps); losing the core
+    ends the run, which resumes from its checkpoint."""
+    if cell.state.role == Role.LOST:
+        return []
+    try:
+        cell.check_alive()
+        return cell.messages()
+    except CellError as e:
+        if cell is parts.core:
+            raise
+        log.warning("cell %d lost: %s", cell.index, e)
+        cell.state.lose(now)
+        events.failure(f"cell{cell.index}", f"lost: {str(e)[:2000]}")
+        cell.stop()
+        return []
 
 
 def _finished(mode: str, num_steps: int, train: Training, source) -> bool:

@@ -2,7 +2,9 @@
 
 import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,7 +16,7 @@ from gyre.coordinator.ledger import read_ledger
 from gyre.launch.config import ClusterConfig
 from gyre.launch.environment import current_placement
 from gyre.launch.slurm import make_cell_components, make_hetjob_executor
-from tests.integration.test_coordinator import _events, _finish, _gyre_train, _taskset
+from tests.integration.test_coordinator import OVERRIDES, ROOT, _events, _finish, _gyre_train, _taskset
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 
@@ -182,3 +184,59 @@ def test_bad_cluster_config_fails_before_submitting(tmp_path, small_partition, o
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0 and f"invalid config: {key}:" in out and says in out, out[-2000:]
     assert not (run_dir / "slurm" / "job.json").exists(), "nothing may be submitted"
+
+
+def _task_pids(job_id: str, rank: int) -> list[int]:
+    """Processes of one task of a job step: those whose environment says this job and this rank."""
+    want, pids = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}, []
+    for proc in Path("/proc").iterdir():
+        try:
+            env = set((proc / "environ").read_bytes().split(b"\0"))
+        except (OSError, ValueError):
+            continue
+        if proc.name.isdigit() and want <= env:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.timeout(1200)
+def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _gyre_train(run_dir, _taskset(tmp_path), "num_steps=3", *DEV)
+    _wait_for("step-1 checkpoint", proc, lambda: (run_dir / "events.jsonl").exists() and any(
+        e["step"] == 1 for e in _events(run_dir, "checkpoint")), 900)
+    job_id = json.loads((run_dir / "slurm" / "job.json").read_text())["job_id"]
+    rank = 1 + 2 * 8  # cell 2's leader: the first task of component 3 (1 coordinator task, 8 per cell)
+    pids = _task_pids(job_id, rank)
+    assert len(pids) >= 2, "the leader and its engine"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+    summary = _finish(proc, timeout_s=1100)
+    assert summary["num_steps"] == 3
+    lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
+    assert len(lost) == 1 and "lost" in lost[0]["message"]
+    assert not [e for e in _events(run_dir, "failure") if e["component"] != "cell2"]
+    _check_ledger(run_dir, 3)
+    assert (run_dir / "checkpoints" / "step_00000003").is_dir()
+
+
+@pytest.mark.timeout(1800)
+def test_a_three_job_sweep_over_modes_runs_each_as_its_own_het_job(tmp_path):
+    """`gyre-train -m` with Hydra's basic launcher: each job submits its own het job and waits for it."""
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "gyre.launch.train", "-m", f"hydra.sweep.dir={sweep_dir}",
+           f"tasks.path={_taskset(tmp_path)}", *OVERRIDES, "scheduler=elastic,async,colocate", "num_steps=1", *DEV]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=1700)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [s["num_steps"] for s in summaries] == [1, 1, 1]
+    jobs = set()
+    for num, mode in enumerate(["elastic", "async", "colocate"]):
+        run_dir = sweep_dir / str(num)
+        assert _events(run_dir, "run_start")[0]["mode"] == mode
+        _check_ledger(run_dir, 1)
+        jobs.add(json.loads((run_dir / "slurm" / "job.json").read_text())["job_id"])
+    assert len(jobs) == 3
