@@ -7,6 +7,7 @@ channel and the role protocol are the same for all.
 """
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 from gyre.cells.spec import CellSpec
 from gyre.control.messages import PhaseDone, RoleSwitch
@@ -75,3 +76,19 @@ class BaseCell(ABC):
     def on_phase(self, msg: PhaseDone, now_s: float) -> None:
         """A phase of the switch is over: the state machine moves to the next (or to the new role)."""
         self.state.next_phase(now_s)
+
+
+class CellLauncher(Protocol):
+    """Makes a run's cells for one backend (gyre.cells.local.LocalLauncher, gyre.cells.slurm.SlurmLauncher)."""
+
+    host: str
+    """Address the coordinator's listener binds and leaders are told (local: loopback; Slurm: this node)."""
+
+    def proxy_host(self, configured: str) -> str:
+        """The address the proxy binds, given `proxy.host`."""
+
+    def make_cell(self, spec: CellSpec, state: Cell) -> BaseCell:
+        """The cell for `spec` (not started)."""
+
+    def describe(self) -> dict:
+        """How cells were placed, for the run's summary (`cpu_quota`)."""

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre.cells.base import BaseCell, CellError
+from gyre.cells.base import BaseCell, CellError, CellLauncher
 from gyre.cells.local import LocalLauncher
 from gyre.cells.spec import CellSpec
 from gyre.config import GyreConfig
@@ -47,8 +47,8 @@ class Parts:
     run_dir: Path
     proxy: ProxyProcess
     admin: ProxyAdmin
-    launcher: object = None
-    """LocalLauncher or SlurmLauncher: makes the cells, says how they were placed."""
+    launcher: CellLauncher | None = None
+    """Makes the cells (local processes or this job's Slurm tasks), says how they were placed."""
     cells: list[BaseCell] = field(default_factory=list)
     policy: BasePolicy | None = None
     listener: Listener | None = None
@@ -61,7 +61,7 @@ class Parts:
         return self.cells[0]
 
 
-def make_launcher(cfg: GyreConfig, run_dir: Path):
+def make_launcher(cfg: GyreConfig, run_dir: Path) -> CellLauncher:
     """The launcher of `cfg.cluster.backend`; the Slurm one only inside the run's het job (gyre.launch.job)."""
     if cfg.cluster.backend == "local":
         return LocalLauncher(run_dir, cfg.coordinator.cpus_per_cell, cfg.cluster.bind_host)
@@ -75,8 +75,9 @@ async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
     """Start every process of a run; on failure whatever started is stopped and the error raised."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     launcher = make_launcher(cfg, run_dir)
-    proxy_cfg = dataclasses.replace(cfg.proxy, host=launcher.proxy_host(cfg.proxy.host), records_dir=str(run_dir / "records"),
-                                    events_dir=str(run_dir), vocab_size=cfg.model.vocab_size)
+    proxy_cfg = dataclasses.replace(cfg.proxy, host=launcher.proxy_host(cfg.proxy.host),
+                                    records_dir=str(run_dir / "records"), events_dir=str(run_dir),
+                                    vocab_size=cfg.model.vocab_size)  # fmt: skip
     proxy = ProxyProcess(proxy_cfg).start()
     parts = Parts(run_dir, proxy, await ProxyAdmin(proxy.url, proxy.admin_token).__aenter__(), launcher)
     try:

@@ -147,8 +147,9 @@ def check_fits(cluster: ClusterConfig, limits: PartitionLimits) -> None:
     if limits.state != "UP":
         raise SlurmConfigError("cluster.partition", f"{where} is {limits.state}, not UP")
     if nodes > limits.total_nodes:
-        raise SlurmConfigError("cluster.num_cells", f"{cluster.num_cells} cells x cluster.cell_nodes={cluster.cell_nodes} "
-                               f"+ 1 coordinator node = {nodes} nodes; {where} has {limits.total_nodes}")
+        raise SlurmConfigError("cluster.num_cells", f"{cluster.num_cells} cells x cluster.cell_nodes="
+                               f"{cluster.cell_nodes} + 1 coordinator node = {nodes} nodes; {where} has "
+                               f"{limits.total_nodes}")
     if limits.max_nodes is not None and cluster.cell_nodes > limits.max_nodes:
         raise SlurmConfigError("cluster.cell_nodes", f"{cluster.cell_nodes} nodes per cell exceed {where}'s "
                                f"MaxNodes={limits.max_nodes}")

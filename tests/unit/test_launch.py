@@ -2,7 +2,6 @@
 limits parsed and checked, and the preemption signal kept from children."""
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
