@@ -1,50 +1,28 @@
-"""The coordinator's side of local cells: spawn each cell leader, hold its channel and role state.
-
-A cell's role state machine (`gyre.scheduler.cells.Cell`) lives here, advanced by the phases its
-leader reports, so the policy always sees what the cell is really doing.
-"""
+"""Local cells: each cell leader a child process of the coordinator, under a fixed CPU quota."""
 
 import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from gyre.cells.quota import CpuQuota
+from gyre.cells.base import BaseCell, CellError
+from gyre.cells.quota import CpuQuota, make_quota
 from gyre.cells.spec import CellSpec
-from gyre.control.messages import PhaseDone, RoleSwitch
-from gyre.control.transport import Channel, ChannelTimeout
-from gyre.errors import GyreError
 from gyre.common.serve import die_with_parent
-from gyre.scheduler.cells import Cell, Role
+from gyre.scheduler.cells import Cell
+
+LOCAL_HOST = "127.0.0.1"
+"""Every process of a local run is on this machine: loopback unless cluster.bind_host says otherwise."""
 
 
-class CellError(GyreError):
-    """A cell leader died or failed to start; carries the tail of its log."""
+class LocalCell(BaseCell):
+    """One cell whose leader is a child process here, its log in `log_path`, held to `quota`."""
 
-
-@dataclass
-class LocalCell:
-    """One cell: its leader process, channel, quota and role state."""
-
-    spec: CellSpec
-    state: Cell
-    log_path: Path
-    quota: CpuQuota
-    proc: subprocess.Popen | None = None
-    channel: Channel | None = None
-    engine_url: str = ""
-    engine_version: int = -1
-    """Weight version its engine serves (after the last load or push)."""
-
-    @property
-    def index(self) -> int:
-        return self.spec.index
-
-    @property
-    def engine_id(self) -> str:
-        return f"cell{self.index}"
+    def __init__(self, spec: CellSpec, state: Cell, log_path: Path, quota: CpuQuota):
+        super().__init__(spec, state)
+        self.log_path, self.quota = log_path, quota
+        self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         env = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -58,26 +36,6 @@ class LocalCell:
             tail = self.log_path.read_text(errors="replace")[-3000:]
             raise CellError(f"cell {self.index}'s leader exited with code {self.proc.returncode}; log tail:\n{tail}")
 
-    def begin_switch(self, target: Role, now_s: float, weights: dict | None, core_address: str) -> None:
-        """Start a role switch: the state machine first (it refuses what is not allowed), then the leader."""
-        self.state.begin_switch(target, now_s)
-        if target == Role.ROLLOUT and weights is not None:
-            self.engine_version = weights["version"]  # what its engine loads in the switch's load_weights phase
-        self.channel.send(RoleSwitch(self.index, target.value, weights, core_address))
-
-    def messages(self) -> list:
-        """What the leader sent since the last call (non-blocking)."""
-        out = []
-        while True:
-            try:
-                out.append(self.channel.recv(timeout_s=0))
-            except ChannelTimeout:
-                return out
-
-    def on_phase(self, msg: PhaseDone, now_s: float) -> None:
-        """A phase of the switch is over: the state machine moves to the next (or to the new role)."""
-        self.state.next_phase(now_s)
-
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.channel is not None:
             self.channel.close()  # the leader sees EOF, stops its engine and exits
@@ -89,3 +47,25 @@ class LocalCell:
                 self.proc.kill()
                 self.proc.wait()
         self.quota.remove()
+
+
+class LocalLauncher:
+    """Makes local cells: loopback addresses, one cgroup quota of `cpus_per_cell` CPUs per cell."""
+
+    def __init__(self, run_dir: Path, cpus_per_cell: float, bind_host: str | None = None):
+        self.run_dir, self.cpus_per_cell = run_dir, cpus_per_cell
+        self.host = bind_host or LOCAL_HOST
+        self.mechanism = "none"
+
+    def proxy_host(self, configured: str) -> str:
+        """The proxy binds what proxy.host says: every caller is on this machine."""
+        return configured
+
+    def make_cell(self, spec: CellSpec, state: Cell) -> LocalCell:
+        quota = make_quota(f"gyre-{os.getpid()}-cell{state.index}", self.cpus_per_cell, state.index)
+        self.mechanism = quota.mechanism
+        return LocalCell(spec, state, self.run_dir / "logs" / f"cell{state.index}.log", quota)
+
+    def describe(self) -> dict:
+        """How cells were placed, for the run's summary."""
+        return {"mechanism": self.mechanism, "cpus_per_cell": self.cpus_per_cell}

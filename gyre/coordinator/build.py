@@ -5,17 +5,19 @@
     close: sandboxes killed ─> leaders stopped (their engines with them) ─> proxy stopped
 
 Everything started here is stopped by `close`, also after a failure half way through `build`.
+Where leaders run is the launcher's business (`cluster.backend`): local child processes
+(gyre.cells.local) or the tasks of the het job this coordinator runs in (gyre.cells.slurm);
+both hand out cells with one interface (gyre.cells.base.BaseCell).
 """
 
 import asyncio
 import dataclasses
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre.cells.local import CellError, LocalCell
-from gyre.cells.quota import make_quota
+from gyre.cells.base import BaseCell, CellError, CellLauncher
+from gyre.cells.local import LocalLauncher
 from gyre.cells.spec import CellSpec
 from gyre.config import GyreConfig
 from gyre.control.messages import CellReady
@@ -45,7 +47,9 @@ class Parts:
     run_dir: Path
     proxy: ProxyProcess
     admin: ProxyAdmin
-    cells: list[LocalCell] = field(default_factory=list)
+    launcher: CellLauncher | None = None
+    """Makes the cells (local processes or this job's Slurm tasks), says how they were placed."""
+    cells: list[BaseCell] = field(default_factory=list)
     policy: BasePolicy | None = None
     listener: Listener | None = None
     core_address: str = ""
@@ -53,17 +57,29 @@ class Parts:
     """The core's CellReady: its step (weight version) and published weights."""
 
     @property
-    def core(self) -> LocalCell:
+    def core(self) -> BaseCell:
         return self.cells[0]
 
 
+def make_launcher(cfg: GyreConfig, run_dir: Path) -> CellLauncher:
+    """The launcher of `cfg.cluster.backend`; the Slurm one only inside the run's het job (gyre.launch.job)."""
+    if cfg.cluster.backend == "local":
+        return LocalLauncher(run_dir, cfg.coordinator.cpus_per_cell, cfg.cluster.bind_host)
+    from gyre.cells.slurm import SlurmLauncher
+    from gyre.launch.environment import current_placement
+
+    return SlurmLauncher(run_dir / "slurm", current_placement(), cfg.cluster.bind_host)
+
+
 async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
-    """Start every process of a local run; on failure whatever started is stopped and the error raised."""
+    """Start every process of a run; on failure whatever started is stopped and the error raised."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    proxy_cfg = dataclasses.replace(cfg.proxy, records_dir=str(run_dir / "records"), events_dir=str(run_dir),
-                                    vocab_size=cfg.model.vocab_size)
+    launcher = make_launcher(cfg, run_dir)
+    proxy_cfg = dataclasses.replace(cfg.proxy, host=launcher.proxy_host(cfg.proxy.host),
+                                    records_dir=str(run_dir / "records"), events_dir=str(run_dir),
+                                    vocab_size=cfg.model.vocab_size)  # fmt: skip
     proxy = ProxyProcess(proxy_cfg).start()
-    parts = Parts(run_dir, proxy, await ProxyAdmin(proxy.url, proxy.admin_token).__aenter__())
+    parts = Parts(run_dir, proxy, await ProxyAdmin(proxy.url, proxy.admin_token).__aenter__(), launcher)
     try:
         await _start_cells(cfg, parts, resume)
         await _register_engines(parts)
@@ -77,17 +93,16 @@ async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
     n = cfg.cluster.num_cells
     parts.policy = RolloutOnlyPolicy(cfg.scheduler, n) if cfg.mode == "rollout" else make_policy(cfg.scheduler, n)
     roles = parts.policy.initial_roles()
-    parts.listener = listen("tcp", "127.0.0.1")
+    parts.listener = listen("tcp", parts.launcher.host)
     address = parts.listener.address
     for state, role in zip(make_cells(n, cfg.cluster.cell_nodes), roles):
         state.role = role
         spec = CellSpec(index=state.index, role=role.value, model=cfg.model, trainer=cfg.trainer, engine=cfg.engine,
-                        seed=cfg.seed, host="127.0.0.1", coordinator_address=address, proxy_url=parts.proxy.url,
+                        seed=cfg.seed, host=parts.launcher.host, coordinator_address=address, proxy_url=parts.proxy.url,
                         proxy_admin_token=parts.proxy.admin_token, checkpoint_dir=str(parts.run_dir / "checkpoints"),
                         run_dir=str(parts.run_dir),
                         init_weights=cfg.coordinator.init_weights, resume=resume)  # fmt: skip
-        quota = make_quota(f"gyre-{os.getpid()}-cell{state.index}", cfg.coordinator.cpus_per_cell, state.index)
-        cell = LocalCell(spec, state, parts.run_dir / "logs" / f"cell{state.index}.log", quota)
+        cell = parts.launcher.make_cell(spec, state)
         parts.cells.append(cell)
         cell.start()
     await asyncio.to_thread(_accept_cells, parts, cfg.coordinator.cell_start_timeout_s)

@@ -11,11 +11,13 @@ scheduler's pure policy over gyre.scheduler.observe.make_observation.
 
 import asyncio
 import logging
+import threading
 import time
 from pathlib import Path
 
 from gyre.control.messages import CheckpointDone, Failure, PhaseDone, RoleDone, StepDone, StepProgress
 from gyre.config import GyreConfig
+from gyre.cells.base import CellError
 from gyre.coordinator.build import Parts, build, close
 from gyre.coordinator.ledger import ExecutionLedger, read_ledger
 from gyre.coordinator.replay import ReplaySource
@@ -35,8 +37,18 @@ class RunFailed(GyreError):
     """A cell reported a failure the run cannot continue from."""
 
 
-async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = False) -> dict:
-    """Run `cfg.num_steps` RL steps into `run_dir` (cfg.mode: train, replay or rollout); returns the summary."""
+class Preempted(GyreError):
+    """The run stopped on a preemption signal with every finished step checkpointed: resume continues it."""
+
+
+async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = False,
+              preempt: threading.Event | None = None) -> dict:  # fmt: skip
+    """Run `cfg.num_steps` RL steps into `run_dir` (cfg.mode: train, replay or rollout); returns the summary.
+
+    Once `preempt` is set, the next finished step is checkpointed even off `checkpoint_every_steps`,
+    and the loop raises Preempted as soon as no finished step is left uncheckpointed (the step in
+    progress is given up: resume re-runs it from the ledger). Everything is closed on the way out.
+    """
     t_start, c = time.time(), cfg.coordinator
     view = read_ledger(run_dir / "ledger.jsonl")
     ledger, events = ExecutionLedger(run_dir / "ledger.jsonl"), RunEvents(run_dir, cfg)
@@ -59,10 +71,12 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
         num_steps = min(cfg.num_steps, getattr(source, "num_steps", cfg.num_steps))
         while not _finished(cfg.mode, num_steps, train, source):
             now = time.time()
+            preempting = preempt is not None and preempt.is_set()
             for cell in parts.cells:
-                cell.check_alive()
-                for msg in cell.messages():
-                    await _on_message(msg, cell, parts, train, source, events, cfg, num_steps, now)
+                for msg in _poll(cell, parts, events, now):
+                    await _on_message(msg, cell, parts, train, source, events, cfg, num_steps, now, preempting)
+            if preempting and not train.uncheckpointed:
+                raise Preempted(f"preempted at weight version {train.version}, its checkpoint complete")
             queued, ahead, running = source.counts(train.version)
             sessions = await _sessions(parts)
             obs = make_observation(
@@ -89,13 +103,14 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
                     parts.core.channel.send(msg)
             events.update()
             await asyncio.sleep(c.tick_s)
+    except Preempted:
+        raise
     except BaseException as e:
         events.failure("coordinator", repr(e))
         raise
     else:
-        quota = {"mechanism": parts.core.quota.mechanism, "cpus_per_cell": c.cpus_per_cell}
         return events.summary(read_ledger(run_dir / "ledger.jsonl"), time.time() - t_start, train.version) | {
-            "cpu_quota": quota}
+            "cpu_quota": parts.launcher.describe()}
     finally:
         if source is not None:
             source.close()
@@ -103,6 +118,25 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
             await close(parts)
         ledger.close()
         events.close()
+
+
+def _poll(cell, parts: Parts, events: RunEvents, now: float) -> list:
+    """A cell's new messages. A satellite that died is marked lost and the run goes on without it (the
+    proxy's health check reroutes its sessions, the core takes back its micro-steps); losing the core
+    ends the run, which resumes from its checkpoint."""
+    if cell.state.role == Role.LOST:
+        return []
+    try:
+        cell.check_alive()
+        return cell.messages()
+    except CellError as e:
+        if cell is parts.core:
+            raise
+        log.warning("cell %d lost: %s", cell.index, e)
+        cell.state.lose(now)
+        events.failure(f"cell{cell.index}", f"lost: {str(e)[:2000]}")
+        cell.stop()
+        return []
 
 
 def _finished(mode: str, num_steps: int, train: Training, source) -> bool:
@@ -118,7 +152,7 @@ async def _sessions(parts: Parts) -> list[int]:
 
 
 async def _on_message(msg, cell, parts: Parts, train: Training, source, events: RunEvents, cfg: GyreConfig,
-                      num_steps: int, now: float) -> None:  # fmt: skip
+                      num_steps: int, now: float, preempting: bool) -> None:  # fmt: skip
     if isinstance(msg, PhaseDone):
         cell.on_phase(msg, now)
     elif isinstance(msg, RoleDone):
@@ -134,7 +168,7 @@ async def _on_message(msg, cell, parts: Parts, train: Training, source, events: 
         t0, serving = time.monotonic(), [x for x in parts.cells if x.state.role == Role.ROLLOUT]
         await asyncio.gather(*(_load_newest(x, msg.weights) for x in serving))
         events.publish(train.version, time.monotonic() - t0, len(serving))
-        if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= num_steps:
+        if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= num_steps or preempting:
             parts.core.channel.send(train.checkpoint({"next_group": source.next_group}))
     elif isinstance(msg, CheckpointDone):
         events.checkpoint(msg)

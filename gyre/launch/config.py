@@ -15,9 +15,12 @@ class ClusterConfig:
     backend: str = "local"
     """Where cells run: one of BACKENDS."""
     num_cells: int = 2
-    """Cells in the allocation, the core cell included (>= 1)."""
+    """Cells in the allocation, the core cell included (>= 1); derived when allocation_nodes is set."""
     cell_nodes: int = 1
     """Nodes per cell (48 on the reference cluster; 1 process group per cell locally)."""
+    allocation_nodes: int | None = None
+    """Nodes of all cells together, when sized that way: num_cells = allocation_nodes / cell_nodes
+    (which must divide it). None: num_cells decides."""
     gpus_per_node: int = 0
     """GPUs each node contributes (0 = CPU only)."""
     cpus_per_node: int = 2
@@ -32,16 +35,33 @@ class ClusterConfig:
     """Slurm account to charge (None = the user's default)."""
     sbatch_extra: list[str] = field(default_factory=list)
     """Extra `#SBATCH` options for every component, e.g. `--constraint=h200` (without `#SBATCH`)."""
+    coordinator_cpus: int = 4
+    """Slurm: CPU cores of the coordinator's component (coordinator, proxy, harness sandboxes)."""
+    coordinator_mem_gb: int = 16
+    """Slurm: memory of the coordinator's component, in GiB."""
+    bind_host: str | None = None
+    """Address the coordinator's listener and proxy, and each cell's servers, bind and advertise.
+    None: 127.0.0.1 locally; on Slurm each process's own node (SLURMD_NODENAME, resolved), so
+    peers on other nodes reach it. A literal address fits only runs whose processes share a host."""
 
     def __post_init__(self):
         require(self.backend in BACKENDS, "backend", f"must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         require(self.num_cells >= 1, "num_cells", f"must be >= 1 (the core cell), got {self.num_cells}")
         require(self.cell_nodes >= 1, "cell_nodes", f"must be >= 1 node per cell, got {self.cell_nodes}")
+        if self.allocation_nodes is not None:
+            require(self.allocation_nodes % self.cell_nodes == 0, "cell_nodes",
+                    f"cells of {self.cell_nodes} nodes do not divide allocation_nodes={self.allocation_nodes}; "
+                    f"pick a divisor of {self.allocation_nodes}")
+            self.num_cells = self.allocation_nodes // self.cell_nodes
+            require(self.num_cells >= 1, "allocation_nodes", f"must hold >= 1 cell, got {self.allocation_nodes} nodes")
         require(self.gpus_per_node >= 0, "gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
         require(self.cpus_per_node >= 1, "cpus_per_node", f"must be >= 1, got {self.cpus_per_node}")
         require(self.mem_gb_per_node >= 1, "mem_gb_per_node", f"must be >= 1 GiB, got {self.mem_gb_per_node}")
         require(self.time_limit_min >= 1, "time_limit_min", f"must be >= 1 minute, got {self.time_limit_min}")
+        require(self.coordinator_cpus >= 1, "coordinator_cpus", f"must be >= 1, got {self.coordinator_cpus}")
+        require(self.coordinator_mem_gb >= 1, "coordinator_mem_gb", f"must be >= 1 GiB, got {self.coordinator_mem_gb}")
 
     @property
     def num_nodes(self) -> int:
+        """Nodes of all cells (the coordinator's node not included)."""
         return self.num_cells * self.cell_nodes

@@ -31,6 +31,8 @@ class SlurmPlacement:
     """Nodes of this task's component, in Slurm's compressed syntax (e.g. `n[1-2]`)."""
     node: str
     """The node this task runs on."""
+    restart_count: int = 0
+    """How often the job was requeued before this run (SLURM_RESTART_COUNT; 0 on the first)."""
 
 
 def parse_placement(env: Mapping[str, str]) -> SlurmPlacement:
@@ -44,15 +46,15 @@ def parse_placement(env: Mapping[str, str]) -> SlurmPlacement:
     except KeyError as e:
         raise NotInSlurmJob(f"{e.args[0]} is not set: not inside a Slurm job step") from None
     node = env.get("SLURMD_NODENAME", env.get("SLURM_TOPOLOGY_ADDR", ""))
-    het_size = int(env.get("SLURM_HET_SIZE", "1"))
+    het_size, restarts = int(env.get("SLURM_HET_SIZE", "1")), int(env.get("SLURM_RESTART_COUNT", "0"))
     if het_size == 1:
-        return SlurmPlacement(job_id, rank, ntasks, 0, 1, rank, env.get("SLURM_JOB_NODELIST", ""), node)
+        return SlurmPlacement(job_id, rank, ntasks, 0, 1, rank, env.get("SLURM_JOB_NODELIST", ""), node, restarts)
     first_rank = 0
     for group in range(het_size):
         group_tasks = int(env[f"SLURM_NTASKS_HET_GROUP_{group}"])
         if rank < first_rank + group_tasks:
             nodes = env[f"SLURM_JOB_NODELIST_HET_GROUP_{group}"]
-            return SlurmPlacement(job_id, rank, ntasks, group, het_size, rank - first_rank, nodes, node)
+            return SlurmPlacement(job_id, rank, ntasks, group, het_size, rank - first_rank, nodes, node, restarts)
         first_rank += group_tasks
     raise NotInSlurmJob(f"SLURM_PROCID={rank} is beyond the {first_rank} tasks of the step's components")
 

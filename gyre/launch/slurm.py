@@ -1,17 +1,25 @@
-"""One heterogeneous Slurm job of cells, submitted with submitit.
+"""A run as one heterogeneous Slurm job, submitted with submitit; and the partition checks before it.
+
+    component 0: coordinator, proxy, harness sandboxes (1 node)     make_run_components
+    component 1..N: cell 0..N-1, `cluster.cell_nodes` nodes each
 
 submitit has no het-job support, so the plan is rendered into what it does support: the first
-cell's resources as executor parameters, one `#SBATCH hetjob` block per further cell through
-`slurm_setup`, and `srun --het-group=0,...,n-1` so one step spans every cell. The log folder must
-not contain `%j` (submitit would resolve it per component).
+component's resources as executor parameters, one `#SBATCH hetjob` block per further component
+through `slurm_setup`, and `srun --het-group=0,...,n-1` so one step spans every component. The log
+folder must not contain `%j` (submitit would resolve it per component).
+
+Rendering and parsing here are pure; `query_partition` is the one command (`scontrol`).
 """
 
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import subprocess
+
 import submitit
 
+from gyre.errors import ConfigError
 from gyre.launch.config import ClusterConfig
 
 
@@ -31,6 +39,12 @@ def make_cell_components(cluster: ClusterConfig, tasks_per_node: int = 1) -> lis
     cpus = max(1, cluster.cpus_per_node // tasks_per_node)
     cell = Component(cluster.cell_nodes, tasks_per_node, cpus, cluster.mem_gb_per_node, cluster.gpus_per_node)
     return [cell] * cluster.num_cells
+
+
+def make_run_components(cluster: ClusterConfig) -> list[Component]:
+    """The run's het job: the coordinator's component (one node, one task), then one per cell."""
+    coordinator = Component(1, 1, cluster.coordinator_cpus, cluster.coordinator_mem_gb, 0)
+    return [coordinator, *make_cell_components(cluster)]
 
 
 def make_hetjob_parameters(cluster: ClusterConfig, components: list[Component]) -> dict[str, Any]:
@@ -63,6 +77,7 @@ def make_component_lines(component: Component, cluster: ClusterConfig) -> list[s
         f"--ntasks-per-node={component.tasks_per_node}",
         f"--cpus-per-task={component.cpus_per_task}",
         f"--mem={component.mem_gb}G",
+        f"--time={cluster.time_limit_min}",
     ]
     if component.gpus_per_node:
         options.append(f"--gpus-per-node={component.gpus_per_node}")
@@ -79,10 +94,86 @@ def _split_option(option: str) -> tuple[str, Any]:
     return key, value if value else True
 
 
-def make_cells_executor(cluster: ClusterConfig, folder: Path, tasks_per_node: int = 1) -> submitit.AutoExecutor:
-    """An executor whose every submission is one het job with a component per cell."""
+def make_hetjob_executor(cluster: ClusterConfig, components: list[Component], folder: Path,
+                         **extra: Any) -> submitit.AutoExecutor:  # fmt: skip
+    """An executor whose every submission is one het job of `components` (`extra`: more executor parameters)."""
     if "%j" in str(folder):
         raise ValueError(f"log folder {folder} must not contain %j for a heterogeneous job")
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
-    executor.update_parameters(**make_hetjob_parameters(cluster, make_cell_components(cluster, tasks_per_node)))
+    executor.update_parameters(**make_hetjob_parameters(cluster, components), **extra)
     return executor
+
+
+# ---- partition limits ------------------------------------------------------------------------
+class SlurmConfigError(ConfigError):
+    """The cluster config asks for what the partition cannot grant (Slurm's own answer attached)."""
+
+
+@dataclass(frozen=True)
+class PartitionLimits:
+    name: str
+    total_nodes: int
+    max_time_min: int | None
+    """None: UNLIMITED/INFINITE."""
+    max_nodes: int | None
+    """Per-job node limit (MaxNodes); None: UNLIMITED."""
+    state: str
+
+
+def parse_partition(text: str) -> PartitionLimits:
+    """Parse `scontrol show partition NAME --oneliner` (one `Key=Value` record)."""
+    fields = dict(kv.split("=", 1) for kv in text.split() if "=" in kv)
+    return PartitionLimits(fields["PartitionName"], int(fields["TotalNodes"]), parse_time_min(fields["MaxTime"]),
+                           None if fields.get("MaxNodes", "UNLIMITED") == "UNLIMITED" else int(fields["MaxNodes"]),
+                           fields.get("State", "UP"))  # fmt: skip
+
+
+def parse_time_min(value: str) -> int | None:
+    """Slurm's `[days-]hours:minutes:seconds` (or `minutes`) in whole minutes, rounded down; None if unlimited."""
+    if value in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, clock = value.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if len(parts) == 1:
+        return int(days or 0) * 1440 + parts[0]
+    h, m, sec = ([0] * (3 - len(parts)) + parts) if len(parts) < 3 else parts
+    return int(days or 0) * 1440 + h * 60 + m + sec // 60
+
+
+def check_fits(cluster: ClusterConfig, limits: PartitionLimits) -> None:
+    """Raise SlurmConfigError naming the key when the run's het job cannot run on the partition."""
+    nodes = 1 + cluster.num_nodes  # the coordinator's node, then the cells'
+    where = f"partition {limits.name!r}"
+    if limits.state != "UP":
+        raise SlurmConfigError("cluster.partition", f"{where} is {limits.state}, not UP")
+    if nodes > limits.total_nodes:
+        raise SlurmConfigError("cluster.num_cells", f"{cluster.num_cells} cells x cluster.cell_nodes="
+                               f"{cluster.cell_nodes} + 1 coordinator node = {nodes} nodes; {where} has "
+                               f"{limits.total_nodes}")
+    if limits.max_nodes is not None and cluster.cell_nodes > limits.max_nodes:
+        raise SlurmConfigError("cluster.cell_nodes", f"{cluster.cell_nodes} nodes per cell exceed {where}'s "
+                               f"MaxNodes={limits.max_nodes}")
+    if limits.max_time_min is not None and cluster.time_limit_min > limits.max_time_min:
+        raise SlurmConfigError("cluster.time_limit_min", f"{cluster.time_limit_min} min exceeds {where}'s "
+                               f"MaxTime of {limits.max_time_min} min")
+
+
+def query_partition(name: str | None) -> PartitionLimits:
+    """The limits of partition `name` (None: the cluster's default partition), from `scontrol`.
+
+    Raises:
+        SlurmConfigError: no such partition (Slurm's message attached), or no default one.
+    """
+    out = subprocess.run(["scontrol", "show", "partition", "--oneliner", *([name] if name else [])],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    if out.returncode != 0 or not out.stdout.strip():
+        known = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30).stdout.split()
+        raise SlurmConfigError("cluster.partition", f"Slurm says: {(out.stderr or out.stdout).strip()}; "
+                               f"valid: {', '.join(sorted(set(known)))}")
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    if name:
+        return parse_partition(lines[0])
+    defaults = [parse_partition(line) for line in lines if "Default=YES" in line]
+    if not defaults:
+        raise SlurmConfigError("cluster.partition", "the cluster has no default partition; set one")
+    return defaults[0]

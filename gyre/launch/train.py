@@ -40,8 +40,30 @@ def run(cfg: DictConfig) -> None:
     except GyreError as e:
         sys.exit(f"gyre-train: {e}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    summary = asyncio.run(run_coordinator(gyre_cfg, run_dir, taskset, resume=gyre_cfg.resume))
+    if gyre_cfg.cluster.backend == "slurm":
+        summary = run_on_slurm(gyre_cfg, taskset, run_dir)
+    else:
+        summary = asyncio.run(run_coordinator(gyre_cfg, run_dir, taskset, resume=gyre_cfg.resume))
     print(json.dumps(summary), flush=True)
+
+
+def run_on_slurm(cfg: GyreConfig, taskset: TaskSet, run_dir: Path) -> dict:
+    """Submit the run as one het job (the coordinator inside it) and wait for its summary, across requeues.
+
+    Interrupting gyre-train cancels the job: a run someone stopped must not hold its allocation.
+    """
+    from gyre.launch.job import submit_run
+
+    try:
+        job = submit_run(cfg, taskset, run_dir)
+    except ConfigError as e:
+        sys.exit(f"gyre-train: invalid config: {e}")
+    print(f"gyre-train: submitted Slurm job {job.job_id}; logs in {run_dir / 'slurm'}", file=sys.stderr, flush=True)
+    try:
+        return job.result()
+    except KeyboardInterrupt:
+        job.cancel()
+        raise
 
 
 def load_tasks(cfg: GyreConfig) -> TaskSet:

@@ -1,15 +1,30 @@
-"""submitit against the real dev Slurm cluster (tools/slurm-dev): results, het jobs, cancellations."""
+"""submitit and Gyre runs against the real dev Slurm cluster (tools/slurm-dev): het jobs, requeues, limits."""
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import submitit
 
+from gyre.coordinator.ledger import read_ledger
 from gyre.launch.config import ClusterConfig
 from gyre.launch.environment import current_placement
-from gyre.launch.slurm import make_cells_executor
+from gyre.launch.slurm import make_cell_components, make_hetjob_executor
+from tests.integration.test_coordinator import OVERRIDES, ROOT, _events, _finish, _gyre_train, _taskset
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
+
+# The issue's shape on the dev cluster: a coordinator node + 3 cells of 8 fake nodes (25 of 32),
+# each node asking for little, so CI jobs of the main checkout can share the cluster.
+DEV = ["cluster.backend=slurm", "cluster.num_cells=3", "cluster.cell_nodes=8", "cluster.cpus_per_node=1",
+       "cluster.mem_gb_per_node=1", "cluster.coordinator_cpus=1", "cluster.coordinator_mem_gb=2",
+       "cluster.time_limit_min=20"]
 
 
 def test_autoexecutor_returns_a_result(tmp_path):
@@ -22,7 +37,7 @@ def test_autoexecutor_returns_a_result(tmp_path):
 def test_hetjob_runs_one_task_per_cell(tmp_path):
     cluster = ClusterConfig(backend="slurm", num_cells=2, cell_nodes=2, cpus_per_node=1, mem_gb_per_node=1,
                             time_limit_min=5)
-    submitted = make_cells_executor(cluster, tmp_path, tasks_per_node=1).submit(current_placement)
+    submitted = make_hetjob_executor(cluster, make_cell_components(cluster), tmp_path).submit(current_placement)
     # submitit counts only the first component's tasks; the step has one task per node of every cell.
     job = submitit.SlurmJob(folder=tmp_path, job_id=submitted.job_id, tasks=range(cluster.num_nodes))
     placements = [job.task(rank).result() for rank in range(cluster.num_nodes)]
@@ -45,3 +60,185 @@ def test_cancelled_job_is_reported_failed(tmp_path):
     with pytest.raises(submitit.core.utils.UncompletedJobError):
         job.result()
     assert job.state.startswith("CANCELLED")
+
+
+# ---- gyre-train cluster.backend=slurm ------------------------------------------------------------
+def _components(job_id: str) -> dict[str, str]:
+    """Het component -> its nodes, from accounting (the latest run of a requeued job)."""
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "jobid,nodelist"], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    return dict(line.split("|") for line in out.split())
+
+
+def _latest_start_t(job_id: str) -> float:
+    """When the job's latest run started (after a requeue: the restart), from accounting."""
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "start"], capture_output=True, text=True,
+                         check=True).stdout.split()[0]  # fmt: skip
+    return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
+
+
+def _first_running_t(run_dir: Path, after_t: float = 0.0) -> float:
+    view = read_ledger(run_dir / "ledger.jsonl")
+    return min(e.t for es in view.history.values() for e in es if e.state == "running" and e.t > after_t)
+
+
+def _check_ledger(run_dir: Path, num_steps: int) -> Counter:
+    """Every execution reached an outcome; none trained twice; every step trained something."""
+    view = read_ledger(run_dir / "ledger.jsonl")
+    assert view.num_torn == 0
+    assert all(view.outcome(eid) is not None for eid in view.history)
+    trained = Counter(e.execution_id for es in view.history.values() for e in es if e.state == "trained")
+    assert trained and max(trained.values()) == 1
+    assert {e.step for es in view.history.values() for e in es if e.state == "trained"} == set(range(num_steps))
+    return trained
+
+
+@pytest.mark.timeout(1200)
+def test_two_step_run_goes_through_one_het_job(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = _finish(_gyre_train(run_dir, _taskset(tmp_path), "num_steps=2", *DEV), timeout_s=1100)
+
+    assert summary["num_steps"] == 2 and summary["cpu_quota"]["mechanism"] == "slurm"
+    job = json.loads((run_dir / "slurm" / "job.json").read_text())
+    assert summary["cpu_quota"]["job_id"] == job["job_id"] and summary["cpu_quota"]["restart_count"] == 0
+    components = _components(job["job_id"])
+    assert sorted(components) == [f"{job['job_id']}+{k}" for k in range(4)], components
+    assert len(set(components.values())) == 4, "each component on its own nodes"
+    for k in range(3):  # every cell's leader got its spec from the coordinator and did not fail
+        assert (run_dir / "slurm" / f"cell{k}.r0.json").exists()
+        assert not (run_dir / "slurm" / f"cell{k}.r0.failed").exists()
+    _check_ledger(run_dir, 2)
+    assert (run_dir / "checkpoints" / "step_00000002").is_dir()
+    assert summary["num_role_switches"] >= 1  # the satellites' leaders switched roles over the channel
+    print(f"submission to first rollout: {_first_running_t(run_dir) - job['submitted_t']:.1f} s")
+
+
+def _wait_for(what: str, proc: subprocess.Popen, condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"gyre-train ended waiting for {what}: {proc.stdout.read()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(1500)
+def test_usr2_mid_step_checkpoints_requeues_and_resumes_to_the_same_step_count(tmp_path):
+    run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
+    proc = _gyre_train(run_dir, tasks, "num_steps=3", *DEV)
+    job_file = run_dir / "slurm" / "job.json"
+    _wait_for("step-1 checkpoint", proc, lambda: (run_dir / "events.jsonl").exists() and any(
+        e["step"] == 1 for e in _events(run_dir, "checkpoint")), 900)
+    job_id = json.loads(job_file.read_text())["job_id"]
+    signal_t = time.time()
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # every step's tasks, as Slurm's preemption warning
+    before = read_ledger(run_dir / "ledger.jsonl")
+    saved = {e["step"]: e["weights_digest"] for e in _events(run_dir, "checkpoint")}
+
+    summary = _finish(proc, timeout_s=1300)
+    assert summary["num_steps"] == 3
+    assert summary["cpu_quota"] == {"mechanism": "slurm", "job_id": job_id, "restart_count": 1}
+    preempted = json.loads((run_dir / "slurm" / "preempted.r0.json").read_text())
+    assert preempted["signal_t"] >= signal_t
+    starts = _events(run_dir, "run_start")
+    assert len(starts) == 2 and starts[1]["start_step"] >= 1
+    assert starts[1]["weights_digest"] == saved[starts[1]["start_step"]]  # resumed from the checkpoint
+    trained = _check_ledger(run_dir, 3)
+    view = read_ledger(run_dir / "ledger.jsonl")
+    for eid in before.history:  # nothing queued before the signal was lost: it has an outcome or a re-run
+        if view.outcome(eid).reason == "interrupted":
+            assert view.outcome(f"{eid}.r1") is not None and f"{eid}" not in trained
+    assert (run_dir / "checkpoints" / "step_00000003").is_dir()
+    restarted_t = _latest_start_t(job_id)
+    print(f"signal to checkpointed and closed: {preempted['closed_t'] - preempted['signal_t']:.1f} s; "
+          f"requeue to the job running again: {restarted_t - preempted['requeue_t']:.1f} s; "
+          f"then to cells ready (run_start): {starts[1]['t'] - restarted_t:.1f} s; "
+          f"then to first rollout: {_first_running_t(run_dir, starts[1]['t']) - starts[1]['t']:.1f} s")
+
+
+@pytest.fixture
+def small_partition():
+    """A real partition of 4 nodes and a 5-minute limit, made for this test and deleted after it."""
+    name = f"gyre-small-{os.getpid()}"
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout
+    first4 = ",".join(sorted(set(nodes.split()))[:4])  # whatever this cluster calls its nodes
+    subprocess.run(["scontrol", "create", f"PartitionName={name}", f"Nodes={first4}", "MaxTime=5", "State=UP"],
+                   check=True)  # fmt: skip
+    yield name
+    subprocess.run(["scontrol", "delete", f"PartitionName={name}"], check=True)
+
+
+@pytest.mark.parametrize("overrides, key, says", [
+    pytest.param(["cluster.partition=no-such-partition"], "cluster.partition", "not found", id="unknown-partition"),
+    pytest.param(["cluster.num_cells=2", "cluster.cell_nodes=2"], "cluster.num_cells", "has 4", id="more-nodes"),
+    pytest.param(["cluster.num_cells=1", "cluster.cell_nodes=1", "cluster.time_limit_min=6"], "cluster.time_limit_min",
+                 "MaxTime of 5 min",
+                 id="time-above-max"),
+    pytest.param(["cluster.allocation_nodes=3", "cluster.cell_nodes=2"], "cluster.cell_nodes", "do not divide",
+                 id="cell-does-not-divide"),
+])
+def test_bad_cluster_config_fails_before_submitting(tmp_path, small_partition, overrides, key, says):
+    run_dir = tmp_path / "run"
+    partition = [] if "partition" in overrides[0] else [f"cluster.partition={small_partition}"]
+    keys = {o.split("=")[0] for o in overrides}
+    fits = {**dict(o.split("=") for o in DEV), "cluster.time_limit_min": "5"}  # the partition's limit
+    dev = [f"{k}={v}" for k, v in fits.items() if k not in keys]
+    proc = _gyre_train(run_dir, _taskset(tmp_path), *dev, *partition, *overrides)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and f"invalid config: {key}:" in out and says in out, out[-2000:]
+    assert not (run_dir / "slurm" / "job.json").exists(), "nothing may be submitted"
+
+
+def _task_pids(job_id: str, rank: int) -> list[int]:
+    """Processes of one task of a job step: those whose environment says this job and this rank."""
+    want, pids = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}, []
+    for proc in Path("/proc").iterdir():
+        try:
+            env = set((proc / "environ").read_bytes().split(b"\0"))
+        except (OSError, ValueError):
+            continue
+        if proc.name.isdigit() and want <= env:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.timeout(1200)
+def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _gyre_train(run_dir, _taskset(tmp_path), "num_steps=3", *DEV)
+    _wait_for("step-1 checkpoint", proc, lambda: (run_dir / "events.jsonl").exists() and any(
+        e["step"] == 1 for e in _events(run_dir, "checkpoint")), 900)
+    job_id = json.loads((run_dir / "slurm" / "job.json").read_text())["job_id"]
+    rank = 1 + 2 * 8  # cell 2's leader: the first task of component 3 (1 coordinator task, 8 per cell)
+    pids = _task_pids(job_id, rank)
+    assert len(pids) >= 2, "the leader and its engine"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+    summary = _finish(proc, timeout_s=1100)
+    assert summary["num_steps"] == 3
+    lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
+    assert len(lost) == 1 and "lost" in lost[0]["message"]
+    assert not [e for e in _events(run_dir, "failure") if e["component"] != "cell2"]
+    _check_ledger(run_dir, 3)
+    assert (run_dir / "checkpoints" / "step_00000003").is_dir()
+
+
+@pytest.mark.timeout(1800)
+def test_a_three_job_sweep_over_modes_runs_each_as_its_own_het_job(tmp_path):
+    """`gyre-train -m` with Hydra's basic launcher: each job submits its own het job and waits for it."""
+    sweep_dir = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "gyre.launch.train", "-m", f"hydra.sweep.dir={sweep_dir}",
+           f"tasks.path={_taskset(tmp_path)}", *OVERRIDES, "scheduler=elastic,async,colocate", "num_steps=1", *DEV]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=1700)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [s["num_steps"] for s in summaries] == [1, 1, 1]
+    jobs = set()
+    for num, mode in enumerate(["elastic", "async", "colocate"]):
+        run_dir = sweep_dir / str(num)
+        assert _events(run_dir, "run_start")[0]["mode"] == mode
+        _check_ledger(run_dir, 1)
+        jobs.add(json.loads((run_dir / "slurm" / "job.json").read_text())["job_id"])
+    assert len(jobs) == 3

@@ -1,10 +1,18 @@
-"""Pure launch helpers: placement from Slurm variables, and the het-job plan rendered for submitit."""
+"""Pure launch helpers: placement from Slurm variables, the het-job plan rendered for submitit, partition
+limits parsed and checked, and the preemption signal kept from children."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
+from gyre.errors import ConfigError
 from gyre.launch.config import ClusterConfig
 from gyre.launch.environment import NotInSlurmJob, parse_placement
-from gyre.launch.slurm import make_cell_components, make_hetjob_parameters
+from gyre.launch.slurm import (PartitionLimits, check_fits, make_cell_components, make_hetjob_parameters,
+                               make_run_components, parse_partition, parse_time_min)
 
 # Variables as Slurm 22.05 set them in a step `srun --het-group=0,1` over components of 2 and 1 nodes.
 HET_STEP = {
@@ -57,7 +65,7 @@ def test_hetjob_parameters_for_three_cells():
     assert params["slurm_srun_args"] == ["--het-group=0,1,2"]
     assert params["slurm_additional_parameters"] == {"constraint": "h200"}
     block = ["#SBATCH hetjob", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=4",
-             "#SBATCH --mem=16G", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
+             "#SBATCH --mem=16G", "#SBATCH --time=60", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
              "#SBATCH --constraint=h200"]
     assert params["slurm_setup"] == block * 2
 
@@ -65,3 +73,86 @@ def test_hetjob_parameters_for_three_cells():
 def test_single_cell_is_a_plain_job():
     params = make_hetjob_parameters(ClusterConfig(num_cells=1), make_cell_components(ClusterConfig(num_cells=1)))
     assert params["slurm_setup"] == [] and params["slurm_srun_args"] == []
+
+
+def test_run_components_put_the_coordinator_first():
+    cluster = ClusterConfig(backend="slurm", num_cells=3, cell_nodes=8, cpus_per_node=1, mem_gb_per_node=1,
+                            gpus_per_node=4, coordinator_cpus=2, coordinator_mem_gb=3)
+    first, *cells = make_run_components(cluster)
+    assert (first.nodes, first.tasks_per_node, first.cpus_per_task, first.mem_gb, first.gpus_per_node) == (1, 1, 2, 3, 0)
+    assert len(cells) == 3 and {(c.nodes, c.gpus_per_node) for c in cells} == {(8, 4)}
+    params = make_hetjob_parameters(cluster, [first, *cells])
+    assert params["slurm_srun_args"] == ["--het-group=0,1,2,3"] and "gpus_per_node" not in params
+    assert params["slurm_setup"].count("#SBATCH hetjob") == 3
+
+
+@pytest.mark.parametrize("value, minutes", [
+    pytest.param("UNLIMITED", None, id="unlimited"), pytest.param("INFINITE", None, id="infinite"),
+    pytest.param("30", 30, id="minutes"), pytest.param("1:30:00", 90, id="h-m-s"),
+    pytest.param("2-00:00:00", 2880, id="days"), pytest.param("05:30", 5, id="m-s"),
+])
+def test_parse_time_min(value, minutes):
+    assert parse_time_min(value) == minutes
+
+
+# `scontrol show partition --oneliner` as Slurm 22.05 prints it (shortened).
+PARTITION = ("PartitionName=gpu AllowGroups=ALL Default=NO MaxNodes=UNLIMITED MaxTime=2-00:00:00 MinNodes=0 "
+             "Nodes=g[1-12] State=UP TotalCPUs=96 TotalNodes=12")
+
+
+def test_parse_partition():
+    assert parse_partition(PARTITION) == PartitionLimits("gpu", 12, 2880, None, "UP")
+
+
+LIMITS = PartitionLimits("gpu", 12, 120, 8, "UP")
+
+
+@pytest.mark.parametrize("fields, key", [
+    pytest.param(dict(num_cells=2, cell_nodes=4), None, id="fits"),
+    pytest.param(dict(num_cells=3, cell_nodes=4), "cluster.num_cells", id="coordinator-node-over-total"),
+    pytest.param(dict(num_cells=1, cell_nodes=9, allocation_nodes=None), "cluster.cell_nodes", id="over-max-nodes"),
+    pytest.param(dict(num_cells=1, cell_nodes=2, time_limit_min=121), "cluster.time_limit_min", id="over-max-time"),
+])
+def test_check_fits_names_the_key(fields, key):
+    cluster = ClusterConfig(backend="slurm", **fields)
+    if key is None:
+        check_fits(cluster, LIMITS)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_fits(cluster, LIMITS)
+    assert e.value.key == key and "gpu" in str(e.value)
+
+
+def test_down_partition_is_refused():
+    with pytest.raises(ConfigError, match="DOWN"):
+        check_fits(ClusterConfig(backend="slurm", num_cells=1), PartitionLimits("gpu", 12, None, None, "DOWN"))
+
+
+def test_allocation_nodes_decide_the_cells_and_must_be_divided():
+    assert ClusterConfig(allocation_nodes=24, cell_nodes=8).num_cells == 3
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig(allocation_nodes=24, cell_nodes=7)
+    assert e.value.key == "cell_nodes" and "24" in str(e.value)
+
+
+def test_preemption_signal_reaches_the_coordinator_and_no_child():
+    """USR2 sent to the process and its child (as Slurm signals a whole step): the event is set, the
+    child, started after install and through /bin/sh, lives on."""
+    script = textwrap.dedent("""
+        import os, signal, subprocess, sys, time
+        from gyre.launch.preempt import PreemptionSignal
+        pre = PreemptionSignal(signal.SIGUSR2).install()
+        child = subprocess.Popen(["sh", "-c", "sleep 30; true"], start_new_session=True)
+        time.sleep(0.3)
+        os.killpg(child.pid, signal.SIGUSR2)  # the shell and its sleep
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert pre.event.wait(5), "signal not seen"
+        time.sleep(0.3)
+        alive = child.poll() is None
+        os.killpg(child.pid, signal.SIGKILL)
+        print("alive" if alive else "child died")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                         env=os.environ | {"PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "alive"

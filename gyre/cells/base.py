@@ -1,0 +1,94 @@
+"""What the coordinator holds for one cell, whatever runs it: the interface LocalCell and SlurmCell share.
+
+A cell's role state machine (`gyre.scheduler.cells.Cell`) lives here, advanced by the phases its
+leader reports, so the policy always sees what the cell is really doing. Backends differ only in
+how the leader process is started, watched and stopped (`start`, `check_alive`, `stop`); the
+channel and the role protocol are the same for all.
+"""
+
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+from gyre.cells.spec import CellSpec
+from gyre.control.messages import PhaseDone, RoleSwitch
+from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout
+from gyre.errors import GyreError
+from gyre.scheduler.cells import Cell, Role
+
+
+class CellError(GyreError):
+    """A cell leader died or failed to start; carries what its backend knows (a log tail, a job's state)."""
+
+
+class BaseCell(ABC):
+    """One cell as the coordinator sees it: its leader's channel, engine and role state."""
+
+    def __init__(self, spec: CellSpec, state: Cell):
+        self.spec, self.state = spec, state
+        self.channel: Channel | None = None
+        self.engine_url = ""
+        self.engine_version = -1
+        """Weight version its engine serves (after the last load or push)."""
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def engine_id(self) -> str:
+        return f"cell{self.index}"
+
+    @abstractmethod
+    def start(self) -> None:
+        """Have the leader started; it connects to `spec.coordinator_address` and says CellReady."""
+
+    @abstractmethod
+    def check_alive(self) -> None:
+        """Raise CellError if the leader is known to have died."""
+
+    @abstractmethod
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop the leader (its engine with it) and release what `start` took; idempotent."""
+
+    def begin_switch(self, target: Role, now_s: float, weights: dict | None, core_address: str) -> None:
+        """Start a role switch: the state machine first (it refuses what is not allowed), then the leader."""
+        self.state.begin_switch(target, now_s)
+        if target == Role.ROLLOUT and weights is not None:
+            self.engine_version = weights["version"]  # what its engine loads in the switch's load_weights phase
+        self.channel.send(RoleSwitch(self.index, target.value, weights, core_address))
+
+    def messages(self) -> list:
+        """What the leader sent since the last call (non-blocking).
+
+        Raises:
+            CellError: the channel closed (the leader died, or its node did).
+        """
+        out = []
+        while True:
+            try:
+                out.append(self.channel.recv(timeout_s=0))
+            except ChannelTimeout:
+                return out
+            except ChannelClosed as e:
+                self.check_alive()  # a backend that knows why says so
+                raise CellError(f"cell {self.index}'s leader is gone: {e}") from None
+
+    def on_phase(self, msg: PhaseDone, now_s: float) -> None:
+        """A phase of the switch is over: the state machine moves to the next (or to the new role)."""
+        self.state.next_phase(now_s)
+
+
+class CellLauncher(Protocol):
+    """Makes a run's cells for one backend (gyre.cells.local.LocalLauncher, gyre.cells.slurm.SlurmLauncher)."""
+
+    host: str
+    """Address the coordinator's listener binds and leaders are told (local: loopback; Slurm: this node)."""
+
+    def proxy_host(self, configured: str) -> str:
+        """The address the proxy binds, given `proxy.host`."""
+
+    def make_cell(self, spec: CellSpec, state: Cell) -> BaseCell:
+        """The cell for `spec` (not started)."""
+
+    def describe(self) -> dict:
+        """How cells were placed, for the run's summary (`cpu_quota`)."""

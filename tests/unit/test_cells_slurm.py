@@ -1,0 +1,74 @@
+"""The coordinator's side of Slurm cells and a cell task's wait for its spec, without a cluster:
+spec files are private and per restart, failures and an ended coordinator are reported, not waited out."""
+
+import signal
+import stat
+import time
+
+import pytest
+
+from gyre.cells.base import CellError
+from gyre.cells.slurm import (SlurmCell, SlurmLauncher, coordinator_exit_path, failed_path, run_cell_task,
+                              spec_path)
+from gyre.cells.spec import CellSpec
+from gyre.engines.config import EngineConfig
+from gyre.launch.environment import SlurmPlacement
+from gyre.models.config import ModelConfig
+from gyre.scheduler.cells import make_cells
+from gyre.train.config import TrainerConfig
+
+
+@pytest.fixture(autouse=True)
+def _keep_usr2():
+    """run_cell_task ignores USR2 for its process (here: pytest's); put it back."""
+    before = signal.getsignal(signal.SIGUSR2)
+    yield
+    signal.signal(signal.SIGUSR2, before)
+
+
+def _spec(index: int) -> CellSpec:
+    return CellSpec(index=index, role="rollout", model=ModelConfig(), trainer=TrainerConfig(), engine=EngineConfig(),
+                    seed=0, host="127.0.0.1", coordinator_address="tcp://127.0.0.1:1/00", proxy_url="http://x",
+                    proxy_admin_token="secret", checkpoint_dir="/nonexistent", run_dir="/nonexistent")  # fmt: skip
+
+
+def _placement(het_group: int, restart: int = 0, het_size: int = 3) -> SlurmPlacement:
+    return SlurmPlacement("7", het_group, 3, het_group, het_size, 0, f"n{het_group + 1}", "localhost", restart)
+
+
+def test_start_writes_a_private_spec_for_this_restart(tmp_path):
+    state = make_cells(2, 1)[1]
+    SlurmCell(_spec(1), state, tmp_path, restart=2).start()
+    path = spec_path(tmp_path, 1, 2)
+    assert CellSpec.from_json(path.read_text()) == _spec(1)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600, "it carries the listener's key and the admin token"
+
+
+def test_check_alive_reports_the_leaders_traceback(tmp_path):
+    cell = SlurmCell(_spec(1), make_cells(2, 1)[1], tmp_path, restart=0)
+    cell.check_alive()
+    failed_path(tmp_path, 1, 0).write_text("Traceback: boom")
+    with pytest.raises(CellError, match="boom"):
+        cell.check_alive()
+
+
+def test_launcher_refuses_a_cell_without_a_component(tmp_path):
+    launcher = SlurmLauncher(tmp_path, _placement(0, het_size=2), bind_host="127.0.0.1")
+    launcher.make_cell(_spec(0), make_cells(2, 1)[0])
+    with pytest.raises(CellError, match="no component"):
+        launcher.make_cell(_spec(1), make_cells(2, 1)[1])
+
+
+def test_a_cell_task_stops_waiting_once_the_coordinator_ended(tmp_path):
+    coordinator_exit_path(tmp_path, 1).touch()
+    t0 = time.monotonic()
+    with pytest.raises(CellError, match="coordinator ended"):
+        run_cell_task(tmp_path, _placement(2, restart=1), "127.0.0.1", timeout_s=60)
+    assert time.monotonic() - t0 < 5
+    assert "coordinator ended" in failed_path(tmp_path, 1, 1).read_text()
+
+
+def test_a_cell_task_ignores_the_previous_runs_spec(tmp_path):
+    (tmp_path / "cell0.r0.json").write_text(_spec(0).to_json())  # the run before the requeue
+    with pytest.raises(CellError, match="no spec"):
+        run_cell_task(tmp_path, _placement(1, restart=1), "127.0.0.1", timeout_s=0.5)
