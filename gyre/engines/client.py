@@ -105,7 +105,12 @@ class EngineClient:
 
     async def generate_stream(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
                               input_ids_json: bytes | tuple[bytes, ...] | None = None) -> AsyncIterator[dict]:  # fmt: skip
-        """Yield each SSE chunk (cumulative output, SGLang's default) until `data: [DONE]`."""
+        """Yield each SSE chunk (cumulative output, SGLang's default) until `data: [DONE]`.
+
+        The chunk with a `finish_reason` is the last one (SGLang's and the builtin engine's): the
+        rest of the body (`data: [DONE]`) is read before it is yielded, so a caller that stops there
+        leaves the connection at its end and aiohttp pools it (an unread body closes it: one more
+        TCP connect and close per call)."""
         payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, True, extra_key, input_ids_json)
         async with self._session.post(self.base_url + "/generate", data=payload, headers={"Content-Type": "application/json"}) as r:
             if r.status >= 300:
@@ -118,7 +123,10 @@ class EngineClient:
                 if payload == b"[DONE]":
                     return
                 chunk = orjson.loads(payload)
-                self.weight_version = _version(chunk.get("meta_info", {}).get("weight_version"), self.weight_version)
+                meta = chunk.get("meta_info", {})
+                self.weight_version = _version(meta.get("weight_version"), self.weight_version)
+                if meta.get("finish_reason"):
+                    await r.content.read()
                 yield chunk
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
