@@ -7,6 +7,7 @@ cache) never mixes KV across weight versions. Weight versions are integers (the 
 on Gyre's side; on the wire they are what the engine sends (SGLang: strings).
 """
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -23,6 +24,15 @@ def parse_weight_version(value) -> int:
         return value
     s = str(value).strip()
     return int(s) if s.lstrip("-").isdigit() else -1
+
+
+KEEPALIVE_S = 4.0
+"""How long an idle pooled connection is kept: under the 5 s after which uvicorn (SGLang's server)
+closes one, so a request never races the server closing the connection it was sent on (a
+/generate is a POST, which aiohttp does not retry)."""
+REST_OF_STREAM_S = 5.0
+"""How long to wait for the end of a /generate stream after its finish chunk (it follows at once);
+past it the call goes on and the connection is closed instead of pooled."""
 
 
 class EngineHTTPError(GyreError):
@@ -43,7 +53,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "EngineClient":
-        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        self._session = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -126,7 +136,11 @@ class EngineClient:
                 meta = chunk.get("meta_info", {})
                 self.weight_version = _version(meta.get("weight_version"), self.weight_version)
                 if meta.get("finish_reason"):
-                    await r.content.read()
+                    try:
+                        async with asyncio.timeout(REST_OF_STREAM_S):
+                            await r.content.read()
+                    except TimeoutError:
+                        pass
                 yield chunk
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
