@@ -7,6 +7,7 @@ cache) never mixes KV across weight versions. Weight versions are integers (the 
 on Gyre's side; on the wire they are what the engine sends (SGLang: strings).
 """
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -23,6 +24,15 @@ def parse_weight_version(value) -> int:
         return value
     s = str(value).strip()
     return int(s) if s.lstrip("-").isdigit() else -1
+
+
+KEEPALIVE_S = 4.0
+"""How long an idle pooled connection is kept: under the 5 s after which uvicorn (SGLang's server)
+closes one, so a request never races the server closing the connection it was sent on (a
+/generate is a POST, which aiohttp does not retry)."""
+REST_OF_STREAM_S = 5.0
+"""How long to wait for the end of a /generate stream after its finish chunk (it follows at once);
+past it the call goes on and the connection is closed instead of pooled."""
 
 
 class EngineHTTPError(GyreError):
@@ -43,7 +53,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "EngineClient":
-        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        self._session = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -105,7 +115,12 @@ class EngineClient:
 
     async def generate_stream(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
                               input_ids_json: bytes | tuple[bytes, ...] | None = None) -> AsyncIterator[dict]:  # fmt: skip
-        """Yield each SSE chunk (cumulative output, SGLang's default) until `data: [DONE]`."""
+        """Yield each SSE chunk (cumulative output, SGLang's default) until `data: [DONE]`.
+
+        The chunk with a `finish_reason` is the last one (SGLang's and the builtin engine's): the
+        rest of the body (`data: [DONE]`) is read before it is yielded, so a caller that stops there
+        leaves the connection at its end and aiohttp pools it (an unread body closes it: one more
+        TCP connect and close per call)."""
         payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, True, extra_key, input_ids_json)
         async with self._session.post(self.base_url + "/generate", data=payload, headers={"Content-Type": "application/json"}) as r:
             if r.status >= 300:
@@ -118,7 +133,14 @@ class EngineClient:
                 if payload == b"[DONE]":
                     return
                 chunk = orjson.loads(payload)
-                self.weight_version = _version(chunk.get("meta_info", {}).get("weight_version"), self.weight_version)
+                meta = chunk.get("meta_info", {})
+                self.weight_version = _version(meta.get("weight_version"), self.weight_version)
+                if meta.get("finish_reason"):
+                    try:
+                        async with asyncio.timeout(REST_OF_STREAM_S):
+                            await r.content.read()
+                    except TimeoutError:
+                        pass
                 yield chunk
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:

@@ -57,6 +57,8 @@ class CallRunner:
     def __init__(self, cfg: ProxyConfig, tokenizer: BaseTokenizer, renderer: Renderer, pool: EnginePool,
                  events: EventLog | None = None):  # fmt: skip
         self.cfg, self.tok, self.renderer, self.pool, self.events = cfg, tokenizer, renderer, pool, events
+        self.stop_token_ids = tokenizer.stop_token_ids
+        """Asked once: an HF tokenizer looks them up by name."""
 
     def render(self, ex: Execution, wire, body, headers, keep: bool = True) -> tuple[ChatRequest, CallHints, RenderResult, bool]:
         """Parse and render only what the call adds to its conversation's snapshot (see
@@ -92,7 +94,7 @@ class CallRunner:
         if n >= self.cfg.context_len:
             raise invalid(f"prompt is too long: {n} tokens > {self.cfg.context_len - 1} maximum")
         sampling = {"max_new_tokens": min(chat.max_tokens, self.cfg.context_len - n),
-                    "stop_token_ids": self.tok.stop_token_ids,
+                    "stop_token_ids": self.stop_token_ids,
                     "temperature": self.cfg.temperature if self.cfg.temperature is not None else (chat.temperature if chat.temperature is not None else 1.0)}  # fmt: skip
         if chat.top_p is not None:
             sampling["top_p"] = chat.top_p
@@ -192,7 +194,8 @@ class CallRunner:
             text, calls = out.result(self.tok.parse_assistant(call.gen.output_ids))
             self._remember(call, text, calls)
             await self._record(call)
-            await sse.write(_sse_text(out.finish(text, calls, call.gen.finish, call.rendered.input_ids.size, len(call.gen.output_ids))))
+            # the closing events and the end of the chunked body in one write (one syscall, not two)
+            await sse.write_eof(_sse_text(out.finish(text, calls, call.gen.finish, call.rendered.input_ids.size, len(call.gen.output_ids))))
         return sse
 
 

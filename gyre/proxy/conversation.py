@@ -37,9 +37,15 @@ class Snapshot:
 
 
 def num_shared(a: list, b: list) -> int:
-    """How many leading items `a` and `b` share (identity first: the same parsed object is equal)."""
-    n, i = min(len(a), len(b)), 0
-    while i < n and (a[i] is b[i] or a[i] == b[i]):
+    """How many leading items `a` and `b` share (identity first: the same parsed object is equal).
+
+    A continuing call shares all of the shorter list: one list comparison (a loop in C) says so;
+    only a call that changed an earlier message is walked item by item."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] is b[i] or a[i] == b[i]:
         i += 1
     return i
 

@@ -89,9 +89,9 @@ def _prefix_over(a: np.ndarray, parts: tuple[np.ndarray, ...]) -> int:
     return n
 
 
-def encode_record(record: CallRecord, base: tuple[str, np.ndarray] | tuple[str, np.ndarray, np.ndarray] | None = None) -> str:
-    """One JSON line (with trailing newline) for `record`; `base` = (call_id, its input+output, as
-    one array or as input and output) to delta against."""
+def encode_record(record: CallRecord, base: tuple[str, np.ndarray] | tuple[str, np.ndarray, np.ndarray] | None = None) -> bytes:
+    """One JSON line (UTF-8, with trailing newline) for `record`; `base` = (call_id, its
+    input+output, as one array or as input and output) to delta against."""
     obj = {"v": FORMAT_VERSION, **{k: getattr(record, k) for k in _SCALARS}}
     obj["versions"] = [[s.start, s.end, s.version] for s in record.version_spans]
     prefix = _prefix_over(record.input_ids, base[1:]) if base is not None else 0
@@ -102,7 +102,7 @@ def encode_record(record: CallRecord, base: tuple[str, np.ndarray] | tuple[str, 
     obj["input_suffix"] = _b64(record.input_ids[prefix:], "<i4")
     obj["output"] = _b64(record.output_ids, "<i4")
     obj["logprobs"] = _b64(record.logprobs, "<f4")
-    return orjson.dumps(obj).decode() + "\n"
+    return orjson.dumps(obj) + b"\n"
 
 
 def decode_record(obj: dict, sequences: dict[str, tuple[np.ndarray, np.ndarray]]) -> CallRecord:
@@ -216,7 +216,7 @@ class RecordWriter:
                 raise RecordError(f"{self.path} holds execution {self._execution_id!r}; "
                                   f"got a record of {record.execution_id!r}")
             base = self._last_by_agent.get(record.agent_id)
-            self._write(encode_record(record, base).encode("utf-8"))
+            self._write(encode_record(record, base))
             if self._fsync:
                 os.fsync(self._file.fileno())
             self._last_by_agent[record.agent_id] = (record.call_id, record.input_ids, record.output_ids)

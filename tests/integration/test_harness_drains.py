@@ -1,14 +1,17 @@
-"""SLOW (~1.5 min on 2 idle cores, ~120 CPU-s): 16 real harness processes at once, 6 Claude Code
-(Anthropic API, `--bare`), 6 mini-swe-agent (OpenAI chat completions) and 4 Codex CLI (OpenAI
-Responses API, a short fixed instructions file), through one proxy and three builtin
-engines (scripted policy) while 20 drains, each aborting calls in flight, move them between the
-engines. Every harness exits 0 having done its whole task, and every execution's records still
-form one token-for-token chain.
+"""SLOW (~1.5 min on 2 idle cores, ~110 CPU-s): 17 real harness processes at once, 7 Claude Code
+(Anthropic API), 6 mini-swe-agent (OpenAI chat completions) and 4 Codex CLI (OpenAI Responses API,
+a short fixed instructions file), through one proxy and three builtin engines (scripted policy)
+while 20 drains, each aborting calls in flight, move them between the engines. Six Claude Code
+sessions run `--bare`; once done, three compact their conversations (`/compact`, a second process
+continuing the session) while more drains abort the summary calls; the seventh does
+its steps in a foreground sub-agent (the `Agent` tool, which `--bare` does not offer: its ~10K-token
+prompts make it the slowest). Every harness exits 0 having done its whole task, and every agent's
+records (main, sub-agent; a summary continuing the main agent) still form one token-for-token chain.
 
 The sessions overlap by construction. All engines start drained, so each harness's first call
-waits in the proxy (its bounded no-engine wait) until all 16 calls are waiting; then the engines
+waits in the proxy (its bounded no-engine wait) until all 17 calls are waiting; then the engines
 open and the drains begin. Each scripted step's tool asks for another step until the test marks
-the drains over, so all 16 are still running at the last drain however fast the machine is.
+the drains over, so all 17 are still running at the last drain however fast the machine is.
 Without the gate they would not overlap on 2 cores: a mini-swe-agent process costs ~10 CPU-s
 (~8 of them importing litellm), a Claude Code one ~3, so Claude Code would be done before the
 last mini-swe-agent sent its first call. (Codex is a native binary: ~1 CPU-s a process.)
@@ -36,11 +39,14 @@ from gyre.harness.agents import (
     make_mini_swe_env,
 )
 from gyre.records.io import read_records
+from gyre.records.record import MAIN_AGENT
 from gyre.trajectory.tree import build_call_tree
 
 pytestmark = pytest.mark.slow
 
-NUM_CC, NUM_MINI, NUM_CODEX, NUM_DRAINS = 6, 6, 4, 20
+NUM_CC, NUM_CC_SUB, NUM_MINI, NUM_CODEX, NUM_DRAINS = 6, 1, 6, 4, 20
+NUM_COMPACTED, NUM_SUMMARY_DRAINS = 3, 2
+"""Claude Code sessions compacted once done (cc0, cc1, ...), and the drains aimed at their summary calls."""
 FILLER = "Checking the output; "
 DONE_FILE = "drains-done"
 """Created next to the workspaces after the last drain; until then every step asks for another."""
@@ -56,26 +62,40 @@ def step(tool: str, marker: str, arg: str = "command") -> str:
     return FILLER + tool_call(tool, {arg: command})
 
 
-# The harnesses keep stepping while the drains go on, so all 16 run until the last one.
-RULES = [{"match": "CC-TASK|CC-NEXT", "emit": step("Bash", "CC")},
+SUMMARY = "<summary>" + "A helper printed the step markers until told to stop. " * 15 + "</summary>"
+"""Long enough (~850 tokens) that drains find the summary calls mid-output."""
+AGENT = tool_call("Agent", {"description": "step helper", "prompt": "SUB-STEPS: print the step markers",
+                             "subagent_type": "general-purpose", "run_in_background": False})  # fmt: skip
+
+# The harnesses keep stepping while the drains go on, so all 17 run until the last one. The
+# sub-agent session's main agent hands the steps to a helper and reports when it is back.
+RULES = [{"match": "Do NOT call any tools", "emit": SUMMARY},
+         {"match": "CC-TASK|CC-NEXT", "emit": step("Bash", "CC")},
          {"match": "CC-LAST", "emit": "All steps done. CC-COMPLETE"},
+         {"match": "SUB-FINISHED", "emit": "All steps done. SUB-COMPLETE"},
+         {"match": "SUB-LAST", "emit": "helper report: SUB-FINISHED"},
+         {"match": "SUB-STEPS|SUB-NEXT", "emit": step("Bash", "SUB")},
+         {"match": "SUB-TASK", "emit": FILLER + AGENT},
          {"match": "Please solve this issue|MINI-NEXT", "emit": step("bash", "MINI")},
          {"match": "MINI-LAST", "emit": "Done. " + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})},
          {"match": "CODEX-TASK|CODEX-NEXT", "emit": step("exec_command", "CODEX", arg="cmd")},
          {"match": "CODEX-LAST", "emit": "All steps done. CODEX-COMPLETE"}]  # fmt: skip
-MARKERS = {"cc": "CC", "mini": "MINI", "codex": "CODEX"}
+MARKERS = {"cc": "CC", "ccsub": "SUB", "mini": "MINI", "codex": "CODEX"}
 
 
-def launch(tmp_path, proxy, name: str) -> subprocess.Popen:
-    """One harness process in its own HOME and workspace; stdout to NAME.out, stderr to NAME.err."""
+def launch(tmp_path, proxy, name: str, key: str, compact: bool = False) -> subprocess.Popen:
+    """One harness process in its own HOME and workspace; stdout to NAME.out, stderr to NAME.err.
+    `compact`: Claude Code's `/compact` of the session the first process left (NAME-compact.*)."""
     home, ws = tmp_path / f"home-{name}", tmp_path / f"ws-{name}"
-    home.mkdir()
-    ws.mkdir()
-    key = new_execution(proxy, name)
+    home.mkdir(exist_ok=compact)
+    ws.mkdir(exist_ok=compact)
     if name.startswith("cc"):
-        cmd = make_claude_code_command(find_claude_code(), "CC-TASK: print the step markers", model="tiny", tools=["Bash"],
-                                       bare=True)  # fmt: skip
+        sub = name.startswith("ccsub")
+        prompt = "/compact" if compact else f"{MARKERS[name.rstrip('0123456789')]}-TASK: print the step markers"
+        cmd = make_claude_code_command(find_claude_code(), prompt, model="tiny", tools=["Bash", "Agent"] if sub else ["Bash"],
+                                       resume=compact, bare=not sub)  # fmt: skip
         env = make_claude_code_env(dict(os.environ), proxy.url, key, str(home), "tiny")
+        name += "-compact" if compact else ""
     elif name.startswith("codex"):
         (home / "instructions.md").write_text("You are a coding agent. Run shell commands with exec_command.\n")
         cmd = make_codex_command(find_codex(), "CODEX-TASK: print the step markers", proxy_url=proxy.url, model="gyre",
@@ -128,16 +148,17 @@ def wait_for_first_answer(tmp_path, procs: dict, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def drain_repeatedly(proxy, engine_ids: list[str], procs: dict, timeout_s: float) -> tuple[list[tuple[str, int]], int]:
-    """NUM_DRAINS drains that each abort calls in flight, taking the engines in turn (an engine is
-    drained once the proxy shows it streaming; a drain that found nothing left does not count).
+def drain_repeatedly(proxy, engine_ids: list[str], procs: dict, num_drains: int, timeout_s: float) -> tuple[list[tuple[str, int]], int]:
+    """`num_drains` drains that each abort calls in flight, taking the engines in turn (an engine is
+    drained once the proxy shows it streaming; a drain that found nothing left does not count),
+    or fewer if every harness exits first.
 
     Returns:
         ((engine, calls it had in flight) per counted drain, harnesses still running at the last one)
     """
     hits, alive, turn = [], 0, 0
     deadline = time.monotonic() + timeout_s
-    while len(hits) < NUM_DRAINS:
+    while len(hits) < num_drains and any(p.poll() is None for p in procs.values()):
         assert time.monotonic() < deadline, f"only {len(hits)} drains hit calls in flight within {timeout_s} s"
         busy = {e["engine_id"] for e in admin(proxy, "/admin/metrics")["engines"] if e["num_inflight"] > 0}
         eid = engine_ids[turn % len(engine_ids)]
@@ -157,36 +178,45 @@ def drain_repeatedly(proxy, engine_ids: list[str], procs: dict, timeout_s: float
     return hits, alive
 
 
-def test_20_drains_during_16_real_harness_sessions(tmp_path):
+def test_20_drains_during_17_real_harness_sessions(tmp_path):
     if find_claude_code() is None or find_mini_swe_agent() is None or find_codex() is None:
         pytest.skip("Claude Code, mini-swe-agent or Codex not installed: run tools/setup.sh")
     engine_ids = ["e0", "e1", "e2"]
     engines = [start_engine(tmp_path, RULES, name=eid) for eid in engine_ids]  # from this thread (die_with_parent)
     proxy = start_proxy(tmp_path, [e.url for e in engines], max_imbalance=2, no_engine_wait_s=400)
     procs: dict[str, subprocess.Popen] = {}
+    compacting: dict[str, subprocess.Popen] = {}
     t0, children0 = time.monotonic(), cpu_s()
     try:
         for eid in engine_ids:  # the gate: calls wait until the engines open
             admin(proxy, f"/admin/engines/{eid}/drain")
         # mini-swe-agent first: its imports are the slow part
-        names = [f"mini{i}" for i in range(NUM_MINI)] + [f"cc{i}" for i in range(NUM_CC)] + [f"codex{i}" for i in range(NUM_CODEX)]
+        names = [f"mini{i}" for i in range(NUM_MINI)] + [f"cc{i}" for i in range(NUM_CC)] + [f"ccsub{i}" for i in range(NUM_CC_SUB)]
+        names += [f"codex{i}" for i in range(NUM_CODEX)]
+        keys = {name: new_execution(proxy, name) for name in names}
         for name in names:
-            procs[name] = launch(tmp_path, proxy, name)
+            procs[name] = launch(tmp_path, proxy, name, keys[name])
         wait_for_gate(proxy, procs, tmp_path, 400)
         for eid in engine_ids:
             admin(proxy, f"/admin/engines/{eid}/activate")
         wait_for_first_answer(tmp_path, procs, 400)
-        hits, alive_at_last_drain = drain_repeatedly(proxy, engine_ids, procs, 400)
+        hits, alive_at_last_drain = drain_repeatedly(proxy, engine_ids, procs, NUM_DRAINS, 400)
         (tmp_path / DONE_FILE).touch()
         for name, p in procs.items():
+            p.wait(timeout=400)
+        failed = {n: output_tail(tmp_path, n) for n, p in procs.items() if p.returncode != 0}
+        assert not failed, failed
+        compacting = {name: launch(tmp_path, proxy, name, keys[name], compact=True) for name in procs if is_compacted(name)}
+        summary_hits, _ = drain_repeatedly(proxy, engine_ids, compacting, NUM_SUMMARY_DRAINS, 400)
+        for name, p in compacting.items():
             p.wait(timeout=400)
         cpu = {"harnesses": cpu_s() - children0, "engines": sum(cpu_s(e.proc.pid) for e in engines),
                "proxy": cpu_s(proxy.proc.pid), "wall": time.monotonic() - t0}  # fmt: skip
         metrics = admin(proxy, "/admin/metrics")
-        failed = {n: output_tail(tmp_path, n) for n, p in procs.items() if p.returncode != 0}
+        failed = {n: output_tail(tmp_path, f"{n}-compact") for n, p in compacting.items() if p.returncode != 0}
         assert not failed, failed
     finally:
-        for p in procs.values():
+        for p in [*procs.values(), *compacting.values()]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
@@ -194,23 +224,42 @@ def test_20_drains_during_16_real_harness_sessions(tmp_path):
         for e in engines:
             e.stop()
 
-    rerouted, num_records, with_output = {}, 0, 0
+    rerouted, num_records, with_output, summaries = {}, 0, 0, []
     for name in procs:
-        records = check_clean_chain(tmp_path / "records" / f"{name}.jsonl")
-        check_task_done(tmp_path, name, len(records))
+        nodes = check_clean_chains(tmp_path / "records" / f"{name}.jsonl")
+        records = [n.record for n in nodes]
+        kinds = [n.kind for n in nodes]
+        if name.startswith("ccsub"):  # the main agent's two calls around its helper's
+            stepping = [r for r in records if r.kind_hint == "subagent"]
+            assert kinds == ["main", *["subagent"] * len(stepping), "main"], (name, kinds)
+        elif is_compacted(name):  # the steps, then the summary
+            stepping, summary = records[:-1], records[-1]
+            assert kinds == ["main"] * len(stepping) + ["summary"], (name, kinds)
+            summaries.append(summary)
+        else:
+            stepping = records
+        check_task_done(tmp_path, name, len(stepping))
         rerouted[name], num_records = sum(r.rerouted for r in records), num_records + len(records)
         # a resume's prompt is input + output so far: more than the inputs alone = resumed mid-output
         with_output += sum(r.num_migrated_tokens + r.num_recomputed_tokens > (len(r.hints["engines"]) - 1) * r.input_ids.size
                            for r in records)  # fmt: skip
     print(f"\n{NUM_DRAINS} drains found {sum(n for _, n in hits)} calls in flight ({hits}); {alive_at_last_drain} of "
-          f"{len(procs)} harnesses alive at the last drain; {num_records} calls; rerouted records per execution "
+          f"{len(procs)} harnesses alive at the last drain; {len(summary_hits)} drains during the compactions "
+          f"({summary_hits}); {num_records} calls; rerouted records per execution "
           f"{rerouted}; {with_output} resumed mid-output; pool metrics { {k: v for k, v in metrics.items() if k != 'engines'} }; "
           f"seconds { {k: round(v, 1) for k, v in cpu.items()} }")  # fmt: skip
-    assert alive_at_last_drain == len(procs)  # all 20 drains happened while all 16 sessions ran
+    assert alive_at_last_drain == len(procs)  # all 20 drains happened while all 17 sessions ran
     assert len({eid for eid, _ in hits}) >= 2
     assert sum(rerouted.values()) > 0 and metrics["num_reroutes"] > 0 and metrics["num_migrated_tokens"] > 0
     assert with_output > 0
+    # the compactions are short: at least one drain must have caught a summary call in flight
+    assert summary_hits and len(summaries) == NUM_COMPACTED and any(r.rerouted for r in summaries)
     assert metrics["num_calls"] == num_records  # every call recorded; no harness retried a call
+
+
+def is_compacted(name: str) -> bool:
+    """cc0 .. cc{NUM_COMPACTED-1} compact once done (the sub-agent session would cost ~1 min more)."""
+    return name.startswith("cc") and not name.startswith("ccsub") and int(name[2:]) < NUM_COMPACTED
 
 
 def check_task_done(tmp_path, name: str, num_calls: int) -> None:
@@ -220,7 +269,10 @@ def check_task_done(tmp_path, name: str, num_calls: int) -> None:
     assert steps == f"{marker}-NEXT\n" * (num_calls - 2) + f"{marker}-LAST\n", (name, num_calls, steps)
     if name.startswith("cc"):
         result = json.loads((tmp_path / f"{name}.out").read_text())
-        assert result["result"] == "All steps done. CC-COMPLETE" and not result["is_error"], (name, result)
+        assert result["result"] == f"All steps done. {marker}-COMPLETE" and not result["is_error"], (name, result)
+        if is_compacted(name):
+            compacted = json.loads((tmp_path / f"{name}-compact.out").read_text())
+            assert not compacted["is_error"], (name, compacted)
     elif name.startswith("codex"):
         events = [json.loads(line) for line in (tmp_path / f"{name}.out").read_text().splitlines() if line.startswith("{")]
         said = [e["item"]["text"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
@@ -230,14 +282,22 @@ def check_task_done(tmp_path, name: str, num_calls: int) -> None:
         assert info["exit_status"] == "Submitted", (name, info)
 
 
-def check_clean_chain(path):
-    """One agent whose calls each continue the previous one token for token."""
+def check_clean_chains(path) -> list:
+    """Each agent's calls continue its previous one token for token (a summary continues a main
+    call); a sub-agent's first call starts a branch spawned by the main agent. Returns the tree's nodes."""
     records, stats = read_records(path)
     assert stats.num_torn == 0 and not stats.invalid and len(records) >= 2, (path, len(records), stats)
     tree = build_call_tree(records)
     assert tree.missing_seqs == []
-    for j in range(1, len(records)):
-        node, prev = tree.nodes[j], tree.nodes[j - 1]
-        assert node.parent == j - 1 and node.shared >= prev.end, f"{path.name}: call {j} does not extend call {j - 1}"
+    last: dict[str, int] = {}
+    for j, node in enumerate(tree.nodes):
+        agent = node.record.agent_id
+        if agent in last:
+            prev = tree.nodes[node.parent] if node.parent is not None else None
+            ok = node.parent == last[agent] or (node.kind == "summary" and prev is not None and prev.kind == "main")
+            assert ok and node.shared >= prev.end, f"{path.name}: call {j} ({node.kind}) does not extend call {last[agent]}"
+        elif j:
+            assert node.parent is None and tree.nodes[node.spawned_by].record.agent_id == MAIN_AGENT, f"{path.name}: call {j}"
         assert node.record.hints["retokenized_turns"] == 0
-    return records
+        last[agent] = j
+    return tree.nodes

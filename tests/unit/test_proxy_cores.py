@@ -223,6 +223,43 @@ def test_engine_client_keys_sglang_generations_by_weight_version():
     assert [parse_weight_version(v) for v in (3, "12", "-1", "default")] == [3, 12, -1, -1]
 
 
+def test_engine_client_stream_stopped_at_its_finish_chunk_keeps_the_connection():
+    """The proxy stops reading a /generate stream at the chunk with a finish_reason; the client
+    has read the rest of the body by then, so the next call reuses the connection (an unread
+    body would make aiohttp close it: one more TCP connect per call)."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from gyre.engines.client import EngineClient
+
+    peers = []
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for done in (None, {"type": "stop"}):
+            chunk = {"output_ids": [1], "meta_info": {"finish_reason": done, "output_token_logprobs": [[-0.1, 1, None]]}}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.05)  # the end of the chunked body comes later (as from a busy server)
+        return resp
+
+    async def run() -> None:
+        app = web.Application()
+        app.add_routes([web.post("/generate", generate)])
+        async with TestServer(app) as server, EngineClient(str(server.make_url(""))) as client:
+            for _ in range(3):
+                async for chunk in client.generate_stream([1, 2], {"max_new_tokens": 2}):
+                    if chunk["meta_info"]["finish_reason"]:
+                        break  # as gyre.proxy.pool.Generation does
+
+    asyncio.run(run())
+    assert len(peers) == 3 and len(set(peers)) == 1, peers
+
+
 def test_scripted_policy_resumes_mid_output():
     tok = ByteTokenizer()
     policy = ScriptedPolicy([ScriptRule(__import__("re").compile("ping"), "pong <tool_call>x</tool_call>")], tok)
