@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from gyre.harness import toy_agent as toy
-from gyre.models.checkpoint import load_checkpoint, save_checkpoint
+from gyre.models.checkpoint import save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import ByteTokenizer
 from gyre.models.transformer import attend, forward_tokens, init_weights, logits_of

@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import hydra
 
