@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
+from omegaconf import OmegaConf
 
 from gyre.coordinator.ledger import LedgerView, read_ledger
 from gyre.errors import ConfigError, GyreError
@@ -81,7 +81,7 @@ def load_run(run_dir: str | Path) -> LiveRun:
     if not records:
         raise CalibrationError(f"{d}: records/ holds no model call; the run never served a rollout")
     events, _ = read_events(d / "events.jsonl")
-    config = yaml.safe_load(cfg_path.read_text())
+    config = OmegaConf.to_container(OmegaConf.load(cfg_path))
     run = LiveRun(d, config, records, read_ledger(d / "ledger.jsonl"), events, cfg_path.stat().st_mtime)
     start = next((e for e in events if e.kind == "run_start"), None)
     if start is None or start.start_step:
