@@ -15,7 +15,8 @@ def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
     cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, num_query_groups=1)
     ws = WarmStartConfig(steps=2, batch_size=2, max_tokens=8)
     out, report = warm_start(tmp_path, one, cfg, ws, samples_per_task=1)
-    assert not report["reused"] and report["num_examples"] == 4 and report["loss_last"] < report["loss_first"]
+    # 4 reference calls (sub-agent ls + report, main write + done) and the giving-up demonstration
+    assert not report["reused"] and report["num_examples"] == 5 and report["loss_last"] < report["loss_first"]
     loaded_cfg, weights = load_checkpoint(out)
     shape = lambda c: {k: v for k, v in dataclasses.asdict(c).items() if k not in ("name", "path")}  # noqa: E731
     assert shape(loaded_cfg) == shape(cfg) and all(torch.isfinite(t).all() for t in weights.values())
@@ -23,3 +24,5 @@ def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
     assert again == out and report2["reused"] and report2["after"] == report["after"]
     other, _ = warm_start(tmp_path, one, cfg, WarmStartConfig(steps=2, batch_size=2, max_tokens=8, lr=1e-3), samples_per_task=1)
     assert other != out
+    plain, report3 = warm_start(tmp_path, one, cfg, dataclasses.replace(ws, quitters=False), samples_per_task=1)
+    assert plain not in (out, other) and report3["num_examples"] == 4
