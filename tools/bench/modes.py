@@ -52,8 +52,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gyre-modes-") as tmp:
         out = Path(a.out or tmp)
         results = {m: run_mode(m, a.steps, a.seed, out, a.overrides) for m in modes}
-        live = {m: live_wall(load_run(out / m))["live_s"] for m in modes}
-        predicted = predict(compose_sim(make_overrides(load_run(out / modes[0])), modes))
+        runs = {m: load_run(out / m) for m in modes}
+        live = {m: live_wall(run)["live_s"] for m, run in runs.items()}
+        predicted = predict(compose_sim(make_overrides(runs[modes[0]]), modes))
     print(f"{'mode':<10} {'wall_s':>7} {'cpu_s':>7} {'steps':>5} {'reward first3':>13} {'last3':>6} {'switches':>8}")
     for m, r in results.items():
         print(f"{m:<10} {r['wall_s']:>7} {r['cpu_s']:>7} {r['num_steps']:>5} {r.get('reward_first3', 0):>13.3f} "
