@@ -10,14 +10,16 @@ elastic: the core trains; satellites roll out unless the waterlevel W = queued +
     ready work (with an offload tier overload shows as slowed sessions, not as a queue). With `critical_path`,
     executions queued for later steps (prefetch) neither keep a satellite from leaving nor pull
     it off ready training work of the current step; they call cells back once that work runs
-    out. Live sessions always keep a serving cell with room for them. Three things keep it
+    out. Live sessions always keep a serving cell with room for them; when none serves (the
+    serving cells were lost) a satellite comes back at once, dwell or not. Three things keep it
     from thrashing: the leave rule looks at the peak waterlevel of a trailing window, a gap
     separates it from the return rule (spare capacity with headroom vs a queue of a fraction of a
     cell), and a minimum dwell time in each role.
     Switches (gyre.scheduler.config) measured alone: `leave_rule: value` treats executions of later
     steps as deferrable once the current batch is ready; `rebalance` (a pure function the caller
     applies) moves live sessions onto a cell that returns to rollout.
-async: fixed pools chosen once (`async_split`: even by default); it never switches.
+async: fixed pools chosen once (`async_split`: even by default); it switches only to replace a
+    rollout pool that was lost entirely.
 colocate: every cell rolls out until the step's batch is ready, then every cell trains until the
     optimizer step is applied.
 """
@@ -125,6 +127,17 @@ def _serves(cells: list[CellView], obs: Observation, headroom: float) -> bool:
     return sessions + obs.pooled_sessions >= obs.waterlevel * need and tok_s >= obs.gen_demand_tok_s * need
 
 
+def _rescue(obs: Observation) -> tuple[int, ...]:
+    """A training satellite to bring back when live work has no serving cell left (they were
+    lost): without one no execution can progress, so neither dwell nor the queue threshold apply.
+    A cell between micro-steps is taken first."""
+    if not obs.waterlevel or any(c.role in (Role.ROLLOUT, Role.TO_ROLLOUT) for c in obs.cells):
+        return ()
+    satellites = sorted((c for c in obs.cells if c.role == Role.TRAIN and not c.is_core),
+                        key=lambda c: (c.in_step, c.index))
+    return (satellites[0].index,) if satellites else ()
+
+
 def _push_max(window: deque, entry: tuple, since: float) -> tuple:
     """Sliding-window maximum on entry[1]: add `entry`, forget entries older than `since`,
     return the window's maximum (monotonic deque, O(1) amortised)."""
@@ -177,7 +190,7 @@ class ElasticPolicy(BasePolicy):
         urgent = self._urgent(obs)
         peak = self._peak(urgent)
         sustained = self._sustained_demand(obs)
-        back = (self._returns(urgent, idle_only=False) or self._returns(obs, idle_only=True)
+        back = (_rescue(obs) or self._returns(urgent, idle_only=False) or self._returns(obs, idle_only=True)
                 or self._relieves(obs, sustained))
         if back:
             return Decision(to_rollout=back)
@@ -315,7 +328,7 @@ class AsyncPolicy(BasePolicy):
         return [Role.TRAIN] * self.num_train + [Role.ROLLOUT] * (self.num_cells - self.num_train)
 
     def decide(self, obs: Observation) -> Decision:
-        return Decision()
+        return Decision(to_rollout=_rescue(obs))
 
 
 class ColocatePolicy(BasePolicy):

@@ -70,6 +70,10 @@ ELASTIC_CASES = [
      obs(cells(T, T, T, R, in_step=(1,)), running=100, queued=60), Decision(to_rollout=(2,))),
     ("core-never-returns-to-rollout",
      obs(cells(T, R), running=100, queued=500), Decision()),
+    ("serving-cell-lost: a satellite returns at once, dwell and queue threshold or not",
+     obs(cells(T, T, T, Role.LOST, since_s=990.0, in_step=(1,)), running=3, ready_s=1e6), Decision(to_rollout=(2,))),
+    ("serving-cell-lost-and-no-live-work: nothing returns",
+     obs(cells(T, T, Role.LOST), running=0, ready_s=1e6), Decision()),
     ("lost-cells-are-never-chosen-nor-counted",
      obs(cells(T, Role.LOST, R, R, sessions=[0, 0, 10, 10]), running=20, ready_s=1e6), Decision(to_train=(2,))),
 ]
@@ -165,6 +169,13 @@ def test_async_pools_balance_the_work(num_cells, share, expected):
     assert pol.decide(obs(cells(*pol.initial_roles()), running=0, ready_s=1e9)) == Decision()
 
 
+def test_async_replaces_a_rollout_pool_that_was_lost_and_only_then():
+    pol = make_policy(replace(CFG, mode="async", async_train_cells=2), 3)
+    assert pol.decide(obs(cells(T, T, Role.LOST), running=4)) == Decision(to_rollout=(1,))
+    assert pol.decide(obs(cells(T, T, Role.LOST), running=0)) == Decision()
+    assert pol.decide(obs(cells(T, T, R), running=400, queued=400)) == Decision()
+
+
 @pytest.mark.parametrize("num_cells, expected", [(4, 2), (5, 2), (6, 3), (8, 4), (2, 1)])
 def test_async_default_split_is_even_whatever_the_work(num_cells, expected):
     pol = make_policy(replace(CFG, mode="async"), num_cells, train_share=0.9)
@@ -205,6 +216,9 @@ def test_never_strands_live_work_nor_moves_the_core_out_of_a_step(
         assert 0 not in d.to_train + d.to_rollout
         serving_before = [c for c in cs if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
         serving_after = [c for c in serving_before if c.index not in d.to_train]
+        satellites = [c for c in cs if c.role == Role.TRAIN and c.index]
+        if running + queued and not serving_before and satellites:
+            assert d.to_rollout, "live work and no serving cell: a satellite must come back"
         if d.to_train:  # a leave happens only if the rest serve every live execution, with headroom
             assert running + queued == 0 or sum(c.max_sessions for c in serving_after) >= (running + queued) * 1.1
 

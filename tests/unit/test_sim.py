@@ -134,10 +134,17 @@ def test_a_lost_satellite_gets_no_work_and_the_run_finishes(mode):
     assert r.total_s >= simulate(mode).total_s * 0.99  # three cells are not faster than four
 
 
-def test_losing_the_only_rollout_cell_of_async_stalls_loudly():
+def test_losing_the_only_rollout_cell_of_async_brings_a_training_satellite_back_to_serve():
     sched = SchedulerConfig(mode="async", async_train_cells=3)
+    r = Simulation(PROFILE, PRESET, sched, num_steps=4, tick_s=60.0, losses=((3, 100.0),)).run()
+    assert len(r.step_times_s) == 4
+    assert any(role == "rollout" for _, role in r.cells[1].timeline)
+
+
+def test_losing_every_cell_but_the_core_stalls_loudly():
     with pytest.raises(RuntimeError, match="stalled"):
-        Simulation(PROFILE, PRESET, sched, num_steps=4, tick_s=60.0, losses=((3, 100.0),)).run()
+        Simulation(PROFILE, PRESET, SchedulerConfig(mode="async", async_train_cells=1), num_steps=4, tick_s=60.0,
+                   losses=((1, 100.0), (2, 100.0), (3, 100.0))).run()
 
 
 def test_hand_back_replays_work_when_a_cell_leaves_mid_micro_step():
