@@ -6,7 +6,9 @@ how the leader process is started, watched and stopped (`start`, `check_alive`, 
 channel and the role protocol are the same for all.
 """
 
+import sys
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Protocol
 
 from gyre.cells.spec import CellSpec
@@ -18,6 +20,16 @@ from gyre.scheduler.cells import Cell, Role
 
 class CellError(GyreError):
     """A cell leader died or failed to start; carries what its backend knows (a log tail, a job's state)."""
+
+
+def leader_command(spec: CellSpec) -> list[str]:
+    """The command line of a cell leader. Under the mpi control transport it runs under MPICH's
+    `mpiexec -n 1` (two MPICH singletons cannot connect; the fork launcher keeps it on this node
+    even inside a Slurm step, where hydra would otherwise launch through srun)."""
+    cmd = [sys.executable, "-m", "gyre.cells.leader", spec.to_json()]
+    if spec.control == "mpi":
+        return [str(Path(sys.executable).with_name("mpiexec")), "-launcher", "fork", "-n", "1", *cmd]
+    return cmd
 
 
 class BaseCell(ABC):

@@ -15,6 +15,8 @@ and reported. The leader exits when its coordinator's channel closes, stopping i
 import asyncio
 import hashlib
 import logging
+import os
+import signal
 import sys
 import threading
 import time
@@ -45,7 +47,7 @@ class CellLeader:
         torch.set_num_threads(1)
         self.spec = spec
         self.index, self.is_core = spec.index, spec.index == 0
-        self.channel = connect(spec.coordinator_address)
+        self.channel = connect(spec.coordinator_address, peer_timeout_s=spec.control_peer_timeout_s)
         self.events = EventLog(spec.run_dir, MetricsConfig())
         self.engine = BuiltinEngineProcess(spec.engine, spec.model)
         self.engine.start()
@@ -64,10 +66,13 @@ class CellLeader:
         """The core's open step: its number, the core index of each micro-batch received (None if
         screened out), their tokens, the result of run_step once it returns."""
         if self.is_core:
+            from gyre.control.transport import listen
             from gyre.train.elastic import CoreServer
 
             self._load_initial_weights()
-            self.core = CoreServer(self.trainer, self.endpoint, spec.host)
+            listener = listen(spec.control, spec.host, port_file=str(Path(spec.run_dir) / f"core.{os.getpid()}.port"),
+                              peer_timeout_s=spec.control_peer_timeout_s)  # fmt: skip
+            self.core = CoreServer(self.trainer, self.endpoint, listener=listener)
             self.weights = self._publish()
 
     # ---- start ---------------------------------------------------------------------------
@@ -109,8 +114,8 @@ class CellLeader:
                 if isinstance(msg, Stop):
                     return
                 self._handle(msg)
-        except ChannelClosed:
-            log.warning("cell %d: the coordinator's channel closed; stopping", self.index)
+        except ChannelClosed as e:
+            log.warning("cell %d: the coordinator's channel closed (%s); stopping", self.index, e)
         finally:
             self.close()
 
@@ -243,7 +248,8 @@ class CellLeader:
         from gyre.train.satellite import SatelliteCell
 
         if self.satellite is None:
-            self.satellite = SatelliteCell(self.trainer, self.endpoint, self.core_address, self.engine_id)
+            self.satellite = SatelliteCell(self.trainer, self.endpoint, self.core_address, self.engine_id,
+                                           peer_timeout_s=self.spec.control_peer_timeout_s)  # fmt: skip
         self.satellite.pull_latest()
 
     def close(self) -> None:
@@ -260,6 +266,7 @@ class CellLeader:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm's preemption warning is the coordinator's to act on
     spec = CellSpec.from_json(argv[0])
     Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
     CellLeader(spec).run()

@@ -2,11 +2,10 @@
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from gyre.cells.base import BaseCell, CellError
+from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.quota import CpuQuota, make_quota
 from gyre.cells.spec import CellSpec
 from gyre.common.serve import die_with_parent
@@ -27,9 +26,13 @@ class LocalCell(BaseCell):
     def start(self) -> None:
         env = os.environ | {"OMP_NUM_THREADS": "1"}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gyre.cells.leader", self.spec.to_json()], env=env,
-                                         stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        self.quota.add(self.proc.pid)
+            self.proc = subprocess.Popen(leader_command(self.spec), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         preexec_fn=self._in_quota)  # fmt: skip
+
+    def _in_quota(self) -> None:
+        """In the child before exec: so whatever it starts (an mpiexec's leader, the engine) is in the quota."""
+        die_with_parent()
+        self.quota.add(os.getpid())
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:

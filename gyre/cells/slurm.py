@@ -17,11 +17,12 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import time
 import traceback
 from pathlib import Path
 
-from gyre.cells.base import BaseCell, CellError
+from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.spec import CellSpec
 from gyre.launch.environment import SlurmPlacement
 from gyre.scheduler.cells import Cell
@@ -113,10 +114,16 @@ def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | Non
         spec = _wait_for_spec(job_dir, cell, restart, timeout_s)
         host = node_address(placement, bind_host)
         spec = dataclasses.replace(spec, host=host, engine=dataclasses.replace(spec.engine, host=host))
+        Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+        log.warning("cell %d: leader on %s (%s), restart %d, control %s", cell, placement.node, host, restart,
+                    spec.control)  # fmt: skip
+        if spec.control == "mpi":  # an MPI process of its own, under mpiexec on this node
+            rc = subprocess.run(leader_command(spec)).returncode
+            if rc != 0:
+                raise CellError(f"cell {cell}: its leader under mpiexec exited with code {rc}")
+            return
         from gyre.cells.leader import CellLeader
 
-        Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
-        log.warning("cell %d: leader on %s (%s), restart %d", cell, placement.node, host, restart)
         CellLeader(spec).run()
     except BaseException:
         write_private(failed_path(job_dir, cell, restart), f"on node {placement.node}:\n{traceback.format_exc()}")

@@ -23,6 +23,9 @@ class CellSpec:
     """Interface its servers bind (the core's satellite listener, Mooncake)."""
     coordinator_address: str
     """The coordinator's cell listener (gyre.control.transport address)."""
+    control: str = "tcp"
+    """Control transport (cluster.control): under mpi the core's satellite listener is MPI too."""
+    control_peer_timeout_s: float = 30.0
     proxy_url: str
     proxy_admin_token: str
     checkpoint_dir: str

@@ -8,7 +8,8 @@ intercommunicator (Iprobe and Isend on it keep returning as if it were alive, ve
 MPICH 5.0 ch4:ucx), and a collective or a blocking send to it would hang. So every channel:
 runs with MPI_ERRORS_RETURN, uses only nonblocking point-to-point calls (a send never waits for
 the receiver; pending sends are completed lazily), sends a heartbeat every `heartbeat_s`, and
-declares the peer dead (ChannelClosed) after `peer_timeout_s` of silence. Nothing spans more than
+declares the peer dead (ChannelClosed) after `peer_timeout_s` of silence while it listens (a
+caller busy elsewhere for a while does not count that time). Nothing spans more than
 two processes; close() disconnects from a live peer (both sides do on goodbye) and only frees the
 intercommunicator of a dead one (Disconnect is collective and would wait for it forever).
 
@@ -32,6 +33,8 @@ _POLL_S = (0.00005, 0.005)  # recv polls Iprobe with a backoff from the first to
 
 
 def _mpi():
+    # UCX warns at exit about heartbeats nobody received (harmless: a peer's last beats); errors still show
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
     from mpi4py import MPI
 
     return MPI
@@ -47,7 +50,7 @@ class MpiChannel(Channel):
         self._pending: list = []  # (request, buffer): sends not known complete yet
         self._closed = False
         self._peer_gone: str | None = None
-        self._last_heard = time.monotonic()
+        self._last_heard = self._last_probe = time.monotonic()
         self._beat = threading.Thread(target=self._heartbeats, daemon=True, name=f"mpi-heartbeat-{peer}")
         self._beat.start()
 
@@ -96,6 +99,11 @@ class MpiChannel(Channel):
                     self._peer_gone = f"receive failed ({e.Get_error_string()})"
                     raise ChannelClosed(f"{self.peer}: {self._peer_gone}") from None
             now = time.monotonic()
+            if now - self._last_probe > self._peer_timeout_s / 4:
+                # nobody listened for a while (a busy caller): that is not the peer's silence, and
+                # the first probes after it may come before MPICH's progress brings in what waits
+                self._last_heard += now - self._last_probe
+            self._last_probe = now
             if data is not None:
                 self._last_heard, pause = now, _POLL_S[0]
                 if status.Get_tag() == _BYE:
@@ -195,29 +203,36 @@ class MpiListener(Listener):
                     continue  # being written
                 os.unlink(os.path.join(self._join_dir, name))
                 try:
-                    self._accepted.put(MPI.COMM_SELF.Accept(self._port))
+                    comm = MPI.COMM_SELF.Accept(self._port)
                 except MPI.Exception:
                     continue  # a failed handshake: keep serving others
+                # a channel (heartbeats) at once: the peer must hear us while `accept` is not called yet
+                self._count += 1
+                self._accepted.put(MpiChannel(comm, f"mpi peer {self._count}", self._heartbeat_s, self._peer_timeout_s))
         self._accepted.put(None)
 
     def accept(self, timeout_s: float | None = None) -> Channel:
         if self._closed.is_set():
             raise ChannelClosed("listener closed")
         try:
-            comm = self._accepted.get(timeout=timeout_s)
+            channel = self._accepted.get(timeout=timeout_s)
         except queue.Empty:
             raise ChannelTimeout(f"no peer within {timeout_s} s") from None
-        if comm is None:
+        if channel is None:
             self._accepted.put(None)
             raise ChannelClosed("listener closed")
-        self._count += 1
-        return MpiChannel(comm, f"mpi peer {self._count}", self._heartbeat_s, self._peer_timeout_s)
+        return channel
 
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
         self._thread.join(timeout=30)
+        while not self._accepted.empty():  # accepted, never taken: ours to close
+            channel = self._accepted.get_nowait()
+            if channel is not None:
+                channel.close()
+        self._accepted.put(None)
         _mpi().Close_port(self._port)
         for path in (self._port_file, *(os.path.join(self._join_dir, n) for n in os.listdir(self._join_dir))):
             try:

@@ -105,8 +105,10 @@ class Listener(ABC):
         """Stop listening (idempotent); a thread blocked in `accept` gets ChannelClosed."""
 
 
-def listen(backend: str = "tcp", host: str = "127.0.0.1", port_file: str | None = None) -> Listener:
-    """A listener on `backend`: "tcp" binds `host` (port 0 picks a free one); "mpi" publishes its port in `port_file`."""
+def listen(backend: str = "tcp", host: str = "127.0.0.1", port_file: str | None = None,
+           peer_timeout_s: float = 5.0) -> Listener:  # fmt: skip
+    """A listener on `backend`: "tcp" binds `host` (port 0 picks a free one); "mpi" publishes its port in
+    `port_file` and declares a peer dead after `peer_timeout_s` of silence (TCP sees EOF instead)."""
     if backend == "tcp":
         from gyre.control.tcp import TcpListener
 
@@ -116,12 +118,13 @@ def listen(backend: str = "tcp", host: str = "127.0.0.1", port_file: str | None 
 
         if port_file is None:
             raise ValueError("the mpi backend needs port_file (where peers find the port name)")
-        return MpiListener(port_file)
+        return MpiListener(port_file, peer_timeout_s=peer_timeout_s)
     raise ValueError(f"unknown control transport {backend!r}; valid: tcp, mpi")
 
 
-def connect(address: str, timeout_s: float = 30.0) -> Channel:
-    """A channel to the listener at `address` ("tcp://host:port/KEY" or "mpi:PORT_FILE")."""
+def connect(address: str, timeout_s: float = 30.0, peer_timeout_s: float = 5.0) -> Channel:
+    """A channel to the listener at `address` ("tcp://host:port/KEY" or "mpi:PORT_FILE"; mpi: the
+    listener is declared dead after `peer_timeout_s` of silence)."""
     if address.startswith("tcp://"):
         from gyre.control.tcp import tcp_connect
 
@@ -129,5 +132,5 @@ def connect(address: str, timeout_s: float = 30.0) -> Channel:
     if address.startswith("mpi:"):
         from gyre.control.mpi import mpi_connect
 
-        return mpi_connect(address.removeprefix("mpi:"), timeout_s)
+        return mpi_connect(address.removeprefix("mpi:"), timeout_s, peer_timeout_s=peer_timeout_s)
     raise ValueError(f"unknown control address {address!r}: expected tcp://host:port/KEY or mpi:PORT_FILE")

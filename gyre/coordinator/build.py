@@ -12,6 +12,7 @@ both hand out cells with one interface (gyre.cells.base.BaseCell).
 
 import asyncio
 import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,12 +94,15 @@ async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
     n = cfg.cluster.num_cells
     parts.policy = RolloutOnlyPolicy(cfg.scheduler, n) if cfg.mode == "rollout" else make_policy(cfg.scheduler, n)
     roles = parts.policy.initial_roles()
-    parts.listener = listen("tcp", parts.launcher.host)
+    k = cfg.cluster
+    parts.listener = listen(k.control, parts.launcher.host, port_file=str(parts.run_dir / f"control.{os.getpid()}.port"),
+                            peer_timeout_s=k.control_peer_timeout_s)  # fmt: skip
     address = parts.listener.address
     for state, role in zip(make_cells(n, cfg.cluster.cell_nodes), roles):
         state.role = role
         spec = CellSpec(index=state.index, role=role.value, model=cfg.model, trainer=cfg.trainer, engine=cfg.engine,
-                        seed=cfg.seed, host=parts.launcher.host, coordinator_address=address, proxy_url=parts.proxy.url,
+                        seed=cfg.seed, host=parts.launcher.host, coordinator_address=address, control=k.control,
+                        control_peer_timeout_s=k.control_peer_timeout_s, proxy_url=parts.proxy.url,
                         proxy_admin_token=parts.proxy.admin_token, checkpoint_dir=str(parts.run_dir / "checkpoints"),
                         run_dir=str(parts.run_dir),
                         init_weights=cfg.coordinator.init_weights, resume=resume)  # fmt: skip

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from gyre.errors import require
 
 BACKENDS = ("local", "slurm")
+CONTROLS = ("tcp", "mpi")
 """local: cells are process groups on this machine; slurm: components of one heterogeneous Slurm job."""
 
 
@@ -39,6 +40,13 @@ class ClusterConfig:
     """Slurm: CPU cores of the coordinator's component (coordinator, proxy, harness sandboxes)."""
     coordinator_mem_gb: int = 16
     """Slurm: memory of the coordinator's component, in GiB."""
+    control: str = "tcp"
+    """Transport of the control messages (coordinator <-> cell leaders, core <-> satellites): one of
+    CONTROLS. mpi: mpi4py + MPICH, each leader under `mpiexec -n 1`, joined by port files in the run
+    directory (gyre/control/mpi.py)."""
+    control_peer_timeout_s: float = 30.0
+    """mpi: silence after which a peer is declared dead (MPICH reports no dead peer; heartbeats
+    every 0.5 s). Long enough for a leader busy in a loaded step; a dead cell is found this late."""
     bind_host: str | None = None
     """Address the coordinator's listener and proxy, and each cell's servers, bind and advertise.
     None: 127.0.0.1 locally; on Slurm each process's own node (SLURMD_NODENAME, resolved), so
@@ -58,6 +66,9 @@ class ClusterConfig:
         require(self.cpus_per_node >= 1, "cpus_per_node", f"must be >= 1, got {self.cpus_per_node}")
         require(self.mem_gb_per_node >= 1, "mem_gb_per_node", f"must be >= 1 GiB, got {self.mem_gb_per_node}")
         require(self.time_limit_min >= 1, "time_limit_min", f"must be >= 1 minute, got {self.time_limit_min}")
+        require(self.control in CONTROLS, "control", f"must be one of {', '.join(CONTROLS)}; got {self.control!r}")
+        require(self.control_peer_timeout_s > 0, "control_peer_timeout_s",
+                f"must be > 0 s, got {self.control_peer_timeout_s}")
         require(self.coordinator_cpus >= 1, "coordinator_cpus", f"must be >= 1, got {self.coordinator_cpus}")
         require(self.coordinator_mem_gb >= 1, "coordinator_mem_gb", f"must be >= 1 GiB, got {self.coordinator_mem_gb}")
 

@@ -31,10 +31,12 @@ class SatelliteCell:
     after a stint in another role, and `pull_latest` works at any time.
     """
 
-    def __init__(self, trainer: Trainer, endpoint: TransferEndpoint, core_address: str, cell: str):
+    def __init__(self, trainer: Trainer, endpoint: TransferEndpoint, core_address: str, cell: str,
+                 peer_timeout_s: float = 5.0):  # fmt: skip
+        """`peer_timeout_s`: an MPI core is declared dead after this silence (gyre.control.transport.connect)."""
         one_rank_cell()
         self.trainer, self.endpoint, self.cell = trainer, endpoint, cell
-        self._address = core_address
+        self._address, self._peer_timeout_s = core_address, peer_timeout_s
         endpoint.register(trainer.flat.weights)
         endpoint.register(trainer.grad)
         self._ch: Channel | None = None
@@ -50,7 +52,7 @@ class SatelliteCell:
 
     def _join(self) -> Channel:
         if self._ch is None:
-            ch = connect(self._address)
+            ch = connect(self._address, peer_timeout_s=self._peer_timeout_s)
             reply = ch.request(m.Join(self.cell, self.trainer.flat.signature()), timeout_s=60)
             if not isinstance(reply, m.Welcome):
                 ch.close()

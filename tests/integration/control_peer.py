@@ -1,6 +1,7 @@
 """A control-channel peer in its own process, for the transport contract test.
 
     python control_peer.py ADDRESS echo      send back every message until Leave
+(each prints "connected" once its channel is up)
     python control_peer.py ADDRESS garbage   send undecodable bytes, a non-message, a forbidden global,
                                              then Heartbeat(<its pid>, 0), then wait to be killed
 """
@@ -16,6 +17,7 @@ from gyre.control.transport import connect
 
 def main(address: str, mode: str) -> None:
     ch = connect(address)
+    print("connected", flush=True)
     if mode == "echo":
         while not isinstance(msg := ch.recv(), Leave):
             ch.send(msg)

@@ -113,3 +113,22 @@ def test_connecting_to_a_closed_tcp_listener_is_channel_closed():
         connect(address)
     with pytest.raises(ValueError, match="unknown control"):
         connect("udp://x")
+
+
+def test_an_mpi_peer_the_listener_has_not_handed_out_yet_still_hears_it(peers, tmp_path):
+    """MPI declares a silent peer dead after 5 s: the listener heartbeats every peer it accepted from
+    the start, not only once `accept()` hands the channel out (a coordinator takes cells one by one).
+    (A TCP peer's connect returns only in `accept()`: nothing to hear before.)"""
+    pytest.importorskip("mpi4py")
+    listener = listen("mpi", port_file=str(tmp_path / "control.port"))
+    peers(listener.address, "echo")
+    deadline = time.monotonic() + 120
+    while "connected" not in (tmp_path / "peer0.log").read_text():
+        assert time.monotonic() < deadline, "the peer never connected"
+        time.sleep(0.1)
+    time.sleep(8)  # longer than the peer's silence timeout
+    ch = listener.accept(timeout_s=60)
+    assert ch.request(m.WeightVersion(3), timeout_s=30) == m.WeightVersion(3)
+    ch.send(m.Leave("x"))
+    ch.close()
+    listener.close()

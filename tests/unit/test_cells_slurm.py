@@ -1,13 +1,15 @@
 """The coordinator's side of Slurm cells and a cell task's wait for its spec, without a cluster:
 spec files are private and per restart, failures and an ended coordinator are reported, not waited out."""
 
+import dataclasses
 import signal
 import stat
 import time
+from pathlib import Path
 
 import pytest
 
-from gyre.cells.base import CellError
+from gyre.cells.base import CellError, leader_command
 from gyre.cells.slurm import (SlurmCell, SlurmLauncher, coordinator_exit_path, failed_path, run_cell_task,
                               spec_path)
 from gyre.cells.spec import CellSpec
@@ -72,3 +74,11 @@ def test_a_cell_task_ignores_the_previous_runs_spec(tmp_path):
     (tmp_path / "cell0.r0.json").write_text(_spec(0).to_json())  # the run before the requeue
     with pytest.raises(CellError, match="no spec"):
         run_cell_task(tmp_path, _placement(1, restart=1), "127.0.0.1", timeout_s=0.5)
+
+
+def test_an_mpi_leader_runs_under_mpiexec_on_its_own_node_and_a_tcp_one_plainly():
+    tcp, mpi = _spec(1), dataclasses.replace(_spec(1), control="mpi", coordinator_address="mpi:/run/control.port")
+    assert leader_command(tcp)[1:3] == ["-m", "gyre.cells.leader"]
+    cmd = leader_command(mpi)
+    assert Path(cmd[0]).name == "mpiexec" and cmd[1:5] == ["-launcher", "fork", "-n", "1"]
+    assert cmd[6:8] == ["-m", "gyre.cells.leader"] and CellSpec.from_json(cmd[8]) == mpi

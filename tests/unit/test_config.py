@@ -49,6 +49,8 @@ def test_valid_configs_compose_and_validate(overrides):
         pytest.param("proxy.context_len=100000", "proxy.context_len", id="context-beyond-the-model"),
         pytest.param("cluster.num_cells=64", "cluster.num_cells", id="more-cells-than-cpus"),
         pytest.param("harness.kind=emacs", "harness.kind", id="unknown-harness"),
+        pytest.param("cluster.control=zmq", "cluster.control", id="unknown-control-transport"),
+        pytest.param("cluster.control_peer_timeout_s=0", "cluster.control_peer_timeout_s", id="no-peer-timeout"),
     ],
 )
 def test_bad_values_name_their_key(override, key):
