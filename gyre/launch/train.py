@@ -1,6 +1,7 @@
 """`gyre-train`: the Hydra app that composes, validates and runs a Gyre job (the coordinator).
 
-The run directory is Hydra's (`hydra.run.dir`); the summary's last line is one JSON object.
+The run directory is Hydra's (`hydra.run.dir`); the summary's last line is one JSON object, also
+written to RUN_DIR/summary.json.
 """
 
 import asyncio
@@ -16,6 +17,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from gyre.common import CONF_DIR
+from gyre.common.serve import write_private_file
 from gyre.config import GyreConfig, register_configs, validate
 from gyre.errors import ConfigError, GyreError
 from gyre.tasks.spec import TaskSet, toy_taskset
@@ -44,6 +46,7 @@ def run(cfg: DictConfig) -> None:
         summary = run_on_slurm(gyre_cfg, taskset, run_dir)
     else:
         summary = asyncio.run(run_coordinator(gyre_cfg, run_dir, taskset, resume=gyre_cfg.resume))
+    write_private_file(str(run_dir / "summary.json"), json.dumps(summary))  # for sweeps, whose stdout is a job's log
     print(json.dumps(summary), flush=True)
 
 

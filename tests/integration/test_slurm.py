@@ -228,20 +228,21 @@ def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells_over
 
 
 @pytest.mark.timeout(1800)
-def test_a_three_job_sweep_over_modes_runs_each_as_its_own_het_job(tmp_path):
-    """`gyre-train -m` with Hydra's basic launcher: each job submits its own het job and waits for it."""
+def test_a_three_job_sweep_over_modes_through_hydra_submitit_launcher_runs_each_as_its_own_het_job(tmp_path):
+    """`gyre-train -m hydra/launcher=submitit_slurm`: each sweep job is a Slurm job of its own, whose
+    gyre-train submits the run's het job (not inheriting the launcher job's identity) and waits."""
     sweep_dir = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "gyre.launch.train", "-m", f"hydra.sweep.dir={sweep_dir}",
+    launcher = ["hydra/launcher=submitit_slurm", f"hydra.launcher.submitit_folder={sweep_dir}/.submitit",
+                "hydra.launcher.timeout_min=30", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2"]
+    cmd = [sys.executable, "-m", "gyre.launch.train", "-m", f"hydra.sweep.dir={sweep_dir}", *launcher,
            f"tasks.path={_taskset(tmp_path)}", *OVERRIDES, "scheduler=elastic,async,colocate", "num_steps=1", *DEV]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=1700)  # fmt: skip
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [s["num_steps"] for s in summaries] == [1, 1, 1]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     jobs = set()
     for num, mode in enumerate(["elastic", "async", "colocate"]):
         run_dir = sweep_dir / str(num)
+        assert json.loads((run_dir / "summary.json").read_text())["num_steps"] == 1
         assert _events(run_dir, "run_start")[0]["mode"] == mode
         _check_ledger(run_dir, 1)
         jobs.add(json.loads((run_dir / "slurm" / "job.json").read_text())["job_id"])

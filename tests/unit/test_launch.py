@@ -156,3 +156,13 @@ def test_preemption_signal_reaches_the_coordinator_and_no_child():
                          env=os.environ | {"PYTHONPATH": os.getcwd()})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "alive"
+
+
+def test_a_run_submitted_from_inside_a_job_forgets_that_job_but_keeps_the_cluster(monkeypatch):
+    from gyre.launch.job import _forget_enclosing_job
+
+    for key, value in {"SLURM_ARRAY_JOB_ID": "197", "SLURM_JOB_ID": "198", "SLURM_CONF": "/etc/slurm.conf"}.items():
+        monkeypatch.setenv(key, value)
+    _forget_enclosing_job()
+    assert not [k for k in os.environ if k.startswith("SLURM_") and k != "SLURM_CONF"]
+    assert os.environ["SLURM_CONF"] == "/etc/slurm.conf"
