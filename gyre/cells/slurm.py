@@ -14,7 +14,6 @@ run's. A leader that fails leaves its traceback in a `.failed` file, which `chec
 
 import dataclasses
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.spec import CellSpec
+from gyre.common.files import write_private_file
 from gyre.launch.environment import SlurmPlacement
 from gyre.scheduler.cells import Cell
 
@@ -48,15 +48,6 @@ def node_address(placement: SlurmPlacement, bind_host: str | None) -> str:
     return bind_host or socket.gethostbyname(placement.node or socket.gethostname())
 
 
-def write_private(path: Path, data: str | bytes) -> None:
-    """Write `data` to `path` readable only by us, atomically (temp file, then rename)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 class SlurmCell(BaseCell):
     """One cell whose leader is the first task of het component `index + 1` of this job."""
 
@@ -65,7 +56,7 @@ class SlurmCell(BaseCell):
         self.job_dir, self.restart = job_dir, restart
 
     def start(self) -> None:
-        write_private(spec_path(self.job_dir, self.index, self.restart), self.spec.to_json())
+        write_private_file(spec_path(self.job_dir, self.index, self.restart), self.spec.to_json())
 
     def check_alive(self) -> None:
         failed = failed_path(self.job_dir, self.index, self.restart)
@@ -126,7 +117,7 @@ def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | Non
 
         CellLeader(spec).run()
     except BaseException:
-        write_private(failed_path(job_dir, cell, restart), f"on node {placement.node}:\n{traceback.format_exc()}")
+        write_private_file(failed_path(job_dir, cell, restart), f"on node {placement.node}:\n{traceback.format_exc()}")
         raise
 
 

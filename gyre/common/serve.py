@@ -13,20 +13,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gyre.common.files import write_private_file
 from gyre.errors import GyreError
-
-
-def write_private_file(path: str, text: str, fsync: bool = False) -> None:
-    """Write `text` owner-only, atomically (a reader never sees half a file): it may carry a token.
-    With `fsync` the content is on disk before the rename (the directory entry is the caller's)."""
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def die_with_parent() -> None:

@@ -58,7 +58,8 @@ class GyreJob:
     def _coordinate(self, placement: SlurmPlacement, job_dir: Path, cfg, taskset) -> dict:
         import asyncio
 
-        from gyre.cells.slurm import coordinator_exit_path, write_private
+        from gyre.cells.slurm import coordinator_exit_path
+        from gyre.common.files import write_private_file
         from gyre.coordinator.loop import Preempted, run
         from gyre.launch.preempt import PreemptionSignal
 
@@ -73,7 +74,7 @@ class GyreJob:
             subprocess.run(["scontrol", "requeue", placement.job_id], check=True, timeout=60)
             times = {"signal_t": preempt.received_t, "closed_t": closed_t, "requeue_t": time.time(),
                      "restart_count": placement.restart_count, "reason": str(e)}
-            write_private(job_dir / f"preempted.r{placement.restart_count}.json", json.dumps(times))
+            write_private_file(job_dir / f"preempted.r{placement.restart_count}.json", json.dumps(times))
             log.warning("requeued job %s: %s", placement.job_id, e)
             sys.exit(-1)  # as submitit's own handler: no result for this run, the requeued one writes it
         finally:
@@ -96,14 +97,14 @@ def submit_run(cfg, taskset, run_dir: Path):
     Raises:
         SlurmConfigError: the partition is unknown, or too small or too short for the run (names the key).
     """
-    from gyre.cells.slurm import write_private
+    from gyre.common.files import write_private_file
     from gyre.launch.slurm import check_fits, make_hetjob_executor, make_run_components, query_partition
 
     _forget_enclosing_job()
     check_fits(cfg.cluster, query_partition(cfg.cluster.partition))
     job_dir, submitted_t = run_dir / "slurm", time.time()
     job_dir.mkdir(parents=True, exist_ok=True)
-    write_private(job_dir / "run.pkl", pickle.dumps((cfg, taskset)))
+    write_private_file(job_dir / "run.pkl", pickle.dumps((cfg, taskset)))
     executor = make_hetjob_executor(cfg.cluster, make_run_components(cfg.cluster), job_dir, name="gyre",
                                     slurm_signal_delay_s=SIGNAL_DELAY_S)  # fmt: skip
     job = executor.submit(GyreJob(run_dir))

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from gyre.common import CONF_DIR
-from gyre.common.serve import write_private_file
+from gyre.common.files import write_private_file
 from gyre.config import GyreConfig, register_configs, validate
 from gyre.errors import ConfigError, GyreError
 from gyre.tasks.spec import TaskSet, toy_taskset

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from gyre.errors import GyreError
-from gyre.common.serve import write_private_file
+from gyre.common.files import write_private_file
 from gyre.proxy.chat import ApiError
 from gyre.proxy.conversation import ConversationCache
 from gyre.proxy.render import TurnMemory, remember_records
