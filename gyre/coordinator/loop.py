@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import aiohttp
+
 from gyre.control.messages import CheckpointDone, Failure, PhaseDone, RoleDone, StepDone, StepProgress
 from gyre.config import GyreConfig
 from gyre.cells.base import CellError
@@ -132,11 +134,17 @@ def _poll(cell, parts: Parts, events: RunEvents, now: float) -> list:
     except CellError as e:
         if cell is parts.core:
             raise
-        log.warning("cell %d lost: %s", cell.index, e)
-        cell.state.lose(now)
-        events.failure(f"cell{cell.index}", f"lost: {str(e)[:2000]}")
-        cell.stop()
+        _lose(cell, events, now, str(e))
         return []
+
+
+def _lose(cell, events: RunEvents, now: float, reason: str) -> None:
+    """Mark a satellite lost; it is stopped off the loop (closing a channel to a peer not yet known
+    dead waits out its timeout under MPI)."""
+    log.warning("cell %d lost: %s", cell.index, reason)
+    cell.state.lose(now)
+    events.failure(f"cell{cell.index}", f"lost: {reason[:2000]}")
+    threading.Thread(target=cell.stop, daemon=True, name=f"stop-cell{cell.index}").start()
 
 
 def _finished(mode: str, num_steps: int, train: Training, source) -> bool:
@@ -158,7 +166,7 @@ async def _on_message(msg, cell, parts: Parts, train: Training, source, events: 
     elif isinstance(msg, RoleDone):
         events.role_switch(msg)
         if msg.role == Role.ROLLOUT.value and cell.engine_version < train.version:
-            await _load_newest(cell, train.weights)  # published while the cell was switching
+            await _load_serving([cell], train.weights, parts, events, now)  # published while the cell was switching
     elif isinstance(msg, StepProgress):
         train.on_progress(msg)
     elif isinstance(msg, StepDone):
@@ -166,7 +174,7 @@ async def _on_message(msg, cell, parts: Parts, train: Training, source, events: 
         parts.core.state.leave_step()
         events.step(rec)
         t0, serving = time.monotonic(), [x for x in parts.cells if x.state.role == Role.ROLLOUT]
-        await asyncio.gather(*(_load_newest(x, msg.weights) for x in serving))
+        await _load_serving(serving, msg.weights, parts, events, now)
         events.publish(train.version, time.monotonic() - t0, len(serving))
         if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= num_steps or preempting:
             parts.core.channel.send(train.checkpoint({"next_group": source.next_group}))
@@ -177,6 +185,17 @@ async def _on_message(msg, cell, parts: Parts, train: Training, source, events: 
                 source.mark_trained(group, {eid for mb in batch.micro_batches for eid in mb.execution_ids}, rec.step)
     elif isinstance(msg, Failure):
         raise RunFailed(f"cell {msg.cell}: {msg.reason}")
+
+
+async def _load_serving(cells: list, weights: dict, parts: Parts, events: RunEvents, now: float) -> None:
+    """Have serving cells load `weights`. A satellite whose engine cannot be reached is lost: its
+    leader may be dead before its channel says so (MPI finds a dead peer only by its silence)."""
+    results = await asyncio.gather(*(_load_newest(x, weights) for x in cells), return_exceptions=True)
+    for cell, result in zip(cells, results):
+        if isinstance(result, (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)) and cell is not parts.core:
+            _lose(cell, events, now, f"its engine did not take weight version {weights['version']}: {result!r}")
+        elif isinstance(result, BaseException):
+            raise result
 
 
 async def _load_newest(cell, weights: dict) -> None:

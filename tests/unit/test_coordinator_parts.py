@@ -1,13 +1,21 @@
-"""The coordinator's pure parts: the execution ledger, the live staleness mask, CPU quotas."""
+"""The coordinator's pure parts: the execution ledger, the live staleness mask, CPU quotas, losing a
+cell whose engine cannot be reached."""
 
+import asyncio
 import os
+import socket
+import threading
+from types import SimpleNamespace
 
+import aiohttp
 import numpy as np
 import pytest
 
 from gyre.cells.quota import PERIOD_US, make_quota, quota_us
 from gyre.coordinator.batching import mask_stale
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
+from gyre.coordinator.loop import _load_serving
+from gyre.scheduler.cells import Role, make_cells
 from gyre.trajectory.paths import PathSample
 from gyre.trajectory.process import TrainingSample
 
@@ -81,3 +89,38 @@ def test_quota_uses_cgroup_v2_then_v1_then_pins_cores(tmp_path):
     q = make_quota("cellC", 1, 1, root=tmp_path / "none")
     assert q.mechanism == "affinity" and {int(c) for c in q.path.split(",")} <= os.sched_getaffinity(0)
     assert quota_us(0.001) == 1000  # the kernel's minimum
+
+
+class _Cell:
+    def __init__(self, index: int, engine_url: str):
+        self.index, self.engine_url, self.engine_version = index, engine_url, -1
+        self.state, self.stopped = make_cells(3, 1)[index], threading.Event()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+class _Events:
+    def __init__(self):
+        self.failures = []
+
+    def failure(self, component: str, message: str) -> None:
+        self.failures.append((component, message))
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_satellite_whose_engine_cannot_take_new_weights_is_lost_but_an_unreachable_core_ends_the_run():
+    """A leader can be dead before its channel says so (MPI knows a dead peer only by silence): the
+    weight push after a step is where the coordinator finds out; it must not end the run."""
+    core, satellite, events = _Cell(0, _closed_port_url()), _Cell(2, _closed_port_url()), _Events()
+    parts = SimpleNamespace(core=core)
+    asyncio.run(_load_serving([satellite], {"version": 3}, parts, events, now=5.0))
+    assert satellite.state.role == Role.LOST and satellite.stopped.wait(10)
+    assert events.failures[0][0] == "cell2" and "weight version 3" in events.failures[0][1]
+    with pytest.raises(aiohttp.ClientConnectionError):
+        asyncio.run(_load_serving([core], {"version": 3}, parts, events, now=5.0))
