@@ -61,7 +61,6 @@ async def _read_body(request: web.Request) -> bytes:
     limit = request.app["max_body"]
     if (request.content_length or 0) > limit:
         raise ApiError("too_large", f"request body exceeds {limit} bytes")
-    request.content.set_read_chunk_size(limit)  # as `read()` does: the socket is not paused at 128 KiB buffered
     chunks, size = [], 0
     while chunk := await request.content.readany():
         size += len(chunk)
@@ -71,10 +70,11 @@ async def _read_body(request: web.Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _json_body(request: web.Request):
-    body = await _read_body(request)
+async def _json_body(request: web.Request) -> tuple[object, bytes]:
+    """The parsed body and its bytes."""
+    raw = await _read_body(request)
     try:
-        return orjson.loads(body)
+        return orjson.loads(raw), raw
     except orjson.JSONDecodeError as e:
         raise invalid(f"malformed JSON body: {e}") from None
 
@@ -143,8 +143,8 @@ class ProxyServer:
         try:
             ex = self._execution(request)
             await ex.ready()
-            body = await _json_body(request)
-            call = self.runner.prepare(ex, wire, body, request.headers, t0)
+            body, raw = await _json_body(request)
+            call = self.runner.prepare(ex, wire, body, request.headers, t0, raw)
             return await self.runner.respond(request, call, wire)
         except ApiError as e:
             status, body = wire.error(e)
@@ -165,7 +165,7 @@ class ProxyServer:
         try:
             ex = self._execution(request)
             await ex.ready()
-            body = await _json_body(request)
+            body, _ = await _json_body(request)
             if isinstance(body, dict):
                 body = {**body, "max_tokens": body.get("max_tokens") or 1}
             _, _, rendered, _ = self.runner.render(ex, self.anthropic, body, request.headers, keep=False)
