@@ -26,7 +26,7 @@ def serve(cfg: ProxyConfig, port_file: str | None = None) -> None:
     # tracked containers at a 1M-token context). At the default threshold (700) young collections
     # run inside every parse and promote each body to the old generations, whose collections walk it
     # again; at 100,000 net new containers a body is mostly freed before any collection sees it
-    # (~2 ms less CPU per call at 1M in tools/bench/proxy_context.py). Cyclic garbage waits as long.
+    # (~1 ms less CPU per call at 1M in tools/bench/proxy_context.py). Cyclic garbage waits as long.
     gc.set_threshold(100_000, 10, 10)
 
     # The port file is owner-only: it carries the admin token.
