@@ -60,16 +60,17 @@ class CallRunner:
         self.stop_token_ids = tokenizer.stop_token_ids
         """Asked once: an HF tokenizer looks them up by name."""
 
-    def render(self, ex: Execution, wire, body, headers, keep: bool = True) -> tuple[ChatRequest, CallHints, RenderResult, bool]:
+    def render(self, ex: Execution, wire, body, headers, keep: bool = True, raw: bytes = b"") -> tuple[ChatRequest, CallHints, RenderResult, bool]:
         """Parse and render only what the call adds to its conversation's snapshot (see
-        gyre.proxy.conversation); `keep` stores the call as the conversation's new snapshot.
+        gyre.proxy.conversation); `keep` stores the call as the conversation's new snapshot; `raw`
+        (the body's bytes) lets the next call find what it shares by comparing bytes.
 
         Returns:
             (request, hints, rendered prompt, whether the call re-sends an earlier one)
         Raises:
             ApiError: invalid_request (naming the field) or not_found.
         """
-        request = wire.split(body)
+        request = wire.split(body, raw)
         snap, num = ex.conversations.match(request) if request is not None else (None, 0)
         chat = wire.parse(body, Resume(snap.chat.messages, snap.chat.marks, num) if num else None)
         hints = wire.hints(headers, body, chat)
@@ -83,13 +84,14 @@ class CallRunner:
             ex.conversations.store(Snapshot(request, chat, rendered), snap if snap is not None and num == len(snap.request.messages) else None)
         return chat, hints, rendered, is_retry
 
-    def prepare(self, ex: Execution, wire, body: dict, headers, received_mono: float) -> Call:
+    def prepare(self, ex: Execution, wire, body: dict, headers, received_mono: float, raw: bytes = b"") -> Call:
         """Validate and render; raises ApiError before anything is numbered or recorded.
 
         Args:
             received_mono: time.monotonic() when the handler started (for the proxy_ms hint).
+            raw: the body's bytes (see `render`).
         """
-        chat, hints, rendered, is_retry = self.render(ex, wire, body, headers)
+        chat, hints, rendered, is_retry = self.render(ex, wire, body, headers, raw=raw)
         n = rendered.input_ids.size
         if n >= self.cfg.context_len:
             raise invalid(f"prompt is too long: {n} tokens > {self.cfg.context_len - 1} maximum")

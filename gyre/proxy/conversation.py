@@ -4,8 +4,10 @@ A harness re-sends its whole conversation on every call. The proxy keeps, per ex
 few requests' message lists as they came off the wire (a `Snapshot`: the parsed JSON, its
 conversion to template messages, and its rendered prompt with checkpoints), and a new call first
 finds the snapshot sharing the longest run of leading messages with it (same head: system prompt
-and tools). Comparing parsed JSON is a C-level walk over equal objects (strings compare by memcmp),
-much cheaper than converting, rendering or tokenizing them again; only the messages after the
+and tools). Where the new body's bytes start with the snapshot's up to the end of its last message
+(a harness re-serialising the same history), that decides with one memcmp; otherwise comparing
+parsed JSON is a C-level walk over equal objects (strings compare by memcmp). Both are much cheaper
+than converting, rendering or tokenizing the messages again; only the messages after the
 shared run are converted (`gyre.proxy.chat.convert_messages`) and rendered
 (`gyre.proxy.render.Renderer.render`, from a checkpoint). A call whose messages and other fields
 equal its snapshot's (`stream` aside) is a harness re-sending it: a retry.
@@ -27,6 +29,10 @@ class WireRequest:
     """The wire's message list, as parsed."""
     rest: dict
     """Every other field except `stream` (a retry repeats them)."""
+    raw: bytes = b""
+    """The body as it came (b"" where unknown)."""
+    messages_end: int = -1
+    """Where the message list's last item ends in `raw` (-1: not known; see `gyre.proxy.wire.split_request`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +56,18 @@ def num_shared(a: list, b: list) -> int:
     return i
 
 
+def num_shared_messages(old: WireRequest, new: WireRequest) -> int:
+    """How many leading messages `new` shares with `old`: all of `old`'s where `new`'s body starts
+    with `old`'s up to the end of its last message and goes on with "," or "]" (equal bytes parse
+    alike: one memcmp, ~5x cheaper than walking the parsed messages of a 4 MB body); else `num_shared`.
+    The last shared message is compared too: a later duplicate message key would replace the list."""
+    n, end = len(old.messages), old.messages_end
+    if (end > 0 and new.raw[end : end + 1] in (b",", b"]") and new.raw.startswith(memoryview(old.raw)[:end])
+            and len(new.messages) >= n and new.messages[n - 1] == old.messages[n - 1]):  # fmt: skip
+        return n
+    return num_shared(old.messages, new.messages)
+
+
 class ConversationCache:
     """The last `max_snapshots` conversations of one execution (most recent first)."""
 
@@ -63,7 +81,7 @@ class ConversationCache:
         for snap in self._snapshots:
             if snap.request.head != request.head:
                 continue
-            n = num_shared(snap.request.messages, request.messages)
+            n = num_shared_messages(snap.request, request)
             if n > best_n:
                 best, best_n = snap, n
         return best, best_n

@@ -21,7 +21,7 @@ Per call, only what the call adds is rendered and tokenized: a render leaves che
 head, after each remembered assistant turn, and after its last run), and the next call of the
 same conversation, which shares the messages up to one (`RenderResult.resume_from`), starts there
 with the earlier ids and their JSON (`PromptIds`, what the engine is sent) instead of rendering the
-prefix again. The last run's checkpoint holds only if the run ends at the same message, that is,
+prefix again; its ids continue the earlier prompt's in place (`IdBuffer`), so not even they are copied. The last run's checkpoint holds only if the run ends at the same message, that is,
 if the next message is a remembered assistant turn (or there is none: a re-sent call).
 
 The memory survives a proxy restart: the records are its durable copy, and the first call of an
@@ -115,13 +115,42 @@ class Checkpoint:
     """False for the point after the last run: valid only where the next message closes that run."""
 
 
+class IdBuffer:
+    """The int32 ids of a conversation's prompts, shared: each prompt's `input_ids` is a view of its
+    prefix. Filled positions (below `size`) never change, so a prompt continuing an earlier one
+    writes only what it adds (rewriting a few equal ids, the generation prompt, is allowed) instead
+    of copying the whole context (4 MB at a million tokens); one that differs there copies its prefix
+    into a buffer of its own."""
+
+    def __init__(self, capacity: int = 1024):
+        self.array = np.empty(capacity, np.int32)
+        self.size = 0
+
+    def put(self, at: int, ids: list[int]) -> "IdBuffer":
+        """`ids` at position `at` (<= size); returns the buffer that holds them (this one or a copy)."""
+        assert at <= self.size, (at, self.size)
+        end, seen = at + len(ids), min(self.size, at + len(ids)) - at
+        if seen and not np.array_equal(self.array[at : at + seen], ids[:seen]):
+            own = IdBuffer(2 * end)
+            own.array[:at] = self.array[:at]
+            own.size = at
+            return own.put(at, ids)
+        if end > self.array.size:  # earlier prompts keep their views of the old array
+            grown = np.empty(2 * end, np.int32)
+            grown[: self.size] = self.array[: self.size]
+            self.array = grown
+        self.array[at + seen : end] = ids[seen:]
+        self.size = max(self.size, end)
+        return self
+
+
 class PromptIds:
-    """A prompt built from pieces: int32 ids and their JSON array (the /generate field) as a list
-    of byte pieces, starting from an earlier prompt's prefix without encoding or copying it again
-    (the pieces are joined once, into the request to the engine)."""
+    """A prompt built from pieces: int32 ids (in an `IdBuffer`) and their JSON array (the /generate
+    field) as a list of byte pieces, starting from an earlier prompt's prefix without encoding or
+    copying it again (the pieces are joined once, into the request to the engine)."""
 
     def __init__(self, base: "RenderResult | None" = None, at: Checkpoint | None = None):
-        self._ids: list = [base.input_ids[: at.num_ids]] if base is not None else []
+        self.buffer = base.ids_buffer if base is not None else IdBuffer()
         self._json: list = list(base.input_json[: at.num_json]) if base is not None else [b"["]
         self.num_ids = at.num_ids if base is not None else 0
 
@@ -134,7 +163,7 @@ class PromptIds:
             return
         text = orjson.dumps(ids)[1:-1]
         self._json.append(b"," + text if self.num_ids else text)
-        self._ids.append(ids)
+        self.buffer = self.buffer.put(self.num_ids, ids)
         self.num_ids += len(ids)
 
     @staticmethod
@@ -144,8 +173,7 @@ class PromptIds:
         return p.finish()
 
     def finish(self) -> tuple[np.ndarray, tuple[bytes, ...]]:
-        ids = np.concatenate([np.asarray(p, dtype=np.int32) for p in self._ids]) if self._ids else np.empty(0, np.int32)
-        return ids, (*self._json, b"]")
+        return self.buffer.array[: self.num_ids], (*self._json, b"]")
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,6 +190,8 @@ class RenderResult:
     num_rendered_messages: int = 0
     """Messages this call rendered itself (the rest came from an earlier call's checkpoint)."""
     tools: list | None = field(default=None, repr=False)
+    ids_buffer: IdBuffer | None = field(default=None, repr=False)
+    """Where `input_ids` lives; a later prompt resuming from this one continues it."""
 
     def resume_from(self, messages: list[dict], num_shared: int, memory: "TurnMemory", agent_id: str) -> Checkpoint | None:
         """The last checkpoint within the first `num_shared` messages (equal to this render's) that
@@ -248,7 +278,7 @@ class Renderer:
             n = sum(m["role"] == "assistant" for m in messages)
             ids = PromptIds()
             ids.add(self.tok.apply_chat_template(messages, tools, True))
-            return RenderResult(*ids.finish(), 0, n, num_rendered_messages=len(messages), tools=tools)
+            return RenderResult(*ids.finish(), 0, n, num_rendered_messages=len(messages), tools=tools, ids_buffer=ids.buffer)
         return done
 
     def _start(self, messages, tools, memory, agent_id, resume) -> tuple[PromptIds, int, int, int, list, int] | None:
@@ -299,4 +329,4 @@ class Renderer:
                 reused += 1
                 checkpoints.append(Checkpoint(j + 1, ids.num_ids, ids.num_json, reused, retokenized, True))
         ids.add(self.gen_prompt)
-        return RenderResult(*ids.finish(), reused, retokenized, tuple(checkpoints), len(messages) - num_kept, tools)
+        return RenderResult(*ids.finish(), reused, retokenized, tuple(checkpoints), len(messages) - num_kept, tools, ids.buffer)

@@ -51,11 +51,30 @@ def _credentials(request: web.Request) -> list[str]:
     return keys + [request.headers[h] for h in ("x-api-key", "x-gyre-key") if h in request.headers]
 
 
-async def _json_body(request: web.Request):
+async def _read_body(request: web.Request) -> bytes:
+    """The body, its chunks joined once: aiohttp's `read()` grows a bytearray chunk by chunk, then
+    copies it into bytes (at a million-token context, a 4 MB body, ~2 ms more CPU per call).
+
+    Raises:
+        ApiError: too_large past the app's `max_body` bytes.
+    """
+    limit = request.app["max_body"]
+    if (request.content_length or 0) > limit:
+        raise ApiError("too_large", f"request body exceeds {limit} bytes")
+    chunks, size = [], 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError("too_large", f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_body(request: web.Request) -> tuple[object, bytes]:
+    """The parsed body and its bytes."""
+    raw = await _read_body(request)
     try:
-        return orjson.loads(await request.read())
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError("too_large", f"request body exceeds {request.app['max_body']} bytes") from None
+        return orjson.loads(raw), raw
     except orjson.JSONDecodeError as e:
         raise invalid(f"malformed JSON body: {e}") from None
 
@@ -124,8 +143,8 @@ class ProxyServer:
         try:
             ex = self._execution(request)
             await ex.ready()
-            body = await _json_body(request)
-            call = self.runner.prepare(ex, wire, body, request.headers, t0)
+            body, raw = await _json_body(request)
+            call = self.runner.prepare(ex, wire, body, request.headers, t0, raw)
             return await self.runner.respond(request, call, wire)
         except ApiError as e:
             status, body = wire.error(e)
@@ -146,7 +165,7 @@ class ProxyServer:
         try:
             ex = self._execution(request)
             await ex.ready()
-            body = await _json_body(request)
+            body, _ = await _json_body(request)
             if isinstance(body, dict):
                 body = {**body, "max_tokens": body.get("max_tokens") or 1}
             _, _, rendered, _ = self.runner.render(ex, self.anthropic, body, request.headers, keep=False)

@@ -250,13 +250,28 @@ def _same_call(oc: _Occurrence, call: ToolCall) -> bool:
         return False
 
 
-def split_request(body, messages_key: str, head_keys: tuple[str, ...]) -> WireRequest | None:
+def split_request(body, messages_key: str, head_keys: tuple[str, ...], raw: bytes = b"") -> WireRequest | None:
     """The body as conversation matching sees it; None for one that is not a dict with a message list
-    (parsing it answers the error)."""
+    (parsing it answers the error). `raw`: the body's bytes, for `conversation.num_shared_messages`."""
     if not isinstance(body, dict) or not isinstance(body.get(messages_key), list):
         return None
     rest = {k: v for k, v in body.items() if k != messages_key and k != "stream"}
-    return WireRequest(tuple(body.get(k) for k in head_keys), body[messages_key], rest)
+    return WireRequest(tuple(body.get(k) for k in head_keys), body[messages_key], rest, raw, _messages_end(body, messages_key, raw))
+
+
+def _messages_end(body: dict, key: str, raw: bytes) -> int:
+    """Where the last item of the list under `key` ends in `raw`: known where the bytes after it are
+    the list's "]" and the fields after it as orjson writes them (compact, as harnesses send JSON);
+    else -1."""
+    if not raw or not body[key]:
+        return -1
+    keys = list(body)
+    try:
+        after = b"".join(b"," + orjson.dumps(k) + b":" + orjson.dumps(body[k]) for k in keys[keys.index(key) + 1 :])
+    except orjson.JSONEncodeError:
+        return -1
+    tail = b"]" + after + b"}"
+    return len(raw) - len(tail) if raw.endswith(tail) else -1
 
 
 class AnthropicWire:
@@ -265,8 +280,8 @@ class AnthropicWire:
     def __init__(self, models: list[str], default_max_tokens: int):
         self.models = models
 
-    def split(self, body) -> WireRequest | None:
-        return split_request(body, "messages", ("system", "tools"))
+    def split(self, body, raw: bytes = b"") -> WireRequest | None:
+        return split_request(body, "messages", ("system", "tools"), raw)
 
     def parse(self, body, resume: Resume | None = None) -> ChatRequest:
         return anthropic.parse_request(body, self.models, resume)
@@ -321,8 +336,8 @@ class OpenAIWire:
     def __init__(self, models: list[str], default_max_tokens: int):
         self.models, self.default_max_tokens = models, default_max_tokens
 
-    def split(self, body) -> WireRequest | None:
-        return split_request(body, "messages", ("tools",))
+    def split(self, body, raw: bytes = b"") -> WireRequest | None:
+        return split_request(body, "messages", ("tools",), raw)
 
     def parse(self, body, resume: Resume | None = None) -> ChatRequest:
         return openai.parse_request(body, self.models, self.default_max_tokens, resume)
@@ -375,8 +390,8 @@ class ResponsesWire:
     def __init__(self, models: list[str], default_max_tokens: int):
         self.models, self.default_max_tokens = models, default_max_tokens
 
-    def split(self, body) -> WireRequest | None:
-        return split_request(body, "input", ("instructions", "tools"))
+    def split(self, body, raw: bytes = b"") -> WireRequest | None:
+        return split_request(body, "input", ("instructions", "tools"), raw)
 
     def parse(self, body, resume: Resume | None = None) -> ChatRequest:
         return responses.parse_request(body, self.models, self.default_max_tokens, resume)

@@ -13,10 +13,11 @@ from gyre.proxy.render import Checkpoint, PromptIds, RenderResult
 pieces = st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=5), max_size=6)
 
 
-@settings(max_examples=200, deadline=None)
-@given(pieces, st.integers(0, 6), pieces)
-def test_prompt_from_a_checkpoint_is_the_json_of_its_ids(first, cut, second):
-    """Any pieces, resumed from any of their points with any further pieces: ids and JSON agree."""
+@settings(max_examples=300, deadline=None)
+@given(pieces, st.integers(0, 6), pieces, st.integers(0, 6), pieces)
+def test_prompt_from_a_checkpoint_is_the_json_of_its_ids(first, cut, second, cut2, third):
+    """Any pieces, resumed from any of their points with any further pieces, twice (a continuation
+    and a branch, sharing one IdBuffer): ids and JSON agree, and no prompt's ids change later."""
     ids = PromptIds()
     points = [Checkpoint(0, 0, 1, 0, 0, True)]  # after "[": one piece
     for p in first:
@@ -25,12 +26,16 @@ def test_prompt_from_a_checkpoint_is_the_json_of_its_ids(first, cut, second):
     arr, pieces = ids.finish()
     text = b"".join(pieces)
     assert json.loads(text) == arr.tolist() == [i for p in first for i in p] and arr.dtype == np.int32
-    at = points[min(cut, len(points) - 1)]
-    again = PromptIds(RenderResult(arr, pieces, 0, 0), at)
-    for p in second:
-        again.add(p)
-    arr2, pieces2 = again.finish()
-    assert json.loads(b"".join(pieces2)) == arr2.tolist() == arr[: at.num_ids].tolist() + [i for p in second for i in p]
+    base, done = RenderResult(arr, pieces, 0, 0, ids_buffer=ids.buffer), [(arr, arr.tolist())]
+    for cut_at, more in ((cut, second), (cut2, third)):
+        at = points[min(cut_at, len(points) - 1)]
+        again = PromptIds(base, at)
+        for p in more:
+            again.add(p)
+        arr2, pieces2 = again.finish()
+        assert json.loads(b"".join(pieces2)) == arr2.tolist() == arr[: at.num_ids].tolist() + [i for p in more for i in p]
+        done.append((arr2, arr2.tolist()))
+    assert all(a.tolist() == seen for a, seen in done), "a later prompt changed an earlier one's ids"
 
 
 def test_generate_payload_with_encoded_ids_is_the_same_request():

@@ -2,6 +2,7 @@
 (megatron-core, TP 1 and 2) and the builtin engine with transformers' log-probs, exports back
 bitwise, refuses architectures Gyre would compute wrongly, and renders chats with its own template."""
 
+import copy
 import json
 import os
 import subprocess
@@ -22,7 +23,11 @@ from gyre.models.export import export
 from gyre.models.hf import hf_config_fields
 from gyre.models.tokenizer import HFTokenizer
 from gyre.models.transformer import sequence_logprobs
+from gyre.proxy.calls import CallRunner
+from gyre.proxy.config import ProxyConfig
+from gyre.proxy.executions import ExecutionRegistry
 from gyre.proxy.render import Renderer, TurnMemory, assistant_key
+from gyre.proxy.wire import AnthropicWire
 from gyre.train.checkpoint import CheckpointManager
 from gyre.train.config import TrainerConfig
 from gyre.train.trainer import Trainer
@@ -178,6 +183,46 @@ def test_renderer_reuses_output_ids_and_renders_the_rest_as_transformers_does(qw
     full = tok.apply_chat_template(msgs2, tools, True)
     assert full[-len(fresh) :] == fresh and tok.decode(fresh).count("<tool_response>") == 2
     assert tok.decode(fresh).startswith("\n<|im_start|>user\n<tool_response>\nprint(1/0)")
+
+
+class CountingHFTokenizer(HFTokenizer):
+    """Counts the message characters the checkpoint's template is asked to render and tokenize."""
+
+    num_chars = 0
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
+        self.num_chars += sum(len(m.get("content") or "") for m in messages)
+        return super().apply_chat_template(messages, tools, add_generation_prompt)
+
+
+def test_hf_conversation_call_tokenizes_only_its_new_messages(tmp_path):
+    """Through the proxy's call path with a real BPE and a Qwen2.5-style template (a default system
+    prompt, so runs render after the anchor): each call of a growing conversation tokenizes its new
+    user message and the anchor, never the history, and its prompt equals a from-scratch rendering."""
+    hf = train_tokenizer()
+    hf.chat_template = DEFAULT_SYSTEM_TEMPLATE
+    hf.save_pretrained(tmp_path / "tok")
+    tok = CountingHFTokenizer(tmp_path / "tok")
+    runner = CallRunner(ProxyConfig(records_dir=str(tmp_path / "r")), tok, Renderer(tok), pool=None)
+    ex, wire = ExecutionRegistry(str(tmp_path / "r"), fsync=False).create("e1"), AnthropicWire(["gyre"], 16)
+    assert runner.renderer.anchored
+    tools = [{"name": "read", "description": "Read a file", "input_schema": {"type": "object"}}]
+    body = {"model": "gyre", "max_tokens": 16, "system": "You are a coding agent.", "tools": tools,
+            "messages": [{"role": "user", "content": "Fix the bug in main.py"}]}  # fmt: skip
+    runner.render(ex, wire, body, {})  # the first call renders the head and the first message
+    for n in range(1, 5):
+        answer = f"Step {n}: reading it."
+        out = tok.encode(answer) + [tok.eos_token_id]
+        ex.turns.remember(assistant_key(answer, []), out)
+        text = f"output {n} " * 30
+        body = copy.deepcopy(body)  # fresh JSON each call, as a harness sends it
+        body["messages"] += [{"role": "assistant", "content": answer}, {"role": "user", "content": text}]
+        before = tok.num_chars
+        chat, hints, rendered, _ = runner.render(ex, wire, body, {})
+        assert tok.num_chars - before == len("anchor") + len(text), "earlier messages were tokenized again"
+        assert (rendered.num_reused, rendered.num_retokenized, rendered.num_rendered_messages) == (n, 0, 2)
+        full = runner.renderer.render(chat.messages, chat.tools, ex.turns, hints.agent_id)  # no snapshot: from scratch
+        assert rendered.input_ids.tolist() == full.input_ids.tolist() and b"".join(rendered.input_json) == b"".join(full.input_json)
 
 
 def test_hf_check_prints_parity_and_roundtrip(qwen3, capsys):

@@ -1,16 +1,21 @@
 """Per-call work that tracks what a call adds: a conversation's next call converts and renders only
-its new messages, yet its prompt equals a full rendering; retries are recognised without hashing."""
+its new messages, yet its prompt equals a full rendering; retries are recognised without hashing;
+the messages a call shares with its snapshot are found by comparing body bytes where they allow."""
 
 import copy
+import json
 
+import orjson
 import pytest
 
 from gyre.models.tokenizer import ByteTokenizer
+from gyre.proxy import conversation
 from gyre.proxy.calls import CallRunner
 from gyre.proxy.config import ProxyConfig
+from gyre.proxy.conversation import num_shared, num_shared_messages
 from gyre.proxy.executions import ExecutionRegistry
 from gyre.proxy.render import Renderer, assistant_key
-from gyre.proxy.wire import AnthropicWire, OpenAIWire
+from gyre.proxy.wire import AnthropicWire, OpenAIWire, split_request
 
 
 class CountingTokenizer(ByteTokenizer):
@@ -59,7 +64,7 @@ def serve(tok, runner, ex, body: dict, n: int):
     """Render one call as the proxy does and remember the model's answer; (rendered, retry, answer
     message, message characters the template rendered for the call)."""
     before = tok.num_chars
-    chat, hints, rendered, retry = runner.render(ex, AnthropicWire(["gyre"], 16), body, {})
+    chat, hints, rendered, retry = runner.render(ex, AnthropicWire(["gyre"], 16), body, {}, raw=orjson.dumps(body))
     used = tok.num_chars - before
     full = runner.renderer.render(chat.messages, chat.tools, ex.turns, hints.agent_id)  # no snapshot: from scratch
     assert rendered.input_ids.tolist() == full.input_ids.tolist() and b"".join(rendered.input_json) == b"".join(full.input_json)
@@ -146,3 +151,35 @@ def test_retry_is_recognised_after_a_restart(tmp_path):
     body["messages"] += [echoed, result(0, "r0")]
     _, _, longer, retry = runner.render(ex2, AnthropicWire(["gyre"], 16), body, {})
     assert not retry and longer.input_ids[: rendered.input_ids.size + len(out)].tolist() == rendered.input_ids.tolist() + out
+
+
+M = [{"role": "user", "content": "go"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "t0", "name": "bash", "input": {}}]},
+     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t0", "content": "r0 \u00e9\n"}]}]  # fmt: skip
+NEW = {"role": "assistant", "content": "ok"}
+
+
+SPACED = lambda b: json.dumps(b).encode()  # noqa: E731  (Python's default separators: ", " and ": ")
+
+
+@pytest.mark.parametrize("case_id, old, new, dumps, found, by_bytes", [
+    ("messages-last", {"system": "s", "messages": M}, {"system": "s", "messages": [*M, NEW]}, orjson.dumps, True, True),
+    ("messages-first", {"messages": M, "system": "s", "stream": True}, {"messages": [*M, NEW], "system": "s", "stream": True}, orjson.dumps, True, True),
+    ("resent", {"messages": M}, {"messages": M}, orjson.dumps, True, True),
+    ("spaced-messages-last", {"messages": M}, {"messages": [*M, NEW]}, SPACED, True, True),
+    ("spaced-fields-after", {"messages": M, "system": "s"}, {"messages": [*M, NEW], "system": "s"}, SPACED, False, False),
+    ("edited-result", {"messages": M}, {"messages": [*M[:2], {**M[2], "content": "edited"}, NEW]}, orjson.dumps, True, False),
+    ("fewer", {"messages": M}, {"messages": M[:2]}, orjson.dumps, True, False),
+    ("later-duplicate-key", {"messages": M}, None, orjson.dumps, True, False),
+])  # fmt: skip
+def test_shared_messages_by_bytes_equal_the_parsed_comparison(monkeypatch, case_id, old, new, dumps, found, by_bytes):
+    """Where the bytes decide, they say what comparing the parsed messages says; elsewhere (the end
+    of the list not found, an edit, a shorter list, a second "messages" key whose list the parser
+    keeps) the parsed messages are compared."""
+    a_raw = dumps(old)
+    b_raw = dumps(new) if new is not None else a_raw[:-1] + b',"messages":' + orjson.dumps([M[0], NEW]) + b"}"
+    a, b = (split_request(orjson.loads(r), "messages", ("system",), r) for r in (a_raw, b_raw))
+    assert (a.messages_end > 0 and a_raw[a.messages_end : a.messages_end + 1] == b"]") == found, case_id
+    walked = []
+    monkeypatch.setattr(conversation, "num_shared", lambda x, y: walked.append(1) or num_shared(x, y))
+    assert num_shared_messages(a, b) == num_shared(a.messages, b.messages), case_id
+    assert (not walked) == by_bytes, case_id
