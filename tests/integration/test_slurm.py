@@ -204,7 +204,7 @@ def _task_pids(job_id: str, rank: int) -> list[int]:
 @pytest.mark.timeout(1200)
 def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells_over_mpi_control(tmp_path):
     """The control plane on MPI (MPICH reports no dead peer): the coordinator finds the cell dead by its
-    silence, never hangs; the run goes on."""
+    silence or by its engine refusing the next weight push, never hangs; the run goes on."""
     run_dir = tmp_path / "run"
     proc = _gyre_train(run_dir, _taskset(tmp_path), "num_steps=3", "cluster.control=mpi",
                        "cluster.control_peer_timeout_s=15", *DEV)  # fmt: skip
@@ -220,7 +220,7 @@ def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells_over
     summary = _finish(proc, timeout_s=1100)
     assert summary["num_steps"] == 3
     lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
-    assert len(lost) == 1 and "lost" in lost[0]["message"] and "mpi" in lost[0]["message"]
+    assert len(lost) == 1 and "lost" in lost[0]["message"]  # by its channel's silence, or its engine's weight push
     assert not [e for e in _events(run_dir, "failure") if e["component"] != "cell2"]
     assert json.loads((run_dir / "slurm" / "cell0.r0.json").read_text())["coordinator_address"].startswith("mpi:")
     _check_ledger(run_dir, 3)
