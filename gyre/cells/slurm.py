@@ -24,7 +24,7 @@ from pathlib import Path
 from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
-from gyre.launch.environment import SlurmPlacement
+from gyre.cells.placement import SlurmPlacement
 from gyre.scheduler.cells import Cell
 
 log = logging.getLogger(__name__)

@@ -67,7 +67,7 @@ def make_launcher(cfg: GyreConfig, run_dir: Path) -> CellLauncher:
     if cfg.cluster.backend == "local":
         return LocalLauncher(run_dir, cfg.coordinator.cpus_per_cell, cfg.cluster.bind_host)
     from gyre.cells.slurm import SlurmLauncher
-    from gyre.launch.environment import current_placement
+    from gyre.cells.placement import current_placement
 
     return SlurmLauncher(run_dir / "slurm", current_placement(), cfg.cluster.bind_host)
 

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from gyre.launch.environment import SlurmPlacement, current_placement
+from gyre.cells.placement import SlurmPlacement, current_placement, forget_enclosing_job
 
 log = logging.getLogger(__name__)
 SIGNAL_DELAY_S = 120
@@ -81,14 +81,6 @@ class GyreJob:
             coordinator_exit_path(job_dir, placement.restart_count).touch()
 
 
-def _forget_enclosing_job() -> None:
-    """Submitted from inside a job (a sweep through hydra-submitit-launcher runs each gyre-train in
-    one), the run must not inherit that job's identity: sbatch passes the environment on, and the
-    run's tasks would take the launcher's SLURM_ARRAY_JOB_ID for their own. SLURM_CONF stays."""
-    for key in [k for k in os.environ if k.startswith("SLURM_") and k != "SLURM_CONF"]:
-        del os.environ[key]
-
-
 def submit_run(cfg, taskset, run_dir: Path):
     """Check the partition's limits, then submit the run (GyreConfig, TaskSet) as one het job.
 
@@ -100,7 +92,7 @@ def submit_run(cfg, taskset, run_dir: Path):
     from gyre.common.files import write_private_file
     from gyre.launch.slurm import check_fits, make_hetjob_executor, make_run_components, query_partition
 
-    _forget_enclosing_job()
+    forget_enclosing_job()
     check_fits(cfg.cluster, query_partition(cfg.cluster.partition))
     job_dir, submitted_t = run_dir / "slurm", time.time()
     job_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ import submitit
 
 from gyre.coordinator.ledger import read_ledger
 from gyre.launch.config import ClusterConfig
-from gyre.launch.environment import current_placement
+from gyre.cells.placement import current_placement
 from gyre.launch.slurm import make_cell_components, make_hetjob_executor
 from tests.integration.test_coordinator import OVERRIDES, ROOT, _events, _finish, _gyre_train, _taskset
 

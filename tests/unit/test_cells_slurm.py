@@ -14,7 +14,7 @@ from gyre.cells.slurm import (SlurmCell, SlurmLauncher, coordinator_exit_path, f
                               spec_path)
 from gyre.cells.spec import CellSpec
 from gyre.engines.config import EngineConfig
-from gyre.launch.environment import SlurmPlacement
+from gyre.cells.placement import SlurmPlacement
 from gyre.models.config import ModelConfig
 from gyre.scheduler.cells import make_cells
 from gyre.train.config import TrainerConfig

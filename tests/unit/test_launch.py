@@ -10,7 +10,7 @@ import pytest
 
 from gyre.errors import ConfigError
 from gyre.launch.config import ClusterConfig
-from gyre.launch.environment import NotInSlurmJob, parse_placement
+from gyre.cells.placement import NotInSlurmJob, forget_enclosing_job, parse_placement
 from gyre.launch.slurm import (PartitionLimits, check_fits, make_cell_components, make_hetjob_parameters,
                                make_run_components, parse_partition, parse_time_min)
 
@@ -159,10 +159,8 @@ def test_preemption_signal_reaches_the_coordinator_and_no_child():
 
 
 def test_a_run_submitted_from_inside_a_job_forgets_that_job_but_keeps_the_cluster(monkeypatch):
-    from gyre.launch.job import _forget_enclosing_job
-
     for key, value in {"SLURM_ARRAY_JOB_ID": "197", "SLURM_JOB_ID": "198", "SLURM_CONF": "/etc/slurm.conf"}.items():
         monkeypatch.setenv(key, value)
-    _forget_enclosing_job()
+    forget_enclosing_job()
     assert not [k for k in os.environ if k.startswith("SLURM_") and k != "SLURM_CONF"]
     assert os.environ["SLURM_CONF"] == "/etc/slurm.conf"

@@ -1,4 +1,4 @@
-"""Where this process runs inside a Slurm job: the one module that reads SLURM_* variables.
+"""Where this process runs inside a Slurm job: the one module that reads (and clears) SLURM_* variables.
 
 In a heterogeneous step (`srun --het-group=0,1,...`) a task is not told its component directly;
 it is derived from SLURM_PROCID and the per-component task counts.
@@ -62,3 +62,11 @@ def parse_placement(env: Mapping[str, str]) -> SlurmPlacement:
 def current_placement() -> SlurmPlacement:
     """The placement of the calling process (submitted as a job function, it reports where it ran)."""
     return parse_placement(os.environ)
+
+
+def forget_enclosing_job() -> None:
+    """Submitted from inside a job (a sweep through hydra-submitit-launcher runs each gyre-train in
+    one), the run must not inherit that job's identity: sbatch passes the environment on, and the
+    run's tasks would take the launcher's SLURM_ARRAY_JOB_ID for their own. SLURM_CONF stays."""
+    for key in [k for k in os.environ if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+        del os.environ[key]
