@@ -17,6 +17,7 @@ config and task set wait in `slurm/run.pkl` for the tasks that run something (im
 two dozen idle tasks at once took minutes on the dev cluster's shared cores).
 """
 
+import faulthandler
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ class GyreJob:
         self.run_dir = run_dir
 
     def __call__(self) -> dict | None:
+        faulthandler.enable()  # a task that dies in native code (MPI, Mooncake) leaves its Python stack in the log
         placement, job_dir = current_placement(), self.run_dir / "slurm"
         if placement.group_rank != 0:
             return None  # a further node of a cell: the tiny model's cell is one process, on its first node

@@ -202,27 +202,23 @@ def _task_pids(job_id: str, rank: int) -> list[int]:
 
 
 @pytest.mark.timeout(1200)
-def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells_over_mpi_control(tmp_path):
-    """The control plane on MPI (MPICH reports no dead peer): the coordinator finds the cell dead by its
-    silence or by its engine refusing the next weight push, never hangs; the run goes on."""
+def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _gyre_train(run_dir, _taskset(tmp_path), "num_steps=3", "cluster.control=mpi",
-                       "cluster.control_peer_timeout_s=15", *DEV)  # fmt: skip
+    proc = _gyre_train(run_dir, _taskset(tmp_path), "num_steps=3", *DEV)
     _wait_for("step-1 checkpoint", proc, lambda: (run_dir / "events.jsonl").exists() and any(
         e["step"] == 1 for e in _events(run_dir, "checkpoint")), 900)
     job_id = json.loads((run_dir / "slurm" / "job.json").read_text())["job_id"]
     rank = 1 + 2 * 8  # cell 2's leader: the first task of component 3 (1 coordinator task, 8 per cell)
     pids = _task_pids(job_id, rank)
-    assert len(pids) >= 4, "the task, mpiexec (and its proxy), the leader and its engine"
+    assert len(pids) >= 2, "the leader and its engine"
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
 
     summary = _finish(proc, timeout_s=1100)
     assert summary["num_steps"] == 3
     lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
-    assert len(lost) == 1 and "lost" in lost[0]["message"]  # by its channel's silence, or its engine's weight push
+    assert len(lost) == 1 and "lost" in lost[0]["message"]  # by its channel's EOF, or its engine's weight push
     assert not [e for e in _events(run_dir, "failure") if e["component"] != "cell2"]
-    assert json.loads((run_dir / "slurm" / "cell0.r0.json").read_text())["coordinator_address"].startswith("mpi:")
     _check_ledger(run_dir, 3)
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
 
