@@ -13,6 +13,11 @@ caller busy elsewhere for a while does not count that time). Nothing spans more 
 two processes; close() disconnects from a live peer (both sides do on goodbye) and only frees the
 intercommunicator of a dead one (Disconnect is collective and would wait for it forever).
 
+Every MPI call of a process is made under one lock (`_CALLS`), not one per channel: MPICH's
+ch4:ucx under MPI_THREAD_MULTIPLE is the suspect of a segfault seen once while the coordinator
+accepted a leader as other threads sent and probed. The calls that wait on a peer stay outside
+it: Connect (the listener may never answer) and Disconnect (collective with the peer).
+
 Processes started plainly are MPICH singletons; two singletons cannot connect to each other
 (MPICH: "Local and remote groups ... are not disjoint"), so peers run under `mpiexec -n 1` (on
 Slurm: their own `srun` step); the listener may be a singleton.
@@ -30,6 +35,7 @@ from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout, Liste
 _MSG, _HEARTBEAT, _BYE = 1, 2, 3
 _BYE_SEEN = "the peer closed the channel"
 _POLL_S = (0.00005, 0.005)  # recv polls Iprobe with a backoff from the first to the second
+_CALLS = threading.Lock()  # every MPI call of this process but Connect and Disconnect (see above)
 
 
 def _mpi():
@@ -43,10 +49,11 @@ def _mpi():
 class MpiChannel(Channel):
     def __init__(self, comm, peer: str, heartbeat_s: float, peer_timeout_s: float):
         MPI = _mpi()
-        comm.Set_errhandler(MPI.ERRORS_RETURN)
+        with _CALLS:
+            comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._comm, self.peer = comm, peer
         self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
-        self._lock = threading.Lock()  # every call on the communicator (freed in close)
+        self._lock = _CALLS  # also guards this channel's state (pending sends, closed)
         self._pending: list = []  # (request, buffer): sends not known complete yet
         self._closed = False
         self._peer_gone: str | None = None
@@ -142,7 +149,8 @@ class MpiChannel(Channel):
                     self._drain()
                     self._comm.Disconnect()
                 else:
-                    self._comm.Free()
+                    with self._lock:
+                        self._comm.Free()
             except MPI.Exception:
                 pass
 
@@ -150,20 +158,19 @@ class MpiChannel(Channel):
         t.start()
         t.join(self._peer_timeout_s)
 
-
     def _drain(self, quiet_s: float = 0.05) -> None:
         """Receive what the peer still sent and finish our sends: Disconnect waits for both."""
         MPI = _mpi()
-        quiet_since = time.monotonic()
-        while time.monotonic() - quiet_since < quiet_s:
-            status = MPI.Status()
-            if self._comm.Iprobe(source=0, tag=MPI.ANY_TAG, status=status):
-                self._comm.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE], source=0, tag=status.Get_tag())
-                quiet_since = time.monotonic()
-            else:
-                time.sleep(_POLL_S[0])
-        MPI.Request.Waitall([r for r, _ in self._pending])
-        self._pending.clear()
+        quiet_since = deadline = time.monotonic()
+        deadline += self._peer_timeout_s
+        while (time.monotonic() - quiet_since < quiet_s or self._pending) and time.monotonic() < deadline:
+            with self._lock:
+                status = MPI.Status()
+                if self._comm.Iprobe(source=0, tag=MPI.ANY_TAG, status=status):
+                    self._comm.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE], source=0, tag=status.Get_tag())
+                    quiet_since = time.monotonic()
+                self._pending = [(r, b) for r, b in self._pending if not r.Test()]
+            time.sleep(_POLL_S[0])
 
 
 class MpiListener(Listener):
@@ -180,7 +187,8 @@ class MpiListener(Listener):
 
     def __init__(self, port_file: str, heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0):
         MPI = _mpi()
-        self._port = MPI.Open_port()
+        with _CALLS:
+            self._port = MPI.Open_port()
         self._port_file, self._join_dir = port_file, f"{port_file}.join"
         os.makedirs(self._join_dir, exist_ok=True)
         tmp = f"{port_file}.tmp{os.getpid()}"
@@ -203,7 +211,8 @@ class MpiListener(Listener):
                     continue  # being written
                 os.unlink(os.path.join(self._join_dir, name))
                 try:
-                    comm = MPI.COMM_SELF.Accept(self._port)
+                    with _CALLS:  # short: the peer announced itself after starting its Connect
+                        comm = MPI.COMM_SELF.Accept(self._port)
                 except MPI.Exception:
                     continue  # a failed handshake: keep serving others
                 # a channel (heartbeats) at once: the peer must hear us while `accept` is not called yet
@@ -233,7 +242,8 @@ class MpiListener(Listener):
             if channel is not None:
                 channel.close()
         self._accepted.put(None)
-        _mpi().Close_port(self._port)
+        with _CALLS:
+            _mpi().Close_port(self._port)
         for path in (self._port_file, *(os.path.join(self._join_dir, n) for n in os.listdir(self._join_dir))):
             try:
                 os.unlink(path)
