@@ -26,6 +26,7 @@ class CellSpec:
     control: str = "tcp"
     """Control transport (cluster.control): under mpi the core's satellite listener is MPI too."""
     control_peer_timeout_s: float = 30.0
+    """MPI only: silence after which a peer is presumed dead (cluster.control_peer_timeout_s)."""
     proxy_url: str
     proxy_admin_token: str
     checkpoint_dir: str
