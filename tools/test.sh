@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: set up from nothing (venv, packages, the local Slurm cluster), run the whole
-# pytest suite, stop the cluster, and exit with pytest's status. Extra arguments go to pytest.
+# pytest suite, stop the cluster, and exit with pytest's status. Extra arguments go to one pytest run instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,8 +10,16 @@ tools/slurm-dev up
 echo "test.sh: set-up took $((SECONDS - start)) s" >&2
 eval "$(tools/slurm-dev env)"
 
+# Without arguments: the unit tests on two workers (pure cores and in-process parts, robust to a
+# loaded box), then the integration tests one at a time (whole runs under CPU quotas, timed budgets).
 rc=0
-OMP_NUM_THREADS=1 .venv/bin/python -m pytest "$@" || rc=$?
+pytest() { OMP_NUM_THREADS=1 .venv/bin/python -m pytest "$@" || rc=$?; }
+if (($#)); then
+  pytest "$@"
+else
+  pytest -n 2 tests/unit
+  pytest tests/integration
+fi
 tools/slurm-dev down
 echo "test.sh: total $((SECONDS - start)) s, pytest exit status $rc" >&2
 exit $rc
