@@ -81,9 +81,9 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
                 raise Preempted(f"preempted at weight version {train.version}, its checkpoint complete")
             queued, ahead, running = source.counts(train.version)
             sessions = await _sessions(parts)
-            obs = make_observation(
+            obs = make_observation(  # live, sessions per cell bound rollout; decode is not measured (None)
                 now, [x.state for x in parts.cells], sessions, [c.sessions_per_cell] * len(parts.cells),
-                [1.0] * len(parts.cells), queued=queued, queued_ahead=ahead, running=running, queue=train.queue,
+                None, queued=queued, queued_ahead=ahead, running=running, queue=train.queue,
                 train_tok_s=train.train_tok_s, optimizing=train.optimizing)  # fmt: skip
             events.observe(obs, sessions)
             decision = parts.policy.decide(obs)

@@ -13,18 +13,23 @@ from gyre.scheduler.streaming import MicroStepQueue
 
 
 def make_observation(now_s: float, cells: Sequence[Cell], sessions: Sequence[int], max_sessions: Sequence[int],
-                     gen_tok_s: Sequence[float], *, queued: int, queued_ahead: int, running: int,
+                     gen_tok_s: Sequence[float] | None, *, queued: int, queued_ahead: int, running: int,
                      queue: MicroStepQueue, train_tok_s: float, optimizing: bool,
                      gen_demand_tok_s: float = 0.0, pooled_sessions: int = 0) -> Observation:
     """What the policy sees now.
 
     Args:
         sessions, max_sessions, gen_tok_s: per cell (index order): live sessions it serves, how
-            many it can serve, generation throughput it sustains.
+            many it can serve, generation throughput it sustains (None: not measured; then
+            `gen_demand_tok_s` must be 0 and only sessions bound rollout).
         queue: the micro-step queue (ready training work, batch state of the current step).
         train_tok_s: training throughput of one satellite cell, tokens/s (measured or configured).
         optimizing: the core is applying the current step's optimizer step.
     """
+    if gen_tok_s is None:
+        if gen_demand_tok_s:
+            raise ValueError("decode demand without the cells' decode throughput")
+        gen_tok_s = [CellView.gen_tok_s] * len(cells)  # decode never binds: no demand to compare
     views = tuple(
         CellView(index=c.index, role=c.role, is_core=c.is_core, in_step=c.step is not None, since_s=c.since_s,
                  sessions=n, max_sessions=m, gen_tok_s=g)
