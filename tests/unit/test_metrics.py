@@ -8,9 +8,13 @@ import random
 import threading
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from gyre.coordinator.batching import GroupBatch
+from gyre.coordinator.summary import RunEvents
+from gyre.coordinator.training import StepRecord
 from gyre.errors import ConfigError
 from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import (
@@ -28,10 +32,12 @@ from gyre.metrics.log import EventLog, EventTail, read_events
 from gyre.metrics.monitor import RunMonitor
 from gyre.metrics.progress import Progress, format_line, make_snapshot
 from gyre.metrics.report import main as report_main
-from gyre.metrics.report import summarize
-from gyre.metrics.sinks import TensorBoardSink
+from gyre.metrics.report import format_steps, summarize
+from gyre.metrics.sinks import TensorBoardSink, make_scalars
 from gyre.metrics.state import Intervals, fold
 from gyre.scheduler.cells import PHASE_SHARES, Phase
+from gyre.trajectory.config import TrajectoryConfig
+from gyre.trajectory.process import process_execution
 
 from _metrics_run import TO_TRAIN_S, make_run_events
 
@@ -383,3 +389,26 @@ def test_gyre_report_on_a_missing_run_says_so(tmp_path, capsys):
     assert report_main([str(tmp_path)]) == 2
     assert "events.jsonl: no such file" in capsys.readouterr().err
 
+
+
+def test_each_optimizer_step_reports_the_targets_the_path_cap_and_dedup_saved(tmp_path):
+    """From the trajectory processor's counts of real paths, through the coordinator's event, to the per-step views."""
+    from test_trajectory_tree import hand_built  # 8 paths, a shared prefix: K=5 -> 156/144/136, K=1 -> 156/24/24
+
+    groups = []
+    for max_paths, eid in ((5, "a"), (1, "b")):
+        counts = process_execution(hand_built(eid), TrajectoryConfig(max_paths=max_paths)).counts
+        groups.append((None, GroupBatch(micro_batches=[], total_weight=0.0, rewards={eid: 0.5}, counts=counts)))
+    run = RunEvents(tmp_path, SimpleNamespace(metrics=QUIET, num_steps=1, scheduler=SimpleNamespace(mode="elastic")))
+    run.step(StepRecord(step=0, groups=groups, metrics={"loss": 0.1, "grad_norm": 1.0}, seconds=2.0))
+    run.close()
+    (step,), _ = read_events(tmp_path / "events.jsonl")
+    assert (step.targets_naive, step.targets_capped, step.targets_dedup) == (312, 168, 160)
+    assert step.seq_tokens_naive > step.seq_tokens_capped >= step.seq_tokens_packed > 0
+    state = fold([step])
+    values = make_scalars(step, state).values
+    assert values["tokens/saved_by_cap"] == pytest.approx(1 - 168 / 312)
+    assert values["tokens/saved_by_dedup"] == pytest.approx(1 - 160 / 168)
+    assert format_steps(state).splitlines()[1].split()[6:10] == ["312", "168", "160", "49%"]
+    assert summarize(state)["targets"] == {"naive": 312, "capped": 168, "dedup": 160,
+                                           "saved_by_cap": round(1 - 168 / 312, 4), "saved_by_dedup": round(1 - 160 / 168, 4)}
