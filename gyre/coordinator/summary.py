@@ -58,7 +58,7 @@ class RunEvents:
         self.log.emit(OptimizerStep(
             step=rec.step, loss=m.get("loss", 0.0), clip_fraction=m.get("clip_fraction", 0.0),
             truncated_fraction=m.get("truncated_fraction", 0.0), ratio_mean=m.get("ratio_mean", 1.0),
-            logprob_gap_mean=m.get("logprob_gap_mean", 0.0), entropy_mean=m.get("entropy_mean"),
+            logprob_gap_mean=m.get("logprob_gap_mean", 0.0), entropy_mean=m.get("entropy_mean"), kl_mean=m.get("kl_mean"),
             grad_norm=m.get("grad_norm", 0.0), reward_mean=float(np.mean(r)) if r else 0.0,
             reward_std=float(np.std(r)) if r else 0.0, num_executions=len(r), seconds=rec.seconds, **counts))
 

@@ -133,6 +133,8 @@ class OptimizerStep(Event):
     """Mean |log pi_theta - log pi_behaviour| over targets: the divergence figure the loss reports."""
     entropy_mean: float | None
     """None when the trainer did not compute entropies."""
+    kl_mean: float | None = None
+    """Mean k3 estimate of KL(pi_theta || pi_behaviour) per target (None: not reported, e.g. older runs)."""
     grad_norm: float
     reward_mean: float
     reward_std: float

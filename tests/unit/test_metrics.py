@@ -262,7 +262,7 @@ def test_tensorboard_scalars_are_readable_with_event_accumulator(tmp_path, run_e
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/grad_norm", "reward/mean", "tokens/targets_naive", "tokens/targets_capped",
+    assert {"train/loss", "train/grad_norm", "train/kl_mean", "train/entropy_mean", "reward/mean", "tokens/targets_naive", "tokens/targets_capped",
             "tokens/targets_dedup", "tokens/saved_by_dedup", "cluster/waterlevel", "rollout/calls_per_s",
             "switch/pull_weights_s", "publish/seconds", "executions/trained"} <= tags
     steps = [e for e in run_events if isinstance(e, OptimizerStep)]
