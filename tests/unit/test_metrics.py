@@ -39,7 +39,7 @@ from gyre.scheduler.cells import PHASE_SHARES, Phase
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.process import process_execution
 
-from _metrics_run import TO_TRAIN_S, make_run_events
+from _metrics_run import T0, TO_TRAIN_S, make_run_events
 
 QUIET = MetricsConfig(progress="off", figures=False, tensorboard=False)
 
@@ -412,3 +412,22 @@ def test_each_optimizer_step_reports_the_targets_the_path_cap_and_dedup_saved(tm
     assert format_steps(state).splitlines()[1].split()[6:10] == ["312", "168", "160", "49%"]
     assert summarize(state)["targets"] == {"naive": 312, "capped": 168, "dedup": 160,
                                            "saved_by_cap": round(1 - 168 / 312, 4), "saved_by_dedup": round(1 - 160 / 168, 4)}
+
+
+def test_figures_are_redrawn_during_the_run_at_most_every_plots_interval(tmp_path, run_events, monkeypatch):
+    drawn = []  # (now, optimizer steps folded so far) at each redraw
+    monkeypatch.setattr("gyre.metrics.monitor.write_figures", lambda state, out_dir, name: drawn.append(
+        (now, len(state.steps))))
+    monitor = RunMonitor(tmp_path, replace(QUIET, figures=True, plots_interval_s=100))
+    steps = [e for e in run_events if isinstance(e, OptimizerStep)]
+    written = 0
+    for now in (0, 50, 100, 150, 230):
+        upto = len([e for e in run_events if e.t <= T0 + now])
+        write_run(tmp_path, run_events[written:upto])
+        written = upto
+        monitor.update(now=now)
+    write_run(tmp_path, run_events[written:])
+    now = 240
+    monitor.close(now=now)
+    assert [t for t, _ in drawn] == [0, 100, 230, 240]  # refreshed, not on every update; always at the end
+    assert [n for _, n in drawn] == [0, sum(e.t <= T0 + 100 for e in steps), sum(e.t <= T0 + 230 for e in steps), 4]
