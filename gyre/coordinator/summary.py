@@ -20,7 +20,7 @@ class RunEvents:
 
     def __init__(self, run_dir: Path, cfg):
         self.cfg, self.run_dir = cfg, run_dir
-        self.log = EventLog(run_dir, cfg.metrics)
+        self.log = EventLog(run_dir)
         self.monitor = RunMonitor(run_dir, cfg.metrics, num_steps=cfg.num_steps)
         self._roles: dict[int, str] = {}
         self._observed_at = 0.0

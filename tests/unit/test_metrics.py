@@ -50,7 +50,7 @@ def run_events():
 
 
 def write_run(run_dir: Path, events) -> Path:
-    with EventLog(run_dir, QUIET) as log:
+    with EventLog(run_dir) as log:
         for e in events:
             log.emit(e)
         assert log.num_dropped == 0
@@ -92,7 +92,7 @@ def test_two_writers_appending_to_one_file_never_interleave_lines(tmp_path):
     per_writer, payload = 1500, "x" * 5000  # lines longer than a pipe buffer
 
     def write(tag: str) -> None:
-        with EventLog(tmp_path, QUIET) as log:
+        with EventLog(tmp_path) as log:
             for i in range(per_writer):
                 log.emit(Failure(component=f"{tag}{i}", message=payload))
 
@@ -139,7 +139,8 @@ def test_tail_returns_a_line_only_once_it_is_complete(tmp_path, run_events):
 
 
 def test_full_disk_never_raises_out_of_emit_and_is_counted_and_logged_once(tmp_path, caplog):
-    log = EventLog(tmp_path, replace(QUIET, events_file="/dev/full"))
+    (tmp_path / "events.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    log = EventLog(tmp_path)
     with caplog.at_level(logging.WARNING, logger="gyre.metrics.log"):
         for i in range(5):
             log.emit(Failure(component="c", message=str(i)))
@@ -151,7 +152,7 @@ def test_full_disk_never_raises_out_of_emit_and_is_counted_and_logged_once(tmp_p
 def test_unusable_run_directory_never_raises_out_of_emit(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    log = EventLog(not_a_dir, QUIET)
+    log = EventLog(not_a_dir)
     log.emit(Failure(component="c", message="m"))
     log.emit(object())  # not even an event: counted, not raised
     assert log.num_dropped == 2
@@ -174,8 +175,7 @@ def test_shipped_yaml_sets_every_field_and_validates():
     ({"progress_interval_s": 0}, "progress_interval_s"),
     ({"plots_interval_s": -1}, "plots_interval_s"),
     ({"wandb_mode": "cloud"}, "wandb_mode"),
-    ({"events_file": ""}, "events_file"),
-], ids=["progress", "interval", "plots", "wandb-mode", "events-file"])
+], ids=["progress", "interval", "plots", "wandb-mode"])
 def test_bad_config_names_the_key(kwargs, key):
     with pytest.raises(ConfigError) as e:
         MetricsConfig(**kwargs)

@@ -24,7 +24,6 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import Event, ModelCall, Observation
 from gyre.metrics.log import EventLog
 
@@ -68,7 +67,7 @@ def main() -> None:
     args = ap.parse_args()
     out: dict[str, float | bool] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as run_dir:
-        log = EventLog(run_dir, MetricsConfig())
+        log = EventLog(run_dir)
         noop = NoopLog()
         print(f"{'event':<14} {'build+emit us':>14} {'build+no-op us':>15} {'emit us':>8}   "
               f"(CPU, median of {args.rounds} rounds x {args.events})")
