@@ -26,7 +26,6 @@ from gyre.cells.spec import CellSpec
 from gyre.control.messages import (CellReady, CheckpointDone, EndStep, Failure, MicroBatches, PhaseDone, RoleDone,
                                    RoleSwitch, SaveCheckpoint, StepDone, StepProgress, Stop)
 from gyre.control.transport import ChannelClosed, ChannelTimeout, connect
-from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import MicroStep
 from gyre.metrics.log import EventLog
 from gyre.scheduler.cells import PHASES, Phase, Role
@@ -48,7 +47,7 @@ class CellLeader:
         self.spec = spec
         self.index, self.is_core = spec.index, spec.index == 0
         self.channel = connect(spec.coordinator_address, peer_timeout_s=spec.control_peer_timeout_s)
-        self.events = EventLog(spec.run_dir, MetricsConfig())
+        self.events = EventLog(spec.run_dir)
         self.engine = BuiltinEngineProcess(spec.engine, spec.model)
         self.engine.start()
         self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)

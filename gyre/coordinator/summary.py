@@ -20,7 +20,7 @@ class RunEvents:
 
     def __init__(self, run_dir: Path, cfg):
         self.cfg, self.run_dir = cfg, run_dir
-        self.log = EventLog(run_dir, cfg.metrics)
+        self.log = EventLog(run_dir)
         self.monitor = RunMonitor(run_dir, cfg.metrics, num_steps=cfg.num_steps)
         self._roles: dict[int, str] = {}
         self._observed_at = 0.0
@@ -58,7 +58,7 @@ class RunEvents:
         self.log.emit(OptimizerStep(
             step=rec.step, loss=m.get("loss", 0.0), clip_fraction=m.get("clip_fraction", 0.0),
             truncated_fraction=m.get("truncated_fraction", 0.0), ratio_mean=m.get("ratio_mean", 1.0),
-            logprob_gap_mean=m.get("logprob_gap_mean", 0.0), entropy_mean=m.get("entropy_mean"),
+            logprob_gap_mean=m.get("logprob_gap_mean", 0.0), entropy_mean=m.get("entropy_mean"), kl_mean=m.get("kl_mean"),
             grad_norm=m.get("grad_norm", 0.0), reward_mean=float(np.mean(r)) if r else 0.0,
             reward_std=float(np.std(r)) if r else 0.0, num_executions=len(r), seconds=rec.seconds, **counts))
 

@@ -1,4 +1,5 @@
-"""Configuration of a run's observability: the events file, TensorBoard, W&B, progress, figures."""
+"""Configuration of a run's observability: TensorBoard, W&B, progress, figures (the events file is
+always `run_dir/events.jsonl`, gyre.metrics.log.EVENTS_FILE: every process and reader finds it there)."""
 
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -14,8 +15,6 @@ WANDB_MODES = ("online", "offline")
 class MetricsConfig:
     """Where events go and how often the views built from them refresh."""
 
-    events_file: str = "events.jsonl"
-    """The run's source of truth, relative to the run directory; every process appends to it."""
     tensorboard: bool = True
     """Write TensorBoard event files (coordinator only)."""
     tensorboard_dir: str = "tensorboard"
@@ -42,7 +41,6 @@ class MetricsConfig:
     this often: the coordinator observes every second, which over days would swamp both."""
 
     def __post_init__(self):
-        require(bool(self.events_file), "events_file", "must name a file")
         require(bool(self.tensorboard_dir), "tensorboard_dir", "must name a directory")
         require(not self.wandb or find_spec("wandb") is not None, "wandb",
                 "needs the wandb package (pip install wandb), or set metrics.wandb=false")

@@ -18,22 +18,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import Event, EventError, decode_event, encode_event
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 4 << 20
+EVENTS_FILE = "events.jsonl"
+"""The run's source of truth, in the run directory; fixed, so every process and reader finds the same file."""
 
 
 class EventLog:
     """Appends this process's events to the run's events file; thread-safe (one write per event).
 
-    Usage: `events = EventLog(run_dir, cfg)`, `events.emit(ModelCall(...))`, `events.close()`.
+    Usage: `events = EventLog(run_dir)`, `events.emit(ModelCall(...))`, `events.close()`.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, cfg: MetricsConfig):
-        self.path = Path(run_dir) / cfg.events_file
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / EVENTS_FILE
         self.num_written = 0
         self.num_dropped = 0
         """Events lost to a failed write or encoding; the first failure is logged, the rest only counted."""

@@ -24,6 +24,9 @@ _PHASE_ORDER = {"to_train": ("stop_admission", "hand_off_sessions", "release_eng
                 "to_rollout": ("finish_microstep", "load_weights", "announce_to_proxy")}
 _PHASE_MAPS = {"to_train": "Reds", "to_rollout": "Purples"}
 DPI = 100
+TIMELINE_WIDTH_IN = 12
+MIN_MARK_PX = 3
+"""The narrowest a role switch is drawn on a timeline, in pixels."""
 
 
 def save(fig, path: str | os.PathLike) -> None:
@@ -53,19 +56,27 @@ def time_unit(seconds: float) -> tuple[str, float]:
 def draw_timelines(panels: list[TimelinePanel], path: str | os.PathLike) -> None:
     """One panel per run: each cell's role over time (switch phases shaded), the waterlevel on a second axis.
 
-    Panels share one time scale (the longest run's), so a shorter run ends early.
+    Panels share one time scale (the longest run's) and one waterlevel scale, so a shorter run ends
+    early. A switch too short to see at that scale (sub-second switches on a minutes-long axis) is
+    drawn as a mark MIN_MARK_PX wide in its switching state's colour, over its neighbours, so every
+    switch shows; the legend names only what is drawn.
     """
     longest_s = max(p.t1 - p.t0 for p in panels)
     unit, div = time_unit(longest_s)
+    min_w = MIN_MARK_PX / (TIMELINE_WIDTH_IN * DPI * 0.85) * longest_s / div
+    top_level = max((w for p in panels for _, w in p.levels), default=0)
     ratios = [0.9 + 0.32 * len(p.lanes) for p in panels]
     height = sum(ratios) + 0.8
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, height), squeeze=False, height_ratios=ratios)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(TIMELINE_WIDTH_IN, height), squeeze=False, height_ratios=ratios)
     legend: dict[str, object] = {}
     for ax, p in zip(axes[:, 0], panels):
         for row, (label, spans) in enumerate(p.lanes):
             for s in spans:
+                x, w, z = (s.t0 - p.t0) / div, (s.t1 - s.t0) / div, 2
+                if s.role in _PHASE_ORDER and w < min_w:
+                    s, w, z = Span(s.t0, s.t1, s.role), min_w, 3
                 colour = span_colour(s)
-                ax.broken_barh([((s.t0 - p.t0) / div, (s.t1 - s.t0) / div)], (row - 0.4, 0.8), color=colour, lw=0)
+                ax.broken_barh([(x, w)], (row - 0.4, 0.8), color=colour, lw=0, zorder=z)
                 legend.setdefault(s.phase or s.role, colour)
         ax.set_yticks(range(len(p.lanes)), [label for label, _ in p.lanes])
         ax.set_ylim(-0.6, len(p.lanes) - 0.4)
@@ -78,13 +89,15 @@ def draw_timelines(panels: list[TimelinePanel], path: str | os.PathLike) -> None
             ys = [w for _, w in p.levels] + [p.levels[-1][1]]
             twin.step(xs, ys, where="post", color="black", lw=1.1, label="waterlevel",
                       path_effects=[patheffects.withStroke(linewidth=2.8, foreground="white")])  # readable on any bar
-            twin.set_ylim(0, max(ys) * 1.15 + 1)
+            twin.set_ylim(0, top_level * 1.15 + 1)
             twin.set_ylabel("waterlevel", fontsize=9)
     axes[-1, 0].set_xlabel(unit)
     handles = [Patch(color=c, label=k.replace("_", " ")) for k, c in _legend_order(legend)]
     handles.append(plt.Line2D([], [], color="black", lw=1.0, label="waterlevel"))
-    fig.legend(handles=handles, loc="upper center", ncol=min(len(handles), 7), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / height))
+    ncol = min(len(handles), 7)
+    fig.legend(handles=handles, loc="upper center", ncol=ncol, fontsize=8, frameon=False)
+    rows = -(-len(handles) // ncol)
+    fig.tight_layout(rect=(0, 0, 1, 1 - (0.1 + 0.2 * rows) / height))
     save(fig, path)
 
 
@@ -111,9 +124,10 @@ def plot_reward(state: RunState, path: str | os.PathLike, title: str) -> None:
         steps = list(by_step)
         means = [sum(r) / len(r) for r in by_step.values()]
         stds = [(sum((x - m) ** 2 for x in r) / len(r)) ** 0.5 for r, m in zip(by_step.values(), means)]
-        for k, rewards in by_step.items():
-            jitter = [k + 0.12 * ((i * 7919) % 11 / 10 - 0.5) for i in range(len(rewards))]
-            ax.scatter(jitter, rewards, s=14, color="tab:blue", alpha=0.45, lw=0)
+        for k, rewards in by_step.items():  # spread sideways: many executions share a reward (0, 1)
+            jitter = [k + 0.3 * ((i * 7919) % 11 / 10 - 0.5) for i in range(len(rewards))]
+            ax.scatter(jitter, rewards, s=14, color="tab:blue", alpha=0.45, lw=0,
+                       label="one evaluated execution" if k == steps[0] else None)
         ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
                         color="tab:blue", alpha=0.15, label="mean +- 1 std")
         ax.plot(steps, means, color="tab:blue", marker="o", label="mean reward (evaluated executions)")
@@ -122,7 +136,7 @@ def plot_reward(state: RunState, path: str | os.PathLike, title: str) -> None:
             ax.plot([k for k, _ in trained], [s.reward_mean for _, s in trained], color="tab:orange", ls="--",
                     marker="x", label="mean reward of the trained batch")
         ax.set_xticks(steps)
-        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     else:
         ax.text(0.5, 0.5, "no evaluated executions yet", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel("step", labelpad=1)
@@ -143,15 +157,19 @@ def plot_tokens(state: RunState, path: str | os.PathLike, title: str) -> None:
     for j, (name, colour) in enumerate((("naive", "tab:grey"), ("capped", "tab:blue"), ("dedup", "tab:green"))):
         values = [getattr(s, f"targets_{name}") for _, s in steps]
         ax.bar([k + (j - 1) * width for k, _ in steps], values, width, color=colour, label=f"targets {name}")
-    for k, s in steps:
+    for k, s in steps:  # what cap and dedup saved, over the dedup bar
         if s.targets_naive:
-            ax.annotate(f"-{1 - s.targets_dedup / s.targets_naive:.0%}\nvs naive", (k + width, s.targets_dedup),
-                        ha="center", va="bottom", fontsize=8)
+            saved = 1 - s.targets_dedup / s.targets_naive
+            ax.annotate(f"-{saved:.0%}" if saved >= 0.005 else "0%", (k + width, s.targets_dedup),
+                        xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=8)
     ax.set_xticks([k for k, _ in steps])
-    ax.set_xlabel("step")
+    ax.set_xlabel("step", labelpad=1)
     ax.set_ylabel("target tokens")
+    ax.set_ylim(0, max((s.targets_naive for _, s in steps), default=0) * 1.08 or 1)
     ax.set_title(title, loc="left", fontsize=10)
-    ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    handles.append(Patch(color="none", label="-x%: dedup vs naive"))
+    ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     save(fig, path)
@@ -202,7 +220,7 @@ def plot_utilisation(state: RunState, path: str | os.PathLike, title: str) -> No
     ax.set_xlabel("share of run time")
     ax.set_title(title, loc="left", fontsize=10)
     fig.legend(fontsize=8, ncol=6, loc="lower center", frameon=False)
-    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))
+    fig.tight_layout(rect=(0, 0.22 / fig.get_figheight(), 1, 1))
     save(fig, path)
 
 

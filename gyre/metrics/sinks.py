@@ -22,8 +22,8 @@ from gyre.metrics.events import (
 )
 from gyre.metrics.state import RunState
 
-_LOSS_FIELDS = ("loss", "clip_fraction", "truncated_fraction", "ratio_mean", "logprob_gap_mean", "entropy_mean",
-                "grad_norm", "num_executions")
+_LOSS_FIELDS = ("loss", "clip_fraction", "truncated_fraction", "ratio_mean", "logprob_gap_mean", "kl_mean",
+                "entropy_mean", "grad_norm", "num_executions")
 _TOKEN_FIELDS = ("targets_naive", "targets_capped", "targets_dedup", "seq_tokens_naive", "seq_tokens_capped",
                  "seq_tokens_packed", "seq_tokens_tree")
 

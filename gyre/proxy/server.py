@@ -23,7 +23,6 @@ import orjson
 from aiohttp import web
 
 from gyre.errors import GyreError
-from gyre.metrics.config import MetricsConfig
 from gyre.metrics.log import EventLog
 from gyre.models.tokenizer import BaseTokenizer
 from gyre.proxy.calls import CallRunner
@@ -90,7 +89,7 @@ class ProxyServer:
                                migrate_kv=cfg.migrate_kv)  # fmt: skip
         self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant, cfg.fsync_window_ms,
                                             (cfg.worker_index, cfg.num_workers))  # fmt: skip
-        self.events = EventLog(cfg.events_dir, MetricsConfig()) if cfg.events_dir else None
+        self.events = EventLog(cfg.events_dir) if cfg.events_dir else None
         self.runner = CallRunner(cfg, tokenizer, self.renderer, self.pool, self.events)
         self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
         self.openai = OpenAIWire(cfg.model_names, cfg.default_max_tokens)

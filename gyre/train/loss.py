@@ -52,9 +52,9 @@ def policy_loss(
         floor = cfg.truncation_cap * adv
         truncated = (adv < 0) & (surrogate < floor)
         token_loss = torch.where(truncated, -floor, token_loss)
+    kl = torch.exp(-log_ratio) + log_ratio - 1  # k3 estimator of KL(pi_theta || pi_behaviour): unbiased, >= 0
     if cfg.kl_coef > 0:
-        # k3 estimator of KL(pi_theta || pi_behaviour): unbiased, always >= 0.
-        token_loss = token_loss + cfg.kl_coef * (torch.exp(-log_ratio) + log_ratio - 1)
+        token_loss = token_loss + cfg.kl_coef * kl
     if cfg.entropy_coef > 0:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the per-token entropy")
@@ -75,6 +75,7 @@ def policy_loss(
             "ratio_min": float(ratio.min()) if ratio.numel() else 0.0,
             "logprob_gap_sum": float(gap.sum()),
             "logprob_gap_max": float(gap.max()) if gap.numel() else 0.0,
+            "kl_sum": float(kl.detach().sum()),
         }
         if entropy is not None:
             stats["entropy_sum"] = float(entropy[m].sum())
@@ -106,6 +107,7 @@ def finish_stats(s: dict[str, float]) -> dict[str, float]:
     out["truncated_fraction"] = s.get("truncated", 0) / n_trained
     out["ratio_mean"] = s.get("ratio_sum", 0.0) / n
     out["logprob_gap_mean"] = s.get("logprob_gap_sum", 0.0) / n
+    out["kl_mean"] = s.get("kl_sum", 0.0) / n
     if "entropy_sum" in s:
         out["entropy_mean"] = s["entropy_sum"] / n
     return out

@@ -91,6 +91,21 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
                                         "pull_weights", "join_step"]
     assert all(v > 0 for v in to_train["phases"].values())
 
+    # What people look at, from this run's events: TensorBoard scalars, the figures, gyre-report.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gyre.metrics.report import main as report_main
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    steps = _events(run_dir, "optimizer_step")
+    assert [s.step for s in acc.Scalars("tokens/targets_naive")] == [e["step"] for e in steps] == [0, 1]
+    assert [s.value for s in acc.Scalars("tokens/targets_dedup")] == [e["targets_dedup"] for e in steps]
+    assert all(e["targets_naive"] >= e["targets_capped"] >= e["targets_dedup"] > 0 for e in steps)
+    figures = {"timeline.png", "reward.png", "tokens.png", "utilisation.png"}
+    assert figures <= {p.name for p in run_dir.glob("*.png")}
+    assert report_main([str(run_dir)]) == 0
+
 
 def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_path):
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)

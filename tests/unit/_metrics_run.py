@@ -110,7 +110,7 @@ def _train_step(rng: Random, events: list, step: int, execs: list, t_ready: floa
     naive = rng.randint(40_000, 60_000)
     events.append(OptimizerStep(
         t=t_applied, step=step, loss=round(0.05 - 0.01 * step + rng.uniform(-0.005, 0.005), 5),
-        clip_fraction=0.02, truncated_fraction=0.001, ratio_mean=1.0, logprob_gap_mean=0.01 + 0.002 * step,
+        clip_fraction=0.02, truncated_fraction=0.001, ratio_mean=1.0, logprob_gap_mean=0.01 + 0.002 * step, kl_mean=0.0004 + 0.0001 * step,
         entropy_mean=0.9 - 0.05 * step, grad_norm=0.5 + rng.random(), reward_mean=mean,
         reward_std=(sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5, num_executions=len(rewards),
         targets_naive=naive, targets_capped=int(naive * 0.8), targets_dedup=int(naive * 0.55),

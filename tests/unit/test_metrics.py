@@ -8,9 +8,13 @@ import random
 import threading
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from gyre.coordinator.batching import GroupBatch
+from gyre.coordinator.summary import RunEvents
+from gyre.coordinator.training import StepRecord
 from gyre.errors import ConfigError
 from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import (
@@ -28,12 +32,14 @@ from gyre.metrics.log import EventLog, EventTail, read_events
 from gyre.metrics.monitor import RunMonitor
 from gyre.metrics.progress import Progress, format_line, make_snapshot
 from gyre.metrics.report import main as report_main
-from gyre.metrics.report import summarize
-from gyre.metrics.sinks import TensorBoardSink
+from gyre.metrics.report import format_steps, summarize
+from gyre.metrics.sinks import TensorBoardSink, make_scalars
 from gyre.metrics.state import Intervals, fold
 from gyre.scheduler.cells import PHASE_SHARES, Phase
+from gyre.trajectory.config import TrajectoryConfig
+from gyre.trajectory.process import process_execution
 
-from _metrics_run import TO_TRAIN_S, make_run_events
+from _metrics_run import T0, TO_TRAIN_S, make_run_events
 
 QUIET = MetricsConfig(progress="off", figures=False, tensorboard=False)
 
@@ -44,7 +50,7 @@ def run_events():
 
 
 def write_run(run_dir: Path, events) -> Path:
-    with EventLog(run_dir, QUIET) as log:
+    with EventLog(run_dir) as log:
         for e in events:
             log.emit(e)
         assert log.num_dropped == 0
@@ -86,7 +92,7 @@ def test_two_writers_appending_to_one_file_never_interleave_lines(tmp_path):
     per_writer, payload = 1500, "x" * 5000  # lines longer than a pipe buffer
 
     def write(tag: str) -> None:
-        with EventLog(tmp_path, QUIET) as log:
+        with EventLog(tmp_path) as log:
             for i in range(per_writer):
                 log.emit(Failure(component=f"{tag}{i}", message=payload))
 
@@ -133,7 +139,8 @@ def test_tail_returns_a_line_only_once_it_is_complete(tmp_path, run_events):
 
 
 def test_full_disk_never_raises_out_of_emit_and_is_counted_and_logged_once(tmp_path, caplog):
-    log = EventLog(tmp_path, replace(QUIET, events_file="/dev/full"))
+    (tmp_path / "events.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
+    log = EventLog(tmp_path)
     with caplog.at_level(logging.WARNING, logger="gyre.metrics.log"):
         for i in range(5):
             log.emit(Failure(component="c", message=str(i)))
@@ -145,7 +152,7 @@ def test_full_disk_never_raises_out_of_emit_and_is_counted_and_logged_once(tmp_p
 def test_unusable_run_directory_never_raises_out_of_emit(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    log = EventLog(not_a_dir, QUIET)
+    log = EventLog(not_a_dir)
     log.emit(Failure(component="c", message="m"))
     log.emit(object())  # not even an event: counted, not raised
     assert log.num_dropped == 2
@@ -168,8 +175,7 @@ def test_shipped_yaml_sets_every_field_and_validates():
     ({"progress_interval_s": 0}, "progress_interval_s"),
     ({"plots_interval_s": -1}, "plots_interval_s"),
     ({"wandb_mode": "cloud"}, "wandb_mode"),
-    ({"events_file": ""}, "events_file"),
-], ids=["progress", "interval", "plots", "wandb-mode", "events-file"])
+], ids=["progress", "interval", "plots", "wandb-mode"])
 def test_bad_config_names_the_key(kwargs, key):
     with pytest.raises(ConfigError) as e:
         MetricsConfig(**kwargs)
@@ -256,7 +262,7 @@ def test_tensorboard_scalars_are_readable_with_event_accumulator(tmp_path, run_e
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/grad_norm", "reward/mean", "tokens/targets_naive", "tokens/targets_capped",
+    assert {"train/loss", "train/grad_norm", "train/kl_mean", "train/entropy_mean", "reward/mean", "tokens/targets_naive", "tokens/targets_capped",
             "tokens/targets_dedup", "tokens/saved_by_dedup", "cluster/waterlevel", "rollout/calls_per_s",
             "switch/pull_weights_s", "publish/seconds", "executions/trained"} <= tags
     steps = [e for e in run_events if isinstance(e, OptimizerStep)]
@@ -383,3 +389,45 @@ def test_gyre_report_on_a_missing_run_says_so(tmp_path, capsys):
     assert report_main([str(tmp_path)]) == 2
     assert "events.jsonl: no such file" in capsys.readouterr().err
 
+
+
+def test_each_optimizer_step_reports_the_targets_the_path_cap_and_dedup_saved(tmp_path):
+    """From the trajectory processor's counts of real paths, through the coordinator's event, to the per-step views."""
+    from test_trajectory_tree import hand_built  # 8 paths, a shared prefix: K=5 -> 156/144/136, K=1 -> 156/24/24
+
+    groups = []
+    for max_paths, eid in ((5, "a"), (1, "b")):
+        counts = process_execution(hand_built(eid), TrajectoryConfig(max_paths=max_paths)).counts
+        groups.append((None, GroupBatch(micro_batches=[], total_weight=0.0, rewards={eid: 0.5}, counts=counts)))
+    run = RunEvents(tmp_path, SimpleNamespace(metrics=QUIET, num_steps=1, scheduler=SimpleNamespace(mode="elastic")))
+    run.step(StepRecord(step=0, groups=groups, metrics={"loss": 0.1, "grad_norm": 1.0}, seconds=2.0))
+    run.close()
+    (step,), _ = read_events(tmp_path / "events.jsonl")
+    assert (step.targets_naive, step.targets_capped, step.targets_dedup) == (312, 168, 160)
+    assert step.seq_tokens_naive > step.seq_tokens_capped >= step.seq_tokens_packed > 0
+    state = fold([step])
+    values = make_scalars(step, state).values
+    assert values["tokens/saved_by_cap"] == pytest.approx(1 - 168 / 312)
+    assert values["tokens/saved_by_dedup"] == pytest.approx(1 - 160 / 168)
+    assert format_steps(state).splitlines()[1].split()[6:10] == ["312", "168", "160", "49%"]
+    assert summarize(state)["targets"] == {"naive": 312, "capped": 168, "dedup": 160,
+                                           "saved_by_cap": round(1 - 168 / 312, 4), "saved_by_dedup": round(1 - 160 / 168, 4)}
+
+
+def test_figures_are_redrawn_during_the_run_at_most_every_plots_interval(tmp_path, run_events, monkeypatch):
+    drawn = []  # (now, optimizer steps folded so far) at each redraw
+    monkeypatch.setattr("gyre.metrics.monitor.write_figures", lambda state, out_dir, name: drawn.append(
+        (now, len(state.steps))))
+    monitor = RunMonitor(tmp_path, replace(QUIET, figures=True, plots_interval_s=100))
+    steps = [e for e in run_events if isinstance(e, OptimizerStep)]
+    written = 0
+    for now in (0, 50, 100, 150, 230):
+        upto = len([e for e in run_events if e.t <= T0 + now])
+        write_run(tmp_path, run_events[written:upto])
+        written = upto
+        monitor.update(now=now)
+    write_run(tmp_path, run_events[written:])
+    now = 240
+    monitor.close(now=now)
+    assert [t for t, _ in drawn] == [0, 100, 230, 240]  # refreshed, not on every update; always at the end
+    assert [n for _, n in drawn] == [0, sum(e.t <= T0 + 100 for e in steps), sum(e.t <= T0 + 230 for e in steps), 4]

@@ -8,7 +8,6 @@ import pytest
 import yaml
 
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry
-from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import Checkpoint, MicroStep, OptimizerStep, RoleSwitch, RunStart, WeightPublish
 from gyre.metrics.log import EventLog
 from gyre.records.io import RecordWriter
@@ -67,7 +66,7 @@ def write_run(d, num_steps: int = 1):
         if outcome != "excluded":
             ledger.append(LedgerEntry(eid, "trained", T0 + 31, group=0, task_id="t", step=0))
     ledger.close()
-    with EventLog(d, MetricsConfig()) as log:
+    with EventLog(d) as log:
         log.emit(RunStart(t=T0 - 1, mode="elastic", num_steps=num_steps, num_cells=3))
         log.emit(RoleSwitch(t=T0 + 20, cell=1, from_role="rollout", to_role="train", t_start=T0 + 18.8,
                             phases={"stop_admission": 0.2, "pull_weights": 1.0}))

@@ -51,6 +51,13 @@ def test_kl_term_is_zero_on_policy_and_positive_off_policy():
     assert _one_token(0.1, 0.0, cfg)[0] > 0
 
 
+@pytest.mark.parametrize("kl_coef", [0.0, 1.0], ids=["not-in-loss", "in-loss"])
+def test_kl_mean_is_reported_whether_or_not_the_loss_uses_it(kl_coef):
+    _, _, stats = _one_token(0.5, 1.0, replace(CFG, kl_coef=kl_coef))
+    k3 = float(torch.exp(torch.tensor(-0.5)) + 0.5 - 1)
+    assert finish_stats(stats)["kl_mean"] == pytest.approx(k3, rel=1e-5)
+
+
 def test_stats_merge_to_the_same_means_however_split():
     g = torch.Generator().manual_seed(0)
     n = 12
