@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gyre.harness.agents import find_claude_code
+from gyre.tasks.cli import main
 
 
 def gyre_task(*args: str) -> subprocess.CompletedProcess:
@@ -41,11 +42,12 @@ def test_run_command_harness_with_own_engine_and_proxy(tmp_path):
     assert out["workspace"].startswith(str(tmp_path)) and out["records_path"].endswith(".jsonl") and out["duration_s"] > 0
 
 
-def test_run_against_a_given_proxy_passes_its_url_and_key(tmp_path):
-    done = gyre_task("run", "word-apple", "--harness", "command", "--root", str(tmp_path), "--proxy", "http://127.0.0.1:9",
-                     "--key", "key-7", "--command", "sh -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY > seen.txt; echo apple > answer.txt'")  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+def test_run_against_a_given_proxy_passes_its_url_and_key(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:  # in process: no engine or proxy of its own to start
+        main(["run", "word-apple", "--harness", "command", "--root", str(tmp_path), "--proxy", "http://127.0.0.1:9", "--key",
+              "key-7", "--command", "sh -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY > seen.txt; echo apple > answer.txt'"])  # fmt: skip
+    assert done.value.code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (out["outcome"], out["score"], out["records_path"]) == ("finished", 1.0, None)  # no proxy of its own: no records
     assert (Path(out["workspace"]) / "seen.txt").read_text().split() == ["http://127.0.0.1:9", "key-7"]
 
