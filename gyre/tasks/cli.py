@@ -29,6 +29,7 @@ from gyre.proxy.main import ProxyProcess
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import TOY_TASKSET, TaskSet
 from gyre.tasks.workspace import apply_reference, make_workspace
+from gyre.trajectory.rewards import Evaluation
 
 CHECK_ATTEMPTS = 3
 """Evaluator errors are retried this often in `check` (toy evaluators fail at a configured rate)."""
@@ -95,22 +96,29 @@ def cmd_list(args) -> int:
     return 0
 
 
+def evaluate_retrying(task, ws: Path) -> tuple[Evaluation, int]:
+    """The first evaluation that is not an evaluator error (else the last of CHECK_ATTEMPTS), and how many ran."""
+    for runs in range(1, CHECK_ATTEMPTS + 1):
+        ev = evaluate(task, ws, "finished")
+        if ev.outcome != "evaluator_error":
+            break
+    return ev, runs
+
+
 def check_task(task, root: Path) -> tuple[bool, str, float]:
-    """(ok, line, evaluator seconds) for one task: the empty workspace scores < 1, the reference 1."""
+    """(ok, line, evaluator seconds) for one task: the empty workspace scores < 1, the reference 1
+    (an evaluator that keeps failing on either is a FAIL, not a pass)."""
     ws = make_workspace(task.workspace, root / task.task_id)
     start = time.monotonic()
-    before = evaluate(task, ws, "finished")
+    before, runs_before = evaluate_retrying(task, ws)
     apply_reference(task, ws)
-    errors = 0
-    for _ in range(CHECK_ATTEMPTS):
-        after = evaluate(task, ws, "finished")
-        if after.outcome != "evaluator_error":
-            break
-        errors += 1
-    seconds = (time.monotonic() - start) / (2 + errors)
-    ok = after.outcome == "finished" and after.score == 1.0 and before.score != 1.0
+    after, runs_after = evaluate_retrying(task, ws)
+    seconds = (time.monotonic() - start) / (runs_before + runs_after)
+    errors = runs_before + runs_after - sum(e.outcome != "evaluator_error" for e in (before, after))
+    ok = after.outcome == before.outcome == "finished" and after.score == 1.0 and before.score != 1.0
+    why = "" if ok else (before if before.outcome != "finished" else after).detail
     line = (f"{task.task_id}\t{'ok' if ok else 'FAIL'}\tempty={before.score} reference={after.score} "
-            f"eval_s={seconds:.3f}{f' evaluator_errors={errors}' if errors else ''} {after.detail if not ok else ''}")  # fmt: skip
+            f"eval_s={seconds:.3f}{f' evaluator_errors={errors}' if errors else ''} {why}")  # fmt: skip
     return ok, line.rstrip(), seconds
 
 

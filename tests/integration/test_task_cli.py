@@ -4,10 +4,12 @@ import json
 import subprocess
 import sys
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
 from gyre.harness.agents import find_claude_code
+from gyre.tasks.cli import main
 
 
 def gyre_task(*args: str) -> subprocess.CompletedProcess:
@@ -23,9 +25,12 @@ def test_check_and_list(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["passed"] == 2
     broken = json.loads(lines[0]) | {"reference": {"files": {"answer.txt": "wrong"}}}
-    (tmp_path / "broken.jsonl").write_text(json.dumps(broken) + "\n")
+    river = json.loads(lines[1])  # an evaluator that crashes on the empty workspace instead of scoring it 0
+    river["evaluator"]["command"] = "test -f answer.txt && " + river["evaluator"]["command"]
+    (tmp_path / "broken.jsonl").write_text(json.dumps(broken) + "\n" + json.dumps(river) + "\n")
     done = gyre_task("check", str(tmp_path / "broken.jsonl"))
     assert done.returncode == 1 and "word-apple\tFAIL" in done.stdout
+    assert "word-river\tFAIL\tempty=None reference=1.0" in done.stdout and "evaluator_errors=3" in done.stdout
 
 
 def test_run_command_harness_with_own_engine_and_proxy(tmp_path):
@@ -35,6 +40,16 @@ def test_run_command_harness_with_own_engine_and_proxy(tmp_path):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["outcome"] == "finished" and 0.2 < out["score"] < 1.0  # a near miss: partial credit
     assert out["workspace"].startswith(str(tmp_path)) and out["records_path"].endswith(".jsonl") and out["duration_s"] > 0
+
+
+def test_run_against_a_given_proxy_passes_its_url_and_key(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:  # in process: no engine or proxy of its own to start
+        main(["run", "word-apple", "--harness", "command", "--root", str(tmp_path), "--proxy", "http://127.0.0.1:9", "--key",
+              "key-7", "--command", "sh -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY > seen.txt; echo apple > answer.txt'"])  # fmt: skip
+    assert done.value.code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["outcome"], out["score"], out["records_path"]) == ("finished", 1.0, None)  # no proxy of its own: no records
+    assert (Path(out["workspace"]) / "seen.txt").read_text().split() == ["http://127.0.0.1:9", "key-7"]
 
 
 CC_RULES = {"rules": [  # Claude Code writes the answer with its Bash tool, then stops
