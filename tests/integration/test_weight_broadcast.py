@@ -54,8 +54,11 @@ def test_the_trainer_broadcasts_every_tensor_under_its_hf_name_in_bf16(tmp_path)
 
 @pytest.mark.gpu
 def test_sglang_receives_the_trainers_weights_over_nccl():
-    """Needs sglang and GYRE_SGLANG_MODEL (an HF directory; SGLang starts with dummy weights)."""
-    proc = start_sglang()
+    """Needs sglang, GYRE_SGLANG_MODEL (an HF directory; SGLang starts with dummy weights) and two
+    GPUs: NCCL refuses two ranks of one communicator on one device, so SGLang serves from GPU 1."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (the trainer on GPU 0, SGLang on GPU 1)")
+    proc = start_sglang(extra_args=["--base-gpu-id", "1"])
     try:
         trainer = Trainer(ModelConfig(path=proc.cfg.model_path), TrainerConfig(bf16=True), seed=3)
         trainer.step = 1
