@@ -84,8 +84,8 @@ def main() -> None:
     pushed = trainer.engine_weights()  # what publish.py sends to engines
     from gyre.engines.core import EngineCore
 
-    core = EngineCore(cfg, weights, "0", max_running_requests=1, max_prefill_tokens=8192, page_size=16, prefix_cache_tokens=0)
-    out["engine_weight_version_after_push"] = core.update_weights(pushed, "1", flush_cache=True)
+    core = EngineCore(cfg, weights, 0, max_running_requests=1, max_prefill_tokens=8192, page_size=16, prefix_cache_tokens=0)
+    out["engine_weight_version_after_push"] = core.update_weights(pushed, 1, flush_cache=True)
     ok += [out["rl_step_weight_change_max"] > 0, compare("after_step_trainer_vs_engine", trainer.logprobs(batch(1.0))[1:],
                                                         engine_lp(core.weights, torch.bfloat16))]  # fmt: skip
     out |= {"ok": all(ok), "checks_passed": sum(ok), "checks": len(ok), "wall_s": round(time.time() - t_start, 1),

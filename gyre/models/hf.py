@@ -121,6 +121,11 @@ def read_hf_weights(path: str | os.PathLike, cfg: ModelConfig) -> dict[str, torc
     return out
 
 
+def hf_name(engine_name: str) -> str:
+    """The checkpoint (and SGLang parameter) name of an engine-named tensor."""
+    return engine_name if engine_name == "lm_head.weight" else "model." + engine_name
+
+
 def write_hf_dir(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str = "float32",
                  source: str | os.PathLike | None = None) -> None:  # fmt: skip
     """Write `weights` (engine names) as an HF directory: model.safetensors in `dtype`, and either
@@ -129,7 +134,7 @@ def write_hf_dir(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, t
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     torch_dtype = _DTYPES[dtype]
-    tensors = {("" if n == "lm_head.weight" else "model.") + n: t.detach().to(torch_dtype).contiguous().cpu() for n, t in weights.items()}
+    tensors = {hf_name(n): t.detach().to(torch_dtype).contiguous().cpu() for n, t in weights.items()}
     tmp = out / ".model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")

@@ -132,7 +132,7 @@ def forward_tokens(
     """
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
     x = weights["embed_tokens.weight"][ids]
-    cos, sin = rope_tables(positions, hd, cfg.rotary_base)
+    cos, sin = (t.to(x.dtype) for t in rope_tables(positions, hd, cfg.rotary_base))  # as transformers: bf16 weights, bf16 q/k
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         h = rms_norm(x, weights[p + "input_layernorm.weight"], cfg.norm_epsilon)

@@ -5,15 +5,23 @@ Two ways, one per engine kind:
   (`/update_weights_from_tensor`, load_format `gyre_transfer`).
 - `write_weights` + `load_weights_from_disk`: a model directory (model.safetensors + config.json)
   that SGLang and the builtin engine load with `/update_weights_from_disk`.
+- `connect_weight_group` + `broadcast_weights` (SGLang only): the trainer's rank 0 and the SGLang
+  engines form one NCCL group (`/init_weights_update_group`); each update broadcasts every tensor
+  from rank 0 while the engines receive it (`/update_weights_from_distributed`).
 Either way the engine bumps its `weight_version`; requests in flight continue and record the
 version of each span they generated.
 """
 
 import asyncio
 import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
 
 from gyre.engines.client import EngineClient
 from gyre.models.checkpoint import save_checkpoint
+from gyre.models.hf import hf_name
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 
@@ -67,3 +75,76 @@ def write_weights(trainer: Trainer, root: str | os.PathLike) -> str:
 async def load_weights_from_disk(clients: list[EngineClient], path: str, weight_version: int) -> list[dict]:
     """Have every engine load the model directory `path` as `weight_version`."""
     return await asyncio.gather(*(c.update_weights_from_disk(path, weight_version=weight_version) for c in clients))
+
+
+WEIGHT_GROUP = "gyre"
+"""Name of the trainer-to-SGLang weight group (SGLang keys the group's rendezvous under it)."""
+
+
+def join_weight_group(master_address: str, master_port: int, world_size: int, group_name: str = WEIGHT_GROUP,
+                      backend: str = "nccl", timeout_s: float = 300.0) -> dist.ProcessGroup:  # fmt: skip
+    """Create, as its rank 0, the group SGLang engines join on /init_weights_update_group.
+
+    SGLang's side (`sglang.srt.utils.init_custom_process_group`) rendezvouses at
+    tcp://master_address:master_port, keeps the group's keys under `group_name` and builds a group
+    beside the default one (the trainer's own, here); this is the same construction for rank 0,
+    which hosts the store. torch has no public call for a second, separately rendezvoused group,
+    hence the c10d helpers SGLang itself uses. Blocks until all `world_size` ranks have joined.
+    """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, timeout=timeout)  # fmt: skip
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+async def connect_weight_group(clients: list[EngineClient], tp_sizes: list[int], master_address: str, master_port: int,
+                               group_name: str = WEIGHT_GROUP, backend: str = "nccl") -> dist.ProcessGroup:  # fmt: skip
+    """Form the weight group of this process (rank 0) and the SGLang engines `clients` (engine i's
+    TP ranks take the next `tp_sizes[i]` ranks). Call on the trainer's rank 0 only.
+
+    Raises:
+        EngineHTTPError: an engine could not join (its body says why).
+    """
+    world_size = 1 + sum(tp_sizes)
+    offsets = [1 + sum(tp_sizes[:i]) for i in range(len(clients))]
+    joined = asyncio.to_thread(join_weight_group, master_address, master_port, world_size, group_name, backend)
+    group, *_ = await asyncio.gather(joined, *(
+        c.init_weights_update_group(master_address, master_port, off, world_size, group_name, backend) for c, off in zip(clients, offsets)
+    ))  # fmt: skip
+    return group
+
+
+async def broadcast_weights(trainer: Trainer, group: dist.ProcessGroup | None, clients: list[EngineClient],
+                            dtype: torch.dtype = torch.bfloat16, group_name: str = WEIGHT_GROUP) -> list[dict]:  # fmt: skip
+    """Send the current weights, as version `trainer.step` in `dtype` under HF names, to the engines
+    of `group` (`connect_weight_group`): they receive while rank 0 broadcasts each tensor in the
+    order announced. Call on every trainer rank (TP ranks gather); only rank 0 sends.
+
+    Returns:
+        The engines' replies (none on other ranks).
+    Raises:
+        EngineHTTPError: an engine refused or failed the update.
+    """
+    weights = trainer.engine_weights()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return []
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    tensors = [t.to(device, dtype).contiguous() for t in weights.values()]
+    names = [hf_name(n) for n in weights]
+    dtypes, shapes = [str(dtype).removeprefix("torch.")] * len(names), [list(t.shape) for t in tensors]
+
+    def send() -> None:
+        for work in [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]:
+            work.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    _, *replies = await asyncio.gather(asyncio.to_thread(send), *(
+        c.update_weights_from_distributed(names, dtypes, shapes, weight_version=trainer.step, group_name=group_name) for c in clients
+    ))  # fmt: skip
+    return replies

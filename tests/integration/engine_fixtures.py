@@ -31,14 +31,14 @@ def start_builtin(**overrides) -> BuiltinEngineProcess:
     return proc
 
 
-def start_sglang() -> SGLangProcess:
+def start_sglang(**overrides) -> SGLangProcess:
     """A real SGLang server with random (dummy) weights; needs a GPU, sglang, and a model dir's config."""
     pytest.importorskip("sglang")
     model = os.environ.get("GYRE_SGLANG_MODEL")
     if not model:
         pytest.skip("set GYRE_SGLANG_MODEL to a model directory (config + tokenizer) to test SGLang")
-    cfg = EngineConfig(backend="sglang", model_path=model, load_format="dummy", enable_hicache=False,
-                       mem_fraction_static=0.3, startup_timeout_s=900)  # fmt: skip
+    cfg = EngineConfig(**{"backend": "sglang", "model_path": model, "load_format": "dummy", "enable_hicache": False,
+                          "mem_fraction_static": 0.3, "startup_timeout_s": 900} | overrides)  # fmt: skip
     proc = SGLangProcess(cfg)
     proc.start()
     return proc

@@ -144,3 +144,13 @@ def test_logits_on_short_prompts_equal_the_materialised_attention(monkeypatch):
         ref = StepItem(kv2, chunk, want_logits=True)
         run_step(CFG, w, [ref])
     assert (item.logits - ref.logits).abs().max() <= 1e-5
+
+
+def test_the_forward_runs_on_bf16_weights_close_to_fp32():
+    """bf16 weights keep q, k and v in bf16 (RoPE tables are cast, as transformers does): the fused
+    attention takes them, and the log-probs stay within bf16's tolerance of the fp32 forward (tools/gpu_check.py)."""
+    cfg = ModelConfig(qk_norm=True)
+    w = init_weights(cfg, 0)
+    ids = torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    diff = (sequence_logprobs(cfg, {n: t.to(torch.bfloat16) for n, t in w.items()}, ids) - sequence_logprobs(cfg, w, ids)).abs()
+    assert diff.mean() <= 0.02 and diff.max() <= 0.5

@@ -120,9 +120,11 @@ BASE = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "inter
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
 ])  # fmt: skip
-def test_unsupported_architectures_fail_naming_the_field(change, field):
-    with pytest.raises(ConfigError, match=f"field '{field}'"):
-        hf_config_fields(BASE | change)
+def test_unsupported_architectures_fail_at_load_naming_the_field(change, field, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(BASE | change))
+    with pytest.raises(ConfigError, match=f"field '{field}'") as e:
+        ModelConfig(path=str(tmp_path))  # what `model=hf model.path=DIR`, the trainer and the engine load through
+    assert e.value.key == "path"
     assert hf_config_fields(BASE)["qk_norm"] and hf_config_fields(BASE | {"model_type": "llama"})["qk_norm"] is False
 
 
