@@ -20,6 +20,8 @@ from gyre.errors import ConfigError
 from gyre.models.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+MOE_REFUSED = ("mixture-of-experts models are not supported: no expert weight conversion, and megatron-core's "
+               "MoE layer needs CUDA, so none could be tested on CPU (tools/probe/moe_cpu.py)")
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,7 +39,7 @@ def hf_config_fields(raw: dict, where: str = "config.json") -> dict:
 
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        moe = " (mixture-of-experts models are not supported yet)" if "moe" in str(model_type) else ""
+        moe = f" ({MOE_REFUSED})" if "moe" in str(model_type) else ""
         refuse("model_type", f"is {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}{moe}")
     for field, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False)):
         if raw.get(field, ok) != ok:
@@ -47,7 +49,7 @@ def hf_config_fields(raw: dict, where: str = "config.json") -> dict:
     if any(t != "full_attention" for t in raw.get("layer_types") or []):
         refuse("layer_types", "has non-full-attention layers; only full attention is implemented")
     if raw.get("num_experts") or raw.get("num_local_experts"):
-        refuse("num_experts", "is set; mixture-of-experts layers are not supported yet")
+        refuse("num_experts", f"is set; {MOE_REFUSED}")
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_field = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
     if rope.get("rope_type", rope.get("type", "default")) != "default":
