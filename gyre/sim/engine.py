@@ -92,6 +92,8 @@ class Simulation:
         self.ctx_per_seg, self.max_ctx = profile.context_tokens_per_segment, profile.max_context_tokens
         self.train_tokens_total = 0
         self.longest_s: list[float] = []
+        self.group_longest_s: list[list[float]] = []  # per step admitted, per group (unloaded, capped)
+        self.group_work: dict[int, list[tuple[float, int]]] = {}  # per step trained: (group's unloaded, tokens)
         self.num_switches = 0
         self.num_timeouts = 0
         self.num_excluded = 0
@@ -147,6 +149,7 @@ class Simulation:
             step = self.next_batch
             b = draw_batch(self.profile, step, self.seed, self.tail_scale, self.preset.session_tok_s)
             self.longest_s.append(b.longest_s)
+            self.group_longest_s.append(b.group_longest_s)
             g_size = self.profile.group_size
             for g in range(self.profile.groups_per_step):
                 group = Group(g, step, self.queue.version, g_size)
@@ -285,6 +288,8 @@ class Simulation:
             self.useful_kvs += kvs
             tokens += train_tokens(self.profile, done)  # masked spans are still computed as context
             oldest = min(oldest, v)
+        unloaded = self.group_longest_s[g.step][g.gid] if self.cfg.batching == "fixed" else 0.0
+        self.group_work.setdefault(step, []).append((unloaded, tokens))
         if tokens:
             self.queue.add_ready(step, g.gid, oldest, tokens, max_tokens=self.cfg.microstep_tokens)
         else:
@@ -519,9 +524,8 @@ class Simulation:
         rollout_s = max(self.useful_gen / gen_cap + self.useful_prompt / prefill_cap, self.useful_kvs / kv_cap)
         train_s = self.train_tokens_total / train_cap
         work_node_s = (rollout_s + train_s) * self.preset.num_nodes
-        # A step waits for its longest execution only with fixed batching; otherwise only the
-        # sequential optimizer steps bound the latency.
-        longest = self.longest_s[:self.num_steps] if self.cfg.batching == "fixed" else [0.0] * self.num_steps
+        # A group waits for its own step's executions only with fixed batching (see _group_ready).
+        groups = [[(u, tok / train_cap) for u, tok in self.group_work.get(k, [])] for k in range(self.num_steps)]
         return ModeResult(
             mode=self.cfg.mode, total_s=total, step_times_s=self.step_times,
             cells=[sc.stats for sc in self.cells], work_node_s=work_node_s,
@@ -530,7 +534,7 @@ class Simulation:
             async_train_cells=getattr(self.policy, "num_train", None),
             num_blocked=self.num_blocked, max_staleness=self.queue.max_lag, prefill_tokens=prefill,
             reload_tokens=sum(sc.eng.load_tokens for sc in self.cells),
-            critical_path_s=critical_path_s(longest, self.cfg.staleness, self.costs.optimizer_step_s,
+            critical_path_s=critical_path_s(groups, self.cfg.staleness, self.costs.optimizer_step_s,
                                             early_admission=self.cfg.admission == "staleness"),
             rollout_work_s=rollout_s, train_work_s=train_s, recompute_tokens=recompute,
             budget_hit_fraction=self.num_timeouts / max(1, self.started),
@@ -539,5 +543,6 @@ class Simulation:
             train_tok_s_per_node=self.costs.train_tok_s_per_node,
             prefill_tok_s_per_node=self.costs.prefill_tok_s_per_node,
             num_stale_dropped=self.num_stale_dropped,
+            trained_tokens=self.train_tokens_total,
             masked_fraction=self.masked_segments / max(1, self.masked_segments + self.trained_segments),
         )

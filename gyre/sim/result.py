@@ -68,6 +68,15 @@ class ModeResult:
     """Executions trained nowhere because every span of theirs fell outside the staleness bound."""
     masked_fraction: float = 0.0
     """Share of trained executions' segments masked out of the loss as older than the bound."""
+    trained_tokens: float = 0.0
+    """Tokens the N steps trained: a mode whose executions hit the budget more trains less, so
+    comparing times is fair only beside it."""
+
+    @property
+    def own_bound_s(self) -> float:
+        """max(this run's work / capacity, its critical path): how close the policy came to what
+        its own executions allowed, whatever work it cut by running them into the budget."""
+        return max(self.work_node_s / self.num_nodes, self.critical_path_s)
 
     def summary(self, ideal_s: float, bound_s: float = 0.0) -> dict:
         """JSON-ready figures; `ideal_s` (work / capacity) and `bound_s` (the tighter bound,
@@ -88,6 +97,8 @@ class ModeResult:
             "prefill_mtok": round(self.prefill_tokens / 1e6, 1),
             "recompute_mtok": round(self.recompute_tokens / 1e6, 1),
             "budget_hit": round(self.budget_hit_fraction, 3),
+            "trained_mtok": round(self.trained_tokens / 1e6),
+            "ratio_to_own_bound": round(self.total_s / self.own_bound_s, 3),
             "reload_mtok": round(self.reload_tokens / 1e6, 1),
             "stale_dropped": self.num_stale_dropped,
             "masked_fraction": round(self.masked_fraction, 3),
@@ -103,24 +114,44 @@ def ideal_lower_bound_s(results: list[ModeResult]) -> float:
     return min(r.work_node_s for r in results) / results[0].num_nodes
 
 
-def critical_path_s(longest_s: list[float], staleness: int, optimizer_step_s: float,
+def critical_path_s(groups: list[list[tuple[float, float]]], staleness: int, optimizer_step_s: float,
                     early_admission: bool = False) -> float:
-    """Latency lower bound of the run, whatever the capacity: step k's batch is admitted once
-    optimizer step k - s - 1 is applied (with `early_admission`: once its batch is ready; time 0
-    for k <= s), cannot be trained before its longest execution ends even on an unloaded engine,
-    and optimizer steps are sequential.
+    """Latency lower bound of the run, whatever the capacity, with each step's training after
+    its groups are ready.
 
     Args:
-        longest_s: per step, its longest execution at full speed (capped at the time budget).
+        groups: per step, per group: (the least time from the step's admission to the group
+            being ready, the group's training time on every cell at once). Use 0 for the first
+            where a group need not wait for its own step's executions (first_ready batching).
+
+    Why no run beats it (each quantity below is a lower bound of the run's, by induction over
+    steps, and every formula is non-decreasing in its inputs):
+    - admission: step k's batch starts once optimizer step k - s - 1 is applied (with
+      `early_admission`: once its batch is ready); time 0 for k <= s.
+    - a group is ready no earlier than admission + its longest execution's duration on an
+      unloaded engine, capped at the time budget: an execution never decodes faster than one
+      session's speed, its tool calls take their drawn time, and it starts after admission.
+    - a group's micro-steps exist only once it is ready, and are claimable only while its step is
+      the current one (MicroStepQueue.claim): after optimizer step k - 1 is applied. So each
+      group is a job released at max(applied k - 1, its ready time).
+    - all cells together train at most the cluster's training throughput, so the step's training
+      takes at least its jobs on one machine of that speed, preemptive and divisible: the
+      release-order schedule, whose end is the least possible.
+    - the optimizer step waits for the whole batch and the last micro-step, and steps are
+      sequential.
     """
     applied: list[float] = []
     ready: list[float] = []
-    for k, longest in enumerate(longest_s):
+    for k, step in enumerate(groups):
         gate = ready if early_admission else applied
         admitted = gate[k - staleness - 1] if k > staleness else 0.0
         previous = applied[-1] if applied else 0.0
-        ready.append(admitted + longest)
-        applied.append(max(previous, ready[-1]) + optimizer_step_s)
+        ready.append(admitted + max((u for u, _ in step), default=0.0))
+        done = max(previous, ready[-1])
+        t = previous
+        for release, train_s in sorted((max(previous, admitted + u), p) for u, p in step):
+            t = max(t, release) + train_s
+        applied.append(max(done, t) + optimizer_step_s)
     return applied[-1] if applied else 0.0
 
 

@@ -39,16 +39,32 @@ def test_every_mode_finishes_within_the_staleness_bound(mode, staleness):
 
 
 @pytest.mark.parametrize(
-    "longest, s, opt, expected",
+    "groups, s, opt, expected",
     [
-        pytest.param([100, 100, 100], 0, 10, 330, id="on-policy-serial"),
-        pytest.param([100, 100, 100], 1, 10, 220, id="one-ahead-overlaps"),
-        pytest.param([100, 5, 5], 1, 10, 130, id="short-batches-wait-for-the-optimizer"),
+        pytest.param([[(100, 0)]] * 3, 0, 10, 330, id="on-policy-serial"),
+        pytest.param([[(100, 0)]] * 3, 1, 10, 220, id="one-ahead-overlaps"),
+        pytest.param([[(100, 0)], [(5, 0)], [(5, 0)]], 1, 10, 130, id="short-batches-wait-for-the-optimizer"),
         pytest.param([], 1, 10, 0, id="no-steps"),
+        # training of a group starts once it is ready: 100 + 30, the early group's 20 s overlaps
+        pytest.param([[(10, 20), (100, 30)]], 0, 10, 140, id="training-after-the-last-group"),
+        # the early groups' training outlasts the late group's release: they queue on the cluster
+        pytest.param([[(10, 80), (10, 40), (50, 5)]], 0, 10, 145, id="training-queues-behind-earlier-groups"),
+        # step 1 is ready at 100 but trains only after step 0's optimizer step (100 + 50 + 10)
+        pytest.param([[(100, 50)], [(100, 50)]], 1, 10, 220, id="a-step-trains-after-the-previous-optimizer-step"),
     ],
 )
-def test_critical_path_bound(longest, s, opt, expected):
-    assert critical_path_s(longest, s, opt) == expected
+def test_critical_path_bound(groups, s, opt, expected):
+    assert critical_path_s(groups, s, opt) == expected
+
+
+def test_the_critical_path_counts_training_after_each_group_is_ready():
+    fast = simulate("elastic")
+    slow = Simulation(PROFILE, replace(PRESET, train_tok_s_per_node=50), SchedulerConfig(mode="elastic"),
+                      num_steps=4, tick_s=5.0).run()
+    # same executions, 10x slower training: training a group can start only once it is ready, so the
+    # latency bound grows with it; neither run beats its own bound
+    assert slow.critical_path_s > fast.critical_path_s
+    assert slow.total_s >= slow.own_bound_s >= slow.critical_path_s and fast.total_s >= fast.own_bound_s
 
 
 def test_same_seed_same_result_and_modes_see_the_same_executions():
