@@ -506,7 +506,8 @@ class Simulation:
             # A rollout cell is busy as far as its binding resource is used: decode throughput
             # or session slots (KV); a training cell while it computes micro-steps.
             slots = sc.max_sessions + self.pooled_sessions * sc.cell.num_nodes / self.preset.num_nodes
-            useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / slots)
+            st.rollout_use_s = max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / slots)
+            useful = st.train_busy_s + st.rollout_use_s
             st.idle_fraction = min(1.0, max(0.0, 1.0 - useful / total))
         prefill = sum(sc.eng.prefill_tokens for sc in self.cells)
         recompute = sum(sc.eng.recompute_tokens for sc in self.cells)

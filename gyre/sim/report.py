@@ -49,6 +49,9 @@ def format_modes(summary: dict) -> str:
             f"{m['ratio_to_own_bound']:>6.2f} {m['switches']:>9} {m['timeouts']:>9} {m['budget_hit']:>11.1%} "
             f"{m['trained_mtok']:>13}  {idle}{pools}"
         )
+        lines.append(f"{'':<9} per cell, share of the run in a role (busy in it): " + " | ".join(
+            " ".join(f"{role} {share:.2f} ({busy:.2f})" for role, (share, busy) in cell.items() if role in ("train", "rollout"))
+            for cell in m["role_busy"]))
     return "\n".join(lines)
 
 

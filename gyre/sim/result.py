@@ -18,6 +18,18 @@ class CellStats:
     cell throughput and session-slot occupancy."""
     timeline: list[tuple[float, str]] = field(default_factory=list)
     """(time_s, role) at every role or switching-state change."""
+    rollout_use_s: float = 0.0
+    """Rollout use: the larger of tokens at full cell throughput and session-slot occupancy, s."""
+
+    def role_busy(self, total_s: float) -> dict[str, tuple[float, float]]:
+        """Per role: (share of the run in it, busy fraction while in it: micro-steps computed in
+        train, rollout use in rollout); switching counts in its own role, never busy."""
+        spans: dict[str, float] = {}
+        marks = self.timeline + [(total_s, "")]
+        for (t0, role), (t1, _) in zip(marks, marks[1:]):
+            spans[role] = spans.get(role, 0.0) + t1 - t0
+        busy = {"train": self.train_busy_s, "rollout": self.rollout_use_s}
+        return {role: (t / total_s, busy.get(role, 0.0) / t if t else 0.0) for role, t in spans.items() if t > 0}
 
 
 @dataclass
@@ -88,6 +100,8 @@ class ModeResult:
             "ratio_to_ideal": round(self.total_s / ideal_s, 3),
             "ratio_to_bound": round(self.total_s / bound_s, 3),
             "idle_fraction": [round(c.idle_fraction, 3) for c in self.cells],
+            "role_busy": [{role: [round(share, 3), round(busy, 3)] for role, (share, busy) in c.role_busy(self.total_s).items()}
+                          for c in self.cells],
             "switches": self.num_switches,
             "timeouts": self.num_timeouts,
             "excluded": self.num_excluded,

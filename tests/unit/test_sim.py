@@ -67,6 +67,19 @@ def test_the_critical_path_counts_training_after_each_group_is_ready():
     assert slow.total_s >= slow.own_bound_s >= slow.critical_path_s and fast.total_s >= fast.own_bound_s
 
 
+@pytest.mark.parametrize("mode", ["elastic", "colocate"])
+def test_role_shares_cover_the_run_and_busy_fractions_are_fractions(mode):
+    r = simulate(mode)
+    for c in r.cells:
+        roles = c.role_busy(r.total_s)
+        assert sum(share for share, _ in roles.values()) == pytest.approx(1.0)
+        assert all(0.0 <= busy <= 1.0 + 1e-9 for _, busy in roles.values())
+        share, busy = roles.get("train", (0.0, 0.0))
+        assert share * busy * r.total_s == pytest.approx(c.train_busy_s)
+    if mode == "elastic":
+        assert r.cells[0].role_busy(r.total_s)["train"][0] == 1.0  # the core never leaves training
+
+
 def test_same_seed_same_result_and_modes_see_the_same_executions():
     a, b = simulate("elastic"), simulate("elastic")
     assert a.total_s == b.total_s and a.num_switches == b.num_switches
