@@ -9,7 +9,7 @@ def format_regime(reg: dict) -> str:
     return (f"regime: T/R {reg['t_over_r']:.3f} (per step: training {reg['train_h_per_step']:.2f} h on every node / "
             f"rollout {reg['rollout_h_per_step']:.2f} h, its compute or its longest execution), ceiling over Colocate 1 + 2T/R = "
             f"{reg['ceiling_vs_colocate']:.2f}x; bounds: work/capacity {reg['ideal_h']:.2f} h, critical path "
-            f"{reg['critical_path_h']:.2f} h, tighter {reg['bound_h']:.2f} h; budget hit {reg['budget_hit_unloaded']:.1%} "
+            f"{reg['critical_path_h']:.2f} h, startup {reg['startup_h']:.2f} h, tighter {reg['bound_h']:.2f} h; budget hit {reg['budget_hit_unloaded']:.1%} "
             f"unloaded at this model's speed; train {reg['train_tok_s_per_node']} "
             f"tok/s/node, prefill {reg['prefill_tok_s_per_node']} tok/s/node (FLOPs x MFU unless measured)")
 

@@ -14,7 +14,7 @@ from gyre.scheduler.config import SchedulerConfig
 from gyre.sim.app import validate_sim
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.engine import Simulation
-from gyre.sim.result import critical_path_s, ideal_lower_bound_s
+from gyre.sim.result import critical_path_s, ideal_lower_bound_s, startup_bound_s
 
 PROFILE = ProfileConfig(groups_per_step=4, group_size=4, segments_median=6, segments_sigma=0.8, gen_tokens_median=600,
                         tool_s_median=20, context_tokens_per_segment=2000, timeout_s=900, excluded_fraction=0.1)
@@ -78,6 +78,19 @@ def test_role_shares_cover_the_run_and_busy_fractions_are_fractions(mode):
         assert share * busy * r.total_s == pytest.approx(c.train_busy_s)
     if mode == "elastic":
         assert r.cells[0].role_busy(r.total_s)["train"][0] == 1.0  # the core never leaves training
+
+
+@pytest.mark.parametrize(
+    "first, train, rollout, first_rollout, expected",
+    [
+        pytest.param(0, 50, (30, 10), (0, 0), 80, id="no-wait-is-work-over-capacity"),
+        pytest.param(20, 50, (30, 10), (5, 5), 95, id="only-the-first-batches-roll-out-while-nothing-trains"),
+        pytest.param(20, 50, (30, 10), (25, 10), 80, id="the-wait-is-spent-on-their-rollout"),
+        pytest.param(20, 50, (30, 40), (25, 30), 90, id="the-binding-rollout-resource-counts"),
+    ],
+)
+def test_startup_bound(first, train, rollout, first_rollout, expected):
+    assert startup_bound_s(first, train, rollout, first_rollout) == expected
 
 
 def test_same_seed_same_result_and_modes_see_the_same_executions():
@@ -218,6 +231,7 @@ def test_no_run_beats_the_tighter_bound_nor_exceeds_the_staleness_bound(mode, me
     assert len(r.step_times_s) == 4 and r.max_staleness <= 1
     assert r.total_s >= tighter_bound_s([r]) > 0
     assert r.total_s >= r.work_node_s / r.num_nodes and r.total_s >= r.critical_path_s
+    assert r.total_s >= r.startup_bound_s > 0
 
 
 def test_early_admission_masks_the_spans_generated_before_the_version_it_trains_under():
