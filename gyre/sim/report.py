@@ -23,8 +23,9 @@ def format_labels(table: dict) -> str:
         lines.append(f"{r['run']:<32} {r['time_h']:>8.2f} {r['ratio_to_bound']:>7.3f} {r['ratio_to_own_bound']:>6.3f} "
                      f"{r['first_over_it']:>8.3f} {r['switches']:>9} {r['budget_hit']:>11.1%} {r['trained_mtok']:>13} "
                      f"{r['masked_fraction']:>7.1%} {r['stale_dropped']:>8}")
-    lines.append("/bound: against the least work and critical path of all runs above; /own: against this run's own "
-                 "(a run that cuts executions at the budget trains fewer tokens: it is not at equal work)")
+    lines.append("/bound: against the least work / capacity, critical path and startup bound of all runs above; "
+                 "/own: against this run's own (a run that cuts executions at the budget trains fewer tokens: "
+                 "it is not at equal work)")
     return "\n".join(lines)
 
 
