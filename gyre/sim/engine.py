@@ -533,6 +533,10 @@ class Simulation:
                                     (gen0 / gen_cap + prompt0 / prefill_cap, kvs0 / kv_cap))
         work_node_s = (rollout_s + train_s) * self.preset.num_nodes
         # A group waits for its own step's executions only with fixed batching (see _group_ready).
+        # With first_ready batching a step's batch may fill with earlier steps' groups before it is
+        # admitted, so early admission has no known gate: only time 0 bounds it.
+        early = self.cfg.admission == "staleness"
+        gate = self.num_steps if early and self.cfg.batching != "fixed" else self.cfg.staleness
         groups = [[(u, tok / train_cap) for u, tok in self.group_work.get(k, [])] for k in range(self.num_steps)]
         return ModeResult(
             mode=self.cfg.mode, total_s=total, step_times_s=self.step_times,
@@ -542,8 +546,7 @@ class Simulation:
             async_train_cells=getattr(self.policy, "num_train", None),
             num_blocked=self.num_blocked, max_staleness=self.queue.max_lag, prefill_tokens=prefill,
             reload_tokens=sum(sc.eng.load_tokens for sc in self.cells),
-            critical_path_s=critical_path_s(groups, self.cfg.staleness, self.costs.optimizer_step_s,
-                                            early_admission=self.cfg.admission == "staleness"),
+            critical_path_s=critical_path_s(groups, gate, self.costs.optimizer_step_s, early_admission=early),
             rollout_work_s=rollout_s, train_work_s=train_s, recompute_tokens=recompute,
             budget_hit_fraction=self.num_timeouts / max(1, self.started),
             rollout_latency_s=sum(self.longest_s[:self.num_steps]) / self.num_steps,

@@ -90,8 +90,8 @@ class ModeResult:
 
     @property
     def own_bound_s(self) -> float:
-        """max(this run's work / capacity, its critical path, its startup bound): how close the policy came to what
-        its own executions allowed, whatever work it cut by running them into the budget."""
+        """max(this run's work / capacity, its critical path, its startup bound): how close the
+        policy came to what its own executions allowed, whatever work it cut at the budget."""
         return max(self.work_node_s / self.num_nodes, self.critical_path_s, self.startup_bound_s)
 
     def summary(self, ideal_s: float, bound_s: float = 0.0) -> dict:
@@ -139,8 +139,8 @@ def critical_path_s(groups: list[list[tuple[float, float]]], staleness: int, opt
 
     Args:
         groups: per step, per group: (the least time from the step's admission to the group
-            being ready, the group's training time on every cell at once). Use 0 for the first
-            where a group need not wait for its own step's executions (first_ready batching).
+            being ready, the group's training time on every cell at once). The first is 0 where
+            a group need not wait for its own step's executions (first_ready batching).
 
     Why no run beats it (each quantity below is a lower bound of the run's, by induction over
     steps, and every formula is non-decreasing in its inputs):

@@ -218,6 +218,7 @@ MECHANISM_SWITCHES = {
     "none": {}, "value_leave": {"leave_rule": "value"}, "rebalance": {"rebalance_on_return": True},
     "token_microsteps": {"microstep_tokens": 20_000}, "staleness_admission": {"admission": "staleness"},
     "first_ready": {"batching": "first_ready"},
+    "first_ready_early_admission": {"batching": "first_ready", "admission": "staleness"},
     "value_rebalance_microsteps": {"leave_rule": "value", "rebalance_on_return": True, "microstep_tokens": 20_000},
 }
 
