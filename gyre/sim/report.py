@@ -9,7 +9,7 @@ def format_regime(reg: dict) -> str:
     return (f"regime: T/R {reg['t_over_r']:.3f} (per step: training {reg['train_h_per_step']:.2f} h on every node / "
             f"rollout {reg['rollout_h_per_step']:.2f} h, its compute or its longest execution), ceiling over Colocate 1 + 2T/R = "
             f"{reg['ceiling_vs_colocate']:.2f}x; bounds: work/capacity {reg['ideal_h']:.2f} h, critical path "
-            f"{reg['critical_path_h']:.2f} h, tighter {reg['bound_h']:.2f} h; budget hit {reg['budget_hit_unloaded']:.1%} "
+            f"{reg['critical_path_h']:.2f} h, startup {reg['startup_h']:.2f} h, tighter {reg['bound_h']:.2f} h; budget hit {reg['budget_hit_unloaded']:.1%} "
             f"unloaded at this model's speed; train {reg['train_tok_s_per_node']} "
             f"tok/s/node, prefill {reg['prefill_tok_s_per_node']} tok/s/node (FLOPs x MFU unless measured)")
 
@@ -17,11 +17,15 @@ def format_regime(reg: dict) -> str:
 def format_labels(table: dict) -> str:
     """Labelled runs (baselines or mechanisms) against the tighter bound shared by all of them."""
     lines = [format_regime(table["regime"]),
-             f"{'run':<32} {'time h':>8} {'/bound':>7} {'x first':>8} {'switches':>9} {'budget hit':>11}"
-             f" {'masked':>7} {'dropped':>8}"]
+             f"{'run':<32} {'time h':>8} {'/bound':>7} {'/own':>6} {'x first':>8} {'switches':>9} {'budget hit':>11}"
+             f" {'trained Mtok':>13} {'masked':>7} {'dropped':>8}"]
     for r in table["rows"]:
-        lines.append(f"{r['run']:<32} {r['time_h']:>8.2f} {r['ratio_to_bound']:>7.3f} {r['first_over_it']:>8.3f} "
-                     f"{r['switches']:>9} {r['budget_hit']:>11.1%} {r['masked_fraction']:>7.1%} {r['stale_dropped']:>8}")
+        lines.append(f"{r['run']:<32} {r['time_h']:>8.2f} {r['ratio_to_bound']:>7.3f} {r['ratio_to_own_bound']:>6.3f} "
+                     f"{r['first_over_it']:>8.3f} {r['switches']:>9} {r['budget_hit']:>11.1%} {r['trained_mtok']:>13} "
+                     f"{r['masked_fraction']:>7.1%} {r['stale_dropped']:>8}")
+    lines.append("/bound: against the least work / capacity, critical path and startup bound of all runs above; "
+                 "/own: against this run's own (a run that cuts executions at the budget trains fewer tokens: "
+                 "it is not at equal work)")
     return "\n".join(lines)
 
 
@@ -31,8 +35,8 @@ def format_modes(summary: dict) -> str:
         f"workload {summary['profile']} on {summary['preset']}: {summary['num_steps']} steps x "
         f"{summary['executions_per_step']} executions",
         format_regime(summary["regime"]),
-        f"{'mode':<9} {'time h':>9} {'elastic x':>10} {'/ideal':>7} {'/bound':>7} {'switches':>9} {'timeouts':>9}"
-        "  idle per cell (core first)",
+        f"{'mode':<9} {'time h':>9} {'elastic x':>10} {'/ideal':>7} {'/bound':>7} {'/own':>6} {'switches':>9} {'timeouts':>9}"
+        f" {'budget hit':>11} {'trained Mtok':>13}  idle per cell (core first)",
     ]
     elastic = summary["modes"].get("elastic")
     for mode, m in summary["modes"].items():
@@ -42,9 +46,13 @@ def format_modes(summary: dict) -> str:
         if m["masked_fraction"] or m["stale_dropped"]:
             pools += f" [spans masked {m['masked_fraction']:.0%}, executions dropped {m['stale_dropped']}]"
         lines.append(
-            f"{mode:<9} {m['time_h']:>9.2f} {sp:>10} {m['ratio_to_ideal']:>7.2f} {m['ratio_to_bound']:>7.2f} {m['switches']:>9} "
-            f"{m['timeouts']:>9}  {idle}{pools}"
+            f"{mode:<9} {m['time_h']:>9.2f} {sp:>10} {m['ratio_to_ideal']:>7.2f} {m['ratio_to_bound']:>7.2f} "
+            f"{m['ratio_to_own_bound']:>6.2f} {m['switches']:>9} {m['timeouts']:>9} {m['budget_hit']:>11.1%} "
+            f"{m['trained_mtok']:>13}  {idle}{pools}"
         )
+        lines.append(f"{'':<9} per cell, share of the run in a role (busy in it): " + " | ".join(
+            " ".join(f"{role} {share:.2f} ({busy:.2f})" for role, (share, busy) in cell.items() if role in ("train", "rollout"))
+            for cell in m["role_busy"]))
     return "\n".join(lines)
 
 

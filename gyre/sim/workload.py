@@ -4,7 +4,7 @@ Draws depend only on (seed, step), never on the mode, so every mode runs the ver
 executions (common random numbers): differences between modes are the scheduler's alone.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +27,9 @@ class Batch:
     longest_s: float = 0.0
     """Duration of its longest execution on an unloaded engine, capped at the time budget (0 when
     drawn without a session speed)."""
+    group_longest_s: list[float] = field(default_factory=list)
+    """Per group, the same for its longest execution: the earliest the group can be ready after
+    the batch is admitted (empty when drawn without a session speed)."""
 
 
 def draw_batch(
@@ -49,10 +52,13 @@ def draw_batch(
     tool = _draw(rng, profile.tool_s_samples, profile.tool_s_median, profile.tool_s_sigma, total)
     offsets = np.concatenate(([0], np.cumsum(segs)[:-1]))
     excluded = rng.random(n) < profile.excluded_fraction
-    longest = 0.0
+    longest, group_longest = 0.0, []
     if session_tok_s > 0:
-        longest = min(profile.timeout_s, float(np.add.reduceat(gen / session_tok_s + tool, offsets).max()))
-    return Batch(step, segs.tolist(), offsets.tolist(), gen.tolist(), tool.tolist(), excluded.tolist(), longest)
+        unloaded = np.minimum(profile.timeout_s, np.add.reduceat(gen / session_tok_s + tool, offsets))
+        group_longest = unloaded.reshape(profile.groups_per_step, profile.group_size).max(axis=1).tolist()
+        longest = max(group_longest)
+    return Batch(step, segs.tolist(), offsets.tolist(), gen.tolist(), tool.tolist(), excluded.tolist(), longest,
+                 group_longest)
 
 
 def _draw(rng, samples: list[float], median: float, sigma: float, n: int) -> np.ndarray:

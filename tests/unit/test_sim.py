@@ -14,7 +14,7 @@ from gyre.scheduler.config import SchedulerConfig
 from gyre.sim.app import validate_sim
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.engine import Simulation
-from gyre.sim.result import critical_path_s, ideal_lower_bound_s
+from gyre.sim.result import critical_path_s, ideal_lower_bound_s, startup_bound_s
 
 PROFILE = ProfileConfig(groups_per_step=4, group_size=4, segments_median=6, segments_sigma=0.8, gen_tokens_median=600,
                         tool_s_median=20, context_tokens_per_segment=2000, timeout_s=900, excluded_fraction=0.1)
@@ -39,16 +39,58 @@ def test_every_mode_finishes_within_the_staleness_bound(mode, staleness):
 
 
 @pytest.mark.parametrize(
-    "longest, s, opt, expected",
+    "groups, s, opt, expected",
     [
-        pytest.param([100, 100, 100], 0, 10, 330, id="on-policy-serial"),
-        pytest.param([100, 100, 100], 1, 10, 220, id="one-ahead-overlaps"),
-        pytest.param([100, 5, 5], 1, 10, 130, id="short-batches-wait-for-the-optimizer"),
+        pytest.param([[(100, 0)]] * 3, 0, 10, 330, id="on-policy-serial"),
+        pytest.param([[(100, 0)]] * 3, 1, 10, 220, id="one-ahead-overlaps"),
+        pytest.param([[(100, 0)], [(5, 0)], [(5, 0)]], 1, 10, 130, id="short-batches-wait-for-the-optimizer"),
         pytest.param([], 1, 10, 0, id="no-steps"),
+        # training of a group starts once it is ready: 100 + 30, the early group's 20 s overlaps
+        pytest.param([[(10, 20), (100, 30)]], 0, 10, 140, id="training-after-the-last-group"),
+        # the early groups' training outlasts the late group's release: they queue on the cluster
+        pytest.param([[(10, 80), (10, 40), (50, 5)]], 0, 10, 145, id="training-queues-behind-earlier-groups"),
+        # step 1 is ready at 100 but trains only after step 0's optimizer step (100 + 50 + 10)
+        pytest.param([[(100, 50)], [(100, 50)]], 1, 10, 220, id="a-step-trains-after-the-previous-optimizer-step"),
     ],
 )
-def test_critical_path_bound(longest, s, opt, expected):
-    assert critical_path_s(longest, s, opt) == expected
+def test_critical_path_bound(groups, s, opt, expected):
+    assert critical_path_s(groups, s, opt) == expected
+
+
+def test_the_critical_path_counts_training_after_each_group_is_ready():
+    fast = simulate("elastic")
+    slow = Simulation(PROFILE, replace(PRESET, train_tok_s_per_node=50), SchedulerConfig(mode="elastic"),
+                      num_steps=4, tick_s=5.0).run()
+    # same executions, 10x slower training: training a group can start only once it is ready, so the
+    # latency bound grows with it; neither run beats its own bound
+    assert slow.critical_path_s > fast.critical_path_s
+    assert slow.total_s >= slow.own_bound_s >= slow.critical_path_s and fast.total_s >= fast.own_bound_s
+
+
+@pytest.mark.parametrize("mode", ["elastic", "colocate"])
+def test_role_shares_cover_the_run_and_busy_fractions_are_fractions(mode):
+    r = simulate(mode)
+    for c in r.cells:
+        roles = c.role_busy(r.total_s)
+        assert sum(share for share, _ in roles.values()) == pytest.approx(1.0)
+        assert all(0.0 <= busy <= 1.0 + 1e-9 for _, busy in roles.values())
+        share, busy = roles.get("train", (0.0, 0.0))
+        assert share * busy * r.total_s == pytest.approx(c.train_busy_s)
+    if mode == "elastic":
+        assert r.cells[0].role_busy(r.total_s)["train"][0] == 1.0  # the core never leaves training
+
+
+@pytest.mark.parametrize(
+    "first, train, rollout, first_rollout, expected",
+    [
+        pytest.param(0, 50, (30, 10), (0, 0), 80, id="no-wait-is-work-over-capacity"),
+        pytest.param(20, 50, (30, 10), (5, 5), 95, id="only-the-first-batches-roll-out-while-nothing-trains"),
+        pytest.param(20, 50, (30, 10), (25, 10), 80, id="the-wait-is-spent-on-their-rollout"),
+        pytest.param(20, 50, (30, 40), (25, 30), 90, id="the-binding-rollout-resource-counts"),
+    ],
+)
+def test_startup_bound(first, train, rollout, first_rollout, expected):
+    assert startup_bound_s(first, train, rollout, first_rollout) == expected
 
 
 def test_same_seed_same_result_and_modes_see_the_same_executions():
@@ -176,6 +218,8 @@ MECHANISM_SWITCHES = {
     "none": {}, "value_leave": {"leave_rule": "value"}, "rebalance": {"rebalance_on_return": True},
     "token_microsteps": {"microstep_tokens": 20_000}, "staleness_admission": {"admission": "staleness"},
     "first_ready": {"batching": "first_ready"},
+    "first_ready_early_admission": {"batching": "first_ready", "admission": "staleness"},
+    "value_rebalance_microsteps": {"leave_rule": "value", "rebalance_on_return": True, "microstep_tokens": 20_000},
 }
 
 
@@ -189,6 +233,7 @@ def test_no_run_beats_the_tighter_bound_nor_exceeds_the_staleness_bound(mode, me
     assert len(r.step_times_s) == 4 and r.max_staleness <= 1
     assert r.total_s >= tighter_bound_s([r]) > 0
     assert r.total_s >= r.work_node_s / r.num_nodes and r.total_s >= r.critical_path_s
+    assert r.total_s >= r.startup_bound_s > 0
 
 
 def test_early_admission_masks_the_spans_generated_before_the_version_it_trains_under():
