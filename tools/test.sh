@@ -17,8 +17,8 @@ pytest() { OMP_NUM_THREADS=1 .venv/bin/python -m pytest "$@" || rc=$?; }
 if (($#)); then
   pytest "$@"
 else
-  pytest -n 2 tests/unit
-  pytest tests/integration
+  pytest -n 2 --durations=10 tests/unit
+  pytest --durations=25 tests/integration
 fi
 tools/slurm-dev down
 echo "test.sh: total $((SECONDS - start)) s, pytest exit status $rc" >&2
