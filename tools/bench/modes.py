@@ -9,8 +9,8 @@ time is the figure compared: elastic's speedup over each baseline is taken from 
 execution to the last optimizer step (the first run also trains the warm start the others reuse);
 the CPU-seconds the run's processes used (getrusage of the reaped children) are printed beside it. Then the simulator,
 calibrated on the first run alone (gyre.sim.calibrate), predicts every mode, gives the lower
-bound max(work / capacity, critical path, startup) of this workload, and each prediction is set against
-that mode's live time (first execution to last optimizer step: what the simulator models).
+bound max(work / capacity, critical path, startup) of this workload, and each prediction is set
+against that mode's live time (first execution to last optimizer step: what the simulator models).
 
     PYTHONPATH=. python tools/bench/modes.py [--steps 10] [--modes elastic,async,async-tuned,colocate] [-- OVERRIDES...]
 """
@@ -95,7 +95,8 @@ def main() -> None:
     keys = ("scheduler", "wall_s", "cpu_s", "num_steps", "reward_first3", "reward_last3", "reward_per_step", "executions",
             "num_role_switches", "switch_phase_s", "cell_role_share", "cell_utilisation")  # fmt: skip
     report = {m: {k: r.get(k) for k in keys} for m, r in results.items()}
-    print(f"simulator calibrated on the {modes[0]} run; its lower bound max(work/capacity, critical path, startup): {bound_s:.1f} s")
+    print(f"simulator calibrated on the {modes[0]} run; its lower bound "
+          f"max(work/capacity, critical path, startup): {bound_s:.1f} s")
     for m in modes:
         report[m] |= {"live_s": live[m], "predicted_s": round(predicted[m], 1),
                       "predicted_ratio": round(predicted[m] / live[m], 3), "over_bound": round(live[m] / bound_s, 3)}
