@@ -6,11 +6,12 @@ scheduler differs. `async` is the even split a user picks before knowing the wor
 `async-tuned` is the pool size the simulator's sweep finds best for the workload of the first
 run (the oracle). The cells' CPU quotas make their compute a fixed budget like a GPU's, so wall
 time is the figure compared: elastic's speedup over each baseline is taken from the first
-execution to the last optimizer step (the first run also trains the warm start the others reuse);
-the CPU-seconds the run's processes used (getrusage of the reaped children) are printed beside it. Then the simulator,
-calibrated on the first run alone (gyre.sim.calibrate), predicts every mode, gives the lower
-bound max(work / capacity, critical path, startup) of this workload, and each prediction is set
-against that mode's live time (first execution to last optimizer step: what the simulator models).
+execution to the last optimizer step (the first run also trains the warm start the others
+reuse); the CPU-seconds the run's processes used (getrusage of the reaped children) are printed
+beside it. Then the simulator, calibrated on the first run alone (gyre.sim.calibrate), predicts
+every mode and gives the lower bound max(work / capacity, critical path, startup) of this
+workload; each prediction is set against that mode's live time (first execution to last
+optimizer step: what the simulator models).
 
     PYTHONPATH=. python tools/bench/modes.py [--steps 10] [--modes elastic,async,async-tuned,colocate] [-- OVERRIDES...]
 """
