@@ -84,6 +84,7 @@ async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
     try:
         await _start_cells(cfg, parts, resume)
         await _register_engines(parts)
+        _join_training(parts)
     except BaseException:
         await close(parts)
         raise
@@ -99,8 +100,8 @@ async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
                             peer_timeout_s=k.control_peer_timeout_s)  # fmt: skip
     address = parts.listener.address
     for state, role in zip(make_cells(n, cfg.cluster.cell_nodes), roles):
-        state.role = role
-        spec = CellSpec(index=state.index, role=role.value, model=cfg.model, trainer=cfg.trainer, engine=cfg.engine,
+        state.role = _start_role(role, state.is_core)
+        spec = CellSpec(index=state.index, role=state.role.value, model=cfg.model, trainer=cfg.trainer, engine=cfg.engine,
                         seed=cfg.seed, host=parts.launcher.host, coordinator_address=address, control=k.control,
                         control_peer_timeout_s=k.control_peer_timeout_s, proxy_url=parts.proxy.url,
                         proxy_admin_token=parts.proxy.admin_token, checkpoint_dir=str(parts.run_dir / "checkpoints"),
@@ -146,6 +147,21 @@ async def _register_engines(parts: Parts) -> None:
         await parts.admin.add_engine(cell.engine_id, cell.engine_url, str(cell.index))
         if cell.state.role != Role.ROLLOUT:
             await parts.admin.engine_op(cell.engine_id, "stop_admission")
+
+
+def _start_role(role: Role, is_core: bool) -> Role:
+    """The role a cell's leader starts in: a satellite the policy wants training starts serving
+    (see `_join_training`)."""
+    return Role.ROLLOUT if role == Role.TRAIN and not is_core else role
+
+
+def _join_training(parts: Parts) -> None:
+    """Satellites the policy starts in training (async's training pool) switch at once: a
+    satellite trains only once it has pulled the core's weights and joined its step, which only
+    the switch does."""
+    for cell, role in zip(parts.cells, parts.policy.initial_roles()):
+        if role != cell.state.role:
+            cell.begin_switch(role, time.time(), parts.initial.weights, parts.core_address)
 
 
 async def close(parts: Parts) -> None:

@@ -124,3 +124,23 @@ def test_a_satellite_whose_engine_cannot_take_new_weights_is_lost_but_an_unreach
     assert events.failures[0][0] == "cell2" and "weight version 3" in events.failures[0][1]
     with pytest.raises(aiohttp.ClientConnectionError):
         asyncio.run(_load_serving([core], {"version": 3}, parts, events, now=5.0))
+
+
+def test_satellites_async_starts_in_training_switch_in_so_they_join_the_cores_step():
+    """A satellite trains only after pulling the core's weights and joining its step, which the
+    switch does: async's training pool starts serving and switches at once; the core stays put."""
+    from gyre.coordinator.build import _join_training, _start_role
+    from gyre.scheduler.config import SchedulerConfig
+    from gyre.scheduler.policy import make_policy
+
+    policy = make_policy(SchedulerConfig(mode="async", async_train_cells=2), 3)
+    switched = []
+    cells = [SimpleNamespace(state=s, begin_switch=lambda *a, i=s.index: switched.append((i, *a)))
+             for s in make_cells(3, 1)]
+    for cell, role in zip(cells, policy.initial_roles()):
+        cell.state.role = _start_role(role, cell.state.is_core)
+    parts = SimpleNamespace(cells=cells, policy=policy, initial=SimpleNamespace(weights={"version": 0}),
+                            core_address="tcp://core")
+    _join_training(parts)
+    assert [(i, target, weights, address) for i, target, _, weights, address in switched] == [
+        (1, Role.TRAIN, {"version": 0}, "tcp://core")]
