@@ -40,6 +40,9 @@ from gyre.scheduler.config import MODES
 LOW_CONCURRENCY = 1.5
 """A call that shared its engine with fewer than this many calls on average (itself included)
 measures one session's speed: the engine's batch did not slow it."""
+PEAK_LEVEL_S = 2.0
+"""Seconds a concurrency level must be held in all before its rate counts towards an engine's
+capacity (`peak_rate`): shorter ones are a call or two, noise."""
 
 
 class CalibrationError(GyreError):
@@ -174,21 +177,27 @@ def _concurrency(calls: list[CallRecord]) -> np.ndarray:
     return (np.interp(fi, t, area) - np.interp(st, t, area)) / np.maximum(fi - st, 1e-9)
 
 
-def _loaded_rate(calls: list[CallRecord]) -> float:
-    """Output tokens/s an engine delivered while two or more calls shared it (each call's tokens
-    spread evenly over its span): its aggregate decode throughput under load."""
+def peak_rate(calls: list[CallRecord], min_level_s: float = PEAK_LEVEL_S) -> float:
+    """Output tokens/s an engine delivered at its best concurrency level of two or more calls held
+    for `min_level_s` in all (each call's tokens spread evenly over its span): its aggregate
+    decode capacity as far as the run loaded it, the cap the simulator's engine puts on the
+    sum of its sessions' speeds. Not the mean over all loaded time, which 2-3 calls dominate:
+    a batched engine is far from its cap there (the builtin engine delivered ~90 tokens/s at
+    2-3 calls and ~570 at 16, rising all the way), so every session would run too slow in the
+    simulator once 10 or more share a cell. 0 when no such level was held that long."""
     changes = []
     for c in calls:
         rate = len(c.output_ids) / max(c.finished_at - c.started_at, 1e-9)
         changes += [(c.started_at, 1, rate), (c.finished_at, -1, -rate)]
     changes.sort(key=lambda x: (x[0], x[1]))  # ends before starts at the same instant
-    in_flight, rate, tokens, seconds, prev = 0, 0.0, 0.0, 0.0, None
+    in_flight, rate, prev = 0, 0.0, None
+    tokens, seconds = defaultdict(float), defaultdict(float)
     for t, step, dr in changes:
         if in_flight >= 2:
-            seconds += t - prev
-            tokens += (t - prev) * rate
+            seconds[in_flight] += t - prev
+            tokens[in_flight] += (t - prev) * rate
         in_flight, rate, prev = in_flight + step, rate + dr, t
-    return tokens / seconds if seconds else 0.0
+    return max((tokens[n] / s for n, s in seconds.items() if s >= min_level_s), default=0.0)
 
 
 def measure_engines(run: LiveRun, num_cells: int) -> dict:
@@ -196,8 +205,9 @@ def measure_engines(run: LiveRun, num_cells: int) -> dict:
 
     One session's decode speed and the prefill throughput come from calls that had their engine
     to themselves: duration = output / session speed + new prompt / prefill speed (least squares
-    over all cells). Each cell's aggregate decode is its output rate while calls shared it; a
-    cell that never served (the core, in elastic) gets the mean of those that did.
+    over all cells). Each cell's aggregate decode is the best rate it delivered while calls
+    shared it (`peak_rate`); a cell that never served (the core, in elastic) gets the mean of
+    those that did.
     """
     by_cell = defaultdict(list)
     for calls in run.records.values():
@@ -215,7 +225,7 @@ def measure_engines(run: LiveRun, num_cells: int) -> dict:
     out = {"session_tok_s": round(1 / s_per_tok, 2)}
     if p_per_tok > 0:  # else prefill hid in the noise: the simulator's derivation stands
         out["prefill_tok_s_per_node"] = round(1 / p_per_tok / run.config["cluster"]["cell_nodes"], 1)
-    rates = {i: _loaded_rate(calls) for i, calls in by_cell.items()}
+    rates = {i: peak_rate(calls) for i, calls in by_cell.items()}
     measured = [r for r in rates.values() if r > 0] or [out["session_tok_s"]]
     out["cell_gen_tok_s"] = [round(rates.get(i) or float(np.mean(measured)), 1) for i in range(num_cells)]
     return out

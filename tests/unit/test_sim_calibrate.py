@@ -13,7 +13,7 @@ from gyre.metrics.log import EventLog
 from gyre.records.io import RecordWriter
 from gyre.records.record import CallRecord
 from gyre.scheduler.config import SchedulerConfig
-from gyre.sim.calibrate import CalibrationError, compose_sim, live_wall, load_run, make_overrides, predict
+from gyre.sim.calibrate import CalibrationError, compose_sim, live_wall, load_run, make_overrides, peak_rate, predict
 from gyre.sim.config import PresetConfig
 
 T0 = 1000.0
@@ -114,6 +114,17 @@ def test_overrides_reproduce_the_measured_machine(run_dir):
     assert (v["preset.num_nodes"], v["preset.num_cells"], v["preset.live_sessions_per_node"]) == ("3", "3", "4")
     assert {k: float(x) for k, x in v.items() if k.startswith("phase_s.")} == {
         "phase_s.stop_admission": 0.3, "phase_s.pull_weights": 1.0, "phase_s.load_weights": 0.6}
+
+
+def test_an_engines_capacity_is_its_best_loaded_rate_not_the_mean_over_loaded_time():
+    # 2 calls together for 4 s at 20 tokens/s in all, then 4 together for 3 s at 60 tokens/s in all
+    # (the mean over loaded time would be 260 / 7 = 37), then 3 together for 1 s: too short to count
+    calls = ([_call("a", i, 1, 0.0, 4.0, 10, 0, 40) for i in range(2)]
+             + [_call("b", i, 1, 10.0, 13.0, 10, 0, 45) for i in range(4)]
+             + [_call("c", i, 1, 20.0, 21.0, 10, 0, 1000) for i in range(3)])
+    assert peak_rate(calls) == pytest.approx(60.0)
+    assert peak_rate(calls, min_level_s=0.5) == pytest.approx(3000.0)
+    assert peak_rate(calls[:1]) == 0.0  # never shared: no aggregate figure
 
 
 def test_overrides_compose_into_a_sim_config_that_runs(run_dir):
