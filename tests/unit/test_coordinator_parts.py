@@ -11,7 +11,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from gyre.cells.quota import PERIOD_US, make_quota, quota_us
+from gyre.cells.quota import PERIOD_US, SHARES_V1, WEIGHT_V2, make_quota, quota_us
 from gyre.coordinator.batching import mask_stale
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
 from gyre.coordinator.loop import _load_serving
@@ -79,12 +79,14 @@ def test_quota_uses_cgroup_v2_then_v1_then_pins_cores(tmp_path):
     (v2 / "cgroup.controllers").write_text("cpu\n")
     q = make_quota("cellA", 0.5, 0, root=v2)
     assert q.mechanism == "cgroup_v2" and (v2 / "cellA" / "cpu.max").read_text() == f"{quota_us(0.5)} {PERIOD_US}"
+    assert (v2 / "cellA" / "cpu.weight").read_text() == str(WEIGHT_V2)  # outweighs the harnesses
 
     v1 = tmp_path / "v1"
     (v1 / "cpu").mkdir(parents=True)
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1")
     q = make_quota("cellB", 1.5, 0, root=v1)
     assert q.mechanism == "cgroup_v1" and (v1 / "cpu" / "cellB" / "cpu.cfs_quota_us").read_text() == "150000"
+    assert (v1 / "cpu" / "cellB" / "cpu.shares").read_text() == str(SHARES_V1)
 
     q = make_quota("cellC", 1, 1, root=tmp_path / "none")
     assert q.mechanism == "affinity" and {int(c) for c in q.path.split(",")} <= os.sched_getaffinity(0)
