@@ -15,7 +15,7 @@ class CoordinatorConfig:
     """G: executions of one task per group (GRPO normalises rewards within a group); >= 2."""
     groups_per_step: int = 4
     """Groups that make one RL step's batch."""
-    sessions_per_cell: int = 16
+    sessions_per_cell: int = 32
     """Executions one rollout cell serves at once; more wait in the queue (the waterlevel counts both)."""
     max_micro_batch_tokens: int = 8192
     """Tokens packed into one micro-batch (a longer path is an error naming this key)."""

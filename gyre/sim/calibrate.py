@@ -289,7 +289,9 @@ def make_overrides(run: LiveRun) -> list[str]:
 
     Cells become the simulator's nodes one to one (cell_nodes per cell); the coordinator's
     sessions_per_cell bounds live sessions and the engine's batch; the engine's prefix cache is
-    the KV a node holds; the builtin engine has no host tier (KV moves by migration), so none.
+    the KV a node holds; the builtin engine has no host tier (KV moves by migration), so none. The
+    live coordinator packs a group into as few near-equal micro-batches of at most
+    max_micro_batch_tokens as fit (gyre.trajectory.pack): the simulator's `microstep_tokens`.
     """
     cfg = run.config
     cells, nodes = cfg["cluster"]["num_cells"], cfg["cluster"]["cell_nodes"]
@@ -299,6 +301,7 @@ def make_overrides(run: LiveRun) -> list[str]:
               "host_kv_tokens_per_node": 0, **measure_engines(run, cells), **measure_training(run, cells)}
     profile = {"name": "live", **measure_workload(run)}
     scheduler = {k: v for k, v in cfg["scheduler"].items() if k != "mode"}
+    scheduler["microstep_tokens"] = cfg["coordinator"]["max_micro_batch_tokens"]
     return ([f"profile.{k}={_fmt(v)}" for k, v in profile.items()]
             + [f"preset.{k}={_fmt(v)}" for k, v in preset.items()]
             + [f"scheduler.{k}={_fmt(v)}" for k, v in scheduler.items()]

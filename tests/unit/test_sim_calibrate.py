@@ -49,7 +49,8 @@ def write_run(d, num_steps: int = 1):
     """A finished one-step elastic run of one group of four on three cells."""
     (d / ".hydra").mkdir(parents=True)
     config = {"cluster": {"num_cells": 3, "cell_nodes": 1},
-              "coordinator": {"groups_per_step": 1, "group_size": 4, "sessions_per_cell": 4, "tick_s": 0.5},
+              "coordinator": {"groups_per_step": 1, "group_size": 4, "sessions_per_cell": 4, "tick_s": 0.5,
+                              "max_micro_batch_tokens": 8192},
               "engine": {"prefix_cache_tokens": 65536}, "scheduler": asdict(SchedulerConfig(mode="elastic")),
               "num_steps": num_steps, "seed": 0}
     (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
@@ -133,6 +134,7 @@ def test_overrides_compose_into_a_sim_config_that_runs(run_dir):
     assert sim.preset.cell_train_tok_s == [300.0, 400.0, 350.0] and sim.profile.tool_s_samples[2] == 0.75
     assert sim.scheduler.min_dwell_s == SchedulerConfig().min_dwell_s and sim.num_steps == 1
     assert sim.preset.sessions_per_node(1.0) == 4  # the coordinator's sessions_per_cell, not the KV
+    assert sim.scheduler.microstep_tokens == 8192  # how the live coordinator packs a group
     predicted = predict(sim)
     assert set(predicted) == {"elastic", "colocate"} and min(predicted.values()) > 0
     assert live_wall(run)["live_s"] == LAST_STEP_AT

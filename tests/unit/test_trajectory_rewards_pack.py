@@ -118,6 +118,24 @@ def test_micro_batches_respect_the_token_limit():
         pack([])
 
 
+def test_micro_batches_are_as_few_as_fit_and_even():
+    """Four paths of one size under a limit of three: first fit in order makes rows of 3 and 1,
+    which leaves one training cell with three quarters of the group; balanced rows are 2 and 2."""
+    def main_only(execution_id):
+        ex = SyntheticExecution(execution_id)
+        Thread(ex, "main", None, ex.context(20)).turn(5, 7)
+        return ex.records
+
+    group = process_group([(main_only(x), Evaluation("finished", float(i % 2))) for i, x in enumerate("abcd")],
+                          TrajectoryConfig())
+    sizes = sorted(s.path.tokens.size for s in group.samples)
+    assert len(sizes) == 4 and sizes[0] == sizes[-1]
+    batches = make_micro_batches(group.samples, 3 * sizes[0])
+    assert [b.num_tokens for b in batches] == [2 * sizes[0]] * 2
+    assert [b.execution_ids for b in batches] == [("a", "c"), ("b", "d")]  # in order within a row
+    assert sum(float(b.loss_weights.sum()) for b in batches) == pytest.approx(4.0)
+
+
 @pytest.mark.parametrize("kw,key", [(dict(max_paths=0), "max_paths"), (dict(averaging="path"), "averaging"),
                                     (dict(std_eps=0.0), "std_eps"), (dict(min_group_size=0), "min_group_size")],
                          ids=["K0", "averaging", "eps", "group-size"])
