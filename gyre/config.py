@@ -70,12 +70,16 @@ class GyreConfig:
             self.proxy.context_len = self.model.max_seq_len
         require(self.proxy.context_len <= self.model.max_seq_len, "proxy.context_len",
                 f"{self.proxy.context_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
-        if self.cluster.backend == "local":
+        if self.cluster.backend == "local":  # the cells outweigh the rest (gyre.cells.quota), which needs room
             need, have = self.cluster.num_cells * self.coordinator.cpus_per_cell, len(os.sched_getaffinity(0))
-            require(need <= have, "cluster.num_cells",
+            require(need + LOCAL_RESERVE_CPUS <= have, "cluster.num_cells",
                     f"{self.cluster.num_cells} cells x coordinator.cpus_per_cell={self.coordinator.cpus_per_cell} "
-                    f"need {need:g} CPUs; this machine has {have}")
+                    f"need {need:g} CPUs, and {LOCAL_RESERVE_CPUS:g} more stay for the harnesses, the proxy and "
+                    f"the coordinator; this machine has {have}")
 
+
+LOCAL_RESERVE_CPUS = 0.5
+"""CPUs local cells leave to the processes outside them, which get only what the cells' caps leave."""
 
 _SECTIONS = (ClusterConfig, EngineConfig, ModelConfig, ProxyConfig, SchedulerConfig, TrainerConfig, CoordinatorConfig,
              TrajectoryConfig, HarnessConfig, TasksConfig, MetricsConfig)

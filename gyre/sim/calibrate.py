@@ -291,7 +291,9 @@ def make_overrides(run: LiveRun) -> list[str]:
     sessions_per_cell bounds live sessions and the engine's batch; the engine's prefix cache is
     the KV a node holds; the builtin engine has no host tier (KV moves by migration), so none. The
     live coordinator packs a group into as few near-equal micro-batches of at most
-    max_micro_batch_tokens as fit (gyre.trajectory.pack): the simulator's `microstep_tokens`.
+    max_micro_batch_tokens as fit (gyre.trajectory.pack), which the simulator's
+    `microstep_tokens` models as equal parts of at most that many tokens (whole paths can need a
+    row more).
     """
     cfg = run.config
     cells, nodes = cfg["cluster"]["num_cells"], cfg["cluster"]["cell_nodes"]

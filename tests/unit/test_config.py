@@ -1,5 +1,6 @@
 """The config tree composes against the structured schema and rejects what cannot run, naming the key."""
 
+import os
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from gyre.common import CONF_DIR
-from gyre.config import GyreConfig, register_configs, validate
+from gyre.config import LOCAL_RESERVE_CPUS, GyreConfig, register_configs, validate
 from gyre.errors import ConfigError
 
 register_configs()
@@ -57,6 +58,17 @@ def test_bad_values_name_their_key(override, key):
     with pytest.raises(ConfigError) as err:
         validate(compose(override))
     assert err.value.key == key
+
+
+def test_local_cells_leave_cpu_to_the_processes_outside_them():
+    """Cells outweigh everything else (gyre.cells.quota), so cells that take every CPU would starve
+    the harnesses, the proxy and the coordinator: refused, naming the key."""
+    have = len(os.sched_getaffinity(0))
+    fits = (have - LOCAL_RESERVE_CPUS) / 3
+    assert isinstance(validate(compose("cluster.num_cells=3", f"coordinator.cpus_per_cell={fits}")), GyreConfig)
+    with pytest.raises(ConfigError) as err:
+        validate(compose("cluster.num_cells=3", f"coordinator.cpus_per_cell={have / 3}"))
+    assert err.value.key == "cluster.num_cells" and "the harnesses, the proxy and the coordinator" in str(err.value)
 
 
 def test_unknown_key_and_wrong_type_fail_at_composition():
