@@ -28,6 +28,9 @@ from gyre.tasks.config import TasksConfig
 from gyre.train.config import TrainerConfig
 from gyre.trajectory.config import TrajectoryConfig
 
+LOCAL_RESERVE_CPUS = 0.5
+"""CPUs local cells leave to the processes outside them, which get only what the cells' caps leave."""
+
 
 @dataclass(kw_only=True)
 class GyreConfig:
@@ -77,9 +80,6 @@ class GyreConfig:
                     f"need {need:g} CPUs, and {LOCAL_RESERVE_CPUS:g} more stay for the harnesses, the proxy and "
                     f"the coordinator; this machine has {have}")
 
-
-LOCAL_RESERVE_CPUS = 0.5
-"""CPUs local cells leave to the processes outside them, which get only what the cells' caps leave."""
 
 _SECTIONS = (ClusterConfig, EngineConfig, ModelConfig, ProxyConfig, SchedulerConfig, TrainerConfig, CoordinatorConfig,
              TrajectoryConfig, HarnessConfig, TasksConfig, MetricsConfig)

@@ -117,17 +117,14 @@ def main() -> None:
     report["bound_s"] = round(bound_s, 1)
     if "elastic" in results:
         report["elastic_over_bound"] = report["elastic"]["over_bound"]
-        for m in modes:
-            if m != "elastic":
-                key = f"speedup_vs_{m.replace('-', '_')}"
-                report[key] = round(live[m] / live["elastic"], 3)
-                print(f"elastic vs {m}: {report[key]}x faster (first execution to last optimizer step; "
-                      f"whole job {results[m]['wall_s'] / results['elastic']['wall_s']:.3f}x)")
-        for m in modes:  # live runs train different work (uniform groups are not trained); these do not
-            if m != "elastic":
-                key = f"equal_work_speedup_vs_{m.replace('-', '_')}"
-                report[key] = round(predicted[m] / predicted["elastic"], 3)
-                print(f"elastic vs {m} at equal work (simulated on the {modes[0]} run's workload): {report[key]}x")
+        for m in (x for x in modes if x != "elastic"):
+            key = m.replace("-", "_")
+            report[f"speedup_vs_{key}"] = live_x = round(live[m] / live["elastic"], 3)
+            # live runs train different work (uniform groups are not trained); the simulated ones do not
+            report[f"equal_work_speedup_vs_{key}"] = equal_x = round(predicted[m] / predicted["elastic"], 3)
+            print(f"elastic vs {m}: {live_x}x faster (first execution to last optimizer step; "
+                  f"whole job {results[m]['wall_s'] / results['elastic']['wall_s']:.3f}x); "
+                  f"at equal work (simulated on the {modes[0]} run's workload) {equal_x}x")
     print(json.dumps(report))
 
 
