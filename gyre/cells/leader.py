@@ -193,9 +193,10 @@ class CellLeader:
             return
         metrics = st["metrics"]
         trained = [t for t, i in zip(st["tokens"], st["index"]) if i is not None]
-        for k, ((cell, seconds), tokens) in enumerate(zip(metrics.pop("microsteps"), trained)):
+        for k, ((cell, seconds, ended), tokens) in enumerate(zip(metrics.pop("microsteps"), trained)):
             by = 0 if cell == "core" else int(str(cell).removeprefix("cell"))
-            self.events.emit(MicroStep(step=st["step"], index=k, cell=by, tokens=tokens, seconds=seconds))
+            # t is when it ended, not now: a cell's busy time is [t - seconds, t] (gyre.metrics.state)
+            self.events.emit(MicroStep(t=ended, step=st["step"], index=k, cell=by, tokens=tokens, seconds=seconds))
         self._done(st["step"], metrics, time.monotonic() - st["t0"])
 
     def _done(self, step: int, metrics: dict, seconds: float) -> None:

@@ -69,7 +69,7 @@ class _Step:
         self.micro: dict[int, object] = {}  # index -> the queue's MicroStep
         self.slot_of: dict[int, int] = {}
         self.stats: dict[int, dict] = {}
-        self.timing: dict[int, tuple[str, float]] = {}  # index -> (cell, seconds)
+        self.timing: dict[int, tuple[str, float, float]] = {}  # index -> (cell, seconds, unix time it ended)
         self.excluded: Counter = Counter()
         self.screened_weight = 0.0
         self.total_weight: float | None = None
@@ -185,7 +185,7 @@ class CoreServer:
 
         Returns:
             Loss metrics, grad norm, `microsteps_by/<cell>`, `microsteps_redone`, exclusions, and
-            `microsteps`: [(cell, seconds)] per micro-step in index order.
+            `microsteps`: [(cell, seconds, unix time it ended)] per micro-step in index order.
         Raises:
             ElasticError: no step is open, or it was aborted (abort_step).
         """
@@ -213,7 +213,7 @@ class CoreServer:
         for i in range(len(step.batches)):
             stats = merge_stats(stats, step.stats[i])
         timing = [step.timing[i] for i in range(len(step.batches))]
-        by_cell = Counter(f"microsteps_by/{cell}" for cell, _ in timing)
+        by_cell = Counter(f"microsteps_by/{cell}" for cell, _, _ in timing)
         return (finish_stats(stats) | dict(step.excluded) | dict(by_cell) | metrics
                 | {"microsteps_redone": self._queue.num_redone - redone_before, "microsteps": timing})  # fmt: skip
 
@@ -300,7 +300,7 @@ class CoreServer:
         with self._cond:
             self._queue.complete(ms, CORE)
             step.stats[ms.index] = stats
-            step.timing[ms.index] = (CORE, time.perf_counter() - t0)
+            step.timing[ms.index] = (CORE, time.perf_counter() - t0, time.time())
             if slot is None:
                 step.folded += 1
             self._cond.notify_all()
@@ -442,7 +442,7 @@ class CoreServer:
             ms = None if step is None else step.micro.get(msg.index)
             if ms is not None and self._queue.complete(ms, cell):
                 step.stats[msg.index] = msg.stats
-                step.timing[msg.index] = (cell, msg.seconds)
+                step.timing[msg.index] = (cell, msg.seconds, time.time())  # its result just arrived
             self._cond.notify_all()
 
     def _start_pull(self, cell: str) -> m.WeightVersion:

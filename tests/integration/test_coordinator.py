@@ -90,6 +90,12 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
     assert list(to_train["phases"]) == ["stop_admission", "hand_off_sessions", "release_engine_memory",
                                         "pull_weights", "join_step"]
     assert all(v > 0 for v in to_train["phases"].values())
+    # A micro-step's event is stamped when it ended: the core computes one after another, so its
+    # busy time while training is the sum of its micro-steps' seconds, not the longest of a step's.
+    from gyre.metrics.report import load_run
+
+    core_s = sum(e["seconds"] for e in _events(run_dir, "micro_step") if e["cell"] == 0)
+    assert load_run(run_dir)[0].busy_s(0, "train") == pytest.approx(core_s, rel=0.02) and core_s > 0
 
     # What people look at, from this run's events: TensorBoard scalars, the figures, gyre-report.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -121,6 +121,7 @@ def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(start_sa
     core = Trainer(MODEL, replace(CFG, core_computes_microsteps=False), seed=0)
     server = CoreServer(core, TransferEndpoint())
     try:
+        t_begin = time.time()
         thread, first = _run_in_thread(server, steps[0][:3], end=False)  # the rest is still being generated
         satellites[0].join(server.address)
         _wait_for(lambda: len(server.progress()[1]) >= 1, "the first satellite's first micro-step")
@@ -131,8 +132,9 @@ def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(start_sa
         server.end_step(sum(float(b.loss_weights[b.target_mask].sum()) for b in steps[0]))
         thread.join(timeout=120)
         assert first["microsteps_by/satellite1"] >= 1 and first["microsteps_by/satellite2"] >= 1
-        assert [cell for cell, _ in first["microsteps"]].count("satellite1") == first["microsteps_by/satellite1"]
-        assert all(seconds > 0 for _, seconds in first["microsteps"])
+        assert [cell for cell, _, _ in first["microsteps"]].count("satellite1") == first["microsteps_by/satellite1"]
+        assert all(seconds > 0 for _, seconds, _ in first["microsteps"])
+        assert all(t_begin + seconds <= ended <= time.time() for _, seconds, ended in first["microsteps"])
         assert _rel_diff(core.flat.weights, expected[0]) <= 1e-6
         assert torch.equal(core.flat.weights, expected[0])  # on CPU it is in fact bitwise
 
@@ -219,6 +221,23 @@ def test_a_satellite_told_to_leave_finishes_its_micro_step_and_serves_again_late
         sat_endpoint.close()
     assert torch.equal(core.flat.weights, ref.flat.weights)
     assert served == [2 + 2]  # the rest of step 1 and all of step 2; the core closed: serve returned
+
+
+def test_each_micro_step_says_when_it_ended_and_the_cores_never_overlap():
+    """A cell's busy time is [ended - seconds, ended] of its micro-steps (gyre.metrics.state): the
+    core computes them one after another, so its spans are disjoint and fall within the step."""
+    core = Trainer(MODEL, CFG, seed=0)
+    server = CoreServer(core, TransferEndpoint())
+    try:
+        t_begin = time.time()
+        thread, out = _run_in_thread(server, random_batches(MODEL, 3, 2, seed=3))
+        thread.join(timeout=120)
+        assert [cell for cell, _, _ in out["microsteps"]] == ["core"] * 3
+        spans = sorted((ended - seconds, ended) for _, seconds, ended in out["microsteps"])
+        assert t_begin <= spans[0][0] and spans[-1][1] <= time.time()
+        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))
+    finally:
+        server.close()
 
 
 def test_step_api_misuse_is_a_clear_error():
