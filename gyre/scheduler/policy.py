@@ -15,9 +15,10 @@ elastic: the core trains; satellites roll out unless the waterlevel W = queued +
     from thrashing: the leave rule looks at the peak waterlevel of a trailing window, a gap
     separates it from the return rule (spare capacity with headroom vs a queue of a fraction of a
     cell), and a minimum dwell time in each role.
-    Switches (gyre.scheduler.config) measured alone: `leave_rule: value` treats executions of later
-    steps as deferrable once the current batch is ready; `rebalance` (a pure function the caller
-    applies) moves live sessions onto a cell that returns to rollout.
+    Switches (gyre.scheduler.config) measured alone: `leave_rule: value` (the default; `waterlevel`
+    is the rule above alone) treats executions of later steps as deferrable once the current batch
+    is ready; `rebalance` (a pure function the caller applies) moves live sessions onto a cell that
+    returns to rollout.
 async: fixed pools chosen once (`async_split`: even by default); it switches only to replace a
     rollout pool that was lost entirely.
 colocate: every cell rolls out until the step's batch is ready, then every cell trains until the

@@ -41,7 +41,7 @@ def test_value_leave_rule_cases(o, expected):
 
 def test_the_waterlevel_rule_keeps_the_cell_where_the_value_rule_lets_it_go():
     o = VALUE_CASES[0][1]
-    assert ElasticPolicy(SchedulerConfig(), len(o.cells)).decide(o) == Decision()
+    assert ElasticPolicy(SchedulerConfig(leave_rule="waterlevel"), len(o.cells)).decide(o) == Decision()
 
 
 role_st = st.sampled_from([Role.ROLLOUT, Role.TRAIN, Role.TO_TRAIN, Role.TO_ROLLOUT])

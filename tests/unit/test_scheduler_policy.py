@@ -19,7 +19,9 @@ from gyre.scheduler.policy import (
     make_policy,
 )
 
-CFG = SchedulerConfig()  # seed's switch costs: round trip 11.98 s, gain_factor 2 -> 23.96 s
+# seed's switch costs: round trip 11.98 s, gain_factor 2 -> 23.96 s; the waterlevel rule alone (the
+# value rule's cases and invariants: test_scheduler_mechanisms.py)
+CFG = SchedulerConfig(leave_rule="waterlevel")
 R, T = Role.ROLLOUT, Role.TRAIN
 
 
