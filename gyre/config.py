@@ -7,13 +7,12 @@ reads YAML itself: entry points receive a composed DictConfig and call `validate
 directory is Hydra's (`hydra.run.dir`), not a Gyre key.
 """
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-
-import os
 
 from gyre.coordinator.config import RUN_MODES, CoordinatorConfig
 from gyre.engines.config import EngineConfig
@@ -62,7 +61,11 @@ class GyreConfig:
     def __post_init__(self):
         require(self.num_steps >= 1, "num_steps", f"must be >= 1, got {self.num_steps}")
         require(self.mode in RUN_MODES, "mode", f"must be one of {', '.join(RUN_MODES)}; got {self.mode!r}")
-        require(self.mode != "replay" or bool(self.records), "records", "mode=replay needs records=DIR (an earlier run's records)")
+        require(
+            self.mode != "replay" or bool(self.records),
+            "records",
+            "mode=replay needs records=DIR (an earlier run's records)",
+        )
         if not all(isinstance(getattr(self, f.name), f.type) for f in fields(self) if f.type in _SECTIONS):
             return  # a section left unset (partial configs in tests); cross-section checks need all
         self._check_across()
@@ -71,18 +74,35 @@ class GyreConfig:
         """Checks that span sections, each naming the key to change."""
         if self.proxy.context_len == 0:
             self.proxy.context_len = self.model.max_seq_len
-        require(self.proxy.context_len <= self.model.max_seq_len, "proxy.context_len",
-                f"{self.proxy.context_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
+        require(
+            self.proxy.context_len <= self.model.max_seq_len,
+            "proxy.context_len",
+            f"{self.proxy.context_len} exceeds the model's max_seq_len {self.model.max_seq_len}",
+        )
         if self.cluster.backend == "local":  # the cells outweigh the rest (gyre.cells.quota), which needs room
             need, have = self.cluster.num_cells * self.coordinator.cpus_per_cell, len(os.sched_getaffinity(0))
-            require(need + LOCAL_RESERVE_CPUS <= have, "cluster.num_cells",
-                    f"{self.cluster.num_cells} cells x coordinator.cpus_per_cell={self.coordinator.cpus_per_cell} "
-                    f"need {need:g} CPUs, and {LOCAL_RESERVE_CPUS:g} more stay for the harnesses, the proxy and "
-                    f"the coordinator; this machine has {have}")
+            require(
+                need + LOCAL_RESERVE_CPUS <= have,
+                "cluster.num_cells",
+                f"{self.cluster.num_cells} cells x coordinator.cpus_per_cell={self.coordinator.cpus_per_cell} "
+                f"need {need:g} CPUs, and {LOCAL_RESERVE_CPUS:g} more stay for the harnesses, the proxy and "
+                f"the coordinator; this machine has {have}",
+            )
 
 
-_SECTIONS = (ClusterConfig, EngineConfig, ModelConfig, ProxyConfig, SchedulerConfig, TrainerConfig, CoordinatorConfig,
-             TrajectoryConfig, HarnessConfig, TasksConfig, MetricsConfig)
+_SECTIONS = (
+    ClusterConfig,
+    EngineConfig,
+    ModelConfig,
+    ProxyConfig,
+    SchedulerConfig,
+    TrainerConfig,
+    CoordinatorConfig,
+    TrajectoryConfig,
+    HarnessConfig,
+    TasksConfig,
+    MetricsConfig,
+)
 
 
 def register_configs() -> None:
@@ -107,4 +127,3 @@ def validate(cfg: DictConfig) -> GyreConfig:
         except ConfigError as e:
             raise e.under(f.name) from None
     return GyreConfig(**sections)
-

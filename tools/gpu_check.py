@@ -39,8 +39,18 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     t_start, out = time.time(), {}
     d = tempfile.mkdtemp(prefix="gyre-gpu-check-")
-    shape = dict(vocab_size=32768, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True)  # fmt: skip
+    shape = dict(
+        vocab_size=32768,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(Qwen3Config(**shape, initializer_range=0.05)).to(torch.bfloat16).save_pretrained(d)
     ids = torch.randint(0, shape["vocab_size"], (1024,), generator=torch.Generator().manual_seed(1)).cuda()
@@ -64,9 +74,17 @@ def main() -> None:
     mask = torch.arange(n) > 0
 
     def batch(adv: float) -> PackedBatch:
-        return PackedBatch(tokens=ids.cpu(), position_ids=torch.arange(n), cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
-                           target_mask=mask, behaviour_logprobs=torch.cat([torch.zeros(1), eng32.cpu()]), loss_weights=mask.float(),
-                           advantages=torch.full((n,), adv), weight_versions=torch.zeros(n, dtype=torch.int64), execution_ids=("g",))  # fmt: skip
+        return PackedBatch(
+            tokens=ids.cpu(),
+            position_ids=torch.arange(n),
+            cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
+            target_mask=mask,
+            behaviour_logprobs=torch.cat([torch.zeros(1), eng32.cpu()]),
+            loss_weights=mask.float(),
+            advantages=torch.full((n,), adv),
+            weight_versions=torch.zeros(n, dtype=torch.int64),
+            execution_ids=("g",),
+        )
 
     def compare(prefix, a, b):
         diff = (a.float().cuda() - b.float().cuda()).abs()
@@ -75,8 +93,12 @@ def main() -> None:
 
     tr16 = trainer.logprobs(batch(1.0))[1:]
     eng16 = engine_lp(weights, torch.bfloat16)
-    ok = [out["fp32_engine_vs_transformers_max"] <= 1e-3, compare("bf16_trainer_vs_engine", tr16, eng16),
-          compare("bf16_trainer_vs_transformers", tr16, ref16), compare("bf16_engine_vs_transformers", eng16, ref16)]  # fmt: skip
+    ok = [
+        out["fp32_engine_vs_transformers_max"] <= 1e-3,
+        compare("bf16_trainer_vs_engine", tr16, eng16),
+        compare("bf16_trainer_vs_transformers", tr16, ref16),
+        compare("bf16_engine_vs_transformers", eng16, ref16),
+    ]
     before = trainer.flat.weights.clone()
     metrics = trainer.train_step([batch(1.0)])
     out["rl_step_grad_norm"] = float(metrics["grad_norm"])
@@ -84,12 +106,25 @@ def main() -> None:
     pushed = trainer.engine_weights()  # what publish.py sends to engines
     from gyre.engines.core import EngineCore
 
-    core = EngineCore(cfg, weights, 0, max_running_requests=1, max_prefill_tokens=8192, page_size=16, prefix_cache_tokens=0)
+    core = EngineCore(
+        cfg, weights, 0, max_running_requests=1, max_prefill_tokens=8192, page_size=16, prefix_cache_tokens=0
+    )
     out["engine_weight_version_after_push"] = core.update_weights(pushed, 1, flush_cache=True)
-    ok += [out["rl_step_weight_change_max"] > 0, compare("after_step_trainer_vs_engine", trainer.logprobs(batch(1.0))[1:],
-                                                        engine_lp(core.weights, torch.bfloat16))]  # fmt: skip
-    out |= {"ok": all(ok), "checks_passed": sum(ok), "checks": len(ok), "wall_s": round(time.time() - t_start, 1),
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_gpu_mb": torch.cuda.max_memory_allocated() >> 20}  # fmt: skip
+    ok += [
+        out["rl_step_weight_change_max"] > 0,
+        compare(
+            "after_step_trainer_vs_engine", trainer.logprobs(batch(1.0))[1:], engine_lp(core.weights, torch.bfloat16)
+        ),
+    ]
+    out |= {
+        "ok": all(ok),
+        "checks_passed": sum(ok),
+        "checks": len(ok),
+        "wall_s": round(time.time() - t_start, 1),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() >> 20,
+    }
     print(json.dumps(out))
     torch.distributed.destroy_process_group()
     sys.exit(0 if out["ok"] else 1)

@@ -13,12 +13,15 @@ eval "$(tools/slurm-dev env)"
 # Without arguments: the unit tests on two workers (pure cores and in-process parts, robust to a
 # loaded box), then the integration tests one at a time (whole runs under CPU quotas, timed budgets).
 rc=0
+# Style first: the formatter and the linter as configured in pyproject.toml (a failure fails the run).
+.venv/bin/ruff format --check --quiet . || rc=1
+.venv/bin/ruff check --quiet . || rc=1
 pytest() { OMP_NUM_THREADS=1 .venv/bin/python -m pytest "$@" || rc=$?; }
 if (($#)); then
   pytest "$@"
 else
-  pytest -n 2 --durations=10 tests/unit
-  pytest --durations=25 tests/integration
+  pytest -n 2 --durations=15 tests/unit
+  pytest --durations=15 tests/integration
 fi
 tools/slurm-dev down
 echo "test.sh: total $((SECONDS - start)) s, pytest exit status $rc" >&2

@@ -23,8 +23,20 @@ import time
 from pathlib import Path
 
 from gyre.cells.spec import CellSpec
-from gyre.control.messages import (CellReady, CheckpointDone, EndStep, Failure, MicroBatches, PhaseDone, RoleDone,
-                                   RoleSwitch, SaveCheckpoint, StepDone, StepProgress, Stop)
+from gyre.control.messages import (
+    CellReady,
+    CheckpointDone,
+    EndStep,
+    Failure,
+    MicroBatches,
+    PhaseDone,
+    RoleDone,
+    RoleSwitch,
+    SaveCheckpoint,
+    StepDone,
+    StepProgress,
+    Stop,
+)
 from gyre.control.transport import ChannelClosed, ChannelTimeout, connect
 from gyre.metrics.events import MicroStep
 from gyre.metrics.log import EventLog
@@ -69,8 +81,12 @@ class CellLeader:
             from gyre.train.elastic import CoreServer
 
             self._load_initial_weights()
-            listener = listen(spec.control, spec.host, port_file=str(Path(spec.run_dir) / f"core.{os.getpid()}.port"),
-                              peer_timeout_s=spec.control_peer_timeout_s)  # fmt: skip
+            listener = listen(
+                spec.control,
+                spec.host,
+                port_file=str(Path(spec.run_dir) / f"core.{os.getpid()}.port"),
+                peer_timeout_s=spec.control_peer_timeout_s,
+            )
             self.core = CoreServer(self.trainer, self.endpoint, listener=listener)
             self.weights = self._publish()
 
@@ -96,8 +112,9 @@ class CellLeader:
     def ready(self) -> CellReady:
         if not self.is_core:
             return CellReady(self.index, self.engine.url)
-        return CellReady(self.index, self.engine.url, self.core.address, self.weights, self.trainer.step,
-                         self.weights_digest())
+        return CellReady(
+            self.index, self.engine.url, self.core.address, self.weights, self.trainer.step, self.weights_digest()
+        )
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -248,8 +265,13 @@ class CellLeader:
         from gyre.train.satellite import SatelliteCell
 
         if self.satellite is None:
-            self.satellite = SatelliteCell(self.trainer, self.endpoint, self.core_address, self.engine_id,
-                                           peer_timeout_s=self.spec.control_peer_timeout_s)  # fmt: skip
+            self.satellite = SatelliteCell(
+                self.trainer,
+                self.endpoint,
+                self.core_address,
+                self.engine_id,
+                peer_timeout_s=self.spec.control_peer_timeout_s,
+            )
         self.satellite.pull_latest()
 
     def close(self) -> None:

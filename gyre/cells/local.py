@@ -26,8 +26,9 @@ class LocalCell(BaseCell):
     def start(self) -> None:
         env = os.environ | {"OMP_NUM_THREADS": "1"}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(leader_command(self.spec), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         preexec_fn=self._in_quota)  # fmt: skip
+            self.proc = subprocess.Popen(
+                leader_command(self.spec), env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=self._in_quota
+            )
 
     def _in_quota(self) -> None:
         """In the child before exec: so whatever it starts (an mpiexec's leader, the engine) is in the quota."""

@@ -22,9 +22,9 @@ import traceback
 from pathlib import Path
 
 from gyre.cells.base import BaseCell, CellError, leader_command
+from gyre.cells.placement import SlurmPlacement
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
-from gyre.cells.placement import SlurmPlacement
 from gyre.scheduler.cells import Cell
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,10 @@ class SlurmCell(BaseCell):
     def check_alive(self) -> None:
         failed = failed_path(self.job_dir, self.index, self.restart)
         if failed.exists():
-            raise CellError(f"cell {self.index}'s leader failed (Slurm component {self.index + 1}):\n"
-                            f"{failed.read_text(errors='replace')[-3000:]}")
+            raise CellError(
+                f"cell {self.index}'s leader failed (Slurm component {self.index + 1}):\n"
+                f"{failed.read_text(errors='replace')[-3000:]}"
+            )
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.channel is not None:
@@ -82,8 +84,10 @@ class SlurmLauncher:
 
     def make_cell(self, spec: CellSpec, state: Cell) -> SlurmCell:
         if state.index + 1 >= self.placement.het_size:
-            raise CellError(f"cell {state.index} has no component: the job has {self.placement.het_size} "
-                            "(cluster.num_cells changed after submission?)")
+            raise CellError(
+                f"cell {state.index} has no component: the job has {self.placement.het_size} "
+                "(cluster.num_cells changed after submission?)"
+            )
         return SlurmCell(spec, state, self.job_dir, self.placement.restart_count)
 
     def describe(self) -> dict:
@@ -106,8 +110,9 @@ def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | Non
         host = node_address(placement, bind_host)
         spec = dataclasses.replace(spec, host=host, engine=dataclasses.replace(spec.engine, host=host))
         Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
-        log.warning("cell %d: leader on %s (%s), restart %d, control %s", cell, placement.node, host, restart,
-                    spec.control)  # fmt: skip
+        log.warning(
+            "cell %d: leader on %s (%s), restart %d, control %s", cell, placement.node, host, restart, spec.control
+        )
         if spec.control == "mpi":  # an MPI process of its own, under mpiexec on this node
             rc = subprocess.run(leader_command(spec)).returncode
             if rc != 0:

@@ -25,8 +25,16 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def serve_app(app: web.Application, host: str, port: int, name: str, *, port_file: str | None = None,
-              port_file_extra: str = "", access_log: bool = True) -> None:
+def serve_app(
+    app: web.Application,
+    host: str,
+    port: int,
+    name: str,
+    *,
+    port_file: str | None = None,
+    port_file_extra: str = "",
+    access_log: bool = True,
+) -> None:
     """Serve `app` until stopped; once listening, write `<port>[ <port_file_extra>]` to `port_file`."""
 
     async def run() -> None:
@@ -64,8 +72,9 @@ class ChildServer:
         self._log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
 
     def spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
 
     def spawn_and_wait_port(self, cmd: list[str], timeout_s: float, env: dict[str, str] | None = None) -> list[str]:
         """Run `cmd --port-file F` and return the fields `serve_app` wrote to F (the port first).

@@ -73,7 +73,9 @@ def check(msg: object) -> None:
     for f in dataclasses.fields(cls):
         value = getattr(msg, f.name, dataclasses.MISSING)
         if value is dataclasses.MISSING or not _is(value, _hints(cls)[f.name]):
-            raise ProtocolError(f"{cls.__name__}.{f.name} must be {_hints(cls)[f.name]}, got {type(value).__name__}: {value!r:.80}")
+            raise ProtocolError(
+                f"{cls.__name__}.{f.name} must be {_hints(cls)[f.name]}, got {type(value).__name__}: {value!r:.80}"
+            )
 
 
 CellId = str | int

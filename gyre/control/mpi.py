@@ -120,7 +120,9 @@ class MpiChannel(Channel):
                     return decode(bytes(data))
                 continue  # a heartbeat
             if now - self._last_heard > self._peer_timeout_s:
-                self._peer_gone = f"silent for {now - self._last_heard:.1f} s (heartbeat every {self._heartbeat_s} s): presumed dead"
+                self._peer_gone = (
+                    f"silent for {now - self._last_heard:.1f} s (heartbeat every {self._heartbeat_s} s): presumed dead"
+                )
                 raise ChannelClosed(f"{self.peer}: {self._peer_gone}")
             if deadline is not None and now >= deadline:
                 raise ChannelTimeout(f"{self.peer}: nothing within {timeout_s} s")
@@ -252,7 +254,9 @@ class MpiListener(Listener):
         os.rmdir(self._join_dir)
 
 
-def mpi_connect(port_file: str, timeout_s: float = 30.0, heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0) -> Channel:
+def mpi_connect(
+    port_file: str, timeout_s: float = 30.0, heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0
+) -> Channel:
     """Connect to the listener whose port name is in `port_file` (waits for the file up to `timeout_s`).
 
     Raises:

@@ -28,7 +28,20 @@ class ChannelTimeout(GyreError):
 
 
 _MODULES = ("gyre.control.messages", "gyre.trajectory.sample", "torch._utils", "torch.storage", "torch")
-_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bytearray", "complex", "bool"}
+_BUILTINS = {
+    "dict",
+    "list",
+    "tuple",
+    "set",
+    "frozenset",
+    "int",
+    "float",
+    "str",
+    "bytes",
+    "bytearray",
+    "complex",
+    "bool",
+}
 _OTHERS = {("collections", "OrderedDict"), ("copyreg", "_reconstructor"), ("builtins", "object")}
 
 
@@ -105,8 +118,9 @@ class Listener(ABC):
         """Stop listening (idempotent); a thread blocked in `accept` gets ChannelClosed."""
 
 
-def listen(backend: str = "tcp", host: str = "127.0.0.1", port_file: str | None = None,
-           peer_timeout_s: float = 5.0) -> Listener:  # fmt: skip
+def listen(
+    backend: str = "tcp", host: str = "127.0.0.1", port_file: str | None = None, peer_timeout_s: float = 5.0
+) -> Listener:
     """A listener on `backend`: "tcp" binds `host` (port 0 picks a free one); "mpi" publishes its port in
     `port_file` and declares a peer dead after `peer_timeout_s` of silence (TCP sees EOF instead)."""
     if backend == "tcp":

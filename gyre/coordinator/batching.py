@@ -65,13 +65,15 @@ def mask_stale(sample: TrainingSample, step: int, staleness: int) -> tuple[Train
     logprobs[stale], vers[stale] = 0.0, -1
     if not (weights > 0).any():
         return None, first
-    new_path = replace(path, target_mask=target_mask, unique_mask=path.unique_mask & target_mask, logprobs=logprobs,
-                       versions=vers)
+    new_path = replace(
+        path, target_mask=target_mask, unique_mask=path.unique_mask & target_mask, logprobs=logprobs, versions=vers
+    )
     return replace(sample, path=new_path, loss_weights=weights), first
 
 
-def make_group_batch(executions: list[tuple[Path, Evaluation]], step: int, staleness: int,
-                     cfg: TrajectoryConfig, max_tokens: int) -> GroupBatch:
+def make_group_batch(
+    executions: list[tuple[Path, Evaluation]], step: int, staleness: int, cfg: TrajectoryConfig, max_tokens: int
+) -> GroupBatch:
     """Process one group's executions (records file, evaluation) for training at `step`."""
     pairs, excluded = [], []
     for path, evaluation in executions:
@@ -100,6 +102,8 @@ def make_group_batch(executions: list[tuple[Path, Evaluation]], step: int, stale
         micro_batches=make_micro_batches(samples, max_tokens) if samples else [],
         total_weight=float(sum(s.loss_weights.sum() for s in samples)),
         rewards={eid: r for eid, r in result.rewards.items()},
-        excluded=excluded, counts=result.counts, num_masked_targets=masked,
+        excluded=excluded,
+        counts=result.counts,
+        num_masked_targets=masked,
         min_version=min(versions) if versions else None,
     )

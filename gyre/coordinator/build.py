@@ -27,8 +27,8 @@ from gyre.engines.client import EngineClient
 from gyre.proxy.admin import ProxyAdmin
 from gyre.proxy.main import ProxyProcess
 from gyre.scheduler.cells import Role, make_cells
-from gyre.train.publish import load_published
 from gyre.scheduler.policy import BasePolicy, Decision, make_policy
+from gyre.train.publish import load_published
 
 
 class RolloutOnlyPolicy(BasePolicy):
@@ -66,8 +66,8 @@ def make_launcher(cfg: GyreConfig, run_dir: Path) -> CellLauncher:
     """The launcher of `cfg.cluster.backend`; the Slurm one only inside the run's het job (gyre.launch.job)."""
     if cfg.cluster.backend == "local":
         return LocalLauncher(run_dir, cfg.coordinator.cpus_per_cell, cfg.cluster.bind_host)
-    from gyre.cells.slurm import SlurmLauncher
     from gyre.cells.placement import current_placement
+    from gyre.cells.slurm import SlurmLauncher
 
     return SlurmLauncher(run_dir / "slurm", current_placement(), cfg.cluster.bind_host)
 
@@ -76,9 +76,13 @@ async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
     """Start every process of a run; on failure whatever started is stopped and the error raised."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     launcher = make_launcher(cfg, run_dir)
-    proxy_cfg = dataclasses.replace(cfg.proxy, host=launcher.proxy_host(cfg.proxy.host),
-                                    records_dir=str(run_dir / "records"), events_dir=str(run_dir),
-                                    vocab_size=cfg.model.vocab_size)  # fmt: skip
+    proxy_cfg = dataclasses.replace(
+        cfg.proxy,
+        host=launcher.proxy_host(cfg.proxy.host),
+        records_dir=str(run_dir / "records"),
+        events_dir=str(run_dir),
+        vocab_size=cfg.model.vocab_size,
+    )
     proxy = ProxyProcess(proxy_cfg).start()
     parts = Parts(run_dir, proxy, await ProxyAdmin(proxy.url, proxy.admin_token).__aenter__(), launcher)
     try:
@@ -96,17 +100,33 @@ async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
     parts.policy = RolloutOnlyPolicy(cfg.scheduler, n) if cfg.mode == "rollout" else make_policy(cfg.scheduler, n)
     roles = parts.policy.initial_roles()
     k = cfg.cluster
-    parts.listener = listen(k.control, parts.launcher.host, port_file=str(parts.run_dir / f"control.{os.getpid()}.port"),
-                            peer_timeout_s=k.control_peer_timeout_s)  # fmt: skip
+    parts.listener = listen(
+        k.control,
+        parts.launcher.host,
+        port_file=str(parts.run_dir / f"control.{os.getpid()}.port"),
+        peer_timeout_s=k.control_peer_timeout_s,
+    )
     address = parts.listener.address
     for state, role in zip(make_cells(n, cfg.cluster.cell_nodes), roles):
         state.role = _start_role(role, state.is_core)
-        spec = CellSpec(index=state.index, role=state.role.value, model=cfg.model, trainer=cfg.trainer, engine=cfg.engine,
-                        seed=cfg.seed, host=parts.launcher.host, coordinator_address=address, control=k.control,
-                        control_peer_timeout_s=k.control_peer_timeout_s, proxy_url=parts.proxy.url,
-                        proxy_admin_token=parts.proxy.admin_token, checkpoint_dir=str(parts.run_dir / "checkpoints"),
-                        run_dir=str(parts.run_dir),
-                        init_weights=cfg.coordinator.init_weights, resume=resume)  # fmt: skip
+        spec = CellSpec(
+            index=state.index,
+            role=state.role.value,
+            model=cfg.model,
+            trainer=cfg.trainer,
+            engine=cfg.engine,
+            seed=cfg.seed,
+            host=parts.launcher.host,
+            coordinator_address=address,
+            control=k.control,
+            control_peer_timeout_s=k.control_peer_timeout_s,
+            proxy_url=parts.proxy.url,
+            proxy_admin_token=parts.proxy.admin_token,
+            checkpoint_dir=str(parts.run_dir / "checkpoints"),
+            run_dir=str(parts.run_dir),
+            init_weights=cfg.coordinator.init_weights,
+            resume=resume,
+        )
         cell = parts.launcher.make_cell(spec, state)
         parts.cells.append(cell)
         cell.start()
@@ -121,7 +141,9 @@ def _accept_cells(parts: Parts, timeout_s: float) -> None:
         for c in parts.cells:
             c.check_alive()
         if time.monotonic() > deadline:
-            raise CellError(f"{pending} cell leader(s) not ready after {timeout_s} s (coordinator.cell_start_timeout_s)")
+            raise CellError(
+                f"{pending} cell leader(s) not ready after {timeout_s} s (coordinator.cell_start_timeout_s)"
+            )
         try:
             channel = parts.listener.accept(timeout_s=1.0)
         except ChannelTimeout:

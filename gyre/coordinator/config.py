@@ -36,9 +36,19 @@ class CoordinatorConfig:
         require(self.group_size >= 2, "group_size", f"GRPO needs >= 2 executions per group, got {self.group_size}")
         require(self.groups_per_step >= 1, "groups_per_step", f"must be >= 1, got {self.groups_per_step}")
         require(self.sessions_per_cell >= 1, "sessions_per_cell", f"must be >= 1, got {self.sessions_per_cell}")
-        require(self.max_micro_batch_tokens >= 16, "max_micro_batch_tokens", f"must be >= 16, got {self.max_micro_batch_tokens}")
+        require(
+            self.max_micro_batch_tokens >= 16,
+            "max_micro_batch_tokens",
+            f"must be >= 16, got {self.max_micro_batch_tokens}",
+        )
         require(self.tick_s > 0, "tick_s", f"must be > 0 s, got {self.tick_s}")
-        require(self.checkpoint_every_steps >= 1, "checkpoint_every_steps", f"must be >= 1, got {self.checkpoint_every_steps}")
+        require(
+            self.checkpoint_every_steps >= 1,
+            "checkpoint_every_steps",
+            f"must be >= 1, got {self.checkpoint_every_steps}",
+        )
         require(self.cpus_per_cell > 0, "cpus_per_cell", f"must be > 0, got {self.cpus_per_cell}")
         require(self.train_tok_s > 0, "train_tok_s", f"must be > 0, got {self.train_tok_s}")
-        require(self.cell_start_timeout_s > 0, "cell_start_timeout_s", f"must be > 0 s, got {self.cell_start_timeout_s}")
+        require(
+            self.cell_start_timeout_s > 0, "cell_start_timeout_s", f"must be > 0 s, got {self.cell_start_timeout_s}"
+        )

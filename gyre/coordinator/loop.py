@@ -17,9 +17,9 @@ from pathlib import Path
 
 import aiohttp
 
-from gyre.control.messages import CheckpointDone, Failure, PhaseDone, RoleDone, StepDone, StepProgress
-from gyre.config import GyreConfig
 from gyre.cells.base import CellError
+from gyre.config import GyreConfig
+from gyre.control.messages import CheckpointDone, Failure, PhaseDone, RoleDone, StepDone, StepProgress
 from gyre.coordinator.build import Parts, build, close
 from gyre.coordinator.ledger import ExecutionLedger, read_ledger
 from gyre.coordinator.replay import ReplaySource
@@ -43,8 +43,9 @@ class Preempted(GyreError):
     """The run stopped on a preemption signal with every finished step checkpointed: resume continues it."""
 
 
-async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = False,
-              preempt: threading.Event | None = None) -> dict:  # fmt: skip
+async def run(
+    cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = False, preempt: threading.Event | None = None
+) -> dict:
     """Run `cfg.num_steps` RL steps into `run_dir` (cfg.mode: train, replay or rollout); returns the summary.
 
     Once `preempt` is set, the next finished step is checkpointed even off `checkpoint_every_steps`,
@@ -54,20 +55,40 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
     t_start, c = time.time(), cfg.coordinator
     view = read_ledger(run_dir / "ledger.jsonl")
     ledger, events = ExecutionLedger(run_dir / "ledger.jsonl"), RunEvents(run_dir, cfg)
-    source = ReplaySource(Path(cfg.records), taskset, c.groups_per_step, ledger, events.execution_state) \
-        if cfg.mode == "replay" else None
+    source = (
+        ReplaySource(Path(cfg.records), taskset, c.groups_per_step, ledger, events.execution_state)
+        if cfg.mode == "replay"
+        else None
+    )
     parts = None
     try:
         parts = await build(cfg, run_dir, resume)
         events.start(parts.initial, [x.state.role.value for x in parts.cells])
-        train = Training(groups_per_step=c.groups_per_step, staleness=cfg.scheduler.staleness, trajectory=cfg.trajectory,
-                         max_tokens=c.max_micro_batch_tokens, version=parts.initial.step, train_tok_s=c.train_tok_s,
-                         weights=parts.initial.weights)  # fmt: skip
+        train = Training(
+            groups_per_step=c.groups_per_step,
+            staleness=cfg.scheduler.staleness,
+            trajectory=cfg.trajectory,
+            max_tokens=c.max_micro_batch_tokens,
+            version=parts.initial.step,
+            train_tok_s=c.train_tok_s,
+            weights=parts.initial.weights,
+        )
         source = source or Rollouts(
-            taskset=taskset, harness=cfg.harness, group_size=c.group_size, groups_per_step=c.groups_per_step,
-            num_steps=cfg.num_steps, staleness=cfg.num_steps if cfg.mode == "rollout" else cfg.scheduler.staleness,
-            seed=cfg.seed, model=cfg.proxy.model_names[0], run_dir=run_dir, ledger=ledger, proxy=parts.admin,
-            proxy_url=parts.proxy.url, records_dir=run_dir / "records", on_state=events.execution_state)  # fmt: skip
+            taskset=taskset,
+            harness=cfg.harness,
+            group_size=c.group_size,
+            groups_per_step=c.groups_per_step,
+            num_steps=cfg.num_steps,
+            staleness=cfg.num_steps if cfg.mode == "rollout" else cfg.scheduler.staleness,
+            seed=cfg.seed,
+            model=cfg.proxy.model_names[0],
+            run_dir=run_dir,
+            ledger=ledger,
+            proxy=parts.admin,
+            proxy_url=parts.proxy.url,
+            records_dir=run_dir / "records",
+            on_state=events.execution_state,
+        )
         if resume:
             source.restore(view, train.version)
         num_steps = min(cfg.num_steps, getattr(source, "num_steps", cfg.num_steps))
@@ -82,9 +103,18 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
             queued, ahead, running = source.counts(train.version)
             sessions = await _sessions(parts)
             obs = make_observation(  # live, sessions per cell bound rollout; decode is not measured (None)
-                now, [x.state for x in parts.cells], sessions, [c.sessions_per_cell] * len(parts.cells),
-                None, queued=queued, queued_ahead=ahead, running=running, queue=train.queue,
-                train_tok_s=train.train_tok_s, optimizing=train.optimizing)  # fmt: skip
+                now,
+                [x.state for x in parts.cells],
+                sessions,
+                [c.sessions_per_cell] * len(parts.cells),
+                None,
+                queued=queued,
+                queued_ahead=ahead,
+                running=running,
+                queue=train.queue,
+                train_tok_s=train.train_tok_s,
+                optimizing=train.optimizing,
+            )
             events.observe(obs, sessions)
             decision = parts.policy.decide(obs)
             for i in decision.to_train + decision.to_rollout:
@@ -112,7 +142,8 @@ async def run(cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = F
         raise
     else:
         return events.summary(read_ledger(run_dir / "ledger.jsonl"), time.time() - t_start, train.version) | {
-            "cpu_quota": parts.launcher.describe()}
+            "cpu_quota": parts.launcher.describe()
+        }
     finally:
         if source is not None:
             source.close()
@@ -149,7 +180,9 @@ def _lose(cell, events: RunEvents, now: float, reason: str) -> None:
 
 def _finished(mode: str, num_steps: int, train: Training, source) -> bool:
     if mode == "rollout":
-        return source.next_group >= num_steps * source.groups_per_step and all(g.batched for g in source.groups.values())
+        return source.next_group >= num_steps * source.groups_per_step and all(
+            g.batched for g in source.groups.values()
+        )
     return train.version >= num_steps and not train.uncheckpointed
 
 
@@ -159,8 +192,18 @@ async def _sessions(parts: Parts) -> list[int]:
     return [engines.get(x.engine_id, {}).get("num_sessions", 0) for x in parts.cells]
 
 
-async def _on_message(msg, cell, parts: Parts, train: Training, source, events: RunEvents, cfg: GyreConfig,
-                      num_steps: int, now: float, preempting: bool) -> None:  # fmt: skip
+async def _on_message(
+    msg,
+    cell,
+    parts: Parts,
+    train: Training,
+    source,
+    events: RunEvents,
+    cfg: GyreConfig,
+    num_steps: int,
+    now: float,
+    preempting: bool,
+) -> None:
     if isinstance(msg, PhaseDone):
         cell.on_phase(msg, now)
     elif isinstance(msg, RoleDone):
@@ -192,7 +235,10 @@ async def _load_serving(cells: list, weights: dict, parts: Parts, events: RunEve
     leader may be dead before its channel says so (MPI finds a dead peer only by its silence)."""
     results = await asyncio.gather(*(_load_newest(x, weights) for x in cells), return_exceptions=True)
     for cell, result in zip(cells, results):
-        if isinstance(result, (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)) and cell is not parts.core:
+        if (
+            isinstance(result, (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError))
+            and cell is not parts.core
+        ):
             _lose(cell, events, now, f"its engine did not take weight version {weights['version']}: {result!r}")
         elif isinstance(result, BaseException):
             raise result

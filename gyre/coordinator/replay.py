@@ -21,8 +21,9 @@ class ReplayError(GyreError):
 class ReplaySource(GroupBook):
     """Stands in for Rollouts: every recorded group is ready at once, nothing runs."""
 
-    def __init__(self, records_dir: Path, taskset: TaskSet, groups_per_step: int, ledger: ExecutionLedger,
-                 on_state=None):  # fmt: skip
+    def __init__(
+        self, records_dir: Path, taskset: TaskSet, groups_per_step: int, ledger: ExecutionLedger, on_state=None
+    ):
         ledger_path = records_dir.parent / "ledger.jsonl"
         if not ledger_path.exists():
             raise ReplayError(f"replay needs the run's ledger beside its records: {ledger_path} does not exist")
@@ -33,11 +34,15 @@ class ReplaySource(GroupBook):
             if done is None or done.reason == "interrupted":
                 continue
             first = entries[0]
-            g = self.groups.setdefault(first.group, Group(first.group, first.group // groups_per_step,
-                                                          taskset.get(first.task_id)))
+            g = self.groups.setdefault(
+                first.group, Group(first.group, first.group // groups_per_step, taskset.get(first.task_id))
+            )
             ex = Execution(eid, g.index, g.task, state=done.state, records_path=records_dir / f"{eid}.jsonl")
-            ex.evaluation = (Evaluation(done.state, done.score) if done.state in ("finished", "timed_out")
-                             else Evaluation("evaluator_error", None, done.reason))
+            ex.evaluation = (
+                Evaluation(done.state, done.score)
+                if done.state in ("finished", "timed_out")
+                else Evaluation("evaluator_error", None, done.reason)
+            )
             g.executions.append(ex)
             self._log(ex, done.state, score=done.score, reason=done.reason)
         self.num_steps = 0
@@ -45,7 +50,9 @@ class ReplaySource(GroupBook):
         while all(self.num_steps * groups_per_step + i in self.groups for i in range(groups_per_step)):
             self.num_steps += 1
         if not self.num_steps:
-            raise ReplayError(f"{ledger_path} has no complete step of {groups_per_step} groups with outcomes to train on")
+            raise ReplayError(
+                f"{ledger_path} has no complete step of {groups_per_step} groups with outcomes to train on"
+            )
         self.groups = {i: g for i, g in self.groups.items() if g.step < self.num_steps}
         self.next_group = max(self.groups) + 1
 

@@ -62,8 +62,14 @@ class GroupBook:
 
     def _log(self, ex: Execution, state: str, **fields) -> None:
         ex.state = state
-        entry = LedgerEntry(ex.execution_id, state, time.time(), group=ex.group, task_id=ex.task.task_id,
-                            **{k: v for k, v in fields.items() if v not in (None, "")})
+        entry = LedgerEntry(
+            ex.execution_id,
+            state,
+            time.time(),
+            group=ex.group,
+            task_id=ex.task.task_id,
+            **{k: v for k, v in fields.items() if v not in (None, "")},
+        )
         self.ledger.append(entry)
         if self.on_state is not None:
             self.on_state(entry, ex.group // self.groups_per_step)
@@ -90,9 +96,24 @@ class GroupBook:
 class Rollouts(GroupBook):
     """Executions from admission to evaluation."""
 
-    def __init__(self, *, taskset: TaskSet, harness: HarnessConfig, group_size: int, groups_per_step: int,
-                 num_steps: int, staleness: int, seed: int, model: str, run_dir: Path, ledger: ExecutionLedger,
-                 proxy: ProxyAdmin, proxy_url: str, records_dir: Path, on_state=None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        taskset: TaskSet,
+        harness: HarnessConfig,
+        group_size: int,
+        groups_per_step: int,
+        num_steps: int,
+        staleness: int,
+        seed: int,
+        model: str,
+        run_dir: Path,
+        ledger: ExecutionLedger,
+        proxy: ProxyAdmin,
+        proxy_url: str,
+        records_dir: Path,
+        on_state=None,
+    ):
         super().__init__(groups_per_step, ledger, on_state)
         self.taskset, self.harness, self.group_size = taskset, harness, group_size
         self.num_steps, self.staleness, self.seed, self.model = num_steps, staleness, seed, model
@@ -104,7 +125,9 @@ class Rollouts(GroupBook):
     # ---- admission ---------------------------------------------------------------------------
     def admit_groups(self, version: int) -> None:
         """Draw the groups the staleness bound lets start under weight version `version`."""
-        while (step := self.next_group // self.groups_per_step) < self.num_steps and may_admit(step, version, self.staleness):
+        while (step := self.next_group // self.groups_per_step) < self.num_steps and may_admit(
+            step, version, self.staleness
+        ):
             g = Group(self.next_group, step, self.taskset.pick(self.seed, self.next_group))
             for i in range(self.group_size):
                 g.executions.append(Execution(f"g{g.index:05d}-{i}", g.index, g.task))
@@ -122,7 +145,7 @@ class Rollouts(GroupBook):
         as a new attempt, so none is lost and none is trained twice.
         """
         by_group: dict[int, list[LedgerEntry]] = {}
-        for eid, entries in view.history.items():
+        for entries in view.history.values():
             by_group.setdefault(entries[0].group, []).append(entries[0])
         self.next_group = max(by_group, default=-1) + 1
         for gi in sorted(by_group):
@@ -145,7 +168,9 @@ class Rollouts(GroupBook):
         if done is not None:
             outcome = {"finished": "finished", "timed_out": "timed_out"}.get(done.state)
             ex.state, ex.records_path = done.state, self.records_dir / f"{eid}.jsonl"
-            ex.evaluation = (Evaluation(outcome, done.score) if outcome else Evaluation("evaluator_error", None, done.reason))
+            ex.evaluation = (
+                Evaluation(outcome, done.score) if outcome else Evaluation("evaluator_error", None, done.reason)
+            )
             return ex
         self._log(ex, "excluded", reason="interrupted")
         retry = Execution(f"{execution_id}.r{attempt + 1}", g.index, g.task)
@@ -162,8 +187,15 @@ class Rollouts(GroupBook):
             try:
                 reg = await self.proxy.create_execution(ex.execution_id)
                 ex.records_path = Path(reg["records_path"])
-                ex.sandbox = Sandbox(ex.task, ex.execution_id, self.sandbox_root, self.harness, self.proxy_url,
-                                     reg["api_key"], self.model)
+                ex.sandbox = Sandbox(
+                    ex.task,
+                    ex.execution_id,
+                    self.sandbox_root,
+                    self.harness,
+                    self.proxy_url,
+                    reg["api_key"],
+                    self.model,
+                )
                 await asyncio.to_thread(ex.sandbox.prepare)
                 ex.sandbox.start()
             except (GyreError, OSError) as e:  # a sandbox, workspace or harness that cannot start

@@ -8,8 +8,17 @@ import numpy as np
 
 from gyre.control.messages import CellReady, CheckpointDone, RoleDone
 from gyre.coordinator.ledger import LedgerEntry, LedgerView
-from gyre.metrics.events import (Checkpoint, ExecutionState, Exclusion, Failure, Observation, OptimizerStep, RoleSwitch,
-                                 RunStart, WeightPublish)
+from gyre.metrics.events import (
+    Checkpoint,
+    Exclusion,
+    ExecutionState,
+    Failure,
+    Observation,
+    OptimizerStep,
+    RoleSwitch,
+    RunStart,
+    WeightPublish,
+)
 from gyre.metrics.log import EventLog
 from gyre.metrics.monitor import RunMonitor
 from gyre.metrics.report import format_steps
@@ -27,13 +36,29 @@ class RunEvents:
 
     def start(self, ready: CellReady, roles: list[str]) -> None:
         self._roles = dict(enumerate(roles))
-        self.log.emit(RunStart(mode=self.cfg.scheduler.mode, num_steps=self.cfg.num_steps, num_cells=len(roles),
-                               start_step=ready.step, weights_digest=ready.weights_digest))
+        self.log.emit(
+            RunStart(
+                mode=self.cfg.scheduler.mode,
+                num_steps=self.cfg.num_steps,
+                num_cells=len(roles),
+                start_step=ready.step,
+                weights_digest=ready.weights_digest,
+            )
+        )
 
     def execution_state(self, entry: LedgerEntry, step: int) -> None:
-        self.log.emit(ExecutionState(execution_id=entry.execution_id, task_id=entry.task_id, group_id=str(entry.group),
-                                     step=step, state=entry.state, reason=entry.reason or None, reward=entry.score,
-                                     duration_s=entry.duration_s))
+        self.log.emit(
+            ExecutionState(
+                execution_id=entry.execution_id,
+                task_id=entry.task_id,
+                group_id=str(entry.group),
+                step=step,
+                state=entry.state,
+                reason=entry.reason or None,
+                reward=entry.score,
+                duration_s=entry.duration_s,
+            )
+        )
         if entry.state == "excluded":
             self.log.emit(Exclusion(execution_id=entry.execution_id, reason=entry.reason))
 
@@ -41,12 +66,22 @@ class RunEvents:
         if obs.now_s - self._observed_at < 1.0:
             return
         self._observed_at = obs.now_s
-        self.log.emit(Observation(queued=obs.queued, running=obs.running, roles=[c.role.value for c in obs.cells],
-                                  sessions=sessions))
+        self.log.emit(
+            Observation(
+                queued=obs.queued, running=obs.running, roles=[c.role.value for c in obs.cells], sessions=sessions
+            )
+        )
 
     def role_switch(self, msg: RoleDone) -> None:
-        self.log.emit(RoleSwitch(cell=msg.cell, from_role=self._roles.get(msg.cell, ""), to_role=msg.role,
-                                 t_start=msg.t_start, phases=msg.phases))
+        self.log.emit(
+            RoleSwitch(
+                cell=msg.cell,
+                from_role=self._roles.get(msg.cell, ""),
+                to_role=msg.role,
+                t_start=msg.t_start,
+                phases=msg.phases,
+            )
+        )
         self._roles[msg.cell] = msg.role
 
     def step(self, rec) -> None:
@@ -55,12 +90,24 @@ class RunEvents:
         for _, batch in rec.groups:
             for k, v in dataclasses.asdict(batch.counts).items():
                 counts[k] = counts.get(k, 0) + v
-        self.log.emit(OptimizerStep(
-            step=rec.step, loss=m.get("loss", 0.0), clip_fraction=m.get("clip_fraction", 0.0),
-            truncated_fraction=m.get("truncated_fraction", 0.0), ratio_mean=m.get("ratio_mean", 1.0),
-            logprob_gap_mean=m.get("logprob_gap_mean", 0.0), entropy_mean=m.get("entropy_mean"), kl_mean=m.get("kl_mean"),
-            grad_norm=m.get("grad_norm", 0.0), reward_mean=float(np.mean(r)) if r else 0.0,
-            reward_std=float(np.std(r)) if r else 0.0, num_executions=len(r), seconds=rec.seconds, **counts))
+        self.log.emit(
+            OptimizerStep(
+                step=rec.step,
+                loss=m.get("loss", 0.0),
+                clip_fraction=m.get("clip_fraction", 0.0),
+                truncated_fraction=m.get("truncated_fraction", 0.0),
+                ratio_mean=m.get("ratio_mean", 1.0),
+                logprob_gap_mean=m.get("logprob_gap_mean", 0.0),
+                entropy_mean=m.get("entropy_mean"),
+                kl_mean=m.get("kl_mean"),
+                grad_norm=m.get("grad_norm", 0.0),
+                reward_mean=float(np.mean(r)) if r else 0.0,
+                reward_std=float(np.std(r)) if r else 0.0,
+                num_executions=len(r),
+                seconds=rec.seconds,
+                **counts,
+            )
+        )
 
     def publish(self, version: int, seconds: float, num_engines: int) -> None:
         self.log.emit(WeightPublish(version=version, seconds=seconds, num_engines=num_engines))
@@ -79,8 +126,12 @@ class RunEvents:
         state = self.monitor.state
         out, self.monitor = self.monitor.close(), None
         print(format_steps(state), flush=True)
-        return out | {"num_steps": version, "executions": dict(view.counts()), "wall_s": round(wall_s, 1),
-                      "run_dir": str(self.run_dir)}
+        return out | {
+            "num_steps": version,
+            "executions": dict(view.counts()),
+            "wall_s": round(wall_s, 1),
+            "run_dir": str(self.run_dir),
+        }
 
     def close(self) -> None:
         self.log.close()

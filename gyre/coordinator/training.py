@@ -39,8 +39,17 @@ class StepRecord:
 
 
 class Training:
-    def __init__(self, *, groups_per_step: int, staleness: int, trajectory: TrajectoryConfig, max_tokens: int,
-                 version: int, train_tok_s: float, weights: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        groups_per_step: int,
+        staleness: int,
+        trajectory: TrajectoryConfig,
+        max_tokens: int,
+        version: int,
+        train_tok_s: float,
+        weights: dict | None = None,
+    ):
         self.queue = MicroStepQueue(groups_per_step, staleness)
         self.queue.version = version
         self.staleness, self.trajectory, self.max_tokens = staleness, trajectory, max_tokens
@@ -66,8 +75,13 @@ class Training:
 
     def add_group(self, group: Group) -> GroupBatch:
         """Turn a ready group into micro-batches of its step (excluded as a whole if nothing trains)."""
-        batch = make_group_batch([(ex.records_path, ex.evaluation) for ex in group.executions], group.step,
-                                 self.staleness, self.trajectory, self.max_tokens)
+        batch = make_group_batch(
+            [(ex.records_path, ex.evaluation) for ex in group.executions],
+            group.step,
+            self.staleness,
+            self.trajectory,
+            self.max_tokens,
+        )
         group.batched = True
         rec = self._record(group.step)
         rec.groups.append((group, batch))

@@ -53,7 +53,9 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "EngineClient":
-        self._session = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
+        self._session = aiohttp.ClientSession(
+            timeout=self.timeout, connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -86,8 +88,12 @@ class EngineClient:
 
     # --- generation ---------------------------------------------------------------------------
     def _generate_body(self, input_ids, sampling_params, rid, return_logprob, stream, extra_key) -> dict:
-        body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
-                "return_logprob": return_logprob, "stream": stream}  # fmt: skip
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+            "stream": stream,
+        }
         if rid is not None:
             body["rid"] = rid
         key = extra_key if extra_key is not None or not self.key_by_weight_version else _wire(self.weight_version)
@@ -95,34 +101,63 @@ class EngineClient:
             body["extra_key"] = str(key)  # SGLang's GenerateReqInput.extra_key is a string
         return body
 
-    def _generate_payload(self, input_ids, sampling_params, rid, return_logprob, stream, extra_key, input_ids_json) -> bytes:
+    def _generate_payload(
+        self, input_ids, sampling_params, rid, return_logprob, stream, extra_key, input_ids_json
+    ) -> bytes:
         """The /generate body as JSON; `input_ids_json` (input_ids already as a JSON array, whole or
         in pieces) is spliced in as is."""
         if input_ids_json is None:
-            return json.dumps(self._generate_body(input_ids, sampling_params, rid, return_logprob, stream, extra_key)).encode()
+            return json.dumps(
+                self._generate_body(input_ids, sampling_params, rid, return_logprob, stream, extra_key)
+            ).encode()
         rest = self._generate_body((), sampling_params, rid, return_logprob, stream, extra_key)
         del rest["input_ids"]
         pieces = (input_ids_json,) if isinstance(input_ids_json, bytes) else input_ids_json
         return b"".join((b'{"input_ids":', *pieces, b",", json.dumps(rest).encode()[1:]))  # one copy
 
-    async def generate(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
-                       input_ids_json: bytes | tuple[bytes, ...] | None = None) -> dict:  # fmt: skip
-        """One /generate answer. input_ids_json: `input_ids` already encoded (the proxy keeps each prompt's JSON), sent as is."""
-        payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, False, extra_key, input_ids_json)
+    async def generate(
+        self,
+        input_ids,
+        sampling_params=None,
+        *,
+        rid=None,
+        return_logprob=True,
+        extra_key=None,
+        input_ids_json: bytes | tuple[bytes, ...] | None = None,
+    ) -> dict:
+        """One /generate answer.
+
+        input_ids_json: `input_ids` already encoded (the proxy keeps each prompt's JSON), sent as is.
+        """
+        payload = self._generate_payload(
+            input_ids, sampling_params, rid, return_logprob, False, extra_key, input_ids_json
+        )
         out = await self._request("POST", "/generate", raw=payload)
         self.weight_version = _version(out["meta_info"].get("weight_version"), self.weight_version)
         return out
 
-    async def generate_stream(self, input_ids, sampling_params=None, *, rid=None, return_logprob=True, extra_key=None,
-                              input_ids_json: bytes | tuple[bytes, ...] | None = None) -> AsyncIterator[dict]:  # fmt: skip
+    async def generate_stream(
+        self,
+        input_ids,
+        sampling_params=None,
+        *,
+        rid=None,
+        return_logprob=True,
+        extra_key=None,
+        input_ids_json: bytes | tuple[bytes, ...] | None = None,
+    ) -> AsyncIterator[dict]:
         """Yield each SSE chunk (cumulative output, SGLang's default) until `data: [DONE]`.
 
         The chunk with a `finish_reason` is the last one (SGLang's and the builtin engine's): the
         rest of the body (`data: [DONE]`) is read before it is yielded, so a caller that stops there
         leaves the connection at its end and aiohttp pools it (an unread body closes it: one more
         TCP connect and close per call)."""
-        payload = self._generate_payload(input_ids, sampling_params, rid, return_logprob, True, extra_key, input_ids_json)
-        async with self._session.post(self.base_url + "/generate", data=payload, headers={"Content-Type": "application/json"}) as r:
+        payload = self._generate_payload(
+            input_ids, sampling_params, rid, return_logprob, True, extra_key, input_ids_json
+        )
+        async with self._session.post(
+            self.base_url + "/generate", data=payload, headers={"Content-Type": "application/json"}
+        ) as r:
             if r.status >= 300:
                 raise EngineHTTPError(r.status, "/generate", await r.text())
             async for line in r.content:
@@ -154,7 +189,9 @@ class EngineClient:
 
     # --- weights, memory, cache ---------------------------------------------------------------
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None, **extra) -> dict:
-        out = await self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": _wire(weight_version), **extra})
+        out = await self.post(
+            "/update_weights_from_disk", {"model_path": model_path, "weight_version": _wire(weight_version), **extra}
+        )
         self.weight_version = _version(out.get("weight_version"), weight_version)
         return out
 
@@ -163,19 +200,48 @@ class EngineClient:
         self.weight_version = _version(out.get("weight_version"), weight_version)
         return out
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                        group_name: str = "gyre", backend: str = "nccl") -> dict:  # fmt: skip
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "gyre",
+        backend: str = "nccl",
+    ) -> dict:
         """SGLang only: join the trainer's NCCL group for /update_weights_from_distributed."""
-        return await self.post("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend})  # fmt: skip
+        return await self.post(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              weight_version: int | None = None, group_name: str = "gyre") -> dict:  # fmt: skip
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: int | None = None,
+        group_name: str = "gyre",
+    ) -> dict:
         """SGLang only: receive these tensors by NCCL broadcast from the trainer's rank 0."""
-        out = await self.post("/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "weight_version": _wire(weight_version), "flush_cache": True})  # fmt: skip
+        out = await self.post(
+            "/update_weights_from_distributed",
+            {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": group_name,
+                "weight_version": _wire(weight_version),
+                "flush_cache": True,
+            },
+        )
         self.weight_version = self.weight_version if weight_version is None else weight_version
         return out
 
@@ -218,7 +284,9 @@ class EngineClient:
         return await self.post("/gyre/release_kv_export", {"export_id": export_id})
 
 
-async def migrate_prefix(src: EngineClient, dst: EngineClient, input_ids: list[int], extra_key: str | None = None) -> dict:
+async def migrate_prefix(
+    src: EngineClient, dst: EngineClient, input_ids: list[int], extra_key: str | None = None
+) -> dict:
     """Move the KV of `input_ids`' cached prefix from `src` to `dst` over Mooncake.
 
     Returns {"transferred_tokens", "recomputed_tokens"}: the page-aligned prefix `dst` got from

@@ -61,13 +61,23 @@ class EngineConfig:
     def __post_init__(self):
         require(self.backend in BACKENDS, "backend", f"must be one of {list(BACKENDS)}, got {self.backend!r}")
         require(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")
-        require(self.weight_version >= 0, "weight_version", f"must be an integer >= 0 (the trainer's step), got {self.weight_version}")
-        require(self.max_running_requests >= 1, "max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        require(
+            self.weight_version >= 0,
+            "weight_version",
+            f"must be an integer >= 0 (the trainer's step), got {self.weight_version}",
+        )
+        require(
+            self.max_running_requests >= 1, "max_running_requests", f"must be >= 1, got {self.max_running_requests}"
+        )
         require(self.max_prefill_tokens >= 1, "max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         require(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
         require(self.prefix_cache_tokens >= 0, "prefix_cache_tokens", f"must be >= 0, got {self.prefix_cache_tokens}")
         require(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
-        require(0 < self.mem_fraction_static < 1, "mem_fraction_static", f"must be in (0, 1), got {self.mem_fraction_static}")
+        require(
+            0 < self.mem_fraction_static < 1,
+            "mem_fraction_static",
+            f"must be in (0, 1), got {self.mem_fraction_static}",
+        )
         require(self.startup_timeout_s > 0, "startup_timeout_s", f"must be > 0, got {self.startup_timeout_s}")
         require(
             self.backend != "sglang" or self.model_path is not None,

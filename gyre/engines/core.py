@@ -68,8 +68,17 @@ class Request:
 
 
 class EngineCore:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_version: int, *,
-                 max_running_requests: int, max_prefill_tokens: int, page_size: int, prefix_cache_tokens: int):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        weight_version: int,
+        *,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        page_size: int,
+        prefix_cache_tokens: int,
+    ):
         check_weights(cfg, weights)
         self.cfg = cfg
         self.weights: dict[str, torch.Tensor] | None = weights
@@ -117,9 +126,14 @@ class EngineCore:
     def loads(self) -> dict:
         running, waiting = len(self.running), len(self.waiting) + len(self._incoming)
         used = sum(r.kv.length for r in list(self.running) if r.kv is not None)
-        return {"num_running_reqs": running, "num_waiting_reqs": waiting, "num_used_tokens": used,
-                "num_cached_tokens": self.cache.num_tokens, "paused": self.paused,
-                "num_steps": self.num_steps}  # fmt: skip
+        return {
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_used_tokens": used,
+            "num_cached_tokens": self.cache.num_tokens,
+            "paused": self.paused,
+            "num_steps": self.num_steps,
+        }
 
     # --- the loop -----------------------------------------------------------------------------
     def _can_run(self) -> bool:
@@ -302,7 +316,9 @@ class EngineCore:
 
     def import_kv(self, tokens: list[int], kv: torch.Tensor, version: int, extra_key: str | None) -> int:
         if version != self.weight_version:
-            raise EngineRequestError(f"KV was computed with weight_version {version}, this engine has {self.weight_version}")
+            raise EngineRequestError(
+                f"KV was computed with weight_version {version}, this engine has {self.weight_version}"
+            )
         if "kv_cache" in self.released:
             raise EngineRequestError("KV cache memory is released; resume it first")
         self.cache.insert((version, extra_key), tokens, kv)

@@ -58,13 +58,14 @@ class KVExporter:
 async def import_kv_pages(server, body: dict) -> int:
     """Read the KV a peer exported and insert it into `server`'s prefix cache; returns tokens imported."""
 
-
     cfg = server.model_cfg
     tensors = await asyncio.to_thread(server.exporter.endpoint.fetch_tensors, body)
     kv, ids, n = tensors.get("kv"), body["input_ids"], int(body["num_tokens"])
     want = (cfg.num_layers, 2, n, cfg.num_query_groups, cfg.head_dim)
     if kv is None or tuple(kv.shape) != want or kv.dtype != torch.float32:
-        raise EngineRequestError(f"imported KV has shape {None if kv is None else tuple(kv.shape)}, this model needs {want} float32")
+        raise EngineRequestError(
+            f"imported KV has shape {None if kv is None else tuple(kv.shape)}, this model needs {want} float32"
+        )
     if len(ids) < n or any(not 0 <= t < cfg.vocab_size for t in ids[:n]):
         raise EngineRequestError(f"input_ids must hold the {n} exported tokens, all inside the vocabulary")
     version, extra_key = parse_weight_version(body.get("weight_version")), body.get("extra_key")

@@ -12,9 +12,9 @@ import socket
 import sys
 import time
 
+from gyre.common.serve import ChildServer, ChildServerError
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
-from gyre.common.serve import ChildServer, ChildServerError
 from gyre.models.config import ModelConfig
 
 
@@ -24,16 +24,39 @@ class EngineLaunchError(ChildServerError):
 
 def make_sglang_command(cfg: EngineConfig, port: int, python: str = sys.executable) -> list[str]:
     """The `sglang.launch_server` command line for `cfg` on `port`."""
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(cfg.model_path), "--host", cfg.host,
-           "--port", str(port), "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
-           "--page-size", str(cfg.page_size), "--load-format", cfg.load_format,
-           "--weight-version", str(cfg.weight_version)]  # fmt: skip
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(cfg.model_path),
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(cfg.tp_size),
+        "--mem-fraction-static",
+        str(cfg.mem_fraction_static),
+        "--page-size",
+        str(cfg.page_size),
+        "--load-format",
+        cfg.load_format,
+        "--weight-version",
+        str(cfg.weight_version),
+    ]
     if cfg.enable_memory_saver:
         cmd.append("--enable-memory-saver")
     if cfg.enable_hicache:
-        cmd += ["--enable-hierarchical-cache", "--hicache-ratio", str(cfg.hicache_ratio),
-                "--hicache-write-policy", cfg.hicache_write_policy,
-                "--hicache-storage-backend", cfg.hicache_storage_backend]  # fmt: skip
+        cmd += [
+            "--enable-hierarchical-cache",
+            "--hicache-ratio",
+            str(cfg.hicache_ratio),
+            "--hicache-write-policy",
+            cfg.hicache_write_policy,
+            "--hicache-storage-backend",
+            cfg.hicache_storage_backend,
+        ]
     return cmd + list(cfg.extra_args)
 
 
@@ -41,8 +64,11 @@ def make_sglang_env(cfg: EngineConfig, base: dict[str, str]) -> dict[str, str]:
     """Environment for the SGLang child: the shared Mooncake store that HiCache uses as L3."""
     env = dict(base)
     if cfg.enable_hicache and cfg.hicache_storage_backend == "mooncake":
-        env |= {"MOONCAKE_MASTER": cfg.mooncake_master, "MOONCAKE_PROTOCOL": cfg.mooncake_protocol,
-                "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE"}  # fmt: skip
+        env |= {
+            "MOONCAKE_MASTER": cfg.mooncake_master,
+            "MOONCAKE_PROTOCOL": cfg.mooncake_protocol,
+            "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
+        }
     return env
 
 
@@ -71,7 +97,9 @@ class BaseEngineProcess(ChildServer):
                 if time.monotonic() > deadline:
                     tail = self.log_tail()
                     self.stop()
-                    raise EngineLaunchError(f"{self.url} not healthy after {self.cfg.startup_timeout_s} s; log tail:\n{tail}")
+                    raise EngineLaunchError(
+                        f"{self.url} not healthy after {self.cfg.startup_timeout_s} s; log tail:\n{tail}"
+                    )
                 if time.monotonic() - last_log > 30:
                     print(f"waiting for {self.url}/health ...", file=sys.stderr)
                     last_log = time.monotonic()
@@ -89,8 +117,15 @@ class BuiltinEngineProcess(BaseEngineProcess):
         self.model_cfg, self.threads = model_cfg, threads
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "gyre.engines.server", "--engine-json", json.dumps(dataclasses.asdict(self.cfg)),
-               "--model-json", json.dumps(dataclasses.asdict(self.model_cfg))]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "gyre.engines.server",
+            "--engine-json",
+            json.dumps(dataclasses.asdict(self.cfg)),
+            "--model-json",
+            json.dumps(dataclasses.asdict(self.model_cfg)),
+        ]
         env = os.environ | {"OMP_NUM_THREADS": str(self.threads)}
         (port,) = self.spawn_and_wait_port(cmd, self.cfg.startup_timeout_s, env)
         self.url = f"http://{self.cfg.host}:{port}"

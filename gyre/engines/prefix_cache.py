@@ -52,7 +52,7 @@ class PrefixCache:
                 break
             found.append((key, page))
             parent = key
-        for key, page in reversed(found):
+        for _key, page in reversed(found):
             self._clock += 1
             page.last_used = self._clock
         return [p.kv for _, p in found]

@@ -95,8 +95,14 @@ def parse_generate(body, vocab_size: int, context_len: int, encode=None) -> Gene
     if not isinstance(rid, str):
         raise BadRequest("rid must be a string")
     extra_key = body.get("extra_key")
-    return GenerateRequest(rid, ids, params, bool(body.get("return_logprob", False)), bool(body.get("stream", False)),
-                           None if extra_key is None else str(extra_key))  # fmt: skip
+    return GenerateRequest(
+        rid,
+        ids,
+        params,
+        bool(body.get("return_logprob", False)),
+        bool(body.get("stream", False)),
+        None if extra_key is None else str(extra_key),
+    )
 
 
 def make_spans(versions: list[int]) -> list[dict]:

@@ -23,13 +23,13 @@ from aiohttp import web
 from aiohttp_sse import sse_response
 from safetensors.torch import load as load_safetensors
 
+from gyre.common.serve import serve_app
 from gyre.engines.config import EngineConfig
 from gyre.engines.core import EngineCore, EngineRequestError, Request, parse_weight_version
 from gyre.engines.kv_transfer import KVExporter, import_kv_pages
 from gyre.engines.protocol import BadRequest, make_response, parse_generate
 from gyre.engines.scripted import ScriptedPolicy
 from gyre.errors import GyreError
-from gyre.common.serve import serve_app
 from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer, HFTokenizer, has_hf_tokenizer
@@ -80,10 +80,14 @@ class BuiltinEngineServer:
             ok = model_cfg.vocab_size >= 256 + len(SPECIAL_TOKENS)
             self.tokenizer = ByteTokenizer(model_cfg.vocab_size) if ok else None
         self.core = EngineCore(
-            model_cfg, weights, engine_cfg.weight_version,
-            max_running_requests=engine_cfg.max_running_requests, max_prefill_tokens=engine_cfg.max_prefill_tokens,
-            page_size=engine_cfg.page_size, prefix_cache_tokens=engine_cfg.prefix_cache_tokens,
-        )  # fmt: skip
+            model_cfg,
+            weights,
+            engine_cfg.weight_version,
+            max_running_requests=engine_cfg.max_running_requests,
+            max_prefill_tokens=engine_cfg.max_prefill_tokens,
+            page_size=engine_cfg.page_size,
+            prefix_cache_tokens=engine_cfg.prefix_cache_tokens,
+        )
         self.exporter = KVExporter()
         self.policy = None
         if engine_cfg.scripted_policy:
@@ -95,22 +99,30 @@ class BuiltinEngineServer:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors_to_400], client_max_size=1 << 30)
         post, get = web.post, web.get
-        app.add_routes([
-            post("/generate", self.generate), post("/abort_request", self.abort_request),
-            post("/pause_generation", self.pause), post("/continue_generation", self.continue_generation),
-            post("/update_weights_from_disk", self.update_from_disk),
-            post("/update_weights_from_tensor", self.update_from_tensor),
-            post("/update_weights_from_distributed", self.unsupported),
-            post("/init_weights_update_group", self.unsupported),
-            post("/flush_cache", self.flush_cache), get("/flush_cache", self.flush_cache),
-            post("/release_memory_occupation", self.release_memory),
-            post("/resume_memory_occupation", self.resume_memory),
-            get("/health", self.health), get("/health_generate", self.health_generate),
-            get("/model_info", self.model_info), get("/get_model_info", self.model_info),
-            get("/v1/loads", self.loads),
-            post("/gyre/export_kv", self.export_kv), post("/gyre/release_kv_export", self.release_kv_export),
-            post("/gyre/import_kv", self.import_kv),
-        ])  # fmt: skip
+        app.add_routes(
+            [
+                post("/generate", self.generate),
+                post("/abort_request", self.abort_request),
+                post("/pause_generation", self.pause),
+                post("/continue_generation", self.continue_generation),
+                post("/update_weights_from_disk", self.update_from_disk),
+                post("/update_weights_from_tensor", self.update_from_tensor),
+                post("/update_weights_from_distributed", self.unsupported),
+                post("/init_weights_update_group", self.unsupported),
+                post("/flush_cache", self.flush_cache),
+                get("/flush_cache", self.flush_cache),
+                post("/release_memory_occupation", self.release_memory),
+                post("/resume_memory_occupation", self.resume_memory),
+                get("/health", self.health),
+                get("/health_generate", self.health_generate),
+                get("/model_info", self.model_info),
+                get("/get_model_info", self.model_info),
+                get("/v1/loads", self.loads),
+                post("/gyre/export_kv", self.export_kv),
+                post("/gyre/release_kv_export", self.release_kv_export),
+                post("/gyre/import_kv", self.import_kv),
+            ]
+        )
         app.on_startup.append(lambda _app: self._start())
         app.on_cleanup.append(lambda _app: self._close())
         return app
@@ -132,13 +144,19 @@ class BuiltinEngineServer:
     # --- generation ---------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
-        g = parse_generate(body, self.model_cfg.vocab_size, self.model_cfg.max_seq_len,
-                           self.tokenizer.encode if self.tokenizer else None)  # fmt: skip
+        g = parse_generate(
+            body,
+            self.model_cfg.vocab_size,
+            self.model_cfg.max_seq_len,
+            self.tokenizer.encode if self.tokenizer else None,
+        )
         loop, queue, t0 = asyncio.get_running_loop(), asyncio.Queue(), time.monotonic()
 
         def emit(req: Request, final: bool) -> None:  # engine thread: snapshot, then hand over
             if final or g.stream:
-                snap = make_response(req, self._text(req.output_ids), self.core.weight_version, g.return_logprob, time.monotonic() - t0)
+                snap = make_response(
+                    req, self._text(req.output_ids), self.core.weight_version, g.return_logprob, time.monotonic() - t0
+                )
                 try:
                     loop.call_soon_threadsafe(queue.put_nowait, (snap, final))
                 except RuntimeError:  # the server's loop is closed: shutting down, nobody to tell
@@ -213,7 +231,9 @@ class BuiltinEngineServer:
             else:
                 blobs = body.get("serialized_named_tensors")
                 if not isinstance(blobs, list) or not blobs:
-                    raise BadRequest("missing serialized_named_tensors (base64 safetensors) or load_format=gyre_transfer")
+                    raise BadRequest(
+                        "missing serialized_named_tensors (base64 safetensors) or load_format=gyre_transfer"
+                    )
                 weights = {}
                 for b in blobs:
                     weights.update({k: v.clone() for k, v in load_safetensors(base64.b64decode(b)).items()})
@@ -224,8 +244,11 @@ class BuiltinEngineServer:
         return response
 
     async def unsupported(self, request: web.Request) -> web.Response:
-        return _error(400, f"{request.path} needs NCCL and is SGLang-only; the builtin engine takes "
-                           "/update_weights_from_tensor with load_format=gyre_transfer (Mooncake)")  # fmt: skip
+        return _error(
+            400,
+            f"{request.path} needs NCCL and is SGLang-only; the builtin engine takes "
+            "/update_weights_from_tensor with load_format=gyre_transfer (Mooncake)",
+        )
 
     # --- memory and cache ---------------------------------------------------------------------
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -258,8 +281,12 @@ class BuiltinEngineServer:
         if self.core.paused or self.core.released:
             return _error(503, "generation is paused or memory is released")
         loop, done = asyncio.get_running_loop(), asyncio.Event()
-        req = Request("health-" + os.urandom(4).hex(), [0], parse_generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}, 1, 2).params,
-                      lambda _r, final: final and loop.call_soon_threadsafe(done.set))  # fmt: skip
+        req = Request(
+            "health-" + os.urandom(4).hex(),
+            [0],
+            parse_generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}, 1, 2).params,
+            lambda _r, final: final and loop.call_soon_threadsafe(done.set),
+        )
         self.core.submit(req)
         try:
             await asyncio.wait_for(done.wait(), timeout=20)
@@ -269,12 +296,18 @@ class BuiltinEngineServer:
         return web.Response(text="OK")
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "model_path": self.model_path, "tokenizer_path": self.model_path if isinstance(self.tokenizer, HFTokenizer) else None, "is_generation": True,
-            "weight_version": self.core.weight_version, "context_length": self.model_cfg.max_seq_len,
-            "vocab_size": self.model_cfg.vocab_size, "engine": "gyre-builtin",
-            "model_config": dataclasses.asdict(self.model_cfg),
-        })  # fmt: skip
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path if isinstance(self.tokenizer, HFTokenizer) else None,
+                "is_generation": True,
+                "weight_version": self.core.weight_version,
+                "context_length": self.model_cfg.max_seq_len,
+                "vocab_size": self.model_cfg.vocab_size,
+                "engine": "gyre-builtin",
+                "model_config": dataclasses.asdict(self.model_cfg),
+            }
+        )
 
     async def loads(self, request: web.Request) -> web.Response:
         return web.json_response({"loads": [{"dp_rank": 0, **self.core.loads()}]})
@@ -282,13 +315,18 @@ class BuiltinEngineServer:
     # --- KV export/import (Gyre extension) ----------------------------------------------------
     async def export_kv(self, request: web.Request) -> web.Response:
         body = await _json(request)
-        ids = parse_generate({"input_ids": body.get("input_ids"), "sampling_params": {"max_new_tokens": 0}},
-                             self.model_cfg.vocab_size, self.model_cfg.max_seq_len).input_ids  # fmt: skip
+        ids = parse_generate(
+            {"input_ids": body.get("input_ids"), "sampling_params": {"max_new_tokens": 0}},
+            self.model_cfg.vocab_size,
+            self.model_cfg.max_seq_len,
+        ).input_ids
         extra_key = body.get("extra_key")
         n, kv, version = await self._call(lambda: self.core.export_kv(ids, extra_key))
         if n == 0:
             return web.json_response({"num_tokens": 0, "weight_version": version})
-        return web.json_response({**self.exporter.publish(kv), "num_tokens": n, "input_ids": ids[:n], "weight_version": version})
+        return web.json_response(
+            {**self.exporter.publish(kv), "num_tokens": n, "input_ids": ids[:n], "weight_version": version}
+        )
 
     async def release_kv_export(self, request: web.Request) -> web.Response:
         self.exporter.release(str((await _json(request)).get("export_id")))

@@ -38,23 +38,48 @@ def find_mini_swe_agent() -> str | None:
 
 
 def make_claude_code_env(base: dict[str, str], proxy_url: str, api_key: str, home: str, model: str) -> dict[str, str]:
-    aliases = ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL",
-               "ANTHROPIC_DEFAULT_SONNET_MODEL", "ANTHROPIC_DEFAULT_OPUS_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")  # fmt: skip
-    return {**base, **{a: model for a in aliases}, "HOME": home, "IS_SANDBOX": "1", "DISABLE_TELEMETRY": "1",
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
-            "ANTHROPIC_BASE_URL": proxy_url, "ANTHROPIC_API_KEY": api_key}  # fmt: skip
+    aliases = (
+        "ANTHROPIC_MODEL",
+        "ANTHROPIC_SMALL_FAST_MODEL",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+        "ANTHROPIC_DEFAULT_SONNET_MODEL",
+        "ANTHROPIC_DEFAULT_OPUS_MODEL",
+        "CLAUDE_CODE_SUBAGENT_MODEL",
+    )
+    return {
+        **base,
+        **{a: model for a in aliases},
+        "HOME": home,
+        "IS_SANDBOX": "1",
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "ANTHROPIC_BASE_URL": proxy_url,
+        "ANTHROPIC_API_KEY": api_key,
+    }
 
 
-def make_claude_code_command(binary: str, prompt: str, *, model: str, tools: list[str], resume: bool = False,
-                             bare: bool = False) -> list[str]:  # fmt: skip
+def make_claude_code_command(
+    binary: str, prompt: str, *, model: str, tools: list[str], resume: bool = False, bare: bool = False
+) -> list[str]:
     """`claude -p PROMPT` with JSON output; `resume` continues the last session (`--continue`).
 
     `bare` is Claude Code's documented minimal mode for scripted runs (no hooks, LSP, plugin sync,
     auto-memory, background prefetches or CLAUDE.md discovery): a ~2.5k-token system prompt, the
     same for every session, instead of ~9.5k with per-session paths, and about a third less CPU.
     """
-    cmd = [binary, "-p", prompt, "--dangerously-skip-permissions", "--model", model, "--tools", ",".join(tools),
-           "--output-format", "json"]  # fmt: skip
+    cmd = [
+        binary,
+        "-p",
+        prompt,
+        "--dangerously-skip-permissions",
+        "--model",
+        model,
+        "--tools",
+        ",".join(tools),
+        "--output-format",
+        "json",
+    ]
     return cmd + (["--continue"] if resume else []) + (["--bare"] if bare else [])
 
 
@@ -71,32 +96,75 @@ def make_codex_env(base: dict[str, str], api_key: str, home: str) -> dict[str, s
     return {**base, "CODEX_HOME": home, "HOME": home, "GYRE_API_KEY": api_key, "NO_COLOR": "1"}
 
 
-def make_codex_command(binary: str, prompt: str, *, proxy_url: str, model: str, instructions_file: str | None = None,
-                       resume: bool = False) -> list[str]:  # fmt: skip
+def make_codex_command(
+    binary: str, prompt: str, *, proxy_url: str, model: str, instructions_file: str | None = None, resume: bool = False
+) -> list[str]:
     """`codex exec PROMPT` (JSONL events on stdout) against the proxy as provider `gyre`, with no
     approvals or sandbox (the sandbox is Gyre's), web search off and no project docs read;
     `instructions_file` replaces Codex's built-in instructions (a shorter, fixed system prompt);
     `resume` continues the last session (`codex exec resume --last`)."""
     provider = f'{{name="gyre", base_url="{proxy_url}/v1", env_key="GYRE_API_KEY", wire_api="responses"}}'
-    cmd = [binary, "exec", *(["resume", "--last"] if resume else []), "--skip-git-repo-check",
-           "--dangerously-bypass-approvals-and-sandbox", "--json", "-m", model,
-           "-c", "model_provider=gyre", "-c", f"model_providers.gyre={provider}", "-c", 'web_search="disabled"',
-           "-c", "project_doc_max_bytes=0", "-c", "features.multi_agent=false", "-c", "features.goals=false"]  # fmt: skip
+    cmd = [
+        binary,
+        "exec",
+        *(["resume", "--last"] if resume else []),
+        "--skip-git-repo-check",
+        "--dangerously-bypass-approvals-and-sandbox",
+        "--json",
+        "-m",
+        model,
+        "-c",
+        "model_provider=gyre",
+        "-c",
+        f"model_providers.gyre={provider}",
+        "-c",
+        'web_search="disabled"',
+        "-c",
+        "project_doc_max_bytes=0",
+        "-c",
+        "features.multi_agent=false",
+        "-c",
+        "features.goals=false",
+    ]
     if instructions_file:
         cmd += ["-c", f"model_instructions_file={instructions_file}"]
     return cmd + [prompt]
 
 
 def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:
-    return {**base, "HOME": home, "MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors",
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True", "MSWEA_GLOBAL_CONFIG_DIR": str(Path(home) / ".mswea")}  # fmt: skip
+    return {
+        **base,
+        "HOME": home,
+        "MSWEA_CONFIGURED": "true",
+        "MSWEA_COST_TRACKING": "ignore_errors",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "MSWEA_GLOBAL_CONFIG_DIR": str(Path(home) / ".mswea"),
+    }
 
 
-def make_mini_swe_command(binary: str, task: str, *, proxy_url: str, api_key: str, model: str, output: str) -> list[str]:
+def make_mini_swe_command(
+    binary: str, task: str, *, proxy_url: str, api_key: str, model: str, output: str
+) -> list[str]:
     """`mini` in yolo mode, exiting when the agent submits; litellm's OpenAI route to the proxy."""
-    return [binary, "-y", "--exit-immediately", "-t", task, "-m", f"openai/{model}", "-o", output,
-            "-c", "mini.yaml", "-c", f"model.model_kwargs.api_base={proxy_url}/v1",
-            "-c", f"model.model_kwargs.api_key={api_key}", "-c", "agent.cost_limit=0"]  # fmt: skip
+    return [
+        binary,
+        "-y",
+        "--exit-immediately",
+        "-t",
+        task,
+        "-m",
+        f"openai/{model}",
+        "-o",
+        output,
+        "-c",
+        "mini.yaml",
+        "-c",
+        f"model.model_kwargs.api_base={proxy_url}/v1",
+        "-c",
+        f"model.model_kwargs.api_key={api_key}",
+        "-c",
+        "agent.cost_limit=0",
+    ]
 
 
 def run_harness(cmd: list[str], env: dict[str, str], cwd: str, timeout_s: float) -> subprocess.CompletedProcess:

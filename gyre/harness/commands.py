@@ -16,11 +16,33 @@ class HarnessNotFound(GyreError):
 
 def make_toy_command(cfg: HarnessConfig, instruction: str, model: str) -> list[str]:
     t = cfg.toy
-    return [sys.executable, "-m", "gyre.harness.toy_agent", instruction, "--api", t.api, "--model", model,
-            "--max-tokens", str(t.max_tokens), "--max-turns", str(t.max_turns),
-            "--subagent" if t.subagent else "--no-subagent", "--subagent-turns", str(t.subagent_turns),
-            "--compact-chars", str(t.compact_chars), "--tool-median-s", str(t.tool_median_s),
-            "--tool-sigma", str(t.tool_sigma), "--tool-max-s", str(t.tool_max_s), "--seed", str(t.seed)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "gyre.harness.toy_agent",
+        instruction,
+        "--api",
+        t.api,
+        "--model",
+        model,
+        "--max-tokens",
+        str(t.max_tokens),
+        "--max-turns",
+        str(t.max_turns),
+        "--subagent" if t.subagent else "--no-subagent",
+        "--subagent-turns",
+        str(t.subagent_turns),
+        "--compact-chars",
+        str(t.compact_chars),
+        "--tool-median-s",
+        str(t.tool_median_s),
+        "--tool-sigma",
+        str(t.tool_sigma),
+        "--tool-max-s",
+        str(t.tool_max_s),
+        "--seed",
+        str(t.seed),
+    ]
 
 
 def make_template_command(template: str, values: dict[str, str]) -> list[str]:
@@ -28,21 +50,36 @@ def make_template_command(template: str, values: dict[str, str]) -> list[str]:
     return [word.format(**values) for word in shlex.split(template)]
 
 
-def make_harness_command(cfg: HarnessConfig, instruction: str, workspace: Path, proxy_url: str, api_key: str,
-                         model: str, home: Path) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+def make_harness_command(
+    cfg: HarnessConfig, instruction: str, workspace: Path, proxy_url: str, api_key: str, model: str, home: Path
+) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of the harness; env carries the proxy URL, the execution's key and the model
     under Gyre's names and the ones the OpenAI and Anthropic SDKs read.
 
     Raises:
         HarnessNotFound: claude_code / mini_swe_agent not installed.
     """
-    env = {**os.environ, "HOME": str(home), "GYRE_PROXY_URL": proxy_url, "GYRE_API_KEY": api_key, "GYRE_MODEL": model,
-           "OPENAI_BASE_URL": proxy_url + "/v1", "OPENAI_API_KEY": api_key,
-           "ANTHROPIC_BASE_URL": proxy_url, "ANTHROPIC_API_KEY": api_key}  # fmt: skip
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "GYRE_PROXY_URL": proxy_url,
+        "GYRE_API_KEY": api_key,
+        "GYRE_MODEL": model,
+        "OPENAI_BASE_URL": proxy_url + "/v1",
+        "OPENAI_API_KEY": api_key,
+        "ANTHROPIC_BASE_URL": proxy_url,
+        "ANTHROPIC_API_KEY": api_key,
+    }
     if cfg.kind == "toy":
         return make_toy_command(cfg, instruction, model), env
     if cfg.kind == "command":
-        values = {"instruction": instruction, "workspace": str(workspace), "proxy_url": proxy_url, "api_key": api_key, "model": model}
+        values = {
+            "instruction": instruction,
+            "workspace": str(workspace),
+            "proxy_url": proxy_url,
+            "api_key": api_key,
+            "model": model,
+        }
         return make_template_command(cfg.command, values), env
     if cfg.kind == "claude_code":
         binary = agents.find_claude_code()
@@ -59,6 +96,7 @@ def make_harness_command(cfg: HarnessConfig, instruction: str, workspace: Path, 
     binary = agents.find_mini_swe_agent()
     if binary is None:
         raise HarnessNotFound("mini-swe-agent is not installed (pip install -e '.[harness]')")
-    argv = agents.make_mini_swe_command(binary, instruction, proxy_url=proxy_url, api_key=api_key, model=model,
-                                        output=str(home / "trajectory.json"))  # fmt: skip
+    argv = agents.make_mini_swe_command(
+        binary, instruction, proxy_url=proxy_url, api_key=api_key, model=model, output=str(home / "trajectory.json")
+    )
     return argv, agents.make_mini_swe_env(env, str(home))

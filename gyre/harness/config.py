@@ -80,9 +80,14 @@ class HarnessConfig:
             try:
                 self.command.format(**{p: "" for p in PLACEHOLDERS})
             except (KeyError, IndexError, ValueError) as e:
-                raise ConfigError("command", f"bad placeholder {e}; valid: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
-        require(self.container_runtime in ("apptainer", "enroot"), "container_runtime",
-                f"{self.container_runtime!r} is not one of apptainer, enroot")  # fmt: skip
+                raise ConfigError(
+                    "command", f"bad placeholder {e}; valid: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}"
+                ) from None
+        require(
+            self.container_runtime in ("apptainer", "enroot"),
+            "container_runtime",
+            f"{self.container_runtime!r} is not one of apptainer, enroot",
+        )
         require(self.grace_s >= 0, "grace_s", "must be >= 0 s")
         require(self.cpu_limit_s is None or self.cpu_limit_s >= 1, "cpu_limit_s", "must be >= 1 s or null")
         require(self.mem_limit_gb is None or self.mem_limit_gb > 0, "mem_limit_gb", "must be > 0 GB or null")

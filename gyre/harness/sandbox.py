@@ -74,22 +74,33 @@ def bwrap_available() -> bool:
     if _bwrap_ok is None:
         binary = shutil.which("bwrap")
         try:
-            _bwrap_ok = binary is not None and subprocess.run(
-                [binary, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "true"],
-                capture_output=True, timeout=30).returncode == 0  # fmt: skip
+            _bwrap_ok = (
+                binary is not None
+                and subprocess.run(
+                    [binary, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "true"],
+                    capture_output=True,
+                    timeout=30,
+                ).returncode
+                == 0
+            )
         except (OSError, subprocess.TimeoutExpired):
             _bwrap_ok = False
         if not _bwrap_ok:
-            log.warning("bubblewrap (bwrap) cannot run here: harness sandboxes run unisolated "
-                        "(apt-get install bubblewrap; containers need user namespaces)")  # fmt: skip
+            log.warning(
+                "bubblewrap (bwrap) cannot run here: harness sandboxes run unisolated "
+                "(apt-get install bubblewrap; containers need user namespaces)"
+            )
     return _bwrap_ok
 
 
 def make_limits_prefix(cfg: HarnessConfig) -> list[str]:
     """util-linux `prlimit` argv setting the harness's rlimits, inherited by all it starts (pure).
     An exec'd wrapper rather than a preexec function: safe in a multi-threaded coordinator."""
-    limits = [("cpu", cfg.cpu_limit_s), ("nproc", cfg.max_processes),
-              ("as", None if cfg.mem_limit_gb is None else int(cfg.mem_limit_gb * 2**30))]  # fmt: skip
+    limits = [
+        ("cpu", cfg.cpu_limit_s),
+        ("nproc", cfg.max_processes),
+        ("as", None if cfg.mem_limit_gb is None else int(cfg.mem_limit_gb * 2**30)),
+    ]
     flags = [f"--{name}={value}" for name, value in limits if value is not None]
     return ["prlimit", *flags, "--"] if flags else []
 
@@ -97,8 +108,16 @@ def make_limits_prefix(cfg: HarnessConfig) -> list[str]:
 class Sandbox:
     """One execution's harness process: prepare, start, poll until it ends (or kill)."""
 
-    def __init__(self, task: Task, execution_id: str, root: Path, harness: HarnessConfig, proxy_url: str,
-                 api_key: str, model: str):  # fmt: skip
+    def __init__(
+        self,
+        task: Task,
+        execution_id: str,
+        root: Path,
+        harness: HarnessConfig,
+        proxy_url: str,
+        api_key: str,
+        model: str,
+    ):
         self.task, self.execution_id, self.cfg = task, execution_id, harness
         self.proxy_url, self.api_key, self.model = proxy_url, api_key, model
         self.dir = Path(root).resolve() / execution_id
@@ -126,8 +145,9 @@ class Sandbox:
         Raises:
             SandboxError: isolation=bwrap where bubblewrap cannot run, or the harness is missing.
         """
-        argv, env = make_harness_command(self.cfg, self.task.instruction, self.workspace, self.proxy_url,
-                                         self.api_key, self.model, self.home)  # fmt: skip
+        argv, env = make_harness_command(
+            self.cfg, self.task.instruction, self.workspace, self.proxy_url, self.api_key, self.model, self.home
+        )
         env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"))
         want = self.cfg.isolation
         self.isolated = want == "bwrap" or (want == "auto" and bwrap_available())
@@ -136,14 +156,25 @@ class Sandbox:
         if self.isolated:
             argv = make_bwrap_prefix([self.workspace, self.home], self.workspace) + argv
         if self.cfg.container_image:
-            argv = make_container_prefix(self.cfg.container_image, [self.workspace, self.home], self.workspace,
-                                         self.cfg.container_runtime) + argv  # fmt: skip
+            argv = (
+                make_container_prefix(
+                    self.cfg.container_image, [self.workspace, self.home], self.workspace, self.cfg.container_runtime
+                )
+                + argv
+            )
         argv = make_limits_prefix(self.cfg) + argv
         self._log = open(self.log_path, "ab")
         self._started = time.monotonic()
         try:
-            self._proc = subprocess.Popen(argv, cwd=self.workspace, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self._proc = subprocess.Popen(
+                argv,
+                cwd=self.workspace,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         except OSError as e:
             self._log.close()
             raise SandboxError(f"cannot start harness {argv[0]!r}: {e}") from e

@@ -16,8 +16,9 @@ Agents are told apart the way the proxy's hints read them (gyre/proxy/hints.py):
 Messages API with Claude Code's `x-claude-code-agent-id` / `-parent-agent-id` headers, and a
 summary request's last user message asks for a summary and not to call tools; on chat completions
 with `x-gyre-agent-id` / `x-gyre-parent-agent-id`; there a summary request also sends
-`x-gyre-call-kind: summary`, which the proxy records as kind `summary`. The pure functions (`make_*`) are shared with the warm start, which
-renders reference transcripts exactly as this agent's calls reach the proxy.
+`x-gyre-call-kind: summary`, which the proxy records as kind `summary`. The pure functions
+(`make_*`) are shared with the warm start, which renders reference transcripts exactly as this
+agent's calls reach the proxy.
 """
 
 import argparse
@@ -39,14 +40,26 @@ SUB_SYSTEM = "You are a helper agent. Look at the workspace and report what you 
 SUB_TASK = "List the files in the workspace."
 SUMMARY_REQUEST = "Write a short summary of the conversation so far. Do NOT call any tools."
 TOOLS = [
-    {"name": "write_file", "description": "Write text to a file.",
-     "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                    "required": ["path", "content"]}},
-    {"name": "read_file", "description": "Read a file.",
-     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
-    {"name": "run", "description": "Run a shell command.",
-     "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}},
-]  # fmt: skip
+    {
+        "name": "write_file",
+        "description": "Write text to a file.",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+        },
+    },
+    {
+        "name": "read_file",
+        "description": "Read a file.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    },
+    {
+        "name": "run",
+        "description": "Run a shell command.",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    },
+]
 RESULT_CHARS = 200
 """Tool results and reports are cut to this many characters (short prompts for the tiny model)."""
 
@@ -73,8 +86,10 @@ def make_resumed_prompt(instruction: str, summary: str) -> str:
 
 def conversation_chars(messages: list[dict]) -> int:
     """Size of a conversation beyond its system prompt: what compaction bounds."""
-    return sum(len(m.get("content") or "") + sum(len(json.dumps(c["arguments"])) for c in m.get("tool_calls", []))
-               for m in messages[1:])  # fmt: skip
+    return sum(
+        len(m.get("content") or "") + sum(len(json.dumps(c["arguments"])) for c in m.get("tool_calls", []))
+        for m in messages[1:]
+    )
 
 
 def make_openai_body(model: str, messages: list[dict], max_tokens: int, tools: bool) -> dict:
@@ -82,8 +97,14 @@ def make_openai_body(model: str, messages: list[dict], max_tokens: int, tools: b
     wire = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-                     for c in m["tool_calls"]]  # fmt: skip
+            calls = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+                }
+                for c in m["tool_calls"]
+            ]
             wire.append({"role": "assistant", "content": m["content"] or None, "tool_calls": calls})
         elif m["role"] == "tool":
             wire.append({"role": "tool", "tool_call_id": m["tool_call_id"], "content": m["content"]})
@@ -101,7 +122,10 @@ def make_anthropic_body(model: str, messages: list[dict], max_tokens: int, tools
     for m in messages[1:]:
         if m["role"] == "assistant":
             blocks = [{"type": "text", "text": m["content"]}] if m["content"] else []
-            blocks += [{"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]} for c in m.get("tool_calls", [])]
+            blocks += [
+                {"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]}
+                for c in m.get("tool_calls", [])
+            ]
             wire.append({"role": "assistant", "content": blocks or [{"type": "text", "text": ""}]})
         elif m["role"] == "tool":
             block = {"type": "tool_result", "tool_use_id": m["tool_call_id"], "content": m["content"]}
@@ -115,7 +139,9 @@ def make_anthropic_body(model: str, messages: list[dict], max_tokens: int, tools
             wire.append({"role": "user", "content": [{"type": "text", "text": m["content"]}]})
     body = {"model": model, "system": messages[0]["content"], "messages": wire, "max_tokens": max_tokens}
     if tools:
-        body["tools"] = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in TOOLS]
+        body["tools"] = [
+            {"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in TOOLS
+        ]
     return body
 
 
@@ -137,7 +163,9 @@ def run_tool(name: str, args: dict, workspace: Path) -> str:
         if name == "read_file":
             return (workspace / str(args["path"])).read_text(errors="replace")[:RESULT_CHARS]
         if name == "run":
-            done = subprocess.run(str(args["command"]), shell=True, cwd=workspace, capture_output=True, text=True, timeout=30)
+            done = subprocess.run(
+                str(args["command"]), shell=True, cwd=workspace, capture_output=True, text=True, timeout=30
+            )
             return f"exit {done.returncode}\n{(done.stdout + done.stderr)[:RESULT_CHARS]}"
         return f"error: unknown tool {name!r}; valid: write_file, read_file, run"
     except (OSError, KeyError, subprocess.TimeoutExpired) as e:
@@ -150,7 +178,9 @@ class ToyAgent:
 
     def __init__(self, args: argparse.Namespace):
         self.args, self.workspace = args, Path.cwd()
-        seed = int.from_bytes(hashlib.sha256(f"{args.seed}:{os.environ.get('GYRE_EXECUTION_ID', '')}".encode()).digest()[:8], "little")
+        seed = int.from_bytes(
+            hashlib.sha256(f"{args.seed}:{os.environ.get('GYRE_EXECUTION_ID', '')}".encode()).digest()[:8], "little"
+        )
         self.rng = random.Random(seed)
         self.tool_time = ToolTime(args.tool_median_s, args.tool_sigma, args.tool_max_s)
         key, base = os.environ["GYRE_API_KEY"], os.environ["GYRE_PROXY_URL"]
@@ -172,15 +202,23 @@ class ToyAgent:
             headers["x-gyre-call-kind"] = "summary"
         self.num_calls += 1
         if a.api == "anthropic":
-            r = self.client.messages.create(**make_anthropic_body(a.model, messages, a.max_tokens, tools), extra_headers=headers)
+            r = self.client.messages.create(
+                **make_anthropic_body(a.model, messages, a.max_tokens, tools), extra_headers=headers
+            )
             text = "".join(b.text for b in r.content if b.type == "text")
-            calls = [{"id": b.id, "name": b.name, "arguments": dict(b.input)} for b in r.content if b.type == "tool_use"]
+            calls = [
+                {"id": b.id, "name": b.name, "arguments": dict(b.input)} for b in r.content if b.type == "tool_use"
+            ]
         else:
-            r = self.client.chat.completions.create(**make_openai_body(a.model, messages, a.max_tokens, tools), extra_headers=headers)
+            r = self.client.chat.completions.create(
+                **make_openai_body(a.model, messages, a.max_tokens, tools), extra_headers=headers
+            )
             msg = r.choices[0].message
             text = msg.content or ""
-            calls = [{"id": c.id, "name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}
-                     for c in msg.tool_calls or []]  # fmt: skip
+            calls = [
+                {"id": c.id, "name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}
+                for c in msg.tool_calls or []
+            ]
         return {"role": "assistant", "content": text, "tool_calls": calls}
 
     def tools_round(self, reply: dict, messages: list[dict]) -> None:
@@ -203,7 +241,10 @@ class ToyAgent:
             if agent_id is None and conversation_chars(messages) > self.args.compact_chars:
                 summary = self.call(messages + [{"role": "user", "content": SUMMARY_REQUEST}], None, summary=True)
                 print(f"toy-agent: compacted {conversation_chars(messages)} chars", file=sys.stderr, flush=True)
-                messages = [messages[0], {"role": "user", "content": make_resumed_prompt(self.args.instruction, summary["content"])}]
+                messages = [
+                    messages[0],
+                    {"role": "user", "content": make_resumed_prompt(self.args.instruction, summary["content"])},
+                ]
         return reply["content"]
 
     def run(self) -> None:

@@ -57,9 +57,12 @@ class ClusterConfig:
         require(self.num_cells >= 1, "num_cells", f"must be >= 1 (the core cell), got {self.num_cells}")
         require(self.cell_nodes >= 1, "cell_nodes", f"must be >= 1 node per cell, got {self.cell_nodes}")
         if self.allocation_nodes is not None:
-            require(self.allocation_nodes % self.cell_nodes == 0, "cell_nodes",
-                    f"cells of {self.cell_nodes} nodes do not divide allocation_nodes={self.allocation_nodes}; "
-                    f"pick a divisor of {self.allocation_nodes}")
+            require(
+                self.allocation_nodes % self.cell_nodes == 0,
+                "cell_nodes",
+                f"cells of {self.cell_nodes} nodes do not divide allocation_nodes={self.allocation_nodes}; "
+                f"pick a divisor of {self.allocation_nodes}",
+            )
             self.num_cells = self.allocation_nodes // self.cell_nodes
             require(self.num_cells >= 1, "allocation_nodes", f"must hold >= 1 cell, got {self.allocation_nodes} nodes")
         require(self.gpus_per_node >= 0, "gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
@@ -67,8 +70,11 @@ class ClusterConfig:
         require(self.mem_gb_per_node >= 1, "mem_gb_per_node", f"must be >= 1 GiB, got {self.mem_gb_per_node}")
         require(self.time_limit_min >= 1, "time_limit_min", f"must be >= 1 minute, got {self.time_limit_min}")
         require(self.control in CONTROLS, "control", f"must be one of {', '.join(CONTROLS)}; got {self.control!r}")
-        require(self.control_peer_timeout_s > 0, "control_peer_timeout_s",
-                f"must be > 0 s, got {self.control_peer_timeout_s}")
+        require(
+            self.control_peer_timeout_s > 0,
+            "control_peer_timeout_s",
+            f"must be > 0 s, got {self.control_peer_timeout_s}",
+        )
         require(self.coordinator_cpus >= 1, "coordinator_cpus", f"must be >= 1, got {self.coordinator_cpus}")
         require(self.coordinator_mem_gb >= 1, "coordinator_mem_gb", f"must be >= 1 GiB, got {self.coordinator_mem_gb}")
 

@@ -10,10 +10,10 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from gyre.common import CONF_DIR
 from gyre.config import register_configs, validate
 from gyre.engines.server import serve
 from gyre.errors import ConfigError
-from gyre.common import CONF_DIR
 
 register_configs()
 
@@ -25,7 +25,10 @@ def run(cfg: DictConfig) -> None:
     except ConfigError as e:
         sys.exit(f"gyre-engine: invalid config: {e}")
     if gyre_cfg.engine.backend != "builtin":
-        sys.exit("gyre-engine serves only engine=builtin; SGLang runs as `python -m sglang.launch_server` (gyre.engines.launch)")
+        sys.exit(
+            "gyre-engine serves only engine=builtin; SGLang runs as `python -m sglang.launch_server` "
+            "(gyre.engines.launch)"
+        )
     serve(gyre_cfg.engine, gyre_cfg.model)
 
 

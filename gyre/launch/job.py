@@ -67,15 +67,25 @@ class GyreJob:
 
         preempt = PreemptionSignal(signal.SIGUSR2).install()
         resume = cfg.resume or placement.restart_count > 0
-        log.warning("coordinator on %s: job %s, restart %d, resume=%s", placement.node, placement.job_id,
-                    placement.restart_count, resume)  # fmt: skip
+        log.warning(
+            "coordinator on %s: job %s, restart %d, resume=%s",
+            placement.node,
+            placement.job_id,
+            placement.restart_count,
+            resume,
+        )
         try:
             return asyncio.run(run(cfg, self.run_dir, taskset, resume=resume, preempt=preempt.event))
         except Preempted as e:
             closed_t = time.time()
             subprocess.run(["scontrol", "requeue", placement.job_id], check=True, timeout=60)
-            times = {"signal_t": preempt.received_t, "closed_t": closed_t, "requeue_t": time.time(),
-                     "restart_count": placement.restart_count, "reason": str(e)}
+            times = {
+                "signal_t": preempt.received_t,
+                "closed_t": closed_t,
+                "requeue_t": time.time(),
+                "restart_count": placement.restart_count,
+                "reason": str(e),
+            }
             write_private_file(job_dir / f"preempted.r{placement.restart_count}.json", json.dumps(times))
             log.warning("requeued job %s: %s", placement.job_id, e)
             sys.exit(-1)  # as submitit's own handler: no result for this run, the requeued one writes it
@@ -99,8 +109,9 @@ def submit_run(cfg, taskset, run_dir: Path):
     job_dir, submitted_t = run_dir / "slurm", time.time()
     job_dir.mkdir(parents=True, exist_ok=True)
     write_private_file(job_dir / "run.pkl", pickle.dumps((cfg, taskset)))
-    executor = make_hetjob_executor(cfg.cluster, make_run_components(cfg.cluster), job_dir, name="gyre",
-                                    slurm_signal_delay_s=SIGNAL_DELAY_S)  # fmt: skip
+    executor = make_hetjob_executor(
+        cfg.cluster, make_run_components(cfg.cluster), job_dir, name="gyre", slurm_signal_delay_s=SIGNAL_DELAY_S
+    )
     job = executor.submit(GyreJob(run_dir))
     (job_dir / "job.json").write_text(json.dumps({"job_id": job.job_id, "submitted_t": submitted_t}))
     return job

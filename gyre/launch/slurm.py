@@ -11,11 +11,10 @@ folder must not contain `%j` (submitit would resolve it per component).
 Rendering and parsing here are pure; `query_partition` is the one command (`scontrol`).
 """
 
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import subprocess
 
 import submitit
 
@@ -94,8 +93,9 @@ def _split_option(option: str) -> tuple[str, Any]:
     return key, value if value else True
 
 
-def make_hetjob_executor(cluster: ClusterConfig, components: list[Component], folder: Path,
-                         **extra: Any) -> submitit.AutoExecutor:  # fmt: skip
+def make_hetjob_executor(
+    cluster: ClusterConfig, components: list[Component], folder: Path, **extra: Any
+) -> submitit.AutoExecutor:
     """An executor whose every submission is one het job of `components` (`extra`: more executor parameters)."""
     if "%j" in str(folder):
         raise ValueError(f"log folder {folder} must not contain %j for a heterogeneous job")
@@ -123,9 +123,13 @@ class PartitionLimits:
 def parse_partition(text: str) -> PartitionLimits:
     """Parse `scontrol show partition NAME --oneliner` (one `Key=Value` record)."""
     fields = dict(kv.split("=", 1) for kv in text.split() if "=" in kv)
-    return PartitionLimits(fields["PartitionName"], int(fields["TotalNodes"]), parse_time_min(fields["MaxTime"]),
-                           None if fields.get("MaxNodes", "UNLIMITED") == "UNLIMITED" else int(fields["MaxNodes"]),
-                           fields.get("State", "UP"))  # fmt: skip
+    return PartitionLimits(
+        fields["PartitionName"],
+        int(fields["TotalNodes"]),
+        parse_time_min(fields["MaxTime"]),
+        None if fields.get("MaxNodes", "UNLIMITED") == "UNLIMITED" else int(fields["MaxNodes"]),
+        fields.get("State", "UP"),
+    )
 
 
 def parse_time_min(value: str) -> int | None:
@@ -147,15 +151,21 @@ def check_fits(cluster: ClusterConfig, limits: PartitionLimits) -> None:
     if limits.state != "UP":
         raise SlurmConfigError("cluster.partition", f"{where} is {limits.state}, not UP")
     if nodes > limits.total_nodes:
-        raise SlurmConfigError("cluster.num_cells", f"{cluster.num_cells} cells x cluster.cell_nodes="
-                               f"{cluster.cell_nodes} + 1 coordinator node = {nodes} nodes; {where} has "
-                               f"{limits.total_nodes}")
+        raise SlurmConfigError(
+            "cluster.num_cells",
+            f"{cluster.num_cells} cells x cluster.cell_nodes="
+            f"{cluster.cell_nodes} + 1 coordinator node = {nodes} nodes; {where} has "
+            f"{limits.total_nodes}",
+        )
     if limits.max_nodes is not None and cluster.cell_nodes > limits.max_nodes:
-        raise SlurmConfigError("cluster.cell_nodes", f"{cluster.cell_nodes} nodes per cell exceed {where}'s "
-                               f"MaxNodes={limits.max_nodes}")
+        raise SlurmConfigError(
+            "cluster.cell_nodes", f"{cluster.cell_nodes} nodes per cell exceed {where}'s MaxNodes={limits.max_nodes}"
+        )
     if limits.max_time_min is not None and cluster.time_limit_min > limits.max_time_min:
-        raise SlurmConfigError("cluster.time_limit_min", f"{cluster.time_limit_min} min exceeds {where}'s "
-                               f"MaxTime of {limits.max_time_min} min")
+        raise SlurmConfigError(
+            "cluster.time_limit_min",
+            f"{cluster.time_limit_min} min exceeds {where}'s MaxTime of {limits.max_time_min} min",
+        )
 
 
 def query_partition(name: str | None) -> PartitionLimits:
@@ -164,12 +174,18 @@ def query_partition(name: str | None) -> PartitionLimits:
     Raises:
         SlurmConfigError: no such partition (Slurm's message attached), or no default one.
     """
-    out = subprocess.run(["scontrol", "show", "partition", "--oneliner", *([name] if name else [])],
-                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    out = subprocess.run(
+        ["scontrol", "show", "partition", "--oneliner", *([name] if name else [])],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if out.returncode != 0 or not out.stdout.strip():
         known = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30).stdout.split()
-        raise SlurmConfigError("cluster.partition", f"Slurm says: {(out.stderr or out.stdout).strip()}; "
-                               f"valid: {', '.join(sorted(set(known)))}")
+        raise SlurmConfigError(
+            "cluster.partition",
+            f"Slurm says: {(out.stderr or out.stdout).strip()}; valid: {', '.join(sorted(set(known)))}",
+        )
     lines = [line for line in out.stdout.splitlines() if line.strip()]
     if name:
         return parse_partition(lines[0])

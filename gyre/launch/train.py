@@ -22,7 +22,6 @@ from gyre.config import GyreConfig, register_configs, validate
 from gyre.errors import ConfigError, GyreError
 from gyre.tasks.spec import TaskSet, toy_taskset
 
-
 register_configs()
 
 
@@ -81,8 +80,12 @@ def load_tasks(cfg: GyreConfig) -> TaskSet:
         from gyre.tasks.warmstart import warm_start
 
         out, report = warm_start(Path(cfg.tasks.warm_start_dir), taskset, cfg.model)
-        print(f"gyre-train: warm start {'reused' if report['reused'] else 'trained'}: {out} "
-              f"(score before {report['before']}, after {report['after']})", file=sys.stderr, flush=True)
+        print(
+            f"gyre-train: warm start {'reused' if report['reused'] else 'trained'}: {out} "
+            f"(score before {report['before']}, after {report['after']})",
+            file=sys.stderr,
+            flush=True,
+        )
         cfg.coordinator.init_weights = str(out)
     return taskset
 

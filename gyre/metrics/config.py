@@ -42,14 +42,26 @@ class MetricsConfig:
 
     def __post_init__(self):
         require(bool(self.tensorboard_dir), "tensorboard_dir", "must name a directory")
-        require(not self.wandb or find_spec("wandb") is not None, "wandb",
-                "needs the wandb package (pip install wandb), or set metrics.wandb=false")
-        require(self.wandb_mode in WANDB_MODES, "wandb_mode",
-                f"must be one of {', '.join(WANDB_MODES)}; got {self.wandb_mode!r}")
-        require(self.progress in PROGRESS_MODES, "progress",
-                f"must be one of {', '.join(PROGRESS_MODES)}; got {self.progress!r}")
+        require(
+            not self.wandb or find_spec("wandb") is not None,
+            "wandb",
+            "needs the wandb package (pip install wandb), or set metrics.wandb=false",
+        )
+        require(
+            self.wandb_mode in WANDB_MODES,
+            "wandb_mode",
+            f"must be one of {', '.join(WANDB_MODES)}; got {self.wandb_mode!r}",
+        )
+        require(
+            self.progress in PROGRESS_MODES,
+            "progress",
+            f"must be one of {', '.join(PROGRESS_MODES)}; got {self.progress!r}",
+        )
         require(self.progress_interval_s > 0, "progress_interval_s", f"must be > 0, got {self.progress_interval_s}")
-        require(self.plots_interval_s >= 0, "plots_interval_s",
-                f"must be >= 0 (0: only at the end), got {self.plots_interval_s}")
+        require(
+            self.plots_interval_s >= 0,
+            "plots_interval_s",
+            f"must be >= 0 (0: only at the end), got {self.plots_interval_s}",
+        )
         require(self.rate_window_s > 0, "rate_window_s", f"must be > 0, got {self.rate_window_s}")
         require(self.sample_interval_s >= 0, "sample_interval_s", f"must be >= 0, got {self.sample_interval_s}")

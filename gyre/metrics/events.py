@@ -208,8 +208,19 @@ class Observation(Event):
 
 EVENT_TYPES: dict[str, type[Event]] = {
     c.kind: c
-    for c in (RunStart, ModelCall, ExecutionState, RoleSwitch, MicroStep, OptimizerStep, WeightPublish,
-              Checkpoint, Exclusion, Failure, Observation)
+    for c in (
+        RunStart,
+        ModelCall,
+        ExecutionState,
+        RoleSwitch,
+        MicroStep,
+        OptimizerStep,
+        WeightPublish,
+        Checkpoint,
+        Exclusion,
+        Failure,
+        Observation,
+    )
 }
 _FIELDS = {k: frozenset(f.name for f in fields(c)) for k, c in EVENT_TYPES.items()}
 

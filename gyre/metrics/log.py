@@ -54,7 +54,7 @@ class EventLog:
             if os.write(self._fd, line) != len(line):
                 raise OSError(f"short write of {len(line)} bytes (disk full?)")
             self.num_written += 1
-        except Exception as e:  # noqa: BLE001 - any failure of observability is counted, never raised
+        except Exception as e:
             self.num_dropped += 1
             if not self._logged:
                 self._logged = True
@@ -62,8 +62,12 @@ class EventLog:
 
     def close(self) -> None:
         if self.num_dropped:
-            log.warning("metrics: %d of %d events to %s were dropped", self.num_dropped,
-                        self.num_dropped + self.num_written, self.path)
+            log.warning(
+                "metrics: %d of %d events to %s were dropped",
+                self.num_dropped,
+                self.num_dropped + self.num_written,
+                self.path,
+            )
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -151,6 +155,10 @@ def read_events(path: str | os.PathLike) -> tuple[list[Event], ReadStats]:
     if tail.stats.num_torn:
         log.warning("metrics: %s ends in a torn line (a crash mid-write); skipped", path)
     if tail.stats.invalid:
-        log.warning("metrics: %s has %d invalid lines (first: line %d, %s)", path, len(tail.stats.invalid),
-                    *tail.stats.invalid[0])
+        log.warning(
+            "metrics: %s has %d invalid lines (first: line %d, %s)",
+            path,
+            len(tail.stats.invalid),
+            *tail.stats.invalid[0],
+        )
     return events, tail.stats

@@ -34,8 +34,14 @@ class RunMonitor:
     """Usage: `monitor = RunMonitor(run_dir, cfg, num_steps=N)`; `monitor.update()` each loop
     iteration; `summary = monitor.close()` at the end (also after a failure)."""
 
-    def __init__(self, run_dir: str | os.PathLike, cfg: MetricsConfig, *, num_steps: int | None = None,
-                 stream: TextIO | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        cfg: MetricsConfig,
+        *,
+        num_steps: int | None = None,
+        stream: TextIO | None = None,
+    ):
         self.run_dir, self.cfg = Path(run_dir), cfg
         self.state = RunState(rate_window_s=cfg.rate_window_s)
         self.view_errors: Counter = Counter()
@@ -98,7 +104,7 @@ class RunMonitor:
     def _guard(self, name: str, fn) -> None:
         try:
             fn()
-        except Exception as e:  # noqa: BLE001 - a broken view never stops the run
+        except Exception as e:
             if not self.view_errors[name]:
                 log.warning("metrics: %s failed: %r (logged once, counted)", name, e, exc_info=True)
             self.view_errors[name] += 1

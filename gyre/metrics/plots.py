@@ -10,18 +10,24 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
-from matplotlib import colormaps, patheffects  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-from matplotlib.ticker import PercentFormatter  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib import colormaps, patheffects
+from matplotlib.patches import Patch
+from matplotlib.ticker import PercentFormatter
 
-from gyre.metrics.state import RunState, Span, TimelinePanel  # noqa: E402
+from gyre.metrics.state import RunState, Span, TimelinePanel
 
-ROLE_COLOURS = {"rollout": "tab:blue", "train": "tab:orange", "to_train": "tab:red", "to_rollout": "tab:purple",
-                "lost": "black"}
-_PHASE_ORDER = {"to_train": ("stop_admission", "hand_off_sessions", "release_engine_memory", "pull_weights",
-                             "join_step"),
-                "to_rollout": ("finish_microstep", "load_weights", "announce_to_proxy")}
+ROLE_COLOURS = {
+    "rollout": "tab:blue",
+    "train": "tab:orange",
+    "to_train": "tab:red",
+    "to_rollout": "tab:purple",
+    "lost": "black",
+}
+_PHASE_ORDER = {
+    "to_train": ("stop_admission", "hand_off_sessions", "release_engine_memory", "pull_weights", "join_step"),
+    "to_rollout": ("finish_microstep", "load_weights", "announce_to_proxy"),
+}
 _PHASE_MAPS = {"to_train": "Reds", "to_rollout": "Purples"}
 DPI = 100
 TIMELINE_WIDTH_IN = 12
@@ -70,7 +76,7 @@ def draw_timelines(panels: list[TimelinePanel], path: str | os.PathLike) -> None
     fig, axes = plt.subplots(len(panels), 1, figsize=(TIMELINE_WIDTH_IN, height), squeeze=False, height_ratios=ratios)
     legend: dict[str, object] = {}
     for ax, p in zip(axes[:, 0], panels):
-        for row, (label, spans) in enumerate(p.lanes):
+        for row, (_label, spans) in enumerate(p.lanes):
             for s in spans:
                 x, w, z = (s.t0 - p.t0) / div, (s.t1 - s.t0) / div, 2
                 if s.role in _PHASE_ORDER and w < min_w:
@@ -87,8 +93,15 @@ def draw_timelines(panels: list[TimelinePanel], path: str | os.PathLike) -> None
             twin = ax.twinx()
             xs = [(t - p.t0) / div for t, _ in p.levels] + [(p.t1 - p.t0) / div]
             ys = [w for _, w in p.levels] + [p.levels[-1][1]]
-            twin.step(xs, ys, where="post", color="black", lw=1.1, label="waterlevel",
-                      path_effects=[patheffects.withStroke(linewidth=2.8, foreground="white")])  # readable on any bar
+            twin.step(
+                xs,
+                ys,
+                where="post",
+                color="black",
+                lw=1.1,
+                label="waterlevel",
+                path_effects=[patheffects.withStroke(linewidth=2.8, foreground="white")],
+            )  # readable on any bar
             twin.set_ylim(0, top_level * 1.15 + 1)
             twin.set_ylabel("waterlevel", fontsize=9)
     axes[-1, 0].set_xlabel(unit)
@@ -102,7 +115,15 @@ def draw_timelines(panels: list[TimelinePanel], path: str | os.PathLike) -> None
 
 
 def _legend_order(legend: dict) -> list:
-    order = ["rollout", "train", "to_train", *_PHASE_ORDER["to_train"], "to_rollout", *_PHASE_ORDER["to_rollout"], "lost"]
+    order = [
+        "rollout",
+        "train",
+        "to_train",
+        *_PHASE_ORDER["to_train"],
+        "to_rollout",
+        *_PHASE_ORDER["to_rollout"],
+        "lost",
+    ]
     return sorted(legend.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
 
 
@@ -126,15 +147,34 @@ def plot_reward(state: RunState, path: str | os.PathLike, title: str) -> None:
         stds = [(sum((x - m) ** 2 for x in r) / len(r)) ** 0.5 for r, m in zip(by_step.values(), means)]
         for k, rewards in by_step.items():  # spread sideways: many executions share a reward (0, 1)
             jitter = [k + 0.3 * ((i * 7919) % 11 / 10 - 0.5) for i in range(len(rewards))]
-            ax.scatter(jitter, rewards, s=14, color="tab:blue", alpha=0.45, lw=0,
-                       label="one evaluated execution" if k == steps[0] else None)
-        ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
-                        color="tab:blue", alpha=0.15, label="mean +- 1 std")
+            ax.scatter(
+                jitter,
+                rewards,
+                s=14,
+                color="tab:blue",
+                alpha=0.45,
+                lw=0,
+                label="one evaluated execution" if k == steps[0] else None,
+            )
+        ax.fill_between(
+            steps,
+            [m - s for m, s in zip(means, stds)],
+            [m + s for m, s in zip(means, stds)],
+            color="tab:blue",
+            alpha=0.15,
+            label="mean +- 1 std",
+        )
         ax.plot(steps, means, color="tab:blue", marker="o", label="mean reward (evaluated executions)")
         trained = sorted(state.steps.items())
         if trained:
-            ax.plot([k for k, _ in trained], [s.reward_mean for _, s in trained], color="tab:orange", ls="--",
-                    marker="x", label="mean reward of the trained batch")
+            ax.plot(
+                [k for k, _ in trained],
+                [s.reward_mean for _, s in trained],
+                color="tab:orange",
+                ls="--",
+                marker="x",
+                label="mean reward of the trained batch",
+            )
         ax.set_xticks(steps)
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     else:
@@ -160,8 +200,15 @@ def plot_tokens(state: RunState, path: str | os.PathLike, title: str) -> None:
     for k, s in steps:  # what cap and dedup saved, over the dedup bar
         if s.targets_naive:
             saved = 1 - s.targets_dedup / s.targets_naive
-            ax.annotate(f"-{saved:.0%}" if saved >= 0.005 else "0%", (k + width, s.targets_dedup),
-                        xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                f"-{saved:.0%}" if saved >= 0.005 else "0%",
+                (k + width, s.targets_dedup),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     ax.set_xticks([k for k, _ in steps])
     ax.set_xlabel("step", labelpad=1)
     ax.set_ylabel("target tokens")
@@ -175,9 +222,14 @@ def plot_tokens(state: RunState, path: str | os.PathLike, title: str) -> None:
     save(fig, path)
 
 
-_UTIL_PARTS = (("rollout", "busy", "tab:blue", 1.0), ("rollout", "idle", "tab:blue", 0.3),
-               ("train", "busy", "tab:orange", 1.0), ("train", "idle", "tab:orange", 0.3),
-               ("switching", "", "tab:red", 0.8), ("lost", "", "black", 1.0))
+_UTIL_PARTS = (
+    ("rollout", "busy", "tab:blue", 1.0),
+    ("rollout", "idle", "tab:blue", 0.3),
+    ("train", "busy", "tab:orange", 1.0),
+    ("train", "idle", "tab:orange", 0.3),
+    ("switching", "", "tab:red", 0.8),
+    ("lost", "", "black", 1.0),
+)
 
 
 def utilisation(state: RunState) -> dict[int, dict[str, float]]:
@@ -187,12 +239,14 @@ def utilisation(state: RunState) -> dict[int, dict[str, float]]:
     for i in sorted(state.cells):
         time_s = state.role_time_s(i)
         busy = {r: state.busy_s(i, r) for r in ("rollout", "train")}
-        out[i] = {"rollout busy": busy["rollout"] / total,
-                  "rollout idle": (time_s.get("rollout", 0.0) - busy["rollout"]) / total,
-                  "train busy": busy["train"] / total,
-                  "train idle": (time_s.get("train", 0.0) - busy["train"]) / total,
-                  "switching": (time_s.get("to_train", 0.0) + time_s.get("to_rollout", 0.0)) / total,
-                  "lost": time_s.get("lost", 0.0) / total}
+        out[i] = {
+            "rollout busy": busy["rollout"] / total,
+            "rollout idle": (time_s.get("rollout", 0.0) - busy["rollout"]) / total,
+            "train busy": busy["train"] / total,
+            "train idle": (time_s.get("train", 0.0) - busy["train"]) / total,
+            "switching": (time_s.get("to_train", 0.0) + time_s.get("to_rollout", 0.0)) / total,
+            "lost": time_s.get("lost", 0.0) / total,
+        }
     return out
 
 
@@ -210,8 +264,15 @@ def plot_utilisation(state: RunState, path: str | os.PathLike, title: str) -> No
         ax.barh(range(len(cells)), widths, left=left, color=colour, alpha=alpha, label=key, edgecolor="white", lw=0.5)
         for row, (x, w) in enumerate(zip(left, widths)):
             if w >= 0.06 and part != "idle":
-                ax.text(x + w / 2, row, f"{w:.0%}", ha="center", va="center", fontsize=8,
-                        color="white" if alpha >= 0.8 else "black")
+                ax.text(
+                    x + w / 2,
+                    row,
+                    f"{w:.0%}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if alpha >= 0.8 else "black",
+                )
         left = [x + w for x, w in zip(left, widths)]
     ax.set_yticks(range(len(cells)), [lane_label(state, i) for i in cells])
     ax.invert_yaxis()

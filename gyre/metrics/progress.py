@@ -50,11 +50,20 @@ def make_snapshot(state: RunState, now: float, num_steps: int | None = None) -> 
     calls_s, tokens_s = state.rates()
     last_step = state.steps[max(state.steps)] if state.steps else None
     return Snapshot(
-        steps_done=done, num_steps=total, elapsed_s=elapsed,
-        waterlevel=obs.waterlevel if obs else 0, queued=obs.queued if obs else 0, running=obs.running if obs else 0,
-        roles=tuple(obs.roles) if obs else (), calls_per_s=calls_s, output_tokens_per_s=tokens_s,
+        steps_done=done,
+        num_steps=total,
+        elapsed_s=elapsed,
+        waterlevel=obs.waterlevel if obs else 0,
+        queued=obs.queued if obs else 0,
+        running=obs.running if obs else 0,
+        roles=tuple(obs.roles) if obs else (),
+        calls_per_s=calls_s,
+        output_tokens_per_s=tokens_s,
         reward_mean=last_step.reward_mean if last_step else None,
-        num_excluded=sum(state.exclusions.values()), num_failures=sum(state.failures.values()), eta_s=eta)
+        num_excluded=sum(state.exclusions.values()),
+        num_failures=sum(state.failures.values()),
+        eta_s=eta,
+    )
 
 
 def format_duration(seconds: float | None) -> str:
@@ -68,10 +77,12 @@ def format_line(s: Snapshot) -> str:
     """One plain progress line (for logs)."""
     cells = " ".join(f"{i}:{ROLE_MARKS.get(r, r)}" for i, r in enumerate(s.roles)) or "-"
     reward = f"{s.reward_mean:.3f}" if s.reward_mean is not None else "-"
-    return (f"step {s.steps_done}/{s.num_steps or '?'} | {format_duration(s.elapsed_s)} | waterlevel {s.waterlevel} "
-            f"(queued {s.queued}, running {s.running}) | cells {cells} | {s.calls_per_s:.2f} calls/s "
-            f"{s.output_tokens_per_s:.0f} tok/s | reward {reward} | excluded {s.num_excluded} | "
-            f"failures {s.num_failures} | ETA {format_duration(s.eta_s)}")
+    return (
+        f"step {s.steps_done}/{s.num_steps or '?'} | {format_duration(s.elapsed_s)} | waterlevel {s.waterlevel} "
+        f"(queued {s.queued}, running {s.running}) | cells {cells} | {s.calls_per_s:.2f} calls/s "
+        f"{s.output_tokens_per_s:.0f} tok/s | reward {reward} | excluded {s.num_excluded} | "
+        f"failures {s.num_failures} | ETA {format_duration(s.eta_s)}"
+    )
 
 
 def make_table(s: Snapshot) -> Table:
@@ -80,13 +91,18 @@ def make_table(s: Snapshot) -> Table:
     table.add_column(style="bold")
     table.add_column()
     reward = f"{s.reward_mean:.3f}" if s.reward_mean is not None else "-"
-    rows = (("step", f"{s.steps_done}/{s.num_steps or '?'}   elapsed {format_duration(s.elapsed_s)}   "
-                     f"ETA {format_duration(s.eta_s)}"),
-            ("waterlevel", f"{s.waterlevel} (queued {s.queued}, running {s.running})"),
-            ("cells", " ".join(f"{i}:{ROLE_MARKS.get(r, r)}" for i, r in enumerate(s.roles)) or "-"),
-            ("rollout", f"{s.calls_per_s:.2f} calls/s   {s.output_tokens_per_s:.0f} tok/s"),
-            ("reward", f"{reward} (last trained batch)"),
-            ("excluded", f"{s.num_excluded}   failures {s.num_failures}"))
+    rows = (
+        (
+            "step",
+            f"{s.steps_done}/{s.num_steps or '?'}   elapsed {format_duration(s.elapsed_s)}   "
+            f"ETA {format_duration(s.eta_s)}",
+        ),
+        ("waterlevel", f"{s.waterlevel} (queued {s.queued}, running {s.running})"),
+        ("cells", " ".join(f"{i}:{ROLE_MARKS.get(r, r)}" for i, r in enumerate(s.roles)) or "-"),
+        ("rollout", f"{s.calls_per_s:.2f} calls/s   {s.output_tokens_per_s:.0f} tok/s"),
+        ("reward", f"{reward} (last trained batch)"),
+        ("excluded", f"{s.num_excluded}   failures {s.num_failures}"),
+    )
     for key, value in rows:
         table.add_row(key, value)
     return table

@@ -62,16 +62,21 @@ def summarize(state: RunState) -> dict:
         "switch_s": {k: round(fmean(v), 3) for k, v in state.switch_s.items()},
         "switch_phase_s": {p: round(fmean(v), 3) for p, v in state.phase_s.items()},
         "cell_role_share": shares,
-        "cell_utilisation": {str(i): {k: round(v, 4) for k, v in parts.items()}
-                             for i, parts in utilisation(state).items()},
+        "cell_utilisation": {
+            str(i): {k: round(v, 4) for k, v in parts.items()} for i, parts in utilisation(state).items()
+        },
         "num_calls": state.num_calls,
         "calls_per_s": round(state.num_calls / state.duration_s, 3) if state.duration_s else 0.0,
         "prompt_tokens": state.prompt_tokens,
         "output_tokens": state.output_tokens,
         "cached_tokens": state.cached_tokens,
-        "targets": {"naive": naive, "capped": capped, "dedup": dedup,
-                    "saved_by_cap": round(1 - capped / naive, 4) if naive else 0.0,
-                    "saved_by_dedup": round(1 - dedup / capped, 4) if capped else 0.0},
+        "targets": {
+            "naive": naive,
+            "capped": capped,
+            "dedup": dedup,
+            "saved_by_cap": round(1 - capped / naive, 4) if naive else 0.0,
+            "saved_by_dedup": round(1 - dedup / capped, 4) if capped else 0.0,
+        },
         "num_micro_steps": state.num_micro_steps,
         "weight_publish_s": round(fmean(p.seconds for p in state.publishes), 3) if state.publishes else None,
         "num_checkpoints": len(state.checkpoints),
@@ -81,15 +86,19 @@ def summarize(state: RunState) -> dict:
 
 def format_steps(state: RunState) -> str:
     """Per optimizer step: reward, loss, and the training targets naive / capped / deduplicated."""
-    head = (f"{'step':>4} {'reward':>7} {'+-std':>6} {'execs':>5} {'loss':>9} {'grad':>6} "
-            f"{'targets naive':>13} {'capped':>9} {'dedup':>9} {'-% naive':>8} {'step s':>7}")
+    head = (
+        f"{'step':>4} {'reward':>7} {'+-std':>6} {'execs':>5} {'loss':>9} {'grad':>6} "
+        f"{'targets naive':>13} {'capped':>9} {'dedup':>9} {'-% naive':>8} {'step s':>7}"
+    )
     lines = [head]
     for k in sorted(state.steps):
         s = state.steps[k]
         saved = f"{1 - s.targets_dedup / s.targets_naive:.0%}" if s.targets_naive else "-"
-        lines.append(f"{k:>4} {s.reward_mean:>7.3f} {s.reward_std:>6.3f} {s.num_executions:>5} {s.loss:>9.4f} "
-                     f"{s.grad_norm:>6.2f} {s.targets_naive:>13} {s.targets_capped:>9} {s.targets_dedup:>9} "
-                     f"{saved:>8} {s.seconds:>7.1f}")
+        lines.append(
+            f"{k:>4} {s.reward_mean:>7.3f} {s.reward_std:>6.3f} {s.num_executions:>5} {s.loss:>9.4f} "
+            f"{s.grad_norm:>6.2f} {s.targets_naive:>13} {s.targets_capped:>9} {s.targets_dedup:>9} "
+            f"{saved:>8} {s.seconds:>7.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -129,14 +138,18 @@ def format_summary(name: str, s: dict, stats: ReadStats) -> str:
     for cell, shares in s["cell_role_share"].items():
         parts = s["cell_utilisation"][cell]
         busy = {r: parts[f"{r} busy"] / shares[r] for r in ("rollout", "train") if shares.get(r)}
-        lines.append(f"  cell {cell:<18} " + "  ".join(
-            f"{r} {v:.1%}" + (f" (busy {busy[r]:.0%})" if r in busy else "") for r, v in shares.items()))
+        lines.append(
+            f"  cell {cell:<18} "
+            + "  ".join(f"{r} {v:.1%}" + (f" (busy {busy[r]:.0%})" if r in busy else "") for r, v in shares.items())
+        )
     if s["switch_phase_s"]:
         lines.append("  switch phases (mean s)  " + "  ".join(f"{p} {v:.2f}" for p, v in s["switch_phase_s"].items()))
     if s["exclusions"]:
         lines.append("  exclusions              " + "  ".join(f"{r} {n}" for r, n in s["exclusions"].items()))
-    lines.append(f"  events                  {stats.num_events} read, {stats.num_torn} torn last line, "
-                 f"{len(stats.invalid)} invalid")
+    lines.append(
+        f"  events                  {stats.num_events} read, {stats.num_torn} torn last line, "
+        f"{len(stats.invalid)} invalid"
+    )
     return "\n".join(lines)
 
 
@@ -174,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         plot_compare(states, names, args.out / "compare.png")
         draw_timelines([timeline_panel(s, n) for s, n in zip(states, names)], args.out / "compare_timeline.png")
-        print(f"\n{format_compare(names, summaries)}\ncompare: {args.out / 'compare.png'} "
-              f"{args.out / 'compare_timeline.png'}")
+        print(
+            f"\n{format_compare(names, summaries)}\ncompare: {args.out / 'compare.png'} "
+            f"{args.out / 'compare_timeline.png'}"
+        )
     if args.json:
         print(json.dumps({"runs": dict(zip(names, summaries))}))
     return 0

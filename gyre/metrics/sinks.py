@@ -22,10 +22,26 @@ from gyre.metrics.events import (
 )
 from gyre.metrics.state import RunState
 
-_LOSS_FIELDS = ("loss", "clip_fraction", "truncated_fraction", "ratio_mean", "logprob_gap_mean", "kl_mean",
-                "entropy_mean", "grad_norm", "num_executions")
-_TOKEN_FIELDS = ("targets_naive", "targets_capped", "targets_dedup", "seq_tokens_naive", "seq_tokens_capped",
-                 "seq_tokens_packed", "seq_tokens_tree")
+_LOSS_FIELDS = (
+    "loss",
+    "clip_fraction",
+    "truncated_fraction",
+    "ratio_mean",
+    "logprob_gap_mean",
+    "kl_mean",
+    "entropy_mean",
+    "grad_norm",
+    "num_executions",
+)
+_TOKEN_FIELDS = (
+    "targets_naive",
+    "targets_capped",
+    "targets_dedup",
+    "seq_tokens_naive",
+    "seq_tokens_capped",
+    "seq_tokens_packed",
+    "seq_tokens_tree",
+)
 
 
 @dataclass(frozen=True)
@@ -46,9 +62,15 @@ def make_scalars(e: Event, state: RunState) -> Scalars | None:
         return Scalars("step", e.step, values)
     if isinstance(e, Observation):
         calls_s, tokens_s = state.rates()
-        values = {"cluster/queued": e.queued, "cluster/running": e.running, "cluster/waterlevel": e.waterlevel,
-                  "cluster/sessions": sum(e.sessions), "rollout/calls_per_s": calls_s,
-                  "rollout/output_tokens_per_s": tokens_s, "failures/total": sum(state.failures.values())}
+        values = {
+            "cluster/queued": e.queued,
+            "cluster/running": e.running,
+            "cluster/waterlevel": e.waterlevel,
+            "cluster/sessions": sum(e.sessions),
+            "rollout/calls_per_s": calls_s,
+            "rollout/output_tokens_per_s": tokens_s,
+            "failures/total": sum(state.failures.values()),
+        }
         values |= {f"cluster/cells_{r}": sum(x == r for x in e.roles) for r in ROLES}
         values |= {f"executions/{k}": n for k, n in state.outcomes().items()}
         values |= {f"exclusions/{k}": n for k, n in state.exclusions.items()}
@@ -61,8 +83,11 @@ def make_scalars(e: Event, state: RunState) -> Scalars | None:
     if isinstance(e, Checkpoint):
         return Scalars("step", e.step, {"checkpoint/seconds": e.seconds})
     if isinstance(e, MicroStep):
-        return Scalars("micro_step", state.num_micro_steps,
-                       {"train/micro_step_tokens_per_s": e.tokens / e.seconds if e.seconds > 0 else 0.0})
+        return Scalars(
+            "micro_step",
+            state.num_micro_steps,
+            {"train/micro_step_tokens_per_s": e.tokens / e.seconds if e.seconds > 0 else 0.0},
+        )
     return None
 
 
@@ -70,7 +95,7 @@ class TensorBoardSink:
     """TensorBoard event files under `log_dir` (`tensorboard --logdir <run_dir>/tensorboard`)."""
 
     def __init__(self, log_dir: str | os.PathLike):
-        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - torch only where TensorBoard is on
+        from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(log_dir), flush_secs=30)
 
@@ -86,10 +111,16 @@ class WandbSink:
     """A Weights & Biases run; each tag is plotted against its own axis (`define_metric`)."""
 
     def __init__(self, run_dir: str | os.PathLike, cfg: MetricsConfig, name: str):
-        import wandb  # noqa: PLC0415 - optional dependency, imported only when configured
+        import wandb
 
-        self._run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity or None, mode=cfg.wandb_mode,
-                               dir=str(run_dir), name=name, reinit="finish_previous")
+        self._run = wandb.init(
+            project=cfg.wandb_project,
+            entity=cfg.wandb_entity or None,
+            mode=cfg.wandb_mode,
+            dir=str(run_dir),
+            name=name,
+            reinit="finish_previous",
+        )
         self._defined: set[str] = set()
 
     def write(self, e: Event, scalars: Scalars) -> None:

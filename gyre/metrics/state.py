@@ -12,15 +12,15 @@ shows a cell lost ends its lane there. Busy time: a model call occupies its cell
 
 from bisect import bisect_right
 from collections import Counter, deque
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from gyre.metrics.events import (
     ROLES,
     Checkpoint,
     Event,
-    ExecutionState,
     Exclusion,
+    ExecutionState,
     Failure,
     MicroStep,
     ModelCall,

@@ -14,6 +14,7 @@ from gyre.models.config import ModelConfig
 from gyre.models.hf import read_hf_config, read_hf_weights, write_hf_dir
 from gyre.models.transformer import check_weights
 
+
 def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     """Write the directory (fp32) atomically per file (temp file, then rename), so readers never see halves.
 

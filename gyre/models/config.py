@@ -41,7 +41,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.path is not None:
-            from gyre.models.hf import read_hf_config  # noqa: PLC0415  (hf imports this module)
+            from gyre.models.hf import read_hf_config
 
             for key, value in read_hf_config(self.path).items():
                 setattr(self, key, value)
@@ -57,7 +57,11 @@ class ModelConfig:
                 f"must divide hidden_size={self.hidden_size} (or set head_dim), got {self.num_attention_heads}",
             )
             self.head_dim = self.hidden_size // self.num_attention_heads
-        require(self.head_dim >= 2 and self.head_dim % 2 == 0, "head_dim", f"must be even and >= 2 (RoPE halves), got {self.head_dim}")
+        require(
+            self.head_dim >= 2 and self.head_dim % 2 == 0,
+            "head_dim",
+            f"must be even and >= 2 (RoPE halves), got {self.head_dim}",
+        )
         require(
             self.num_query_groups >= 1 and self.num_attention_heads % self.num_query_groups == 0,
             "num_query_groups",

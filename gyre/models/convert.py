@@ -13,9 +13,10 @@ import torch
 from gyre.errors import GyreError
 from gyre.models.config import ModelConfig
 
-
-_QK_NORMS = (("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
-              ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"))  # (megatron, engine)
+_QK_NORMS = (
+    ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+    ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+)  # (megatron, engine)
 
 
 class ConversionError(GyreError):
@@ -51,17 +52,21 @@ def megatron_to_engine(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
         src, dst = f"decoder.layers.{i}.", f"layers.{i}."
         q, k, v = _qkv_split(get(src + "self_attention.linear_qkv.weight", (qkv_rows, h)), cfg)
         gate, up = torch.split(get(src + "mlp.linear_fc1.weight", (2 * f, h)), [f, f], dim=0)
-        out.update({
-            dst + "input_layernorm.weight": get(src + "input_layernorm.weight", (h,)),
-            dst + "self_attn.q_proj.weight": q,
-            dst + "self_attn.k_proj.weight": k,
-            dst + "self_attn.v_proj.weight": v,
-            dst + "self_attn.o_proj.weight": get(src + "self_attention.linear_proj.weight", (h, cfg.num_attention_heads * cfg.head_dim)),
-            dst + "post_attention_layernorm.weight": get(src + "pre_mlp_layernorm.weight", (h,)),
-            dst + "mlp.gate_proj.weight": gate,
-            dst + "mlp.up_proj.weight": up,
-            dst + "mlp.down_proj.weight": get(src + "mlp.linear_fc2.weight", (h, f)),
-        })
+        out.update(
+            {
+                dst + "input_layernorm.weight": get(src + "input_layernorm.weight", (h,)),
+                dst + "self_attn.q_proj.weight": q,
+                dst + "self_attn.k_proj.weight": k,
+                dst + "self_attn.v_proj.weight": v,
+                dst + "self_attn.o_proj.weight": get(
+                    src + "self_attention.linear_proj.weight", (h, cfg.num_attention_heads * cfg.head_dim)
+                ),
+                dst + "post_attention_layernorm.weight": get(src + "pre_mlp_layernorm.weight", (h,)),
+                dst + "mlp.gate_proj.weight": gate,
+                dst + "mlp.up_proj.weight": up,
+                dst + "mlp.down_proj.weight": get(src + "mlp.linear_fc2.weight", (h, f)),
+            }
+        )
         for a, b in _QK_NORMS if cfg.qk_norm else ():
             out[dst + b] = get(src + a, (cfg.head_dim,))
     out["norm.weight"] = get("decoder.final_layernorm.weight", (h,))
@@ -84,14 +89,20 @@ def engine_to_megatron(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
         q = get(src + "self_attn.q_proj.weight", (cfg.num_attention_heads * hd, h))
         k = get(src + "self_attn.k_proj.weight", (cfg.num_query_groups * hd, h))
         v = get(src + "self_attn.v_proj.weight", (cfg.num_query_groups * hd, h))
-        out.update({
-            dst + "input_layernorm.weight": get(src + "input_layernorm.weight", (h,)),
-            dst + "self_attention.linear_qkv.weight": _qkv_fuse(q, k, v, cfg),
-            dst + "self_attention.linear_proj.weight": get(src + "self_attn.o_proj.weight", (h, cfg.num_attention_heads * hd)),
-            dst + "pre_mlp_layernorm.weight": get(src + "post_attention_layernorm.weight", (h,)),
-            dst + "mlp.linear_fc1.weight": torch.cat([get(src + "mlp.gate_proj.weight", (f, h)), get(src + "mlp.up_proj.weight", (f, h))]),
-            dst + "mlp.linear_fc2.weight": get(src + "mlp.down_proj.weight", (h, f)),
-        })
+        out.update(
+            {
+                dst + "input_layernorm.weight": get(src + "input_layernorm.weight", (h,)),
+                dst + "self_attention.linear_qkv.weight": _qkv_fuse(q, k, v, cfg),
+                dst + "self_attention.linear_proj.weight": get(
+                    src + "self_attn.o_proj.weight", (h, cfg.num_attention_heads * hd)
+                ),
+                dst + "pre_mlp_layernorm.weight": get(src + "post_attention_layernorm.weight", (h,)),
+                dst + "mlp.linear_fc1.weight": torch.cat(
+                    [get(src + "mlp.gate_proj.weight", (f, h)), get(src + "mlp.up_proj.weight", (f, h))]
+                ),
+                dst + "mlp.linear_fc2.weight": get(src + "mlp.down_proj.weight", (h, f)),
+            }
+        )
         for a, b in _QK_NORMS if cfg.qk_norm else ():
             out[dst + a] = get(src + b, (hd,))
     out["decoder.final_layernorm.weight"] = get("norm.weight", (h,))

@@ -47,10 +47,14 @@ def export(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, model_path
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="gyre-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="gyre-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("checkpoint", help="a trainer checkpoint directory (…/step_00000012)")
     p.add_argument("out_dir", help="where to write the Hugging Face directory")
-    p.add_argument("--model-path", required=True, help="the HF directory training started from (architecture, tokenizer, dtype)")
+    p.add_argument(
+        "--model-path", required=True, help="the HF directory training started from (architecture, tokenizer, dtype)"
+    )
     a = p.parse_args(argv)
     try:
         out = export(a.checkpoint, a.out_dir, a.model_path)

@@ -20,8 +20,10 @@ from gyre.errors import ConfigError
 from gyre.models.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
-MOE_REFUSED = ("mixture-of-experts models are not supported: no expert weight conversion, and megatron-core's "
-               "MoE layer needs CUDA, so none could be tested on CPU (tools/probe/moe_cpu.py)")
+MOE_REFUSED = (
+    "mixture-of-experts models are not supported: no expert weight conversion, and megatron-core's "
+    "MoE layer needs CUDA, so none could be tested on CPU (tools/probe/moe_cpu.py)"
+)
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,7 +43,12 @@ def hf_config_fields(raw: dict, where: str = "config.json") -> dict:
     if model_type not in SUPPORTED_MODEL_TYPES:
         moe = f" ({MOE_REFUSED})" if "moe" in str(model_type) else ""
         refuse("model_type", f"is {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}{moe}")
-    for field, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False), ("use_sliding_window", False)):
+    for field, ok in (
+        ("hidden_act", "silu"),
+        ("attention_bias", False),
+        ("mlp_bias", False),
+        ("use_sliding_window", False),
+    ):
         if raw.get(field, ok) != ok:
             refuse(field, f"is {raw[field]!r}; Gyre's trainer and engine implement only {ok!r}")
     if model_type == "llama" and raw.get("sliding_window") is not None:
@@ -53,7 +60,10 @@ def hf_config_fields(raw: dict, where: str = "config.json") -> dict:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_field = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        refuse(f"{rope_field}.rope_type", f"is {rope.get('rope_type', rope.get('type'))!r}; only unscaled ('default') RoPE is implemented")
+        refuse(
+            f"{rope_field}.rope_type",
+            f"is {rope.get('rope_type', rope.get('type'))!r}; only unscaled ('default') RoPE is implemented",
+        )
     if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
         refuse("partial_rotary_factor", "is not 1.0; only full-width RoPE is implemented")
     theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -96,14 +106,26 @@ def hf_config_of(cfg: ModelConfig, dtype: str = "float32") -> dict:
     """A config.json for `cfg` that `transformers` loads (qwen3 with q/k norm, else llama)."""
     model_type = "qwen3" if cfg.qk_norm else "llama"
     return {
-        "architectures": [_ARCHITECTURES[model_type]], "model_type": model_type,
-        "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base}, "rope_theta": cfg.rotary_base,
-        "rms_norm_eps": cfg.norm_epsilon, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "use_sliding_window": False, "dtype": dtype,
-    }  # fmt: skip
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
+        "rope_theta": cfg.rotary_base,
+        "rms_norm_eps": cfg.norm_epsilon,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "use_sliding_window": False,
+        "dtype": dtype,
+    }
 
 
 def read_hf_weights(path: str | os.PathLike, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -128,8 +150,13 @@ def hf_name(engine_name: str) -> str:
     return engine_name if engine_name == "lm_head.weight" else "model." + engine_name
 
 
-def write_hf_dir(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str = "float32",
-                 source: str | os.PathLike | None = None) -> None:  # fmt: skip
+def write_hf_dir(
+    path: str | os.PathLike,
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    dtype: str = "float32",
+    source: str | os.PathLike | None = None,
+) -> None:
     """Write `weights` (engine names) as an HF directory: model.safetensors in `dtype`, and either
     `source`'s non-weight files (its config.json, tokenizer and generation config, verbatim) or a
     generated config.json. Each file goes to a temp name first and is renamed into place."""

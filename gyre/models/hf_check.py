@@ -73,10 +73,16 @@ def trainer_check(path: str, ids: list[int]) -> tuple[torch.Tensor, bool]:
     trainer = Trainer(ModelConfig(name="hf-check", path=path), TrainerConfig())
     n = len(ids)
     batch = PackedBatch(
-        tokens=torch.tensor(ids), position_ids=torch.arange(n), cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
-        target_mask=torch.arange(n) > 0, behaviour_logprobs=torch.zeros(n), loss_weights=(torch.arange(n) > 0).float(),
-        advantages=torch.zeros(n), weight_versions=torch.zeros(n, dtype=torch.int64), execution_ids=("hf-check",),
-    )  # fmt: skip
+        tokens=torch.tensor(ids),
+        position_ids=torch.arange(n),
+        cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
+        target_mask=torch.arange(n) > 0,
+        behaviour_logprobs=torch.zeros(n),
+        loss_weights=(torch.arange(n) > 0).float(),
+        advantages=torch.zeros(n),
+        weight_versions=torch.zeros(n, dtype=torch.int64),
+        execution_ids=("hf-check",),
+    )
     with torch.no_grad():
         lp = trainer.logprobs(batch)[1:]
     with tempfile.TemporaryDirectory() as out:
@@ -88,8 +94,12 @@ def trainer_check(path: str, ids: list[int]) -> tuple[torch.Tensor, bool]:
             src |= load_file(str(f))
         back = load_file(os.path.join(out, "model.safetensors"))
     tied = ModelConfig(path=path).tie_embeddings
-    src = {k: v for k, v in src.items() if not k.endswith("rotary_emb.inv_freq") and not (tied and k == "lm_head.weight")}
-    same = src.keys() == back.keys() and all(src[k].dtype == back[k].dtype and torch.equal(src[k], back[k]) for k in src)
+    src = {
+        k: v for k, v in src.items() if not k.endswith("rotary_emb.inv_freq") and not (tied and k == "lm_head.weight")
+    }
+    same = src.keys() == back.keys() and all(
+        src[k].dtype == back[k].dtype and torch.equal(src[k], back[k]) for k in src
+    )
     return lp, same
 
 
@@ -108,17 +118,28 @@ def main(argv: list[str] | None = None) -> None:
         _reset_peak_rss()
         t0, cpu0 = time.perf_counter(), time.process_time()
         results[name] = run(a.path, ids)
-        stages[name] = {"wall_s": round(time.perf_counter() - t0, 2), "cpu_s": round(time.process_time() - cpu0, 2), "peak_rss_mb": _peak_rss_mb()}
+        stages[name] = {
+            "wall_s": round(time.perf_counter() - t0, 2),
+            "cpu_s": round(time.process_time() - cpu0, 2),
+            "peak_rss_mb": _peak_rss_mb(),
+        }
     ref = results["transformers"]
     full, cached = results["engine"]
     trainer_lp, bitwise = results["trainer"]
     half = len(ids) // 2
-    print(json.dumps({
-        "trainer_max_abs_diff": float((trainer_lp - ref).abs().max()),
-        "engine_max_abs_diff": float(max((full - ref).abs().max(), (cached - ref[half - 1 :]).abs().max())),
-        "roundtrip_bitwise": bitwise, "tokens": len(ids), "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-        "stages": stages,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "trainer_max_abs_diff": float((trainer_lp - ref).abs().max()),
+                "engine_max_abs_diff": float(max((full - ref).abs().max(), (cached - ref[half - 1 :]).abs().max())),
+                "roundtrip_bitwise": bitwise,
+                "tokens": len(ids),
+                "num_layers": cfg.num_layers,
+                "hidden_size": cfg.hidden_size,
+                "stages": stages,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,16 @@ from gyre.errors import GyreError
 
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-    "<tool_response>", "</tool_response>", "<think>", "</think>",
-)  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+)
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>", re.DOTALL)
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -71,11 +78,17 @@ def validate_messages(messages: list[dict]) -> None:
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
         if role not in ROLES or (role == "system" and i > 0):
-            raise ChatTemplateError(f"message {i}: role {role!r} not allowed here; valid: user, assistant, tool (system only first)")
+            raise ChatTemplateError(
+                f"message {i}: role {role!r} not allowed here; valid: user, assistant, tool (system only first)"
+            )
         if content is not None and not isinstance(content, str):
             raise ChatTemplateError(f"message {i}: content must be a string, got {type(content).__name__}")
         for call in m.get("tool_calls") or []:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments", {}), dict):
+            if (
+                not isinstance(call, dict)
+                or not isinstance(call.get("name"), str)
+                or not isinstance(call.get("arguments", {}), dict)
+            ):
                 raise ChatTemplateError(f"message {i}: a tool call needs a string 'name' and an object 'arguments'")
 
 
@@ -93,16 +106,26 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, add_gener
         lines = "\n".join(json.dumps(t, sort_keys=True) for t in tools)
         system = (system or "You are a helpful assistant.") + (
             "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n</tools>\n\n"
+            "You are provided with function signatures within <tools></tools> XML "
+            f"tags:\n<tools>\n{lines}\n</tools>\n\n"
             "For each function call, return a json object with function name and arguments within "
-            '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+            '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+            '"arguments": <args-json-object>}\n</tool_call>'
         )
     if system is not None:
         out += [Special("<|im_start|>"), f"system\n{system}", Special("<|im_end|>"), "\n"]
     for m in msgs:
         role, content = m["role"], m.get("content") or ""
         if role == "tool":
-            out += [Special("<|im_start|>"), "user\n", Special("<tool_response>"), f"\n{content}\n", Special("</tool_response>"), Special("<|im_end|>"), "\n"]
+            out += [
+                Special("<|im_start|>"),
+                "user\n",
+                Special("<tool_response>"),
+                f"\n{content}\n",
+                Special("</tool_response>"),
+                Special("<|im_end|>"),
+                "\n",
+            ]
             continue
         out += [Special("<|im_start|>"), f"{role}\n{content}"]
         for call in m.get("tool_calls") or []:
@@ -151,7 +174,9 @@ class BaseTokenizer(ABC):
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
     @abstractmethod
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
     @property
     @abstractmethod
@@ -194,7 +219,9 @@ class ByteTokenizer(BaseTokenizer):
         out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         ids: list[int] = []
         for piece in render_chat(messages, tools, add_generation_prompt):
             ids += [self.special_ids[piece]] if isinstance(piece, Special) else self.encode(piece)
@@ -222,7 +249,9 @@ class HFTokenizer(BaseTokenizer):
             raise GyreError(f"{model_path} has no tokenizer files ({', '.join(_HF_TOKENIZER_FILES)})")
         self._tok = AutoTokenizer.from_pretrained(str(model_path))
         if not self._tok.chat_template:
-            raise GyreError(f"{model_path}: the tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)")
+            raise GyreError(
+                f"{model_path}: the tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)"
+            )
         self.template_kwargs = dict(template_kwargs or {})
         self.vocab_size = len(self._tok)
         self.eos_token_id = self._tok.eos_token_id
@@ -242,14 +271,22 @@ class HFTokenizer(BaseTokenizer):
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         from jinja2 import TemplateError
 
         validate_messages(messages)
         hf_msgs = [_hf_message(m) for m in messages]
         try:
-            out = self._tok.apply_chat_template(hf_msgs, tools=tools or None, tokenize=True, return_dict=False,
-                                                add_generation_prompt=add_generation_prompt, **self.template_kwargs)  # fmt: skip
+            out = self._tok.apply_chat_template(
+                hf_msgs,
+                tools=tools or None,
+                tokenize=True,
+                return_dict=False,
+                add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
+            )
         except TemplateError as e:
             raise ChatTemplateError(f"the model's chat template refused the messages: {e}") from None
         return list(out)
@@ -258,5 +295,8 @@ class HFTokenizer(BaseTokenizer):
 def _hf_message(m: dict) -> dict:
     out = {**m, "content": m.get("content") or ""}
     if m.get("tool_calls"):
-        out["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in m["tool_calls"]]
+        out["tool_calls"] = [
+            {"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
+            for c in m["tool_calls"]
+        ]
     return out

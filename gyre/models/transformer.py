@@ -69,9 +69,16 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     shapes = param_shapes(cfg)
     missing = sorted(set(shapes) - set(weights))
     extra = sorted(set(weights) - set(shapes))
-    wrong = [f"{n}: {tuple(weights[n].shape)} != {s}" for n, s in shapes.items() if n in weights and tuple(weights[n].shape) != s]
+    wrong = [
+        f"{n}: {tuple(weights[n].shape)} != {s}"
+        for n, s in shapes.items()
+        if n in weights and tuple(weights[n].shape) != s
+    ]
     if missing or extra or wrong:
-        raise ValueError(f"weights do not match the model config: missing={missing[:5]} unexpected={extra[:5]} wrong_shapes={wrong[:5]}")
+        raise ValueError(
+            f"weights do not match the model config: missing={missing[:5]} unexpected={extra[:5]} "
+            f"wrong_shapes={wrong[:5]}"
+        )
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,9 +124,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -
     for a in range(0, t, block):
         b = min(t, a + block)
         visible = num_cached + b  # keys the last query of the block sees
-        allowed = torch.arange(visible, device=q.device)[None, :] <= (num_cached + torch.arange(a, b, device=q.device))[:, None]
+        allowed = (
+            torch.arange(visible, device=q.device)[None, :]
+            <= (num_cached + torch.arange(a, b, device=q.device))[:, None]
+        )
         mask = torch.zeros(b - a, visible, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-        outs.append(F.scaled_dot_product_attention(qh[:, :, a:b], kh[:, :, :visible], vh[:, :, :visible], attn_mask=mask, enable_gqa=True))
+        outs.append(
+            F.scaled_dot_product_attention(
+                qh[:, :, a:b], kh[:, :, :visible], vh[:, :, :visible], attn_mask=mask, enable_gqa=True
+            )
+        )
     return torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(t, nh * hd)
 
 
@@ -132,7 +146,9 @@ def forward_tokens(
     """
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
     x = weights["embed_tokens.weight"][ids]
-    cos, sin = (t.to(x.dtype) for t in rope_tables(positions, hd, cfg.rotary_base))  # as transformers: bf16 weights, bf16 q/k
+    cos, sin = (
+        t.to(x.dtype) for t in rope_tables(positions, hd, cfg.rotary_base)
+    )  # as transformers: bf16 weights, bf16 q/k
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         h = rms_norm(x, weights[p + "input_layernorm.weight"], cfg.norm_epsilon)

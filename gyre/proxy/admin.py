@@ -17,8 +17,9 @@ class ProxyAdmin:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "ProxyAdmin":
-        self._session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.token}"},
-                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        self._session = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {self.token}"}, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -13,13 +13,26 @@ import re
 import uuid
 
 from gyre.models.tokenizer import ToolCall
-from gyre.proxy.chat import ApiError, ChatRequest, Resume, check_sampling, check_tool_schema, convert_messages, invalid, require_type
+from gyre.proxy.chat import (
+    ApiError,
+    ChatRequest,
+    Resume,
+    check_sampling,
+    check_tool_schema,
+    convert_messages,
+    invalid,
+    require_type,
+)
 
 ERROR_TYPES = {
-    "invalid_request": "invalid_request_error", "authentication": "authentication_error",
-    "permission": "permission_error", "not_found": "not_found_error", "too_large": "request_too_large",
-    "overloaded": "overloaded_error", "api_error": "api_error",
-}  # fmt: skip
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "too_large": "request_too_large",
+    "overloaded": "overloaded_error",
+    "api_error": "api_error",
+}
 
 
 def make_error(err: ApiError) -> dict:
@@ -54,10 +67,14 @@ def _user_messages(content, i: int, pending_ids: set[str]) -> list[dict]:
         if b.get("type") == "tool_result":
             tid = b.get("tool_use_id")
             if tid not in pending_ids:
-                raise invalid(f"{where}.{j}: tool_result.tool_use_id {tid!r} does not match any tool_use block "
-                              f"of the previous assistant message (ids: {sorted(pending_ids) or 'none'})")
+                raise invalid(
+                    f"{where}.{j}: tool_result.tool_use_id {tid!r} does not match any tool_use block "
+                    f"of the previous assistant message (ids: {sorted(pending_ids) or 'none'})"
+                )
             text = _text_of(b.get("content") or "", f"{where}.{j}.content")
-            tools.append({"role": "tool", "content": ("Error: " + text) if b.get("is_error") else text, "tool_call_id": tid})
+            tools.append(
+                {"role": "tool", "content": ("Error: " + text) if b.get("is_error") else text, "tool_call_id": tid}
+            )
         elif b.get("type") in ("text", "image"):
             texts.append(_text_of([b], where))
         elif b.get("type") not in ("thinking", "redacted_thinking", "document"):
@@ -125,7 +142,12 @@ def _convert_tools(tools) -> list[dict] | None:
         if "input_schema" not in t:  # server tools (web search, ...) have no schema; not supported
             raise invalid(f"tools.{i}: tool {name!r} has no input_schema (server tools are not supported)")
         schema = check_tool_schema(t["input_schema"], f"tools.{i}.input_schema")
-        out.append({"type": "function", "function": {"name": name, "description": t.get("description", ""), "parameters": schema}})
+        out.append(
+            {
+                "type": "function",
+                "function": {"name": name, "description": t.get("description", ""), "parameters": schema},
+            }
+        )
     return out or None
 
 
@@ -146,8 +168,9 @@ def parse_request(body, models: list[str], resume: Resume | None = None) -> Chat
     stream = body.get("stream", False)
     require_type(stream, bool, "stream", "a boolean")
     messages, marks = _convert_messages(body.get("messages"), system, resume)
-    return ChatRequest(model=model, messages=messages, tools=_convert_tools(body.get("tools")), stream=stream,
-                       marks=marks, **sampling)  # fmt: skip
+    return ChatRequest(
+        model=model, messages=messages, tools=_convert_tools(body.get("tools")), stream=stream, marks=marks, **sampling
+    )
 
 
 _NO_TOOLS = re.compile(r"(?i)\b(do not|don't|must not|never) (call|use) (any )?tools\b")
@@ -178,16 +201,30 @@ def stop_reason(finish: str, calls: list[ToolCall]) -> str:
 
 
 def make_usage(input_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
 
 
-def make_response(msg_id: str, model: str, text: str, calls: list[tuple[str, ToolCall]], finish: str, usage: dict) -> dict:
+def make_response(
+    msg_id: str, model: str, text: str, calls: list[tuple[str, ToolCall]], finish: str, usage: dict
+) -> dict:
     """The non-streaming Message object; `calls` are (tool_use id, call)."""
     content = [{"type": "text", "text": text}] if text else []
     content += [{"type": "tool_use", "id": tid, "name": c.name, "input": c.arguments} for tid, c in calls]
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(finish, [c for _, c in calls]), "stop_sequence": None, "usage": usage}  # fmt: skip
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(finish, [c for _, c in calls]),
+        "stop_sequence": None,
+        "usage": usage,
+    }
 
 
 class StreamEvents:
@@ -205,14 +242,24 @@ class StreamEvents:
         self.streamed: set[str] = set()
 
     def start(self) -> list[tuple[str, dict]]:
-        msg = {"id": self.msg_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-               "stop_reason": None, "stop_sequence": None, "usage": make_usage(self.input_tokens, 1)}  # fmt: skip
+        msg = {
+            "id": self.msg_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": make_usage(self.input_tokens, 1),
+        }
         return [("message_start", {"type": "message_start", "message": msg})]
 
     def _open(self, block: dict) -> list[tuple[str, dict]]:
         events = self._close()
         self.open = block["type"]
-        return events + [("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})]
+        return events + [
+            ("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+        ]
 
     def _close(self) -> list[tuple[str, dict]]:
         if self.open is None:
@@ -247,5 +294,7 @@ class StreamEvents:
                 events += self.tool_start(tid, c.name) + self.tool_args(json.dumps(c.arguments)) + self._close()
         delta = {"stop_reason": stop_reason(finish, [c for _, c in calls]), "stop_sequence": None}
         usage = make_usage(self.input_tokens, output_tokens)
-        return events + [("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
-                         ("message_stop", {"type": "message_stop"})]  # fmt: skip
+        return events + [
+            ("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+            ("message_stop", {"type": "message_stop"}),
+        ]

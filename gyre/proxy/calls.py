@@ -20,8 +20,8 @@ from gyre.metrics.events import ModelCall
 from gyre.metrics.log import EventLog
 from gyre.models.tokenizer import BaseTokenizer, ChatTemplateError
 from gyre.proxy.chat import ApiError, ChatRequest, Resume, invalid
-from gyre.proxy.conversation import Snapshot
 from gyre.proxy.config import ProxyConfig
+from gyre.proxy.conversation import Snapshot
 from gyre.proxy.executions import Execution
 from gyre.proxy.hints import CallHints
 from gyre.proxy.pool import EnginePool, Generation
@@ -54,13 +54,21 @@ class Call:
 
 
 class CallRunner:
-    def __init__(self, cfg: ProxyConfig, tokenizer: BaseTokenizer, renderer: Renderer, pool: EnginePool,
-                 events: EventLog | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ProxyConfig,
+        tokenizer: BaseTokenizer,
+        renderer: Renderer,
+        pool: EnginePool,
+        events: EventLog | None = None,
+    ):
         self.cfg, self.tok, self.renderer, self.pool, self.events = cfg, tokenizer, renderer, pool, events
         self.stop_token_ids = tokenizer.stop_token_ids
         """Asked once: an HF tokenizer looks them up by name."""
 
-    def render(self, ex: Execution, wire, body, headers, keep: bool = True, raw: bytes = b"") -> tuple[ChatRequest, CallHints, RenderResult, bool]:
+    def render(
+        self, ex: Execution, wire, body, headers, keep: bool = True, raw: bytes = b""
+    ) -> tuple[ChatRequest, CallHints, RenderResult, bool]:
         """Parse and render only what the call adds to its conversation's snapshot (see
         gyre.proxy.conversation); `keep` stores the call as the conversation's new snapshot; `raw`
         (the body's bytes) lets the next call find what it shares by comparing bytes.
@@ -75,13 +83,23 @@ class CallRunner:
         chat = wire.parse(body, Resume(snap.chat.messages, snap.chat.marks, num) if num else None)
         hints = wire.hints(headers, body, chat)
         try:
-            rendered = self.renderer.render(chat.messages, chat.tools, ex.turns, hints.agent_id,
-                                            (snap.rendered, chat.marks[num][0]) if num else None)  # fmt: skip
+            rendered = self.renderer.render(
+                chat.messages,
+                chat.tools,
+                ex.turns,
+                hints.agent_id,
+                (snap.rendered, chat.marks[num][0]) if num else None,
+            )
         except ChatTemplateError as e:
             raise invalid(f"messages: {e}") from None
-        is_retry = ex.conversations.is_retry(snap, num, request) or ex.repeats_restored(hints.agent_id, rendered.input_ids)
+        is_retry = ex.conversations.is_retry(snap, num, request) or ex.repeats_restored(
+            hints.agent_id, rendered.input_ids
+        )
         if keep and request is not None:
-            ex.conversations.store(Snapshot(request, chat, rendered), snap if snap is not None and num == len(snap.request.messages) else None)
+            ex.conversations.store(
+                Snapshot(request, chat, rendered),
+                snap if snap is not None and num == len(snap.request.messages) else None,
+            )
         return chat, hints, rendered, is_retry
 
     def prepare(self, ex: Execution, wire, body: dict, headers, received_mono: float, raw: bytes = b"") -> Call:
@@ -95,16 +113,27 @@ class CallRunner:
         n = rendered.input_ids.size
         if n >= self.cfg.context_len:
             raise invalid(f"prompt is too long: {n} tokens > {self.cfg.context_len - 1} maximum")
-        sampling = {"max_new_tokens": min(chat.max_tokens, self.cfg.context_len - n),
-                    "stop_token_ids": self.stop_token_ids,
-                    "temperature": self.cfg.temperature if self.cfg.temperature is not None else (chat.temperature if chat.temperature is not None else 1.0)}  # fmt: skip
+        sampling = {
+            "max_new_tokens": min(chat.max_tokens, self.cfg.context_len - n),
+            "stop_token_ids": self.stop_token_ids,
+            "temperature": self.cfg.temperature
+            if self.cfg.temperature is not None
+            else (chat.temperature if chat.temperature is not None else 1.0),
+        }
         if chat.top_p is not None:
             sampling["top_p"] = chat.top_p
         if chat.top_k is not None:
             sampling["top_k"] = chat.top_k
-        gen = Generation(self.pool, f"{ex.execution_id}/{hints.agent_id}", f"{ex.execution_id}-{uuid.uuid4().hex[:12]}",
-                         rendered.input_ids, rendered.input_json, sampling, max_resumes=self.cfg.max_resumes,
-                         incremental=chat.stream)  # fmt: skip
+        gen = Generation(
+            self.pool,
+            f"{ex.execution_id}/{hints.agent_id}",
+            f"{ex.execution_id}-{uuid.uuid4().hex[:12]}",
+            rendered.input_ids,
+            rendered.input_json,
+            sampling,
+            max_resumes=self.cfg.max_resumes,
+            incremental=chat.stream,
+        )
         call = Call(ex, chat, hints, rendered, gen, is_retry, wire.name, received_mono=received_mono)
         gen.on_admit = call.admit
         return call
@@ -120,31 +149,58 @@ class CallRunner:
 
     def make_record(self, call: Call) -> CallRecord:
         g = call.gen
-        hints = {**call.hints.raw, "api": call.api, "engines": g.engine_ids, "cached_tokens": g.cached_tokens,
-                 "received_at": call.received_at, "reused_turns": call.rendered.num_reused,
-                 "proxy_ms": round((time.monotonic() - call.received_mono - g.engine_s) * 1e3, 3),
-                 "engine_ms": round(g.engine_s * 1e3, 3), "retokenized_turns": call.rendered.num_retokenized,
-                 "rendered_messages": call.rendered.num_rendered_messages}  # fmt: skip
+        hints = {
+            **call.hints.raw,
+            "api": call.api,
+            "engines": g.engine_ids,
+            "cached_tokens": g.cached_tokens,
+            "received_at": call.received_at,
+            "reused_turns": call.rendered.num_reused,
+            "proxy_ms": round((time.monotonic() - call.received_mono - g.engine_s) * 1e3, 3),
+            "engine_ms": round(g.engine_s * 1e3, 3),
+            "retokenized_turns": call.rendered.num_retokenized,
+            "rendered_messages": call.rendered.num_rendered_messages,
+        }
         return CallRecord.build(
-            input_ids=call.rendered.input_ids, output_ids=g.output_ids, logprobs=g.logprobs,
-            versions=g.versions, execution_id=call.ex.execution_id, call_id=f"c{call.seq}",
-            seq=call.seq, agent_id=call.hints.agent_id, parent_agent_id=call.hints.parent_agent_id,
-            kind_hint=call.hints.kind_hint, finish_reason=g.finish, engine_id=g.engine_ids[-1] if g.engine_ids else "",
+            input_ids=call.rendered.input_ids,
+            output_ids=g.output_ids,
+            logprobs=g.logprobs,
+            versions=g.versions,
+            execution_id=call.ex.execution_id,
+            call_id=f"c{call.seq}",
+            seq=call.seq,
+            agent_id=call.hints.agent_id,
+            parent_agent_id=call.hints.parent_agent_id,
+            kind_hint=call.hints.kind_hint,
+            finish_reason=g.finish,
+            engine_id=g.engine_ids[-1] if g.engine_ids else "",
             cell_id=self._cell_of(g.engine_ids[-1]) if g.engine_ids else "",
-            rerouted=g.rerouted, num_migrated_tokens=g.num_migrated, num_recomputed_tokens=g.num_recomputed,
-            started_at=call.started_at, finished_at=time.time(), is_retry=call.is_retry, hints=hints,
-        )  # fmt: skip
+            rerouted=g.rerouted,
+            num_migrated_tokens=g.num_migrated,
+            num_recomputed_tokens=g.num_recomputed,
+            started_at=call.started_at,
+            finished_at=time.time(),
+            is_retry=call.is_retry,
+            hints=hints,
+        )
 
     async def _record(self, call: Call) -> None:
         """Append the call's record (before the answer completes) and its ModelCall event."""
         record = self.make_record(call)
         await call.ex.append(record)
         if self.events is not None:
-            self.events.emit(ModelCall(
-                execution_id=record.execution_id, agent_id=record.agent_id,
-                cell=int(record.cell_id) if record.cell_id.isdigit() else None, engine_id=record.engine_id,
-                prompt_tokens=int(record.input_ids.size), output_tokens=int(record.output_ids.size),
-                cached_tokens=int(call.gen.cached_tokens), latency_s=record.finished_at - call.received_at))  # fmt: skip
+            self.events.emit(
+                ModelCall(
+                    execution_id=record.execution_id,
+                    agent_id=record.agent_id,
+                    cell=int(record.cell_id) if record.cell_id.isdigit() else None,
+                    engine_id=record.engine_id,
+                    prompt_tokens=int(record.input_ids.size),
+                    output_tokens=int(record.output_ids.size),
+                    cached_tokens=int(call.gen.cached_tokens),
+                    latency_s=record.finished_at - call.received_at,
+                )
+            )
 
     async def respond(self, request: web.Request, call: Call, wire) -> web.StreamResponse:
         """Run the generation and answer (JSON or SSE). The record is written before the answer
@@ -197,7 +253,11 @@ class CallRunner:
             self._remember(call, text, calls)
             await self._record(call)
             # the closing events and the end of the chunked body in one write (one syscall, not two)
-            await sse.write_eof(_sse_text(out.finish(text, calls, call.gen.finish, call.rendered.input_ids.size, len(call.gen.output_ids))))
+            await sse.write_eof(
+                _sse_text(
+                    out.finish(text, calls, call.gen.finish, call.rendered.input_ids.size, len(call.gen.output_ids))
+                )
+            )
         return sse
 
 

@@ -12,9 +12,14 @@ from dataclasses import dataclass, field
 from gyre.errors import GyreError
 
 ERROR_KINDS = {
-    "invalid_request": 400, "authentication": 401, "permission": 403, "not_found": 404,
-    "too_large": 413, "overloaded": 529, "api_error": 500,
-}  # fmt: skip
+    "invalid_request": 400,
+    "authentication": 401,
+    "permission": 403,
+    "not_found": 404,
+    "too_large": 413,
+    "overloaded": 529,
+    "api_error": 500,
+}
 
 
 class ApiError(GyreError):
@@ -63,7 +68,9 @@ class Resume:
     num_raw: int
 
 
-def convert_messages(raw: list, step: Callable, state, head: list[dict], resume: Resume | None) -> tuple[list[dict], list]:
+def convert_messages(
+    raw: list, step: Callable, state, head: list[dict], resume: Resume | None
+) -> tuple[list[dict], list]:
     """Convert a wire's message list with `step(i, message, out, state) -> state` (appending to
     `out`), resuming after the `resume.num_raw` messages a previous call converted alike.
 

@@ -64,10 +64,15 @@ class ProxyConfig:
     def __post_init__(self):
         require(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")
         require(bool(self.model_names), "model_names", "must name at least one model")
-        require(self.context_len == 0 or self.context_len >= 2, "context_len",
-                f"must be >= 2 (0: the served model's max_seq_len), got {self.context_len}")
+        require(
+            self.context_len == 0 or self.context_len >= 2,
+            "context_len",
+            f"must be >= 2 (0: the served model's max_seq_len), got {self.context_len}",
+        )
         require(self.default_max_tokens >= 1, "default_max_tokens", f"must be >= 1, got {self.default_max_tokens}")
-        require(self.temperature is None or self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        require(
+            self.temperature is None or self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}"
+        )
         require(self.no_engine_wait_s >= 0, "no_engine_wait_s", f"must be >= 0, got {self.no_engine_wait_s}")
         require(self.health_interval_s > 0, "health_interval_s", f"must be > 0, got {self.health_interval_s}")
         require(self.max_imbalance >= 0, "max_imbalance", f"must be >= 0, got {self.max_imbalance}")
@@ -75,4 +80,8 @@ class ProxyConfig:
         require(0 <= self.fsync_window_ms <= 10_000, "fsync_window_ms", f"must be 0..10000, got {self.fsync_window_ms}")
         require(self.max_body_mb >= 1, "max_body_mb", f"must be >= 1, got {self.max_body_mb}")
         require(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")
-        require(0 <= self.worker_index < self.num_workers, "worker_index", f"must be 0..{self.num_workers - 1}, got {self.worker_index}")
+        require(
+            0 <= self.worker_index < self.num_workers,
+            "worker_index",
+            f"must be 0..{self.num_workers - 1}, got {self.worker_index}",
+        )

@@ -62,8 +62,13 @@ def num_shared_messages(old: WireRequest, new: WireRequest) -> int:
     alike: one memcmp, ~5x cheaper than walking the parsed messages of a 4 MB body); else `num_shared`.
     The last shared message is compared too: a later duplicate message key would replace the list."""
     n, end = len(old.messages), old.messages_end
-    if (end > 0 and new.raw[end : end + 1] in (b",", b"]") and new.raw.startswith(memoryview(old.raw)[:end])
-            and len(new.messages) >= n and new.messages[n - 1] == old.messages[n - 1]):  # fmt: skip
+    if (
+        end > 0
+        and new.raw[end : end + 1] in (b",", b"]")
+        and new.raw.startswith(memoryview(old.raw)[:end])
+        and len(new.messages) >= n
+        and new.messages[n - 1] == old.messages[n - 1]
+    ):
         return n
     return num_shared(old.messages, new.messages)
 
@@ -89,8 +94,11 @@ class ConversationCache:
     @staticmethod
     def is_retry(snap: Snapshot | None, num: int, request: WireRequest) -> bool:
         """Whether `request` repeats `snap` (as matched, sharing `num` messages) but for `stream`."""
-        return (snap is not None and num == len(request.messages) == len(snap.request.messages)
-                and snap.request.rest == request.rest)  # fmt: skip
+        return (
+            snap is not None
+            and num == len(request.messages) == len(snap.request.messages)
+            and snap.request.rest == request.rest
+        )
 
     def store(self, snap: Snapshot, replaces: Snapshot | None) -> None:
         """Keep `snap` first; `replaces` (the snapshot it continues, if any) goes."""

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gyre.errors import GyreError
 from gyre.common.files import write_private_file
+from gyre.errors import GyreError
 from gyre.proxy.chat import ApiError
 from gyre.proxy.conversation import ConversationCache
 from gyre.proxy.render import TurnMemory, remember_records
@@ -57,8 +57,16 @@ def key_digest(key: str) -> str:
 
 
 class Execution:
-    def __init__(self, execution_id: str, key: str | None, digest: str, records_path: Path, fsync: bool, parse,
-                 group: GroupCommit | None = None):
+    def __init__(
+        self,
+        execution_id: str,
+        key: str | None,
+        digest: str,
+        records_path: Path,
+        fsync: bool,
+        parse,
+        group: GroupCommit | None = None,
+    ):
         """key: None for one loaded at start (only its `digest`, the SHA-256 of the key, is kept)."""
         self.execution_id, self.key, self.digest, self.records_path = execution_id, key, digest, records_path
         self.revoked = False
@@ -91,13 +99,17 @@ class Execution:
             try:
                 records, _ = await asyncio.to_thread(read_records, self.records_path)
             except RecordFileError as e:
-                raise ApiError("api_error", f"execution {self.execution_id}: cannot continue its records: {e}") from None
+                raise ApiError(
+                    "api_error", f"execution {self.execution_id}: cannot continue its records: {e}"
+                ) from None
             remember_records(self.turns, records, self._parse)
             self._restored_inputs = {r.agent_id: r.input_ids for r in records}
             self._writer.continue_from(records)
             self.num_calls = max([self.num_calls] + [r.seq + 1 for r in records])
             self._restore_pending = False
-            log.info("execution %s: continued from %d records (next seq %d)", self.execution_id, len(records), self.num_calls)
+            log.info(
+                "execution %s: continued from %d records (next seq %d)", self.execution_id, len(records), self.num_calls
+            )
 
     def begin_call(self) -> tuple[int, float]:
         """The next sequence number and the start time (taken together, so they agree in order)."""
@@ -131,8 +143,14 @@ class ExecutionRegistry:
             are loaded or created, so each records file has one writer.
     """
 
-    def __init__(self, records_dir: str, fsync: bool = True, parse=None, fsync_window_ms: float = 0.0,
-                 worker: tuple[int, int] = (0, 1)):  # fmt: skip
+    def __init__(
+        self,
+        records_dir: str,
+        fsync: bool = True,
+        parse=None,
+        fsync_window_ms: float = 0.0,
+        worker: tuple[int, int] = (0, 1),
+    ):
         self.worker = worker
         self.records_dir = Path(records_dir)
         self.records_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +166,9 @@ class ExecutionRegistry:
                 self._add(path.stem, None, digest)
 
     def _add(self, execution_id: str, key: str | None, digest: str) -> Execution:
-        ex = Execution(execution_id, key, digest, self.records_dir / f"{execution_id}.jsonl", self.fsync, self.parse, self.group)
+        ex = Execution(
+            execution_id, key, digest, self.records_dir / f"{execution_id}.jsonl", self.fsync, self.parse, self.group
+        )
         self.by_id[execution_id] = ex
         self._by_digest[digest] = ex
         return ex
@@ -167,7 +187,9 @@ class ExecutionRegistry:
             raise GyreError(f"execution {execution_id!r} is already registered")
         pinned = worker_of(execution_id, self.worker[1])
         if pinned != self.worker[0]:
-            raise GyreError(f"execution {execution_id!r} is pinned to proxy worker {pinned}, this is worker {self.worker[0]}")
+            raise GyreError(
+                f"execution {execution_id!r} is pinned to proxy worker {pinned}, this is worker {self.worker[0]}"
+            )
         if key is not None and (not isinstance(key, str) or not _KEY.match(key)):
             raise GyreError(f"api_key must match {_KEY.pattern} (24+ URL-safe characters)")
         key = key or "gyre-" + secrets.token_urlsafe(24)

@@ -28,8 +28,11 @@ class CallHints:
 
 
 def _kept_headers(headers: dict[str, str]) -> dict[str, str]:
-    return {k.lower(): v for k, v in headers.items()
-            if k.lower() not in _SECRET_HEADERS and k.lower().startswith(_KEPT_PREFIXES)}  # fmt: skip
+    return {
+        k.lower(): v
+        for k, v in headers.items()
+        if k.lower() not in _SECRET_HEADERS and k.lower().startswith(_KEPT_PREFIXES)
+    }
 
 
 def _first_system_text(body: dict) -> str:

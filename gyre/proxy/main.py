@@ -30,8 +30,15 @@ def serve(cfg: ProxyConfig, port_file: str | None = None) -> None:
     gc.set_threshold(100_000, 10, 10)
 
     # The port file is owner-only: it carries the admin token.
-    serve_app(server.app(), cfg.host, cfg.port, "gyre-proxy", port_file=port_file,
-              port_file_extra=server.admin_token, access_log=False)
+    serve_app(
+        server.app(),
+        cfg.host,
+        cfg.port,
+        "gyre-proxy",
+        port_file=port_file,
+        port_file_extra=server.admin_token,
+        access_log=False,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,14 +11,27 @@ import time
 import uuid
 
 from gyre.models.tokenizer import ToolCall
-from gyre.proxy.chat import ApiError, ChatRequest, Resume, check_sampling, check_tool_schema, convert_messages, invalid, require_model, require_type
+from gyre.proxy.chat import (
+    ApiError,
+    ChatRequest,
+    Resume,
+    check_sampling,
+    check_tool_schema,
+    convert_messages,
+    invalid,
+    require_model,
+    require_type,
+)
 
 ERROR_TYPES = {
-    "invalid_request": ("invalid_request_error", None), "authentication": ("invalid_request_error", "invalid_api_key"),
-    "permission": ("invalid_request_error", "permission_denied"), "not_found": ("invalid_request_error", "model_not_found"),
-    "too_large": ("invalid_request_error", "context_length_exceeded"), "overloaded": ("server_error", "overloaded"),
+    "invalid_request": ("invalid_request_error", None),
+    "authentication": ("invalid_request_error", "invalid_api_key"),
+    "permission": ("invalid_request_error", "permission_denied"),
+    "not_found": ("invalid_request_error", "model_not_found"),
+    "too_large": ("invalid_request_error", "context_length_exceeded"),
+    "overloaded": ("server_error", "overloaded"),
     "api_error": ("server_error", None),
-}  # fmt: skip
+}
 
 
 def make_error(err: ApiError) -> dict:
@@ -82,8 +95,10 @@ def _convert_step(i: int, m, out: list[dict], pending: frozenset[str]) -> frozen
     elif role == "tool":
         tid = m.get("tool_call_id")
         if tid not in pending:
-            raise invalid(f"{where}.tool_call_id: {tid!r} does not answer a tool call of the preceding "
-                          f"assistant message (ids: {sorted(pending) or 'none'})")
+            raise invalid(
+                f"{where}.tool_call_id: {tid!r} does not answer a tool call of the preceding "
+                f"assistant message (ids: {sorted(pending) or 'none'})"
+            )
         out.append({"role": "tool", "content": text, "tool_call_id": tid})
         return pending
     else:
@@ -110,7 +125,12 @@ def _convert_tools(tools) -> list[dict] | None:
         fn = require_type(t.get("function"), dict, f"tools[{i}].function", "an object")
         name = require_type(fn.get("name"), str, f"tools[{i}].function.name", "a string")
         schema = check_tool_schema(fn.get("parameters", {"type": "object"}), f"tools[{i}].function.parameters")
-        out.append({"type": "function", "function": {"name": name, "description": fn.get("description", ""), "parameters": schema}})
+        out.append(
+            {
+                "type": "function",
+                "function": {"name": name, "description": fn.get("description", ""), "parameters": schema},
+            }
+        )
     return out or None
 
 
@@ -130,8 +150,15 @@ def parse_request(body, models: list[str], default_max_tokens: int, resume: Resu
     opts = body.get("stream_options") or {}
     require_type(opts, dict, "stream_options", "an object")
     messages, marks = _convert_messages(body.get("messages"), resume)
-    return ChatRequest(model=model, messages=messages, tools=_convert_tools(body.get("tools")), stream=stream,
-                       include_usage=bool(opts.get("include_usage")), marks=marks, **sampling)  # fmt: skip
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        tools=_convert_tools(body.get("tools")),
+        stream=stream,
+        include_usage=bool(opts.get("include_usage")),
+        marks=marks,
+        **sampling,
+    )
 
 
 def new_completion_id() -> str:
@@ -147,13 +174,23 @@ def finish_reason(finish: str, calls: list) -> str:
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _wire_calls(calls: list[tuple[str, ToolCall]], with_index: bool) -> list[dict]:
-    return [{**({"index": i} if with_index else {}), "id": cid, "type": "function",
-             "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for i, (cid, c) in enumerate(calls)]  # fmt: skip
+    return [
+        {
+            **({"index": i} if with_index else {}),
+            "id": cid,
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
+        for i, (cid, c) in enumerate(calls)
+    ]
 
 
 def make_response(cid: str, model: str, text: str, calls: list[tuple[str, ToolCall]], finish: str, usage: dict) -> dict:
@@ -161,8 +198,14 @@ def make_response(cid: str, model: str, text: str, calls: list[tuple[str, ToolCa
     if calls:
         msg["tool_calls"] = _wire_calls(calls, with_index=False)
     choice = {"index": 0, "message": msg, "finish_reason": finish_reason(finish, calls), "logprobs": None}
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage}  # fmt: skip
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
 
 
 class StreamChunks:
@@ -179,8 +222,13 @@ class StreamChunks:
         self.num_calls = 0
 
     def _chunk(self, delta: dict, finish: str | None = None) -> dict:
-        return {"id": self.cid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+        return {
+            "id": self.cid,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
 
     def start(self) -> list[dict]:
         return [self._chunk({"role": "assistant", "content": ""})]
@@ -191,7 +239,12 @@ class StreamChunks:
     def tool_start(self, call_id: str, name: str) -> list[dict]:
         self.streamed.add(call_id)
         self.num_calls += 1
-        call = {"index": self.num_calls - 1, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        call = {
+            "index": self.num_calls - 1,
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": ""},
+        }
         return [self._chunk({"tool_calls": [call]})]
 
     def tool_args(self, arguments: str) -> list[dict]:

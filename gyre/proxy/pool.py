@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
-
 import numpy as np
 import orjson
 
@@ -41,8 +40,15 @@ class PoolMetrics:
 
 
 class EnginePool:
-    def __init__(self, *, no_engine_wait_s: float, health_interval_s: float, request_timeout_s: float,
-                 max_imbalance: int, migrate_kv: bool):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        no_engine_wait_s: float,
+        health_interval_s: float,
+        request_timeout_s: float,
+        max_imbalance: int,
+        migrate_kv: bool,
+    ):
         self.table = RoutingTable(max_imbalance)
         self.no_engine_wait_s, self.health_interval_s = no_engine_wait_s, health_interval_s
         self.request_timeout_s, self.migrate_kv = request_timeout_s, migrate_kv
@@ -75,7 +81,9 @@ class EnginePool:
             info = await asyncio.wait_for(client.model_info(), 10)
         except (*_ENGINE_DOWN, EngineHTTPError, ValueError) as e:
             await client.close()
-            raise ApiError("invalid_request", f"engine {engine_id} at {url} did not answer /model_info: {e!r}") from None
+            raise ApiError(
+                "invalid_request", f"engine {engine_id} at {url} did not answer /model_info: {e!r}"
+            ) from None
         builtin = info.get("engine") == "gyre-builtin"
         client.key_by_weight_version = not builtin  # SGLang: HiCache keys KV by extra_key = weight version
         old = self.clients.pop(engine_id, None)
@@ -114,10 +122,19 @@ class EnginePool:
     def describe(self) -> list[dict]:
         """Each engine's state and load: calls in flight and sessions routed to it."""
         sessions = self.table.num_sessions()
-        return [{"engine_id": e.engine_id, "url": e.url, "status": e.status, "num_inflight": e.num_inflight,
-                 "num_sessions": sessions[e.engine_id], "supports_kv_export": e.supports_kv_export, "cell_id": e.cell_id,
-                 "weight_version": self.clients[e.engine_id].weight_version if e.engine_id in self.clients else None}
-                for e in self.table.engines.values()]  # fmt: skip
+        return [
+            {
+                "engine_id": e.engine_id,
+                "url": e.url,
+                "status": e.status,
+                "num_inflight": e.num_inflight,
+                "num_sessions": sessions[e.engine_id],
+                "supports_kv_export": e.supports_kv_export,
+                "cell_id": e.cell_id,
+                "weight_version": self.clients[e.engine_id].weight_version if e.engine_id in self.clients else None,
+            }
+            for e in self.table.engines.values()
+        ]
 
     # --- health -----------------------------------------------------------------------------
     async def _health_loop(self) -> None:
@@ -211,7 +228,9 @@ class Generation:
             self.engine_ids.append(eid)
             prompt = self._prompt_json()
             if prev is not None:
-                await self._migrate(prev, eid, np.concatenate((self.input_ids, np.asarray(self.output_ids, np.int32))).tolist())
+                await self._migrate(
+                    prev, eid, np.concatenate((self.input_ids, np.asarray(self.output_ids, np.int32))).tolist()
+                )
             params = {**self.sampling, "max_new_tokens": budget - len(self.output_ids)}
             finish = None
             async for new in self._one_engine(eid, f"{self.rid}-{attempt}", prompt, params):
@@ -276,8 +295,12 @@ class Generation:
         spans = meta.get("weight_version_spans")
         if spans:  # the versions of output positions [seen, seen + len(new)) from the spans overlapping them
             end = seen + len(new)
-            versions = [v for s in spans if s["end"] > seen and s["start"] < end
-                        for v in [parse_weight_version(s["weight_version"])] * (min(s["end"], end) - max(s["start"], seen))]  # fmt: skip
+            versions = [
+                v
+                for s in spans
+                if s["end"] > seen and s["start"] < end
+                for v in [parse_weight_version(s["weight_version"])] * (min(s["end"], end) - max(s["start"], seen))
+            ]
         else:
             versions = [parse_weight_version(meta.get("weight_version", 0))] * len(new)
         self.output_ids += new

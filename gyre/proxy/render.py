@@ -21,8 +21,9 @@ Per call, only what the call adds is rendered and tokenized: a render leaves che
 head, after each remembered assistant turn, and after its last run), and the next call of the
 same conversation, which shares the messages up to one (`RenderResult.resume_from`), starts there
 with the earlier ids and their JSON (`PromptIds`, what the engine is sent) instead of rendering the
-prefix again; its ids continue the earlier prompt's in place (`IdBuffer`), so not even they are copied. The last run's checkpoint holds only if the run ends at the same message, that is,
-if the next message is a remembered assistant turn (or there is none: a re-sent call).
+prefix again; its ids continue the earlier prompt's in place (`IdBuffer`), so not even they are
+copied. The last run's checkpoint holds only if the run ends at the same message, that is, if the
+next message is a remembered assistant turn (or there is none: a re-sent call).
 
 The memory survives a proxy restart: the records are its durable copy, and the first call of an
 execution a process has no memory of refills it from them (`remember_records`, called by
@@ -93,7 +94,11 @@ def remember_records(memory: TurnMemory, records, parse) -> None:
     for r in records:
         out = r.output_ids.tolist()
         p = parse(out)
-        memory.remember(assistant_key(p.content, [{"name": c.name, "arguments": c.arguments} for c in p.tool_calls]), out, r.agent_id)
+        memory.remember(
+            assistant_key(p.content, [{"name": c.name, "arguments": c.arguments} for c in p.tool_calls]),
+            out,
+            r.agent_id,
+        )
 
 
 _ANCHOR = ({"role": "system", "content": "anchor"},)
@@ -193,7 +198,9 @@ class RenderResult:
     ids_buffer: IdBuffer | None = field(default=None, repr=False)
     """Where `input_ids` lives; a later prompt resuming from this one continues it."""
 
-    def resume_from(self, messages: list[dict], num_shared: int, memory: "TurnMemory", agent_id: str) -> Checkpoint | None:
+    def resume_from(
+        self, messages: list[dict], num_shared: int, memory: "TurnMemory", agent_id: str
+    ) -> Checkpoint | None:
         """The last checkpoint within the first `num_shared` messages (equal to this render's) that
         holds for `messages`; None if there is none."""
         for c in reversed(self.checkpoints):
@@ -202,7 +209,10 @@ class RenderResult:
             if c.closed or c.num_messages == len(messages):
                 return c
             m = messages[c.num_messages]
-            if m["role"] == "assistant" and memory.get(assistant_key(m.get("content") or "", m.get("tool_calls")), agent_id) is not None:
+            if (
+                m["role"] == "assistant"
+                and memory.get(assistant_key(m.get("content") or "", m.get("tool_calls")), agent_id) is not None
+            ):
                 return c
         return None
 
@@ -221,10 +231,17 @@ class Renderer:
         self.stops = set(tokenizer.stop_token_ids)
         self.anchor_ids = tokenizer.apply_chat_template(list(_ANCHOR), None, False)
         self.gen_prompt = self._after_anchor(tokenizer.apply_chat_template(list(_ANCHOR), None, True)) or []
-        sample = self._after_anchor(tokenizer.apply_chat_template([*_ANCHOR, {"role": "assistant", "content": "x"}], None, False)) or []
+        sample = (
+            self._after_anchor(
+                tokenizer.apply_chat_template([*_ANCHOR, {"role": "assistant", "content": "x"}], None, False)
+            )
+            or []
+        )
         stops = [i for i, t in enumerate(sample) if t in self.stops]
         probe = [{"role": "user", "content": "u"}, {"role": "tool", "content": "r"}]
-        self.anchored = tokenizer.apply_chat_template(probe, None, False) != self._after_anchor(tokenizer.apply_chat_template([*_ANCHOR, *probe], None, False))
+        self.anchored = tokenizer.apply_chat_template(probe, None, False) != self._after_anchor(
+            tokenizer.apply_chat_template([*_ANCHOR, *probe], None, False)
+        )
         self.separable = bool(self.gen_prompt) and bool(stops)
         if self.separable:
             self.end_of_turn, self.separator = sample[stops[-1]], sample[stops[-1] + 1 :]
@@ -243,13 +260,20 @@ class Renderer:
         return self._after_anchor(self.tok.apply_chat_template([*_ANCHOR, *run], None, False))
 
     def _is_separable(self) -> bool:
-        msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                {"role": "assistant", "content": "a", "tool_calls": [{"name": "f", "arguments": {"x": 1}}]},
-                {"role": "tool", "content": "r"}, {"role": "tool", "content": "r2"}]  # fmt: skip
+        msgs = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a", "tool_calls": [{"name": "f", "arguments": {"x": 1}}]},
+            {"role": "tool", "content": "r"},
+            {"role": "tool", "content": "r2"},
+        ]
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
         probes = [(msgs, tools), (msgs[1:], tools), (msgs[1:], None)]
         pieces = [self._piecewise(m, t, TurnMemory(), "", None) for m, t in probes]
-        return all(p is not None and p.input_ids.tolist() == self.tok.apply_chat_template(m, t, True) for p, (m, t) in zip(pieces, probes))
+        return all(
+            p is not None and p.input_ids.tolist() == self.tok.apply_chat_template(m, t, True)
+            for p, (m, t) in zip(pieces, probes)
+        )
 
     def _head(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[dict]] | None:
         """The ids before the first non-system message (the system turn, given or the template's
@@ -262,8 +286,14 @@ class Renderer:
             return None
         return first[: len(first) - len(alone)], messages
 
-    def render(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory, agent_id: str = "",
-               resume: tuple[RenderResult, int] | None = None) -> RenderResult:  # fmt: skip
+    def render(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        memory: TurnMemory,
+        agent_id: str = "",
+        resume: tuple[RenderResult, int] | None = None,
+    ) -> RenderResult:
         """Prompt ids for `messages` (system first, if any) and `tools`, ending with the generation prompt.
 
         Args:
@@ -278,7 +308,9 @@ class Renderer:
             n = sum(m["role"] == "assistant" for m in messages)
             ids = PromptIds()
             ids.add(self.tok.apply_chat_template(messages, tools, True))
-            return RenderResult(*ids.finish(), 0, n, num_rendered_messages=len(messages), tools=tools, ids_buffer=ids.buffer)
+            return RenderResult(
+                *ids.finish(), 0, n, num_rendered_messages=len(messages), tools=tools, ids_buffer=ids.buffer
+            )
         return done
 
     def _start(self, messages, tools, memory, agent_id, resume) -> tuple[PromptIds, int, int, int, list, int] | None:
@@ -289,7 +321,9 @@ class Renderer:
             base, shared = resume
             at = base.resume_from(messages, shared, memory, agent_id)
             if at is not None:
-                kept = [c for c in base.checkpoints if c.num_messages <= at.num_messages and c.closed] + ([] if at.closed else [at])
+                kept = [c for c in base.checkpoints if c.num_messages <= at.num_messages and c.closed] + (
+                    [] if at.closed else [at]
+                )
                 return PromptIds(base, at), at.num_messages, at.num_reused, at.num_retokenized, kept, at.num_messages
         head = self._head(messages, tools) if messages else None
         if head is None:
@@ -299,8 +333,14 @@ class Renderer:
         first = len(messages) - len(head[1])
         return ids, first, 0, 0, [Checkpoint(first, ids.num_ids, ids.num_json, 0, 0, True)], 0
 
-    def _piecewise(self, messages: list[dict], tools: list[dict] | None, memory: TurnMemory, agent_id: str,
-                   resume: tuple[RenderResult, int] | None) -> RenderResult | None:  # fmt: skip
+    def _piecewise(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        memory: TurnMemory,
+        agent_id: str,
+        resume: tuple[RenderResult, int] | None,
+    ) -> RenderResult | None:
         """Message-by-message rendering with remembered turns; None where the template does not split."""
         start = self._start(messages, tools, memory, agent_id, resume)
         if start is None:
@@ -325,8 +365,15 @@ class Renderer:
                 if m is None:  # the last run: the next call may start here if it closes the run alike
                     checkpoints.append(Checkpoint(j, ids.num_ids, ids.num_json, reused, retokenized, False))
             if out is not None:
-                ids.add(self.gen_prompt + out + ([] if out and out[-1] in self.stops else [self.end_of_turn]) + self.separator)
+                ids.add(
+                    self.gen_prompt
+                    + out
+                    + ([] if out and out[-1] in self.stops else [self.end_of_turn])
+                    + self.separator
+                )
                 reused += 1
                 checkpoints.append(Checkpoint(j + 1, ids.num_ids, ids.num_json, reused, retokenized, True))
         ids.add(self.gen_prompt)
-        return RenderResult(*ids.finish(), reused, retokenized, tuple(checkpoints), len(messages) - num_kept, tools, ids.buffer)
+        return RenderResult(
+            *ids.finish(), reused, retokenized, tuple(checkpoints), len(messages) - num_kept, tools, ids.buffer
+        )

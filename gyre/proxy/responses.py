@@ -18,7 +18,17 @@ import time
 import uuid
 
 from gyre.models.tokenizer import ToolCall
-from gyre.proxy.chat import ApiError, ChatRequest, Resume, check_sampling, check_tool_schema, convert_messages, invalid, require_model, require_type
+from gyre.proxy.chat import (
+    ApiError,
+    ChatRequest,
+    Resume,
+    check_sampling,
+    check_tool_schema,
+    convert_messages,
+    invalid,
+    require_model,
+    require_type,
+)
 from gyre.proxy.openai import ERROR_TYPES
 
 
@@ -73,13 +83,23 @@ def _step(i: int, item, out: list[dict], state: tuple) -> tuple:
     if kind == "function_call_output":
         cid = item.get("call_id")
         if cid not in pending:
-            raise invalid(f"{where}.call_id: {cid!r} does not answer a function_call of the turn before "
-                          f"(ids: {sorted(pending) or 'none'})")  # fmt: skip
+            raise invalid(
+                f"{where}.call_id: {cid!r} does not answer a function_call of the turn before "
+                f"(ids: {sorted(pending) or 'none'})"
+            )
         output = item.get("output")
-        out.append({"role": "tool", "content": _text(output if output is not None else "", f"{where}.output"), "tool_call_id": cid})
+        out.append(
+            {
+                "role": "tool",
+                "content": _text(output if output is not None else "", f"{where}.output"),
+                "tool_call_id": cid,
+            }
+        )
         return None, pending
     if kind != "message":
-        raise invalid(f"{where}.type: {kind!r} is not supported; valid: message, function_call, function_call_output, reasoning")
+        raise invalid(
+            f"{where}.type: {kind!r} is not supported; valid: message, function_call, function_call_output, reasoning"
+        )
     role, text = item.get("role"), _text(item.get("content", ""), f"{where}.content")
     if role == "assistant":
         return (text, ()), frozenset()
@@ -112,7 +132,11 @@ def _assistant(turn: tuple) -> dict:
 
 def _convert_input(body: dict, resume: Resume | None) -> tuple[list[dict], list]:
     instructions = body.get("instructions")
-    head = [{"role": "system", "content": require_type(instructions, str, "instructions", "a string")}] if instructions else []
+    head = (
+        [{"role": "system", "content": require_type(instructions, str, "instructions", "a string")}]
+        if instructions
+        else []
+    )
     items = body.get("input")
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
@@ -141,10 +165,17 @@ def _convert_tools(tools, where: str = "tools") -> list[dict] | None:
         if kind in HOSTED_TOOLS:
             continue
         if kind != "function":
-            raise invalid(f"{where}[{i}].type: {kind!r} is not supported; valid: function, namespace (hosted tools are left out)")
+            raise invalid(
+                f"{where}[{i}].type: {kind!r} is not supported; valid: function, namespace (hosted tools are left out)"
+            )
         name = require_type(t.get("name"), str, f"{where}[{i}].name", "a string")
         schema = check_tool_schema(t.get("parameters") or {"type": "object"}, f"{where}[{i}].parameters")
-        out.append({"type": "function", "function": {"name": name, "description": t.get("description") or "", "parameters": schema}})
+        out.append(
+            {
+                "type": "function",
+                "function": {"name": name, "description": t.get("description") or "", "parameters": schema},
+            }
+        )
     return out or None
 
 
@@ -161,7 +192,9 @@ def parse_request(body, models: list[str], default_max_tokens: int, resume: Resu
     stream = body.get("stream", False)
     require_type(stream, bool, "stream", "a boolean")
     messages, marks = _convert_input(body, resume)
-    return ChatRequest(model=model, messages=messages, tools=_convert_tools(body.get("tools")), stream=stream, marks=marks, **sampling)
+    return ChatRequest(
+        model=model, messages=messages, tools=_convert_tools(body.get("tools")), stream=stream, marks=marks, **sampling
+    )
 
 
 def new_response_id() -> str:
@@ -173,32 +206,70 @@ def new_call_id() -> str:
 
 
 def make_usage(input_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": input_tokens + output_tokens}  # fmt: skip
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    content = (
+        [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    )
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
 def call_item(item_id: str, call_id: str, call: ToolCall | None, name: str = "", status: str = "completed") -> dict:
     arguments = json.dumps(call.arguments) if call is not None else ""
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": call.name if call else name,
-            "arguments": arguments, "status": status}  # fmt: skip
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": call.name if call else name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def make_response(resp_id: str, chat: ChatRequest, output: list[dict], finish: str | None, usage: dict | None) -> dict:
     """The Response object; finish None: still in progress (the stream's first events)."""
     status = "in_progress" if finish is None else ("incomplete" if finish == "length" else "completed")
-    return {"id": resp_id, "object": "response", "created_at": int(time.time()), "status": status, "model": chat.model,
-            "output": output, "usage": usage, "error": None, "parallel_tool_calls": True, "tool_choice": "auto",
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": None, "metadata": {}, "temperature": chat.temperature, "top_p": chat.top_p,
-            "max_output_tokens": chat.max_tokens, "previous_response_id": None, "store": False,
-            "tools": [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
-                       "parameters": t["function"]["parameters"], "strict": False} for t in chat.tools or []],
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None}  # fmt: skip
+    return {
+        "id": resp_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "model": chat.model,
+        "output": output,
+        "usage": usage,
+        "error": None,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": None,
+        "metadata": {},
+        "temperature": chat.temperature,
+        "top_p": chat.top_p,
+        "max_output_tokens": chat.max_tokens,
+        "previous_response_id": None,
+        "store": False,
+        "tools": [
+            {
+                "type": "function",
+                "name": t["function"]["name"],
+                "description": t["function"]["description"],
+                "parameters": t["function"]["parameters"],
+                "strict": False,
+            }
+            for t in chat.tools or []
+        ],
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "reasoning": None,
+    }
 
 
 def output_items(text: str, calls: list[tuple[str, ToolCall]]) -> list[dict]:
@@ -240,19 +311,43 @@ class StreamEvents:
         if item["type"] == "message":
             part = {"type": "output_text", "text": self.open_text, "annotations": [], "logprobs": []}
             done = {**item, "status": "completed", "content": [part]}
-            events = [self._event("response.output_text.done", item_id=item["id"], output_index=k, content_index=0, text=self.open_text, logprobs=[]),
-                      self._event("response.content_part.done", item_id=item["id"], output_index=k, content_index=0, part=part)]  # fmt: skip
+            events = [
+                self._event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=k,
+                    content_index=0,
+                    text=self.open_text,
+                    logprobs=[],
+                ),
+                self._event(
+                    "response.content_part.done", item_id=item["id"], output_index=k, content_index=0, part=part
+                ),
+            ]
         else:
             done = {**item, "status": "completed"}
-            events = [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
-                                  arguments=item["arguments"], name=item["name"])]  # fmt: skip
+            events = [
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=k,
+                    arguments=item["arguments"],
+                    name=item["name"],
+                )
+            ]
         self.output.append(done)
         return events + [self._event("response.output_item.done", output_index=k, item=done)]
 
     def _open(self, item: dict) -> list[tuple[str, dict]]:
         events = self._close()
         self.open = item
-        return events + [self._event("response.output_item.added", output_index=len(self.output), item=dict(item, content=[]) if item["type"] == "message" else dict(item))]
+        return events + [
+            self._event(
+                "response.output_item.added",
+                output_index=len(self.output),
+                item=dict(item, content=[]) if item["type"] == "message" else dict(item),
+            )
+        ]
 
     def text(self, delta: str) -> list[tuple[str, dict]]:
         if not delta:
@@ -262,10 +357,26 @@ class StreamEvents:
             events = self._open(message_item("msg_" + uuid.uuid4().hex[:24], "", status="in_progress"))
             self.open_text = ""
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            events.append(self._event("response.content_part.added", item_id=self.open["id"], output_index=len(self.output), content_index=0, part=part))
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=self.open["id"],
+                    output_index=len(self.output),
+                    content_index=0,
+                    part=part,
+                )
+            )
         self.open_text += delta
-        return events + [self._event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
-                                     content_index=0, delta=delta, logprobs=[])]  # fmt: skip
+        return events + [
+            self._event(
+                "response.output_text.delta",
+                item_id=self.open["id"],
+                output_index=len(self.output),
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
+        ]
 
     def tool_start(self, call_id: str, name: str) -> list[tuple[str, dict]]:
         self.streamed.add(call_id)
@@ -276,7 +387,14 @@ class StreamEvents:
         if not chunk:
             return []
         self.open["arguments"] += chunk
-        return [self._event("response.function_call_arguments.delta", item_id=self.open["id"], output_index=len(self.output), delta=chunk)]
+        return [
+            self._event(
+                "response.function_call_arguments.delta",
+                item_id=self.open["id"],
+                output_index=len(self.output),
+                delta=chunk,
+            )
+        ]
 
     def finish(self, calls: list[tuple[str, ToolCall]], finish: str, usage: dict) -> list[tuple[str, dict]]:
         """Close the open item, send the calls not streamed yet, then the completed response."""
@@ -285,4 +403,8 @@ class StreamEvents:
             if cid not in self.streamed:
                 events += self.tool_start(cid, c.name) + self.tool_args(json.dumps(c.arguments)) + self._close()
         done = make_response(self.resp_id, self.chat, self.output, finish, usage)
-        return events + [self._event("response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done)]
+        return events + [
+            self._event(
+                "response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done
+            )
+        ]

@@ -84,11 +84,20 @@ class ProxyServer:
         self.admin_token = cfg.admin_token or secrets.token_urlsafe(24)
         self.tok = tokenizer
         self.renderer = Renderer(tokenizer)
-        self.pool = EnginePool(no_engine_wait_s=cfg.no_engine_wait_s, health_interval_s=cfg.health_interval_s,
-                               request_timeout_s=cfg.request_timeout_s, max_imbalance=cfg.max_imbalance,
-                               migrate_kv=cfg.migrate_kv)  # fmt: skip
-        self.executions = ExecutionRegistry(cfg.records_dir, cfg.fsync, tokenizer.parse_assistant, cfg.fsync_window_ms,
-                                            (cfg.worker_index, cfg.num_workers))  # fmt: skip
+        self.pool = EnginePool(
+            no_engine_wait_s=cfg.no_engine_wait_s,
+            health_interval_s=cfg.health_interval_s,
+            request_timeout_s=cfg.request_timeout_s,
+            max_imbalance=cfg.max_imbalance,
+            migrate_kv=cfg.migrate_kv,
+        )
+        self.executions = ExecutionRegistry(
+            cfg.records_dir,
+            cfg.fsync,
+            tokenizer.parse_assistant,
+            cfg.fsync_window_ms,
+            (cfg.worker_index, cfg.num_workers),
+        )
         self.events = EventLog(cfg.events_dir) if cfg.events_dir else None
         self.runner = CallRunner(cfg, tokenizer, self.renderer, self.pool, self.events)
         self.anthropic = AnthropicWire(cfg.model_names, cfg.default_max_tokens)
@@ -100,17 +109,26 @@ class ProxyServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_mb << 20)
         app["max_body"] = self.cfg.max_body_mb << 20
-        app.add_routes([
-            web.get("/api/hello", self.hello), web.get("/health", self.hello),
-            web.post("/v1/messages", self.messages), web.post("/v1/messages/count_tokens", self.count_tokens),
-            web.post("/v1/chat/completions", self.chat_completions), web.get("/v1/models", self.models),
-            web.post("/v1/responses", self.responses_api),
-            web.post("/admin/executions", self.create_execution), web.delete("/admin/executions/{id}", self.revoke_execution),
-            web.get("/admin/engines", self.list_engines), web.post("/admin/engines", self.add_engine),
-            web.delete("/admin/engines/{id}", self.remove_engine), web.post("/admin/engines/{id}/drain", self.drain_engine),
-            web.post("/admin/engines/{id}/activate", self.activate_engine), web.get("/admin/metrics", self.metrics),
-            web.post("/admin/engines/{id}/stop_admission", self.stop_admission),
-        ])  # fmt: skip
+        app.add_routes(
+            [
+                web.get("/api/hello", self.hello),
+                web.get("/health", self.hello),
+                web.post("/v1/messages", self.messages),
+                web.post("/v1/messages/count_tokens", self.count_tokens),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.post("/v1/responses", self.responses_api),
+                web.post("/admin/executions", self.create_execution),
+                web.delete("/admin/executions/{id}", self.revoke_execution),
+                web.get("/admin/engines", self.list_engines),
+                web.post("/admin/engines", self.add_engine),
+                web.delete("/admin/engines/{id}", self.remove_engine),
+                web.post("/admin/engines/{id}/drain", self.drain_engine),
+                web.post("/admin/engines/{id}/activate", self.activate_engine),
+                web.get("/admin/metrics", self.metrics),
+                web.post("/admin/engines/{id}/stop_admission", self.stop_admission),
+            ]
+        )
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._close)
         return app
@@ -179,20 +197,26 @@ class ProxyServer:
         except ApiError as e:
             status, body = self.openai.error(e)
             return web.json_response(body, status=status)
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "gyre"} for m in self.cfg.model_names]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "gyre"} for m in self.cfg.model_names]}
+        )
 
     # --- admin side ---------------------------------------------------------------------------
     def _admin(self, request: web.Request) -> None:
         given = _credential(request) or ""
         if not hmac.compare_digest(given.encode(), self.admin_token.encode()):
-            raise web.HTTPUnauthorized(text=json.dumps({"error": {"message": "admin token required"}}), content_type="application/json")
+            raise web.HTTPUnauthorized(
+                text=json.dumps({"error": {"message": "admin token required"}}), content_type="application/json"
+            )
 
     async def _admin_body(self, request: web.Request) -> dict:
         self._admin(request)
         try:
             body = json.loads(await request.read() or b"{}")
         except ValueError as e:
-            raise web.HTTPBadRequest(text=json.dumps({"error": {"message": f"malformed JSON body: {e}"}}), content_type="application/json")
+            raise web.HTTPBadRequest(
+                text=json.dumps({"error": {"message": f"malformed JSON body: {e}"}}), content_type="application/json"
+            ) from None
         return body if isinstance(body, dict) else {}
 
     @staticmethod
@@ -206,7 +230,9 @@ class ProxyServer:
                 ex = await asyncio.to_thread(self.executions.create, body.get("execution_id"), body.get("api_key"))
         except GyreError as e:
             return self._bad(str(e))
-        return web.json_response({"execution_id": ex.execution_id, "api_key": ex.key, "records_path": str(ex.records_path)})
+        return web.json_response(
+            {"execution_id": ex.execution_id, "api_key": ex.key, "records_path": str(ex.records_path)}
+        )
 
     async def revoke_execution(self, request: web.Request) -> web.Response:
         self._admin(request)
@@ -228,7 +254,9 @@ class ProxyServer:
         if not isinstance(body.get("engine_id"), str) or not isinstance(body.get("url"), str):
             return self._bad("needs {engine_id: str, url: str}")
         try:
-            return web.json_response(await self.pool.register(body["engine_id"], body["url"], str(body.get("cell_id", ""))))
+            return web.json_response(
+                await self.pool.register(body["engine_id"], body["url"], str(body.get("cell_id", "")))
+            )
         except ApiError as e:
             return self._bad(e.message)
 
@@ -258,8 +286,17 @@ class ProxyServer:
         whether a session of theirs is in the routing table): O(engines + sessions + executions)."""
         self._admin(request)
         with_sessions = self.pool.table.executions_with_sessions()
-        executions = {eid: {"num_inflight": ex.num_inflight, "has_session": eid in with_sessions}
-                      for eid, ex in self.executions.by_id.items() if not ex.revoked}  # fmt: skip
-        return web.json_response({**vars(self.pool.metrics), "worker_index": self.cfg.worker_index,
-                                  "num_executions": len(self.executions.by_id), "engines": self.pool.describe(),
-                                  "executions": executions})  # fmt: skip
+        executions = {
+            eid: {"num_inflight": ex.num_inflight, "has_session": eid in with_sessions}
+            for eid, ex in self.executions.by_id.items()
+            if not ex.revoked
+        }
+        return web.json_response(
+            {
+                **vars(self.pool.metrics),
+                "worker_index": self.cfg.worker_index,
+                "num_executions": len(self.executions.by_id),
+                "engines": self.pool.describe(),
+                "executions": executions,
+            }
+        )

@@ -223,9 +223,17 @@ class OutputStream:
         """The answer's text and (id, call)s: the final parse's, streamed calls keeping their ids."""
         text = parsed.content if parsed.content.startswith(self.shown) else self.shown
         occ = self.scanner.occurrences
-        valid = [k for k, oc in enumerate(occ) if oc.body is not None and parse_assistant_text(f"<tool_call>{oc.body}</tool_call>").tool_calls]
+        valid = [
+            k
+            for k, oc in enumerate(occ)
+            if oc.body is not None and parse_assistant_text(f"<tool_call>{oc.body}</tool_call>").tool_calls
+        ]
         if len(valid) != len(parsed.tool_calls):
-            log.warning("streamed tool calls do not line up with the final parse (%d vs %d); sending them whole", len(valid), len(parsed.tool_calls))
+            log.warning(
+                "streamed tool calls do not line up with the final parse (%d vs %d); sending them whole",
+                len(valid),
+                len(parsed.tool_calls),
+            )
             valid = [-1] * len(parsed.tool_calls)
         calls = []
         for k, c in zip(valid, parsed.tool_calls):
@@ -236,7 +244,9 @@ class OutputStream:
             calls.append((cid or self.new_call_id(), c))
         return text, calls
 
-    def finish(self, text: str, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int) -> list[tuple[str | None, str]]:
+    def finish(
+        self, text: str, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int
+    ) -> list[tuple[str | None, str]]:
         """The rest of the text, the calls not streamed yet, and the wire's closing events."""
         return self.events.text(text[len(self.shown) :]) + self.events.finish(calls, finish, n_in, n_out)
 
@@ -256,7 +266,9 @@ def split_request(body, messages_key: str, head_keys: tuple[str, ...], raw: byte
     if not isinstance(body, dict) or not isinstance(body.get(messages_key), list):
         return None
     rest = {k: v for k, v in body.items() if k != messages_key and k != "stream"}
-    return WireRequest(tuple(body.get(k) for k in head_keys), body[messages_key], rest, raw, _messages_end(body, messages_key, raw))
+    return WireRequest(
+        tuple(body.get(k) for k in head_keys), body[messages_key], rest, raw, _messages_end(body, messages_key, raw)
+    )
 
 
 def _messages_end(body: dict, key: str, raw: bytes) -> int:
@@ -296,7 +308,9 @@ class AnthropicWire:
         return anthropic.new_tool_id()
 
     def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
-        return anthropic.make_response(anthropic.new_message_id(), chat.model, text, calls, finish, anthropic.make_usage(n_in, n_out))
+        return anthropic.make_response(
+            anthropic.new_message_id(), chat.model, text, calls, finish, anthropic.make_usage(n_in, n_out)
+        )
 
     def stream(self, chat: ChatRequest, n_in: int) -> "AnthropicStream":
         return AnthropicStream(anthropic.StreamEvents(anthropic.new_message_id(), chat.model, n_in))
@@ -352,7 +366,9 @@ class OpenAIWire:
         return openai.new_call_id()
 
     def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
-        return openai.make_response(openai.new_completion_id(), chat.model, text, calls, finish, openai.make_usage(n_in, n_out))
+        return openai.make_response(
+            openai.new_completion_id(), chat.model, text, calls, finish, openai.make_usage(n_in, n_out)
+        )
 
     def stream(self, chat: ChatRequest, n_in: int) -> "OpenAIStream":
         return OpenAIStream(openai.StreamChunks(openai.new_completion_id(), chat.model, chat.include_usage))
@@ -406,8 +422,13 @@ class ResponsesWire:
         return responses.new_call_id()
 
     def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
-        return responses.make_response(responses.new_response_id(), chat, responses.output_items(text, calls), finish,
-                                       responses.make_usage(n_in, n_out))  # fmt: skip
+        return responses.make_response(
+            responses.new_response_id(),
+            chat,
+            responses.output_items(text, calls),
+            finish,
+            responses.make_usage(n_in, n_out),
+        )
 
     def stream(self, chat: ChatRequest, n_in: int) -> "ResponsesStream":
         return ResponsesStream(responses.StreamEvents(responses.new_response_id(), chat))

@@ -27,8 +27,13 @@ class ProxyWorkers:
 
     def __init__(self, cfg: ProxyConfig, num_workers: int, startup_timeout_s: float = 60.0):
         self.admin_token = cfg.admin_token or secrets.token_urlsafe(24)
-        self.workers = [ProxyProcess(dataclasses.replace(cfg, admin_token=self.admin_token, num_workers=num_workers,
-                                                         worker_index=i), startup_timeout_s) for i in range(num_workers)]  # fmt: skip
+        self.workers = [
+            ProxyProcess(
+                dataclasses.replace(cfg, admin_token=self.admin_token, num_workers=num_workers, worker_index=i),
+                startup_timeout_s,
+            )
+            for i in range(num_workers)
+        ]
 
     def start(self) -> "ProxyWorkers":
         try:  # from this thread: a child dies with the thread that spawned it (common.serve.die_with_parent)
@@ -105,4 +110,8 @@ class WorkersAdmin:
                 seen = engines.setdefault(e["engine_id"], {**e, "num_inflight": 0, "num_sessions": 0})
                 seen["num_inflight"] += e["num_inflight"]
                 seen["num_sessions"] += e["num_sessions"]
-        return {**out, "engines": list(engines.values()), "executions": {k: v for p in parts for k, v in p["executions"].items()}}
+        return {
+            **out,
+            "engines": list(engines.values()),
+            "executions": {k: v for p in parts for k, v in p["executions"].items()},
+        }

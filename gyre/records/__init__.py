@@ -1,8 +1,26 @@
 """Records: one per model call, the contract between the proxy and the trajectory processor."""
 
 from gyre.records.io import ReadStats, RecordFileError, RecordWriter, read_records
-from gyre.records.record import (FINISH_REASONS, KINDS, MAIN_AGENT, CallRecord, RecordError, VersionSpan,
-                                 make_version_spans)
+from gyre.records.record import (
+    FINISH_REASONS,
+    KINDS,
+    MAIN_AGENT,
+    CallRecord,
+    RecordError,
+    VersionSpan,
+    make_version_spans,
+)
 
-__all__ = ["CallRecord", "VersionSpan", "RecordError", "RecordFileError", "RecordWriter", "ReadStats",
-           "read_records", "make_version_spans", "KINDS", "FINISH_REASONS", "MAIN_AGENT"]
+__all__ = [
+    "CallRecord",
+    "VersionSpan",
+    "RecordError",
+    "RecordFileError",
+    "RecordWriter",
+    "ReadStats",
+    "read_records",
+    "make_version_spans",
+    "KINDS",
+    "FINISH_REASONS",
+    "MAIN_AGENT",
+]

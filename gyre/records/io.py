@@ -41,9 +41,24 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MIN_SHARED_PREFIX = 64
 """Shorter shared prefixes are stored inline: a base reference would save less than it costs."""
-_SCALARS = ("execution_id", "call_id", "seq", "agent_id", "parent_agent_id", "kind_hint", "finish_reason",
-            "engine_id", "cell_id", "rerouted", "num_migrated_tokens", "num_recomputed_tokens", "started_at",
-            "finished_at", "is_retry", "hints")
+_SCALARS = (
+    "execution_id",
+    "call_id",
+    "seq",
+    "agent_id",
+    "parent_agent_id",
+    "kind_hint",
+    "finish_reason",
+    "engine_id",
+    "cell_id",
+    "rerouted",
+    "num_migrated_tokens",
+    "num_recomputed_tokens",
+    "started_at",
+    "finished_at",
+    "is_retry",
+    "hints",
+)
 
 
 class RecordFileError(GyreError):
@@ -89,7 +104,9 @@ def _prefix_over(a: np.ndarray, parts: tuple[np.ndarray, ...]) -> int:
     return n
 
 
-def encode_record(record: CallRecord, base: tuple[str, np.ndarray] | tuple[str, np.ndarray, np.ndarray] | None = None) -> bytes:
+def encode_record(
+    record: CallRecord, base: tuple[str, np.ndarray] | tuple[str, np.ndarray, np.ndarray] | None = None
+) -> bytes:
     """One JSON line (UTF-8, with trailing newline) for `record`; `base` = (call_id, its
     input+output, as one array or as input and output) to delta against."""
     obj = {"v": FORMAT_VERSION, **{k: getattr(record, k) for k in _SCALARS}}
@@ -121,8 +138,13 @@ def decode_record(obj: dict, sequences: dict[str, tuple[np.ndarray, np.ndarray]]
         output_ids = _unb64(obj["output"], np.int32)
         sequences[str(obj["call_id"])] = (input_ids, output_ids)
         spans = tuple(VersionSpan(int(a), int(b), int(v)) for a, b, v in obj["versions"])
-        return CallRecord(**{k: obj[k] for k in _SCALARS}, input_ids=input_ids, output_ids=output_ids,
-                          logprobs=_unb64(obj["logprobs"], np.float32), version_spans=spans)
+        return CallRecord(
+            **{k: obj[k] for k in _SCALARS},
+            input_ids=input_ids,
+            output_ids=output_ids,
+            logprobs=_unb64(obj["logprobs"], np.float32),
+            version_spans=spans,
+        )
     except KeyError as e:
         raise RecordError(f"missing field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -213,8 +235,9 @@ class RecordWriter:
             if self._execution_id is None:
                 self._execution_id = record.execution_id
             elif record.execution_id != self._execution_id:
-                raise RecordError(f"{self.path} holds execution {self._execution_id!r}; "
-                                  f"got a record of {record.execution_id!r}")
+                raise RecordError(
+                    f"{self.path} holds execution {self._execution_id!r}; got a record of {record.execution_id!r}"
+                )
             base = self._last_by_agent.get(record.agent_id)
             self._write(encode_record(record, base))
             if self._fsync:
@@ -309,7 +332,9 @@ class GroupCommit:
         for writer, error in zip(batch, self._pool.map(_sync_error, batch)):
             if error is not None:
                 self.num_errors += 1
-                log.error("%s: fsync failed (%r)%s", writer.path, error, "; retrying in the next batch" if retry else "")
+                log.error(
+                    "%s: fsync failed (%r)%s", writer.path, error, "; retrying in the next batch" if retry else ""
+                )
                 if retry:
                     self.mark(writer)
         self.num_batches += 1
@@ -365,8 +390,9 @@ def read_records(path: str | os.PathLike) -> tuple[list[CallRecord], ReadStats]:
                 stats.num_torn = 1
                 log.warning("%s: skipped a torn last line (%d bytes): %s", path, len(line), e)
                 break
-            raise RecordFileError(f"{path}: line {i + 1} of {len(lines)} is unreadable ({e}); "
-                                  "only the last line can be torn by a crash") from None
+            raise RecordFileError(
+                f"{path}: line {i + 1} of {len(lines)} is unreadable ({e}); only the last line can be torn by a crash"
+            ) from None
         try:
             record = decode_record(obj, sequences)
         except RecordError as e:

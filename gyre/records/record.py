@@ -92,9 +92,13 @@ class CallRecord:
         Raises:
             RecordError: as the constructor does.
         """
-        return cls(input_ids=np.asarray(input_ids, dtype=np.int32), output_ids=np.asarray(output_ids, dtype=np.int32),
-                   logprobs=np.asarray(logprobs, dtype=np.float32), version_spans=make_version_spans(versions),
-                   **fields)
+        return cls(
+            input_ids=np.asarray(input_ids, dtype=np.int32),
+            output_ids=np.asarray(output_ids, dtype=np.int32),
+            logprobs=np.asarray(logprobs, dtype=np.float32),
+            version_spans=make_version_spans(versions),
+            **fields,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +108,7 @@ class CallRecord:
         """int64 weight version of each output token, expanded from version_spans."""
         versions = np.empty(self.output_ids.size, dtype=np.int64)
         for span in self.version_spans:
-            versions[span.start:span.end] = span.version
+            versions[span.start : span.end] = span.version
         return versions
 
 

@@ -107,15 +107,29 @@ class SchedulerConfig:
             "finish_microstep_max_s",
             f"must be >= 0 s, got {self.finish_microstep_max_s}",
         )
-        require(self.async_split in ASYNC_SPLITS, "async_split",
-                f"must be one of {', '.join(ASYNC_SPLITS)}; got {self.async_split!r}")
-        require(self.leave_rule in LEAVE_RULES, "leave_rule",
-                f"must be one of {', '.join(LEAVE_RULES)}; got {self.leave_rule!r}")
-        require(self.admission in ADMISSION, "admission", f"must be one of {', '.join(ADMISSION)}; got {self.admission!r}")
-        require(self.microstep_tokens >= 0, "microstep_tokens",
-                f"must be >= 0 (0 = one group per micro-step), got {self.microstep_tokens}")
-        require(self.async_train_cells >= 0, "async_train_cells",
-                f"must be >= 0 (0 = sized by async_split), got {self.async_train_cells}")
+        require(
+            self.async_split in ASYNC_SPLITS,
+            "async_split",
+            f"must be one of {', '.join(ASYNC_SPLITS)}; got {self.async_split!r}",
+        )
+        require(
+            self.leave_rule in LEAVE_RULES,
+            "leave_rule",
+            f"must be one of {', '.join(LEAVE_RULES)}; got {self.leave_rule!r}",
+        )
+        require(
+            self.admission in ADMISSION, "admission", f"must be one of {', '.join(ADMISSION)}; got {self.admission!r}"
+        )
+        require(
+            self.microstep_tokens >= 0,
+            "microstep_tokens",
+            f"must be >= 0 (0 = one group per micro-step), got {self.microstep_tokens}",
+        )
+        require(
+            self.async_train_cells >= 0,
+            "async_train_cells",
+            f"must be >= 0 (0 = sized by async_split), got {self.async_train_cells}",
+        )
 
     @property
     def round_trip_s(self) -> float:

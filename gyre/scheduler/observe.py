@@ -12,10 +12,22 @@ from gyre.scheduler.policy import CellView, Observation
 from gyre.scheduler.streaming import MicroStepQueue
 
 
-def make_observation(now_s: float, cells: Sequence[Cell], sessions: Sequence[int], max_sessions: Sequence[int],
-                     gen_tok_s: Sequence[float] | None, *, queued: int, queued_ahead: int, running: int,
-                     queue: MicroStepQueue, train_tok_s: float, optimizing: bool,
-                     gen_demand_tok_s: float = 0.0, pooled_sessions: int = 0) -> Observation:
+def make_observation(
+    now_s: float,
+    cells: Sequence[Cell],
+    sessions: Sequence[int],
+    max_sessions: Sequence[int],
+    gen_tok_s: Sequence[float] | None,
+    *,
+    queued: int,
+    queued_ahead: int,
+    running: int,
+    queue: MicroStepQueue,
+    train_tok_s: float,
+    optimizing: bool,
+    gen_demand_tok_s: float = 0.0,
+    pooled_sessions: int = 0,
+) -> Observation:
     """What the policy sees now.
 
     Args:
@@ -31,13 +43,26 @@ def make_observation(now_s: float, cells: Sequence[Cell], sessions: Sequence[int
             raise ValueError("decode demand without the cells' decode throughput")
         gen_tok_s = [CellView.gen_tok_s] * len(cells)  # decode never binds: no demand to compare
     views = tuple(
-        CellView(index=c.index, role=c.role, is_core=c.is_core, in_step=c.step is not None, since_s=c.since_s,
-                 sessions=n, max_sessions=m, gen_tok_s=g)
+        CellView(
+            index=c.index,
+            role=c.role,
+            is_core=c.is_core,
+            in_step=c.step is not None,
+            since_s=c.since_s,
+            sessions=n,
+            max_sessions=m,
+            gen_tok_s=g,
+        )
         for c, n, m, g in zip(cells, sessions, max_sessions, gen_tok_s)
     )
     return Observation(
-        now_s=now_s, cells=views, queued=queued, queued_ahead=queued_ahead, running=running,
-        pooled_sessions=pooled_sessions, gen_demand_tok_s=gen_demand_tok_s,
+        now_s=now_s,
+        cells=views,
+        queued=queued,
+        queued_ahead=queued_ahead,
+        running=running,
+        pooled_sessions=pooled_sessions,
+        gen_demand_tok_s=gen_demand_tok_s,
         ready_train_s=queue.ready_tokens() / train_tok_s,
         ready_ahead_train_s=queue.ready_tokens_ahead() / train_tok_s,
         batch_ready=queue.batch_ready(),

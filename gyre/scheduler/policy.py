@@ -134,8 +134,9 @@ def _rescue(obs: Observation) -> tuple[int, ...]:
     A cell between micro-steps is taken first."""
     if not obs.waterlevel or any(c.role in (Role.ROLLOUT, Role.TO_ROLLOUT) for c in obs.cells):
         return ()
-    satellites = sorted((c for c in obs.cells if c.role == Role.TRAIN and not c.is_core),
-                        key=lambda c: (c.in_step, c.index))
+    satellites = sorted(
+        (c for c in obs.cells if c.role == Role.TRAIN and not c.is_core), key=lambda c: (c.in_step, c.index)
+    )
     return (satellites[0].index,) if satellites else ()
 
 
@@ -191,8 +192,12 @@ class ElasticPolicy(BasePolicy):
         urgent = self._urgent(obs)
         peak = self._peak(urgent)
         sustained = self._sustained_demand(obs)
-        back = (_rescue(obs) or self._returns(urgent, idle_only=False) or self._returns(obs, idle_only=True)
-                or self._relieves(obs, sustained))
+        back = (
+            _rescue(obs)
+            or self._returns(urgent, idle_only=False)
+            or self._returns(obs, idle_only=True)
+            or self._relieves(obs, sustained)
+        )
         if back:
             return Decision(to_rollout=back)
         return Decision(to_train=self._leaves(peak))
@@ -216,8 +221,11 @@ class ElasticPolicy(BasePolicy):
             (obs.gen_demand_tok_s - tok_s) / max(c.gen_tok_s for c in obs.cells),
         )
         want = max(1, math.ceil(deficit_cells))
-        idle = [c for c in obs.cells if c.role == Role.TRAIN and not c.is_core and self._dwelt(c, obs.now_s)
-                and not (idle_only and c.in_step)]
+        idle = [
+            c
+            for c in obs.cells
+            if c.role == Role.TRAIN and not c.is_core and self._dwelt(c, obs.now_s) and not (idle_only and c.in_step)
+        ]
         idle.sort(key=lambda c: (c.in_step, c.index))  # cells between micro-steps first
         return tuple(c.index for c in idle[:want])
 
@@ -238,9 +246,12 @@ class ElasticPolicy(BasePolicy):
         backlog_s = (obs.ready_train_s + obs.ready_ahead_train_s) / max(1, n_train)
         if deficit_cells <= 0 or backlog_s >= cost_s or min(1.0, deficit_cells) * self.cfg.min_dwell_s < cost_s:
             return ()
-        idle = [c for c in obs.cells if c.role == Role.TRAIN and not c.is_core and not c.in_step
-                and self._dwelt(c, obs.now_s)]
-        return tuple(c.index for c in idle[:math.ceil(deficit_cells)])
+        idle = [
+            c
+            for c in obs.cells
+            if c.role == Role.TRAIN and not c.is_core and not c.in_step and self._dwelt(c, obs.now_s)
+        ]
+        return tuple(c.index for c in idle[: math.ceil(deficit_cells)])
 
     def _leaves(self, obs: Observation) -> tuple[int, ...]:
         """Satellites to move to training: spare rollout capacity and work that pays the switch."""
@@ -271,9 +282,14 @@ class ElasticPolicy(BasePolicy):
         tier), though every live session keeps a place. Before that, the waterlevel rule."""
         if not obs.batch_ready:
             obs = replace(obs, queued_ahead=0, running_ahead=0, gen_demand_ahead_tok_s=0.0)
-        urgent = replace(obs, queued=obs.queued - obs.queued_ahead, running=obs.running - obs.running_ahead,
-                         queued_ahead=0, running_ahead=0,
-                         gen_demand_tok_s=max(0.0, obs.gen_demand_tok_s - obs.gen_demand_ahead_tok_s))
+        urgent = replace(
+            obs,
+            queued=obs.queued - obs.queued_ahead,
+            running=obs.running - obs.running_ahead,
+            queued_ahead=0,
+            running_ahead=0,
+            gen_demand_tok_s=max(0.0, obs.gen_demand_tok_s - obs.gen_demand_ahead_tok_s),
+        )
         serving = [c for c in obs.cells if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
         n_train = sum(c.role in (Role.TRAIN, Role.TO_TRAIN) for c in obs.cells)
         candidates = [c for c in serving if c.role == Role.ROLLOUT and not c.is_core and self._dwelt(c, obs.now_s)]

@@ -153,7 +153,9 @@ class MicroStepQueue:
     def _full(self, st: _StepState) -> bool:
         return st.closed or (self.groups_per_step is not None and st.accounted >= self.groups_per_step)
 
-    def add_ready(self, step: int, group_id: int, start_version: int, tokens: int, max_tokens: int = 0) -> MicroStep | None:
+    def add_ready(
+        self, step: int, group_id: int, start_version: int, tokens: int, max_tokens: int = 0
+    ) -> MicroStep | None:
         """A group of `step` is ready: all its executions finished or were excluded.
 
         `start_version` is the version of its oldest span that is trained (not masked).

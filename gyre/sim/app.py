@@ -7,15 +7,15 @@ comes from gyre.sim.runner on validated configs.
 import json
 import os
 import sys
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from gyre.errors import ConfigError
 from gyre.common import CONF_DIR
+from gyre.errors import ConfigError
 from gyre.metrics.plots import draw_timelines
 from gyre.sim.config import SimConfig
 from gyre.sim.report import format_compare, format_labels, format_modes, format_sensitivity, timeline_panels
@@ -37,8 +37,18 @@ def validate_sim(cfg: DictConfig) -> SimConfig:
     return SimConfig(**sections)
 
 
-_SCENARIO_KEYS = ("profile=", "preset=", "num_steps=", "compare=", "sensitivity=", "json=", "plot=", "modes=",
-                  "baselines=", "mechanisms=")
+_SCENARIO_KEYS = (
+    "profile=",
+    "preset=",
+    "num_steps=",
+    "compare=",
+    "sensitivity=",
+    "json=",
+    "plot=",
+    "modes=",
+    "baselines=",
+    "mechanisms=",
+)
 
 
 def _compare_rows(user_overrides: list[str]) -> list[dict]:
@@ -54,23 +64,30 @@ def _compare_rows(user_overrides: list[str]) -> list[dict]:
         for preset in row.presets:
             cfg = hydra.compose(
                 config_name="sim",
-                overrides=[*kept, f"profile={row.profile}", f"preset={preset}", f"num_steps={row.num_steps}",
-                           *row.overrides],
+                overrides=[
+                    *kept,
+                    f"profile={row.profile}",
+                    f"preset={preset}",
+                    f"num_steps={row.num_steps}",
+                    *row.overrides,
+                ],
             )
             sim = validate_sim(cfg)
             runs = baselines(sim)
             table = label_table(runs)
             print(f"\n{row.workload} on {preset}:\n{format_labels(table)}", flush=True)
             sims.append(dict(_speedups(runs), table=table))
-        rows.append({
-            "workload": row.workload,
-            "seed_vs_async": row.vs_async,
-            "seed_vs_colocate": row.vs_colocate,
-            **{k: _span([s[k] for s in sims]) for k in sims[0] if k not in ("table", "t_over_r", "sim_elastic_h")},
-            "t_over_r": " / ".join(f"{s['t_over_r']:.2f}" for s in sims),
-            "sim_elastic_h": " / ".join(f"{s['sim_elastic_h']:.1f}" for s in sims),
-            "runs": [s["table"] for s in sims],
-        })
+        rows.append(
+            {
+                "workload": row.workload,
+                "seed_vs_async": row.vs_async,
+                "seed_vs_colocate": row.vs_colocate,
+                **{k: _span([s[k] for s in sims]) for k in sims[0] if k not in ("table", "t_over_r", "sim_elastic_h")},
+                "t_over_r": " / ".join(f"{s['t_over_r']:.2f}" for s in sims),
+                "sim_elastic_h": " / ".join(f"{s['sim_elastic_h']:.1f}" for s in sims),
+                "runs": [s["table"] for s in sims],
+            }
+        )
     return rows
 
 
@@ -114,12 +131,16 @@ def run(cfg: DictConfig) -> None:
         print(f"timeline: {path}")
     if sim.baselines:
         out["baselines"] = label_table(baselines(sim))
-        print(f"\nelastic and every baseline variant on {sim.profile.name} / {sim.preset.name}:\n"
-              f"{format_labels(out['baselines'])}")
+        print(
+            f"\nelastic and every baseline variant on {sim.profile.name} / {sim.preset.name}:\n"
+            f"{format_labels(out['baselines'])}"
+        )
     if sim.mechanisms:
         out["mechanisms"] = label_table(mechanisms(sim))
-        print(f"\neach policy mechanism alone on {sim.profile.name} / {sim.preset.name}:\n"
-              f"{format_labels(out['mechanisms'])}")
+        print(
+            f"\neach policy mechanism alone on {sim.profile.name} / {sim.preset.name}:\n"
+            f"{format_labels(out['mechanisms'])}"
+        )
     if sim.sensitivity:
         out["sensitivity"] = sensitivity(sim)
         print(f"\nsensitivity on {sim.profile.name} / {sim.preset.name}:\n{format_sensitivity(out['sensitivity'])}")

@@ -91,8 +91,9 @@ def load_run(run_dir: str | Path) -> LiveRun:
         raise CalibrationError(f"{d}: events.jsonl has no run_start from step 0 (a resumed run is not modelled)")
     steps = {e.step for e in _of(run, "optimizer_step")}
     if len(steps) < config["num_steps"]:
-        raise CalibrationError(f"{d}: unfinished run: events.jsonl has {len(steps)} of num_steps="
-                               f"{config['num_steps']} optimizer steps")
+        raise CalibrationError(
+            f"{d}: unfinished run: events.jsonl has {len(steps)} of num_steps={config['num_steps']} optimizer steps"
+        )
     return run
 
 
@@ -142,8 +143,9 @@ def measure_workload(run: LiveRun) -> dict:
     if not trained or not trained_tokens:
         raise CalibrationError(f"{run.run_dir}: no execution was trained (ledger) or no token (optimizer_step events)")
     timed_out = [run.ledger.outcome(e).duration_s for e in execs if run.ledger.outcome(e).state == "timed_out"]
-    spans = [run.ledger.outcome(e).t - next(x.t for x in run.ledger.history[e] if x.state == "running")
-             for e in with_calls]
+    spans = [
+        run.ledger.outcome(e).t - next(x.t for x in run.ledger.history[e] if x.state == "running") for e in with_calls
+    ]
     return {
         "groups_per_step": run.config["coordinator"]["groups_per_step"],
         "group_size": run.config["coordinator"]["group_size"],
@@ -215,8 +217,9 @@ def measure_engines(run: LiveRun, num_cells: int) -> dict:
             by_cell[int(c.cell_id)].append(c)
     alone = [c for calls in by_cell.values() for c, k in zip(calls, _concurrency(calls)) if k < LOW_CONCURRENCY]
     if len(alone) < 2:
-        raise CalibrationError(f"{run.run_dir}: fewer than 2 model calls ran alone on an engine; one session's "
-                               "speed cannot be measured")
+        raise CalibrationError(
+            f"{run.run_dir}: fewer than 2 model calls ran alone on an engine; one session's speed cannot be measured"
+        )
     a = np.array([[len(c.output_ids), new_prompt_tokens(c)] for c in alone], dtype=float)
     dur = np.array([c.finished_at - c.started_at for c in alone])
     (s_per_tok, p_per_tok), *_ = np.linalg.lstsq(a, dur, rcond=None)
@@ -269,8 +272,11 @@ def live_wall(run: LiveRun) -> dict:
     first = min(x.t for h in run.ledger.history.values() for x in h if x.state == "running")
     last = max(e.t for e in _of(run, "optimizer_step"))
     end = max(e.t for e in run.events)
-    return {"live_s": round(last - first, 1), "startup_s": round(first - run.config_written_at, 1),
-            "after_last_step_s": round(end - last, 1)}
+    return {
+        "live_s": round(last - first, 1),
+        "startup_s": round(first - run.config_written_at, 1),
+        "after_last_step_s": round(end - last, 1),
+    }
 
 
 def _fmt(value) -> str:
@@ -298,18 +304,33 @@ def make_overrides(run: LiveRun) -> list[str]:
     cfg = run.config
     cells, nodes = cfg["cluster"]["num_cells"], cfg["cluster"]["cell_nodes"]
     per_node = cfg["coordinator"]["sessions_per_cell"] // nodes
-    preset = {"name": "live", "num_nodes": cells * nodes, "num_cells": cells, "max_sessions_per_node": per_node,
-              "live_sessions_per_node": per_node, "kv_tokens_per_node": cfg["engine"]["prefix_cache_tokens"] / nodes,
-              "host_kv_tokens_per_node": 0, **measure_engines(run, cells), **measure_training(run, cells)}
+    preset = {
+        "name": "live",
+        "num_nodes": cells * nodes,
+        "num_cells": cells,
+        "max_sessions_per_node": per_node,
+        "live_sessions_per_node": per_node,
+        "kv_tokens_per_node": cfg["engine"]["prefix_cache_tokens"] / nodes,
+        "host_kv_tokens_per_node": 0,
+        **measure_engines(run, cells),
+        **measure_training(run, cells),
+    }
     profile = {"name": "live", **measure_workload(run)}
     scheduler = {k: v for k, v in cfg["scheduler"].items() if k != "mode"}
     scheduler["microstep_tokens"] = cfg["coordinator"]["max_micro_batch_tokens"]
-    return ([f"profile.{k}={_fmt(v)}" for k, v in profile.items()]
-            + [f"preset.{k}={_fmt(v)}" for k, v in preset.items()]
-            + [f"scheduler.{k}={_fmt(v)}" for k, v in scheduler.items()]
-            + [f"+phase_s.{k}={v}" for k, v in measure_phases(run).items()]
-            + [f"num_steps={cfg['num_steps']}", f"seed={cfg['seed']}", f"tick_s={cfg['coordinator']['tick_s']}",
-               "plot=", "json=true"])
+    return (
+        [f"profile.{k}={_fmt(v)}" for k, v in profile.items()]
+        + [f"preset.{k}={_fmt(v)}" for k, v in preset.items()]
+        + [f"scheduler.{k}={_fmt(v)}" for k, v in scheduler.items()]
+        + [f"+phase_s.{k}={v}" for k, v in measure_phases(run).items()]
+        + [
+            f"num_steps={cfg['num_steps']}",
+            f"seed={cfg['seed']}",
+            f"tick_s={cfg['coordinator']['tick_s']}",
+            "plot=",
+            "json=true",
+        ]
+    )
 
 
 def compose_sim(overrides: list[str], modes: list[str]):
@@ -335,8 +356,10 @@ def predict(sim) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Predict a live run's wall time per mode with the simulator "
-                                                 "calibrated to it; last line: {mode: predicted_wall_s}.")
+    parser = argparse.ArgumentParser(
+        description="Predict a live run's wall time per mode with the simulator "
+        "calibrated to it; last line: {mode: predicted_wall_s}."
+    )
     parser.add_argument("run_dir")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated (default: all)")
     args = parser.parse_args(argv)
@@ -354,8 +377,10 @@ def main(argv: list[str] | None = None) -> None:
     print("overrides:\n  " + "\n  ".join(o if len(o) < 160 else o[:150] + " ...]" for o in overrides))
     predicted = predict(sim)
     mode = run.config["scheduler"]["mode"]
-    print(f"live {mode}: {live['live_s']} s from the first execution to the last optimizer step "
-          f"(not simulated: {live['startup_s']} s start-up before, {live['after_last_step_s']} s after)")
+    print(
+        f"live {mode}: {live['live_s']} s from the first execution to the last optimizer step "
+        f"(not simulated: {live['startup_s']} s start-up before, {live['after_last_step_s']} s after)"
+    )
     for m, s in predicted.items():
         ratio = f"  {s / live['live_s']:.3f}x the live {mode} run" if m == mode else ""
         print(f"predicted {m:<9} {s:8.1f} s{ratio}")

@@ -164,21 +164,44 @@ class PresetConfig:
             "num_cells",
             f"must divide num_nodes={self.num_nodes} into equal cells, got {self.num_cells}",
         )
-        for key in ("kv_tokens_per_node", "max_sessions_per_node", "gen_tok_s_per_node", "session_tok_s",
-                    "kv_load_tok_s_per_node", "gpus_per_node", "gpu_peak_tflops", "active_params_b",
-                    "weight_sync_gb_s"):
+        for key in (
+            "kv_tokens_per_node",
+            "max_sessions_per_node",
+            "gen_tok_s_per_node",
+            "session_tok_s",
+            "kv_load_tok_s_per_node",
+            "gpus_per_node",
+            "gpu_peak_tflops",
+            "active_params_b",
+            "weight_sync_gb_s",
+        ):
             require(getattr(self, key) > 0, key, f"must be > 0 (no capacity cannot run), got {getattr(self, key)}")
         for key in ("train_mfu", "prefill_mfu"):
             require(0 < getattr(self, key) <= 1, key, f"must be in (0, 1], got {getattr(self, key)}")
-        for key in ("live_sessions_per_node", "host_kv_tokens_per_node", "train_tok_s_per_node", "prefill_tok_s_per_node", "optimizer_s",
-                    "weight_gb", "optimizer_step_s", "attention_layers", "attention_dim"):
+        for key in (
+            "live_sessions_per_node",
+            "host_kv_tokens_per_node",
+            "train_tok_s_per_node",
+            "prefill_tok_s_per_node",
+            "optimizer_s",
+            "weight_gb",
+            "optimizer_step_s",
+            "attention_layers",
+            "attention_dim",
+        ):
             require(getattr(self, key) >= 0, key, f"must be >= 0 (0 = derived or none), got {getattr(self, key)}")
-        require(self.host_tier_scope in ("cluster", "rollout_pool"), "host_tier_scope",
-                f"must be cluster or rollout_pool, got {self.host_tier_scope!r}")
+        require(
+            self.host_tier_scope in ("cluster", "rollout_pool"),
+            "host_tier_scope",
+            f"must be cluster or rollout_pool, got {self.host_tier_scope!r}",
+        )
         for key in ("cell_gen_tok_s", "cell_train_tok_s"):
             values = getattr(self, key)
-            require(not values or (len(values) == self.num_cells and min(values) > 0), key,
-                    f"must be empty or {self.num_cells} values > 0 (one per cell), got {values}")
+            require(
+                not values or (len(values) == self.num_cells and min(values) > 0),
+                key,
+                f"must be empty or {self.num_cells} values > 0 (one per cell), got {values}",
+            )
 
     @property
     def cell_nodes(self) -> int:
@@ -262,4 +285,3 @@ class SimConfig:
         for name, seconds in self.phase_s.items():
             require(name in phases, "phase_s", f"unknown phase {name!r}; valid: {', '.join(sorted(phases))}")
             require(seconds >= 0, "phase_s", f"{name} must be >= 0 s, got {seconds}")
-

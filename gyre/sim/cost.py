@@ -69,6 +69,12 @@ def derive_costs(profile: ProfileConfig, preset: PresetConfig, seed: int) -> Cos
     train = preset.train_tok_s_per_node or peak * preset.train_mfu / f_train
     prefill = preset.prefill_tok_s_per_node or peak * preset.prefill_mfu / prefill_flops_per_token(preset, l_prefill)
     opt = preset.optimizer_step_s or preset.optimizer_s + preset.weight_gb / preset.weight_sync_gb_s
-    return Costs(train_tok_s_per_node=train, prefill_tok_s_per_node=prefill, optimizer_step_s=opt,
-                 train_context_tokens=l_train, prefill_context_tokens=l_prefill,
-                 train_flops_per_token=f_train, train_mfu_implied=train * f_train / peak)
+    return Costs(
+        train_tok_s_per_node=train,
+        prefill_tok_s_per_node=prefill,
+        optimizer_step_s=opt,
+        train_context_tokens=l_train,
+        prefill_context_tokens=l_prefill,
+        train_flops_per_token=f_train,
+        train_mfu_implied=train * f_train / peak,
+    )

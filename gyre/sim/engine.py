@@ -52,9 +52,18 @@ class Simulation:
         tail_scale: multiplies the profile's duration tail (sensitivity).
     """
 
-    def __init__(self, profile: ProfileConfig, preset: PresetConfig, scheduler: SchedulerConfig,
-                 num_steps: int, seed: int = 0, tick_s: float = 10.0, tail_scale: float = 1.0,
-                 losses: tuple[tuple[int, float], ...] = (), phase_s: dict[str, float] | None = None):
+    def __init__(
+        self,
+        profile: ProfileConfig,
+        preset: PresetConfig,
+        scheduler: SchedulerConfig,
+        num_steps: int,
+        seed: int = 0,
+        tick_s: float = 10.0,
+        tail_scale: float = 1.0,
+        losses: tuple[tuple[int, float], ...] = (),
+        phase_s: dict[str, float] | None = None,
+    ):
         self.profile, self.preset, self.cfg = profile, preset, scheduler
         self.phase_s = phase_s or {}  # measured seconds per switch phase, by Phase value
         self.losses = losses
@@ -119,8 +128,16 @@ class Simulation:
         self._at(0.0, TICK, None)
         for index, at_s in self.losses:
             self._at(at_s, LOSS, self.cells[index])
-        handlers = (None, self._on_exec_end, self._on_phase_end,
-                    self._on_micro_end, self._on_opt_end, self._on_tick, self._on_loss, self._on_wake)
+        handlers = (
+            None,
+            self._on_exec_end,
+            self._on_phase_end,
+            self._on_micro_end,
+            self._on_opt_end,
+            self._on_tick,
+            self._on_loss,
+            self._on_wake,
+        )
         heap, pop, queue, num_steps, start_gen = self.heap, heapq.heappop, self.queue, self.num_steps, self._start_gen
         while heap and queue.version < num_steps:
             t, _, kind, obj, token = pop(heap)
@@ -400,8 +417,10 @@ class Simulation:
     def _on_tick(self, _obj, _token):
         last = self.step_times[-1] if self.step_times else 0.0
         if self.now - last > self.stall_s:
-            raise RuntimeError(f"simulation stalled: no optimizer step for {self.now - last:.0f} s at version "
-                               f"{self.queue.version} (no cell left to serve or train?)")
+            raise RuntimeError(
+                f"simulation stalled: no optimizer step for {self.now - last:.0f} s at version "
+                f"{self.queue.version} (no cell left to serve or train?)"
+            )
         self.levels.append((self.now, len(self.waiting) + self.running))
         self._consult()
         self._at(self.now + self.tick_s, TICK, None)
@@ -410,16 +429,27 @@ class Simulation:
         cells, current = self.cells, self.queue.current_step
         demand = sum(sc.eng.generating(self.now) for sc in cells) * self.preset.session_tok_s
         obs = make_observation(
-            self.now, [sc.cell for sc in cells], [len(sc.members) for sc in cells], [sc.max_sessions for sc in cells],
-            [sc.gen_tok_s for sc in cells], queued=len(self.waiting), running=self.running,
+            self.now,
+            [sc.cell for sc in cells],
+            [len(sc.members) for sc in cells],
+            [sc.max_sessions for sc in cells],
+            [sc.gen_tok_s for sc in cells],
+            queued=len(self.waiting),
+            running=self.running,
             queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > current),
-            queue=self.queue, train_tok_s=self.sat_train_tok_s, optimizing=self.optimizing,
-            gen_demand_tok_s=demand, pooled_sessions=self.pooled_sessions,
+            queue=self.queue,
+            train_tok_s=self.sat_train_tok_s,
+            optimizing=self.optimizing,
+            gen_demand_tok_s=demand,
+            pooled_sessions=self.pooled_sessions,
         )
         running_ahead = sum(n for step, n in self.running_by_step.items() if step > current)
         # estimated pro rata: executions of later steps draw as much decode per session as the rest
-        return replace(obs, running_ahead=running_ahead,
-                       gen_demand_ahead_tok_s=demand * running_ahead / self.running if self.running else 0.0)
+        return replace(
+            obs,
+            running_ahead=running_ahead,
+            gen_demand_ahead_tok_s=demand * running_ahead / self.running if self.running else 0.0,
+        )
 
     def _consult(self):
         d: Decision = self.policy.decide(self._observe())
@@ -528,9 +558,13 @@ class Simulation:
         (gen, prompt, kvs), (gen0, prompt0, kvs0) = self.useful, self.useful_first
         rollout_s = max(gen / gen_cap + prompt / prefill_cap, kvs / kv_cap)
         train_s = self.train_tokens_total / train_cap
-        first_release = min(min(g, default=0.0) for g in self.group_longest_s[:self.cfg.staleness + 1])
-        startup_s = startup_bound_s(first_release, train_s, (gen / gen_cap + prompt / prefill_cap, kvs / kv_cap),
-                                    (gen0 / gen_cap + prompt0 / prefill_cap, kvs0 / kv_cap))
+        first_release = min(min(g, default=0.0) for g in self.group_longest_s[: self.cfg.staleness + 1])
+        startup_s = startup_bound_s(
+            first_release,
+            train_s,
+            (gen / gen_cap + prompt / prefill_cap, kvs / kv_cap),
+            (gen0 / gen_cap + prompt0 / prefill_cap, kvs0 / kv_cap),
+        )
         work_node_s = (rollout_s + train_s) * self.preset.num_nodes
         # A group waits for its own step's executions only with fixed batching (see _group_ready).
         # With first_ready batching a step's batch may fill with earlier steps' groups before it is
@@ -539,21 +573,32 @@ class Simulation:
         gate = self.num_steps if early and self.cfg.batching != "fixed" else self.cfg.staleness
         groups = [[(u, tok / train_cap) for u, tok in self.group_work.get(k, [])] for k in range(self.num_steps)]
         return ModeResult(
-            mode=self.cfg.mode, total_s=total, step_times_s=self.step_times,
-            cells=[sc.stats for sc in self.cells], work_node_s=work_node_s,
-            num_nodes=self.preset.num_nodes, levels=self.levels, num_switches=self.num_switches,
-            num_timeouts=self.num_timeouts, num_excluded=self.num_excluded,
+            mode=self.cfg.mode,
+            total_s=total,
+            step_times_s=self.step_times,
+            cells=[sc.stats for sc in self.cells],
+            work_node_s=work_node_s,
+            num_nodes=self.preset.num_nodes,
+            levels=self.levels,
+            num_switches=self.num_switches,
+            num_timeouts=self.num_timeouts,
+            num_excluded=self.num_excluded,
             async_train_cells=getattr(self.policy, "num_train", None),
-            num_blocked=self.num_blocked, max_staleness=self.queue.max_lag, prefill_tokens=prefill,
+            num_blocked=self.num_blocked,
+            max_staleness=self.queue.max_lag,
+            prefill_tokens=prefill,
             reload_tokens=sum(sc.eng.load_tokens for sc in self.cells),
             critical_path_s=critical_path_s(groups, gate, self.costs.optimizer_step_s, early_admission=early),
-            rollout_work_s=rollout_s, train_work_s=train_s, recompute_tokens=recompute,
+            rollout_work_s=rollout_s,
+            train_work_s=train_s,
+            recompute_tokens=recompute,
             budget_hit_fraction=self.num_timeouts / max(1, self.started),
-            rollout_latency_s=sum(self.longest_s[:self.num_steps]) / self.num_steps,
+            rollout_latency_s=sum(self.longest_s[: self.num_steps]) / self.num_steps,
             budget_hit_unloaded=budget_hit_fraction(self.profile, self.preset.session_tok_s, self.seed),
             train_tok_s_per_node=self.costs.train_tok_s_per_node,
             prefill_tok_s_per_node=self.costs.prefill_tok_s_per_node,
             num_stale_dropped=self.num_stale_dropped,
-            trained_tokens=self.train_tokens_total, startup_bound_s=startup_s,
+            trained_tokens=self.train_tokens_total,
+            startup_bound_s=startup_s,
             masked_fraction=self.masked_segments / max(1, self.masked_segments + self.trained_segments),
         )

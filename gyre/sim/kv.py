@@ -94,8 +94,11 @@ class CellEngine:
         if busy and busy[0][0] <= now:
             self.retire(now)
         free_rate = self.gen_tok_s - self.reserved
-        if busy and (len(busy) >= self.batch_cap or self.kv_used - self.idle_kv + need > self.kv_cap
-                     or free_rate < 1e-6 * self.gen_tok_s):
+        if busy and (
+            len(busy) >= self.batch_cap
+            or self.kv_used - self.idle_kv + need > self.kv_cap
+            or free_rate < 1e-6 * self.gen_tok_s
+        ):
             return None
         on_gpu = s.where == GPU and s.eng is self
         held = 0.0

@@ -11,8 +11,26 @@ from gyre.sim.result import CellStats
 class Session:
     """One execution; it has at most one pending event (segment end or time budget), none while blocked."""
 
-    __slots__ = ("group", "n_seg", "off", "seg", "deadline", "cell", "excluded", "gen", "tool",
-                 "eng", "where", "kv", "call", "ver", "marks", "gtok", "ptok", "kvs")
+    __slots__ = (
+        "group",
+        "n_seg",
+        "off",
+        "seg",
+        "deadline",
+        "cell",
+        "excluded",
+        "gen",
+        "tool",
+        "eng",
+        "where",
+        "kv",
+        "call",
+        "ver",
+        "marks",
+        "gtok",
+        "ptok",
+        "kvs",
+    )
 
     def __init__(self, group, n_seg, off, excluded, batch):
         self.group, self.n_seg, self.off, self.excluded = group, n_seg, off, excluded
@@ -40,14 +58,21 @@ class SimCell:
         self.gen_tokens = 0.0
         n = cell.num_nodes
         gen = preset.cell_gen_tok_s[cell.index] if preset.cell_gen_tok_s else preset.gen_tok_s_per_node * n
-        self.eng = CellEngine(preset.kv_tokens_per_node * n, preset.max_sessions_per_node * n,
-                              gen, preset.session_tok_s,
-                              costs.prefill_tok_s_per_node * n, preset.kv_load_tok_s_per_node * n, host)
+        self.eng = CellEngine(
+            preset.kv_tokens_per_node * n,
+            preset.max_sessions_per_node * n,
+            gen,
+            preset.session_tok_s,
+            costs.prefill_tok_s_per_node * n,
+            preset.kv_load_tok_s_per_node * n,
+            host,
+        )
         self.max_sessions = preset.sessions_per_node(ctx_tokens) * n
         # what the policy is told: the decode those sessions sustain at the mean context
         self.gen_tok_s = min(gen, preset.serving_tok_s_per_node(ctx_tokens) * n)
-        self.train_tok_s = (preset.cell_train_tok_s[cell.index] if preset.cell_train_tok_s
-                            else costs.train_tok_s_per_node * n)
+        self.train_tok_s = (
+            preset.cell_train_tok_s[cell.index] if preset.cell_train_tok_s else costs.train_tok_s_per_node * n
+        )
         self.slot_s = 0.0
         self.slot_t = 0.0
         self.micro = None

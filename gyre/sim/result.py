@@ -104,8 +104,10 @@ class ModeResult:
             "ratio_to_ideal": round(self.total_s / ideal_s, 3),
             "ratio_to_bound": round(self.total_s / bound_s, 3),
             "idle_fraction": [round(c.idle_fraction, 3) for c in self.cells],
-            "role_busy": [{role: [round(share, 3), round(busy, 3)] for role, (share, busy) in c.role_busy(self.total_s).items()}
-                          for c in self.cells],
+            "role_busy": [
+                {role: [round(share, 3), round(busy, 3)] for role, (share, busy) in c.role_busy(self.total_s).items()}
+                for c in self.cells
+            ],
             "switches": self.num_switches,
             "timeouts": self.num_timeouts,
             "excluded": self.num_excluded,
@@ -132,8 +134,9 @@ def ideal_lower_bound_s(results: list[ModeResult]) -> float:
     return min(r.work_node_s for r in results) / results[0].num_nodes
 
 
-def critical_path_s(groups: list[list[tuple[float, float]]], staleness: int, optimizer_step_s: float,
-                    early_admission: bool = False) -> float:
+def critical_path_s(
+    groups: list[list[tuple[float, float]]], staleness: int, optimizer_step_s: float, early_admission: bool = False
+) -> float:
     """Latency lower bound of the run, whatever the capacity, with each step's training after
     its groups are ready.
 
@@ -173,8 +176,9 @@ def critical_path_s(groups: list[list[tuple[float, float]]], staleness: int, opt
     return applied[-1] if applied else 0.0
 
 
-def startup_bound_s(first_release_s: float, train_s: float, rollout_s: tuple[float, float],
-                    first_rollout_s: tuple[float, float]) -> float:
+def startup_bound_s(
+    first_release_s: float, train_s: float, rollout_s: tuple[float, float], first_rollout_s: tuple[float, float]
+) -> float:
     """Work / capacity, knowing that no cell can train before `first_release_s`.
 
     Args:
@@ -200,8 +204,9 @@ def tighter_bound_s(results: list["ModeResult"]) -> float:
     """max(work / capacity, critical path, startup bound): the bound every mode is judged against.
     Each is the least over the runs (a mechanism that admits earlier, or a run that trains less,
     lowers it)."""
-    return max(ideal_lower_bound_s(results), min(r.critical_path_s for r in results),
-               min(r.startup_bound_s for r in results))
+    return max(
+        ideal_lower_bound_s(results), min(r.critical_path_s for r in results), min(r.startup_bound_s for r in results)
+    )
 
 
 def regime(results: list["ModeResult"]) -> dict:

@@ -23,9 +23,17 @@ def run_modes(sim: SimConfig, modes=None, switch_scale: float = 1.0, tail_scale:
         train_to_rollout_s=sim.scheduler.train_to_rollout_s * switch_scale,
     )
     return [
-        Simulation(sim.profile, sim.preset, replace(sched, mode=m), sim.num_steps, seed=sim.seed,
-                   tick_s=sim.tick_s, tail_scale=tail_scale, losses=losses,
-                   phase_s={k: v * switch_scale for k, v in sim.phase_s.items()}).run()
+        Simulation(
+            sim.profile,
+            sim.preset,
+            replace(sched, mode=m),
+            sim.num_steps,
+            seed=sim.seed,
+            tick_s=sim.tick_s,
+            tail_scale=tail_scale,
+            losses=losses,
+            phase_s={k: v * switch_scale for k, v in sim.phase_s.items()},
+        ).run()
         for m in (modes or sim.modes)
     ]
 
@@ -72,8 +80,9 @@ def baselines(sim: SimConfig) -> list[tuple[str, ModeResult]]:
     sweep = [_run(sim, f"async {k} train", mode="async", async_train_cells=k) for k in range(1, sim.preset.num_cells)]
     best = min(sweep, key=lambda lr: lr[1].total_s)
     runs.append((f"async oracle ({best[1].async_train_cells} train)", best[1]))
-    runs.append(_run(sim, "async even, tier per role", mode="async", async_split="even",
-                     preset_host_tier_scope="rollout_pool"))
+    runs.append(
+        _run(sim, "async even, tier per role", mode="async", async_split="even", preset_host_tier_scope="rollout_pool")
+    )
     runs.append(_run(sim, f"colocate s={sim.scheduler.staleness}", mode="colocate"))
     if sim.scheduler.staleness:
         runs.append(_run(sim, "colocate s=0 (sync)", mode="colocate", staleness=0))
@@ -101,11 +110,22 @@ def label_table(runs: list[tuple[str, ModeResult]]) -> dict:
     results = [r for _, r in runs]
     bound = tighter_bound_s(results)
     ref = results[0].total_s
-    rows = [{"run": label, "time_h": round(r.total_s / 3600, 3), "ratio_to_bound": round(r.total_s / bound, 3),
-             "first_over_it": round(r.total_s / ref, 3), "switches": r.num_switches,
-             "ratio_to_own_bound": round(r.total_s / r.own_bound_s, 3), "trained_mtok": round(r.trained_tokens / 1e6),
-             "budget_hit": round(r.budget_hit_fraction, 3), "masked_fraction": round(r.masked_fraction, 3),
-             "stale_dropped": r.num_stale_dropped, "max_staleness": r.max_staleness} for label, r in runs]
+    rows = [
+        {
+            "run": label,
+            "time_h": round(r.total_s / 3600, 3),
+            "ratio_to_bound": round(r.total_s / bound, 3),
+            "first_over_it": round(r.total_s / ref, 3),
+            "switches": r.num_switches,
+            "ratio_to_own_bound": round(r.total_s / r.own_bound_s, 3),
+            "trained_mtok": round(r.trained_tokens / 1e6),
+            "budget_hit": round(r.budget_hit_fraction, 3),
+            "masked_fraction": round(r.masked_fraction, 3),
+            "stale_dropped": r.num_stale_dropped,
+            "max_staleness": r.max_staleness,
+        }
+        for label, r in runs
+    ]
     return {"regime": regime(results), "rows": rows}
 
 
@@ -127,9 +147,15 @@ def sensitivity(sim: SimConfig) -> dict:
     budget_rows = []
     for k in BUDGET_SCALES:
         res = run_modes(replace(sim, profile=replace(sim.profile, timeout_s=sim.profile.timeout_s * k)), modes=modes)
-        budget_rows.append({"budget_scale": k, **speedups(res), "elastic_h": _hours(res, "elastic"),
-                            "budget_hit_unloaded": round(res[0].budget_hit_unloaded, 3),
-                            "budget_hit": {r.mode: round(r.budget_hit_fraction, 3) for r in res}})
+        budget_rows.append(
+            {
+                "budget_scale": k,
+                **speedups(res),
+                "elastic_h": _hours(res, "elastic"),
+                "budget_hit_unloaded": round(res[0].budget_hit_unloaded, 3),
+                "budget_hit": {r.mode: round(r.budget_hit_fraction, 3) for r in res},
+            }
+        )
     return {"switch_cost": switch_rows, "tail": tail_rows, "budget": budget_rows}
 
 

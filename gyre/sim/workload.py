@@ -42,7 +42,9 @@ def draw_batch(
     """
     rng = np.random.default_rng([seed, step])
     n = profile.executions_per_step
-    task = np.repeat(rng.lognormal(0.0, profile.segments_sigma * tail_scale, profile.groups_per_step), profile.group_size)
+    task = np.repeat(
+        rng.lognormal(0.0, profile.segments_sigma * tail_scale, profile.groups_per_step), profile.group_size
+    )
     spread = task * rng.lognormal(0.0, profile.exec_sigma, n)
     base = rng.choice(profile.segments_samples, n) if profile.segments_samples else profile.segments_median
     segs = np.clip(np.rint(base * spread), 1, profile.max_segments)
@@ -57,8 +59,9 @@ def draw_batch(
         unloaded = np.minimum(profile.timeout_s, np.add.reduceat(gen / session_tok_s + tool, offsets))
         group_longest = unloaded.reshape(profile.groups_per_step, profile.group_size).max(axis=1).tolist()
         longest = max(group_longest)
-    return Batch(step, segs.tolist(), offsets.tolist(), gen.tolist(), tool.tolist(), excluded.tolist(), longest,
-                 group_longest)
+    return Batch(
+        step, segs.tolist(), offsets.tolist(), gen.tolist(), tool.tolist(), excluded.tolist(), longest, group_longest
+    )
 
 
 def _draw(rng, samples: list[float], median: float, sigma: float, n: int) -> np.ndarray:
@@ -105,8 +108,9 @@ def mean_context_tokens(profile: ProfileConfig, seed: int) -> float:
     return total / sum(b.segments)
 
 
-def train_share(profile: ProfileConfig, preset: PresetConfig, seed: int, train_tok_s_per_node: float,
-                prefill_tok_s_per_node: float) -> float:
+def train_share(
+    profile: ProfileConfig, preset: PresetConfig, seed: int, train_tok_s_per_node: float, prefill_tok_s_per_node: float
+) -> float:
     """Expected fraction of node-seconds that training takes (sizes async's work_share pools),
     from step 0's draw.
 
@@ -117,7 +121,10 @@ def train_share(profile: ProfileConfig, preset: PresetConfig, seed: int, train_t
     ctx = mean_context_tokens(profile, seed)
     per_node = preset.sessions_per_node(ctx) + preset.pooled_sessions(ctx) / preset.num_nodes
     full_speed_s = [
-        min(profile.timeout_s, sum(g / preset.session_tok_s + t for g, t in zip(b.gen_tokens[o:o + n], b.tool_s[o:o + n])))
+        min(
+            profile.timeout_s,
+            sum(g / preset.session_tok_s + t for g, t in zip(b.gen_tokens[o : o + n], b.tool_s[o : o + n])),
+        )
         for o, n in zip(b.offsets, b.segments)
     ]
     prefill = sum(prompt_tokens(profile, g) for g in b.gen_tokens)

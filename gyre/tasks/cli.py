@@ -36,8 +36,11 @@ CHECK_ATTEMPTS = 3
 
 
 def register_execution(proxy: ProxyProcess, execution_id: str) -> str:
-    req = urllib.request.Request(proxy.url + "/admin/executions", data=json.dumps({"execution_id": execution_id}).encode(),
-                                 headers={"Authorization": f"Bearer {proxy.admin_token}", "Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        proxy.url + "/admin/executions",
+        data=json.dumps({"execution_id": execution_id}).encode(),
+        headers={"Authorization": f"Bearer {proxy.admin_token}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())["api_key"]
 
@@ -45,13 +48,21 @@ def register_execution(proxy: ProxyProcess, execution_id: str) -> str:
 def start_stack(args, root: Path) -> tuple[list, str, str, str]:
     """An engine and a proxy of our own: (processes to stop, proxy URL, key, records path)."""
     model_cfg = load_checkpoint(args.model_dir)[0] if args.model_dir else ModelConfig(max_seq_len=32768)
-    engine = BuiltinEngineProcess(EngineConfig(model_path=args.model_dir, scripted_policy=args.scripted_policy,
-                                               startup_timeout_s=300), model_cfg)  # fmt: skip
+    engine = BuiltinEngineProcess(
+        EngineConfig(model_path=args.model_dir, scripted_policy=args.scripted_policy, startup_timeout_s=300), model_cfg
+    )
     engine.start()
     procs = [engine]
     try:
-        proxy = ProxyProcess(ProxyConfig(records_dir=str(root / "records"), engines=[engine.url], model_names=[args.model],
-                                         context_len=model_cfg.max_seq_len, temperature=args.temperature)).start()  # fmt: skip
+        proxy = ProxyProcess(
+            ProxyConfig(
+                records_dir=str(root / "records"),
+                engines=[engine.url],
+                model_names=[args.model],
+                context_len=model_cfg.max_seq_len,
+                temperature=args.temperature,
+            )
+        ).start()
         procs.insert(0, proxy)
         key = register_execution(proxy, args.execution_id)
     except BaseException:
@@ -63,8 +74,12 @@ def start_stack(args, root: Path) -> tuple[list, str, str, str]:
 
 def cmd_run(args) -> int:
     task = TaskSet.load(args.taskset).get(args.task)
-    harness = HarnessConfig(kind=args.harness, command=args.command or "", isolation=args.isolation,
-                            mem_limit_gb=None if args.harness == "claude_code" else 4.0)  # fmt: skip
+    harness = HarnessConfig(
+        kind=args.harness,
+        command=args.command or "",
+        isolation=args.isolation,
+        mem_limit_gb=None if args.harness == "claude_code" else 4.0,
+    )
     root = Path(args.root or tempfile.mkdtemp(prefix="gyre-task-")).resolve()
     args.execution_id = args.execution_id or f"{task.task_id}-{uuid.uuid4().hex[:8]}"
     procs, records = [], None
@@ -84,9 +99,22 @@ def cmd_run(args) -> int:
             p.stop()
     ev = evaluate(task, result.workspace, "timed_out" if result.timed_out else "finished")
     print(result.log_path.read_text(errors="replace")[-2000:], file=sys.stderr)
-    print(json.dumps({"outcome": ev.outcome, "score": ev.score, "records_path": records, "workspace": str(result.workspace),
-                      "duration_s": round(result.duration_s, 3), "exit_code": result.exit_code, "timed_out": result.timed_out,
-                      "isolated": sb.isolated, "execution_id": args.execution_id, "detail": ev.detail}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "outcome": ev.outcome,
+                "score": ev.score,
+                "records_path": records,
+                "workspace": str(result.workspace),
+                "duration_s": round(result.duration_s, 3),
+                "exit_code": result.exit_code,
+                "timed_out": result.timed_out,
+                "isolated": sb.isolated,
+                "execution_id": args.execution_id,
+                "detail": ev.detail,
+            }
+        )
+    )
     return 0
 
 
@@ -98,7 +126,7 @@ def cmd_list(args) -> int:
 
 def evaluate_retrying(task, ws: Path) -> tuple[Evaluation, int]:
     """The first evaluation that is not an evaluator error (else the last of CHECK_ATTEMPTS), and how many ran."""
-    for runs in range(1, CHECK_ATTEMPTS + 1):
+    for runs in range(1, CHECK_ATTEMPTS + 1):  # noqa: B007 - `runs` is returned: how many evaluations ran
         ev = evaluate(task, ws, "finished")
         if ev.outcome != "evaluator_error":
             break
@@ -117,8 +145,10 @@ def check_task(task, root: Path) -> tuple[bool, str, float]:
     errors = runs_before + runs_after - sum(e.outcome != "evaluator_error" for e in (before, after))
     ok = after.outcome == before.outcome == "finished" and after.score == 1.0 and before.score != 1.0
     why = "" if ok else (before if before.outcome != "finished" else after).detail
-    line = (f"{task.task_id}\t{'ok' if ok else 'FAIL'}\tempty={before.score} reference={after.score} "
-            f"eval_s={seconds:.3f}{f' evaluator_errors={errors}' if errors else ''} {why}")  # fmt: skip
+    line = (
+        f"{task.task_id}\t{'ok' if ok else 'FAIL'}\tempty={before.score} reference={after.score} "
+        f"eval_s={seconds:.3f}{f' evaluator_errors={errors}' if errors else ''} {why}"
+    )
     return ok, line.rstrip(), seconds
 
 
@@ -131,7 +161,15 @@ def cmd_check(args) -> int:
             print(line, flush=True)
             results.append((ok, seconds))
     passed = sum(ok for ok, _ in results)
-    print(json.dumps({"tasks": len(results), "passed": passed, "evaluator_s_mean": round(sum(s for _, s in results) / len(results), 4)}))
+    print(
+        json.dumps(
+            {
+                "tasks": len(results),
+                "passed": passed,
+                "evaluator_s_mean": round(sum(s for _, s in results) / len(results), 4),
+            }
+        )
+    )
     return 0 if passed == len(results) else 1
 
 
@@ -142,7 +180,11 @@ def parse_args(argv):
     run.add_argument("task")
     run.add_argument("--taskset", default=TOY_TASKSET)
     run.add_argument("--harness", choices=KINDS, default="toy")
-    run.add_argument("--command", help="harness=command: the command line (placeholders: {instruction} {workspace} {proxy_url} {api_key} {model})")
+    run.add_argument(
+        "--command",
+        help="harness=command: the command line "
+        "(placeholders: {instruction} {workspace} {proxy_url} {api_key} {model})",
+    )
     run.add_argument("--proxy", help="a running proxy's URL (else an engine and a proxy are started)")
     run.add_argument("--key", help="the execution's API key on --proxy")
     run.add_argument("--model", default="gyre", help="model name the harness asks for")
@@ -153,7 +195,9 @@ def parse_args(argv):
     run.add_argument("--root", help="directory for sandboxes and records (default: a new temporary one)")
     run.add_argument("--execution-id")
     for name in ("list", "check"):
-        s = sub.add_parser(name, help="list task ids" if name == "list" else "validate a set and score its reference solutions")
+        s = sub.add_parser(
+            name, help="list task ids" if name == "list" else "validate a set and score its reference solutions"
+        )
         s.add_argument("taskset", nargs="?", default=TOY_TASKSET)
     return p.parse_args(argv)
 

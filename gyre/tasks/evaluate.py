@@ -49,8 +49,16 @@ def run_command(command: str, workspace: Path, timeout_s: float) -> CommandResul
     Raises:
         EvaluatorFailed: it ran past `timeout_s`.
     """
-    proc = subprocess.Popen(command, shell=True, cwd=workspace, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
+    proc = subprocess.Popen(
+        command,
+        shell=True,
+        cwd=workspace,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -100,8 +108,11 @@ def parse_junit_fraction(xml_text: str) -> tuple[float, str]:
 
 def score_files(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
     """Fraction of expected files whose content equals (trailing whitespace ignored)."""
-    equal = [rel for rel, text in spec.files.items()
-             if (workspace / rel).is_file() and (workspace / rel).read_text(errors="replace").rstrip() == text.rstrip()]  # fmt: skip
+    equal = [
+        rel
+        for rel, text in spec.files.items()
+        if (workspace / rel).is_file() and (workspace / rel).read_text(errors="replace").rstrip() == text.rstrip()
+    ]
     return len(equal) / len(spec.files), f"{len(equal)}/{len(spec.files)} files match"
 
 
@@ -111,7 +122,9 @@ def _score_pytest(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
         cmd = f"{make_command(spec.command, workspace)} -p no:cacheprovider --junitxml={report}"
         done = run_command(cmd, workspace, spec.timeout_s)
         if done.exit_code not in PYTEST_OK_EXITS:
-            raise EvaluatorFailed(f"pytest exited {done.exit_code} (tests did not run): {(done.stdout + done.stderr)[-300:]}")
+            raise EvaluatorFailed(
+                f"pytest exited {done.exit_code} (tests did not run): {(done.stdout + done.stderr)[-300:]}"
+            )
         if not report.exists():
             raise EvaluatorFailed("pytest wrote no junit report")
         return parse_junit_fraction(report.read_text())

@@ -175,9 +175,15 @@ def parse_task(obj, where: str, base: Path) -> Task:
     budget = obj.get("time_budget_s")
     if not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0:
         raise TaskSpecError(where, "time_budget_s", f"must be a positive number of seconds, got {budget!r}")
-    return Task(task_id=tid, instruction=instruction, workspace=_workspace(obj.get("workspace"), where, base),
-                setup=setup, evaluator=_evaluator(obj.get("evaluator"), where), time_budget_s=float(budget),
-                reference=_reference(obj.get("reference"), where))  # fmt: skip
+    return Task(
+        task_id=tid,
+        instruction=instruction,
+        workspace=_workspace(obj.get("workspace"), where, base),
+        setup=setup,
+        evaluator=_evaluator(obj.get("evaluator"), where),
+        time_budget_s=float(budget),
+        reference=_reference(obj.get("reference"), where),
+    )
 
 
 def _read_specs(path: Path) -> list[tuple[object, str]]:

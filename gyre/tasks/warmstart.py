@@ -54,19 +54,24 @@ class WarmStartConfig:
     which RL can learn within the few steps of a local run."""
 
 
-def render_call(tok: ByteTokenizer, messages: list[dict], reply: dict, api: str = "openai") -> tuple[list[int], list[int]]:
+def render_call(
+    tok: ByteTokenizer, messages: list[dict], reply: dict, api: str = "openai"
+) -> tuple[list[int], list[int]]:
     """(prompt ids as the proxy renders this toy-agent call on `api`, the reply's ids ending in <|im_end|>)."""
     if api == "anthropic":
         chat = anthropic_wire.parse_request(toy.make_anthropic_body("gyre", messages, 96, tools=True), ["gyre"])
     else:
         chat = openai_wire.parse_request(toy.make_openai_body("gyre", messages, 96, tools=True), ["gyre"], 96)
     prompt = tok.apply_chat_template(chat.messages, chat.tools, add_generation_prompt=True)
-    reply_msg = {"role": "assistant", "content": reply["content"],
-                 "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in reply["tool_calls"]]}  # fmt: skip
+    reply_msg = {
+        "role": "assistant",
+        "content": reply["content"],
+        "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in reply["tool_calls"]],
+    }
     full = tok.apply_chat_template(chat.messages + [reply_msg], chat.tools, add_generation_prompt=False)
     head = prompt[: -len(tok.encode("assistant\n")) - 1]  # the prompt without its generation prompt
     assert full[: len(head)] == head, "the chat template is not separable per turn"
-    return prompt, full[len(prompt): -len(tok.encode("\n"))]
+    return prompt, full[len(prompt) : -len(tok.encode("\n"))]
 
 
 def _conversation(system: str, prompt: str, turns: list[tuple[dict, list[str]]]) -> list[tuple[list[dict], dict]]:
@@ -76,7 +81,9 @@ def _conversation(system: str, prompt: str, turns: list[tuple[dict, list[str]]])
     for reply, results in turns:
         out.append((list(messages), reply))
         messages.append({"role": "assistant", **reply})
-        messages += [{"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(reply["tool_calls"], results)]
+        messages += [
+            {"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(reply["tool_calls"], results)
+        ]
     return out
 
 
@@ -84,13 +91,25 @@ def reference_conversations(task: Task) -> list[tuple[list[dict], dict]]:
     """The toy agent's calls when the model answers with the reference: sub-agent (ls, report),
     main agent (write each reference file, then done); tool results as the toy agent's tools word them."""
     ls = {"content": "", "tool_calls": [{"id": "call_ls", "name": "run", "arguments": {"command": "ls"}}]}
-    sub = _conversation(toy.SUB_SYSTEM, toy.SUB_TASK, [(ls, [f"exit 0\n{SUB_REPORT}\n"]), ({"content": SUB_REPORT, "tool_calls": []}, [])])
+    sub = _conversation(
+        toy.SUB_SYSTEM,
+        toy.SUB_TASK,
+        [(ls, [f"exit 0\n{SUB_REPORT}\n"]), ({"content": SUB_REPORT, "tool_calls": []}, [])],
+    )
     files = (task.reference or {}).get("files", {})
-    writes = {"content": "", "tool_calls": [{"id": f"call_w{i}", "name": "write_file", "arguments": {"path": p, "content": t}}
-                                            for i, (p, t) in enumerate(files.items())]}  # fmt: skip
+    writes = {
+        "content": "",
+        "tool_calls": [
+            {"id": f"call_w{i}", "name": "write_file", "arguments": {"path": p, "content": t}}
+            for i, (p, t) in enumerate(files.items())
+        ],
+    }
     results = [f"wrote {len(t)} bytes to {p}" for p, t in files.items()]
-    main = _conversation(toy.MAIN_SYSTEM, toy.make_main_prompt(task.instruction, SUB_REPORT),
-                         [(writes, results), ({"content": "Done.", "tool_calls": []}, [])])  # fmt: skip
+    main = _conversation(
+        toy.MAIN_SYSTEM,
+        toy.make_main_prompt(task.instruction, SUB_REPORT),
+        [(writes, results), ({"content": "Done.", "tool_calls": []}, [])],
+    )
     return sub + main
 
 
@@ -127,10 +146,15 @@ def shared_prefix_loss(cfg: ModelConfig, weights: dict, examples: list) -> torch
     losses = []
     for prompt, target in examples:
         rest = torch.tensor(prompt[n:] + target)
-        hidden = forward_tokens(cfg, weights, rest, torch.arange(n, n + len(rest)),
-                                lambda i, q, k, v: attend(q, torch.cat([cache[i][0], k]), torch.cat([cache[i][1], v]), n))  # fmt: skip
+        hidden = forward_tokens(
+            cfg,
+            weights,
+            rest,
+            torch.arange(n, n + len(rest)),
+            lambda i, q, k, v: attend(q, torch.cat([cache[i][0], k]), torch.cat([cache[i][1], v]), n),
+        )
         first = len(prompt) - n - 1
-        logits = logits_of(cfg, weights, hidden[first: first + len(target)])
+        logits = logits_of(cfg, weights, hidden[first : first + len(target)])
         losses.append(F.cross_entropy(logits.float(), torch.tensor(target), reduction="sum"))
     return sum(losses)
 
@@ -161,8 +185,9 @@ def train(cfg: ModelConfig, weights: dict, examples: list, ws: WarmStartConfig) 
 
 
 @torch.no_grad()
-def sample(cfg: ModelConfig, weights: dict, prompt: list[int], max_tokens: int, stop: set[int],
-           gen: torch.Generator) -> tuple[list[int], list[float]]:  # fmt: skip
+def sample(
+    cfg: ModelConfig, weights: dict, prompt: list[int], max_tokens: int, stop: set[int], gen: torch.Generator
+) -> tuple[list[int], list[float]]:
     """(output ids, their log-probs): temperature-1 sampling with a KV cache, as the engine samples."""
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     state = {"cached": 0}
@@ -176,7 +201,9 @@ def sample(cfg: ModelConfig, weights: dict, prompt: list[int], max_tokens: int, 
     out, logprobs = [], []
     new = torch.tensor(prompt)
     for _ in range(max_tokens):
-        hidden = forward_tokens(cfg, weights, new, torch.arange(state["cached"], state["cached"] + len(new)), attend_cached)
+        hidden = forward_tokens(
+            cfg, weights, new, torch.arange(state["cached"], state["cached"] + len(new)), attend_cached
+        )
         state["cached"] += len(new)
         logp = torch.log_softmax(logits_of(cfg, weights, hidden[-1:]).float(), -1)[0]
         token = int(torch.multinomial(logp.exp(), 1, generator=gen))
@@ -196,7 +223,9 @@ def score_turn(tok: ByteTokenizer, task: Task, output: list[int], workspace: Pat
     return evaluate(task, ws, "finished")
 
 
-def score_policy(cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per_task: int, seed: int, max_tokens: int) -> dict:
+def score_policy(
+    cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per_task: int, seed: int, max_tokens: int
+) -> dict:
     """Mean score and success rate (score 1) of the main agent's first turn, sampled, applied, evaluated."""
     tok, gen = ByteTokenizer(cfg.vocab_size), torch.Generator().manual_seed(seed)
     scores = []
@@ -208,8 +237,11 @@ def score_policy(cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per
                 ev = score_turn(tok, task, output, Path(tmp) / f"{task.task_id}-{k}")
                 if ev.outcome != "evaluator_error":
                     scores.append(ev.score)
-    return {"mean_score": round(sum(scores) / len(scores), 4), "success_rate": round(sum(s == 1.0 for s in scores) / len(scores), 4),
-            "num_samples": len(scores)}  # fmt: skip
+    return {
+        "mean_score": round(sum(scores) / len(scores), 4),
+        "success_rate": round(sum(s == 1.0 for s in scores) / len(scores), 4),
+        "num_samples": len(scores),
+    }
 
 
 def content_hash(cfg: ModelConfig, ws: WarmStartConfig, examples: list) -> str:
@@ -221,8 +253,13 @@ def content_hash(cfg: ModelConfig, ws: WarmStartConfig, examples: list) -> str:
     return h.hexdigest()[:16]
 
 
-def warm_start(out_root: Path, taskset: TaskSet | None = None, cfg: ModelConfig | None = None,
-               ws: WarmStartConfig | None = None, samples_per_task: int = 2) -> tuple[Path, dict]:  # fmt: skip
+def warm_start(
+    out_root: Path,
+    taskset: TaskSet | None = None,
+    cfg: ModelConfig | None = None,
+    ws: WarmStartConfig | None = None,
+    samples_per_task: int = 2,
+) -> tuple[Path, dict]:
     """The warm-started model directory under `out_root` (reused when its hash matches) and its report."""
     taskset, cfg, ws = taskset or toy_taskset(), cfg or ModelConfig(), ws or WarmStartConfig()
     tok = ByteTokenizer(cfg.vocab_size)
@@ -239,8 +276,17 @@ def warm_start(out_root: Path, taskset: TaskSet | None = None, cfg: ModelConfig 
     train_cpu_s = time.process_time() - start
     after = score_policy(cfg, trained, taskset.tasks, samples_per_task, ws.seed + 1, ws.max_tokens)
     save_checkpoint(out, cfg, trained)
-    report = {"model_dir": str(out), "num_examples": len(examples), "steps": ws.steps, "lr": ws.lr, "loss_first": round(losses[0], 4),
-              "loss_last": round(losses[-1], 4), "train_cpu_s": round(train_cpu_s, 1), "before": before, "after": after}  # fmt: skip
+    report = {
+        "model_dir": str(out),
+        "num_examples": len(examples),
+        "steps": ws.steps,
+        "lr": ws.lr,
+        "loss_first": round(losses[0], 4),
+        "loss_last": round(losses[-1], 4),
+        "train_cpu_s": round(train_cpu_s, 1),
+        "before": before,
+        "after": after,
+    }
     (out / "report.json").write_text(json.dumps(report))
     return out, {**report, "reused": False}
 
@@ -255,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     taskset = TaskSet.load(a.taskset) if a.taskset else None
-    out, report = warm_start(Path(a.out), taskset, ws=WarmStartConfig(steps=a.steps, lr=a.lr), samples_per_task=a.samples_per_task)
+    out, report = warm_start(
+        Path(a.out), taskset, ws=WarmStartConfig(steps=a.steps, lr=a.lr), samples_per_task=a.samples_per_task
+    )
     print(json.dumps(report))
 
 

@@ -67,7 +67,9 @@ def run_setup(task: Task, workspace: Path, timeout_s: float = 600.0) -> None:
     except subprocess.TimeoutExpired:
         raise WorkspaceError(f"task {task.task_id!r}: setup ran past {timeout_s} s") from None
     if done.returncode != 0:
-        raise WorkspaceError(f"task {task.task_id!r}: setup exited {done.returncode}: {(done.stdout + done.stderr)[-500:]}")
+        raise WorkspaceError(
+            f"task {task.task_id!r}: setup exited {done.returncode}: {(done.stdout + done.stderr)[-500:]}"
+        )
 
 
 def apply_reference(task: Task, workspace: Path, timeout_s: float = 600.0) -> None:
@@ -81,6 +83,8 @@ def apply_reference(task: Task, workspace: Path, timeout_s: float = 600.0) -> No
     if "files" in task.reference:
         _write_files(workspace, task.reference["files"])
         return
-    done = subprocess.run(task.reference["command"], shell=True, cwd=workspace, capture_output=True, text=True, timeout=timeout_s)
+    done = subprocess.run(
+        task.reference["command"], shell=True, cwd=workspace, capture_output=True, text=True, timeout=timeout_s
+    )
     if done.returncode != 0:
         raise WorkspaceError(f"task {task.task_id!r}: reference command exited {done.returncode}: {done.stderr[-500:]}")

@@ -32,9 +32,15 @@ def check_structure(batch: PackedBatch, vocab_size: int) -> None:
         shape = tuple(getattr(batch, name).shape)
         if shape != (t,):
             raise BatchError(f"{name} has shape {shape}, expected ({t},) like tokens")
-    for name, ok in (("tokens", _is_int), ("position_ids", _is_int), ("weight_versions", _is_int),
-                     ("behaviour_logprobs", torch.is_floating_point), ("loss_weights", torch.is_floating_point),
-                     ("advantages", torch.is_floating_point), ("target_mask", lambda x: x.dtype == torch.bool)):
+    for name, ok in (
+        ("tokens", _is_int),
+        ("position_ids", _is_int),
+        ("weight_versions", _is_int),
+        ("behaviour_logprobs", torch.is_floating_point),
+        ("loss_weights", torch.is_floating_point),
+        ("advantages", torch.is_floating_point),
+        ("target_mask", lambda x: x.dtype == torch.bool),
+    ):
         if not ok(getattr(batch, name)):
             raise BatchError(f"{name} has dtype {getattr(batch, name).dtype}; see gyre/trajectory/sample.py")
     cu = batch.cu_seqlens.tolist()
@@ -43,7 +49,9 @@ def check_structure(batch: PackedBatch, vocab_size: int) -> None:
     if len(batch.execution_ids) != len(cu) - 1:
         raise BatchError(f"{len(cu) - 1} sequences but {len(batch.execution_ids)} execution_ids")
     if int(batch.tokens.min()) < 0 or int(batch.tokens.max()) >= vocab_size:
-        raise BatchError(f"token ids must lie in [0, {vocab_size}), got [{int(batch.tokens.min())}, {int(batch.tokens.max())}]")
+        raise BatchError(
+            f"token ids must lie in [0, {vocab_size}), got [{int(batch.tokens.min())}, {int(batch.tokens.max())}]"
+        )
 
 
 def _is_int(x: torch.Tensor) -> bool:

@@ -56,7 +56,9 @@ class TrainerConfig:
         return self.lr * min(1.0, (step + 1) / warmup) if warmup else self.lr
 
     def __post_init__(self):
-        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        require(
+            self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}"
+        )
         require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         require(self.lr_warmup_steps >= 0, "lr_warmup_steps", f"must be >= 0, got {self.lr_warmup_steps}")
         require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "adam_beta1", "betas must lie in [0, 1)")
@@ -70,7 +72,9 @@ class TrainerConfig:
         )
         require(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
         require(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
-        require(self.checkpoint_keep_last >= 1, "checkpoint_keep_last", f"must be >= 1, got {self.checkpoint_keep_last}")
+        require(
+            self.checkpoint_keep_last >= 1, "checkpoint_keep_last", f"must be >= 1, got {self.checkpoint_keep_last}"
+        )
         require(self.num_grad_slots >= 1, "num_grad_slots", f"must be >= 1, got {self.num_grad_slots}")
         require(self.claim_timeout_s >= 0, "claim_timeout_s", f"must be >= 0 (0 disables), got {self.claim_timeout_s}")
         require(self.claim_poll_s > 0, "claim_poll_s", f"must be > 0, got {self.claim_poll_s}")

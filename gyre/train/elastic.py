@@ -20,12 +20,12 @@ Micro-steps are computed with normaliser 1 and added in index order whoever comp
 is divided by the step's total loss weight before clipping, so the step does not depend on the
 split (bitwise on CPU) and can start before every batch exists.
 
-The satellite's side is gyre/train/satellite.py. Weights never change while anybody reads them: the core applies its optimizer step only after every
-micro-step is folded (so a satellite holding a claim may pull), and defers it while an announced
-pull (`Pull` ... `PullDone`) or a publish for engines is copying them. One slot per claim keeps the
-core's memory bounded (`num_grad_slots`); a freed slot goes to the back of the queue so a late
-write of a dead satellite cannot land in a slot that is being reused at once.
-"""
+The satellite's side is gyre/train/satellite.py. Weights never change while anybody reads them: the
+core applies its optimizer step only after every micro-step is folded (so a satellite holding a
+claim may pull), and defers it while an announced pull (`Pull` ... `PullDone`) or a publish for
+engines is copying them. One slot per claim keeps the core's memory bounded (`num_grad_slots`); a
+freed slot goes to the back of the queue so a late write of a dead satellite cannot land in a slot
+that is being reused at once."""
 
 import asyncio
 import contextlib
@@ -43,8 +43,8 @@ from gyre.errors import GyreError
 from gyre.scheduler.streaming import MicroStepQueue
 from gyre.train.loss import finish_stats, merge_stats
 from gyre.train.trainer import Trainer, prepare_step
-from gyre.transfer import TransferEndpoint
 from gyre.trajectory.sample import PackedBatch
+from gyre.transfer import TransferEndpoint
 
 CORE = "core"
 logger = logging.getLogger(__name__)
@@ -86,7 +86,9 @@ class CoreServer:
         listener: a ready listener (e.g. `listen("mpi", port_file=...)`); default TCP on `host`.
     """
 
-    def __init__(self, trainer: Trainer, endpoint: TransferEndpoint, host: str = "127.0.0.1", listener: Listener | None = None):
+    def __init__(
+        self, trainer: Trainer, endpoint: TransferEndpoint, host: str = "127.0.0.1", listener: Listener | None = None
+    ):
         one_rank_cell()
         self.trainer, self.endpoint = trainer, endpoint
         n = trainer.flat.weights.numel()
@@ -214,8 +216,13 @@ class CoreServer:
             stats = merge_stats(stats, step.stats[i])
         timing = [step.timing[i] for i in range(len(step.batches))]
         by_cell = Counter(f"microsteps_by/{cell}" for cell, _, _ in timing)
-        return (finish_stats(stats) | dict(step.excluded) | dict(by_cell) | metrics
-                | {"microsteps_redone": self._queue.num_redone - redone_before, "microsteps": timing})  # fmt: skip
+        return (
+            finish_stats(stats)
+            | dict(step.excluded)
+            | dict(by_cell)
+            | metrics
+            | {"microsteps_redone": self._queue.num_redone - redone_before, "microsteps": timing}
+        )
 
     def _finish(self, step: _Step, applied: bool) -> None:
         with self._cond:
@@ -406,7 +413,9 @@ class CoreServer:
     def _welcome(self, ch: Channel, msg: object) -> str | None:
         if not isinstance(msg, m.Join):
             raise m.ProtocolError(f"expected Join first, got {type(msg).__name__}")
-        if [tuple(map(tuple, x)) for x in msg.signature] != [tuple(map(tuple, x)) for x in self.trainer.flat.signature()]:
+        if [tuple(map(tuple, x)) for x in msg.signature] != [
+            tuple(map(tuple, x)) for x in self.trainer.flat.signature()
+        ]:
             ch.send(m.Refused("model parameters differ from the core's (names, shapes)"))
             return None
         with self._cond:
@@ -434,7 +443,9 @@ class CoreServer:
             if step is None or not self._free or (ms := self._queue.claim(cell, time.monotonic())) is None:
                 return m.Wait()
             step.slot_of[ms.index] = slot = self._free.popleft()
-            return m.Work(ms.index, step.version, self._slots_addr + slot * self.slots.shape[1] * 4, step.batches[ms.index])
+            return m.Work(
+                ms.index, step.version, self._slots_addr + slot * self.slots.shape[1] * 4, step.batches[ms.index]
+            )
 
     def _accept_result(self, cell: str, msg: m.Done) -> None:
         with self._cond:

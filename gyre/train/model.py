@@ -52,7 +52,8 @@ def init_distributed(tensor_parallel_size: int, seed: int) -> None:
             dist.init_process_group(backend, rank=rank, world_size=world)
     if dist.get_world_size() % tensor_parallel_size:
         raise ParallelError(
-            f"trainer.tensor_parallel_size={tensor_parallel_size} does not divide the cell's {dist.get_world_size()} ranks"
+            f"trainer.tensor_parallel_size={tensor_parallel_size} does not divide the cell's "
+            f"{dist.get_world_size()} ranks"
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)

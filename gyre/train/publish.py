@@ -43,9 +43,12 @@ async def push_weights(trainer: Trainer, endpoint: TransferEndpoint, clients: li
 
 async def push_published(descriptor: dict, version: int, clients: list[EngineClient]) -> list[dict]:
     """Have every engine pull an already published buffer (`TransferEndpoint.publish_tensors`) as `version`."""
-    return await asyncio.gather(*(
-        c.update_weights_from_tensor(weight_version=version, load_format="gyre_transfer", **descriptor) for c in clients
-    ))
+    return await asyncio.gather(
+        *(
+            c.update_weights_from_tensor(weight_version=version, load_format="gyre_transfer", **descriptor)
+            for c in clients
+        )
+    )
 
 
 async def load_published(engine_url: str, weights: dict) -> dict:
@@ -81,8 +84,14 @@ WEIGHT_GROUP = "gyre"
 """Name of the trainer-to-SGLang weight group (SGLang keys the group's rendezvous under it)."""
 
 
-def join_weight_group(master_address: str, master_port: int, world_size: int, group_name: str = WEIGHT_GROUP,
-                      backend: str = "nccl", timeout_s: float = 300.0) -> dist.ProcessGroup:  # fmt: skip
+def join_weight_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    group_name: str = WEIGHT_GROUP,
+    backend: str = "nccl",
+    timeout_s: float = 300.0,
+) -> dist.ProcessGroup:
     """Create, as its rank 0, the group SGLang engines join on /init_weights_update_group.
 
     SGLang's side (`sglang.srt.utils.init_custom_process_group`) rendezvouses at
@@ -96,14 +105,21 @@ def join_weight_group(master_address: str, master_port: int, world_size: int, gr
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, timeout=timeout)  # fmt: skip
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+    )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
 
-async def connect_weight_group(clients: list[EngineClient], tp_sizes: list[int], master_address: str, master_port: int,
-                               group_name: str = WEIGHT_GROUP, backend: str = "nccl") -> dist.ProcessGroup:  # fmt: skip
+async def connect_weight_group(
+    clients: list[EngineClient],
+    tp_sizes: list[int],
+    master_address: str,
+    master_port: int,
+    group_name: str = WEIGHT_GROUP,
+    backend: str = "nccl",
+) -> dist.ProcessGroup:
     """Form the weight group of this process (rank 0) and the SGLang engines `clients` (engine i's
     TP ranks take the next `tp_sizes[i]` ranks). Call on the trainer's rank 0 only.
 
@@ -113,14 +129,23 @@ async def connect_weight_group(clients: list[EngineClient], tp_sizes: list[int],
     world_size = 1 + sum(tp_sizes)
     offsets = [1 + sum(tp_sizes[:i]) for i in range(len(clients))]
     joined = asyncio.to_thread(join_weight_group, master_address, master_port, world_size, group_name, backend)
-    group, *_ = await asyncio.gather(joined, *(
-        c.init_weights_update_group(master_address, master_port, off, world_size, group_name, backend) for c, off in zip(clients, offsets)
-    ))  # fmt: skip
+    group, *_ = await asyncio.gather(
+        joined,
+        *(
+            c.init_weights_update_group(master_address, master_port, off, world_size, group_name, backend)
+            for c, off in zip(clients, offsets)
+        ),
+    )
     return group
 
 
-async def broadcast_weights(trainer: Trainer, group: dist.ProcessGroup | None, clients: list[EngineClient],
-                            dtype: torch.dtype = torch.bfloat16, group_name: str = WEIGHT_GROUP) -> list[dict]:  # fmt: skip
+async def broadcast_weights(
+    trainer: Trainer,
+    group: dist.ProcessGroup | None,
+    clients: list[EngineClient],
+    dtype: torch.dtype = torch.bfloat16,
+    group_name: str = WEIGHT_GROUP,
+) -> list[dict]:
     """Send the current weights, as version `trainer.step` in `dtype` under HF names, to the engines
     of `group` (`connect_weight_group`): they receive while rank 0 broadcasts each tensor in the
     order announced. Call on every trainer rank (TP ranks gather); only rank 0 sends.
@@ -133,7 +158,9 @@ async def broadcast_weights(trainer: Trainer, group: dist.ProcessGroup | None, c
     weights = trainer.engine_weights()
     if dist.is_initialized() and dist.get_rank() != 0:
         return []
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
     tensors = [t.to(device, dtype).contiguous() for t in weights.values()]
     names = [hf_name(n) for n in weights]
     dtypes, shapes = [str(dtype).removeprefix("torch.")] * len(names), [list(t.shape) for t in tensors]
@@ -144,7 +171,11 @@ async def broadcast_weights(trainer: Trainer, group: dist.ProcessGroup | None, c
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    _, *replies = await asyncio.gather(asyncio.to_thread(send), *(
-        c.update_weights_from_distributed(names, dtypes, shapes, weight_version=trainer.step, group_name=group_name) for c in clients
-    ))  # fmt: skip
+    _, *replies = await asyncio.gather(
+        asyncio.to_thread(send),
+        *(
+            c.update_weights_from_distributed(names, dtypes, shapes, weight_version=trainer.step, group_name=group_name)
+            for c in clients
+        ),
+    )
     return replies

@@ -1,6 +1,7 @@
 """A satellite cell's training role (`SatelliteCell`) and its process entry point.
 
-    python -m gyre.train.satellite --cell NAME --model '{...ModelConfig...}' --trainer '{...TrainerConfig...}' [--core ADDR]
+    python -m gyre.train.satellite --cell NAME --model '{...ModelConfig...}' \
+        --trainer '{...TrainerConfig...}' [--core ADDR]
 
 Without --core the cell prepares (imports, builds the model, opens its Mooncake endpoint), prints
 `ready` and reads the core's address from stdin: a warm cell joins a running step within
@@ -31,8 +32,9 @@ class SatelliteCell:
     after a stint in another role, and `pull_latest` works at any time.
     """
 
-    def __init__(self, trainer: Trainer, endpoint: TransferEndpoint, core_address: str, cell: str,
-                 peer_timeout_s: float = 5.0):  # fmt: skip
+    def __init__(
+        self, trainer: Trainer, endpoint: TransferEndpoint, core_address: str, cell: str, peer_timeout_s: float = 5.0
+    ):
         """`peer_timeout_s`: an MPI core is declared dead after this silence (gyre.control.transport.connect)."""
         one_rank_cell()
         self.trainer, self.endpoint, self.cell = trainer, endpoint, cell

@@ -69,7 +69,9 @@ class Trainer:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda and self.cfg.bf16):
             logits = self.model(ids, pos, mask)  # [S, L, V / tp]
         logits = logits[:, :-1].float()
-        token_lp = -tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), ids[:, 1:].t().contiguous()).t()
+        token_lp = -tensor_parallel.vocab_parallel_cross_entropy(
+            logits.transpose(0, 1).contiguous(), ids[:, 1:].t().contiguous()
+        ).t()
         entropy = None
         if need_entropy:
             full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
@@ -110,7 +112,14 @@ class Trainer:
         need_entropy = self.cfg.entropy_coef > 0
         lp, ent = self._forward(batch, need_entropy)
         loss, stats = policy_loss(
-            lp, batch.behaviour_logprobs, batch.advantages, batch.loss_weights, batch.target_mask, normaliser, self.cfg, ent
+            lp,
+            batch.behaviour_logprobs,
+            batch.advantages,
+            batch.loss_weights,
+            batch.target_mask,
+            normaliser,
+            self.cfg,
+            ent,
         )
         loss.backward()
         stats["num_tokens"] = batch.num_tokens

@@ -33,7 +33,10 @@ class TrajectoryConfig:
 
     def __post_init__(self):
         require(self.max_paths >= 1, "max_paths", f"must be >= 1, got {self.max_paths}")
-        require(self.averaging in AVERAGING_MODES, "averaging",
-                f"must be one of {', '.join(AVERAGING_MODES)}; got {self.averaging!r}")
+        require(
+            self.averaging in AVERAGING_MODES,
+            "averaging",
+            f"must be one of {', '.join(AVERAGING_MODES)}; got {self.averaging!r}",
+        )
         require(self.std_eps > 0, "std_eps", f"must be > 0, got {self.std_eps}")
         require(self.min_group_size >= 1, "min_group_size", f"must be >= 1, got {self.min_group_size}")

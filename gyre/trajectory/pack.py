@@ -53,8 +53,9 @@ def make_micro_batches(samples: list[TrainingSample], max_tokens: int) -> list[P
     sizes = [s.path.tokens.size for s in samples]
     for s, n in zip(samples, sizes):
         if n > max_tokens:
-            raise TrajectoryError(f"path {s.path.leaf_call_id} of {s.path.execution_id} has {n} tokens, "
-                                  f"more than max_tokens={max_tokens}")
+            raise TrajectoryError(
+                f"path {s.path.leaf_call_id} of {s.path.execution_id} has {n} tokens, more than max_tokens={max_tokens}"
+            )
     longest_first = sorted(range(len(samples)), key=lambda i: -sizes[i])
     rows = _fill(longest_first, sizes, max_tokens, None)
     rows = _fill(longest_first, sizes, max_tokens, len(rows)) or rows

@@ -22,8 +22,12 @@ from gyre.trajectory.tree import CallTree, TrajectoryError
 
 PATH_CLASSES = ("main", "main_summary", "subagent", "subagent_summary")
 """In selection priority order."""
-_CLASS_OF_KIND = {"main": "main", "summary": "main_summary", "subagent": "subagent",
-                  "subagent_summary": "subagent_summary"}
+_CLASS_OF_KIND = {
+    "main": "main",
+    "summary": "main_summary",
+    "subagent": "subagent",
+    "subagent_summary": "subagent_summary",
+}
 
 
 @dataclass(frozen=True)
@@ -97,10 +101,19 @@ def make_paths(tree: CallTree) -> list[Path]:
         else:
             excluded = None
         spawner = tree.nodes[root.spawned_by].record.call_id if root.spawned_by is not None else None
-        paths.append(Path(
-            chain=chain, path_class=None if excluded else _CLASS_OF_KIND[node.kind], excluded=excluded,
-            leaf_call_id=node.record.call_id, leaf_seq=node.record.seq, agent_id=node.record.agent_id,
-            spawned_by=spawner, num_tokens=node.end, num_targets=num_targets))
+        paths.append(
+            Path(
+                chain=chain,
+                path_class=None if excluded else _CLASS_OF_KIND[node.kind],
+                excluded=excluded,
+                leaf_call_id=node.record.call_id,
+                leaf_seq=node.record.seq,
+                agent_id=node.record.agent_id,
+                spawned_by=spawner,
+                num_tokens=node.end,
+                num_targets=num_targets,
+            )
+        )
     return paths
 
 
@@ -135,14 +148,23 @@ def make_path_sample(tree: CallTree, path: Path) -> PathSample:
         r = tree.nodes[i].record
         n = end - start
         if not np.array_equal(tokens[start:end], r.output_ids[:n]):
-            raise TrajectoryError(f"path to {path.leaf_call_id}: tokens {start}..{end} differ from "
-                                  f"the output of call {r.call_id} they were matched to")
+            raise TrajectoryError(
+                f"path to {path.leaf_call_id}: tokens {start}..{end} differ from "
+                f"the output of call {r.call_id} they were matched to"
+            )
         mask[start:end] = True
         logprobs[start:end] = np.minimum(r.logprobs[:n], 0)  # records tolerate rounding just above 0
         versions[start:end] = r.output_versions()[:n]
-    return PathSample(execution_id=tree.execution_id, leaf_call_id=path.leaf_call_id,
-                      path_class=path.path_class, tokens=tokens, target_mask=mask,
-                      unique_mask=mask.copy(), logprobs=logprobs, versions=versions)
+    return PathSample(
+        execution_id=tree.execution_id,
+        leaf_call_id=path.leaf_call_id,
+        path_class=path.path_class,
+        tokens=tokens,
+        target_mask=mask,
+        unique_mask=mask.copy(),
+        logprobs=logprobs,
+        versions=versions,
+    )
 
 
 def mark_shared_targets(samples: list[PathSample]) -> None:

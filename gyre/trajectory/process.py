@@ -131,8 +131,10 @@ def weight_samples(result: ExecutionResult, advantage: float, config: Trajectory
     """Loss weights of one execution's samples under config.averaging (see module doc)."""
     num_unique = sum(int(s.unique_mask.sum()) for s in result.samples)
     scale = 1.0 / num_unique if config.averaging == "execution" else 1.0
-    return [TrainingSample(path=s, loss_weights=s.unique_mask.astype(np.float32) * np.float32(scale),
-                           advantage=advantage) for s in result.samples]
+    return [
+        TrainingSample(path=s, loss_weights=s.unique_mask.astype(np.float32) * np.float32(scale), advantage=advantage)
+        for s in result.samples
+    ]
 
 
 def process_group(executions: list[tuple[list[CallRecord], Evaluation]], config: TrajectoryConfig) -> GroupResult:

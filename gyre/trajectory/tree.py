@@ -92,8 +92,10 @@ def _sorted_checked(records: list[CallRecord]) -> tuple[list[CallRecord], list[i
             raise TrajectoryError(f"seq {a.seq} used by calls {a.call_id!r} and {b.call_id!r}")
     for a, b in zip(ordered, ordered[1:]):
         if b.started_at < a.started_at:
-            raise TrajectoryError(f"seq order contradicts start times: seq {b.seq} ({b.call_id!r}) started "
-                                  f"{a.started_at - b.started_at:.3f} s before seq {a.seq} ({a.call_id!r})")
+            raise TrajectoryError(
+                f"seq order contradicts start times: seq {b.seq} ({b.call_id!r}) started "
+                f"{a.started_at - b.started_at:.3f} s before seq {a.seq} ({a.call_id!r})"
+            )
     ids = [r.call_id for r in ordered]
     if len(set(ids)) != len(ids):
         dup = sorted({c for c in ids if ids.count(c) > 1})
@@ -170,8 +172,8 @@ class _HashBuffer:
             grown = np.zeros(max(inp.size, 2 * self.hashes.size), dtype=np.uint64)
             grown[:m] = self.hashes[:m]
             self.hashes = grown
-        tail = self.hashes[m: inp.size]
-        np.multiply(inp[m:].astype(np.uint64), pows[m: inp.size], out=tail)
+        tail = self.hashes[m : inp.size]
+        np.multiply(inp[m:].astype(np.uint64), pows[m : inp.size], out=tail)
         np.cumsum(tail, out=tail)
         if m:
             tail += self.hashes[m - 1]

@@ -12,7 +12,10 @@ import torch
 from gyre.errors import GyreError
 
 _ALIGN = 64
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8)
+}
 
 
 @dataclass(frozen=True)

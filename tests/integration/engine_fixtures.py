@@ -37,8 +37,17 @@ def start_sglang(**overrides) -> SGLangProcess:
     model = os.environ.get("GYRE_SGLANG_MODEL")
     if not model:
         pytest.skip("set GYRE_SGLANG_MODEL to a model directory (config + tokenizer) to test SGLang")
-    cfg = EngineConfig(**{"backend": "sglang", "model_path": model, "load_format": "dummy", "enable_hicache": False,
-                          "mem_fraction_static": 0.3, "startup_timeout_s": 900} | overrides)  # fmt: skip
+    cfg = EngineConfig(
+        **{
+            "backend": "sglang",
+            "model_path": model,
+            "load_format": "dummy",
+            "enable_hicache": False,
+            "mem_fraction_static": 0.3,
+            "startup_timeout_s": 900,
+        }
+        | overrides
+    )
     proc = SGLangProcess(cfg)
     proc.start()
     return proc

@@ -10,12 +10,15 @@ from gyre.models.config import ModelConfig
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.main import ProxyProcess
 
-MODEL = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=1, max_seq_len=32768)
+MODEL = ModelConfig(
+    num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=2, num_query_groups=1, max_seq_len=32768
+)
 """The tiny model with a context long enough for Claude Code's prompts (byte tokens)."""
 
 
-def start_engine(tmp_path, rules: list[dict] | None = None, name: str = "engine", model: ModelConfig = MODEL,
-                 **overrides) -> BuiltinEngineProcess:  # fmt: skip
+def start_engine(
+    tmp_path, rules: list[dict] | None = None, name: str = "engine", model: ModelConfig = MODEL, **overrides
+) -> BuiltinEngineProcess:
     """A builtin engine; `rules` (scripted policy) force what it emits for matching prompts."""
     policy = None
     if rules is not None:
@@ -28,12 +31,24 @@ def start_engine(tmp_path, rules: list[dict] | None = None, name: str = "engine"
 
 
 def start_proxy(tmp_path, engine_urls: list[str], **overrides) -> ProxyProcess:
-    cfg = ProxyConfig(records_dir=str(tmp_path / "records"), engines=engine_urls, model_names=["gyre", "tiny"],
-                      health_interval_s=0.5, **overrides)  # fmt: skip
+    cfg = ProxyConfig(
+        records_dir=str(tmp_path / "records"),
+        engines=engine_urls,
+        model_names=["gyre", "tiny"],
+        health_interval_s=0.5,
+        **overrides,
+    )
     return ProxyProcess(cfg).start()
 
 
-def http(url: str, method: str = "GET", body=None, token: str | None = None, headers: dict | None = None, raw: bytes | None = None):
+def http(
+    url: str,
+    method: str = "GET",
+    body=None,
+    token: str | None = None,
+    headers: dict | None = None,
+    raw: bytes | None = None,
+):
     """(status, parsed JSON or text) of one request; never raises on HTTP errors."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     h = {"Content-Type": "application/json", **(headers or {})}
@@ -52,7 +67,9 @@ def http(url: str, method: str = "GET", body=None, token: str | None = None, hea
 
 
 def new_execution(proxy: ProxyProcess, execution_id: str) -> str:
-    status, body = http(proxy.url + "/admin/executions", "POST", {"execution_id": execution_id}, token=proxy.admin_token)
+    status, body = http(
+        proxy.url + "/admin/executions", "POST", {"execution_id": execution_id}, token=proxy.admin_token
+    )
     assert status == 200, body
     return body["api_key"]
 
@@ -124,9 +141,17 @@ async def openai_call(session, url: str, key: str, body: dict) -> dict:
                 msg["content"] += ch["delta"].get("content") or ""
                 for tc in ch["delta"].get("tool_calls") or []:  # deltas of one call share its index
                     if tc["index"] == len(msg["tool_calls"]):
-                        msg["tool_calls"].append({"id": tc["id"], "type": "function", "function": {"name": tc["function"]["name"], "arguments": ""}})
+                        msg["tool_calls"].append(
+                            {
+                                "id": tc["id"],
+                                "type": "function",
+                                "function": {"name": tc["function"]["name"], "arguments": ""},
+                            }
+                        )
                     msg["tool_calls"][tc["index"]]["function"]["arguments"] += tc["function"].get("arguments") or ""
-                    msg["num_argument_deltas"] = msg.get("num_argument_deltas", 0) + bool(tc["function"].get("arguments"))
+                    msg["num_argument_deltas"] = msg.get("num_argument_deltas", 0) + bool(
+                        tc["function"].get("arguments")
+                    )
                 finish = ch["finish_reason"] or finish
         assert finish is not None, "stream ended without a finish_reason"
         return {"message": msg, "finish_reason": finish}

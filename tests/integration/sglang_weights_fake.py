@@ -29,15 +29,25 @@ def join(body: dict) -> None:
     store, rank, world = next(rendezvous(url, body["rank_offset"], body["world_size"], timeout=timeout))
     store.set_timeout(timeout)
     name = body.get("group_name", "weight_update_group")
-    group, _ = _new_process_group_helper(world, rank, [], Backend(body.get("backend", "nccl")), PrefixStore(name, store),
-                                         group_name=name, timeout=timeout)  # fmt: skip
+    group, _ = _new_process_group_helper(
+        world,
+        rank,
+        [],
+        Backend(body.get("backend", "nccl")),
+        PrefixStore(name, store),
+        group_name=name,
+        timeout=timeout,
+    )
     _world.pg_group_ranks[group] = {i: i for i in range(world)}
     GROUPS[name] = group
 
 
 def receive(body: dict, out: str) -> None:
     group = GROUPS[body.get("group_name", "weight_update_group")]
-    received = {n: torch.empty(s, dtype=getattr(torch, d)) for n, d, s in zip(body["names"], body["dtypes"], body["shapes"], strict=True)}
+    received = {
+        n: torch.empty(s, dtype=getattr(torch, d))
+        for n, d, s in zip(body["names"], body["dtypes"], body["shapes"], strict=True)
+    }
     for work in [dist.broadcast(t, src=0, group=group, async_op=True) for t in received.values()]:
         work.wait()
     save_file(received, out)
@@ -61,7 +71,9 @@ def main() -> None:
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     app = web.Application(client_max_size=1 << 26)
-    app.add_routes([web.post("/init_weights_update_group", init_group), web.post("/update_weights_from_distributed", update)])
+    app.add_routes(
+        [web.post("/init_weights_update_group", init_group), web.post("/update_weights_from_distributed", update)]
+    )
     serve_app(app, "127.0.0.1", 0, "sglang-weights-fake", port_file=a.port_file)
 
 

@@ -39,7 +39,9 @@ def peers(tmp_path):
         log = open(tmp_path / f"peer{len(started)}.log", "w")
         # MPI peers get their own MPI world (two singletons cannot connect: see gyre/control/mpi.py)
         launcher = [str(Path(sys.executable).with_name("mpiexec")), "-n", "1"] if address.startswith("mpi:") else []
-        started.append(subprocess.Popen([*launcher, sys.executable, str(PEER), address, mode], env=env, stdout=log, stderr=log))
+        started.append(
+            subprocess.Popen([*launcher, sys.executable, str(PEER), address, mode], env=env, stdout=log, stderr=log)
+        )
         return started[-1]
 
     yield start
@@ -51,18 +53,42 @@ def peers(tmp_path):
 
 def _every_message() -> list:
     t = torch.arange(6)
-    batch = PackedBatch(tokens=t, position_ids=t, cu_seqlens=torch.tensor([0, 6], dtype=torch.int32), target_mask=t > 2,
-                        behaviour_logprobs=-t.float(), loss_weights=torch.ones(6), advantages=t.float() - 2,
-                        weight_versions=t * 0, execution_ids=("e0",))
+    batch = PackedBatch(
+        tokens=t,
+        position_ids=t,
+        cu_seqlens=torch.tensor([0, 6], dtype=torch.int32),
+        target_mask=t > 2,
+        behaviour_logprobs=-t.float(),
+        loss_weights=torch.ones(6),
+        advantages=t.float() - 2,
+        weight_versions=t * 0,
+        execution_ids=("e0",),
+    )
     return [
-        m.Join("cell2", [("w", (2, 3))]), m.Welcome("127.0.0.1:1", 4096, 10, 3), m.Refused("no"), m.Claim("cell2"),
-        m.Work(index=1, version=2, slot_addr=8192, batch=batch), m.Wait(), m.Evicted(), m.Done(1, {"loss_sum": 0.5}, 0.25),
-        m.Pull("cell2"), m.PullDone("cell2"), m.RoleSwitch(2, "train"), m.PhaseDone(2, "pull_weights", 0.125),
-        m.Heartbeat(2, 12.5), m.WeightVersion(7), m.Failure("cell3", "engine exited 1"),
+        m.Join("cell2", [("w", (2, 3))]),
+        m.Welcome("127.0.0.1:1", 4096, 10, 3),
+        m.Refused("no"),
+        m.Claim("cell2"),
+        m.Work(index=1, version=2, slot_addr=8192, batch=batch),
+        m.Wait(),
+        m.Evicted(),
+        m.Done(1, {"loss_sum": 0.5}, 0.25),
+        m.Pull("cell2"),
+        m.PullDone("cell2"),
+        m.RoleSwitch(2, "train"),
+        m.PhaseDone(2, "pull_weights", 0.125),
+        m.Heartbeat(2, 12.5),
+        m.WeightVersion(7),
+        m.Failure("cell3", "engine exited 1"),
         m.CellReady(0, "http://127.0.0.1:1", "tcp://127.0.0.1:2/00", {"address": 1, "version": 0}, 0, "ab12"),
-        m.RoleDone(2, "train", 10.5, {"stop_admission": 0.01}), m.MicroBatches(3, []), m.EndStep(3),
-        m.StepProgress(3, [0]), m.StepDone(3, 4, {"loss": 0.5}, {"address": 1, "version": 4}, 2.5),
-        m.SaveCheckpoint(4, {"next_group": 16}), m.CheckpointDone(4, "/ckpt/step_00000004", 1.5, "ab12"), m.Stop(),
+        m.RoleDone(2, "train", 10.5, {"stop_admission": 0.01}),
+        m.MicroBatches(3, []),
+        m.EndStep(3),
+        m.StepProgress(3, [0]),
+        m.StepDone(3, 4, {"loss": 0.5}, {"address": 1, "version": 4}, 2.5),
+        m.SaveCheckpoint(4, {"next_group": 16}),
+        m.CheckpointDone(4, "/ckpt/step_00000004", 1.5, "ab12"),
+        m.Stop(),
         m.Leave("cell2"),
     ]
 
@@ -99,7 +125,10 @@ def test_garbage_then_a_kill_drop_only_that_peer_and_the_next_peer_round_trips_e
         back = ch.request(msg, timeout_s=30)
         if isinstance(msg, m.Work):
             assert (back.index, back.version, back.slot_addr) == (msg.index, msg.version, msg.slot_addr)
-            assert all(torch.equal(getattr(back.batch, f), getattr(msg.batch, f)) for f in ("tokens", "advantages", "cu_seqlens"))
+            assert all(
+                torch.equal(getattr(back.batch, f), getattr(msg.batch, f))
+                for f in ("tokens", "advantages", "cu_seqlens")
+            )
         else:
             assert back == msg
     ch.close()

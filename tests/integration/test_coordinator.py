@@ -33,26 +33,50 @@ def _taskset(tmp: Path, words: tuple[str, ...] = ("apple", "river", "crash")) ->
     (tmp / "score.py").write_text(SCORE)
     lines = []
     for word in words:
-        lines.append(json.dumps({
-            "task_id": f"t-{word}", "instruction": f"Write the word {word} to answer.txt.",
-            "workspace": {"files": {"task.md": f"Write the word {word} to answer.txt.\n"}}, "setup": None,
-            "evaluator": {"kind": "json_score", "command": f"{{python}} {tmp / 'score.py'}", "timeout_s": 30},
-            "time_budget_s": 60, "reference": {"files": {"answer.txt": word}}}))
+        lines.append(
+            json.dumps(
+                {
+                    "task_id": f"t-{word}",
+                    "instruction": f"Write the word {word} to answer.txt.",
+                    "workspace": {"files": {"task.md": f"Write the word {word} to answer.txt.\n"}},
+                    "setup": None,
+                    "evaluator": {"kind": "json_score", "command": f"{{python}} {tmp / 'score.py'}", "timeout_s": 30},
+                    "time_budget_s": 60,
+                    "reference": {"files": {"answer.txt": word}},
+                }
+            )
+        )
     (tmp / "tasks.jsonl").write_text("\n".join(lines) + "\n")
     return tmp / "tasks.jsonl"
 
 
 # Small enough for 2 shared cores; the satellite leaves rollout as soon as one group is ready.
-OVERRIDES = ["coordinator.group_size=2", "coordinator.groups_per_step=3", "coordinator.sessions_per_cell=20",
-             "coordinator.train_tok_s=100", "harness.toy.max_tokens=16", "harness.toy.max_turns=2",
-             "harness.toy.subagent=false", "tasks.warm_start=false"]
+OVERRIDES = [
+    "coordinator.group_size=2",
+    "coordinator.groups_per_step=3",
+    "coordinator.sessions_per_cell=20",
+    "coordinator.train_tok_s=100",
+    "harness.toy.max_tokens=16",
+    "harness.toy.max_turns=2",
+    "harness.toy.subagent=false",
+    "tasks.warm_start=false",
+]
 
 
 def _gyre_train(run_dir: Path, tasks: Path, *extra: str, **popen) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "gyre.launch.train", f"hydra.run.dir={run_dir}", f"tasks.path={tasks}", *OVERRIDES,
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gyre.launch.train",
+        f"hydra.run.dir={run_dir}",
+        f"tasks.path={tasks}",
+        *OVERRIDES,
+        *extra,
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 900) -> dict:
@@ -87,8 +111,13 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
     switches = _events(run_dir, "role_switch")
     assert summary["num_role_switches"] == len(switches) >= 1
     to_train = next(s for s in switches if s["to_role"] == "train")
-    assert list(to_train["phases"]) == ["stop_admission", "hand_off_sessions", "release_engine_memory",
-                                        "pull_weights", "join_step"]
+    assert list(to_train["phases"]) == [
+        "stop_admission",
+        "hand_off_sessions",
+        "release_engine_memory",
+        "pull_weights",
+        "join_step",
+    ]
     assert all(v > 0 for v in to_train["phases"].values())
     # A micro-step's event is stamped when it ended: the core computes one after another, so its
     # busy time while training is the sum of its micro-steps' seconds, not the longest of a step's.
@@ -117,6 +146,7 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
     proc = _gyre_train(run_dir, tasks, "num_steps=3", start_new_session=True)
     deadline = time.monotonic() + 900
+
     def checkpointed() -> bool:  # step 0 trained, its checkpoint complete and announced
         path = run_dir / "events.jsonl"
         return path.exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint"))
@@ -154,12 +184,18 @@ def _tool_call(name: str, args: dict) -> str:
 # Scripted policies (gyre.engines.scripted): the harness writes the answer with its shell tool, then stops.
 HARNESS_RULES = {
     "claude_code": [
-        {"match": "answer.txt", "emit": _tool_call("Bash", {"command": "printf apple > answer.txt", "description": "answer"})},
+        {
+            "match": "answer.txt",
+            "emit": _tool_call("Bash", {"command": "printf apple > answer.txt", "description": "answer"}),
+        },
         {"match": ".", "emit": "Done: answer.txt holds the word."},
     ],
     "mini_swe_agent": [
         {"match": "Please solve this issue", "emit": _tool_call("bash", {"command": "printf apple > answer.txt"})},
-        {"match": ".", "emit": "Submitting. " + _tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})},
+        {
+            "match": ".",
+            "emit": "Submitting. " + _tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}),
+        },
     ],
 }
 
@@ -176,9 +212,18 @@ def test_real_harnesses_roll_out_through_the_coordinator(tmp_path, harness):
     rules.write_text(json.dumps({"rules": HARNESS_RULES[harness]}))
     run_dir = tmp_path / "run"
     # Real harness prompts are long (byte tokenizer): a rollout-only job with a longer context.
-    summary = _finish(_gyre_train(run_dir, _taskset(tmp_path, ("apple",)), "num_steps=1", "mode=rollout", f"harness={harness}",
-                                  "coordinator.groups_per_step=1", "model.max_seq_len=65536",
-                                  f"engine.scripted_policy={rules}"))
+    summary = _finish(
+        _gyre_train(
+            run_dir,
+            _taskset(tmp_path, ("apple",)),
+            "num_steps=1",
+            "mode=rollout",
+            f"harness={harness}",
+            "coordinator.groups_per_step=1",
+            "model.max_seq_len=65536",
+            f"engine.scripted_policy={rules}",
+        )
+    )
     view = read_ledger(run_dir / "ledger.jsonl")
     assert summary["executions"].get("finished") == 2 and summary["executions"].get("trained", 0) == 0, summary
     for eid in view.history:
@@ -217,8 +262,17 @@ def test_misbehaving_harnesses_and_a_broken_task_are_excluded_and_counted_while_
     outside = tmp_path / "escaped.txt"
     command = f"{sys.executable} {tmp_path / 'agent.py'} {{instruction}} {{proxy_url}} {{api_key}} {{model}} {outside}"
     run_dir = tmp_path / "run"
-    summary = _finish(_gyre_train(run_dir, tasks, "num_steps=1", "coordinator.groups_per_step=6", "harness=command",
-                                  f"harness.command='{command}'", "harness.isolation=bwrap"))  # fmt: skip
+    summary = _finish(
+        _gyre_train(
+            run_dir,
+            tasks,
+            "num_steps=1",
+            "coordinator.groups_per_step=6",
+            "harness=command",
+            f"harness.command='{command}'",
+            "harness.isolation=bwrap",
+        )
+    )
 
     view = read_ledger(run_dir / "ledger.jsonl")
     reasons = {view.history[eid][0].task_id: view.outcome(eid).reason for eid in view.history}
@@ -230,5 +284,7 @@ def test_misbehaving_harnesses_and_a_broken_task_are_excluded_and_counted_while_
     assert not outside.exists() and all(view.outcome(eid).state == "finished" for eid in escaped)
     assert all("Read-only file system" in (run_dir / "sandboxes" / eid / "harness.log").read_text() for eid in escaped)
     counts = summary["executions"]
-    assert counts["excluded/harness_failed"] == counts["excluded/no_model_calls"] == counts["excluded/sandbox_error"] == 2
+    assert (
+        counts["excluded/harness_failed"] == counts["excluded/no_model_calls"] == counts["excluded/sandbox_error"] == 2
+    )
     assert summary["num_steps"] == 1 and counts["trained"] == 6  # apple, river and escape: 3 groups of 2

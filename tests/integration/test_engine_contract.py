@@ -38,12 +38,16 @@ def test_generate_fields_and_logprob_shapes(server):
     assert meta["prompt_tokens"] == len(PROMPT) and meta["completion_tokens"] == 5 == len(out["output_ids"])
     assert "cached_tokens" in meta and "weight_version" in meta
     lps = meta["output_token_logprobs"]
-    assert len(lps) == 5 and all(len(e) == 3 and e[2] is None and e[1] == t and e[0] <= 0 for e, t in zip(lps, out["output_ids"]))
+    assert len(lps) == 5 and all(
+        len(e) == 3 and e[2] is None and e[1] == t and e[0] <= 0 for e, t in zip(lps, out["output_ids"])
+    )
 
 
 def test_stop_token_ends_with_finish_type_stop(server):
     first = run(lambda c: c.generate(PROMPT, {"max_new_tokens": 3, "temperature": 0}), server.url)["output_ids"]
-    out = run(lambda c: c.generate(PROMPT, {"max_new_tokens": 3, "temperature": 0, "stop_token_ids": [first[1]]}), server.url)
+    out = run(
+        lambda c: c.generate(PROMPT, {"max_new_tokens": 3, "temperature": 0, "stop_token_ids": [first[1]]}), server.url
+    )
     assert out["meta_info"]["finish_reason"]["type"] == "stop" and out["output_ids"][-1] == first[1]
 
 
@@ -53,8 +57,9 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproducible(server):
         params = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 1234}
         # the same seed alone and batched with 7 other requests: the same tokens
         alone = await c.generate(PROMPT, params)
-        crowd = await asyncio.gather(*[c.generate(PROMPT[i:], {**params, "sampling_seed": i}) for i in range(1, 8)],
-                                     c.generate(PROMPT, params))  # fmt: skip
+        crowd = await asyncio.gather(
+            *[c.generate(PROMPT[i:], {**params, "sampling_seed": i}) for i in range(1, 8)], c.generate(PROMPT, params)
+        )
         other = await c.generate(PROMPT, {**params, "sampling_seed": 99})
         return greedy, alone, crowd[-1], other
 
@@ -69,8 +74,10 @@ def test_engine_logprobs_equal_a_full_sequence_forward(server):
     weights = init_weights(MODEL, SEED)
 
     async def body(c):
-        reqs = [c.generate(PROMPT[: 20 + 4 * i], {"max_new_tokens": 12, "temperature": t, "sampling_seed": i})
-                for i, t in enumerate([0.0, 1.0, 0.7, 1.0, 1.3, 1.0])]  # fmt: skip
+        reqs = [
+            c.generate(PROMPT[: 20 + 4 * i], {"max_new_tokens": 12, "temperature": t, "sampling_seed": i})
+            for i, t in enumerate([0.0, 1.0, 0.7, 1.0, 1.3, 1.0])
+        ]
         return await asyncio.gather(*reqs)
 
     outs = run(body, server.url)
@@ -96,7 +103,9 @@ def test_repeated_prefix_reports_cached_tokens(server):
 async def _first_chunk_then(c, rid, action, max_new=2000):
     """Start a long streamed generation; after its first chunk run `action(c)`; return (action result, last chunk)."""
     result, last = None, None
-    async for chunk in c.generate_stream(PROMPT, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}, rid=rid):
+    async for chunk in c.generate_stream(
+        PROMPT, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}, rid=rid
+    ):
         if last is None:
             result = await action(c)
         last = chunk
@@ -221,7 +230,12 @@ def test_a_weight_version_that_is_not_an_integer_is_400_and_changes_nothing(serv
             return before, e, (await c.model_info())["weight_version"]
 
     before, err, after = run(body, server.url)
-    assert err.status == 400 and "weight_version must be an integer" in err.body and isinstance(before, int) and after == before
+    assert (
+        err.status == 400
+        and "weight_version must be an integer" in err.body
+        and isinstance(before, int)
+        and after == before
+    )
 
 
 def test_update_from_a_published_buffer_over_mooncake(server):
@@ -232,12 +246,14 @@ def test_update_from_a_published_buffer_over_mooncake(server):
     trainer = TransferEndpoint()
     descriptor, buf = trainer.publish_tensors(init_weights(MODEL, 2))
     try:
+
         async def body(c):
             before = await c.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0})
             up = await c.update_weights_from_tensor(weight_version=2, load_format="gyre_transfer", **descriptor)
             after = await c.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0})
-            await c.update_weights_from_tensor(weight_version=0, load_format="gyre_transfer",
-                                               **trainer.publish_tensors(init_weights(MODEL, SEED))[0])  # fmt: skip
+            await c.update_weights_from_tensor(
+                weight_version=0, load_format="gyre_transfer", **trainer.publish_tensors(init_weights(MODEL, SEED))[0]
+            )
             return before, up, after
 
         before, up, after = run(body, server.url)
@@ -255,7 +271,9 @@ def test_concurrent_requests_share_engine_steps(server):
 
     async def body(c):
         steps0 = (await c.loads())["loads"][0]["num_steps"]
-        outs = await asyncio.gather(*[c.generate(PROMPT[i:], {"max_new_tokens": 16, "ignore_eos": True}) for i in range(8)])
+        outs = await asyncio.gather(
+            *[c.generate(PROMPT[i:], {"max_new_tokens": 16, "ignore_eos": True}) for i in range(8)]
+        )
         return (await c.loads())["loads"][0]["num_steps"] - steps0, outs
 
     steps, outs = run(body, server.url)
@@ -311,8 +329,18 @@ def test_bad_input_is_400_and_the_server_stays_up(server, raw):
 
 
 def test_unknown_fields_are_ignored(server):
-    out = run(lambda c: c.post("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "frobnicate": 1},
-                                              "lora_path": None, "no_such_field": [1]}), server.url)  # fmt: skip
+    out = run(
+        lambda c: c.post(
+            "/generate",
+            {
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 2, "frobnicate": 1},
+                "lora_path": None,
+                "no_such_field": [1],
+            },
+        ),
+        server.url,
+    )
     assert out["meta_info"]["completion_tokens"] == 2
 
 

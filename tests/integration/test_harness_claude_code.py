@@ -20,14 +20,28 @@ def tool_call(name: str, args: dict) -> str:
 
 
 def agent(description: str, prompt: str, background: bool) -> str:
-    return tool_call("Agent", {"description": description, "prompt": prompt, "subagent_type": "general-purpose",
-                               "run_in_background": background})  # fmt: skip
+    return tool_call(
+        "Agent",
+        {
+            "description": description,
+            "prompt": prompt,
+            "subagent_type": "general-purpose",
+            "run_in_background": background,
+        },
+    )
 
 
 # First match wins, on the prompt text the model has not answered yet (gyre.engines.scripted).
 RULES = [
-    {"match": "Do NOT call any tools", "emit": "<analysis>short</analysis>\n<summary>Ran a command and two helpers.</summary>"},
-    {"match": "TASK-ALPHA", "emit": "I will run a command. " + tool_call("Bash", {"command": "echo STEP1-DONE | tee step1.txt", "description": "write marker"})},
+    {
+        "match": "Do NOT call any tools",
+        "emit": "<analysis>short</analysis>\n<summary>Ran a command and two helpers.</summary>",
+    },
+    {
+        "match": "TASK-ALPHA",
+        "emit": "I will run a command. "
+        + tool_call("Bash", {"command": "echo STEP1-DONE | tee step1.txt", "description": "write marker"}),
+    },
     {"match": "SUBTASK-FG", "emit": tool_call("Bash", {"command": "echo FG-WORKED", "description": "print marker"})},
     {"match": "FG-WORKED", "emit": "fg report: FG-FINISHED"},
     {"match": "SUBTASK-BG", "emit": "bg report: BG-FINISHED"},
@@ -49,8 +63,11 @@ def test_claude_code_tool_subagents_and_compact(tmp_path):
         (tmp_path / "home").mkdir()
         (tmp_path / "ws").mkdir()
         env = make_claude_code_env(dict(os.environ), proxy.url, key, str(tmp_path / "home"), "tiny")
-        run = lambda prompt, resume: run_harness(make_claude_code_command(binary, prompt, model="tiny", tools=["Bash", "Agent"], resume=resume),
-                                                 env, str(tmp_path / "ws"), 300)  # fmt: skip
+
+        def run(prompt, resume):
+            command = make_claude_code_command(binary, prompt, model="tiny", tools=["Bash", "Agent"], resume=resume)
+            return run_harness(command, env, str(tmp_path / "ws"), 300)
+
         first = run("TASK-ALPHA: run the marker and the helpers", False)
         assert first.returncode == 0, first.stdout + first.stderr
         assert json.loads(first.stdout)["result"] == "All helpers finished. ALPHA-COMPLETE"

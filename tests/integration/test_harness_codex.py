@@ -23,7 +23,10 @@ def tool_call(name: str, args: dict) -> str:
 
 RULES = [  # first match wins, on the prompt text the model has not answered yet (gyre.engines.scripted)
     {"match": "CODEX-STEP-DONE", "emit": "The marker is written. CODEX-COMPLETE"},
-    {"match": "TASK-CODEX", "emit": "I will run it. " + tool_call("exec_command", {"cmd": "echo CODEX-STEP-DONE | tee step.txt"})},
+    {
+        "match": "TASK-CODEX",
+        "emit": "I will run it. " + tool_call("exec_command", {"cmd": "echo CODEX-STEP-DONE | tee step.txt"}),
+    },
     {"match": "TASK-AGAIN", "emit": "Still done. CODEX-AGAIN"},
     {"match": ".", "emit": "Nothing to do."},
 ]
@@ -47,9 +50,14 @@ def test_codex_runs_a_command_and_resumes(tmp_path):
             (tmp_path / d).mkdir()
         (tmp_path / "instructions.md").write_text("You are a coding agent. Run shell commands with exec_command.\n")
         env = make_codex_env(dict(os.environ), key, str(tmp_path / "home"))
-        run = lambda prompt, resume: run_harness(make_codex_command(binary, prompt, proxy_url=proxy.url, model="gyre", resume=resume,
-                                                                    instructions_file=str(tmp_path / "instructions.md")),
-                                                 env, str(tmp_path / "ws"), 300)  # fmt: skip
+
+        def run(prompt, resume):
+            instructions = str(tmp_path / "instructions.md")
+            command = make_codex_command(
+                binary, prompt, proxy_url=proxy.url, model="gyre", resume=resume, instructions_file=instructions
+            )
+            return run_harness(command, env, str(tmp_path / "ws"), 300)
+
         first = run("TASK-CODEX: write the marker", False)
         assert first.returncode == 0, first.stdout + first.stderr
         assert agent_messages(first.stdout)[-1] == "The marker is written. CODEX-COMPLETE"

@@ -64,22 +64,34 @@ def step(tool: str, marker: str, arg: str = "command") -> str:
 
 SUMMARY = "<summary>" + "A helper printed the step markers until told to stop. " * 15 + "</summary>"
 """Long enough (~850 tokens) that drains find the summary calls mid-output."""
-AGENT = tool_call("Agent", {"description": "step helper", "prompt": "SUB-STEPS: print the step markers",
-                             "subagent_type": "general-purpose", "run_in_background": False})  # fmt: skip
+AGENT = tool_call(
+    "Agent",
+    {
+        "description": "step helper",
+        "prompt": "SUB-STEPS: print the step markers",
+        "subagent_type": "general-purpose",
+        "run_in_background": False,
+    },
+)
 
 # The harnesses keep stepping while the drains go on, so all 17 run until the last one. The
 # sub-agent session's main agent hands the steps to a helper and reports when it is back.
-RULES = [{"match": "Do NOT call any tools", "emit": SUMMARY},
-         {"match": "CC-TASK|CC-NEXT", "emit": step("Bash", "CC")},
-         {"match": "CC-LAST", "emit": "All steps done. CC-COMPLETE"},
-         {"match": "SUB-FINISHED", "emit": "All steps done. SUB-COMPLETE"},
-         {"match": "SUB-LAST", "emit": "helper report: SUB-FINISHED"},
-         {"match": "SUB-STEPS|SUB-NEXT", "emit": step("Bash", "SUB")},
-         {"match": "SUB-TASK", "emit": FILLER + AGENT},
-         {"match": "Please solve this issue|MINI-NEXT", "emit": step("bash", "MINI")},
-         {"match": "MINI-LAST", "emit": "Done. " + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})},
-         {"match": "CODEX-TASK|CODEX-NEXT", "emit": step("exec_command", "CODEX", arg="cmd")},
-         {"match": "CODEX-LAST", "emit": "All steps done. CODEX-COMPLETE"}]  # fmt: skip
+RULES = [
+    {"match": "Do NOT call any tools", "emit": SUMMARY},
+    {"match": "CC-TASK|CC-NEXT", "emit": step("Bash", "CC")},
+    {"match": "CC-LAST", "emit": "All steps done. CC-COMPLETE"},
+    {"match": "SUB-FINISHED", "emit": "All steps done. SUB-COMPLETE"},
+    {"match": "SUB-LAST", "emit": "helper report: SUB-FINISHED"},
+    {"match": "SUB-STEPS|SUB-NEXT", "emit": step("Bash", "SUB")},
+    {"match": "SUB-TASK", "emit": FILLER + AGENT},
+    {"match": "Please solve this issue|MINI-NEXT", "emit": step("bash", "MINI")},
+    {
+        "match": "MINI-LAST",
+        "emit": "Done. " + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}),
+    },
+    {"match": "CODEX-TASK|CODEX-NEXT", "emit": step("exec_command", "CODEX", arg="cmd")},
+    {"match": "CODEX-LAST", "emit": "All steps done. CODEX-COMPLETE"},
+]
 MARKERS = {"cc": "CC", "ccsub": "SUB", "mini": "MINI", "codex": "CODEX"}
 
 
@@ -92,18 +104,35 @@ def launch(tmp_path, proxy, name: str, key: str, compact: bool = False) -> subpr
     if name.startswith("cc"):
         sub = name.startswith("ccsub")
         prompt = "/compact" if compact else f"{MARKERS[name.rstrip('0123456789')]}-TASK: print the step markers"
-        cmd = make_claude_code_command(find_claude_code(), prompt, model="tiny", tools=["Bash", "Agent"] if sub else ["Bash"],
-                                       resume=compact, bare=not sub)  # fmt: skip
+        cmd = make_claude_code_command(
+            find_claude_code(),
+            prompt,
+            model="tiny",
+            tools=["Bash", "Agent"] if sub else ["Bash"],
+            resume=compact,
+            bare=not sub,
+        )
         env = make_claude_code_env(dict(os.environ), proxy.url, key, str(home), "tiny")
         name += "-compact" if compact else ""
     elif name.startswith("codex"):
         (home / "instructions.md").write_text("You are a coding agent. Run shell commands with exec_command.\n")
-        cmd = make_codex_command(find_codex(), "CODEX-TASK: print the step markers", proxy_url=proxy.url, model="gyre",
-                                 instructions_file=str(home / "instructions.md"))  # fmt: skip
+        cmd = make_codex_command(
+            find_codex(),
+            "CODEX-TASK: print the step markers",
+            proxy_url=proxy.url,
+            model="gyre",
+            instructions_file=str(home / "instructions.md"),
+        )
         env = make_codex_env(dict(os.environ), key, str(home))
     else:
-        cmd = make_mini_swe_command(find_mini_swe_agent(), "Print the step markers.", proxy_url=proxy.url, api_key=key,
-                                    model="gyre", output=str(tmp_path / f"traj-{name}.json"))  # fmt: skip
+        cmd = make_mini_swe_command(
+            find_mini_swe_agent(),
+            "Print the step markers.",
+            proxy_url=proxy.url,
+            api_key=key,
+            model="gyre",
+            output=str(tmp_path / f"traj-{name}.json"),
+        )
         env = make_mini_swe_env(dict(os.environ), str(home))
     with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
         return subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ws, stdout=out, stderr=err)
@@ -123,7 +152,9 @@ def cpu_s(pid: int | None = None) -> float:
 
 
 def admin(proxy, path: str):
-    status, out = http(proxy.url + path, "POST" if path.endswith(("drain", "activate")) else "GET", token=proxy.admin_token)
+    status, out = http(
+        proxy.url + path, "POST" if path.endswith(("drain", "activate")) else "GET", token=proxy.admin_token
+    )
     assert status == 200, (path, out)
     return out
 
@@ -148,7 +179,9 @@ def wait_for_first_answer(tmp_path, procs: dict, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def drain_repeatedly(proxy, engine_ids: list[str], procs: dict, num_drains: int, timeout_s: float) -> tuple[list[tuple[str, int]], int]:
+def drain_repeatedly(
+    proxy, engine_ids: list[str], procs: dict, num_drains: int, timeout_s: float
+) -> tuple[list[tuple[str, int]], int]:
     """`num_drains` drains that each abort calls in flight, taking the engines in turn (an engine is
     drained once the proxy shows it streaming; a drain that found nothing left does not count),
     or fewer if every harness exits first.
@@ -191,7 +224,11 @@ def test_20_drains_during_17_real_harness_sessions(tmp_path):
         for eid in engine_ids:  # the gate: calls wait until the engines open
             admin(proxy, f"/admin/engines/{eid}/drain")
         # mini-swe-agent first: its imports are the slow part
-        names = [f"mini{i}" for i in range(NUM_MINI)] + [f"cc{i}" for i in range(NUM_CC)] + [f"ccsub{i}" for i in range(NUM_CC_SUB)]
+        names = (
+            [f"mini{i}" for i in range(NUM_MINI)]
+            + [f"cc{i}" for i in range(NUM_CC)]
+            + [f"ccsub{i}" for i in range(NUM_CC_SUB)]
+        )
         names += [f"codex{i}" for i in range(NUM_CODEX)]
         keys = {name: new_execution(proxy, name) for name in names}
         for name in names:
@@ -202,16 +239,22 @@ def test_20_drains_during_17_real_harness_sessions(tmp_path):
         wait_for_first_answer(tmp_path, procs, 400)
         hits, alive_at_last_drain = drain_repeatedly(proxy, engine_ids, procs, NUM_DRAINS, 400)
         (tmp_path / DONE_FILE).touch()
-        for name, p in procs.items():
+        for p in procs.values():
             p.wait(timeout=400)
         failed = {n: output_tail(tmp_path, n) for n, p in procs.items() if p.returncode != 0}
         assert not failed, failed
-        compacting = {name: launch(tmp_path, proxy, name, keys[name], compact=True) for name in procs if is_compacted(name)}
+        compacting = {
+            name: launch(tmp_path, proxy, name, keys[name], compact=True) for name in procs if is_compacted(name)
+        }
         summary_hits, _ = drain_repeatedly(proxy, engine_ids, compacting, NUM_SUMMARY_DRAINS, 400)
-        for name, p in compacting.items():
+        for p in compacting.values():
             p.wait(timeout=400)
-        cpu = {"harnesses": cpu_s() - children0, "engines": sum(cpu_s(e.proc.pid) for e in engines),
-               "proxy": cpu_s(proxy.proc.pid), "wall": time.monotonic() - t0}  # fmt: skip
+        cpu = {
+            "harnesses": cpu_s() - children0,
+            "engines": sum(cpu_s(e.proc.pid) for e in engines),
+            "proxy": cpu_s(proxy.proc.pid),
+            "wall": time.monotonic() - t0,
+        }
         metrics = admin(proxy, "/admin/metrics")
         failed = {n: output_tail(tmp_path, f"{n}-compact") for n, p in compacting.items() if p.returncode != 0}
         assert not failed, failed
@@ -241,13 +284,18 @@ def test_20_drains_during_17_real_harness_sessions(tmp_path):
         check_task_done(tmp_path, name, len(stepping))
         rerouted[name], num_records = sum(r.rerouted for r in records), num_records + len(records)
         # a resume's prompt is input + output so far: more than the inputs alone = resumed mid-output
-        with_output += sum(r.num_migrated_tokens + r.num_recomputed_tokens > (len(r.hints["engines"]) - 1) * r.input_ids.size
-                           for r in records)  # fmt: skip
-    print(f"\n{NUM_DRAINS} drains found {sum(n for _, n in hits)} calls in flight ({hits}); {alive_at_last_drain} of "
-          f"{len(procs)} harnesses alive at the last drain; {len(summary_hits)} drains during the compactions "
-          f"({summary_hits}); {num_records} calls; rerouted records per execution "
-          f"{rerouted}; {with_output} resumed mid-output; pool metrics { {k: v for k, v in metrics.items() if k != 'engines'} }; "
-          f"seconds { {k: round(v, 1) for k, v in cpu.items()} }")  # fmt: skip
+        with_output += sum(
+            r.num_migrated_tokens + r.num_recomputed_tokens > (len(r.hints["engines"]) - 1) * r.input_ids.size
+            for r in records
+        )
+    print(
+        f"\n{NUM_DRAINS} drains found {sum(n for _, n in hits)} calls in flight ({hits}); {alive_at_last_drain} of "
+        f"{len(procs)} harnesses alive at the last drain; {len(summary_hits)} drains during the compactions "
+        f"({summary_hits}); {num_records} calls; rerouted records per execution "
+        f"{rerouted}; {with_output} resumed mid-output; pool metrics "
+        f"{ {k: v for k, v in metrics.items() if k != 'engines'} }; "
+        f"seconds { {k: round(v, 1) for k, v in cpu.items()} }"
+    )
     assert alive_at_last_drain == len(procs)  # all 20 drains happened while all 17 sessions ran
     assert len({eid for eid, _ in hits}) >= 2
     assert sum(rerouted.values()) > 0 and metrics["num_reroutes"] > 0 and metrics["num_migrated_tokens"] > 0
@@ -274,9 +322,16 @@ def check_task_done(tmp_path, name: str, num_calls: int) -> None:
             compacted = json.loads((tmp_path / f"{name}-compact.out").read_text())
             assert not compacted["is_error"], (name, compacted)
     elif name.startswith("codex"):
-        events = [json.loads(line) for line in (tmp_path / f"{name}.out").read_text().splitlines() if line.startswith("{")]
-        said = [e["item"]["text"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
-        assert said[-1] == "All steps done. CODEX-COMPLETE" and events[-1]["type"] == "turn.completed", (name, events[-3:])
+        events = [
+            json.loads(line) for line in (tmp_path / f"{name}.out").read_text().splitlines() if line.startswith("{")
+        ]
+        said = [
+            e["item"]["text"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"
+        ]
+        assert said[-1] == "All steps done. CODEX-COMPLETE" and events[-1]["type"] == "turn.completed", (
+            name,
+            events[-3:],
+        )
     else:
         info = json.loads((tmp_path / f"traj-{name}.json").read_text())["info"]
         assert info["exit_status"] == "Submitted", (name, info)
@@ -295,9 +350,13 @@ def check_clean_chains(path) -> list:
         if agent in last:
             prev = tree.nodes[node.parent] if node.parent is not None else None
             ok = node.parent == last[agent] or (node.kind == "summary" and prev is not None and prev.kind == "main")
-            assert ok and node.shared >= prev.end, f"{path.name}: call {j} ({node.kind}) does not extend call {last[agent]}"
+            assert ok and node.shared >= prev.end, (
+                f"{path.name}: call {j} ({node.kind}) does not extend call {last[agent]}"
+            )
         elif j:
-            assert node.parent is None and tree.nodes[node.spawned_by].record.agent_id == MAIN_AGENT, f"{path.name}: call {j}"
+            assert node.parent is None and tree.nodes[node.spawned_by].record.agent_id == MAIN_AGENT, (
+                f"{path.name}: call {j}"
+            )
         assert node.record.hints["retokenized_turns"] == 0
         last[agent] = j
     return tree.nodes

@@ -20,8 +20,14 @@ def bash(command: str) -> str:
 
 
 RULES = [
-    {"match": "Please solve this issue", "emit": "I will write the file. " + bash("printf 'fixed\\n' > answer.txt && cat answer.txt")},
-    {"match": "fixed", "emit": "The file is written; submitting. " + bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")},
+    {
+        "match": "Please solve this issue",
+        "emit": "I will write the file. " + bash("printf 'fixed\\n' > answer.txt && cat answer.txt"),
+    },
+    {
+        "match": "fixed",
+        "emit": "The file is written; submitting. " + bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"),
+    },
 ]
 
 
@@ -35,8 +41,14 @@ def test_mini_swe_agent_completes_a_task(tmp_path):
         key = new_execution(proxy, "mini")
         (tmp_path / "home").mkdir()
         (tmp_path / "ws").mkdir()
-        cmd = make_mini_swe_command(binary, "Write the word fixed into answer.txt.", proxy_url=proxy.url, api_key=key,
-                                    model="gyre", output=str(tmp_path / "traj.json"))  # fmt: skip
+        cmd = make_mini_swe_command(
+            binary,
+            "Write the word fixed into answer.txt.",
+            proxy_url=proxy.url,
+            api_key=key,
+            model="gyre",
+            output=str(tmp_path / "traj.json"),
+        )
         done = run_harness(cmd, make_mini_swe_env(dict(os.environ), str(tmp_path / "home")), str(tmp_path / "ws"), 300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     finally:
@@ -49,4 +61,3 @@ def test_mini_swe_agent_completes_a_task(tmp_path):
     tree = build_call_tree(records)
     assert len(records) == 2 and tree.nodes[1].parent == 0 and tree.nodes[1].shared >= tree.nodes[0].end
     assert records[1].hints["reused_turns"] == 1 and records[0].hints["api"] == "openai"
-

@@ -61,7 +61,11 @@ def test_kv_from_other_weights_is_refused(engines):
                 await ca.release_kv_export(export["export_id"])
 
     export, err = asyncio.run(body())
-    assert export["num_tokens"] == 64 and err.status == 400 and "KV was computed with weight_version 1, this engine has 0" in err.body
+    assert (
+        export["num_tokens"] == 64
+        and err.status == 400
+        and "KV was computed with weight_version 1, this engine has 0" in err.body
+    )
 
 
 def test_nothing_cached_means_nothing_transferred(engines):

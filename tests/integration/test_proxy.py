@@ -15,9 +15,25 @@ from gyre.records.io import read_records
 from gyre.trajectory.tree import build_call_tree
 
 FILLER = "Working through the task step by step; " * 4
-RULES = [{"match": "tool_response|please|step", "emit": FILLER + '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'}]
-A_TOOLS = [{"name": "bash", "description": "run a command", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]
-O_TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command", "parameters": A_TOOLS[0]["input_schema"]}}]
+RULES = [
+    {
+        "match": "tool_response|please|step",
+        "emit": FILLER + '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>',
+    }
+]
+A_TOOLS = [
+    {
+        "name": "bash",
+        "description": "run a command",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+    }
+]
+O_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "bash", "description": "run a command", "parameters": A_TOOLS[0]["input_schema"]},
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,28 +47,45 @@ def engines(tmp_path_factory):
 
 
 async def anthropic_session(s, url, key, turns: int, stream: bool) -> int:
-    body = {"model": "gyre", "max_tokens": 400, "stream": stream, "system": "You are a test agent.", "tools": A_TOOLS,
-            "messages": [{"role": "user", "content": "please take a step"}]}  # fmt: skip
+    body = {
+        "model": "gyre",
+        "max_tokens": 400,
+        "stream": stream,
+        "system": "You are a test agent.",
+        "tools": A_TOOLS,
+        "messages": [{"role": "user", "content": "please take a step"}],
+    }
     for _ in range(turns):
         msg = await anthropic_call(s, url, key, body)
         use = [b for b in msg["content"] if b["type"] == "tool_use"]
         assert msg["stop_reason"] == "tool_use" and use[0]["input"] == {"command": "ls"}, msg
         assert msg["content"][0]["text"] == FILLER.strip()
         assert not stream or msg["num_input_json_deltas"] > 1  # the input streamed as its tokens came
-        body["messages"] += [{"role": "assistant", "content": msg["content"]},
-                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0]["id"], "content": "a.txt"}]}]  # fmt: skip
+        body["messages"] += [
+            {"role": "assistant", "content": msg["content"]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0]["id"], "content": "a.txt"}]},
+        ]
     return turns
 
 
 async def openai_session(s, url, key, turns: int, stream: bool) -> int:
-    body = {"model": "gyre", "stream": stream, "tools": O_TOOLS, "messages": [{"role": "user", "content": "please take a step"}]}
+    body = {
+        "model": "gyre",
+        "stream": stream,
+        "tools": O_TOOLS,
+        "messages": [{"role": "user", "content": "please take a step"}],
+    }
     for _ in range(turns):
         choice = await openai_call(s, url, key, body)
         calls = choice["message"]["tool_calls"]
-        assert choice["finish_reason"] == "tool_calls" and json.loads(calls[0]["function"]["arguments"]) == {"command": "ls"}
+        assert choice["finish_reason"] == "tool_calls" and json.loads(calls[0]["function"]["arguments"]) == {
+            "command": "ls"
+        }
         assert not stream or choice["message"]["num_argument_deltas"] > 1
-        body["messages"] += [{"role": "assistant", "content": choice["message"]["content"], "tool_calls": calls},
-                             {"role": "tool", "tool_call_id": calls[0]["id"], "content": "a.txt"}]  # fmt: skip
+        body["messages"] += [
+            {"role": "assistant", "content": choice["message"]["content"], "tool_calls": calls},
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": "a.txt"},
+        ]
     return turns
 
 
@@ -74,10 +107,12 @@ def test_both_apis_stream_and_plain(engines, tmp_path):
 
         async def main():
             async with aiohttp.ClientSession() as s:
-                await asyncio.gather(anthropic_session(s, proxy.url, keys["a-stream"], 2, True),
-                                     anthropic_session(s, proxy.url, keys["a-plain"], 2, False),
-                                     openai_session(s, proxy.url, keys["o-stream"], 2, True),
-                                     openai_session(s, proxy.url, keys["o-plain"], 2, False))  # fmt: skip
+                await asyncio.gather(
+                    anthropic_session(s, proxy.url, keys["a-stream"], 2, True),
+                    anthropic_session(s, proxy.url, keys["a-plain"], 2, False),
+                    openai_session(s, proxy.url, keys["o-stream"], 2, True),
+                    openai_session(s, proxy.url, keys["o-plain"], 2, False),
+                )
 
         asyncio.run(main())
         for name in keys:
@@ -108,18 +143,46 @@ def test_bad_input_answers_4xx_in_each_format(engines, tmp_path):
         ha, ho = {"x-api-key": key}, {"Authorization": f"Bearer {key}"}
         tool_use = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "bash", "input": {}}]}
         cases = [  # (url, headers, body or raw bytes, status, message fragment)
-            (a, ha, b"{not json", 400, "malformed JSON"), (o, ho, b"{not json", 400, "malformed JSON"),
+            (a, ha, b"{not json", 400, "malformed JSON"),
+            (o, ho, b"{not json", 400, "malformed JSON"),
             (a, ha, {**good_a, "max_tokens": "ten"}, 400, "max_tokens: expected an integer"),
             (o, ho, {**good_o, "messages": "hi"}, 400, "messages: expected an array"),
-            (a, ha, {**good_a, "model": "nope"}, 404, "'nope' is not served"), (o, ho, {**good_o, "model": "nope"}, 404, "does not exist"),
+            (a, ha, {**good_a, "model": "nope"}, 404, "'nope' is not served"),
+            (o, ho, {**good_o, "model": "nope"}, 404, "does not exist"),
             (a, ha, {**good_a, "tools": [{"name": "x", "input_schema": "string"}]}, 400, "input_schema"),
-            (o, ho, {**good_o, "tools": [{"type": "function", "function": {"name": "x", "parameters": 5}}]}, 400, "parameters"),
+            (
+                o,
+                ho,
+                {**good_o, "tools": [{"type": "function", "function": {"name": "x", "parameters": 5}}]},
+                400,
+                "parameters",
+            ),
             (a, ha, {**good_a, "messages": [{"role": "user", "content": "x" * 3000}]}, 400, "prompt is too long"),
             (o, ho, {**good_o, "messages": [{"role": "user", "content": "x" * 3000}]}, 400, "prompt is too long"),
-            (a, ha, {**good_a, "messages": [{"role": "user", "content": "q"}, tool_use, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "r"}]}]}, 400, "'t9' does not match"),
-            (o, ho, {**good_o, "messages": [{"role": "tool", "tool_call_id": "c9", "content": "r"}]}, 400, "'c9' does not answer"),
-            (a, {"x-api-key": "gyre-unknown"}, good_a, 401, "unknown or revoked"), (o, {}, good_o, 401, "unknown or revoked"),
-        ]  # fmt: skip
+            (
+                a,
+                ha,
+                {
+                    **good_a,
+                    "messages": [
+                        {"role": "user", "content": "q"},
+                        tool_use,
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "r"}]},
+                    ],
+                },
+                400,
+                "'t9' does not match",
+            ),
+            (
+                o,
+                ho,
+                {**good_o, "messages": [{"role": "tool", "tool_call_id": "c9", "content": "r"}]},
+                400,
+                "'c9' does not answer",
+            ),
+            (a, {"x-api-key": "gyre-unknown"}, good_a, 401, "unknown or revoked"),
+            (o, {}, good_o, 401, "unknown or revoked"),
+        ]
 
         def send_bad_requests():
             for url, headers, body, status, fragment in cases:
@@ -135,7 +198,9 @@ def test_bad_input_answers_4xx_in_each_format(engines, tmp_path):
 
         async def main():  # another execution's session runs meanwhile, unaffected
             async with aiohttp.ClientSession() as s:
-                await asyncio.gather(asyncio.to_thread(send_bad_requests), anthropic_session(s, proxy.url, other, 3, True))
+                await asyncio.gather(
+                    asyncio.to_thread(send_bad_requests), anthropic_session(s, proxy.url, other, 3, True)
+                )
 
         other = new_execution(proxy, "bystander")
         asyncio.run(main())
@@ -163,26 +228,41 @@ def test_responses_api_answers_parse_with_the_openai_sdk(engines, tmp_path):
     proxy = start_proxy(tmp_path, [engines[0].url])
     try:
         client = openai.OpenAI(base_url=proxy.url + "/v1", api_key=new_execution(proxy, "resp"), max_retries=0)
-        tools = [{"type": "function", "name": "bash", "description": "run a command", "parameters": A_TOOLS[0]["input_schema"]}]
+        tools = [
+            {
+                "type": "function",
+                "name": "bash",
+                "description": "run a command",
+                "parameters": A_TOOLS[0]["input_schema"],
+            }
+        ]
         items = [{"role": "user", "content": "please take a step"}]
-        first = client.responses.create(model="gyre", input=items, tools=tools, max_output_tokens=400, instructions="Be brief.")
+        first = client.responses.create(
+            model="gyre", input=items, tools=tools, max_output_tokens=400, instructions="Be brief."
+        )
         calls = [o for o in first.output if o.type == "function_call"]
         assert first.status == "completed" and first.output_text == FILLER.strip() and first.usage.input_tokens > 0
         assert len(calls) == 1 and calls[0].name == "bash" and json.loads(calls[0].arguments) == {"command": "ls"}
         items += [o.model_dump(exclude_none=True) for o in first.output]
         items.append({"type": "function_call_output", "call_id": calls[0].call_id, "output": "a.txt"})
-        with client.responses.stream(model="gyre", input=items, tools=tools, max_output_tokens=400, instructions="Be brief.") as s:
+        with client.responses.stream(
+            model="gyre", input=items, tools=tools, max_output_tokens=400, instructions="Be brief."
+        ) as s:
             kinds = [e.type for e in s]
             final = s.get_final_response()
         assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
-        assert kinds.count("response.output_text.delta") > 1 and kinds.count("response.function_call_arguments.delta") > 1
+        assert (
+            kinds.count("response.output_text.delta") > 1 and kinds.count("response.function_call_arguments.delta") > 1
+        )
         (call,) = [o for o in final.output if o.type == "function_call"]
         assert final.output_text == FILLER.strip() and json.loads(call.arguments) == {"command": "ls"}
         assert_clean_chain(tmp_path / "records" / "resp.jsonl", 2)
         with pytest.raises(openai.BadRequestError, match="previous_response_id"):
             client.responses.create(model="gyre", input="x", previous_response_id=first.id)
         with pytest.raises(openai.BadRequestError, match="does not answer a function_call"):
-            client.responses.create(model="gyre", input=[{"type": "function_call_output", "call_id": "nope", "output": "x"}])
+            client.responses.create(
+                model="gyre", input=[{"type": "function_call_output", "call_id": "nope", "output": "x"}]
+            )
     finally:
         proxy.stop()
 
@@ -193,7 +273,9 @@ def test_workers_pin_executions_and_share_engines(engines, tmp_path):
     from gyre.proxy.admin import ProxyAdminError
     from gyre.proxy.workers import ProxyWorkers
 
-    cfg = ProxyConfig(records_dir=str(tmp_path / "records"), engines=[engines[0].url], model_names=["gyre"], health_interval_s=0.5)
+    cfg = ProxyConfig(
+        records_dir=str(tmp_path / "records"), engines=[engines[0].url], model_names=["gyre"], health_interval_s=0.5
+    )
     workers = ProxyWorkers(cfg, 2).start()
 
     async def admin(method: str, *args):
@@ -227,7 +309,12 @@ def test_stop_admission_keeps_old_sessions_and_metrics_show_load(engines, tmp_pa
     proxy = start_proxy(tmp_path, [engines[0].url, engines[1].url])
     try:
         keys = {name: new_execution(proxy, name) for name in ("old", "new")}
-        body = {"model": "gyre", "max_tokens": 400, "tools": A_TOOLS, "messages": [{"role": "user", "content": "please take a step"}]}
+        body = {
+            "model": "gyre",
+            "max_tokens": 400,
+            "tools": A_TOOLS,
+            "messages": [{"role": "user", "content": "please take a step"}],
+        }
 
         def call(name: str) -> str:
             status, out = http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": keys[name]})
@@ -242,7 +329,10 @@ def test_stop_admission_keeps_old_sessions_and_metrics_show_load(engines, tmp_pa
         assert call("new") == other and call("old") == first  # new sessions elsewhere, the old one stays
         status, m = http(proxy.url + "/admin/metrics", token=proxy.admin_token)
         assert status == 200 and {e["engine_id"]: e["num_sessions"] for e in m["engines"]} == {first: 1, other: 1}
-        assert m["executions"] == {"old": {"num_inflight": 0, "has_session": True}, "new": {"num_inflight": 0, "has_session": True}}
+        assert m["executions"] == {
+            "old": {"num_inflight": 0, "has_session": True},
+            "new": {"num_inflight": 0, "has_session": True},
+        }
         assert all(e["num_inflight"] == 0 and e["weight_version"] == 0 for e in m["engines"])
         http(proxy.url + "/admin/executions/new", "DELETE", token=proxy.admin_token)
         status, m = http(proxy.url + "/admin/metrics", token=proxy.admin_token)
@@ -278,8 +368,10 @@ def test_20_drains_during_16_sessions(engines, tmp_path):
         async def main():
             done = asyncio.Event()
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-                sessions = [(anthropic_session if i % 2 else openai_session)(s, proxy.url, k, turns, i % 4 < 2)
-                            for i, k in enumerate(keys)]  # fmt: skip
+                sessions = [
+                    (anthropic_session if i % 2 else openai_session)(s, proxy.url, k, turns, i % 4 < 2)
+                    for i, k in enumerate(keys)
+                ]
                 results = await asyncio.gather(drainer(done), *sessions, return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
             assert not errors, errors
@@ -291,7 +383,10 @@ def test_20_drains_during_16_sessions(engines, tmp_path):
             records = assert_clean_chain(tmp_path / "records" / f"s{i}.jsonl", turns)
             rerouted += sum(r.rerouted for r in records)
             migrated += sum(r.num_migrated_tokens for r in records)
-        print(f"drains aborted {sum(drained)} calls; {rerouted} records rerouted; {migrated} KV tokens migrated; {metrics}")
+        print(
+            f"drains aborted {sum(drained)} calls; {rerouted} records rerouted; {migrated} KV tokens migrated; "
+            f"{metrics}"
+        )
         assert len(drained) == num_drains and sum(drained) > 0 and rerouted > 0
         assert metrics["num_migrated_tokens"] > 0
     finally:
@@ -305,8 +400,11 @@ def test_crashed_engine_is_detected_and_rerouted(engines, tmp_path):
         keys = [new_execution(proxy, f"c{i}") for i in range(4)]
 
         def victim_state() -> dict:
-            return next(e for e in http(proxy.url + "/admin/engines", token=proxy.admin_token)[1]["engines"]
-                        if e["engine_id"] == "e0")  # fmt: skip
+            return next(
+                e
+                for e in http(proxy.url + "/admin/engines", token=proxy.admin_token)[1]["engines"]
+                if e["engine_id"] == "e0"
+            )
 
         async def main():
             async with aiohttp.ClientSession() as s:
@@ -336,11 +434,22 @@ def test_no_engine_waits_then_overloaded(engines, tmp_path):
         t0 = time.monotonic()
         status, out = http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": key})
         assert status == 529 and out["error"]["type"] == "overloaded_error" and time.monotonic() - t0 >= 1.0
-        status, out = http(proxy.url + "/v1/chat/completions", "POST", {"model": "gyre", "messages": body["messages"]},
-                           headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+        status, out = http(
+            proxy.url + "/v1/chat/completions",
+            "POST",
+            {"model": "gyre", "messages": body["messages"]},
+            headers={"Authorization": f"Bearer {key}"},
+        )
         assert status == 503 and out["error"]["code"] == "overloaded"
-        assert http(proxy.url + "/admin/engines", "POST", {"engine_id": "late", "url": engines[2].url, "cell_id": "cell7"},
-                    token=proxy.admin_token)[0] == 200  # fmt: skip
+        assert (
+            http(
+                proxy.url + "/admin/engines",
+                "POST",
+                {"engine_id": "late", "url": engines[2].url, "cell_id": "cell7"},
+                token=proxy.admin_token,
+            )[0]
+            == 200
+        )
         assert http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": key})[0] == 200
         (record,), _ = read_records(tmp_path / "records" / "w.jsonl")
         assert (record.engine_id, record.cell_id, record.seq) == ("late", "cell7", 0)
@@ -382,8 +491,14 @@ def test_restart_continues_numbering_and_token_reuse(engines, tmp_path):
     """A proxy restarted over the same records directory accepts the sandbox's key, numbers on, and
     a continuing conversation reuses the model's exact output ids (the echoed turn re-tokenized
     would differ: the model wrote "; <tool_call>", the template writes ";\\n<tool_call>")."""
-    body = {"model": "gyre", "max_tokens": 400, "stream": True, "system": "You are a test agent.", "tools": A_TOOLS,
-            "messages": [{"role": "user", "content": "please take a step"}]}  # fmt: skip
+    body = {
+        "model": "gyre",
+        "max_tokens": 400,
+        "stream": True,
+        "system": "You are a test agent.",
+        "tools": A_TOOLS,
+        "messages": [{"role": "user", "content": "please take a step"}],
+    }
 
     async def call(url, key):
         async with aiohttp.ClientSession() as s:
@@ -396,8 +511,10 @@ def test_restart_continues_numbering_and_token_reuse(engines, tmp_path):
     finally:
         proxy.stop()
     use = next(b for b in msg["content"] if b["type"] == "tool_use")
-    body["messages"] += [{"role": "assistant", "content": msg["content"]},
-                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a.txt"}]}]  # fmt: skip
+    body["messages"] += [
+        {"role": "assistant", "content": msg["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "a.txt"}]},
+    ]
     proxy = start_proxy(tmp_path, [engines[1].url])  # a fresh process: no memory but the records
     try:
         asyncio.run(call(proxy.url, key))
@@ -413,21 +530,40 @@ def test_restart_continues_numbering_and_token_reuse(engines, tmp_path):
 def test_nested_sub_agent_lineage_reaches_the_tree(engines, tmp_path):
     """Hand-built Claude Code requests: main spawns a1, a1 spawns a2 (parent header); the records name
     each spawner and the tree links each sub-agent's branch to its spawner's latest call."""
-    sub_system = [{"type": "text", "text": "x-anthropic-billing-header: cc_is_subagent=true"}, {"type": "text", "text": "You are a helper."}]
-    calls = [({}, "You are a test agent.", "please take a step"),
-             ({"x-claude-code-agent-id": "a1"}, sub_system, "SUB1: please take a step"),
-             ({"x-claude-code-agent-id": "a2", "x-claude-code-parent-agent-id": "a1"}, sub_system, "SUB2: please take a step")]  # fmt: skip
+    sub_system = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_is_subagent=true"},
+        {"type": "text", "text": "You are a helper."},
+    ]
+    calls = [
+        ({}, "You are a test agent.", "please take a step"),
+        ({"x-claude-code-agent-id": "a1"}, sub_system, "SUB1: please take a step"),
+        (
+            {"x-claude-code-agent-id": "a2", "x-claude-code-parent-agent-id": "a1"},
+            sub_system,
+            "SUB2: please take a step",
+        ),
+    ]
     proxy = start_proxy(tmp_path, [engines[2].url])
     try:
         key = new_execution(proxy, "nest")
         for headers, system, prompt in calls:
-            body = {"model": "gyre", "max_tokens": 400, "system": system, "tools": A_TOOLS, "messages": [{"role": "user", "content": prompt}]}
+            body = {
+                "model": "gyre",
+                "max_tokens": 400,
+                "system": system,
+                "tools": A_TOOLS,
+                "messages": [{"role": "user", "content": prompt}],
+            }
             status, answer = http(proxy.url + "/v1/messages", "POST", body, headers={"x-api-key": key, **headers})
             assert status == 200 and answer["stop_reason"] == "tool_use", answer
     finally:
         proxy.stop()
     records, _ = read_records(tmp_path / "records" / "nest.jsonl")
-    assert [(r.agent_id, r.parent_agent_id, r.kind_hint) for r in records] == [("main", None, "main"), ("a1", "main", "subagent"), ("a2", "a1", "subagent")]
+    assert [(r.agent_id, r.parent_agent_id, r.kind_hint) for r in records] == [
+        ("main", None, "main"),
+        ("a1", "main", "subagent"),
+        ("a2", "a1", "subagent"),
+    ]
     tree = build_call_tree(records)
     assert [n.spawned_by for n in tree.nodes] == [None, 0, 1]
 
@@ -437,8 +573,15 @@ def test_benchmark_runs_and_ends_with_json():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "tools/bench/proxy.py", "--sessions", "2", "--calls", "1", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": "."})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "tools/bench/proxy.py", "--sessions", "2", "--calls", "1", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": "."},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"added_ms_p50", "added_ms_p99", "records_per_s", "in_proxy_ms_p50"} <= set(result) and result["records_per_s"] > 0
+    assert {"added_ms_p50", "added_ms_p99", "records_per_s", "in_proxy_ms_p50"} <= set(result) and result[
+        "records_per_s"
+    ] > 0

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import submitit
 
+from gyre.cells.placement import current_placement
 from gyre.coordinator.ledger import read_ledger
 from gyre.launch.config import ClusterConfig
-from gyre.cells.placement import current_placement
 from gyre.launch.slurm import make_cell_components, make_hetjob_executor
 from tests.integration.test_coordinator import OVERRIDES, ROOT, _events, _finish, _gyre_train, _taskset
 
@@ -22,9 +22,16 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 
 # The issue's shape on the dev cluster: a coordinator node + 3 cells of 8 fake nodes (25 of 32),
 # each node asking for little, so CI jobs of the main checkout can share the cluster.
-DEV = ["cluster.backend=slurm", "cluster.num_cells=3", "cluster.cell_nodes=8", "cluster.cpus_per_node=1",
-       "cluster.mem_gb_per_node=1", "cluster.coordinator_cpus=1", "cluster.coordinator_mem_gb=2",
-       "cluster.time_limit_min=20"]
+DEV = [
+    "cluster.backend=slurm",
+    "cluster.num_cells=3",
+    "cluster.cell_nodes=8",
+    "cluster.cpus_per_node=1",
+    "cluster.mem_gb_per_node=1",
+    "cluster.coordinator_cpus=1",
+    "cluster.coordinator_mem_gb=2",
+    "cluster.time_limit_min=20",
+]
 
 
 def test_autoexecutor_returns_a_result(tmp_path):
@@ -35,8 +42,9 @@ def test_autoexecutor_returns_a_result(tmp_path):
 
 
 def test_hetjob_runs_one_task_per_cell(tmp_path):
-    cluster = ClusterConfig(backend="slurm", num_cells=2, cell_nodes=2, cpus_per_node=1, mem_gb_per_node=1,
-                            time_limit_min=5)
+    cluster = ClusterConfig(
+        backend="slurm", num_cells=2, cell_nodes=2, cpus_per_node=1, mem_gb_per_node=1, time_limit_min=5
+    )
     submitted = make_hetjob_executor(cluster, make_cell_components(cluster), tmp_path).submit(current_placement)
     # submitit counts only the first component's tasks; the step has one task per node of every cell.
     job = submitit.SlurmJob(folder=tmp_path, job_id=submitted.job_id, tasks=range(cluster.num_nodes))
@@ -65,15 +73,17 @@ def test_cancelled_job_is_reported_failed(tmp_path):
 # ---- gyre-train cluster.backend=slurm ------------------------------------------------------------
 def _components(job_id: str) -> dict[str, str]:
     """Het component -> its nodes, from accounting (the latest run of a requeued job)."""
-    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "jobid,nodelist"], capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "jobid,nodelist"], capture_output=True, text=True, check=True
+    ).stdout
     return dict(line.split("|") for line in out.split())
 
 
 def _latest_start_t(job_id: str) -> float:
     """When the job's latest run started (after a requeue: the restart), from accounting."""
-    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "start"], capture_output=True, text=True,
-                         check=True).stdout.split()[0]  # fmt: skip
+    out = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "start"], capture_output=True, text=True, check=True
+    ).stdout.split()[0]
     return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
 
 
@@ -126,11 +136,17 @@ def test_usr2_mid_step_checkpoints_requeues_and_resumes_to_the_same_step_count(t
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
     proc = _gyre_train(run_dir, tasks, "num_steps=3", *DEV)
     job_file = run_dir / "slurm" / "job.json"
-    _wait_for("step-1 checkpoint", proc, lambda: (run_dir / "events.jsonl").exists() and any(
-        e["step"] == 1 for e in _events(run_dir, "checkpoint")), 900)
+    _wait_for(
+        "step-1 checkpoint",
+        proc,
+        lambda: (run_dir / "events.jsonl").exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint")),
+        900,
+    )
     job_id = json.loads(job_file.read_text())["job_id"]
     signal_t = time.time()
-    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)  # every step's tasks, as Slurm's preemption warning
+    subprocess.run(
+        ["scancel", "--signal=USR2", job_id], check=True
+    )  # every step's tasks, as Slurm's preemption warning
     before = read_ledger(run_dir / "ledger.jsonl")
     saved = {e["step"]: e["weights_digest"] for e in _events(run_dir, "checkpoint")}
 
@@ -149,10 +165,12 @@ def test_usr2_mid_step_checkpoints_requeues_and_resumes_to_the_same_step_count(t
             assert view.outcome(f"{eid}.r1") is not None and f"{eid}" not in trained
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
     restarted_t = _latest_start_t(job_id)
-    print(f"signal to checkpointed and closed: {preempted['closed_t'] - preempted['signal_t']:.1f} s; "
-          f"requeue to the job running again: {restarted_t - preempted['requeue_t']:.1f} s; "
-          f"then to cells ready (run_start): {starts[1]['t'] - restarted_t:.1f} s; "
-          f"then to first rollout: {_first_running_t(run_dir, starts[1]['t']) - starts[1]['t']:.1f} s")
+    print(
+        f"signal to checkpointed and closed: {preempted['closed_t'] - preempted['signal_t']:.1f} s; "
+        f"requeue to the job running again: {restarted_t - preempted['requeue_t']:.1f} s; "
+        f"then to cells ready (run_start): {starts[1]['t'] - restarted_t:.1f} s; "
+        f"then to first rollout: {_first_running_t(run_dir, starts[1]['t']) - starts[1]['t']:.1f} s"
+    )
 
 
 @pytest.fixture
@@ -161,21 +179,32 @@ def small_partition():
     name = f"gyre-small-{os.getpid()}"
     nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout
     first4 = ",".join(sorted(set(nodes.split()))[:4])  # whatever this cluster calls its nodes
-    subprocess.run(["scontrol", "create", f"PartitionName={name}", f"Nodes={first4}", "MaxTime=5", "State=UP"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        ["scontrol", "create", f"PartitionName={name}", f"Nodes={first4}", "MaxTime=5", "State=UP"], check=True
+    )
     yield name
     subprocess.run(["scontrol", "delete", f"PartitionName={name}"], check=True)
 
 
-@pytest.mark.parametrize("overrides, key, says", [
-    pytest.param(["cluster.partition=no-such-partition"], "cluster.partition", "not found", id="unknown-partition"),
-    pytest.param(["cluster.num_cells=2", "cluster.cell_nodes=2"], "cluster.num_cells", "has 4", id="more-nodes"),
-    pytest.param(["cluster.num_cells=1", "cluster.cell_nodes=1", "cluster.time_limit_min=6"], "cluster.time_limit_min",
-                 "MaxTime of 5 min",
-                 id="time-above-max"),
-    pytest.param(["cluster.allocation_nodes=3", "cluster.cell_nodes=2"], "cluster.cell_nodes", "do not divide",
-                 id="cell-does-not-divide"),
-])
+@pytest.mark.parametrize(
+    "overrides, key, says",
+    [
+        pytest.param(["cluster.partition=no-such-partition"], "cluster.partition", "not found", id="unknown-partition"),
+        pytest.param(["cluster.num_cells=2", "cluster.cell_nodes=2"], "cluster.num_cells", "has 4", id="more-nodes"),
+        pytest.param(
+            ["cluster.num_cells=1", "cluster.cell_nodes=1", "cluster.time_limit_min=6"],
+            "cluster.time_limit_min",
+            "MaxTime of 5 min",
+            id="time-above-max",
+        ),
+        pytest.param(
+            ["cluster.allocation_nodes=3", "cluster.cell_nodes=2"],
+            "cluster.cell_nodes",
+            "do not divide",
+            id="cell-does-not-divide",
+        ),
+    ],
+)
 def test_bad_cluster_config_fails_before_submitting(tmp_path, small_partition, overrides, key, says):
     run_dir = tmp_path / "run"
     partition = [] if "partition" in overrides[0] else [f"cluster.partition={small_partition}"]
@@ -205,8 +234,12 @@ def _task_pids(job_id: str, rank: int) -> list[int]:
 def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells(tmp_path):
     run_dir = tmp_path / "run"
     proc = _gyre_train(run_dir, _taskset(tmp_path), "num_steps=3", *DEV)
-    _wait_for("step-1 checkpoint", proc, lambda: (run_dir / "events.jsonl").exists() and any(
-        e["step"] == 1 for e in _events(run_dir, "checkpoint")), 900)
+    _wait_for(
+        "step-1 checkpoint",
+        proc,
+        lambda: (run_dir / "events.jsonl").exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint")),
+        900,
+    )
     job_id = json.loads((run_dir / "slurm" / "job.json").read_text())["job_id"]
     rank = 1 + 2 * 8  # cell 2's leader: the first task of component 3 (1 coordinator task, 8 per cell)
     pids = _task_pids(job_id, rank)
@@ -228,12 +261,34 @@ def test_a_three_job_sweep_over_modes_through_hydra_submitit_launcher_runs_each_
     """`gyre-train -m hydra/launcher=submitit_slurm`: each sweep job is a Slurm job of its own, whose
     gyre-train submits the run's het job (not inheriting the launcher job's identity) and waits."""
     sweep_dir = tmp_path / "sweep"
-    launcher = ["hydra/launcher=submitit_slurm", f"hydra.launcher.submitit_folder={sweep_dir}/.submitit",
-                "hydra.launcher.timeout_min=30", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2"]
-    cmd = [sys.executable, "-m", "gyre.launch.train", "-m", f"hydra.sweep.dir={sweep_dir}", *launcher,
-           f"tasks.path={_taskset(tmp_path)}", *OVERRIDES, "scheduler=elastic,async,colocate", "num_steps=1", *DEV]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=1700)  # fmt: skip
+    launcher = [
+        "hydra/launcher=submitit_slurm",
+        f"hydra.launcher.submitit_folder={sweep_dir}/.submitit",
+        "hydra.launcher.timeout_min=30",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.mem_gb=2",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gyre.launch.train",
+        "-m",
+        f"hydra.sweep.dir={sweep_dir}",
+        *launcher,
+        f"tasks.path={_taskset(tmp_path)}",
+        *OVERRIDES,
+        "scheduler=elastic,async,colocate",
+        "num_steps=1",
+        *DEV,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     jobs = set()
     for num, mode in enumerate(["elastic", "async", "colocate"]):

@@ -34,37 +34,78 @@ def test_check_and_list(tmp_path):
 
 
 def test_run_command_harness_with_own_engine_and_proxy(tmp_path):
-    done = gyre_task("run", "word-river", "--harness", "command", "--root", str(tmp_path),
-                     "--command", "sh -c 'echo rivers > answer.txt; echo {model}'")  # fmt: skip
+    done = gyre_task(
+        "run",
+        "word-river",
+        "--harness",
+        "command",
+        "--root",
+        str(tmp_path),
+        "--command",
+        "sh -c 'echo rivers > answer.txt; echo {model}'",
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["outcome"] == "finished" and 0.2 < out["score"] < 1.0  # a near miss: partial credit
-    assert out["workspace"].startswith(str(tmp_path)) and out["records_path"].endswith(".jsonl") and out["duration_s"] > 0
+    assert (
+        out["workspace"].startswith(str(tmp_path)) and out["records_path"].endswith(".jsonl") and out["duration_s"] > 0
+    )
 
 
 def test_run_against_a_given_proxy_passes_its_url_and_key(tmp_path, capsys):
     with pytest.raises(SystemExit) as done:  # in process: no engine or proxy of its own to start
-        main(["run", "word-apple", "--harness", "command", "--root", str(tmp_path), "--proxy", "http://127.0.0.1:9", "--key",
-              "key-7", "--command", "sh -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY > seen.txt; echo apple > answer.txt'"])  # fmt: skip
+        main(
+            [
+                "run",
+                "word-apple",
+                "--harness",
+                "command",
+                "--root",
+                str(tmp_path),
+                "--proxy",
+                "http://127.0.0.1:9",
+                "--key",
+                "key-7",
+                "--command",
+                "sh -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY > seen.txt; echo apple > answer.txt'",
+            ]
+        )
     assert done.value.code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (out["outcome"], out["score"], out["records_path"]) == ("finished", 1.0, None)  # no proxy of its own: no records
+    assert (out["outcome"], out["score"], out["records_path"]) == (
+        "finished",
+        1.0,
+        None,
+    )  # no proxy of its own: no records
     assert (Path(out["workspace"]) / "seen.txt").read_text().split() == ["http://127.0.0.1:9", "key-7"]
 
 
-CC_RULES = {"rules": [  # Claude Code writes the answer with its Bash tool, then stops
-    {"match": "Write the word apple", "emit": '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo apple > answer.txt", '
-                                              '"description": "write the answer"}}\n</tool_call>'},
-    {"match": ".", "emit": "Done."},
-]}  # fmt: skip
+CC_RULES = {
+    "rules": [  # Claude Code writes the answer with its Bash tool, then stops
+        {
+            "match": "Write the word apple",
+            "emit": '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo apple > answer.txt", '
+            '"description": "write the answer"}}\n</tool_call>',
+        },
+        {"match": ".", "emit": "Done."},
+    ]
+}
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(find_claude_code() is None, reason="Claude Code is not installed (tools/setup.sh)")
 def test_run_claude_code_with_scripted_policy(tmp_path):
     (tmp_path / "rules.json").write_text(json.dumps(CC_RULES))
-    done = gyre_task("run", "word-apple", "--harness", "claude_code", "--root", str(tmp_path / "run"),
-                     "--scripted-policy", str(tmp_path / "rules.json"))  # fmt: skip
+    done = gyre_task(
+        "run",
+        "word-apple",
+        "--harness",
+        "claude_code",
+        "--root",
+        str(tmp_path / "run"),
+        "--scripted-policy",
+        str(tmp_path / "rules.json"),
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert (out["outcome"], out["score"], out["timed_out"]) == ("finished", 1.0, False), done.stderr

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness.config import HarnessConfig
 from gyre.harness import sandbox
+from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import Sandbox, SandboxError, bwrap_available
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import parse_task, toy_taskset
@@ -23,13 +23,20 @@ from gyre.tasks.workspace import WorkspaceError, apply_reference, make_workspace
 PYTEST_WS = {
     "calc.py": "def add(a, b):\n    return a - b\n",
     "tests/test_calc.py": "from calc import add\n\ndef test_zero():\n    assert add(0, 0) == 0\n\n"
-                          "def test_two():\n    assert add(1, 1) == 2\n",
-}  # fmt: skip
+    "def test_two():\n    assert add(1, 1) == 2\n",
+}
 
 
 def task_of(evaluator: dict, files: dict | None = None, budget_s: float = 30, **kw):
-    spec = {"task_id": "t", "instruction": "solve", "workspace": {"files": files or {"a.txt": ""}}, "setup": None,
-            "evaluator": evaluator, "time_budget_s": budget_s, **kw}  # fmt: skip
+    spec = {
+        "task_id": "t",
+        "instruction": "solve",
+        "workspace": {"files": files or {"a.txt": ""}},
+        "setup": None,
+        "evaluator": evaluator,
+        "time_budget_s": budget_s,
+        **kw,
+    }
     return parse_task(spec, "test", Path.cwd())
 
 
@@ -38,8 +45,11 @@ def workspace_of(task, tmp_path, name="ws"):
 
 
 def test_pytest_evaluator_pass_fraction(tmp_path):
-    task = task_of({"kind": "pytest", "command": "{python} -m pytest -q tests"}, PYTEST_WS,
-                   reference={"files": {"calc.py": "def add(a, b):\n    return a + b\n"}})  # fmt: skip
+    task = task_of(
+        {"kind": "pytest", "command": "{python} -m pytest -q tests"},
+        PYTEST_WS,
+        reference={"files": {"calc.py": "def add(a, b):\n    return a + b\n"}},
+    )
     ws = workspace_of(task, tmp_path)
     assert (evaluate(task, ws, "finished").outcome, evaluate(task, ws, "finished").score) == ("finished", 0.5)
     apply_reference(task, ws)
@@ -57,14 +67,22 @@ def test_json_score_evaluator_good_garbage_crash_hang(tmp_path):
     assert 0.2 < evaluate(toy, ws, "finished").score < 1.0  # near miss: partial credit
     apply_reference(toy, ws)
     assert evaluate(toy, ws, "finished").score == 1.0
-    cases = {"garbage": "echo 'score: high'", "out-of-range": "echo 1.5", "crash": "exit 3",
-             "hang": "sleep 30", "script-missing": "{python} {workspace}/check.py",
-             "flaky-toy": "{python} {pkg}/tasks/toy/check.py answer.txt apple --fail-rate 1"}  # fmt: skip
+    cases = {
+        "garbage": "echo 'score: high'",
+        "out-of-range": "echo 1.5",
+        "crash": "exit 3",
+        "hang": "sleep 30",
+        "script-missing": "{python} {workspace}/check.py",
+        "flaky-toy": "{python} {pkg}/tasks/toy/check.py answer.txt apple --fail-rate 1",
+    }
     for name, cmd in cases.items():
         task = task_of({"kind": "json_score", "command": cmd, "timeout_s": 0.5})
         e = evaluate(task, workspace_of(task, tmp_path, name), "finished")
         assert (e.outcome, e.score) == ("evaluator_error", None), name
-    assert "timeout" in evaluate(task_of({"kind": "json_score", "command": "sleep 30", "timeout_s": 0.3}), ws, "finished").detail
+    assert (
+        "timeout"
+        in evaluate(task_of({"kind": "json_score", "command": "sleep 30", "timeout_s": 0.3}), ws, "finished").detail
+    )
 
 
 def test_files_evaluator_and_missing_workspace(tmp_path):
@@ -79,20 +97,34 @@ def test_files_evaluator_and_missing_workspace(tmp_path):
     assert e.outcome == "evaluator_error" and "missing" in e.detail
 
 
-def run_sandbox(tmp_path, command: str, budget_s: float = 30, isolation: str = "auto", grace_s: float = 0.5, evaluator=None):
+def run_sandbox(
+    tmp_path, command: str, budget_s: float = 30, isolation: str = "auto", grace_s: float = 0.5, evaluator=None
+):
     task = task_of(evaluator or {"kind": "files", "files": {"answer.txt": "apple"}}, budget_s=budget_s)
-    sb = Sandbox(task, f"ex-{uuid.uuid4().hex[:6]}", tmp_path / "sandboxes", HarnessConfig(kind="command", command=command,
-                 isolation=isolation, grace_s=grace_s), "http://127.0.0.1:9", "key-123", "tiny")  # fmt: skip
+    sb = Sandbox(
+        task,
+        f"ex-{uuid.uuid4().hex[:6]}",
+        tmp_path / "sandboxes",
+        HarnessConfig(kind="command", command=command, isolation=isolation, grace_s=grace_s),
+        "http://127.0.0.1:9",
+        "key-123",
+        "tiny",
+    )
     sb.prepare()
     sb.start()
     return task, sb, sb.wait()
 
 
-@pytest.mark.parametrize("trap,isolation,min_s", [pytest.param("", "auto", 1.0, id="sigterm"),
-                                                  pytest.param("trap '' TERM; ", "none", 1.5, id="sigkill-after-grace")])  # fmt: skip
+@pytest.mark.parametrize(
+    "trap,isolation,min_s",
+    [
+        pytest.param("", "auto", 1.0, id="sigterm"),
+        pytest.param("trap '' TERM; ", "none", 1.5, id="sigkill-after-grace"),
+    ],
+)
 def test_budget_kill_is_timed_out_with_workspace_score(tmp_path, trap, isolation, min_s):
     marker = f"60.{uuid.uuid4().int % 10**9:09d}"  # the harness's sleeps, found by their argument in /proc
-    cmd = f"sh -c \"{trap}echo apple > answer.txt; echo started; sleep {marker} & sleep {marker}\""
+    cmd = f'sh -c "{trap}echo apple > answer.txt; echo started; sleep {marker} & sleep {marker}"'
     task, sb, r = run_sandbox(tmp_path, cmd, budget_s=1.0, isolation=isolation, grace_s=0.5)
     assert r.timed_out and r.exit_code == (-9 if trap else r.exit_code) and r.exit_code != 0
     assert min_s <= r.duration_s < 10  # a harness ignoring SIGTERM lasts the grace longer
@@ -117,19 +149,34 @@ def processes_running(cmdline: str) -> list[str]:
 
 
 def test_environment_carries_proxy_key_and_model_and_limits(tmp_path):
-    _, _, r = run_sandbox(tmp_path, "bash -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY {model} $OPENAI_BASE_URL $(ulimit -t -v -u | "
-                                    "sed \"s/.* //\") > env.txt'")  # fmt: skip
+    _, _, r = run_sandbox(
+        tmp_path,
+        "bash -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY {model} $OPENAI_BASE_URL $(ulimit -t -v -u | "
+        'sed "s/.* //") > env.txt\'',
+    )
     assert (r.exit_code, r.timed_out) == (0, False), r.log_path.read_text()
     cfg = HarnessConfig()
-    assert (r.workspace / "env.txt").read_text().split() == ["http://127.0.0.1:9", "key-123", "tiny", "http://127.0.0.1:9/v1",
-                                                            str(cfg.cpu_limit_s), str(int(cfg.mem_limit_gb * 2**20)), str(cfg.max_processes)]  # fmt: skip
+    assert (r.workspace / "env.txt").read_text().split() == [
+        "http://127.0.0.1:9",
+        "key-123",
+        "tiny",
+        "http://127.0.0.1:9/v1",
+        str(cfg.cpu_limit_s),
+        str(int(cfg.mem_limit_gb * 2**20)),
+        str(cfg.max_processes),
+    ]
 
 
 @pytest.mark.skipif(not bwrap_available(), reason="bubblewrap cannot run here")
 def test_writes_outside_the_workspace_fail_under_bubblewrap(tmp_path):
-    outside = [Path("/tmp") / f"gyre-escape-{uuid.uuid4().hex}", Path(os.path.expanduser("~")) / f"gyre-escape-{uuid.uuid4().hex}"]
-    cmd = (f"sh -c 'echo in > inside.txt; echo x > ../escape.txt; echo y > {outside[0]}; echo z > {outside[1]}; "
-           f"echo h > $HOME/private.txt; exit 0'")  # fmt: skip
+    outside = [
+        Path("/tmp") / f"gyre-escape-{uuid.uuid4().hex}",
+        Path(os.path.expanduser("~")) / f"gyre-escape-{uuid.uuid4().hex}",
+    ]
+    cmd = (
+        f"sh -c 'echo in > inside.txt; echo x > ../escape.txt; echo y > {outside[0]}; echo z > {outside[1]}; "
+        f"echo h > $HOME/private.txt; exit 0'"
+    )
     _, sb, r = run_sandbox(tmp_path, cmd, isolation="bwrap")
     assert sb.isolated and r.exit_code == 0
     assert (r.workspace / "inside.txt").read_text() == "in\n"
@@ -139,7 +186,9 @@ def test_writes_outside_the_workspace_fail_under_bubblewrap(tmp_path):
 
 
 def test_plain_runner_without_isolation(tmp_path):
-    _, sb, r = run_sandbox(tmp_path, f"{sys.executable} -c \"open('answer.txt', 'w').write('apple')\"", isolation="none")
+    _, sb, r = run_sandbox(
+        tmp_path, f"{sys.executable} -c \"open('answer.txt', 'w').write('apple')\"", isolation="none"
+    )
     assert not sb.isolated and r.exit_code == 0 and (r.workspace / "answer.txt").read_text() == "apple"
 
 
@@ -156,8 +205,9 @@ def test_without_bubblewrap_auto_warns_once_and_runs_plain(tmp_path, monkeypatch
 
 
 def git(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def test_workspace_sources_dir_tar_git_commit_and_setup(tmp_path):
@@ -176,8 +226,14 @@ def test_workspace_sources_dir_tar_git_commit_and_setup(tmp_path):
     git("commit", "-qam", "two", cwd=repo)
     sources = {"dir": {"dir": "src"}, "tar": {"tar": "ws.tar.gz"}, "git": {"git": "repo", "commit": commit}}
     for name, source in sources.items():
-        spec = {"task_id": name, "instruction": "x", "workspace": source, "setup": "cp pkg/a.txt copied.txt",
-                "evaluator": {"kind": "files", "files": {"copied.txt": "one"}}, "time_budget_s": 5}  # fmt: skip
+        spec = {
+            "task_id": name,
+            "instruction": "x",
+            "workspace": source,
+            "setup": "cp pkg/a.txt copied.txt",
+            "evaluator": {"kind": "files", "files": {"copied.txt": "one"}},
+            "time_budget_s": 5,
+        }
         task = parse_task(spec, "test", tmp_path)  # relative sources: relative to the task set's directory
         ws = make_workspace(task.workspace, tmp_path / "ws" / name)
         run_setup(task, ws)

@@ -5,16 +5,16 @@ import dataclasses
 import json
 
 import pytest
+from proxy_fixtures import new_execution, start_engine, start_proxy
 
 from gyre.harness.config import HarnessConfig, ToyAgentConfig
 from gyre.harness.sandbox import Sandbox
+from gyre.models.tokenizer import ByteTokenizer
 from gyre.records.io import read_records
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import toy_taskset
 from gyre.tasks.warmstart import reference_conversations, reference_transcript, render_call
 from gyre.trajectory.tree import build_call_tree
-from gyre.models.tokenizer import ByteTokenizer
-from proxy_fixtures import new_execution, start_engine, start_proxy
 
 WRITE = '<tool_call>\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "apple"}}\n</tool_call>'
 RULES = [  # the scripted policy forces these outputs for prompts whose unanswered part matches

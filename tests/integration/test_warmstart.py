@@ -22,7 +22,9 @@ def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
     assert shape(loaded_cfg) == shape(cfg) and all(torch.isfinite(t).all() for t in weights.values())
     again, report2 = warm_start(tmp_path, one, cfg, ws, samples_per_task=1)
     assert again == out and report2["reused"] and report2["after"] == report["after"]
-    other, _ = warm_start(tmp_path, one, cfg, WarmStartConfig(steps=2, batch_size=2, max_tokens=8, lr=1e-3), samples_per_task=1)
+    other, _ = warm_start(
+        tmp_path, one, cfg, WarmStartConfig(steps=2, batch_size=2, max_tokens=8, lr=1e-3), samples_per_task=1
+    )
     assert other != out
     plain, report3 = warm_start(tmp_path, one, cfg, dataclasses.replace(ws, quitters=False), samples_per_task=1)
     assert plain not in (out, other) and report3["num_examples"] == 4

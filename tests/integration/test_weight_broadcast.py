@@ -23,7 +23,15 @@ from gyre.train.trainer import Trainer
 from tests.integration.engine_fixtures import start_sglang
 
 FAKE = Path(__file__).with_name("sglang_weights_fake.py")
-MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=64, max_seq_len=64)
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=64,
+    max_seq_len=64,
+)
 
 
 async def _connect_and_push(url: str, trainer: Trainer, backend: str, group_name: str) -> tuple[list[dict], dict]:
@@ -31,7 +39,11 @@ async def _connect_and_push(url: str, trainer: Trainer, backend: str, group_name
         group = await connect_weight_group([c], [1], "127.0.0.1", free_port(), group_name=group_name, backend=backend)
         try:
             replies = await broadcast_weights(trainer, group, [c], group_name=group_name)
-            embed = await c.post("/get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 4}) if backend == "nccl" else None
+            embed = (
+                await c.post("/get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 4})
+                if backend == "nccl"
+                else None
+            )
         finally:
             dist.destroy_process_group(group)
         return replies, {"weight_version": c.weight_version, "embed": embed}
@@ -48,8 +60,15 @@ def test_the_trainer_broadcasts_every_tensor_under_its_hf_name_in_bf16(tmp_path)
         fake.stop()
     assert replies[0]["success"] and seen["weight_version"] == 4
     got, sent = load_file(tmp_path / "got.safetensors"), trainer.engine_weights()
-    assert set(got) == {hf_name(n) for n in sent} and "model.layers.1.mlp.gate_proj.weight" in got and "lm_head.weight" in got
-    assert all(got[hf_name(n)].dtype == torch.bfloat16 and torch.equal(got[hf_name(n)], t.to(torch.bfloat16)) for n, t in sent.items())
+    assert (
+        set(got) == {hf_name(n) for n in sent}
+        and "model.layers.1.mlp.gate_proj.weight" in got
+        and "lm_head.weight" in got
+    )
+    assert all(
+        got[hf_name(n)].dtype == torch.bfloat16 and torch.equal(got[hf_name(n)], t.to(torch.bfloat16))
+        for n, t in sent.items()
+    )
 
 
 @pytest.mark.gpu
@@ -67,4 +86,6 @@ def test_sglang_receives_the_trainers_weights_over_nccl():
         proc.stop()
     assert replies[0]["success"] and seen["weight_version"] == 1
     want = trainer.engine_weights()["embed_tokens.weight"][:4].to(torch.bfloat16).float()
-    assert torch.equal(torch.tensor(seen["embed"], dtype=torch.float32).reshape(want.shape[0], -1)[:, : want.shape[1]], want)
+    assert torch.equal(
+        torch.tensor(seen["embed"], dtype=torch.float32).reshape(want.shape[0], -1)[:, : want.shape[1]], want
+    )

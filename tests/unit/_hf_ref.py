@@ -85,8 +85,12 @@ def train_tokenizer(vocab_size: int = 400):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL) - len(ADDED), special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL) - len(ADDED),
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([(ROOT / "README.md").read_text()], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.add_tokens(ADDED)
@@ -94,13 +98,28 @@ def train_tokenizer(vocab_size: int = 400):
     return fast
 
 
-def make_qwen3_dir(path: Path, *, tie: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32, **shape) -> Path:
+def make_qwen3_dir(
+    path: Path, *, tie: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32, **shape
+) -> Path:
     """Save a random Qwen3ForCausalLM and the trained tokenizer under `path`; returns `path`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    fields = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rope_theta=1000000.0,
-                  rms_norm_eps=1e-6, initializer_range=0.1) | shape  # fmt: skip
+    fields = (
+        dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=512,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            initializer_range=0.1,
+        )
+        | shape
+    )
     cfg = Qwen3Config(**fields, tie_word_embeddings=tie)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).eval()

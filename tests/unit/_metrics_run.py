@@ -13,8 +13,8 @@ from random import Random
 from gyre.metrics.events import (
     Checkpoint,
     Event,
-    ExecutionState,
     Exclusion,
+    ExecutionState,
     Failure,
     MicroStep,
     ModelCall,
@@ -34,8 +34,14 @@ def _phases(role: Role, total_s: float) -> dict[str, float]:
     return {p.value: round(PHASE_SHARES[p] * total_s, 3) for p in PHASES[role]}
 
 
-def make_run_events(num_steps: int = 4, groups_per_step: int = 2, group_size: int = 3, seed: int = 0,
-                    t0: float = T0, mode: str = "elastic") -> list[Event]:
+def make_run_events(
+    num_steps: int = 4,
+    groups_per_step: int = 2,
+    group_size: int = 3,
+    seed: int = 0,
+    t0: float = T0,
+    mode: str = "elastic",
+) -> list[Event]:
     """Every event of the run, in time order (as the one events file would hold them)."""
     rng = Random(seed)
     events: list[Event] = [RunStart(t=t0, mode=mode, num_steps=num_steps, num_cells=3)]
@@ -53,28 +59,59 @@ def make_run_events(num_steps: int = 4, groups_per_step: int = 2, group_size: in
         ends = sorted(e[4] for e in execs)
         t_switch = ends[int(0.6 * len(ends))]
         for eid, task, group, t_run, t_end in execs:
-            events.append(ExecutionState(t=t, execution_id=eid, task_id=task, group_id=group, step=step, state="queued"))
-            events.append(ExecutionState(t=t_run, execution_id=eid, task_id=task, group_id=group, step=step,
-                                         state="running"))
+            events.append(
+                ExecutionState(t=t, execution_id=eid, task_id=task, group_id=group, step=step, state="queued")
+            )
+            events.append(
+                ExecutionState(t=t_run, execution_id=eid, task_id=task, group_id=group, step=step, state="running")
+            )
             events += _calls(rng, eid, t_run, t_end, t_switch)
             timed_out = step > 0 and eid.endswith("g0e0")
             reward = 0.0 if timed_out else min(1.0, max(0.0, rng.gauss(0.3 + 0.12 * step, 0.2)))
-            events.append(ExecutionState(t=t_end, execution_id=eid, task_id=task, group_id=group, step=step,
-                                         state="timed_out" if timed_out else "finished", reward=round(reward, 3),
-                                         reason="time_budget" if timed_out else None, duration_s=t_end - t_run))
+            events.append(
+                ExecutionState(
+                    t=t_end,
+                    execution_id=eid,
+                    task_id=task,
+                    group_id=group,
+                    step=step,
+                    state="timed_out" if timed_out else "finished",
+                    reward=round(reward, 3),
+                    reason="time_budget" if timed_out else None,
+                    duration_s=t_end - t_run,
+                )
+            )
             spans.append((t_run, t_end, eid))
-        events.append(RoleSwitch(t=t_switch + TO_TRAIN_S, cell=2, from_role="rollout", to_role="train",
-                                 t_start=t_switch, phases=_phases(Role.TO_TRAIN, TO_TRAIN_S)))
+        events.append(
+            RoleSwitch(
+                t=t_switch + TO_TRAIN_S,
+                cell=2,
+                from_role="rollout",
+                to_role="train",
+                t_start=t_switch,
+                phases=_phases(Role.TO_TRAIN, TO_TRAIN_S),
+            )
+        )
         switches.append((t_switch, t_switch + TO_TRAIN_S, "to_train"))
         t = _train_step(rng, events, step, execs, t_ready=ends[-1] + 0.5, cell2_from=t_switch + TO_TRAIN_S)
-        events.append(RoleSwitch(t=t + TO_ROLLOUT_S, cell=2, from_role="train", to_role="rollout", t_start=t,
-                                 phases=_phases(Role.TO_ROLLOUT, TO_ROLLOUT_S)))
+        events.append(
+            RoleSwitch(
+                t=t + TO_ROLLOUT_S,
+                cell=2,
+                from_role="train",
+                to_role="rollout",
+                t_start=t,
+                phases=_phases(Role.TO_ROLLOUT, TO_ROLLOUT_S),
+            )
+        )
         switches.append((t, t + TO_ROLLOUT_S, "to_rollout"))
         events.append(WeightPublish(t=t + 1.2, version=step + 1, seconds=1.2, num_engines=2))
         if step % 2 == 1:
             events.append(Checkpoint(t=t + 2.0, step=step, path=f"checkpoints/step_{step}", seconds=2.0))
         if step == 1:
-            events.append(Failure(t=t - 5.0, component="engine e1", message="engine exited (code -9); 2 calls rerouted"))
+            events.append(
+                Failure(t=t - 5.0, component="engine e1", message="engine exited (code -9); 2 calls rerouted")
+            )
         t += TO_ROLLOUT_S
     events += _observations(t0, t, spans, queued, switches)
     return sorted(events, key=lambda e: e.t)
@@ -88,9 +125,19 @@ def _calls(rng: Random, eid: str, t_run: float, t_end: float, t_switch: float) -
         if tc > t_end:
             return out
         cell = rng.choice((1, 2)) if tc < t_switch else 1
-        out.append(ModelCall(t=tc, execution_id=eid, agent_id="main" if n % 5 else "sub1", cell=cell,
-                             engine_id=f"e{cell}", prompt_tokens=2000 + 400 * n, output_tokens=rng.randint(50, 400),
-                             cached_tokens=1800 + 400 * n, latency_s=latency))
+        out.append(
+            ModelCall(
+                t=tc,
+                execution_id=eid,
+                agent_id="main" if n % 5 else "sub1",
+                cell=cell,
+                engine_id=f"e{cell}",
+                prompt_tokens=2000 + 400 * n,
+                output_tokens=rng.randint(50, 400),
+                cached_tokens=1800 + 400 * n,
+                latency_s=latency,
+            )
+        )
         n += 1
         tc += rng.uniform(0.3, 2.5)  # the tool call
 
@@ -102,28 +149,56 @@ def _train_step(rng: Random, events: list, step: int, execs: list, t_ready: floa
         cell = min(free, key=free.get)
         seconds = rng.uniform(3.0, 5.0)
         free[cell] += seconds
-        events.append(MicroStep(t=free[cell], step=step, index=index, cell=cell, tokens=rng.randint(3000, 6000),
-                                seconds=seconds))
+        events.append(
+            MicroStep(t=free[cell], step=step, index=index, cell=cell, tokens=rng.randint(3000, 6000), seconds=seconds)
+        )
     t_applied = max(free.values()) + 0.8
     rewards = [e.reward for e in events if isinstance(e, ExecutionState) and e.step == step and e.reward is not None]
     mean = sum(rewards) / len(rewards)
     naive = rng.randint(40_000, 60_000)
-    events.append(OptimizerStep(
-        t=t_applied, step=step, loss=round(0.05 - 0.01 * step + rng.uniform(-0.005, 0.005), 5),
-        clip_fraction=0.02, truncated_fraction=0.001, ratio_mean=1.0, logprob_gap_mean=0.01 + 0.002 * step, kl_mean=0.0004 + 0.0001 * step,
-        entropy_mean=0.9 - 0.05 * step, grad_norm=0.5 + rng.random(), reward_mean=mean,
-        reward_std=(sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5, num_executions=len(rewards),
-        targets_naive=naive, targets_capped=int(naive * 0.8), targets_dedup=int(naive * 0.55),
-        seq_tokens_naive=naive * 20, seq_tokens_capped=naive * 16, seq_tokens_packed=naive * 11,
-        seq_tokens_tree=naive * 7, seconds=t_applied - t_ready))
+    events.append(
+        OptimizerStep(
+            t=t_applied,
+            step=step,
+            loss=round(0.05 - 0.01 * step + rng.uniform(-0.005, 0.005), 5),
+            clip_fraction=0.02,
+            truncated_fraction=0.001,
+            ratio_mean=1.0,
+            logprob_gap_mean=0.01 + 0.002 * step,
+            kl_mean=0.0004 + 0.0001 * step,
+            entropy_mean=0.9 - 0.05 * step,
+            grad_norm=0.5 + rng.random(),
+            reward_mean=mean,
+            reward_std=(sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5,
+            num_executions=len(rewards),
+            targets_naive=naive,
+            targets_capped=int(naive * 0.8),
+            targets_dedup=int(naive * 0.55),
+            seq_tokens_naive=naive * 20,
+            seq_tokens_capped=naive * 16,
+            seq_tokens_packed=naive * 11,
+            seq_tokens_tree=naive * 7,
+            seconds=t_applied - t_ready,
+        )
+    )
     for eid, task, group, _, _ in execs:
         if step > 0 and eid.endswith("g0e0"):
-            events.append(ExecutionState(t=t_applied, execution_id=eid, task_id=task, group_id=group, step=step,
-                                         state="excluded", reason="timed_out"))
+            events.append(
+                ExecutionState(
+                    t=t_applied,
+                    execution_id=eid,
+                    task_id=task,
+                    group_id=group,
+                    step=step,
+                    state="excluded",
+                    reason="timed_out",
+                )
+            )
             events.append(Exclusion(t=t_applied, execution_id=eid, reason="timed_out"))
         else:
-            events.append(ExecutionState(t=t_applied, execution_id=eid, task_id=task, group_id=group, step=step,
-                                         state="trained"))
+            events.append(
+                ExecutionState(t=t_applied, execution_id=eid, task_id=task, group_id=group, step=step, state="trained")
+            )
     return t_applied
 
 
@@ -136,7 +211,14 @@ def _observations(t0: float, t1: float, spans, queued, switches) -> list[Observa
             last = [r for a, b, r in switches if b <= t]
             role2 = "train" if last and last[-1] == "to_train" else "rollout"
         sessions = [0, running - running // 2, running // 2] if role2 == "rollout" else [0, running, 0]
-        out.append(Observation(t=t, queued=sum(a <= t < b for a, b in queued), running=running,
-                               roles=["train", "rollout", role2], sessions=sessions))
+        out.append(
+            Observation(
+                t=t,
+                queued=sum(a <= t < b for a, b in queued),
+                running=running,
+                roles=["train", "rollout", role2],
+                sessions=sessions,
+            )
+        )
         t += 1.0
     return out

@@ -31,8 +31,16 @@ class SyntheticExecution:
     def context(self, n: int) -> np.ndarray:
         return self.rng.integers(CONTEXT_LO, CONTEXT_HI, n, dtype=np.int32)
 
-    def call(self, agent_id: str, parent_agent_id: str | None, input_ids: np.ndarray, output_ids: np.ndarray,
-             kind: str = "unknown", is_retry: bool = False, split_version: bool = False) -> CallRecord:
+    def call(
+        self,
+        agent_id: str,
+        parent_agent_id: str | None,
+        input_ids: np.ndarray,
+        output_ids: np.ndarray,
+        kind: str = "unknown",
+        is_retry: bool = False,
+        split_version: bool = False,
+    ) -> CallRecord:
         """Record one call; split_version puts the output's second half under the next weight version."""
         n = int(output_ids.size)
         if split_version and n >= 2:
@@ -41,12 +49,24 @@ class SyntheticExecution:
             spans = (VersionSpan(0, n, self.version),) if n else ()
         self.clock_s += 1.0
         r = CallRecord(
-            execution_id=self.execution_id, call_id=f"c{len(self.records)}", seq=len(self.records),
-            agent_id=agent_id, parent_agent_id=parent_agent_id, kind_hint=kind,
-            input_ids=input_ids, output_ids=output_ids,
-            logprobs=-self.rng.exponential(0.5, n).astype(np.float32), version_spans=spans,
-            finish_reason="stop", engine_id="e0", cell_id="cell0", started_at=self.clock_s,
-            finished_at=self.clock_s + 0.5, is_retry=is_retry, hints={"synthetic": True})
+            execution_id=self.execution_id,
+            call_id=f"c{len(self.records)}",
+            seq=len(self.records),
+            agent_id=agent_id,
+            parent_agent_id=parent_agent_id,
+            kind_hint=kind,
+            input_ids=input_ids,
+            output_ids=output_ids,
+            logprobs=-self.rng.exponential(0.5, n).astype(np.float32),
+            version_spans=spans,
+            finish_reason="stop",
+            engine_id="e0",
+            cell_id="cell0",
+            started_at=self.clock_s,
+            finished_at=self.clock_s + 0.5,
+            is_retry=is_retry,
+            hints={"synthetic": True},
+        )
         self.records.append(r)
         return r
 
@@ -75,8 +95,15 @@ class Thread:
         return Thread(self.ex, self.agent_id, self.parent_agent_id, self.tokens.copy())
 
 
-def make_claude_like(execution_id: str = "bench", *, scale: float = 1.0, seed: int = 0, num_compactions: int = 3,
-                     num_subagents: int = 6, num_rewinds: int = 0) -> SyntheticExecution:
+def make_claude_like(
+    execution_id: str = "bench",
+    *,
+    scale: float = 1.0,
+    seed: int = 0,
+    num_compactions: int = 3,
+    num_subagents: int = 6,
+    num_rewinds: int = 0,
+) -> SyntheticExecution:
     """~700K unique tokens over ~430 calls at scale 1 (tokens scale linearly, call count fixed).
 
     Main agent: num_compactions + 1 segments of 70 turns, each but the last closed by a summary
@@ -91,7 +118,7 @@ def make_claude_like(execution_id: str = "bench", *, scale: float = 1.0, seed: i
     system, task = ex.context(s(8000)), ex.context(s(600))
     ex.call(MAIN_AGENT, None, np.concatenate((ex.context(s(300)), task)), ex.policy(12), kind="auxiliary")
     prefix = np.concatenate((system, task))
-    spawned = 0
+    spawned, cleared = 0, (0, 0)
     for seg in range(num_compactions + 1):
         main = Thread(ex, MAIN_AGENT, None, prefix)
         for turn in range(70):
@@ -101,7 +128,7 @@ def make_claude_like(execution_id: str = "bench", *, scale: float = 1.0, seed: i
                 main.turn(s(400), s(1200), is_retry=True)
                 continue
             if turn == 60 and seg > num_compactions - num_rewinds:
-                main.tokens = np.concatenate((main.tokens[:cleared[0]], ex.context(s(20)), main.tokens[cleared[1]:]))
+                main.tokens = np.concatenate((main.tokens[: cleared[0]], ex.context(s(20)), main.tokens[cleared[1] :]))
             r = main.turn(s(400), s(1200), split_version=(turn == 50))
             if turn == 45:
                 cleared = (r.num_tokens, main.tokens.size)  # turn 45's tool result spans [cleared)

@@ -33,7 +33,9 @@ def pack(seqs: list[dict]) -> PackedBatch:
     )
 
 
-def random_batches(cfg: ModelConfig, n_batches: int, seqs_per_batch: int, seed: int, max_len: int = 24) -> list[PackedBatch]:
+def random_batches(
+    cfg: ModelConfig, n_batches: int, seqs_per_batch: int, seed: int, max_len: int = 24
+) -> list[PackedBatch]:
     """Synthetic micro-batches with plausible (negative) behaviour log-probs and mixed advantages."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -42,11 +44,13 @@ def random_batches(cfg: ModelConfig, n_batches: int, seqs_per_batch: int, seed: 
         for _ in range(seqs_per_batch):
             n_p = int(torch.randint(2, 8, (1,), generator=g))
             n_o = int(torch.randint(2, max_len - n_p, (1,), generator=g))
-            seqs.append({
-                "prompt": torch.randint(0, cfg.vocab_size, (n_p,), generator=g).tolist(),
-                "output": torch.randint(0, cfg.vocab_size, (n_o,), generator=g).tolist(),
-                "logprobs": (-torch.rand(n_o, generator=g) * 8 - 0.5).tolist(),
-                "advantage": float(torch.randn(1, generator=g)),
-            })
+            seqs.append(
+                {
+                    "prompt": torch.randint(0, cfg.vocab_size, (n_p,), generator=g).tolist(),
+                    "output": torch.randint(0, cfg.vocab_size, (n_o,), generator=g).tolist(),
+                    "logprobs": (-torch.rand(n_o, generator=g) * 8 - 0.5).tolist(),
+                    "advantage": float(torch.randn(1, generator=g)),
+                }
+            )
         out.append(pack(seqs))
     return out

@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from gyre.cells.base import CellError, leader_command
-from gyre.cells.slurm import (SlurmCell, SlurmLauncher, coordinator_exit_path, failed_path, run_cell_task,
-                              spec_path)
+from gyre.cells.placement import SlurmPlacement
+from gyre.cells.slurm import SlurmCell, SlurmLauncher, coordinator_exit_path, failed_path, run_cell_task, spec_path
 from gyre.cells.spec import CellSpec
 from gyre.engines.config import EngineConfig
-from gyre.cells.placement import SlurmPlacement
 from gyre.models.config import ModelConfig
 from gyre.scheduler.cells import make_cells
 from gyre.train.config import TrainerConfig
@@ -29,9 +28,20 @@ def _keep_usr2():
 
 
 def _spec(index: int) -> CellSpec:
-    return CellSpec(index=index, role="rollout", model=ModelConfig(), trainer=TrainerConfig(), engine=EngineConfig(),
-                    seed=0, host="127.0.0.1", coordinator_address="tcp://127.0.0.1:1/00", proxy_url="http://x",
-                    proxy_admin_token="secret", checkpoint_dir="/nonexistent", run_dir="/nonexistent")  # fmt: skip
+    return CellSpec(
+        index=index,
+        role="rollout",
+        model=ModelConfig(),
+        trainer=TrainerConfig(),
+        engine=EngineConfig(),
+        seed=0,
+        host="127.0.0.1",
+        coordinator_address="tcp://127.0.0.1:1/00",
+        proxy_url="http://x",
+        proxy_admin_token="secret",
+        checkpoint_dir="/nonexistent",
+        run_dir="/nonexistent",
+    )
 
 
 def _placement(het_group: int, restart: int = 0, het_size: int = 3) -> SlurmPlacement:

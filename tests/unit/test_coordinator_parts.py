@@ -23,7 +23,12 @@ from gyre.trajectory.process import TrainingSample
 def test_ledger_reads_back_states_outcomes_and_skips_a_torn_last_line(tmp_path):
     path = tmp_path / "ledger.jsonl"
     ledger = ExecutionLedger(path)
-    for state, extra in [("queued", {}), ("running", {}), ("finished", {"score": 0.5}), ("excluded", {"reason": "uniform_group"})]:
+    for state, extra in [
+        ("queued", {}),
+        ("running", {}),
+        ("finished", {"score": 0.5}),
+        ("excluded", {"reason": "uniform_group"}),
+    ]:
         ledger.append(LedgerEntry("a", state, 1.0, group=0, task_id="t", **extra))
     ledger.append(LedgerEntry("b", "queued", 2.0, group=0, task_id="t"))
     ledger.append(LedgerEntry("b", "timed_out", 3.0, group=0, task_id="t", score=0.25))
@@ -48,19 +53,28 @@ def _sample(versions: list[int]) -> TrainingSample:
     """A path of 2 context tokens then one target per entry of `versions` (its weight version)."""
     n = 2 + len(versions)
     target = np.array([False, False] + [True] * len(versions))
-    path = PathSample(execution_id="e", leaf_call_id="c", path_class="main", tokens=np.arange(n, dtype=np.int32),
-                      target_mask=target, unique_mask=target.copy(),
-                      logprobs=np.where(target, np.float32(-1.0), np.float32(0.0)).astype(np.float32),
-                      versions=np.array([-1, -1] + versions, dtype=np.int64))
+    path = PathSample(
+        execution_id="e",
+        leaf_call_id="c",
+        path_class="main",
+        tokens=np.arange(n, dtype=np.int32),
+        target_mask=target,
+        unique_mask=target.copy(),
+        logprobs=np.where(target, np.float32(-1.0), np.float32(0.0)).astype(np.float32),
+        versions=np.array([-1, -1] + versions, dtype=np.int64),
+    )
     return TrainingSample(path=path, loss_weights=target.astype(np.float32) / len(versions), advantage=1.0)
 
 
-@pytest.mark.parametrize("versions, step, staleness, masked, kept_targets", [
-    pytest.param([3, 3, 4], 4, 1, 0, 3, id="all-within-the-bound"),
-    pytest.param([1, 2, 3, 3], 4, 1, 2, 2, id="older-spans-masked"),
-    pytest.param([5, 6], 4, 0, 0, 2, id="newer-than-the-step"),
-    pytest.param([1, 1], 4, 1, 2, 0, id="nothing-left-dropped"),
-])
+@pytest.mark.parametrize(
+    "versions, step, staleness, masked, kept_targets",
+    [
+        pytest.param([3, 3, 4], 4, 1, 0, 3, id="all-within-the-bound"),
+        pytest.param([1, 2, 3, 3], 4, 1, 2, 2, id="older-spans-masked"),
+        pytest.param([5, 6], 4, 0, 0, 2, id="newer-than-the-step"),
+        pytest.param([1, 1], 4, 1, 2, 0, id="nothing-left-dropped"),
+    ],
+)
 def test_stale_targets_are_masked_by_the_per_span_rule(versions, step, staleness, masked, kept_targets):
     kept, n = mask_stale(_sample(versions), step, staleness)
     assert n == masked
@@ -137,12 +151,15 @@ def test_satellites_async_starts_in_training_switch_in_so_they_join_the_cores_st
 
     policy = make_policy(SchedulerConfig(mode="async", async_train_cells=2), 3)
     switched = []
-    cells = [SimpleNamespace(state=s, begin_switch=lambda *a, i=s.index: switched.append((i, *a)))
-             for s in make_cells(3, 1)]
+    cells = [
+        SimpleNamespace(state=s, begin_switch=lambda *a, i=s.index: switched.append((i, *a))) for s in make_cells(3, 1)
+    ]
     for cell, role in zip(cells, policy.initial_roles()):
         cell.state.role = _start_role(role, cell.state.is_core)
-    parts = SimpleNamespace(cells=cells, policy=policy, initial=SimpleNamespace(weights={"version": 0}),
-                            core_address="tcp://core")
+    parts = SimpleNamespace(
+        cells=cells, policy=policy, initial=SimpleNamespace(weights={"version": 0}), core_address="tcp://core"
+    )
     _join_training(parts)
     assert [(i, target, weights, address) for i, target, _, weights, address in switched] == [
-        (1, Role.TRAIN, {"version": 0}, "tcp://core")]
+        (1, Role.TRAIN, {"version": 0}, "tcp://core")
+    ]

@@ -63,7 +63,9 @@ def test_bad_generate_bodies_name_the_field(body, match):
 
 
 def test_generate_body_defaults_and_unknown_fields():
-    g = parse_generate({**OK, "whatever": 1, "sampling_params": {"max_new_tokens": 4, "n": 1, "sampling_seed": 7}}, 512, 512)
+    g = parse_generate(
+        {**OK, "whatever": 1, "sampling_params": {"max_new_tokens": 4, "n": 1, "sampling_seed": 7}}, 512, 512
+    )
     assert g.params.max_new_tokens == 4 and g.params.seed == 7 and g.params.temperature == 1.0 and not g.stream
     assert parse_generate({"text": "ab"}, 512, 512, encode=lambda t: list(t.encode())).input_ids == [97, 98]
 
@@ -79,12 +81,34 @@ def test_spans_group_output_tokens_by_weight_version():
 def test_sglang_command_golden():
     cfg = EngineConfig(backend="sglang", model_path="/models/qwen", mooncake_master="10.0.0.1:50051", weight_version=7)
     assert make_sglang_command(cfg, 30001, python="python") == [
-        "python", "-m", "sglang.launch_server", "--model-path", "/models/qwen", "--host", "127.0.0.1",
-        "--port", "30001", "--tp-size", "1", "--mem-fraction-static", "0.85", "--page-size", "16",
-        "--load-format", "auto", "--weight-version", "7", "--enable-memory-saver",
-        "--enable-hierarchical-cache", "--hicache-ratio", "2.0", "--hicache-write-policy", "write_through",
-        "--hicache-storage-backend", "mooncake",
-    ]  # fmt: skip
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/models/qwen",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30001",
+        "--tp-size",
+        "1",
+        "--mem-fraction-static",
+        "0.85",
+        "--page-size",
+        "16",
+        "--load-format",
+        "auto",
+        "--weight-version",
+        "7",
+        "--enable-memory-saver",
+        "--enable-hierarchical-cache",
+        "--hicache-ratio",
+        "2.0",
+        "--hicache-write-policy",
+        "write_through",
+        "--hicache-storage-backend",
+        "mooncake",
+    ]
     env = make_sglang_env(cfg, {"PATH": "/bin"})
     assert env["MOONCAKE_MASTER"] == "10.0.0.1:50051" and env["PATH"] == "/bin"
     plain = EngineConfig(backend="sglang", model_path="/m", enable_hicache=False, extra_args=["--disable-cuda-graph"])
@@ -113,7 +137,9 @@ def test_engine_group_composes_for_both_backends():
     from tests.unit.test_config import compose
 
     assert validate(compose()).engine.backend == "builtin"
-    sg = validate(compose("engine=sglang", "engine.model_path=/models/q", "engine.mooncake_master=10.0.0.1:50051")).engine
+    sg = validate(
+        compose("engine=sglang", "engine.model_path=/models/q", "engine.mooncake_master=10.0.0.1:50051")
+    ).engine
     assert sg.backend == "sglang" and sg.enable_hicache and sg.page_size == 64
     with pytest.raises(ConfigError) as err:
         validate(compose("engine.max_running_requests=0"))

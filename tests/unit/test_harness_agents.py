@@ -13,13 +13,17 @@ def test_claude_code_command_flags():
 
 def test_claude_code_env_points_every_model_at_the_proxy():
     env = make_claude_code_env({"PATH": "/bin", "ANTHROPIC_MODEL": "opus"}, "http://127.0.0.1:9", "k1", "/h", "tiny")
-    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9" and env["ANTHROPIC_API_KEY"] == "k1" and env["HOME"] == "/h"
+    assert (
+        env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9" and env["ANTHROPIC_API_KEY"] == "k1" and env["HOME"] == "/h"
+    )
     assert env["ANTHROPIC_MODEL"] == env["CLAUDE_CODE_SUBAGENT_MODEL"] == env["ANTHROPIC_SMALL_FAST_MODEL"] == "tiny"
     assert env["PATH"] == "/bin" and env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
 
 
 def test_mini_swe_command_uses_the_proxy_openai_endpoint():
-    cmd = make_mini_swe_command("mini", "task", proxy_url="http://127.0.0.1:9", api_key="k2", model="gyre", output="/o.json")
+    cmd = make_mini_swe_command(
+        "mini", "task", proxy_url="http://127.0.0.1:9", api_key="k2", model="gyre", output="/o.json"
+    )
     assert cmd[cmd.index("-m") + 1] == "openai/gyre" and cmd[cmd.index("-o") + 1] == "/o.json"
     assert "model.model_kwargs.api_base=http://127.0.0.1:9/v1" in cmd and "model.model_kwargs.api_key=k2" in cmd
 
@@ -32,8 +36,9 @@ def test_codex_harness_runs_exec_against_the_proxy_as_its_provider(tmp_path, mon
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
     monkeypatch.setenv("GYRE_CODEX", str(binary))
-    argv, env = make_harness_command(HarnessConfig(kind="codex"), "fix it", tmp_path, "http://127.0.0.1:9", "k1",
-                                     "gyre", tmp_path / "home")  # fmt: skip
+    argv, env = make_harness_command(
+        HarnessConfig(kind="codex"), "fix it", tmp_path, "http://127.0.0.1:9", "k1", "gyre", tmp_path / "home"
+    )
     assert argv[:3] == [str(binary), "exec", "--skip-git-repo-check"] and "fix it" in argv
     assert any('base_url="http://127.0.0.1:9/v1"' in a and 'wire_api="responses"' in a for a in argv)
     assert env["GYRE_API_KEY"] == "k1" and env["CODEX_HOME"] == str(tmp_path / "home")

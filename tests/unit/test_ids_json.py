@@ -33,7 +33,9 @@ def test_prompt_from_a_checkpoint_is_the_json_of_its_ids(first, cut, second, cut
         for p in more:
             again.add(p)
         arr2, pieces2 = again.finish()
-        assert json.loads(b"".join(pieces2)) == arr2.tolist() == arr[: at.num_ids].tolist() + [i for p in more for i in p]
+        assert (
+            json.loads(b"".join(pieces2)) == arr2.tolist() == arr[: at.num_ids].tolist() + [i for p in more for i in p]
+        )
         done.append((arr2, arr2.tolist()))
     assert all(a.tolist() == seen for a, seen in done), "a later prompt changed an earlier one's ids"
 

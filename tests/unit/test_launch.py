@@ -8,17 +8,28 @@ import textwrap
 
 import pytest
 
+from gyre.cells.placement import NotInSlurmJob, forget_enclosing_job, parse_placement
 from gyre.errors import ConfigError
 from gyre.launch.config import ClusterConfig
-from gyre.cells.placement import NotInSlurmJob, forget_enclosing_job, parse_placement
-from gyre.launch.slurm import (PartitionLimits, check_fits, make_cell_components, make_hetjob_parameters,
-                               make_run_components, parse_partition, parse_time_min)
+from gyre.launch.slurm import (
+    PartitionLimits,
+    check_fits,
+    make_cell_components,
+    make_hetjob_parameters,
+    make_run_components,
+    parse_partition,
+    parse_time_min,
+)
 
 # Variables as Slurm 22.05 set them in a step `srun --het-group=0,1` over components of 2 and 1 nodes.
 HET_STEP = {
-    "SLURM_JOB_ID": "3", "SLURM_NTASKS": "3", "SLURM_HET_SIZE": "2",
-    "SLURM_NTASKS_HET_GROUP_0": "2", "SLURM_NTASKS_HET_GROUP_1": "1",
-    "SLURM_JOB_NODELIST_HET_GROUP_0": "n[1-2]", "SLURM_JOB_NODELIST_HET_GROUP_1": "n3",
+    "SLURM_JOB_ID": "3",
+    "SLURM_NTASKS": "3",
+    "SLURM_HET_SIZE": "2",
+    "SLURM_NTASKS_HET_GROUP_0": "2",
+    "SLURM_NTASKS_HET_GROUP_1": "1",
+    "SLURM_JOB_NODELIST_HET_GROUP_0": "n[1-2]",
+    "SLURM_JOB_NODELIST_HET_GROUP_1": "n3",
     "SLURM_JOB_NODELIST": "n[1-3]",
 }
 
@@ -27,17 +38,31 @@ HET_STEP = {
     "env, expected",
     [
         pytest.param(
-            {"SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[4-5]",
-             "SLURMD_NODENAME": "n5"},
+            {
+                "SLURM_JOB_ID": "7",
+                "SLURM_PROCID": "1",
+                "SLURM_NTASKS": "2",
+                "SLURM_JOB_NODELIST": "n[4-5]",
+                "SLURMD_NODENAME": "n5",
+            },
             dict(het_group=0, het_size=1, group_rank=1, group_nodes="n[4-5]", node="n5"),
             id="plain-job",
         ),
-        pytest.param({**HET_STEP, "SLURM_PROCID": "0", "SLURMD_NODENAME": "n1"},
-                     dict(het_group=0, het_size=2, group_rank=0, group_nodes="n[1-2]", node="n1"), id="het-first"),
-        pytest.param({**HET_STEP, "SLURM_PROCID": "1", "SLURMD_NODENAME": "n2"},
-                     dict(het_group=0, het_size=2, group_rank=1, group_nodes="n[1-2]", node="n2"), id="het-first-rank1"),
-        pytest.param({**HET_STEP, "SLURM_PROCID": "2", "SLURMD_NODENAME": "n3"},
-                     dict(het_group=1, het_size=2, group_rank=0, group_nodes="n3", node="n3"), id="het-second"),
+        pytest.param(
+            {**HET_STEP, "SLURM_PROCID": "0", "SLURMD_NODENAME": "n1"},
+            dict(het_group=0, het_size=2, group_rank=0, group_nodes="n[1-2]", node="n1"),
+            id="het-first",
+        ),
+        pytest.param(
+            {**HET_STEP, "SLURM_PROCID": "1", "SLURMD_NODENAME": "n2"},
+            dict(het_group=0, het_size=2, group_rank=1, group_nodes="n[1-2]", node="n2"),
+            id="het-first-rank1",
+        ),
+        pytest.param(
+            {**HET_STEP, "SLURM_PROCID": "2", "SLURMD_NODENAME": "n3"},
+            dict(het_group=1, het_size=2, group_rank=0, group_nodes="n3", node="n3"),
+            id="het-second",
+        ),
     ],
 )
 def test_parse_placement(env, expected):
@@ -58,15 +83,30 @@ def test_parse_placement_rejects_non_steps(env):
 
 
 def test_hetjob_parameters_for_three_cells():
-    cluster = ClusterConfig(num_cells=3, cell_nodes=2, cpus_per_node=4, mem_gb_per_node=16, gpus_per_node=8,
-                            partition="gpu", sbatch_extra=["--constraint=h200"])
+    cluster = ClusterConfig(
+        num_cells=3,
+        cell_nodes=2,
+        cpus_per_node=4,
+        mem_gb_per_node=16,
+        gpus_per_node=8,
+        partition="gpu",
+        sbatch_extra=["--constraint=h200"],
+    )
     params = make_hetjob_parameters(cluster, make_cell_components(cluster))
     assert params["nodes"] == 2 and params["gpus_per_node"] == 8 and params["slurm_partition"] == "gpu"
     assert params["slurm_srun_args"] == ["--het-group=0,1,2"]
     assert params["slurm_additional_parameters"] == {"constraint": "h200"}
-    block = ["#SBATCH hetjob", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=4",
-             "#SBATCH --mem=16G", "#SBATCH --time=60", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-             "#SBATCH --constraint=h200"]
+    block = [
+        "#SBATCH hetjob",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --cpus-per-task=4",
+        "#SBATCH --mem=16G",
+        "#SBATCH --time=60",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --constraint=h200",
+    ]
     assert params["slurm_setup"] == block * 2
 
 
@@ -76,28 +116,50 @@ def test_single_cell_is_a_plain_job():
 
 
 def test_run_components_put_the_coordinator_first():
-    cluster = ClusterConfig(backend="slurm", num_cells=3, cell_nodes=8, cpus_per_node=1, mem_gb_per_node=1,
-                            gpus_per_node=4, coordinator_cpus=2, coordinator_mem_gb=3)
+    cluster = ClusterConfig(
+        backend="slurm",
+        num_cells=3,
+        cell_nodes=8,
+        cpus_per_node=1,
+        mem_gb_per_node=1,
+        gpus_per_node=4,
+        coordinator_cpus=2,
+        coordinator_mem_gb=3,
+    )
     first, *cells = make_run_components(cluster)
-    assert (first.nodes, first.tasks_per_node, first.cpus_per_task, first.mem_gb, first.gpus_per_node) == (1, 1, 2, 3, 0)
+    assert (first.nodes, first.tasks_per_node, first.cpus_per_task, first.mem_gb, first.gpus_per_node) == (
+        1,
+        1,
+        2,
+        3,
+        0,
+    )
     assert len(cells) == 3 and {(c.nodes, c.gpus_per_node) for c in cells} == {(8, 4)}
     params = make_hetjob_parameters(cluster, [first, *cells])
     assert params["slurm_srun_args"] == ["--het-group=0,1,2,3"] and "gpus_per_node" not in params
     assert params["slurm_setup"].count("#SBATCH hetjob") == 3
 
 
-@pytest.mark.parametrize("value, minutes", [
-    pytest.param("UNLIMITED", None, id="unlimited"), pytest.param("INFINITE", None, id="infinite"),
-    pytest.param("30", 30, id="minutes"), pytest.param("1:30:00", 90, id="h-m-s"),
-    pytest.param("2-00:00:00", 2880, id="days"), pytest.param("05:30", 5, id="m-s"),
-])
+@pytest.mark.parametrize(
+    "value, minutes",
+    [
+        pytest.param("UNLIMITED", None, id="unlimited"),
+        pytest.param("INFINITE", None, id="infinite"),
+        pytest.param("30", 30, id="minutes"),
+        pytest.param("1:30:00", 90, id="h-m-s"),
+        pytest.param("2-00:00:00", 2880, id="days"),
+        pytest.param("05:30", 5, id="m-s"),
+    ],
+)
 def test_parse_time_min(value, minutes):
     assert parse_time_min(value) == minutes
 
 
 # `scontrol show partition --oneliner` as Slurm 22.05 prints it (shortened).
-PARTITION = ("PartitionName=gpu AllowGroups=ALL Default=NO MaxNodes=UNLIMITED MaxTime=2-00:00:00 MinNodes=0 "
-             "Nodes=g[1-12] State=UP TotalCPUs=96 TotalNodes=12")
+PARTITION = (
+    "PartitionName=gpu AllowGroups=ALL Default=NO MaxNodes=UNLIMITED MaxTime=2-00:00:00 MinNodes=0 "
+    "Nodes=g[1-12] State=UP TotalCPUs=96 TotalNodes=12"
+)
 
 
 def test_parse_partition():
@@ -107,12 +169,15 @@ def test_parse_partition():
 LIMITS = PartitionLimits("gpu", 12, 120, 8, "UP")
 
 
-@pytest.mark.parametrize("fields, key", [
-    pytest.param(dict(num_cells=2, cell_nodes=4), None, id="fits"),
-    pytest.param(dict(num_cells=3, cell_nodes=4), "cluster.num_cells", id="coordinator-node-over-total"),
-    pytest.param(dict(num_cells=1, cell_nodes=9, allocation_nodes=None), "cluster.cell_nodes", id="over-max-nodes"),
-    pytest.param(dict(num_cells=1, cell_nodes=2, time_limit_min=121), "cluster.time_limit_min", id="over-max-time"),
-])
+@pytest.mark.parametrize(
+    "fields, key",
+    [
+        pytest.param(dict(num_cells=2, cell_nodes=4), None, id="fits"),
+        pytest.param(dict(num_cells=3, cell_nodes=4), "cluster.num_cells", id="coordinator-node-over-total"),
+        pytest.param(dict(num_cells=1, cell_nodes=9, allocation_nodes=None), "cluster.cell_nodes", id="over-max-nodes"),
+        pytest.param(dict(num_cells=1, cell_nodes=2, time_limit_min=121), "cluster.time_limit_min", id="over-max-time"),
+    ],
+)
 def test_check_fits_names_the_key(fields, key):
     cluster = ClusterConfig(backend="slurm", **fields)
     if key is None:
@@ -152,8 +217,13 @@ def test_preemption_signal_reaches_the_coordinator_and_no_child():
         os.killpg(child.pid, signal.SIGKILL)
         print("alive" if alive else "child died")
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
-                         env=os.environ | {"PYTHONPATH": os.getcwd()})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=os.environ | {"PYTHONPATH": os.getcwd()},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "alive"
 

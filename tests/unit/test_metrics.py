@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _metrics_run import T0, TO_TRAIN_S, make_run_events
 
 from gyre.coordinator.batching import GroupBatch
 from gyre.coordinator.summary import RunEvents
@@ -19,7 +20,6 @@ from gyre.errors import ConfigError
 from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import (
     EventError,
-    ExecutionState,
     Failure,
     ModelCall,
     Observation,
@@ -31,15 +31,13 @@ from gyre.metrics.events import (
 from gyre.metrics.log import EventLog, EventTail, read_events
 from gyre.metrics.monitor import RunMonitor
 from gyre.metrics.progress import Progress, format_line, make_snapshot
-from gyre.metrics.report import main as report_main
 from gyre.metrics.report import format_steps, summarize
+from gyre.metrics.report import main as report_main
 from gyre.metrics.sinks import TensorBoardSink, make_scalars
 from gyre.metrics.state import Intervals, fold
 from gyre.scheduler.cells import PHASE_SHARES, Phase
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.process import process_execution
-
-from _metrics_run import T0, TO_TRAIN_S, make_run_events
 
 QUIET = MetricsConfig(progress="off", figures=False, tensorboard=False)
 
@@ -76,13 +74,26 @@ def test_numpy_values_encode_as_plain_numbers(run_events):
     assert (back.loss, back.targets_naive) == (0.25, 7) and type(back.targets_naive) is int
 
 
-@pytest.mark.parametrize("obj, message", [
-    ({"kind": "nope", "t": 1.0}, "unknown event kind"),
-    ({"kind": "failure", "t": 1.0, "component": "x", "message": "y", "extra": 1}, "unknown fields"),
-    ({"kind": "failure", "t": 1.0, "component": "x"}, "message"),
-    ({"kind": "execution_state", "execution_id": "a", "task_id": "t", "group_id": "g", "step": 0, "state": "odd"},
-     "execution state must be one of"),
-], ids=["unknown-kind", "unknown-field", "missing-field", "bad-state"])
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        ({"kind": "nope", "t": 1.0}, "unknown event kind"),
+        ({"kind": "failure", "t": 1.0, "component": "x", "message": "y", "extra": 1}, "unknown fields"),
+        ({"kind": "failure", "t": 1.0, "component": "x"}, "message"),
+        (
+            {
+                "kind": "execution_state",
+                "execution_id": "a",
+                "task_id": "t",
+                "group_id": "g",
+                "step": 0,
+                "state": "odd",
+            },
+            "execution state must be one of",
+        ),
+    ],
+    ids=["unknown-kind", "unknown-field", "missing-field", "bad-state"],
+)
 def test_decode_rejects_lines_that_are_no_event(obj, message):
     with pytest.raises(EventError, match=message):
         decode_event(obj)
@@ -170,12 +181,16 @@ def test_shipped_yaml_sets_every_field_and_validates():
     assert cfg == MetricsConfig()
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"progress": "fancy"}, "progress"),
-    ({"progress_interval_s": 0}, "progress_interval_s"),
-    ({"plots_interval_s": -1}, "plots_interval_s"),
-    ({"wandb_mode": "cloud"}, "wandb_mode"),
-], ids=["progress", "interval", "plots", "wandb-mode"])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"progress": "fancy"}, "progress"),
+        ({"progress_interval_s": 0}, "progress_interval_s"),
+        ({"plots_interval_s": -1}, "plots_interval_s"),
+        ({"wandb_mode": "cloud"}, "wandb_mode"),
+    ],
+    ids=["progress", "interval", "plots", "wandb-mode"],
+)
 def test_bad_config_names_the_key(kwargs, key):
     with pytest.raises(ConfigError) as e:
         MetricsConfig(**kwargs)
@@ -197,22 +212,29 @@ def test_fold_lays_each_switch_phase_end_to_end_in_the_cell_lane(run_events):
 
 def test_a_cell_seen_lost_ends_its_lane_there(run_events):
     t_lost = run_events[-1].t + 5
-    state = fold([*run_events, Observation(t=t_lost, queued=0, running=0, roles=["train", "lost", "rollout"],
-                                           sessions=[0, 0, 0]),
-                  Observation(t=t_lost + 20, queued=0, running=0, roles=["train", "lost", "rollout"],
-                              sessions=[0, 0, 0])])
+    state = fold(
+        [
+            *run_events,
+            Observation(t=t_lost, queued=0, running=0, roles=["train", "lost", "rollout"], sessions=[0, 0, 0]),
+            Observation(t=t_lost + 20, queued=0, running=0, roles=["train", "lost", "rollout"], sessions=[0, 0, 0]),
+        ]
+    )
     last = state.cells[1].spans_until(state.t_last)[-2:]
     assert [(s.role, s.t0, s.t1) for s in last] == [("rollout", last[0].t0, t_lost), ("lost", t_lost, t_lost + 20)]
     assert summarize(state)["cell_role_share"]["1"]["lost"] == pytest.approx(20 / state.duration_s, abs=1e-4)
 
 
-@pytest.mark.parametrize("added, window, expected", [
-    ([(0, 2), (1, 3)], (0, 10), 3.0),
-    ([(5, 6), (0, 1)], (0.5, 5.5), 1.0),
-    ([(0, 10)], (2, 3), 1.0),
-    ([(0, 1), (2, 3)], (1, 2), 0.0),
-    ([], (0, 1), 0.0),
-], ids=["overlap", "out-of-order", "inside", "gap", "empty"])
+@pytest.mark.parametrize(
+    "added, window, expected",
+    [
+        ([(0, 2), (1, 3)], (0, 10), 3.0),
+        ([(5, 6), (0, 1)], (0.5, 5.5), 1.0),
+        ([(0, 10)], (2, 3), 1.0),
+        ([(0, 1), (2, 3)], (1, 2), 0.0),
+        ([], (0, 1), 0.0),
+    ],
+    ids=["overlap", "out-of-order", "inside", "gap", "empty"],
+)
 def test_intervals_measure_their_union(added, window, expected):
     iv = Intervals()
     for a, b in added:
@@ -226,7 +248,7 @@ def test_intervals_match_a_brute_force_union_past_compaction():
     for _ in range(6000):  # past the compaction threshold, so merged and fresh items mix
         a, n = rng.randrange(10_000), rng.randrange(5)
         iv.add(a / 2, (a + n) / 2)
-        covered[a:a + n] = b"\x01" * n
+        covered[a : a + n] = b"\x01" * n
     for lo, hi in ((0, 10_010), (200, 260), (5001, 5002)):
         assert iv.overlap_s(lo / 2, hi / 2) == pytest.approx(sum(covered[lo:hi]) / 2)
 
@@ -262,9 +284,22 @@ def test_tensorboard_scalars_are_readable_with_event_accumulator(tmp_path, run_e
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/grad_norm", "train/kl_mean", "train/entropy_mean", "reward/mean", "tokens/targets_naive", "tokens/targets_capped",
-            "tokens/targets_dedup", "tokens/saved_by_dedup", "cluster/waterlevel", "rollout/calls_per_s",
-            "switch/pull_weights_s", "publish/seconds", "executions/trained"} <= tags
+    assert {
+        "train/loss",
+        "train/grad_norm",
+        "train/kl_mean",
+        "train/entropy_mean",
+        "reward/mean",
+        "tokens/targets_naive",
+        "tokens/targets_capped",
+        "tokens/targets_dedup",
+        "tokens/saved_by_dedup",
+        "cluster/waterlevel",
+        "rollout/calls_per_s",
+        "switch/pull_weights_s",
+        "publish/seconds",
+        "executions/trained",
+    } <= tags
     steps = [e for e in run_events if isinstance(e, OptimizerStep)]
     assert [(s.step, s.value) for s in acc.Scalars("train/loss")] == [(e.step, pytest.approx(e.loss)) for e in steps]
     dedup = acc.Scalars("tokens/saved_by_dedup")
@@ -273,7 +308,9 @@ def test_tensorboard_scalars_are_readable_with_event_accumulator(tmp_path, run_e
     observations = [e for e in run_events if isinstance(e, Observation)]
     assert len(waterlevel) == pytest.approx(len(observations) / 10, abs=1)
     assert all(b.step - a.step >= 10 for a, b in zip(waterlevel, waterlevel[1:]))
-    assert {s.value for s in waterlevel} <= {e.waterlevel for e in observations} and max(s.value for s in waterlevel) > 0
+    assert {s.value for s in waterlevel} <= {e.waterlevel for e in observations} and max(
+        s.value for s in waterlevel
+    ) > 0
 
 
 def test_a_raising_sink_never_stops_the_monitor_and_is_counted(tmp_path, run_events, monkeypatch, caplog):
@@ -390,7 +427,6 @@ def test_gyre_report_on_a_missing_run_says_so(tmp_path, capsys):
     assert "events.jsonl: no such file" in capsys.readouterr().err
 
 
-
 def test_each_optimizer_step_reports_the_targets_the_path_cap_and_dedup_saved(tmp_path):
     """From the trajectory processor's counts of real paths, through the coordinator's event, to the per-step views."""
     from test_trajectory_tree import hand_built  # 8 paths, a shared prefix: K=5 -> 156/144/136, K=1 -> 156/24/24
@@ -410,14 +446,20 @@ def test_each_optimizer_step_reports_the_targets_the_path_cap_and_dedup_saved(tm
     assert values["tokens/saved_by_cap"] == pytest.approx(1 - 168 / 312)
     assert values["tokens/saved_by_dedup"] == pytest.approx(1 - 160 / 168)
     assert format_steps(state).splitlines()[1].split()[6:10] == ["312", "168", "160", "49%"]
-    assert summarize(state)["targets"] == {"naive": 312, "capped": 168, "dedup": 160,
-                                           "saved_by_cap": round(1 - 168 / 312, 4), "saved_by_dedup": round(1 - 160 / 168, 4)}
+    assert summarize(state)["targets"] == {
+        "naive": 312,
+        "capped": 168,
+        "dedup": 160,
+        "saved_by_cap": round(1 - 168 / 312, 4),
+        "saved_by_dedup": round(1 - 160 / 168, 4),
+    }
 
 
 def test_figures_are_redrawn_during_the_run_at_most_every_plots_interval(tmp_path, run_events, monkeypatch):
     drawn = []  # (now, optimizer steps folded so far) at each redraw
-    monkeypatch.setattr("gyre.metrics.monitor.write_figures", lambda state, out_dir, name: drawn.append(
-        (now, len(state.steps))))
+    monkeypatch.setattr(
+        "gyre.metrics.monitor.write_figures", lambda state, out_dir, name: drawn.append((now, len(state.steps)))
+    )
     monitor = RunMonitor(tmp_path, replace(QUIET, figures=True, plots_interval_s=100))
     steps = [e for e in run_events if isinstance(e, OptimizerStep)]
     written = 0

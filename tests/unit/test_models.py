@@ -32,8 +32,14 @@ def test_init_is_deterministic_per_seed():
     assert not torch.equal(a["embed_tokens.weight"], c["embed_tokens.weight"])
 
 
-@pytest.mark.parametrize("chunks", [pytest.param([40], id="one-prefill"), pytest.param([17, 16, 7], id="chunked"),
-                                    pytest.param([30] + [1] * 10, id="prefill-then-decode")])  # fmt: skip
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        pytest.param([40], id="one-prefill"),
+        pytest.param([17, 16, 7], id="chunked"),
+        pytest.param([30] + [1] * 10, id="prefill-then-decode"),
+    ],
+)
 def test_kv_cached_steps_match_the_full_forward(chunks):
     w = init_weights(CFG, 0)
     ids = torch.randint(0, CFG.vocab_size, (sum(chunks) + 1,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -75,7 +81,10 @@ def test_chat_template_renders_all_roles_and_tool_calls():
     ids = TOK.apply_chat_template(msgs, tools=[{"name": "bash", "parameters": {}}])
     text = TOK.decode(ids)
     assert text.startswith("<|im_start|>system\nbe brief\n\n# Tools")
-    assert '<|im_start|>assistant\n<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>' in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>'
+        in text
+    )
     assert "<|im_start|>user\n<tool_response>\na.py\n</tool_response><|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
     assert max(ids) < 512 and TOK.eos_token_id in TOK.stop_token_ids
@@ -87,22 +96,41 @@ def test_special_text_in_content_stays_plain_bytes():
 
 
 def test_assistant_output_parses_back_into_tool_calls():
-    out = TOK.encode("let me look") + [TOK.special_ids["<tool_call>"]] + TOK.encode('\n{"name": "bash", "arguments": {"cmd": "ls"}}\n')
+    out = (
+        TOK.encode("let me look")
+        + [TOK.special_ids["<tool_call>"]]
+        + TOK.encode('\n{"name": "bash", "arguments": {"cmd": "ls"}}\n')
+    )
     out += [TOK.special_ids["</tool_call>"], TOK.eos_token_id]
     parsed = TOK.parse_assistant(out)
-    assert parsed.content == "let me look" and parsed.tool_calls[0].name == "bash" and parsed.tool_calls[0].arguments == {"cmd": "ls"}
+    assert (
+        parsed.content == "let me look"
+        and parsed.tool_calls[0].name == "bash"
+        and parsed.tool_calls[0].arguments == {"cmd": "ls"}
+    )
 
 
-@pytest.mark.parametrize("body", [pytest.param("{not json", id="bad-json"), pytest.param('{"arguments": {}}', id="no-name"),
-                                  pytest.param('{"name": "x", "arguments": 3}', id="args-not-object")])  # fmt: skip
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param("{not json", id="bad-json"),
+        pytest.param('{"arguments": {}}', id="no-name"),
+        pytest.param('{"name": "x", "arguments": 3}', id="args-not-object"),
+    ],
+)
 def test_malformed_tool_calls_are_kept_not_dropped(body):
     parsed = parse_assistant_text(f"hi<tool_call>{body}</tool_call>")
     assert parsed.tool_calls == [] and parsed.malformed == [body]
 
 
-@pytest.mark.parametrize("msgs", [pytest.param([{"role": "robot", "content": "x"}], id="unknown-role"),
-                                  pytest.param([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], id="late-system"),
-                                  pytest.param([{"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]}], id="nameless-call")])  # fmt: skip
+@pytest.mark.parametrize(
+    "msgs",
+    [
+        pytest.param([{"role": "robot", "content": "x"}], id="unknown-role"),
+        pytest.param([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], id="late-system"),
+        pytest.param([{"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]}], id="nameless-call"),
+    ],
+)
 def test_bad_messages_name_their_index(msgs):
     with pytest.raises(ChatTemplateError, match="message"):
         TOK.apply_chat_template(msgs)
@@ -125,12 +153,15 @@ def test_fused_blockwise_attention_equals_the_materialised_one(monkeypatch, t, c
 
     monkeypatch.setattr(transformer, "ATTENTION_MASK_BYTES", 64 * 4 * 16)  # 16-query blocks at 64+ keys
     g = torch.Generator().manual_seed(t + cached)
-    q, k, v = torch.randn(t, 4, 16, generator=g), torch.randn(cached + t, 2, 16, generator=g), torch.randn(cached + t, 2, 16, generator=g)
+    q, k, v = (
+        torch.randn(t, 4, 16, generator=g),
+        torch.randn(cached + t, 2, 16, generator=g),
+        torch.randn(cached + t, 2, 16, generator=g),
+    )
     assert (transformer.attend(q, k, v, cached) - _materialised_attention(q, k, v, cached)).abs().max() <= 1e-5
 
 
 def test_logits_on_short_prompts_equal_the_materialised_attention(monkeypatch):
-    from gyre.models import transformer
 
     w = init_weights(CFG, 0)
     ids = torch.randint(0, CFG.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -152,5 +183,7 @@ def test_the_forward_runs_on_bf16_weights_close_to_fp32():
     cfg = ModelConfig(qk_norm=True)
     w = init_weights(cfg, 0)
     ids = torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(3)).tolist()
-    diff = (sequence_logprobs(cfg, {n: t.to(torch.bfloat16) for n, t in w.items()}, ids) - sequence_logprobs(cfg, w, ids)).abs()
+    diff = (
+        sequence_logprobs(cfg, {n: t.to(torch.bfloat16) for n, t in w.items()}, ids) - sequence_logprobs(cfg, w, ids)
+    ).abs()
     assert diff.mean() <= 0.02 and diff.max() <= 0.5

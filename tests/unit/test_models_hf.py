@@ -7,15 +7,14 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from _hf_ref import DEFAULT_SYSTEM_TEMPLATE, hf_logprobs, make_qwen3_dir, train_tokenizer
 from _train_ref import pack
+from safetensors.torch import load_file
+
 from gyre.errors import ConfigError
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
@@ -63,10 +62,14 @@ def test_export_round_trips_bitwise_and_transformers_loads_it(tmp_path):
     ckpt = CheckpointManager(tmp_path / "ckpt", keep_last=1).save(trainer)
     out = export(ckpt, tmp_path / "out", src)
     a, b = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
-    assert a.keys() == b.keys() and all(a[n].dtype == b[n].dtype == torch.bfloat16 and torch.equal(a[n], b[n]) for n in a)
+    assert a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype == torch.bfloat16 and torch.equal(a[n], b[n]) for n in a
+    )
     assert json.loads((out / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     assert (hf_logprobs(out, IDS) - hf_logprobs(src, IDS)).abs().max() == 0
-    assert HFTokenizer(out).apply_chat_template([{"role": "user", "content": "hi"}]) == HFTokenizer(src).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert HFTokenizer(out).apply_chat_template([{"role": "user", "content": "hi"}]) == HFTokenizer(
+        src
+    ).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 _TP_RANK = """
@@ -88,11 +91,26 @@ def test_tp2_loading_matches_tp1(tmp_path):
     src = make_qwen3_dir(tmp_path / "m", seed=5)
     from test_train_tp import _free_port
 
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests/unit'}", OMP_NUM_THREADS="1", WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{ROOT}:{ROOT / 'tests/unit'}",
+        OMP_NUM_THREADS="1",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(2)]
-    ranks = [subprocess.Popen([sys.executable, "-c", _TP_RANK, str(src), str(tmp_path / "out.pt")], cwd=ROOT, env=env | {"RANK": str(r)},
-                              stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True) for r in range(2)]  # fmt: skip
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TP_RANK, str(src), str(tmp_path / "out.pt")],
+            cwd=ROOT,
+            env=env | {"RANK": str(r)},
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for r in range(2)
+    ]
     one = Trainer(ModelConfig(path=str(src)), TrainerConfig())
     lp, engine = _trainer_logprobs(one, IDS), one.engine_weights()
     try:
@@ -107,19 +125,31 @@ def test_tp2_loading_matches_tp1(tmp_path):
     assert got["engine"].keys() == engine.keys() and all(torch.equal(got["engine"][n], engine[n]) for n in engine)
 
 
-BASE = {"model_type": "qwen3", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}  # fmt: skip
+BASE = {
+    "model_type": "qwen3",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+}
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"model_type": "mistral"}, "model_type"),
-    ({"model_type": "qwen3_moe", "num_experts": 8}, "model_type"),
-    ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"model_type": "mistral"}, "model_type"),
+        ({"model_type": "qwen3_moe", "num_experts": 8}, "model_type"),
+        ({"use_sliding_window": True, "sliding_window": 4096}, "use_sliding_window"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ],
+)
 def test_unsupported_architectures_fail_at_load_naming_the_field(change, field, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(BASE | change))
     with pytest.raises(ConfigError, match=f"field '{field}'") as e:
@@ -137,7 +167,10 @@ def test_sglang_launch_serves_the_model_groups_directory(qwen3):
 
     register_configs()
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        composed = hydra.compose(config_name="config", overrides=["engine=sglang", "model=hf", f"model.path={qwen3}", "engine.mooncake_master=10.0.0.1:50051"])
+        composed = hydra.compose(
+            config_name="config",
+            overrides=["engine=sglang", "model=hf", f"model.path={qwen3}", "engine.mooncake_master=10.0.0.1:50051"],
+        )
     cfg = validate(composed)
     assert cfg.model.qk_norm and cfg.model.num_layers == 2
     cmd = make_sglang_command(cfg.engine, 30000, python="python")
@@ -150,7 +183,9 @@ def test_model_path_without_config_fails_naming_the_key(tmp_path):
     assert e.value.key == "path"
 
 
-@pytest.mark.parametrize("default_system", [pytest.param(False, id="qwen3"), pytest.param(True, id="default-system-prompt")])
+@pytest.mark.parametrize(
+    "default_system", [pytest.param(False, id="qwen3"), pytest.param(True, id="default-system-prompt")]
+)
 def test_renderer_reuses_output_ids_and_renders_the_rest_as_transformers_does(qwen3, tmp_path, default_system):
     """Qwen3's template with a system turn, and Qwen2.5's quirk (a default system prompt injected
     into a conversation without one) with none: fresh parts equal transformers' rendering."""
@@ -161,25 +196,52 @@ def test_renderer_reuses_output_ids_and_renders_the_rest_as_transformers_does(qw
     tok = HFTokenizer(tmp_path if default_system else qwen3)
     renderer, memory = Renderer(tok), TurnMemory()
     assert renderer.separable and renderer.anchored == default_system
-    tools = [{"type": "function", "function": {"name": "read", "description": "Read a file",
-                                               "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]  # fmt: skip
-    msgs = [{"role": "system", "content": "You are a coding agent."}][default_system:] + [{"role": "user", "content": "Fix the bug in main.py"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read",
+                "description": "Read a file",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+    ]
+    msgs = [{"role": "system", "content": "You are a coding agent."}][default_system:] + [
+        {"role": "user", "content": "Fix the bug in main.py"}
+    ]
     first = renderer.render(msgs, tools, memory)
     assert ("You are a helpful assistant." in tok.decode(first.input_ids)) == default_system
     assert first.input_ids.tolist() == tok.apply_chat_template(msgs, tools, True)
     # The model thinks, then calls a tool; its ids are kept verbatim (the template would drop the thinking).
-    call = tok.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": [{"name": "read", "arguments": {"path": "main.py"}}]}], None, False)
-    out = tok.encode("<think>\nLook at the file first.\n</think>\n\nReading it.") + call[call.index(tok.encode("<tool_call>")[0]) - 1 : -1]
+    call = tok.apply_chat_template(
+        [{"role": "assistant", "content": "", "tool_calls": [{"name": "read", "arguments": {"path": "main.py"}}]}],
+        None,
+        False,
+    )
+    out = (
+        tok.encode("<think>\nLook at the file first.\n</think>\n\nReading it.")
+        + call[call.index(tok.encode("<tool_call>")[0]) - 1 : -1]
+    )
     parsed = tok.parse_assistant(out)
-    assert parsed.reasoning == "Look at the file first." and parsed.content == "Reading it." and parsed.tool_calls[0].arguments == {"path": "main.py"}
+    assert (
+        parsed.reasoning == "Look at the file first."
+        and parsed.content == "Reading it."
+        and parsed.tool_calls[0].arguments == {"path": "main.py"}
+    )
     calls = [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
     memory.remember(assistant_key(parsed.content, calls), out)
-    msgs2 = [*msgs, {"role": "assistant", "content": parsed.content, "tool_calls": calls},
-             {"role": "tool", "content": "print(1/0)"}, {"role": "tool", "content": "exit 1"}]  # fmt: skip
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": parsed.content, "tool_calls": calls},
+        {"role": "tool", "content": "print(1/0)"},
+        {"role": "tool", "content": "exit 1"},
+    ]
     second = renderer.render(msgs2, tools, memory)
     assert (second.num_reused, second.num_retokenized) == (1, 0)
     n = len(first.input_ids)
-    assert second.input_ids[:n].tolist() == first.input_ids.tolist() and second.input_ids[n : n + len(out)].tolist() == out
+    assert (
+        second.input_ids[:n].tolist() == first.input_ids.tolist() and second.input_ids[n : n + len(out)].tolist() == out
+    )
     assert tok.decode(out[-1:]) == "<|im_end|>"  # the model stopped on it; it is part of its ids
     fresh = second.input_ids[n + len(out) :].tolist()  # separator, the joined tool results, the generation prompt
     full = tok.apply_chat_template(msgs2, tools, True)
@@ -209,8 +271,13 @@ def test_hf_conversation_call_tokenizes_only_its_new_messages(tmp_path):
     ex, wire = ExecutionRegistry(str(tmp_path / "r"), fsync=False).create("e1"), AnthropicWire(["gyre"], 16)
     assert runner.renderer.anchored
     tools = [{"name": "read", "description": "Read a file", "input_schema": {"type": "object"}}]
-    body = {"model": "gyre", "max_tokens": 16, "system": "You are a coding agent.", "tools": tools,
-            "messages": [{"role": "user", "content": "Fix the bug in main.py"}]}  # fmt: skip
+    body = {
+        "model": "gyre",
+        "max_tokens": 16,
+        "system": "You are a coding agent.",
+        "tools": tools,
+        "messages": [{"role": "user", "content": "Fix the bug in main.py"}],
+    }
     runner.render(ex, wire, body, {})  # the first call renders the head and the first message
     for n in range(1, 5):
         answer = f"Step {n}: reading it."
@@ -224,7 +291,9 @@ def test_hf_conversation_call_tokenizes_only_its_new_messages(tmp_path):
         assert tok.num_chars - before == len("anchor") + len(text), "earlier messages were tokenized again"
         assert (rendered.num_reused, rendered.num_retokenized, rendered.num_rendered_messages) == (n, 0, 2)
         full = runner.renderer.render(chat.messages, chat.tools, ex.turns, hints.agent_id)  # no snapshot: from scratch
-        assert rendered.input_ids.tolist() == full.input_ids.tolist() and b"".join(rendered.input_json) == b"".join(full.input_json)
+        assert rendered.input_ids.tolist() == full.input_ids.tolist() and b"".join(rendered.input_json) == b"".join(
+            full.input_json
+        )
 
 
 def test_hf_check_prints_parity_and_roundtrip(qwen3, capsys):
@@ -232,7 +301,11 @@ def test_hf_check_prints_parity_and_roundtrip(qwen3, capsys):
 
     main([str(qwen3), "--tokens", "24"])
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert line["trainer_max_abs_diff"] <= 1e-4 and line["engine_max_abs_diff"] <= 1e-4 and line["roundtrip_bitwise"] is True
+    assert (
+        line["trainer_max_abs_diff"] <= 1e-4
+        and line["engine_max_abs_diff"] <= 1e-4
+        and line["roundtrip_bitwise"] is True
+    )
 
 
 def test_gyres_own_model_family_is_written_as_a_llama_transformers_runs(tmp_path):

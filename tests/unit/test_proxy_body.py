@@ -40,13 +40,16 @@ def _chunks(data: bytes, n: int):
 BODY = bytes(range(256)) * (LIMIT // 256)  # exactly the limit
 
 
-@pytest.mark.parametrize("case_id, data, expect", [
-    ("whole-at-the-limit", lambda: BODY, BODY),
-    ("chunked-at-the-limit", lambda: _chunks(BODY, 70_001), BODY),
-    ("empty", lambda: b"", b""),
-    ("length-over-the-limit", lambda: BODY + b"x", None),
-    ("chunked-over-the-limit", lambda: _chunks(BODY + b"x", 70_001), None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case_id, data, expect",
+    [
+        ("whole-at-the-limit", lambda: BODY, BODY),
+        ("chunked-at-the-limit", lambda: _chunks(BODY, 70_001), BODY),
+        ("empty", lambda: b"", b""),
+        ("length-over-the-limit", lambda: BODY + b"x", None),
+        ("chunked-over-the-limit", lambda: _chunks(BODY + b"x", 70_001), None),
+    ],
+)
 def test_body_read_whole_or_refused_past_the_limit(case_id, data, expect):
     status, out = asyncio.run(_post(data()))
     assert (status, out) == ((200, expect) if expect is not None else (413, b'{"kind": "too_large"}')), case_id

@@ -23,7 +23,12 @@ MSGS = [{"role": "system", "content": "s" * 80}, {"role": "user", "content": "q"
 def model_output(text: str, args: str) -> list[int]:
     """What a model might emit: spacing the template would not write (so re-tokenizing drifts)."""
     s = TOK.special_ids
-    return list(text.encode()) + [s["<tool_call>"]] + list(f'{{"name":"f","arguments":{args}}}'.encode()) + [s["</tool_call>"], s["<|im_end|>"]]
+    return (
+        list(text.encode())
+        + [s["<tool_call>"]]
+        + list(f'{{"name":"f","arguments":{args}}}'.encode())
+        + [s["</tool_call>"], s["<|im_end|>"]]
+    )
 
 
 def serve(ex, renderer, messages, output_ids, agent_id="main") -> CallRecord:
@@ -31,19 +36,36 @@ def serve(ex, renderer, messages, output_ids, agent_id="main") -> CallRecord:
     inp = renderer.render(messages, TOOLS, ex.turns, agent_id).input_ids
     seq, started = ex.begin_call()
     parent = None if agent_id == "main" else "main"
-    r = CallRecord.build(input_ids=inp, output_ids=output_ids, logprobs=[-0.5] * len(output_ids), versions=[0] * len(output_ids),
-                         execution_id=ex.execution_id, call_id=f"c{seq}", seq=seq, agent_id=agent_id, parent_agent_id=parent,
-                         kind_hint="main" if parent is None else "subagent", finish_reason="stop", started_at=started,
-                         finished_at=time.time())  # fmt: skip
+    r = CallRecord.build(
+        input_ids=inp,
+        output_ids=output_ids,
+        logprobs=[-0.5] * len(output_ids),
+        versions=[0] * len(output_ids),
+        execution_id=ex.execution_id,
+        call_id=f"c{seq}",
+        seq=seq,
+        agent_id=agent_id,
+        parent_agent_id=parent,
+        kind_hint="main" if parent is None else "subagent",
+        finish_reason="stop",
+        started_at=started,
+        finished_at=time.time(),
+    )
     asyncio.run(ex.append(r))
     p = TOK.parse_assistant(output_ids)
-    ex.turns.remember(assistant_key(p.content, [{"name": c.name, "arguments": c.arguments} for c in p.tool_calls]), output_ids, agent_id)
+    ex.turns.remember(
+        assistant_key(p.content, [{"name": c.name, "arguments": c.arguments} for c in p.tool_calls]),
+        output_ids,
+        agent_id,
+    )
     return r
 
 
 def echoed(text: str, args: dict) -> list[dict]:
-    return [{"role": "assistant", "content": text, "tool_calls": [{"id": "t", "name": "f", "arguments": args}]},
-            {"role": "tool", "content": "r"}]  # fmt: skip
+    return [
+        {"role": "assistant", "content": text, "tool_calls": [{"id": "t", "name": "f", "arguments": args}]},
+        {"role": "tool", "content": "r"},
+    ]
 
 
 @pytest.mark.parametrize("how", ["key-file", "re-registered"])
@@ -96,10 +118,17 @@ SUB = {"system": [{"type": "text", "text": "x-anthropic-billing-header: cc_is_su
 def test_nested_sub_agent_records_its_spawner():
     top = anthropic_hints({"X-Claude-Code-Agent-Id": "a1"}, SUB, False, True)
     nested = anthropic_hints({"X-Claude-Code-Agent-Id": "a2", "X-Claude-Code-Parent-Agent-Id": "a1"}, SUB, False, True)
-    encoded = anthropic_hints({"x-claude-code-agent-id": "b%25", "x-claude-code-parent-agent-id": "a%C3%A9"}, SUB, True, True)
+    encoded = anthropic_hints(
+        {"x-claude-code-agent-id": "b%25", "x-claude-code-parent-agent-id": "a%C3%A9"}, SUB, True, True
+    )
     assert (top.agent_id, top.parent_agent_id) == ("a1", "main")
     assert (nested.agent_id, nested.parent_agent_id, nested.kind_hint) == ("a2", "a1", "subagent")
     assert (encoded.agent_id, encoded.parent_agent_id, encoded.kind_hint) == ("b%", "a\u00e9", "subagent_summary")
-    assert anthropic_hints({"x-claude-code-agent-id": "a3", "x-claude-code-parent-agent-id": "a3"}, SUB, False, True).parent_agent_id == "main"
+    assert (
+        anthropic_hints(
+            {"x-claude-code-agent-id": "a3", "x-claude-code-parent-agent-id": "a3"}, SUB, False, True
+        ).parent_agent_id
+        == "main"
+    )
     o = openai_hints({"x-gyre-agent-id": "s2", "x-gyre-parent-agent-id": "s1"}, {})
     assert (o.agent_id, o.parent_agent_id) == ("s2", "s1")

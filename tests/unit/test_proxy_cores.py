@@ -35,16 +35,41 @@ ANTHROPIC_BAD = [
     ("not-object", [1, 2], "invalid_request", "expected a JSON object"),
     ("unknown-model", a_body(model="gpt-9"), "not_found", "'gpt-9' is not served"),
     ("model-type", a_body(model=3), "invalid_request", "model: expected a string"),
-    ("max-tokens-missing", {"model": "gyre", "messages": [{"role": "user", "content": "x"}]}, "invalid_request", "max_tokens: Field required"),
+    (
+        "max-tokens-missing",
+        {"model": "gyre", "messages": [{"role": "user", "content": "x"}]},
+        "invalid_request",
+        "max_tokens: Field required",
+    ),
     ("max-tokens-type", a_body(max_tokens="10"), "invalid_request", "max_tokens: expected an integer"),
     ("max-tokens-bool", a_body(max_tokens=True), "invalid_request", "got a boolean"),
     ("messages-type", a_body(messages="hi"), "invalid_request", "messages: expected a list"),
     ("messages-empty", a_body(messages=[]), "invalid_request", "at least one message"),
     ("role", a_body(messages=[{"role": "robot", "content": "x"}]), "invalid_request", "messages.0.role"),
-    ("block-type", a_body(messages=[{"role": "user", "content": [{"type": "video"}]}]), "invalid_request", "unsupported block type 'video'"),
-    ("tool-schema-not-object", a_body(tools=[{"name": "f", "input_schema": "str"}]), "invalid_request", "tools.0.input_schema"),
-    ("tool-schema-array", a_body(tools=[{"name": "f", "input_schema": {"type": "array"}}]), "invalid_request", "type 'object'"),
-    ("tool-result-id", a_body(messages=[{"role": "user", "content": "x"}, use("t1"), result("t2")]), "invalid_request", "'t2' does not match"),
+    (
+        "block-type",
+        a_body(messages=[{"role": "user", "content": [{"type": "video"}]}]),
+        "invalid_request",
+        "unsupported block type 'video'",
+    ),
+    (
+        "tool-schema-not-object",
+        a_body(tools=[{"name": "f", "input_schema": "str"}]),
+        "invalid_request",
+        "tools.0.input_schema",
+    ),
+    (
+        "tool-schema-array",
+        a_body(tools=[{"name": "f", "input_schema": {"type": "array"}}]),
+        "invalid_request",
+        "type 'object'",
+    ),
+    (
+        "tool-result-id",
+        a_body(messages=[{"role": "user", "content": "x"}, use("t1"), result("t2")]),
+        "invalid_request",
+        "'t2' does not match",
+    ),
     ("tool-result-no-use", a_body(messages=[result("t1")]), "invalid_request", "does not match any tool_use"),
     ("temperature", a_body(temperature=5), "invalid_request", "temperature: must be in"),
     ("stream-type", a_body(stream="yes"), "invalid_request", "stream: expected a boolean"),
@@ -61,18 +86,43 @@ def test_anthropic_bad_input(case_id, body, kind, text):
 
 
 def test_anthropic_conversion():
-    body = a_body(system=[{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}], tools=[TOOL],
-                  messages=[{"role": "user", "content": "q"}, {"role": "system", "content": "mid"},
-                            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "a"},
-                                                              {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]},
-                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "r"}], "is_error": True},
-                                                         {"type": "text", "text": "more"}]}])  # fmt: skip
+    body = a_body(
+        system=[{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}],
+        tools=[TOOL],
+        messages=[
+            {"role": "user", "content": "q"},
+            {"role": "system", "content": "mid"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm"},
+                    {"type": "text", "text": "a"},
+                    {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [{"type": "text", "text": "r"}],
+                        "is_error": True,
+                    },
+                    {"type": "text", "text": "more"},
+                ],
+            },
+        ],
+    )
     chat = anthropic.parse_request(body, MODELS)
     assert chat.messages == [
-        {"role": "system", "content": "S1\nS2"}, {"role": "user", "content": "q"}, {"role": "user", "content": "mid"},
+        {"role": "system", "content": "S1\nS2"},
+        {"role": "user", "content": "q"},
+        {"role": "user", "content": "mid"},
         {"role": "assistant", "content": "a", "tool_calls": [{"id": "t1", "name": "f", "arguments": {"x": 1}}]},
-        {"role": "tool", "content": "Error: r", "tool_call_id": "t1"}, {"role": "user", "content": "more"},
-    ]  # fmt: skip
+        {"role": "tool", "content": "Error: r", "tool_call_id": "t1"},
+        {"role": "user", "content": "more"},
+    ]
     assert chat.tools[0]["function"]["parameters"]["type"] == "object"
 
 
@@ -80,9 +130,18 @@ def test_anthropic_stream_events_shape():
     ev = anthropic.StreamEvents("m", "gyre", 10)
     names = [n for n, _ in ev.start() + ev.text("he") + ev.text("llo")]
     names += [n for n, _ in ev.finish([("tu", ToolCall("f", {"x": 1}))], "stop", 7)]
-    assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
-                     "content_block_stop", "content_block_start", "content_block_delta", "content_block_stop",
-                     "message_delta", "message_stop"]  # fmt: skip
+    assert names == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     final = ev.finish([], "length", 3)
     assert final[-2][1]["delta"]["stop_reason"] == "max_tokens" and final[-2][1]["usage"]["output_tokens"] == 3
 
@@ -90,11 +149,42 @@ def test_anthropic_stream_events_shape():
 OPENAI_BAD = [
     ("unknown-model", {"model": "x", "messages": [{"role": "user", "content": "h"}]}, "not_found", "does not exist"),
     ("messages-type", {"model": "gyre", "messages": {}}, "invalid_request", "messages: expected an array"),
-    ("tool-params", {"model": "gyre", "messages": [{"role": "user", "content": "h"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "invalid_request", "tools[0].function.parameters"),
-    ("tool-call-id", {"model": "gyre", "messages": [{"role": "user", "content": "h"}, {"role": "tool", "tool_call_id": "zz", "content": "r"}]}, "invalid_request", "'zz' does not answer"),
-    ("bad-arguments", {"model": "gyre", "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, "invalid_request", "not valid JSON"),
+    (
+        "tool-params",
+        {
+            "model": "gyre",
+            "messages": [{"role": "user", "content": "h"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+        },
+        "invalid_request",
+        "tools[0].function.parameters",
+    ),
+    (
+        "tool-call-id",
+        {
+            "model": "gyre",
+            "messages": [{"role": "user", "content": "h"}, {"role": "tool", "tool_call_id": "zz", "content": "r"}],
+        },
+        "invalid_request",
+        "'zz' does not answer",
+    ),
+    (
+        "bad-arguments",
+        {
+            "model": "gyre",
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}],
+                }
+            ],
+        },
+        "invalid_request",
+        "not valid JSON",
+    ),
     ("n", {"model": "gyre", "n": 2, "messages": [{"role": "user", "content": "h"}]}, "invalid_request", "only n=1"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("case_id,body,kind,text", OPENAI_BAD, ids=[c[0] for c in OPENAI_BAD])
@@ -106,15 +196,34 @@ def test_openai_bad_input(case_id, body, kind, text):
 
 
 def test_openai_round_trip_and_stream():
-    body = {"model": "gyre", "stream": True, "stream_options": {"include_usage": True}, "messages": [
-        {"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "q"}]},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 2}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "r"}]}  # fmt: skip
+    body = {
+        "model": "gyre",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "q"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 2}'}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "r"},
+        ],
+    }
     chat = openai.parse_request(body, MODELS, 100)
     assert chat.max_tokens == 100 and chat.include_usage
-    assert chat.messages[2] == {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "f", "arguments": {"x": 2}}]}
+    assert chat.messages[2] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c1", "name": "f", "arguments": {"x": 2}}],
+    }
     chunks = openai.StreamChunks("id", "gyre", True)
-    out = chunks.start() + chunks.text("a") + chunks.finish([("c9", ToolCall("f", {"x": 1}))], "stop", openai.make_usage(5, 2))
+    out = (
+        chunks.start()
+        + chunks.text("a")
+        + chunks.finish([("c9", ToolCall("f", {"x": 1}))], "stop", openai.make_usage(5, 2))
+    )
     assert out[-2]["choices"][0]["finish_reason"] == "tool_calls" and out[-1]["usage"]["total_tokens"] == 7
     assert json.loads(out[-3]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
 
@@ -126,37 +235,63 @@ def test_render_reuses_model_tokens_exactly():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     first = r.render(msgs, None, mem).input_ids.tolist()
     # The model emitted a tool call with odd spacing; the harness echoes it back parsed.
-    out = tok.apply_chat_template([{"role": "user", "content": "x"}], None, False)[:0] + list(b"ok ") + [tok.special_ids["<tool_call>"]]
+    out = (
+        tok.apply_chat_template([{"role": "user", "content": "x"}], None, False)[:0]
+        + list(b"ok ")
+        + [tok.special_ids["<tool_call>"]]
+    )
     out += list(b'\n{"name":"f","arguments":{"x":1}}\n') + [tok.special_ids["</tool_call>"], tok.eos_token_id]
     parsed = tok.parse_assistant(out)
-    mem.remember(assistant_key(parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]), out)
+    mem.remember(
+        assistant_key(parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]), out
+    )
     echoed = {"role": "assistant", "content": "ok", "tool_calls": [{"id": "t", "name": "f", "arguments": {"x": 1}}]}
     second = r.render(msgs + [echoed, {"role": "tool", "content": "r"}], None, mem)
     assert second.input_ids.tolist()[: len(first) + len(out)] == first + out
     assert (second.num_reused, second.num_retokenized) == (1, 0)
     edited = r.render(msgs + [{**echoed, "content": "edited"}, {"role": "tool", "content": "r"}], None, mem)
     assert (edited.num_reused, edited.num_retokenized) == (0, 1)
-    assert edited.input_ids.tolist() == tok.apply_chat_template(msgs + [{**echoed, "content": "edited"}, {"role": "tool", "content": "r"}])
+    assert edited.input_ids.tolist() == tok.apply_chat_template(
+        msgs + [{**echoed, "content": "edited"}, {"role": "tool", "content": "r"}]
+    )
 
 
 def test_render_length_finish_gets_end_of_turn():
     tok = ByteTokenizer()
     r, mem = Renderer(tok), TurnMemory()
     mem.remember(assistant_key("abc", []), list(b"abc"))
-    ids = r.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "n"}], None, mem).input_ids.tolist()
-    assert ids == tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "n"}])
+    ids = r.render(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "n"}],
+        None,
+        mem,
+    ).input_ids.tolist()
+    assert ids == tok.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "n"}]
+    )
 
 
-@pytest.mark.parametrize("text,shown", [
-    ("  hello ", "hello"), ("hi <tool_call>\n{", "hi"), ("hi <tool_", "hi"), ("done<|im_end|>", "done"),
-    ("caf\ufffd", "caf"), ("a < b", "a < b"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text,shown",
+    [
+        ("  hello ", "hello"),
+        ("hi <tool_call>\n{", "hi"),
+        ("hi <tool_", "hi"),
+        ("done<|im_end|>", "done"),
+        ("caf\ufffd", "caf"),
+        ("a < b", "a < b"),
+    ],
+)
 def test_streamable_text(text, shown):
     assert streamable_text(text) == shown
 
 
 def test_claude_code_hints():
-    h = anthropic_hints({"x-claude-code-agent-id": "a1", "x-api-key": "secret"}, {"system": [{"type": "text", "text": "cc_is_subagent=true"}]}, False, True)
+    h = anthropic_hints(
+        {"x-claude-code-agent-id": "a1", "x-api-key": "secret"},
+        {"system": [{"type": "text", "text": "cc_is_subagent=true"}]},
+        False,
+        True,
+    )
     assert (h.agent_id, h.parent_agent_id, h.kind_hint) == ("a1", "main", "subagent") and "x-api-key" not in h.raw
     assert anthropic_hints({}, {}, True, True).kind_hint == "summary"
     assert anthropic_hints({}, {}, False, False).kind_hint == "auxiliary"
@@ -190,13 +325,20 @@ def test_routing_sticky_balanced_and_drained():
         t.set_status("a", "sleeping")
 
 
-@pytest.mark.parametrize("case_id, ops, expect", [
-    ("new-session-avoids-closing", [("s1", "a"), ("close", "a"), ("s2", "b")], {"a": 1, "b": 1}),
-    ("old-session-stays-on-closing", [("s1", "a"), ("close", "a"), ("s1", "a")], {"a": 1, "b": 0}),
-    ("closing-alone-keeps-its-own", [("s1", "a"), ("close", "a"), ("close", "b"), ("s1", "a"), ("s2", None)], {"a": 1, "b": 0}),
-    ("activate-reverts", [("close", "a"), ("activate", "a"), ("s1", "a")], {"a": 1, "b": 0}),
-    ("drain-moves-closing-sessions", [("s1", "a"), ("close", "a"), ("drain", "a"), ("s1", "b")], {"a": 0, "b": 1}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case_id, ops, expect",
+    [
+        ("new-session-avoids-closing", [("s1", "a"), ("close", "a"), ("s2", "b")], {"a": 1, "b": 1}),
+        ("old-session-stays-on-closing", [("s1", "a"), ("close", "a"), ("s1", "a")], {"a": 1, "b": 0}),
+        (
+            "closing-alone-keeps-its-own",
+            [("s1", "a"), ("close", "a"), ("close", "b"), ("s1", "a"), ("s2", None)],
+            {"a": 1, "b": 0},
+        ),
+        ("activate-reverts", [("close", "a"), ("activate", "a"), ("s1", "a")], {"a": 1, "b": 0}),
+        ("drain-moves-closing-sessions", [("s1", "a"), ("close", "a"), ("drain", "a"), ("s1", "b")], {"a": 0, "b": 1}),
+    ],
+)
 def test_routing_stop_admission(case_id, ops, expect):
     t = RoutingTable(max_imbalance=4)
     t.add("a", "u1")
@@ -207,7 +349,9 @@ def test_routing_stop_admission(case_id, ops, expect):
         else:
             assert t.pick(op) == arg, (case_id, op)
     assert t.num_sessions() == expect
-    assert t.executions_with_sessions() == ({"s1"} if "s1" in t.sessions else set()) | ({"s2"} if "s2" in t.sessions else set())
+    assert t.executions_with_sessions() == ({"s1"} if "s1" in t.sessions else set()) | (
+        {"s2"} if "s2" in t.sessions else set()
+    )
 
 
 def test_engine_client_keys_sglang_generations_by_weight_version():
@@ -241,7 +385,10 @@ def test_engine_client_stream_stopped_at_its_finish_chunk_keeps_the_connection()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for done in (None, {"type": "stop"}):
-            chunk = {"output_ids": [1], "meta_info": {"finish_reason": done, "output_token_logprobs": [[-0.1, 1, None]]}}
+            chunk = {
+                "output_ids": [1],
+                "meta_info": {"finish_reason": done, "output_token_logprobs": [[-0.1, 1, None]]},
+            }
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await asyncio.sleep(0.05)  # the end of the chunked body comes later (as from a busy server)
@@ -283,7 +430,9 @@ class _TurnNumberingTokenizer(ByteTokenizer):
     """A template that numbers user turns by position: a message renders differently on its own."""
 
     def apply_chat_template(self, messages, tools=None, add_generation_prompt=True):
-        messages = [{**m, "content": f"[{i}] {m['content']}"} if m["role"] == "user" else m for i, m in enumerate(messages)]
+        messages = [
+            {**m, "content": f"[{i}] {m['content']}"} if m["role"] == "user" else m for i, m in enumerate(messages)
+        ]
         return super().apply_chat_template(messages, tools, add_generation_prompt)
 
 
@@ -303,9 +452,20 @@ class _ToolJoiningTokenizer(ByteTokenizer):
 def test_render_keeps_consecutive_tool_results_in_one_turn():
     tok = _ToolJoiningTokenizer()
     r, mem = Renderer(tok), TurnMemory()
-    call = {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]}
-    msgs = [{"role": "user", "content": "q"}, call, {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"}]
-    mem.remember(assistant_key("", call["tool_calls"]), tok.apply_chat_template([call], None, False)[len(r.gen_prompt) : -1])
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}],
+    }
+    msgs = [
+        {"role": "user", "content": "q"},
+        call,
+        {"role": "tool", "content": "r1"},
+        {"role": "tool", "content": "r2"},
+    ]
+    mem.remember(
+        assistant_key("", call["tool_calls"]), tok.apply_chat_template([call], None, False)[len(r.gen_prompt) : -1]
+    )
     out = r.render(msgs, None, mem)
     assert r.separable and out.input_ids.tolist() == tok.apply_chat_template(msgs) and out.num_reused == 1
 
@@ -318,7 +478,11 @@ def test_render_reuses_tokens_under_a_template_injecting_a_default_system_prompt
     mem.remember(assistant_key("a", []), list(b"a") + [tok.eos_token_id])
     for t in (None, tools):
         out = r.render(msgs, t, mem)
-        assert r.separable and out.input_ids.tolist() == tok.apply_chat_template(msgs, t) and (out.num_reused, out.num_retokenized) == (1, 0)
+        assert (
+            r.separable
+            and out.input_ids.tolist() == tok.apply_chat_template(msgs, t)
+            and (out.num_reused, out.num_retokenized) == (1, 0)
+        )
 
 
 def test_render_falls_back_to_whole_rendering_for_non_separable_templates():
@@ -356,7 +520,14 @@ def test_turn_memory_prefers_the_asking_agents_own_tokens():
 def test_generation_takes_versions_of_new_tokens_from_spans():
     from gyre.proxy.pool import Generation
 
-    g = Generation(pool=None, session="s", rid="r", input_ids=np.array([1], np.int32), input_json=(b"[1]",), sampling={"max_new_tokens": 9})
+    g = Generation(
+        pool=None,
+        session="s",
+        rid="r",
+        input_ids=np.array([1], np.int32),
+        input_json=(b"[1]",),
+        sampling={"max_new_tokens": 9},
+    )
     spans = [{"weight_version": "3", "start": 0, "end": 2}, {"weight_version": "4", "start": 2, "end": 5}]
     g._extend([7], [-0.5], {"weight_version_spans": spans[:1]}, 0)
     g._extend([8, 9, 10], [-0.1, -0.2, -0.3], {"weight_version_spans": spans}, 1)

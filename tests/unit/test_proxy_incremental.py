@@ -44,8 +44,19 @@ TOOLS = [{"name": "bash", "description": "run", "input_schema": {"type": "object
 def answer(tok, n: int) -> tuple[list[int], dict]:
     """The model's ids for a tool call, and the assistant message a harness echoes back."""
     s = tok.special_ids
-    out = list(b"ok") + [s["<tool_call>"]] + list(f'{{"name": "bash", "arguments": {{"n": {n}}}}}'.encode()) + [s["</tool_call>"], s["<|im_end|>"]]
-    return out, {"role": "assistant", "content": [{"type": "text", "text": "ok"}, {"type": "tool_use", "id": f"t{n}", "name": "bash", "input": {"n": n}}]}
+    out = (
+        list(b"ok")
+        + [s["<tool_call>"]]
+        + list(f'{{"name": "bash", "arguments": {{"n": {n}}}}}'.encode())
+        + [s["</tool_call>"], s["<|im_end|>"]]
+    )
+    return out, {
+        "role": "assistant",
+        "content": [
+            {"type": "text", "text": "ok"},
+            {"type": "tool_use", "id": f"t{n}", "name": "bash", "input": {"n": n}},
+        ],
+    }
 
 
 def result(n: int, text: str) -> dict:
@@ -67,10 +78,14 @@ def serve(tok, runner, ex, body: dict, n: int):
     chat, hints, rendered, retry = runner.render(ex, AnthropicWire(["gyre"], 16), body, {}, raw=orjson.dumps(body))
     used = tok.num_chars - before
     full = runner.renderer.render(chat.messages, chat.tools, ex.turns, hints.agent_id)  # no snapshot: from scratch
-    assert rendered.input_ids.tolist() == full.input_ids.tolist() and b"".join(rendered.input_json) == b"".join(full.input_json)
+    assert rendered.input_ids.tolist() == full.input_ids.tolist() and b"".join(rendered.input_json) == b"".join(
+        full.input_json
+    )
     out, echoed = answer(tok, n)
     parsed = tok.parse_assistant(out)
-    ex.turns.remember(assistant_key(parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]), out)
+    ex.turns.remember(
+        assistant_key(parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]), out
+    )
     return rendered, retry, echoed, used
 
 
@@ -92,17 +107,34 @@ def test_growing_conversation_renders_only_new_messages(setup, system):
         assert used == len(f"output {n} " * 40) + anchor, "the earlier history was rendered again"
 
 
-@pytest.mark.parametrize("case_id, edit, retry", [
-    ("same-body", lambda b: b, True),
-    ("stream-flag-only", lambda b: {**b, "stream": True}, True),
-    ("other-max-tokens", lambda b: {**b, "max_tokens": 8}, False),
-    ("user-text-joins-the-last-run", lambda b: {**b, "messages": b["messages"] + [{"role": "user", "content": "more"}]}, False),
-    ("edited-early-result", lambda b: {**b, "messages": b["messages"][:2] + [result(0, "changed")] + b["messages"][3:]}, False),
-    ("other-system", lambda b: {**b, "system": "other"}, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case_id, edit, retry",
+    [
+        ("same-body", lambda b: b, True),
+        ("stream-flag-only", lambda b: {**b, "stream": True}, True),
+        ("other-max-tokens", lambda b: {**b, "max_tokens": 8}, False),
+        (
+            "user-text-joins-the-last-run",
+            lambda b: {**b, "messages": b["messages"] + [{"role": "user", "content": "more"}]},
+            False,
+        ),
+        (
+            "edited-early-result",
+            lambda b: {**b, "messages": b["messages"][:2] + [result(0, "changed")] + b["messages"][3:]},
+            False,
+        ),
+        ("other-system", lambda b: {**b, "system": "other"}, False),
+    ],
+)
 def test_variants_render_like_a_full_rendering(setup, case_id, edit, retry):
     tok, runner, ex = setup
-    body = {"model": "gyre", "max_tokens": 16, "system": "sys", "tools": TOOLS, "messages": [{"role": "user", "content": "go"}]}
+    body = {
+        "model": "gyre",
+        "max_tokens": 16,
+        "system": "sys",
+        "tools": TOOLS,
+        "messages": [{"role": "user", "content": "go"}],
+    }
     _, _, echoed, _ = serve(tok, runner, ex, body, 0)
     body = {**body, "messages": body["messages"] + [echoed, result(0, "r0")]}
     _, _, echoed, _ = serve(tok, runner, ex, body, 1)
@@ -123,7 +155,10 @@ def test_openai_conversation_resumes_too(setup):
         out, _ = answer(tok, n)
         ex.turns.remember(assistant_key("ok", [{"name": "bash", "arguments": {"n": n}}]), out)
         call = {"id": f"c{n}", "type": "function", "function": {"name": "bash", "arguments": f'{{"n": {n}}}'}}
-        body["messages"] += [{"role": "assistant", "content": "ok", "tool_calls": [call]}, {"role": "tool", "tool_call_id": f"c{n}", "content": "x"}]
+        body["messages"] += [
+            {"role": "assistant", "content": "ok", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{n}", "content": "x"},
+        ]
 
 
 def test_retry_is_recognised_after_a_restart(tmp_path):
@@ -137,12 +172,32 @@ def test_retry_is_recognised_after_a_restart(tmp_path):
     runner = CallRunner(ProxyConfig(records_dir=str(tmp_path)), tok, Renderer(tok), pool=None)
     reg = ExecutionRegistry(str(tmp_path), fsync=False, parse=tok.parse_assistant)
     ex = reg.create("e1")
-    body = {"model": "gyre", "max_tokens": 16, "system": "sys", "tools": TOOLS, "messages": [{"role": "user", "content": "go"}]}
+    body = {
+        "model": "gyre",
+        "max_tokens": 16,
+        "system": "sys",
+        "tools": TOOLS,
+        "messages": [{"role": "user", "content": "go"}],
+    }
     _, _, rendered, _ = runner.render(ex, AnthropicWire(["gyre"], 16), body, {})
     out, echoed = answer(tok, 0)
-    asyncio.run(ex.append(CallRecord.build(input_ids=rendered.input_ids, output_ids=out, logprobs=[-0.1] * len(out),
-                                           versions=[0] * len(out), execution_id="e1", call_id="c0", seq=0, agent_id="main",
-                                           parent_agent_id=None, kind_hint="main", finish_reason="stop")))  # fmt: skip
+    asyncio.run(
+        ex.append(
+            CallRecord.build(
+                input_ids=rendered.input_ids,
+                output_ids=out,
+                logprobs=[-0.1] * len(out),
+                versions=[0] * len(out),
+                execution_id="e1",
+                call_id="c0",
+                seq=0,
+                agent_id="main",
+                parent_agent_id=None,
+                kind_hint="main",
+                finish_reason="stop",
+            )
+        )
+    )
     reg.close()
     ex2 = ExecutionRegistry(str(tmp_path), fsync=False, parse=tok.parse_assistant).by_id["e1"]  # the restarted proxy
     asyncio.run(ex2.ready())
@@ -150,27 +205,64 @@ def test_retry_is_recognised_after_a_restart(tmp_path):
     assert retry and again.input_ids.tolist() == rendered.input_ids.tolist()
     body["messages"] += [echoed, result(0, "r0")]
     _, _, longer, retry = runner.render(ex2, AnthropicWire(["gyre"], 16), body, {})
-    assert not retry and longer.input_ids[: rendered.input_ids.size + len(out)].tolist() == rendered.input_ids.tolist() + out
+    assert (
+        not retry
+        and longer.input_ids[: rendered.input_ids.size + len(out)].tolist() == rendered.input_ids.tolist() + out
+    )
 
 
-M = [{"role": "user", "content": "go"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "t0", "name": "bash", "input": {}}]},
-     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t0", "content": "r0 \u00e9\n"}]}]  # fmt: skip
+M = [
+    {"role": "user", "content": "go"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "t0", "name": "bash", "input": {}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t0", "content": "r0 \u00e9\n"}]},
+]
 NEW = {"role": "assistant", "content": "ok"}
 
 
 SPACED = lambda b: json.dumps(b).encode()  # noqa: E731  (Python's default separators: ", " and ": ")
 
 
-@pytest.mark.parametrize("case_id, old, new, dumps, found, by_bytes", [
-    ("messages-last", {"system": "s", "messages": M}, {"system": "s", "messages": [*M, NEW]}, orjson.dumps, True, True),
-    ("messages-first", {"messages": M, "system": "s", "stream": True}, {"messages": [*M, NEW], "system": "s", "stream": True}, orjson.dumps, True, True),
-    ("resent", {"messages": M}, {"messages": M}, orjson.dumps, True, True),
-    ("spaced-messages-last", {"messages": M}, {"messages": [*M, NEW]}, SPACED, True, True),
-    ("spaced-fields-after", {"messages": M, "system": "s"}, {"messages": [*M, NEW], "system": "s"}, SPACED, False, False),
-    ("edited-result", {"messages": M}, {"messages": [*M[:2], {**M[2], "content": "edited"}, NEW]}, orjson.dumps, True, False),
-    ("fewer", {"messages": M}, {"messages": M[:2]}, orjson.dumps, True, False),
-    ("later-duplicate-key", {"messages": M}, None, orjson.dumps, True, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case_id, old, new, dumps, found, by_bytes",
+    [
+        (
+            "messages-last",
+            {"system": "s", "messages": M},
+            {"system": "s", "messages": [*M, NEW]},
+            orjson.dumps,
+            True,
+            True,
+        ),
+        (
+            "messages-first",
+            {"messages": M, "system": "s", "stream": True},
+            {"messages": [*M, NEW], "system": "s", "stream": True},
+            orjson.dumps,
+            True,
+            True,
+        ),
+        ("resent", {"messages": M}, {"messages": M}, orjson.dumps, True, True),
+        ("spaced-messages-last", {"messages": M}, {"messages": [*M, NEW]}, SPACED, True, True),
+        (
+            "spaced-fields-after",
+            {"messages": M, "system": "s"},
+            {"messages": [*M, NEW], "system": "s"},
+            SPACED,
+            False,
+            False,
+        ),
+        (
+            "edited-result",
+            {"messages": M},
+            {"messages": [*M[:2], {**M[2], "content": "edited"}, NEW]},
+            orjson.dumps,
+            True,
+            False,
+        ),
+        ("fewer", {"messages": M}, {"messages": M[:2]}, orjson.dumps, True, False),
+        ("later-duplicate-key", {"messages": M}, None, orjson.dumps, True, False),
+    ],
+)
 def test_shared_messages_by_bytes_equal_the_parsed_comparison(monkeypatch, case_id, old, new, dumps, found, by_bytes):
     """Where the bytes decide, they say what comparing the parsed messages says; elsewhere (the end
     of the list not found, an edit, a shorter list, a second "messages" key whose list the parser

@@ -60,13 +60,17 @@ OUTPUT = "Let me look. " + "<tool_call>\n" + json.dumps({"name": "bash", "argume
 
 @pytest.mark.parametrize("step", [1, 3])
 def test_anthropic_streams_tool_input_in_chunks_equal_to_the_plain_answer(step):
-    ids = emitted(OUTPUT + "<tool_call>\n" + json.dumps({"name": "read", "arguments": {"path": "x"}}) + "\n</tool_call>")
+    ids = emitted(
+        OUTPUT + "<tool_call>\n" + json.dumps({"name": "read", "arguments": {"path": "x"}}) + "\n</tool_call>"
+    )
     wire = AnthropicWire(["gyre"], 100)
     events, (text, calls) = run_stream(wire, ids, step)
     blocks, n_json = anthropic_blocks(events)
     parsed = TOK.parse_assistant(ids)
     plain = wire.response(CHAT, parsed.content, [(tid, c) for tid, c in calls], "stop", 10, len(ids))
-    assert [{k: v for k, v in b.items() if k != "id"} for b in blocks] == [{k: v for k, v in b.items() if k != "id"} for b in plain["content"]]
+    assert [{k: v for k, v in b.items() if k != "id"} for b in blocks] == [
+        {k: v for k, v in b.items() if k != "id"} for b in plain["content"]
+    ]
     assert [b["id"] for b in blocks if b["type"] == "tool_use"] == [tid for tid, _ in calls]
     assert n_json > 10  # the input arrived in many chunks, not one at the end
     names = [d["type"] for _, d in events]
@@ -92,10 +96,13 @@ def test_openai_streams_argument_deltas():
     assert events[-2][1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-@pytest.mark.parametrize("body", [
-    '{"arguments": {"x": 1}, "name": "f"}',  # arguments first: only the final parse knows the call
-    '{"name": "f", "arguments": "{\\"x\\": 1}"}',  # arguments as a JSON string
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"arguments": {"x": 1}, "name": "f"}',  # arguments first: only the final parse knows the call
+        '{"name": "f", "arguments": "{\\"x\\": 1}"}',  # arguments as a JSON string
+    ],
+)
 def test_other_call_forms_are_sent_whole_at_the_end(body):
     ids = emitted(f"<tool_call>\n{body}\n</tool_call>")
     wire = AnthropicWire(["gyre"], 100)
@@ -118,14 +125,22 @@ def test_scanner_reads_each_character_once_and_waits_for_the_name():
     sc = ToolCallScanner()
     assert sc.update('x<tool_call>\n{"name": "ba') == []
     assert sc.update('x<tool_call>\n{"name": "bash", "arguments": ') == []
-    assert sc.update('x<tool_call>\n{"name": "bash", "arguments": {"a": "}') == [("start", 0, "bash"), ("args", 0, '{"a": "}')]
+    assert sc.update('x<tool_call>\n{"name": "bash", "arguments": {"a": "}') == [
+        ("start", 0, "bash"),
+        ("args", 0, '{"a": "}'),
+    ]
     assert sc.update('x<tool_call>\n{"name": "bash", "arguments": {"a": "}"}}\n</tool_call>') == [("args", 0, '"}')]
     assert sc.occurrences[0].arguments == '{"a": "}"}' and sc.occurrences[0].body is not None
 
 
 def test_scanner_finds_markers_split_across_updates():
-    text = "pre <tool_call>\n" + json.dumps({"name": "a", "arguments": ARGS}) + "\n</tool_call> mid <tool_call>\n" \
-        + json.dumps({"name": "b", "arguments": {}}) + "\n</tool_call><|im_end|><tool_call>"
+    text = (
+        "pre <tool_call>\n"
+        + json.dumps({"name": "a", "arguments": ARGS})
+        + "\n</tool_call> mid <tool_call>\n"
+        + json.dumps({"name": "b", "arguments": {}})
+        + "\n</tool_call><|im_end|><tool_call>"
+    )
     sc, events = ToolCallScanner(), []
     for n in range(1, len(text) + 1):
         events += sc.update(text[:n])

@@ -5,9 +5,9 @@ import json
 
 import numpy as np
 import pytest
+from _synthetic import SyntheticExecution, Thread
 
 from gyre.records import CallRecord, RecordError, RecordFileError, RecordWriter, VersionSpan, read_records
-from _synthetic import SyntheticExecution, Thread
 
 
 def _conversation(n_turns=6, execution_id="ex"):
@@ -21,10 +21,27 @@ def _conversation(n_turns=6, execution_id="ex"):
 
 
 def _same(a: CallRecord, b: CallRecord) -> bool:
-    return (all(getattr(a, k) == getattr(b, k) for k in ("execution_id", "call_id", "seq", "agent_id",
-            "parent_agent_id", "kind_hint", "version_spans", "finish_reason", "hints", "started_at", "is_retry"))
-            and np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.output_ids, b.output_ids)
-            and np.array_equal(a.logprobs, b.logprobs))
+    return (
+        all(
+            getattr(a, k) == getattr(b, k)
+            for k in (
+                "execution_id",
+                "call_id",
+                "seq",
+                "agent_id",
+                "parent_agent_id",
+                "kind_hint",
+                "version_spans",
+                "finish_reason",
+                "hints",
+                "started_at",
+                "is_retry",
+            )
+        )
+        and np.array_equal(a.input_ids, b.input_ids)
+        and np.array_equal(a.output_ids, b.output_ids)
+        and np.array_equal(a.logprobs, b.logprobs)
+    )
 
 
 def test_roundtrip_keeps_every_field_and_stores_inputs_as_deltas(tmp_path):
@@ -75,8 +92,9 @@ def test_torn_last_line_is_skipped_and_counted_nothing_else_lost(tmp_path, cut):
     assert all(_same(a, b) for a, b in zip(records, back))
 
 
-@pytest.mark.parametrize("tail", [b'{"v": 1, "call_id": "half', b"\0" * 300 + b"\n"],
-                         ids=["half-line", "zero-filled-line"])
+@pytest.mark.parametrize(
+    "tail", [b'{"v": 1, "call_id": "half', b"\0" * 300 + b"\n"], ids=["half-line", "zero-filled-line"]
+)
 def test_writer_reopening_a_torn_file_cuts_the_tail_then_appends(tmp_path, tail):
     """A crash leaves half a line, or (power loss before the data blocks) zeros up to a newline."""
     records = _conversation()
@@ -134,26 +152,50 @@ def test_writer_refuses_another_execution(tmp_path):
 
 
 def _kw(**over):
-    kw = dict(execution_id="e", call_id="c", seq=0, agent_id="main", parent_agent_id=None, kind_hint="main",
-              input_ids=np.arange(5, dtype=np.int32), output_ids=np.arange(3, dtype=np.int32),
-              logprobs=np.full(3, -0.5, np.float32), version_spans=(VersionSpan(0, 3, 1),), finish_reason="stop")
+    kw = dict(
+        execution_id="e",
+        call_id="c",
+        seq=0,
+        agent_id="main",
+        parent_agent_id=None,
+        kind_hint="main",
+        input_ids=np.arange(5, dtype=np.int32),
+        output_ids=np.arange(3, dtype=np.int32),
+        logprobs=np.full(3, -0.5, np.float32),
+        version_spans=(VersionSpan(0, 3, 1),),
+        finish_reason="stop",
+    )
     kw.update(over)
     return kw
 
 
-@pytest.mark.parametrize("over,match", [
-    (dict(logprobs=np.full(2, -0.5, np.float32)), "2 logprobs for 3 output tokens"),
-    (dict(logprobs=np.array([-1, 0.5, -1], np.float32)), "finite and <= 0"),
-    (dict(input_ids=np.arange(5, dtype=np.int64)), "input_ids must be a 1-D int32"),
-    (dict(input_ids=np.zeros(0, np.int32)), "input_ids is empty"),
-    (dict(version_spans=(VersionSpan(0, 2, 1),)), "cover 2 of 3"),
-    (dict(version_spans=(VersionSpan(0, 2, 1), VersionSpan(1, 3, 2))), "tile"),
-    (dict(kind_hint="title"), "kind_hint 'title' is not one of main, summary"),
-    (dict(finish_reason="eos"), "finish_reason 'eos'"),
-    (dict(agent_id="sa1"), "only the main agent has no parent"),
-    (dict(hints={"header": object()}), "hints must be JSON-serialisable"),
-], ids=["short-logprobs", "positive-logprob", "int64", "empty-input", "short-spans", "overlap-spans",
-        "bad-kind", "bad-finish", "orphan-subagent", "hints-not-json"])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(logprobs=np.full(2, -0.5, np.float32)), "2 logprobs for 3 output tokens"),
+        (dict(logprobs=np.array([-1, 0.5, -1], np.float32)), "finite and <= 0"),
+        (dict(input_ids=np.arange(5, dtype=np.int64)), "input_ids must be a 1-D int32"),
+        (dict(input_ids=np.zeros(0, np.int32)), "input_ids is empty"),
+        (dict(version_spans=(VersionSpan(0, 2, 1),)), "cover 2 of 3"),
+        (dict(version_spans=(VersionSpan(0, 2, 1), VersionSpan(1, 3, 2))), "tile"),
+        (dict(kind_hint="title"), "kind_hint 'title' is not one of main, summary"),
+        (dict(finish_reason="eos"), "finish_reason 'eos'"),
+        (dict(agent_id="sa1"), "only the main agent has no parent"),
+        (dict(hints={"header": object()}), "hints must be JSON-serialisable"),
+    ],
+    ids=[
+        "short-logprobs",
+        "positive-logprob",
+        "int64",
+        "empty-input",
+        "short-spans",
+        "overlap-spans",
+        "bad-kind",
+        "bad-finish",
+        "orphan-subagent",
+        "hints-not-json",
+    ],
+)
 def test_record_contract_violations_name_the_problem(over, match):
     with pytest.raises(RecordError, match=match):
         CallRecord(**_kw(**over))
@@ -165,10 +207,20 @@ def test_output_versions_expand_spans():
 
 
 def test_build_from_plain_sequences_as_a_proxy_would():
-    r = CallRecord.build(execution_id="e", call_id="rid-1", seq=0, agent_id="main", parent_agent_id=None,
-                         kind_hint="unknown", input_ids=[5, 6, 7], output_ids=[8, 9, 10, 11],
-                         logprobs=[-0.1, -0.2, -0.3, -0.4], versions=[3, 3, 4, 4], finish_reason="length",
-                         hints={"x-claude-code-agent-id": None})
+    r = CallRecord.build(
+        execution_id="e",
+        call_id="rid-1",
+        seq=0,
+        agent_id="main",
+        parent_agent_id=None,
+        kind_hint="unknown",
+        input_ids=[5, 6, 7],
+        output_ids=[8, 9, 10, 11],
+        logprobs=[-0.1, -0.2, -0.3, -0.4],
+        versions=[3, 3, 4, 4],
+        finish_reason="length",
+        hints={"x-claude-code-agent-id": None},
+    )
     assert r.input_ids.dtype == np.int32 and r.logprobs.dtype == np.float32
     assert r.version_spans == (VersionSpan(0, 2, 3), VersionSpan(2, 4, 4))
     fields = {k: v for k, v in _kw().items() if k not in ("input_ids", "output_ids", "logprobs", "version_spans")}
@@ -236,7 +288,9 @@ def test_group_commit_retries_a_failed_fsync(tmp_path, monkeypatch):
     from gyre.records.io import GroupCommit
 
     real_fsync, failures = os.fsync, []
-    monkeypatch.setattr(os, "fsync", lambda fd: real_fsync(fd) if not failures else (_ for _ in ()).throw(failures.pop()))
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: real_fsync(fd) if not failures else (_ for _ in ()).throw(failures.pop())
+    )
     group = GroupCommit(window_s=0.01)
     with RecordWriter(tmp_path / "a.jsonl", group=group) as w:
         failures.append(OSError(5, "Input/output error"))
@@ -257,7 +311,9 @@ def test_a_failed_write_is_cut_off_so_the_file_stays_readable(tmp_path, monkeypa
         w.append(records[0])
 
         def half_then_full(fd, data):
-            monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+            monkeypatch.setattr(
+                os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+            )
             return real_write(fd, bytes(data[: len(data) // 2]))
 
         monkeypatch.setattr(os, "write", half_then_full)

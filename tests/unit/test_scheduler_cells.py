@@ -27,8 +27,13 @@ def test_switch_walks_every_phase_in_order(start, target, phases):
 
 
 def test_rollout_to_train_phases_are_the_issue_s():
-    assert PHASES[Role.TO_TRAIN] == (Phase.STOP_ADMISSION, Phase.HAND_OFF_SESSIONS, Phase.RELEASE_ENGINE_MEMORY,
-                                     Phase.PULL_WEIGHTS, Phase.JOIN_STEP)
+    assert PHASES[Role.TO_TRAIN] == (
+        Phase.STOP_ADMISSION,
+        Phase.HAND_OFF_SESSIONS,
+        Phase.RELEASE_ENGINE_MEMORY,
+        Phase.PULL_WEIGHTS,
+        Phase.JOIN_STEP,
+    )
     assert PHASES[Role.TO_ROLLOUT] == (Phase.FINISH_MICROSTEP, Phase.LOAD_WEIGHTS, Phase.ANNOUNCE_TO_PROXY)
 
 
@@ -158,12 +163,53 @@ def _claims(q: MicroStepQueue, events: list) -> None:
 @pytest.mark.parametrize(
     "events, claims, done_by, redone",
     [
-        pytest.param([("claim", "a", 0), ("claim", "b", 1), ("complete", "b", 1, True)], {0: "a"}, {1: "b"}, 0, id="two-cells"),
-        pytest.param([("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "b", 0, True)], {}, {0: "b"}, 1, id="dead-cell-redone"),
-        pytest.param([("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "a", 0, False)], {0: "b"}, {}, 1, id="late-result-of-presumed-dead-refused"),
-        pytest.param([("claim", "a", 0), ("claim", "a", 1), ("claim", "a", None)], {0: "a", 1: "a"}, {}, 0, id="nothing-left"),
-        pytest.param([("claim", "a", 0), ("overdue", 5, {"a"}), ("release", "a", [0]), ("claim", "b", 0), ("overdue", 12, set())], {0: "b"}, {}, 1, id="hung-cell-overdue"),
-        pytest.param([("claim", "a", 0), ("claim", "b", 1), ("release", "b", [1]), ("release", "a", [0]), ("claim", "c", 0), ("claim", "c", 1)], {0: "c", 1: "c"}, {}, 2, id="hand-backs-reclaimed-in-index-order"),
+        pytest.param(
+            [("claim", "a", 0), ("claim", "b", 1), ("complete", "b", 1, True)], {0: "a"}, {1: "b"}, 0, id="two-cells"
+        ),
+        pytest.param(
+            [("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "b", 0, True)],
+            {},
+            {0: "b"},
+            1,
+            id="dead-cell-redone",
+        ),
+        pytest.param(
+            [("claim", "a", 0), ("release", "a", [0]), ("claim", "b", 0), ("complete", "a", 0, False)],
+            {0: "b"},
+            {},
+            1,
+            id="late-result-of-presumed-dead-refused",
+        ),
+        pytest.param(
+            [("claim", "a", 0), ("claim", "a", 1), ("claim", "a", None)], {0: "a", 1: "a"}, {}, 0, id="nothing-left"
+        ),
+        pytest.param(
+            [
+                ("claim", "a", 0),
+                ("overdue", 5, {"a"}),
+                ("release", "a", [0]),
+                ("claim", "b", 0),
+                ("overdue", 12, set()),
+            ],
+            {0: "b"},
+            {},
+            1,
+            id="hung-cell-overdue",
+        ),
+        pytest.param(
+            [
+                ("claim", "a", 0),
+                ("claim", "b", 1),
+                ("release", "b", [1]),
+                ("release", "a", [0]),
+                ("claim", "c", 0),
+                ("claim", "c", 1),
+            ],
+            {0: "c", 1: "c"},
+            {},
+            2,
+            id="hand-backs-reclaimed-in-index-order",
+        ),
     ],
 )
 def test_queue_tracks_which_cell_holds_each_claim(events, claims, done_by, redone):

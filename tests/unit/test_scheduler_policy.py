@@ -29,55 +29,90 @@ def cells(*roles, sessions=None, since_s=0.0, in_step=()):
     """Cell 0 is the core; every cell serves up to 100 sessions at 1000 tokens/s."""
     sessions = sessions or [0] * len(roles)
     return tuple(
-        CellView(index=i, role=r, is_core=(i == 0), in_step=(i in in_step), since_s=since_s,
-                 sessions=sessions[i], max_sessions=100, gen_tok_s=1000.0)
+        CellView(
+            index=i,
+            role=r,
+            is_core=(i == 0),
+            in_step=(i in in_step),
+            since_s=since_s,
+            sessions=sessions[i],
+            max_sessions=100,
+            gen_tok_s=1000.0,
+        )
         for i, r in enumerate(roles)
     )
 
 
 def obs(cs, running=0, queued=0, ready_s=0.0, now_s=1000.0, demand=0.0, **kw):
-    return Observation(now_s=now_s, cells=cs, queued=queued, running=running, gen_demand_tok_s=demand,
-                       ready_train_s=ready_s, **kw)
+    return Observation(
+        now_s=now_s, cells=cs, queued=queued, running=running, gen_demand_tok_s=demand, ready_train_s=ready_s, **kw
+    )
 
 
 ELASTIC_CASES = [
     # id, observation, expected decision
-    ("spare-capacity-and-work-pays: one satellite leaves",
-     obs(cells(T, R, R, R, sessions=[0, 40, 40, 40]), running=120, ready_s=1000.0), Decision(to_train=(1,))),
-    ("plenty-spare: two leave, the emptiest first",
-     obs(cells(T, R, R, R, sessions=[0, 30, 5, 10]), running=45, ready_s=1000.0), Decision(to_train=(2, 3))),
-    ("gain-below-cost: stays (10 s of work < 2 x 11.98 s)",
-     obs(cells(T, R, R, R), running=10, ready_s=20.0), Decision()),
-    ("no-training-work: stays",
-     obs(cells(T, R, R, R), running=10, ready_s=0.0), Decision()),
-    ("last-rollout-cell-with-live-work: stays",
-     obs(cells(T, R), running=1, ready_s=1e6), Decision()),
-    ("remaining-cells-too-small-for-sessions: stays",
-     obs(cells(T, R, R), running=150, ready_s=1e6), Decision()),
-    ("pooled-offload-tier-holds-the-rest: one leaves (100 + 100 pooled >= 150 x 1.1)",
-     obs(cells(T, R, R), running=150, ready_s=1e6, pooled_sessions=100), Decision(to_train=(1,))),
-    ("remaining-cells-too-slow-for-tokens: stays",
-     obs(cells(T, R, R), running=50, demand=1500.0, ready_s=1e6), Decision()),
-    ("headroom-counts: 95 live sessions do not fit 100 slots with 10% to spare",
-     obs(cells(T, R, R), running=95, ready_s=1e6), Decision()),
-    ("dwell-not-elapsed: stays",
-     obs(cells(T, R, R, R, since_s=990.0), running=10, ready_s=1e6), Decision()),
-    ("queue-outgrew-serving: the needed satellites return",
-     obs(cells(T, T, T, R), running=100, queued=150, ready_s=1e6), Decision(to_rollout=(1, 2))),
-    ("small-queue-below-threshold: no return",
-     obs(cells(T, T, R), running=100, queued=10), Decision()),
-    ("queue-but-serving-cells-absorb-it: no return",
-     obs(cells(T, T, R, R), running=100, queued=30), Decision()),
-    ("return-prefers-cells-between-micro-steps",
-     obs(cells(T, T, T, R, in_step=(1,)), running=100, queued=60), Decision(to_rollout=(2,))),
-    ("core-never-returns-to-rollout",
-     obs(cells(T, R), running=100, queued=500), Decision()),
-    ("serving-cell-lost: a satellite returns at once, dwell and queue threshold or not",
-     obs(cells(T, T, T, Role.LOST, since_s=990.0, in_step=(1,)), running=3, ready_s=1e6), Decision(to_rollout=(2,))),
-    ("serving-cell-lost-and-no-live-work: nothing returns",
-     obs(cells(T, T, Role.LOST), running=0, ready_s=1e6), Decision()),
-    ("lost-cells-are-never-chosen-nor-counted",
-     obs(cells(T, Role.LOST, R, R, sessions=[0, 0, 10, 10]), running=20, ready_s=1e6), Decision(to_train=(2,))),
+    (
+        "spare-capacity-and-work-pays: one satellite leaves",
+        obs(cells(T, R, R, R, sessions=[0, 40, 40, 40]), running=120, ready_s=1000.0),
+        Decision(to_train=(1,)),
+    ),
+    (
+        "plenty-spare: two leave, the emptiest first",
+        obs(cells(T, R, R, R, sessions=[0, 30, 5, 10]), running=45, ready_s=1000.0),
+        Decision(to_train=(2, 3)),
+    ),
+    (
+        "gain-below-cost: stays (10 s of work < 2 x 11.98 s)",
+        obs(cells(T, R, R, R), running=10, ready_s=20.0),
+        Decision(),
+    ),
+    ("no-training-work: stays", obs(cells(T, R, R, R), running=10, ready_s=0.0), Decision()),
+    ("last-rollout-cell-with-live-work: stays", obs(cells(T, R), running=1, ready_s=1e6), Decision()),
+    ("remaining-cells-too-small-for-sessions: stays", obs(cells(T, R, R), running=150, ready_s=1e6), Decision()),
+    (
+        "pooled-offload-tier-holds-the-rest: one leaves (100 + 100 pooled >= 150 x 1.1)",
+        obs(cells(T, R, R), running=150, ready_s=1e6, pooled_sessions=100),
+        Decision(to_train=(1,)),
+    ),
+    (
+        "remaining-cells-too-slow-for-tokens: stays",
+        obs(cells(T, R, R), running=50, demand=1500.0, ready_s=1e6),
+        Decision(),
+    ),
+    (
+        "headroom-counts: 95 live sessions do not fit 100 slots with 10% to spare",
+        obs(cells(T, R, R), running=95, ready_s=1e6),
+        Decision(),
+    ),
+    ("dwell-not-elapsed: stays", obs(cells(T, R, R, R, since_s=990.0), running=10, ready_s=1e6), Decision()),
+    (
+        "queue-outgrew-serving: the needed satellites return",
+        obs(cells(T, T, T, R), running=100, queued=150, ready_s=1e6),
+        Decision(to_rollout=(1, 2)),
+    ),
+    ("small-queue-below-threshold: no return", obs(cells(T, T, R), running=100, queued=10), Decision()),
+    ("queue-but-serving-cells-absorb-it: no return", obs(cells(T, T, R, R), running=100, queued=30), Decision()),
+    (
+        "return-prefers-cells-between-micro-steps",
+        obs(cells(T, T, T, R, in_step=(1,)), running=100, queued=60),
+        Decision(to_rollout=(2,)),
+    ),
+    ("core-never-returns-to-rollout", obs(cells(T, R), running=100, queued=500), Decision()),
+    (
+        "serving-cell-lost: a satellite returns at once, dwell and queue threshold or not",
+        obs(cells(T, T, T, Role.LOST, since_s=990.0, in_step=(1,)), running=3, ready_s=1e6),
+        Decision(to_rollout=(2,)),
+    ),
+    (
+        "serving-cell-lost-and-no-live-work: nothing returns",
+        obs(cells(T, T, Role.LOST), running=0, ready_s=1e6),
+        Decision(),
+    ),
+    (
+        "lost-cells-are-never-chosen-nor-counted",
+        obs(cells(T, Role.LOST, R, R, sessions=[0, 0, 10, 10]), running=20, ready_s=1e6),
+        Decision(to_train=(2,)),
+    ),
 ]
 
 
@@ -88,16 +123,26 @@ def test_elastic_cases(o, expected):
 
 CRITICAL_PATH_CASES = [
     # Executions queued for later steps (queued_ahead) are prefetch when critical_path is on.
-    ("prefetch-queue-does-not-block-leaving",
-     obs(cells(T, R, R, R, sessions=[0, 40, 40, 40]), running=120, queued=300, queued_ahead=300, ready_s=1000.0),
-     Decision(to_train=(1,))),
-    ("prefetch-queue-leaves-cells-on-ready-work",
-     obs(cells(T, T, R), running=100, queued=200, queued_ahead=200, ready_s=1000.0), Decision()),
-    ("prefetch-queue-and-no-work-left: idle cells come back",
-     obs(cells(T, T, T, R, in_step=(2,)), running=100, queued=200, queued_ahead=200, ready_s=0.0),
-     Decision(to_rollout=(1,))),
-    ("queue-for-the-current-step-pulls-back-even-with-work",
-     obs(cells(T, T, R), running=100, queued=200, queued_ahead=0, ready_s=1000.0), Decision(to_rollout=(1,))),
+    (
+        "prefetch-queue-does-not-block-leaving",
+        obs(cells(T, R, R, R, sessions=[0, 40, 40, 40]), running=120, queued=300, queued_ahead=300, ready_s=1000.0),
+        Decision(to_train=(1,)),
+    ),
+    (
+        "prefetch-queue-leaves-cells-on-ready-work",
+        obs(cells(T, T, R), running=100, queued=200, queued_ahead=200, ready_s=1000.0),
+        Decision(),
+    ),
+    (
+        "prefetch-queue-and-no-work-left: idle cells come back",
+        obs(cells(T, T, T, R, in_step=(2,)), running=100, queued=200, queued_ahead=200, ready_s=0.0),
+        Decision(to_rollout=(1,)),
+    ),
+    (
+        "queue-for-the-current-step-pulls-back-even-with-work",
+        obs(cells(T, T, R), running=100, queued=200, queued_ahead=0, ready_s=1000.0),
+        Decision(to_rollout=(1,)),
+    ),
 ]
 
 
@@ -114,20 +159,25 @@ def test_plain_waterlevel_counts_prefetch_as_live_work():
 
 RELIEVE_CASES = [
     # Two serving cells decode 2000 tokens/s; demand 3000 is a one-cell deficit that slows every session.
-    ("decode-overloaded-and-training-starved: the idle satellite returns",
-     obs(cells(T, T, R, R), running=100, demand=3000.0), Decision(to_rollout=(1,))),
-    ("training-has-a-backlog: stays",
-     obs(cells(T, T, R, R), running=100, demand=3000.0, ready_s=1000.0), Decision()),
-    ("work-ready-for-the-next-step-counts-as-backlog: stays",
-     obs(cells(T, T, R, R), running=100, demand=3000.0, ready_ahead_train_s=1000.0), Decision()),
-    ("satellite-in-a-micro-step: stays",
-     obs(cells(T, T, R, R, in_step=(1,)), running=100, demand=3000.0), Decision()),
-    ("deficit-too-small-to-pay-the-round-trip (0.2 cell x 60 s < 24 s): stays",
-     obs(cells(T, T, R, R), running=100, demand=2200.0), Decision()),
-    ("two-cell-deficit: two return",
-     obs(cells(T, T, T, R), running=100, demand=3000.0), Decision(to_rollout=(1, 2))),
-    ("dwell-not-elapsed: stays",
-     obs(cells(T, T, R, R, since_s=990.0), running=100, demand=3000.0), Decision()),
+    (
+        "decode-overloaded-and-training-starved: the idle satellite returns",
+        obs(cells(T, T, R, R), running=100, demand=3000.0),
+        Decision(to_rollout=(1,)),
+    ),
+    ("training-has-a-backlog: stays", obs(cells(T, T, R, R), running=100, demand=3000.0, ready_s=1000.0), Decision()),
+    (
+        "work-ready-for-the-next-step-counts-as-backlog: stays",
+        obs(cells(T, T, R, R), running=100, demand=3000.0, ready_ahead_train_s=1000.0),
+        Decision(),
+    ),
+    ("satellite-in-a-micro-step: stays", obs(cells(T, T, R, R, in_step=(1,)), running=100, demand=3000.0), Decision()),
+    (
+        "deficit-too-small-to-pay-the-round-trip (0.2 cell x 60 s < 24 s): stays",
+        obs(cells(T, T, R, R), running=100, demand=2200.0),
+        Decision(),
+    ),
+    ("two-cell-deficit: two return", obs(cells(T, T, T, R), running=100, demand=3000.0), Decision(to_rollout=(1, 2))),
+    ("dwell-not-elapsed: stays", obs(cells(T, T, R, R, since_s=990.0), running=100, demand=3000.0), Decision()),
 ]
 
 
@@ -146,7 +196,11 @@ def test_a_brief_demand_spike_brings_no_cell_back():
 
 COLOCATE_CASES = [
     ("rolling-out-batch-not-ready: nothing", obs(cells(R, R, R)), Decision()),
-    ("batch-ready: every cell trains, the core too", obs(cells(R, R, R), batch_ready=True), Decision(to_train=(0, 1, 2))),
+    (
+        "batch-ready: every cell trains, the core too",
+        obs(cells(R, R, R), batch_ready=True),
+        Decision(to_train=(0, 1, 2)),
+    ),
     ("step-open: keep training", obs(cells(T, T, T, in_step=(0,)), step_open=True), Decision()),
     ("step-applied-next-not-ready: every cell returns", obs(cells(T, T, T)), Decision(to_rollout=(0, 1, 2))),
     ("core-in-step-is-never-moved", obs(cells(T, T, in_step=(0,))), Decision(to_rollout=(1,))),
@@ -161,8 +215,12 @@ def test_colocate_cases(o, expected):
 
 @pytest.mark.parametrize(
     "num_cells, share, expected",
-    [pytest.param(4, 0.5, 2, id="half"), pytest.param(4, 0.01, 1, id="at-least-the-core"),
-     pytest.param(4, 0.99, 3, id="at-least-one-rollout"), pytest.param(6, 0.21, 1, id="rounds")],
+    [
+        pytest.param(4, 0.5, 2, id="half"),
+        pytest.param(4, 0.01, 1, id="at-least-the-core"),
+        pytest.param(4, 0.99, 3, id="at-least-one-rollout"),
+        pytest.param(6, 0.21, 1, id="rounds"),
+    ],
 )
 def test_async_pools_balance_the_work(num_cells, share, expected):
     assert balanced_train_cells(num_cells, share) == expected
@@ -237,8 +295,10 @@ def _drive(policy, waterlevels, tick_s=10.0, capacity=100):
             if now >= done_at:
                 roles[i], since[i] = role, now
                 del pending[i]
-        view = tuple(CellView(index=i, role=r, is_core=(i == 0), since_s=since[i], max_sessions=capacity,
-                              gen_tok_s=1e9) for i, r in enumerate(roles))
+        view = tuple(
+            CellView(index=i, role=r, is_core=(i == 0), since_s=since[i], max_sessions=capacity, gen_tok_s=1e9)
+            for i, r in enumerate(roles)
+        )
         serving = sum(capacity for r in roles if r in (Role.ROLLOUT, Role.TO_ROLLOUT))
         o = Observation(now_s=now, cells=view, running=min(w, serving), queued=max(0, w - serving), ready_train_s=1e6)
         d = policy.decide(o)
@@ -256,15 +316,28 @@ def _drive(policy, waterlevels, tick_s=10.0, capacity=100):
     "name, levels, max_switches",
     [
         # 3 satellites of 100 sessions; leaving one needs W <= 200/1.1 = 181, returning needs a queue of 25.
-        pytest.param("small-wobble-around-leave-threshold", [175 + (10 if k % 2 else 0) for k in range(720)], 1,
-                     id="small-wobble-around-leave-threshold"),
-        pytest.param("wobble-around-return-threshold", [190 + (30 if k % 2 else 0) for k in range(720)], 1,
-                     id="wobble-around-return-threshold"),
+        pytest.param(
+            "small-wobble-around-leave-threshold",
+            [175 + (10 if k % 2 else 0) for k in range(720)],
+            1,
+            id="small-wobble-around-leave-threshold",
+        ),
+        pytest.param(
+            "wobble-around-return-threshold",
+            [190 + (30 if k % 2 else 0) for k in range(720)],
+            1,
+            id="wobble-around-return-threshold",
+        ),
         # Brief dips inside the 300 s leave window never send a cell away.
-        pytest.param("full-swing-every-tick", [50 if k % 2 else 400 for k in range(720)], 0,
-                     id="full-swing-every-tick"),
-        pytest.param("dip-for-two-minutes-every-ten", [50 if 30 <= k % 60 < 42 else 400 for k in range(720)], 0,
-                     id="dip-for-two-minutes-every-ten"),
+        pytest.param(
+            "full-swing-every-tick", [50 if k % 2 else 400 for k in range(720)], 0, id="full-swing-every-tick"
+        ),
+        pytest.param(
+            "dip-for-two-minutes-every-ten",
+            [50 if 30 <= k % 60 < 42 else 400 for k in range(720)],
+            0,
+            id="dip-for-two-minutes-every-ten",
+        ),
     ],
 )
 def test_no_thrashing_under_an_oscillating_waterlevel(name, levels, max_switches):

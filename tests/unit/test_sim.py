@@ -8,22 +8,41 @@ from dataclasses import replace
 import hydra
 import pytest
 
-from gyre.errors import ConfigError
 from gyre.common import CONF_DIR
+from gyre.errors import ConfigError
 from gyre.scheduler.config import SchedulerConfig
 from gyre.sim.app import validate_sim
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.engine import Simulation
 from gyre.sim.result import critical_path_s, ideal_lower_bound_s, startup_bound_s
 
-PROFILE = ProfileConfig(groups_per_step=4, group_size=4, segments_median=6, segments_sigma=0.8, gen_tokens_median=600,
-                        tool_s_median=20, context_tokens_per_segment=2000, timeout_s=900, excluded_fraction=0.1)
-PRESET = PresetConfig(num_nodes=4, num_cells=4, kv_tokens_per_node=400_000, max_sessions_per_node=16,
-                      gen_tok_s_per_node=400, session_tok_s=50, train_tok_s_per_node=500, optimizer_step_s=5)
+PROFILE = ProfileConfig(
+    groups_per_step=4,
+    group_size=4,
+    segments_median=6,
+    segments_sigma=0.8,
+    gen_tokens_median=600,
+    tool_s_median=20,
+    context_tokens_per_segment=2000,
+    timeout_s=900,
+    excluded_fraction=0.1,
+)
+PRESET = PresetConfig(
+    num_nodes=4,
+    num_cells=4,
+    kv_tokens_per_node=400_000,
+    max_sessions_per_node=16,
+    gen_tok_s_per_node=400,
+    session_tok_s=50,
+    train_tok_s_per_node=500,
+    optimizer_step_s=5,
+)
 
 
 def simulate(mode: str, staleness: int = 1, **kw):
-    return Simulation(PROFILE, PRESET, SchedulerConfig(mode=mode, staleness=staleness), num_steps=4, tick_s=5.0, **kw).run()
+    return Simulation(
+        PROFILE, PRESET, SchedulerConfig(mode=mode, staleness=staleness), num_steps=4, tick_s=5.0, **kw
+    ).run()
 
 
 @pytest.mark.parametrize("mode", ["elastic", "async", "colocate"])
@@ -59,8 +78,9 @@ def test_critical_path_bound(groups, s, opt, expected):
 
 def test_the_critical_path_counts_training_after_each_group_is_ready():
     fast = simulate("elastic")
-    slow = Simulation(PROFILE, replace(PRESET, train_tok_s_per_node=50), SchedulerConfig(mode="elastic"),
-                      num_steps=4, tick_s=5.0).run()
+    slow = Simulation(
+        PROFILE, replace(PRESET, train_tok_s_per_node=50), SchedulerConfig(mode="elastic"), num_steps=4, tick_s=5.0
+    ).run()
     # same executions, 10x slower training: training a group can start only once it is ready, so the
     # latency bound grows with it; neither run beats its own bound
     assert slow.critical_path_s > fast.critical_path_s
@@ -107,10 +127,20 @@ def test_elastic_switches_and_core_never_leaves_training():
 
 
 def test_switch_costs_are_charged():
-    cheap = Simulation(PROFILE, PRESET, SchedulerConfig(mode="colocate", rollout_to_train_s=0, train_to_rollout_s=0),
-                       num_steps=4, tick_s=5.0).run()
-    dear = Simulation(PROFILE, PRESET, SchedulerConfig(mode="colocate", rollout_to_train_s=300, train_to_rollout_s=300),
-                      num_steps=4, tick_s=5.0).run()
+    cheap = Simulation(
+        PROFILE,
+        PRESET,
+        SchedulerConfig(mode="colocate", rollout_to_train_s=0, train_to_rollout_s=0),
+        num_steps=4,
+        tick_s=5.0,
+    ).run()
+    dear = Simulation(
+        PROFILE,
+        PRESET,
+        SchedulerConfig(mode="colocate", rollout_to_train_s=300, train_to_rollout_s=300),
+        num_steps=4,
+        tick_s=5.0,
+    ).run()
     assert dear.total_s > cheap.total_s + 4 * 300
 
 
@@ -149,10 +179,21 @@ def test_shipped_profiles_and_presets_validate(profile, preset):
 
 
 def test_cli_prints_tables_and_one_json_object_last(tmp_path):
-    args = ["profile=terminalbench", "preset=qwen122b_24n", "num_steps=1", "profile.groups_per_step=8",
-            "profile.group_size=4", "json=true", f"hydra.run.dir={tmp_path}"]
-    out = subprocess.run([sys.executable, "-c", "from gyre.sim.app import main; main()", *args],
-                         capture_output=True, text=True, timeout=120)
+    args = [
+        "profile=terminalbench",
+        "preset=qwen122b_24n",
+        "num_steps=1",
+        "profile.groups_per_step=8",
+        "profile.group_size=4",
+        "json=true",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-c", "from gyre.sim.app import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     data = json.loads(lines[-1])
@@ -162,8 +203,18 @@ def test_cli_prints_tables_and_one_json_object_last(tmp_path):
 
 
 def test_cli_bad_preset_names_the_key(tmp_path):
-    out = subprocess.run([sys.executable, "-c", "from gyre.sim.app import main; main()", "preset.num_cells=1000",
-                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from gyre.sim.app import main; main()",
+            "preset.num_cells=1000",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "preset.num_cells" in out.stderr
 
 
@@ -185,8 +236,14 @@ def test_losing_the_only_rollout_cell_of_async_brings_a_training_satellite_back_
 
 def test_losing_every_cell_but_the_core_stalls_loudly():
     with pytest.raises(RuntimeError, match="stalled"):
-        Simulation(PROFILE, PRESET, SchedulerConfig(mode="async", async_train_cells=1), num_steps=4, tick_s=60.0,
-                   losses=((1, 100.0), (2, 100.0), (3, 100.0))).run()
+        Simulation(
+            PROFILE,
+            PRESET,
+            SchedulerConfig(mode="async", async_train_cells=1),
+            num_steps=4,
+            tick_s=60.0,
+            losses=((1, 100.0), (2, 100.0), (3, 100.0)),
+        ).run()
 
 
 def test_hand_back_replays_work_when_a_cell_leaves_mid_micro_step():
@@ -198,8 +255,10 @@ def test_hand_back_replays_work_when_a_cell_leaves_mid_micro_step():
 
 @pytest.mark.parametrize("mode", ["elastic", "async", "colocate"])
 def test_first_ready_steps_do_not_wait_for_stragglers_and_never_train_over_the_bound(mode):
-    fixed, first = (Simulation(PROFILE, PRESET, SchedulerConfig(mode=mode, batching=b), num_steps=6, tick_s=5.0).run()
-                    for b in ("fixed", "first_ready"))
+    fixed, first = (
+        Simulation(PROFILE, PRESET, SchedulerConfig(mode=mode, batching=b), num_steps=6, tick_s=5.0).run()
+        for b in ("fixed", "first_ready")
+    )
     assert fixed.masked_fraction == 0 and fixed.num_stale_dropped == 0  # a step waits for its own groups
     assert first.total_s < fixed.total_s and first.max_staleness <= 1
     # groups trained late keep only their spans inside the bound (some masked, or whole executions dropped)
@@ -215,8 +274,11 @@ def test_the_offload_tier_is_pooled_whatever_the_roles():
 
 
 MECHANISM_SWITCHES = {
-    "none": {}, "value_leave": {"leave_rule": "value"}, "rebalance": {"rebalance_on_return": True},
-    "token_microsteps": {"microstep_tokens": 20_000}, "staleness_admission": {"admission": "staleness"},
+    "none": {},
+    "value_leave": {"leave_rule": "value"},
+    "rebalance": {"rebalance_on_return": True},
+    "token_microsteps": {"microstep_tokens": 20_000},
+    "staleness_admission": {"admission": "staleness"},
     "first_ready": {"batching": "first_ready"},
     "first_ready_early_admission": {"batching": "first_ready", "admission": "staleness"},
     "value_rebalance_microsteps": {"leave_rule": "value", "rebalance_on_return": True, "microstep_tokens": 20_000},
@@ -237,8 +299,10 @@ def test_no_run_beats_the_tighter_bound_nor_exceeds_the_staleness_bound(mode, me
 
 
 def test_early_admission_masks_the_spans_generated_before_the_version_it_trains_under():
-    step, early = (Simulation(PROFILE, PRESET, SchedulerConfig(mode="elastic", admission=a), num_steps=6,
-                              tick_s=5.0).run() for a in ("step", "staleness"))
+    step, early = (
+        Simulation(PROFILE, PRESET, SchedulerConfig(mode="elastic", admission=a), num_steps=6, tick_s=5.0).run()
+        for a in ("step", "staleness")
+    )
     assert step.masked_fraction == 0 and early.masked_fraction > 0 and early.max_staleness <= 1
     assert early.critical_path_s < step.critical_path_s
 
@@ -246,12 +310,19 @@ def test_early_admission_masks_the_spans_generated_before_the_version_it_trains_
 def test_derived_costs_follow_flops_and_measured_values_replace_them():
     from gyre.sim.cost import derive_costs, train_flops_per_token
 
-    p = PresetConfig(active_params_b=10, attention_layers=12, attention_dim=8192, train_mfu=0.3,
-                     logprob_recompute=True, reference_pass=False)
+    p = PresetConfig(
+        active_params_b=10,
+        attention_layers=12,
+        attention_dim=8192,
+        train_mfu=0.3,
+        logprob_recompute=True,
+        reference_pass=False,
+    )
     # 4 passes x (2 x 10e9 + 2 x 12 x 8192 x 100k) FLOPs per token
     assert train_flops_per_token(p, 1e5) == pytest.approx(4 * (2e10 + 2 * 12 * 8192 * 1e5))
     assert train_flops_per_token(replace(p, reference_pass=True), 1e5) == pytest.approx(
-        5 / 4 * train_flops_per_token(p, 1e5))
+        5 / 4 * train_flops_per_token(p, 1e5)
+    )
     c = derive_costs(PROFILE, p, 0)
     peak = 8 * 989e12
     assert c.train_tok_s_per_node == pytest.approx(peak * 0.3 / train_flops_per_token(p, c.train_context_tokens))
@@ -262,13 +333,16 @@ def test_derived_costs_follow_flops_and_measured_values_replace_them():
 
 def test_measured_per_cell_throughputs_and_duration_samples_drive_the_run():
     measured = replace(PRESET, cell_train_tok_s=[4000.0, 500.0, 500.0, 500.0], cell_gen_tok_s=[400.0] * 4)
-    fast_core = Simulation(PROFILE, measured, SchedulerConfig(mode="async", async_train_cells=1), num_steps=4,
-                           tick_s=5.0).run()
-    base = Simulation(PROFILE, PRESET, SchedulerConfig(mode="async", async_train_cells=1), num_steps=4,
-                      tick_s=5.0).run()
+    fast_core = Simulation(
+        PROFILE, measured, SchedulerConfig(mode="async", async_train_cells=1), num_steps=4, tick_s=5.0
+    ).run()
+    base = Simulation(
+        PROFILE, PRESET, SchedulerConfig(mode="async", async_train_cells=1), num_steps=4, tick_s=5.0
+    ).run()
     assert fast_core.total_s < base.total_s
     sampled = replace(PROFILE, tool_s_samples=[1.0], gen_tokens_samples=[100.0])
     from gyre.sim.workload import draw_batch
+
     b = draw_batch(sampled, 0, 0)
     assert set(b.tool_s) == {1.0} and set(b.gen_tokens) == {100.0}
     with pytest.raises(ConfigError) as err:

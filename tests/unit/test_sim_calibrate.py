@@ -31,28 +31,65 @@ LAST_STEP_AT = 30.0
 
 
 def _call(eid: str, i: int, cell: int, start, end, n_in, cached, n_out) -> CallRecord:
-    return CallRecord.build(execution_id=eid, call_id=f"c{i}", seq=i, agent_id="main", parent_agent_id=None,
-                            kind_hint="main", input_ids=list(range(n_in)), output_ids=[1] * n_out,
-                            logprobs=[-0.5] * n_out, versions=[0] * n_out, finish_reason="stop",
-                            engine_id=f"cell{cell}", cell_id=str(cell), started_at=T0 + start,
-                            finished_at=T0 + end, hints={"cached_tokens": cached})
+    return CallRecord.build(
+        execution_id=eid,
+        call_id=f"c{i}",
+        seq=i,
+        agent_id="main",
+        parent_agent_id=None,
+        kind_hint="main",
+        input_ids=list(range(n_in)),
+        output_ids=[1] * n_out,
+        logprobs=[-0.5] * n_out,
+        versions=[0] * n_out,
+        finish_reason="stop",
+        engine_id=f"cell{cell}",
+        cell_id=str(cell),
+        started_at=T0 + start,
+        finished_at=T0 + end,
+        hints={"cached_tokens": cached},
+    )
 
 
 def _optimizer_step() -> OptimizerStep:
-    return OptimizerStep(t=T0 + LAST_STEP_AT, step=0, loss=0.0, clip_fraction=0.0, truncated_fraction=0.0,
-                         ratio_mean=1.0, logprob_gap_mean=0.0, entropy_mean=None, grad_norm=1.0, reward_mean=0.5,
-                         reward_std=0.1, num_executions=3, targets_naive=1, targets_capped=1, targets_dedup=1,
-                         seq_tokens_packed=PACKED_TOKENS, seconds=5.0)
+    return OptimizerStep(
+        t=T0 + LAST_STEP_AT,
+        step=0,
+        loss=0.0,
+        clip_fraction=0.0,
+        truncated_fraction=0.0,
+        ratio_mean=1.0,
+        logprob_gap_mean=0.0,
+        entropy_mean=None,
+        grad_norm=1.0,
+        reward_mean=0.5,
+        reward_std=0.1,
+        num_executions=3,
+        targets_naive=1,
+        targets_capped=1,
+        targets_dedup=1,
+        seq_tokens_packed=PACKED_TOKENS,
+        seconds=5.0,
+    )
 
 
 def write_run(d, num_steps: int = 1):
     """A finished one-step elastic run of one group of four on three cells."""
     (d / ".hydra").mkdir(parents=True)
-    config = {"cluster": {"num_cells": 3, "cell_nodes": 1},
-              "coordinator": {"groups_per_step": 1, "group_size": 4, "sessions_per_cell": 4, "tick_s": 0.5,
-                              "max_micro_batch_tokens": 8192},
-              "engine": {"prefix_cache_tokens": 65536}, "scheduler": asdict(SchedulerConfig(mode="elastic")),
-              "num_steps": num_steps, "seed": 0}
+    config = {
+        "cluster": {"num_cells": 3, "cell_nodes": 1},
+        "coordinator": {
+            "groups_per_step": 1,
+            "group_size": 4,
+            "sessions_per_cell": 4,
+            "tick_s": 0.5,
+            "max_micro_batch_tokens": 8192,
+        },
+        "engine": {"prefix_cache_tokens": 65536},
+        "scheduler": asdict(SchedulerConfig(mode="elastic")),
+        "num_steps": num_steps,
+        "seed": 0,
+    }
     (d / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     (d / "records").mkdir()
     ledger = ExecutionLedger(d / "ledger.jsonl")
@@ -62,17 +99,42 @@ def write_run(d, num_steps: int = 1):
                 w.append(_call(eid, i, cell, *c))
         ledger.append(LedgerEntry(eid, "queued", T0 - 1, group=0, task_id="t"))
         ledger.append(LedgerEntry(eid, "running", T0 + running, group=0, task_id="t"))
-        ledger.append(LedgerEntry(eid, outcome, T0 + ended, group=0, task_id="t", duration_s=ended - running,
-                                  reason="no_score" if outcome == "excluded" else ""))
+        ledger.append(
+            LedgerEntry(
+                eid,
+                outcome,
+                T0 + ended,
+                group=0,
+                task_id="t",
+                duration_s=ended - running,
+                reason="no_score" if outcome == "excluded" else "",
+            )
+        )
         if outcome != "excluded":
             ledger.append(LedgerEntry(eid, "trained", T0 + 31, group=0, task_id="t", step=0))
     ledger.close()
     with EventLog(d) as log:
         log.emit(RunStart(t=T0 - 1, mode="elastic", num_steps=num_steps, num_cells=3))
-        log.emit(RoleSwitch(t=T0 + 20, cell=1, from_role="rollout", to_role="train", t_start=T0 + 18.8,
-                            phases={"stop_admission": 0.2, "pull_weights": 1.0}))
-        log.emit(RoleSwitch(t=T0 + 25, cell=1, from_role="train", to_role="rollout", t_start=T0 + 21,
-                            phases={"finish_microstep": 3.0, "stop_admission": 0.4, "load_weights": 0.6}))
+        log.emit(
+            RoleSwitch(
+                t=T0 + 20,
+                cell=1,
+                from_role="rollout",
+                to_role="train",
+                t_start=T0 + 18.8,
+                phases={"stop_admission": 0.2, "pull_weights": 1.0},
+            )
+        )
+        log.emit(
+            RoleSwitch(
+                t=T0 + 25,
+                cell=1,
+                from_role="train",
+                to_role="rollout",
+                t_start=T0 + 21,
+                phases={"finish_microstep": 3.0, "stop_admission": 0.4, "load_weights": 0.6},
+            )
+        )
         log.emit(MicroStep(t=T0 + LAST_STEP_AT, step=0, index=0, cell=0, tokens=600, seconds=2.0))
         log.emit(MicroStep(t=T0 + LAST_STEP_AT, step=0, index=1, cell=1, tokens=400, seconds=1.0))
         log.emit(_optimizer_step())
@@ -114,15 +176,20 @@ def test_overrides_reproduce_the_measured_machine(run_dir):
     assert float(v["preset.optimizer_step_s"]) == 2.0  # publish + checkpoint
     assert (v["preset.num_nodes"], v["preset.num_cells"], v["preset.live_sessions_per_node"]) == ("3", "3", "4")
     assert {k: float(x) for k, x in v.items() if k.startswith("phase_s.")} == {
-        "phase_s.stop_admission": 0.3, "phase_s.pull_weights": 1.0, "phase_s.load_weights": 0.6}
+        "phase_s.stop_admission": 0.3,
+        "phase_s.pull_weights": 1.0,
+        "phase_s.load_weights": 0.6,
+    }
 
 
 def test_an_engines_capacity_is_its_best_loaded_rate_not_the_mean_over_loaded_time():
     # 2 calls together for 4 s at 20 tokens/s in all, then 4 together for 3 s at 60 tokens/s in all
     # (the mean over loaded time would be 260 / 7 = 37), then 3 together for 1 s: too short to count
-    calls = ([_call("a", i, 1, 0.0, 4.0, 10, 0, 40) for i in range(2)]
-             + [_call("b", i, 1, 10.0, 13.0, 10, 0, 45) for i in range(4)]
-             + [_call("c", i, 1, 20.0, 21.0, 10, 0, 1000) for i in range(3)])
+    calls = (
+        [_call("a", i, 1, 0.0, 4.0, 10, 0, 40) for i in range(2)]
+        + [_call("b", i, 1, 10.0, 13.0, 10, 0, 45) for i in range(4)]
+        + [_call("c", i, 1, 20.0, 21.0, 10, 0, 1000) for i in range(3)]
+    )
     assert peak_rate(calls) == pytest.approx(60.0)
     assert peak_rate(calls, min_level_s=0.5) == pytest.approx(3000.0)
     assert peak_rate(calls[:1]) == 0.0  # never shared: no aggregate figure

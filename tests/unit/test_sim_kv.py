@@ -19,8 +19,15 @@ class S:
 
 def engine(kv_cap=100.0, batch_cap=4, host_cap=1000.0):
     # 10 tok/s per session; prefill 10 tok/s, reload 100 tok/s: costs are easy to read off
-    return CellEngine(kv_cap, batch_cap, gen_tok_s=1000.0, session_tok_s=10.0, prefill_tok_s=10.0,
-                      load_tok_s=100.0, host=HostTier(host_cap))
+    return CellEngine(
+        kv_cap,
+        batch_cap,
+        gen_tok_s=1000.0,
+        session_tok_s=10.0,
+        prefill_tok_s=10.0,
+        load_tok_s=100.0,
+        host=HostTier(host_cap),
+    )
 
 
 def test_a_session_in_a_tool_call_holds_no_slot_and_its_kv_stays_cached():
@@ -93,8 +100,9 @@ def test_colocate_parks_sessions_through_the_same_offload_tier():
     # recomputed without one.
     sched = SchedulerConfig(mode="colocate", staleness=1)
     none = Simulation(PROFILE, replace(PRESET, host_kv_tokens_per_node=0), sched, num_steps=3, tick_s=5.0).run()
-    roomy = Simulation(PROFILE, replace(PRESET, host_kv_tokens_per_node=50_000_000), sched, num_steps=3,
-                       tick_s=5.0).run()
+    roomy = Simulation(
+        PROFILE, replace(PRESET, host_kv_tokens_per_node=50_000_000), sched, num_steps=3, tick_s=5.0
+    ).run()
     assert none.recompute_tokens > 0 and none.reload_tokens == 0
     assert roomy.recompute_tokens == 0 and roomy.reload_tokens > 0
 
@@ -111,10 +119,11 @@ def test_prefill_and_decode_share_the_cell_throughput():
     # 100 tok/s of decode in all; each call decodes 10 tokens after prefilling 10 prompt tokens
     # (10 tok/s): 10 + 10 x 100/10 = 110 decode-equivalent tokens. However many calls start, the
     # reservations never exceed the throughput, so the work done by time t is at most 100 t.
-    e = CellEngine(1e6, 1000, gen_tok_s=100.0, session_tok_s=10.0, prefill_tok_s=10.0, load_tok_s=100.0,
-                   host=HostTier(0.0))
+    e = CellEngine(
+        1e6, 1000, gen_tok_s=100.0, session_tok_s=10.0, prefill_tok_s=10.0, load_tok_s=100.0, host=HostTier(0.0)
+    )
     ends = []
-    for i in range(20):
+    for _ in range(20):
         end = e.start(S(), 0.0, 0, 1, tokens=10, prompt=10)
         assert e.reserved <= 100.0 + 1e-9
         if end is not None:

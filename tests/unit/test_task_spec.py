@@ -12,8 +12,14 @@ from gyre.harness.sandbox import make_bwrap_prefix, make_container_prefix
 from gyre.tasks.spec import TaskSet, TaskSpecError, parse_task, toy_taskset
 
 CONF = Path(__file__).resolve().parents[2] / "gyre" / "conf"
-GOOD = {"task_id": "t1", "instruction": "do it", "workspace": {"files": {"a.txt": "x"}}, "setup": None,
-        "evaluator": {"kind": "files", "files": {"a.txt": "y"}}, "time_budget_s": 5}  # fmt: skip
+GOOD = {
+    "task_id": "t1",
+    "instruction": "do it",
+    "workspace": {"files": {"a.txt": "x"}},
+    "setup": None,
+    "evaluator": {"kind": "files", "files": {"a.txt": "y"}},
+    "time_budget_s": 5,
+}
 
 BAD = [
     ("not-object", [], "(spec)"),
@@ -32,9 +38,13 @@ BAD = [
     ("evaluator-kind", {**GOOD, "evaluator": {"kind": "magic"}}, "evaluator.kind"),
     ("evaluator-no-command", {**GOOD, "evaluator": {"kind": "pytest"}}, "evaluator.command"),
     ("evaluator-no-files", {**GOOD, "evaluator": {"kind": "files", "files": {}}}, "evaluator.files"),
-    ("evaluator-timeout", {**GOOD, "evaluator": {"kind": "json_score", "command": "x", "timeout_s": -1}}, "evaluator.timeout_s"),
+    (
+        "evaluator-timeout",
+        {**GOOD, "evaluator": {"kind": "json_score", "command": "x", "timeout_s": -1}},
+        "evaluator.timeout_s",
+    ),
     ("reference-shape", {**GOOD, "reference": {"patch": "..."}}, "reference"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("obj,field", [pytest.param(o, f, id=i) for i, o, f in BAD])
@@ -49,7 +59,11 @@ def test_bad_spec_names_task_and_field(obj, field, tmp_path):
 def test_good_spec_and_relative_dir(tmp_path):
     (tmp_path / "ws").mkdir()
     t = parse_task({**GOOD, "workspace": {"dir": "ws"}, "reference": {"files": {"a.txt": "y"}}}, "x", tmp_path)
-    assert t.workspace.location == str(tmp_path / "ws") and t.time_budget_s == 5.0 and t.reference == {"files": {"a.txt": "y"}}
+    assert (
+        t.workspace.location == str(tmp_path / "ws")
+        and t.time_budget_s == 5.0
+        and t.reference == {"files": {"a.txt": "y"}}
+    )
 
 
 def test_load_jsonl_and_directory_and_errors(tmp_path):
@@ -91,8 +105,16 @@ def test_harness_config_errors_name_the_key():
 
 
 def test_command_placeholders_keep_values_one_word():
-    argv = make_template_command("agent --task {instruction} --url={proxy_url}/v1 '{{literal}}'",
-                                 {"instruction": "fix the bug; rm -rf /", "proxy_url": "http://h:1", "workspace": "", "api_key": "", "model": ""})  # fmt: skip
+    argv = make_template_command(
+        "agent --task {instruction} --url={proxy_url}/v1 '{{literal}}'",
+        {
+            "instruction": "fix the bug; rm -rf /",
+            "proxy_url": "http://h:1",
+            "workspace": "",
+            "api_key": "",
+            "model": "",
+        },
+    )
     assert argv == ["agent", "--task", "fix the bug; rm -rf /", "--url=http://h:1/v1", "{literal}"]
 
 
@@ -105,9 +127,24 @@ def test_bwrap_prefix_binds_only_the_writable_paths(tmp_path):
 
 def test_container_prefix_binds_workspace_and_home(tmp_path):
     ws, home = tmp_path / "ws", tmp_path / "home"
-    assert make_container_prefix("img.sif", [ws, home], ws) == ["apptainer", "exec", "--contain", "--bind", f"{ws},{home}",
-                                                                  "--pwd", str(ws), "img.sif"]  # fmt: skip
-    assert make_container_prefix("img", [ws], ws, "enroot") == ["enroot", "start", "--rw", "--mount", f"{ws}:{ws}", "img"]
+    assert make_container_prefix("img.sif", [ws, home], ws) == [
+        "apptainer",
+        "exec",
+        "--contain",
+        "--bind",
+        f"{ws},{home}",
+        "--pwd",
+        str(ws),
+        "img.sif",
+    ]
+    assert make_container_prefix("img", [ws], ws, "enroot") == [
+        "enroot",
+        "start",
+        "--rw",
+        "--mount",
+        f"{ws}:{ws}",
+        "img",
+    ]
 
 
 def test_tasks_config_yaml_matches_and_validates():

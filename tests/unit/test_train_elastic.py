@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _train_ref import random_batches
+
 from gyre.models.config import ModelConfig
 from gyre.train.config import TrainerConfig
 from gyre.train.elastic import CoreServer, ElasticError
@@ -26,7 +26,15 @@ from gyre.train.satellite import SatelliteCell
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 
-MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, vocab_size=64, max_seq_len=512)
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=64,
+    max_seq_len=512,
+)
 CFG = TrainerConfig(lr=1e-3, num_grad_slots=3)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,12 +43,23 @@ class Satellite:
     """A warm satellite process: model built, waiting on stdin for the core's address."""
 
     def __init__(self, log: Path, cfg: TrainerConfig, cell: str, launcher: tuple[str, ...] = ()):
-        cmd = [*launcher, sys.executable, "-m", "gyre.train.satellite", "--cell", cell, "--model", json.dumps(dataclasses.asdict(MODEL)),
-               "--trainer", json.dumps(dataclasses.asdict(cfg))]
+        cmd = [
+            *launcher,
+            sys.executable,
+            "-m",
+            "gyre.train.satellite",
+            "--cell",
+            cell,
+            "--model",
+            json.dumps(dataclasses.asdict(MODEL)),
+            "--trainer",
+            json.dumps(dataclasses.asdict(cfg)),
+        ]
         self.log = log
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(log, "w"), text=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True
+        )
 
     def expect(self, prefix: str, timeout_s: float = 120) -> str:
         deadline = time.monotonic() + timeout_s
@@ -71,7 +90,9 @@ def start_satellites(tmp_path):
 
     def start(n: int, cfg: TrainerConfig = CFG, launcher: tuple[str, ...] = ()) -> list[Satellite]:
         base = len(started)
-        started.extend([Satellite(tmp_path / f"sat{base + i}.log", cfg, f"satellite{base + i + 1}", launcher) for i in range(n)])
+        started.extend(
+            [Satellite(tmp_path / f"sat{base + i}.log", cfg, f"satellite{base + i + 1}", launcher) for i in range(n)]
+        )
         return started[-n:]
 
     try:

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 import torch
-
 from _train_ref import pack
+
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
@@ -19,7 +19,15 @@ from gyre.train.publish import load_weights_from_disk, push_weights, write_weigh
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 
-MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=32, max_seq_len=128)
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=32,
+    max_seq_len=128,
+)
 SEED = 0
 
 
@@ -46,8 +54,13 @@ async def _rollouts(url, endpoint, trainer, prompts, n_each, new_tokens, seed0):
     """Push the trainer's weights, then sample `n_each` completions per prompt from the engine."""
     async with EngineClient(url, timeout_s=120) as client:
         await push_weights(trainer, endpoint, [client])
-        jobs = [client.generate(p, {"max_new_tokens": new_tokens, "temperature": 1.0, "sampling_seed": seed0 + k * 1000 + j})
-                for k, p in enumerate(prompts) for j in range(n_each)]
+        jobs = [
+            client.generate(
+                p, {"max_new_tokens": new_tokens, "temperature": 1.0, "sampling_seed": seed0 + k * 1000 + j}
+            )
+            for k, p in enumerate(prompts)
+            for j in range(n_each)
+        ]
         outs = await asyncio.gather(*jobs)
     for o in outs:
         assert o["meta_info"]["weight_version"] == trainer.step
@@ -55,8 +68,10 @@ async def _rollouts(url, endpoint, trainer, prompts, n_each, new_tokens, seed0):
 
 
 def _max_gap(trainer, prompts, n_each, samples):
-    seqs = [{"prompt": prompts[i // n_each], "output": out, "logprobs": lps, "advantage": 1.0}
-            for i, (out, lps) in enumerate(samples)]
+    seqs = [
+        {"prompt": prompts[i // n_each], "output": out, "logprobs": lps, "advantage": 1.0}
+        for i, (out, lps) in enumerate(samples)
+    ]
     batch = pack(seqs)
     return float((trainer.logprobs(batch) - batch.behaviour_logprobs)[batch.target_mask].abs().max()), batch
 

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from _train_ref import pack
+
 from gyre.errors import ConfigError
 from gyre.train.batch import BatchError, screen_batch
 from gyre.train.config import TrainerConfig
@@ -17,7 +17,9 @@ CFG = TrainerConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, truncation_cap=3.0
 def _one_token(log_ratio: float, adv: float, cfg=CFG):
     lp = torch.tensor([0.0, -1.0 + log_ratio], requires_grad=True)
     mask = torch.tensor([False, True])
-    loss, stats = policy_loss(lp, torch.tensor([0.0, -1.0]), torch.tensor([0.0, adv]), torch.tensor([0.0, 1.0]), mask, 1.0, cfg)
+    loss, stats = policy_loss(
+        lp, torch.tensor([0.0, -1.0]), torch.tensor([0.0, adv]), torch.tensor([0.0, 1.0]), mask, 1.0, cfg
+    )
     loss.backward()
     return float(loss.detach()), float(lp.grad[1]), stats
 
@@ -96,11 +98,31 @@ def _shifted_logprobs(b):
     "make, reason",
     [
         pytest.param(lambda b: _shifted_logprobs(b), "logprobs_misaligned", id="shifted-logprobs"),
-        pytest.param(lambda b: _with(b, target_mask=torch.zeros_like(b.target_mask), behaviour_logprobs=torch.zeros(b.num_tokens)), "empty_targets", id="no-targets"),
-        pytest.param(lambda b: _with(b, loss_weights=torch.zeros(b.num_tokens)), "empty_targets", id="all-zero-weights"),
-        pytest.param(lambda b: _with(b, behaviour_logprobs=b.behaviour_logprobs.abs()), "logprobs_invalid", id="positive-logprobs"),
-        pytest.param(lambda b: _with(b, target_mask=torch.ones_like(b.target_mask)), "target_at_sequence_start", id="first-token-target"),
-        pytest.param(lambda b: _with(b, weight_versions=torch.full_like(b.weight_versions, -1)), "weight_version_missing", id="no-version"),
+        pytest.param(
+            lambda b: _with(
+                b, target_mask=torch.zeros_like(b.target_mask), behaviour_logprobs=torch.zeros(b.num_tokens)
+            ),
+            "empty_targets",
+            id="no-targets",
+        ),
+        pytest.param(
+            lambda b: _with(b, loss_weights=torch.zeros(b.num_tokens)), "empty_targets", id="all-zero-weights"
+        ),
+        pytest.param(
+            lambda b: _with(b, behaviour_logprobs=b.behaviour_logprobs.abs()),
+            "logprobs_invalid",
+            id="positive-logprobs",
+        ),
+        pytest.param(
+            lambda b: _with(b, target_mask=torch.ones_like(b.target_mask)),
+            "target_at_sequence_start",
+            id="first-token-target",
+        ),
+        pytest.param(
+            lambda b: _with(b, weight_versions=torch.full_like(b.weight_versions, -1)),
+            "weight_version_missing",
+            id="no-version",
+        ),
     ],
 )
 def test_bad_sequences_are_dropped_with_a_reason(make, reason):
@@ -109,7 +131,18 @@ def test_bad_sequences_are_dropped_with_a_reason(make, reason):
     both = pack([_seq(id="x")])  # structure template for concatenation below
     merged = replace(
         both,
-        **{f: torch.cat([getattr(bad, f), getattr(good, f)]) for f in ("tokens", "position_ids", "target_mask", "behaviour_logprobs", "loss_weights", "advantages", "weight_versions")},
+        **{
+            f: torch.cat([getattr(bad, f), getattr(good, f)])
+            for f in (
+                "tokens",
+                "position_ids",
+                "target_mask",
+                "behaviour_logprobs",
+                "loss_weights",
+                "advantages",
+                "weight_versions",
+            )
+        },
         cu_seqlens=torch.tensor([0, bad.num_tokens, bad.num_tokens + good.num_tokens], dtype=torch.int32),
         execution_ids=("bad", "good"),
     )
@@ -125,10 +158,14 @@ def test_bad_sequences_are_dropped_with_a_reason(make, reason):
     "make, match",
     [
         pytest.param(lambda b: _with(b, advantages=b.advantages[:-1]), "advantages has shape", id="short-array"),
-        pytest.param(lambda b: _with(b, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32)), "cu_seqlens", id="bad-boundaries"),
+        pytest.param(
+            lambda b: _with(b, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32)), "cu_seqlens", id="bad-boundaries"
+        ),
         pytest.param(lambda b: _with(b, tokens=b.tokens + 100), "token ids", id="out-of-vocab"),
         pytest.param(lambda b: _with(b, execution_ids=()), "execution_ids", id="ids-missing"),
-        pytest.param(lambda b: _with(b, advantages=b.advantages.long()), "advantages has dtype", id="integer-advantages"),
+        pytest.param(
+            lambda b: _with(b, advantages=b.advantages.long()), "advantages has dtype", id="integer-advantages"
+        ),
         pytest.param(lambda b: _with(b, target_mask=b.target_mask.float()), "target_mask has dtype", id="float-mask"),
     ],
 )

@@ -10,17 +10,25 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _train_ref import pack, random_batches
-from gyre.models.config import ModelConfig
+
 from gyre.models.checkpoint import load_checkpoint, save_checkpoint
+from gyre.models.config import ModelConfig
 from gyre.models.convert import ConversionError, engine_to_megatron, megatron_to_engine
 from gyre.train.batch import BatchError
 from gyre.train.checkpoint import CheckpointManager, list_checkpoints
 from gyre.train.config import TrainerConfig
 from gyre.train.trainer import Trainer
 
-MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, vocab_size=64, max_seq_len=256)
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=64,
+    max_seq_len=256,
+)
 CFG = TrainerConfig(lr=1e-3)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,8 +106,14 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests/unit'}", OMP_NUM_THREADS="1")
     log = tmp_path / "child.log"
     with open(log, "w") as out:  # not a pipe: dist_checkpointing's helper processes would hold it open
-        proc = subprocess.Popen([sys.executable, "-c", _CRASH_SCRIPT, str(tmp_path / "ck"), str(tmp_path / "w1.pt")],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CRASH_SCRIPT, str(tmp_path / "ck"), str(tmp_path / "w1.pt")],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=180)
         finally:

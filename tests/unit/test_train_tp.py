@@ -13,14 +13,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _train_ref import random_batches
+
 from gyre.models.config import ModelConfig
 from gyre.train.checkpoint import CheckpointManager
 from gyre.train.config import TrainerConfig
 from gyre.train.trainer import Trainer
 
-MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2, vocab_size=64, max_seq_len=256)
+MODEL = ModelConfig(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=64,
+    max_seq_len=256,
+)
 CFG = TrainerConfig(lr=1e-3)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,15 +65,30 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("tp", [pytest.param(2, id="tp2"), pytest.param(1, id="dp2")])
 def test_two_ranks_over_gloo_match_one_rank(tmp_path, tp):
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'tests/unit'}", OMP_NUM_THREADS="1", WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{ROOT}:{ROOT / 'tests/unit'}",
+        OMP_NUM_THREADS="1",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+    )
     one = Trainer(MODEL, CFG, seed=0)
     one.train_step(random_batches(MODEL, 1, 2, seed=4))  # non-zero Adam state to reshard
     CheckpointManager(tmp_path / "tp1", keep_last=1).save(one)
     args = [str(tp), str(tmp_path / "tp1"), str(tmp_path / "tp2"), str(tmp_path / "out.pt")]
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(2)]
-    ranks = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, *args], cwd=ROOT, env=env | {"RANK": str(r)},
-                              stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True) for r in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_SCRIPT, *args],
+            cwd=ROOT,
+            env=env | {"RANK": str(r)},
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for r in range(2)
+    ]
     lp = one.logprobs(random_batches(MODEL, 1, 3, seed=5)[0])
     metrics = one.train_step(random_batches(MODEL, 3, 2, seed=6))
     try:

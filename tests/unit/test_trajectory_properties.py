@@ -8,6 +8,7 @@ import tempfile
 from collections import Counter
 
 import numpy as np
+from _synthetic import SyntheticExecution, Thread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +16,6 @@ from gyre.records import RecordWriter, read_records
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.pack import pack
 from gyre.trajectory.process import process_execution, weight_samples
-from _synthetic import SyntheticExecution, Thread
 from gyre.trajectory.tree import build_call_tree
 
 OPS = ("turn", "turn", "turn", "turn", "new_main", "new_sub", "rewind", "resend", "summary", "aux")
@@ -40,8 +40,9 @@ def executions(draw):
             threads.append(Thread(ex, f"s{len(threads)}", t.agent_id, ex.context(n_ctx + 1)))
         elif op == "rewind":  # the harness edits its context: cut anywhere, even inside an output
             cut = draw(st.integers(1, t.tokens.size))
-            threads.append(Thread(ex, t.agent_id, t.parent_agent_id,
-                                  np.concatenate((t.tokens[:cut], ex.context(n_ctx + 1)))))
+            threads.append(
+                Thread(ex, t.agent_id, t.parent_agent_id, np.concatenate((t.tokens[:cut], ex.context(n_ctx + 1))))
+            )
         elif op == "resend":  # broken stream: the first attempt is thrown away, the same input re-sent
             discarded.add(ex.call(t.agent_id, t.parent_agent_id, t.tokens, ex.policy(n_out)).call_id)
             t.turn(draw(st.integers(0, 6)), n_ctx, is_retry=True)
@@ -113,8 +114,9 @@ def test_deduplicated_loss_equals_naive_per_path_loss(execution, k, averaging):
         for t in np.flatnonzero(batch.target_mask[lo:hi].numpy()):
             assert _key(tokens, t) in all_keys  # never a non-policy token
             packed_loss += float(batch.loss_weights[lo + t]) * _loss(_key(tokens, t))
-    per_path = [[_key(s.tokens, t) for t in range(s.tokens.size) if _key(s.tokens, t) in kept_keys]
-                for s in result.samples]
+    per_path = [
+        [_key(s.tokens, t) for t in range(s.tokens.size) if _key(s.tokens, t) in kept_keys] for s in result.samples
+    ]
     copies = Counter(key for path in per_path for key in path)
     scale = 1.0 / len(copies) if averaging == "execution" else 1.0
     naive_loss = sum(_loss(key) * scale / copies[key] for path in per_path for key in path)

@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from _synthetic import SyntheticExecution, Thread
 
 from gyre.errors import ConfigError
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.pack import make_micro_batches, pack
 from gyre.trajectory.process import process_group
 from gyre.trajectory.rewards import Evaluation, group_advantages, reward_of
-from _synthetic import SyntheticExecution, Thread
 from gyre.trajectory.tree import TrajectoryError
 
 
@@ -23,16 +23,27 @@ def small(execution_id, n_turns=3, seed=0):
     return ex.records
 
 
-@pytest.mark.parametrize("evaluation,expect", [
-    (Evaluation("finished", 0.75), (0.75, None)),
-    (Evaluation("timed_out", 0.4), (0.4, None)),
-    (Evaluation("timed_out", 0.0), (0.0, None)),
-    (Evaluation("evaluator_error", None, "pytest crashed"), (None, "evaluator_error")),
-    (Evaluation("evaluator_error", 0.0), (None, "evaluator_error")),
-    (Evaluation("budget_exhausted"), (None, "budget_exhausted")),
-    (Evaluation("finished", None), (None, "no_score")),
-], ids=["finished", "timed-out-partial", "timed-out-zero", "evaluator-crash", "evaluator-crash-with-zero",
-        "budget", "finished-unscored"])
+@pytest.mark.parametrize(
+    "evaluation,expect",
+    [
+        (Evaluation("finished", 0.75), (0.75, None)),
+        (Evaluation("timed_out", 0.4), (0.4, None)),
+        (Evaluation("timed_out", 0.0), (0.0, None)),
+        (Evaluation("evaluator_error", None, "pytest crashed"), (None, "evaluator_error")),
+        (Evaluation("evaluator_error", 0.0), (None, "evaluator_error")),
+        (Evaluation("budget_exhausted"), (None, "budget_exhausted")),
+        (Evaluation("finished", None), (None, "no_score")),
+    ],
+    ids=[
+        "finished",
+        "timed-out-partial",
+        "timed-out-zero",
+        "evaluator-crash",
+        "evaluator-crash-with-zero",
+        "budget",
+        "finished-unscored",
+    ],
+)
 def test_reward_rules(evaluation, expect):
     assert reward_of(evaluation) == expect
 
@@ -56,16 +67,22 @@ def test_group_advantages_grpo():
 
 
 def test_group_counts_every_exclusion_and_normalises_after_them():
-    group = process_group([
-        (small("ok1"), Evaluation("finished", 1.0)),
-        (small("ok2", seed=1), Evaluation("timed_out", 0.2)),
-        (small("crash", seed=2), Evaluation("evaluator_error", detail="oom")),
-        (small("slow", seed=3), Evaluation("budget_exhausted")),
-        ([], Evaluation("finished", 0.5)),
-    ], TrajectoryConfig())
+    group = process_group(
+        [
+            (small("ok1"), Evaluation("finished", 1.0)),
+            (small("ok2", seed=1), Evaluation("timed_out", 0.2)),
+            (small("crash", seed=2), Evaluation("evaluator_error", detail="oom")),
+            (small("slow", seed=3), Evaluation("budget_exhausted")),
+            ([], Evaluation("finished", 0.5)),
+        ],
+        TrajectoryConfig(),
+    )
     assert group.excluded == {"evaluator_error": 1, "budget_exhausted": 1, "bad_records": 1}
-    assert group.excluded_executions == [("crash", "evaluator_error"), ("slow", "budget_exhausted"),
-                                         (None, "bad_records")]
+    assert group.excluded_executions == [
+        ("crash", "evaluator_error"),
+        ("slow", "budget_exhausted"),
+        (None, "bad_records"),
+    ]
     assert group.rewards == {"ok1": 1.0, "ok2": 0.2}
     assert group.advantages == pytest.approx({"ok1": 1.0, "ok2": -1.0}, rel=1e-4)
     assert {s.path.execution_id for s in group.samples} == {"ok1", "ok2"}
@@ -74,8 +91,10 @@ def test_group_counts_every_exclusion_and_normalises_after_them():
 def test_execution_averaging_gives_each_execution_weight_one():
     short, long_ = small("short", n_turns=1), small("long", n_turns=8, seed=1)
     for mode, expect in (("execution", {"short": 1.0, "long": 1.0}), ("token", {"short": 9.0, "long": 44.0})):
-        group = process_group([(short, Evaluation("finished", 1.0)), (long_, Evaluation("finished", 0.0))],
-                              TrajectoryConfig(averaging=mode))
+        group = process_group(
+            [(short, Evaluation("finished", 1.0)), (long_, Evaluation("finished", 0.0))],
+            TrajectoryConfig(averaging=mode),
+        )
         totals = {}
         for s in group.samples:
             totals[s.path.execution_id] = totals.get(s.path.execution_id, 0.0) + float(s.loss_weights.sum())
@@ -83,8 +102,10 @@ def test_execution_averaging_gives_each_execution_weight_one():
 
 
 def test_pack_follows_the_packed_batch_alignment():
-    group = process_group([(small("a"), Evaluation("finished", 1.0)), (small("b", seed=1), Evaluation("finished", 0.0))],
-                          TrajectoryConfig())
+    group = process_group(
+        [(small("a"), Evaluation("finished", 1.0)), (small("b", seed=1), Evaluation("finished", 0.0))],
+        TrajectoryConfig(),
+    )
     batch = pack(group.samples)
     lengths = [s.path.tokens.size for s in group.samples]
     assert batch.cu_seqlens.tolist() == np.concatenate(([0], np.cumsum(lengths))).tolist()
@@ -105,8 +126,13 @@ def test_pack_follows_the_packed_batch_alignment():
 
 
 def test_micro_batches_respect_the_token_limit():
-    group = process_group([(small("a", n_turns=4), Evaluation("finished", 1.0)),
-                           (small("b", n_turns=2, seed=1), Evaluation("finished", 0.0))], TrajectoryConfig())
+    group = process_group(
+        [
+            (small("a", n_turns=4), Evaluation("finished", 1.0)),
+            (small("b", n_turns=2, seed=1), Evaluation("finished", 0.0)),
+        ],
+        TrajectoryConfig(),
+    )
     longest = max(s.path.tokens.size for s in group.samples)
     batches = make_micro_batches(group.samples, longest)
     assert all(b.num_tokens <= longest for b in batches)
@@ -121,13 +147,15 @@ def test_micro_batches_respect_the_token_limit():
 def test_micro_batches_are_as_few_as_fit_and_even():
     """Four paths of one size under a limit of three: first fit in order makes rows of 3 and 1,
     which leaves one training cell with three quarters of the group; balanced rows are 2 and 2."""
+
     def main_only(execution_id):
         ex = SyntheticExecution(execution_id)
         Thread(ex, "main", None, ex.context(20)).turn(5, 7)
         return ex.records
 
-    group = process_group([(main_only(x), Evaluation("finished", float(i % 2))) for i, x in enumerate("abcd")],
-                          TrajectoryConfig())
+    group = process_group(
+        [(main_only(x), Evaluation("finished", float(i % 2))) for i, x in enumerate("abcd")], TrajectoryConfig()
+    )
     sizes = sorted(s.path.tokens.size for s in group.samples)
     assert len(sizes) == 4 and sizes[0] == sizes[-1]
     batches = make_micro_batches(group.samples, 3 * sizes[0])
@@ -136,9 +164,16 @@ def test_micro_batches_are_as_few_as_fit_and_even():
     assert sum(float(b.loss_weights.sum()) for b in batches) == pytest.approx(4.0)
 
 
-@pytest.mark.parametrize("kw,key", [(dict(max_paths=0), "max_paths"), (dict(averaging="path"), "averaging"),
-                                    (dict(std_eps=0.0), "std_eps"), (dict(min_group_size=0), "min_group_size")],
-                         ids=["K0", "averaging", "eps", "group-size"])
+@pytest.mark.parametrize(
+    "kw,key",
+    [
+        (dict(max_paths=0), "max_paths"),
+        (dict(averaging="path"), "averaging"),
+        (dict(std_eps=0.0), "std_eps"),
+        (dict(min_group_size=0), "min_group_size"),
+    ],
+    ids=["K0", "averaging", "eps", "group-size"],
+)
 def test_config_errors_name_the_key(kw, key):
     with pytest.raises(ConfigError) as e:
         TrajectoryConfig(**kw)

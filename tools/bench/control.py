@@ -30,9 +30,17 @@ def _work(kib: int):
 
     n = kib * 1024 // 41  # 41 bytes per token over the eight per-token arrays
     t = torch.arange(n)
-    batch = PackedBatch(tokens=t, position_ids=t, cu_seqlens=torch.tensor([0, n], dtype=torch.int32), target_mask=t > 0,
-                        behaviour_logprobs=-t.float(), loss_weights=torch.ones(n), advantages=t.float(),
-                        weight_versions=t * 0, execution_ids=("e0",))
+    batch = PackedBatch(
+        tokens=t,
+        position_ids=t,
+        cu_seqlens=torch.tensor([0, n], dtype=torch.int32),
+        target_mask=t > 0,
+        behaviour_logprobs=-t.float(),
+        loss_weights=torch.ones(n),
+        advantages=t.float(),
+        weight_versions=t * 0,
+        execution_ids=("e0",),
+    )
     return Work(index=0, version=1, slot_addr=0, batch=batch)
 
 

@@ -59,16 +59,26 @@ async def run(a_url: str, b_url: str, args) -> dict:
         prefix = _ids(args.prefix_tokens, 7)
         cold_s, _ = await timed_generate(a, prefix)
         warm_s, warm = await timed_generate(a, prefix)
-        result["prefix_cache"] = {"prompt_tokens": len(prefix), "cold_s": round(cold_s, 4), "cached_s": round(warm_s, 4),
-                                  "cached_tokens": warm["meta_info"]["cached_tokens"], "saved_s": round(cold_s - warm_s, 4)}  # fmt: skip
+        result["prefix_cache"] = {
+            "prompt_tokens": len(prefix),
+            "cold_s": round(cold_s, 4),
+            "cached_s": round(warm_s, 4),
+            "cached_tokens": warm["meta_info"]["cached_tokens"],
+            "saved_s": round(cold_s - warm_s, 4),
+        }
         recompute_s, _ = await timed_generate(b, _ids(args.prefix_tokens, 8))  # B computes a same-size prompt itself
         t0 = time.perf_counter()
         moved = await migrate_prefix(a, b, prefix)
         transfer_s = time.perf_counter() - t0
         after_s, after = await timed_generate(b, prefix)
-        result["kv_import"] = {**moved, "recompute_s": round(recompute_s, 4), "transfer_s": round(transfer_s, 4),
-                               "generate_after_import_s": round(after_s, 4), "cached_tokens": after["meta_info"]["cached_tokens"],
-                               "saved_s": round(recompute_s - transfer_s - after_s, 4)}  # fmt: skip
+        result["kv_import"] = {
+            **moved,
+            "recompute_s": round(recompute_s, 4),
+            "transfer_s": round(transfer_s, 4),
+            "generate_after_import_s": round(after_s, 4),
+            "cached_tokens": after["meta_info"]["cached_tokens"],
+            "saved_s": round(recompute_s - transfer_s - after_s, 4),
+        }
     return result
 
 
@@ -93,11 +103,23 @@ def long_context(lengths: list[int], threads: int) -> dict:
             cpu0, t0 = _proc_cpu_s(pid), time.perf_counter()
             reply = asyncio.run(_one(eng.url, _ids(n, 3)))
             wall, cpu = time.perf_counter() - t0, _proc_cpu_s(pid) - cpu0
-            out[str(n)] = {"peak_rss_mb": round(_proc_peak_rss_mb(pid), 1), "prefill_tokens_per_cpu_s": round(n / cpu, 1),
-                           "prefill_tokens_per_wall_s": round(n / wall, 1), "prompt_tokens": reply["meta_info"]["prompt_tokens"]}  # fmt: skip
-        print(f"{n:>7} tokens: peak RSS {out[str(n)]['peak_rss_mb']} MB, {out[str(n)]['prefill_tokens_per_cpu_s']} prefill tokens/CPU-s")
+            out[str(n)] = {
+                "peak_rss_mb": round(_proc_peak_rss_mb(pid), 1),
+                "prefill_tokens_per_cpu_s": round(n / cpu, 1),
+                "prefill_tokens_per_wall_s": round(n / wall, 1),
+                "prompt_tokens": reply["meta_info"]["prompt_tokens"],
+            }
+        print(
+            f"{n:>7} tokens: peak RSS {out[str(n)]['peak_rss_mb']} MB, "
+            f"{out[str(n)]['prefill_tokens_per_cpu_s']} prefill tokens/CPU-s"
+        )
     lo, hi = str(min(lengths)), str(max(lengths))
-    return {"long_context": out, "rss_ratio": round(out[hi]["peak_rss_mb"] / out[lo]["peak_rss_mb"], 3), "model": model.name, "threads": threads}
+    return {
+        "long_context": out,
+        "rss_ratio": round(out[hi]["peak_rss_mb"] / out[lo]["peak_rss_mb"], 3),
+        "model": model.name,
+        "threads": threads,
+    }
 
 
 async def _one(url: str, ids: list[int]) -> dict:
@@ -112,7 +134,9 @@ def main() -> None:
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--model-path", default=None, help="serve this HF checkpoint directory instead of the tiny model")
-    p.add_argument("--concurrency", default="1,8,32", type=lambda v: [int(n) for n in v.split(",")], help="comma-separated")
+    p.add_argument(
+        "--concurrency", default="1,8,32", type=lambda v: [int(n) for n in v.split(",")], help="comma-separated"
+    )
     p.add_argument("--long-context", default="", help="comma-separated prompt lengths: measure long prefills instead")
     args = p.parse_args()
     if args.long_context:
@@ -122,13 +146,24 @@ def main() -> None:
     cfg = EngineConfig(startup_timeout_s=600)
     with BuiltinEngineProcess(cfg, model, args.threads) as a, BuiltinEngineProcess(cfg, model, args.threads) as b:
         result = asyncio.run(run(a.url, b.url, args))
-    result |= {"model": model.name, "threads": args.threads, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens}
+    result |= {
+        "model": model.name,
+        "threads": args.threads,
+        "new_tokens": args.new_tokens,
+        "prompt_tokens": args.prompt_tokens,
+    }
     for n, tps in result["tokens_per_s"].items():
         print(f"{n:>3} concurrent: {tps:8.1f} tokens/s")
     pc, kv = result["prefix_cache"], result["kv_import"]
-    print(f"prefix cache ({pc['prompt_tokens']} tokens): cold {pc['cold_s']} s, cached {pc['cached_s']} s ({pc['cached_tokens']} cached)")
-    print(f"KV import: recompute {kv['recompute_s']} s vs transfer {kv['transfer_s']} s + generate {kv['generate_after_import_s']} s "
-          f"({kv['transferred_tokens']} transferred, {kv['recomputed_tokens']} recomputed)")
+    print(
+        f"prefix cache ({pc['prompt_tokens']} tokens): cold {pc['cold_s']} s, cached {pc['cached_s']} s "
+        f"({pc['cached_tokens']} cached)"
+    )
+    print(
+        f"KV import: recompute {kv['recompute_s']} s vs transfer {kv['transfer_s']} s + generate "
+        f"{kv['generate_after_import_s']} s "
+        f"({kv['transferred_tokens']} transferred, {kv['recomputed_tokens']} recomputed)"
+    )
     print(json.dumps(result))
 
 

@@ -42,10 +42,17 @@ def make_batch(seqs: list[tuple[list[int], list[int], list[float], float, str]])
         w += [0.0] * len(prompt) + [1.0 / len(out)] * len(out)
         adv += [0.0] * len(prompt) + [a] * len(out)
     t = torch.tensor
-    return PackedBatch(tokens=t(tokens), position_ids=t(pos), cu_seqlens=t(cu, dtype=torch.int32), target_mask=t(mask),
-                       behaviour_logprobs=t(lp, dtype=torch.float32), loss_weights=t(w, dtype=torch.float32),
-                       advantages=t(adv, dtype=torch.float32), weight_versions=torch.zeros(len(tokens), dtype=torch.int64),
-                       execution_ids=tuple(s[4] for s in seqs))  # fmt: skip
+    return PackedBatch(
+        tokens=t(tokens),
+        position_ids=t(pos),
+        cu_seqlens=t(cu, dtype=torch.int32),
+        target_mask=t(mask),
+        behaviour_logprobs=t(lp, dtype=torch.float32),
+        loss_weights=t(w, dtype=torch.float32),
+        advantages=t(adv, dtype=torch.float32),
+        weight_versions=torch.zeros(len(tokens), dtype=torch.int64),
+        execution_ids=tuple(s[4] for s in seqs),
+    )
 
 
 def run(model_dir: str, lr: float, steps: int, tasks_per_step: int, group: int, seed: int, warmup: int) -> list[float]:
@@ -74,7 +81,10 @@ def run(model_dir: str, lr: float, steps: int, tasks_per_step: int, group: int, 
             means.append(float(np.mean(rewards)))
             if seqs:
                 trainer.train_step([make_batch(seqs)])
-            print(f"lr {lr:g} step {step}: mean reward {means[-1]:.3f} over {len(rewards)} samples, {len(seqs)} trained", flush=True)
+            print(
+                f"lr {lr:g} step {step}: mean reward {means[-1]:.3f} over {len(rewards)} samples, {len(seqs)} trained",
+                flush=True,
+            )
     return means
 
 
@@ -94,9 +104,15 @@ def main() -> None:
         start = time.process_time()
         means = run(a.model_dir, lr, a.steps, a.tasks_per_step, a.group, a.seed, a.warmup)
         k = min(3, len(means) // 2)
-        out[f"lr_{lr:g}"] = {"first": round(float(np.mean(means[:k])), 3), "last": round(float(np.mean(means[-k:])), 3),
-                             "per_step": [round(m, 3) for m in means], "cpu_s": round(time.process_time() - start, 1)}  # fmt: skip
-        print(f"lr {lr:g}: mean reward first {k} steps {out[f'lr_{lr:g}']['first']}, last {k} {out[f'lr_{lr:g}']['last']}")
+        out[f"lr_{lr:g}"] = {
+            "first": round(float(np.mean(means[:k])), 3),
+            "last": round(float(np.mean(means[-k:])), 3),
+            "per_step": [round(m, 3) for m in means],
+            "cpu_s": round(time.process_time() - start, 1),
+        }
+        print(
+            f"lr {lr:g}: mean reward first {k} steps {out[f'lr_{lr:g}']['first']}, last {k} {out[f'lr_{lr:g}']['last']}"
+        )
     print(json.dumps(out))
 
 

@@ -52,9 +52,16 @@ EXECUTIONS = [f"exec-{i:04d}" for i in range(512)]
 ENGINES = [f"engine-{i}" for i in range(6)]
 """The proxy holds these strings already; building them per event is no cost of emitting."""
 BUILDERS: dict[str, Callable[[int], Event]] = {
-    "model_call": lambda i: ModelCall(execution_id=EXECUTIONS[i % 512], agent_id="main", cell=i % 6,
-                                      engine_id=ENGINES[i % 6], prompt_tokens=120_000 + i, output_tokens=350,
-                                      cached_tokens=119_000, latency_s=2.5),
+    "model_call": lambda i: ModelCall(
+        execution_id=EXECUTIONS[i % 512],
+        agent_id="main",
+        cell=i % 6,
+        engine_id=ENGINES[i % 6],
+        prompt_tokens=120_000 + i,
+        output_tokens=350,
+        cached_tokens=119_000,
+        latency_s=2.5,
+    ),
     "observation": lambda i: Observation(queued=40, running=980, roles=ROLES, sessions=SESSIONS),
 }
 
@@ -69,21 +76,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as run_dir:
         log = EventLog(run_dir)
         noop = NoopLog()
-        print(f"{'event':<14} {'build+emit us':>14} {'build+no-op us':>15} {'emit us':>8}   "
-              f"(CPU, median of {args.rounds} rounds x {args.events})")
+        print(
+            f"{'event':<14} {'build+emit us':>14} {'build+no-op us':>15} {'emit us':>8}   "
+            f"(CPU, median of {args.rounds} rounds x {args.events})"
+        )
         for kind, build in BUILDERS.items():
             emit_us, noop_us = [], []
             for _ in range(args.rounds):
                 emit_us.append(per_event_us(log, build, args.events))
                 noop_us.append(per_event_us(noop, build, args.events))
             e, n = statistics.median(emit_us), statistics.median(noop_us)
-            out |= {f"{kind}_emit_us": round(e, 2), f"{kind}_noop_us": round(n, 2), f"{kind}_overhead_us": round(e - n, 2)}
+            out |= {
+                f"{kind}_emit_us": round(e, 2),
+                f"{kind}_noop_us": round(n, 2),
+                f"{kind}_overhead_us": round(e - n, 2),
+            }
             print(f"{kind:<14} {e:>14.2f} {n:>15.2f} {e - n:>8.2f}")
         file_mb = os.path.getsize(log.path) / 1e6
         log.close()
         assert log.num_dropped == 0, "the benchmark's own writes failed"
-    out |= {"file_mb": round(file_mb, 1), "budget_us": BUDGET_US,
-            "within_budget": all(v <= BUDGET_US for k, v in out.items() if k.endswith("_emit_us"))}
+    out |= {
+        "file_mb": round(file_mb, 1),
+        "budget_us": BUDGET_US,
+        "within_budget": all(v <= BUDGET_US for k, v in out.items() if k.endswith("_emit_us")),
+    }
     print(json.dumps(out))
 
 

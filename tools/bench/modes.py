@@ -39,8 +39,16 @@ MODES = ("elastic", "async", "async-tuned", "colocate")
 
 def run_mode(mode: str, scheduler: list[str], steps: int, seed: int, out: Path, overrides: list[str]) -> dict:
     """One main job; its summary plus the wall and CPU seconds it took."""
-    cmd = [sys.executable, "-m", "gyre.launch.train", f"hydra.run.dir={out / mode}", *scheduler,
-           f"num_steps={steps}", f"seed={seed}", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "gyre.launch.train",
+        f"hydra.run.dir={out / mode}",
+        *scheduler,
+        f"num_steps={steps}",
+        f"seed={seed}",
+        *overrides,
+    ]
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall, after = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -60,7 +68,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, the first calibrates ({', '.join(MODES)})")
+    p.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, the first calibrates ({', '.join(MODES)})"
+    )
     p.add_argument("--out", default=None, help="run directories go here (default: a temporary directory)")
     p.add_argument("overrides", nargs="*", help="gyre-train overrides for every mode (after --)")
     a = p.parse_args()
@@ -94,26 +104,54 @@ def main() -> None:
         predicted["async-tuned"] = r.total_s
     own[modes[0]] = predicted[modes[0]]
 
-    print(f"{'mode':<12} {'wall_s':>7} {'cpu_s':>7} {'steps':>5} {'trained':>7} {'reward first3':>13} {'last3':>6} {'switches':>8}  "
-          "per cell: busy/held rollout, busy/held train")
+    print(
+        f"{'mode':<12} {'wall_s':>7} {'cpu_s':>7} {'steps':>5} {'trained':>7} {'reward first3':>13} "
+        f"{'last3':>6} {'switches':>8}  "
+        "per cell: busy/held rollout, busy/held train"
+    )
     for m, r in results.items():
-        busy = "  ".join(f"{i}: {u['rollout busy']:.2f}/{u['rollout busy'] + u['rollout idle']:.2f} "
-                         f"{u['train busy']:.2f}/{u['train busy'] + u['train idle']:.2f}"
-                         for i, u in r["cell_utilisation"].items())  # fmt: skip
-        print(f"{m:<12} {r['wall_s']:>7} {r['cpu_s']:>7} {r['num_steps']:>5} {r['executions'].get('trained', 0):>7} "
-              f"{r.get('reward_first3') or 0:>13.3f} "
-              f"{r.get('reward_last3') or 0:>6.3f} {r.get('num_role_switches', 0):>8}  {busy}")  # fmt: skip
-    keys = ("scheduler", "wall_s", "cpu_s", "num_steps", "reward_first3", "reward_last3", "reward_per_step", "executions",
-            "num_role_switches", "switch_phase_s", "cell_role_share", "cell_utilisation")  # fmt: skip
+        busy = "  ".join(
+            f"{i}: {u['rollout busy']:.2f}/{u['rollout busy'] + u['rollout idle']:.2f} "
+            f"{u['train busy']:.2f}/{u['train busy'] + u['train idle']:.2f}"
+            for i, u in r["cell_utilisation"].items()
+        )
+        print(
+            f"{m:<12} {r['wall_s']:>7} {r['cpu_s']:>7} {r['num_steps']:>5} {r['executions'].get('trained', 0):>7} "
+            f"{r.get('reward_first3') or 0:>13.3f} "
+            f"{r.get('reward_last3') or 0:>6.3f} {r.get('num_role_switches', 0):>8}  {busy}"
+        )
+    keys = (
+        "scheduler",
+        "wall_s",
+        "cpu_s",
+        "num_steps",
+        "reward_first3",
+        "reward_last3",
+        "reward_per_step",
+        "executions",
+        "num_role_switches",
+        "switch_phase_s",
+        "cell_role_share",
+        "cell_utilisation",
+    )
     report = {m: {k: r.get(k) for k in keys} for m, r in results.items()}
-    print(f"simulator calibrated on the {modes[0]} run (its lower bound max(work/capacity, critical path, startup): "
-          f"{bound_s:.1f} s), and on each mode's own run (the work it trained, its cells' rates)")
+    print(
+        f"simulator calibrated on the {modes[0]} run (its lower bound max(work/capacity, critical path, startup): "
+        f"{bound_s:.1f} s), and on each mode's own run (the work it trained, its cells' rates)"
+    )
     for m in modes:
-        report[m] |= {"live_s": live[m], "predicted_s": round(predicted[m], 1),
-                      "predicted_ratio": round(predicted[m] / live[m], 3), "own_predicted_s": round(own[m], 1),
-                      "own_predicted_ratio": round(own[m] / live[m], 3), "over_bound": round(live[m] / bound_s, 3)}
-        print(f"  {m:<12} live {live[m]:7.1f} s  predicted {predicted[m]:7.1f} s ({predicted[m] / live[m]:.3f}x), "
-              f"from its own run {own[m]:7.1f} s ({own[m] / live[m]:.3f}x)  live / bound {live[m] / bound_s:.3f}")  # fmt: skip
+        report[m] |= {
+            "live_s": live[m],
+            "predicted_s": round(predicted[m], 1),
+            "predicted_ratio": round(predicted[m] / live[m], 3),
+            "own_predicted_s": round(own[m], 1),
+            "own_predicted_ratio": round(own[m] / live[m], 3),
+            "over_bound": round(live[m] / bound_s, 3),
+        }
+        print(
+            f"  {m:<12} live {live[m]:7.1f} s  predicted {predicted[m]:7.1f} s ({predicted[m] / live[m]:.3f}x), "
+            f"from its own run {own[m]:7.1f} s ({own[m] / live[m]:.3f}x)  live / bound {live[m] / bound_s:.3f}"
+        )
     report["bound_s"] = round(bound_s, 1)
     if "elastic" in results:
         report["elastic_over_bound"] = report["elastic"]["over_bound"]
@@ -122,9 +160,11 @@ def main() -> None:
             report[f"speedup_vs_{key}"] = live_x = round(live[m] / live["elastic"], 3)
             # live runs train different work (uniform groups are not trained); the simulated ones do not
             report[f"equal_work_speedup_vs_{key}"] = equal_x = round(predicted[m] / predicted["elastic"], 3)
-            print(f"elastic vs {m}: {live_x}x faster (first execution to last optimizer step; "
-                  f"whole job {results[m]['wall_s'] / results['elastic']['wall_s']:.3f}x); "
-                  f"at equal work (simulated on the {modes[0]} run's workload) {equal_x}x")
+            print(
+                f"elastic vs {m}: {live_x}x faster (first execution to last optimizer step; "
+                f"whole job {results[m]['wall_s'] / results['elastic']['wall_s']:.3f}x); "
+                f"at equal work (simulated on the {modes[0]} run's workload) {equal_x}x"
+            )
     print(json.dumps(report))
 
 

@@ -73,8 +73,9 @@ SYSTEM = "You are a coding agent working in a sandbox."
 MAX_TOKENS = 4
 
 
-async def mixed_round(engine_url: str, proxies: list[tuple[str, list[str]]], ids: list[int], calls: int, think_s: float,
-                      seed: int):  # fmt: skip
+async def mixed_round(
+    engine_url: str, proxies: list[tuple[str, list[str]]], ids: list[int], calls: int, think_s: float, seed: int
+):
     """Each session makes `calls` rotations of one direct call and one call per proxy, in a random
     order per rotation (sessions in step with the engine's batches would otherwise give each path
     its own batch phase), pausing an exponential time of mean `think_s` after each call.
@@ -114,8 +115,12 @@ def prompt_ids() -> list[int]:
 def new_keys(proxy: ProxyProcess, prefix: str, n: int) -> list[str]:
     keys = []
     for i in range(n):
-        req = urllib.request.Request(proxy.url + "/admin/executions", data=json.dumps({"execution_id": f"{prefix}{i}"}).encode(),
-                                     headers={"Authorization": f"Bearer {proxy.admin_token}"}, method="POST")  # fmt: skip
+        req = urllib.request.Request(
+            proxy.url + "/admin/executions",
+            data=json.dumps({"execution_id": f"{prefix}{i}"}).encode(),
+            headers={"Authorization": f"Bearer {proxy.admin_token}"},
+            method="POST",
+        )
         with urllib.request.urlopen(req) as r:
             keys.append(json.loads(r.read())["api_key"])
     return keys
@@ -138,20 +143,34 @@ def pct(a, q: float) -> float:
     return float(np.percentile(a, q))
 
 
-def figures(direct: np.ndarray, through: np.ndarray, records: list, wall_s: dict[str, list[float]], cpu_s: float,
-            loop: np.ndarray) -> dict:  # fmt: skip
+def figures(
+    direct: np.ndarray,
+    through: np.ndarray,
+    records: list,
+    wall_s: dict[str, list[float]],
+    cpu_s: float,
+    loop: np.ndarray,
+) -> dict:
     """One proxy's figures (ms) from per-call wall times and its records."""
     paired = np.array([wall_s[r.execution_id][r.seq] * 1e3 - r.hints["engine_ms"] for r in records])
     inside = np.array([r.hints["proxy_ms"] for r in records])
     ends = np.sort([r.started_at + r.hints["engine_ms"] / 1e3 for r in records])  # engine answers, proxy clock
     burst = np.searchsorted(ends, ends, side="right") - np.searchsorted(ends, ends - 0.01)  # answers in the last 10 ms
-    return {"added_ms_p50": pct(through, 50) - pct(direct, 50), "added_ms_p99": pct(through, 99) - pct(direct, 99),
-            "paired_added_ms_p50": pct(paired, 50), "paired_added_ms_p99": pct(paired, 99),
-            "proxy_ms_p50": pct(through, 50), "proxy_ms_p99": pct(through, 99),
-            "in_proxy_ms_p50": pct(inside, 50), "in_proxy_ms_p99": pct(inside, 99),
-            "proxy_cpu_ms_per_call": cpu_s / len(through) * 1e3, "proxy_loop_cpu_ms_per_call": loop[0] / len(through) * 1e3,
-            "proxy_runq_ms_per_call": loop[1] / len(through) * 1e3, "proxy_wake_wait_ms": loop[1] / max(loop[2], 1) * 1e3,
-            "burst_p50": pct(burst, 50)}  # fmt: skip
+    return {
+        "added_ms_p50": pct(through, 50) - pct(direct, 50),
+        "added_ms_p99": pct(through, 99) - pct(direct, 99),
+        "paired_added_ms_p50": pct(paired, 50),
+        "paired_added_ms_p99": pct(paired, 99),
+        "proxy_ms_p50": pct(through, 50),
+        "proxy_ms_p99": pct(through, 99),
+        "in_proxy_ms_p50": pct(inside, 50),
+        "in_proxy_ms_p99": pct(inside, 99),
+        "proxy_cpu_ms_per_call": cpu_s / len(through) * 1e3,
+        "proxy_loop_cpu_ms_per_call": loop[0] / len(through) * 1e3,
+        "proxy_runq_ms_per_call": loop[1] / len(through) * 1e3,
+        "proxy_wake_wait_ms": loop[1] / max(loop[2], 1) * 1e3,
+        "burst_p50": pct(burst, 50),
+    }
 
 
 def measure(args, engine_url: str, proxies: list[ProxyProcess]) -> tuple:
@@ -189,8 +208,11 @@ def run(args) -> dict:
     try:
         engine.start()
         for k, window in enumerate(windows):
-            proxies.append(ProxyProcess(ProxyConfig(records_dir=str(tmp / f"records{k}"), engines=[engine.url],
-                                                    fsync_window_ms=window)).start())  # fmt: skip
+            proxies.append(
+                ProxyProcess(
+                    ProxyConfig(records_dir=str(tmp / f"records{k}"), engines=[engine.url], fsync_window_ms=window)
+                ).start()
+            )
         if args.pin:
             others = set(range(1, os.cpu_count()))
             pin(engine.proc.pid, {0})
@@ -203,8 +225,12 @@ def run(args) -> dict:
             p.stop()
         engine.stop()
     num_calls = d.size * (1 + len(proxies))
-    out = {"direct_ms_p50": pct(d, 50), "direct_ms_p99": pct(d, 99), "client_loop_cpu_ms_per_call": me[0] / num_calls * 1e3,
-           "client_wake_wait_ms": me[1] / max(me[2], 1) * 1e3}  # fmt: skip
+    out = {
+        "direct_ms_p50": pct(d, 50),
+        "direct_ms_p99": pct(d, 99),
+        "client_loop_cpu_ms_per_call": me[0] / num_calls * 1e3,
+        "client_wake_wait_ms": me[1] / max(me[2], 1) * 1e3,
+    }
     num_records = 0
     for k in range(len(proxies)):
         records = [x for f in (tmp / f"records{k}").glob("r*.jsonl") for x in read_records(f)[0]]
@@ -213,9 +239,20 @@ def run(args) -> dict:
         fig = figures(d, np.array(through[k]) * 1e3, records, wall_s[k], cpu[k], loop[k])
         out.update({("each_" if k else "") + name: v for name, v in fig.items()})
     shutil.rmtree(tmp)
-    out.update({"records_per_s": num_records / measured_s, "fsync_window_ms": args.fsync_window_ms, "pinned": args.pin,
-                "think_ms": args.think_ms, "num_sessions": args.sessions, "calls_per_session": args.calls,
-                "rounds": args.rounds, "prompt_tokens": len(prompt_ids()), "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0]})  # fmt: skip
+    out.update(
+        {
+            "records_per_s": num_records / measured_s,
+            "fsync_window_ms": args.fsync_window_ms,
+            "pinned": args.pin,
+            "think_ms": args.think_ms,
+            "num_sessions": args.sessions,
+            "calls_per_session": args.calls,
+            "rounds": args.rounds,
+            "prompt_tokens": len(prompt_ids()),
+            "cpus": os.cpu_count(),
+            "loadavg_1m": os.getloadavg()[0],
+        }
+    )
     return out
 
 
@@ -224,9 +261,13 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--think-ms", type=float, default=0.0, help="mean pause after each call (a harness running its tools)")
+    ap.add_argument(
+        "--think-ms", type=float, default=0.0, help="mean pause after each call (a harness running its tools)"
+    )
     ap.add_argument("--fsync-window-ms", type=float, default=ProxyConfig().fsync_window_ms)
-    ap.add_argument("--compare-fsync-each", action="store_true", help="also a proxy that fsyncs each record before answering")
+    ap.add_argument(
+        "--compare-fsync-each", action="store_true", help="also a proxy that fsyncs each record before answering"
+    )
     ap.add_argument("--pin", action="store_true", help="engine on CPU 0, proxies and this client on the others")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="pad the conversation to about this many tokens")
     args = ap.parse_args()
@@ -238,19 +279,43 @@ def main() -> None:
     for pre, name in [("", f"proxy (window {out['fsync_window_ms']:g} ms)"), ("each_", "proxy (fsync each)")]:
         if pre + "proxy_ms_p50" not in out:
             continue
-        g = {k: out[pre + k] for k in ("proxy_ms_p50", "proxy_ms_p99", "added_ms_p50", "added_ms_p99", "paired_added_ms_p50",
-                                         "paired_added_ms_p99", "in_proxy_ms_p50", "in_proxy_ms_p99")}  # fmt: skip
+        g = {
+            k: out[pre + k]
+            for k in (
+                "proxy_ms_p50",
+                "proxy_ms_p99",
+                "added_ms_p50",
+                "added_ms_p99",
+                "paired_added_ms_p50",
+                "paired_added_ms_p99",
+                "in_proxy_ms_p50",
+                "in_proxy_ms_p99",
+            )
+        }
         print(f"{name:<22}{g['proxy_ms_p50']:>9.2f}{g['proxy_ms_p99']:>9.2f}")
-        print(f"{'  added, difference':<22}{g['added_ms_p50']:>9.2f}{g['added_ms_p99']:>9.2f}   (proxied minus direct percentiles)")
-        print(f"{'  added, paired':<22}{g['paired_added_ms_p50']:>9.2f}{g['paired_added_ms_p99']:>9.2f}   "
-              "(client wait minus the proxy's engine call)")
-        print(f"{'  in proxy':<22}{g['in_proxy_ms_p50']:>9.2f}{g['in_proxy_ms_p99']:>9.2f}   (handler time outside engine calls)")
-        print(f"  proxy CPU {out[pre + 'proxy_cpu_ms_per_call']:.2f} ms/call ({out[pre + 'proxy_loop_cpu_ms_per_call']:.2f} "
-              f"in its event loop), the loop waited for a CPU "
-              f"{out[pre + 'proxy_runq_ms_per_call']:.2f} ms/call, {out[pre + 'proxy_wake_wait_ms']:.2f} ms per wake-up; "
-              f"{out[pre + 'burst_p50']:.0f} engine answers (p50, itself included) within 10 ms of each")
-    print(f"this client: {out['client_loop_cpu_ms_per_call']:.2f} ms CPU per call, {out['client_wake_wait_ms']:.2f} ms "
-          "wait for a CPU per wake-up")
+        print(
+            f"{'  added, difference':<22}{g['added_ms_p50']:>9.2f}{g['added_ms_p99']:>9.2f}   (proxied minus "
+            "direct percentiles)"
+        )
+        print(
+            f"{'  added, paired':<22}{g['paired_added_ms_p50']:>9.2f}{g['paired_added_ms_p99']:>9.2f}   "
+            "(client wait minus the proxy's engine call)"
+        )
+        print(
+            f"{'  in proxy':<22}{g['in_proxy_ms_p50']:>9.2f}{g['in_proxy_ms_p99']:>9.2f}   (handler time "
+            "outside engine calls)"
+        )
+        print(
+            f"  proxy CPU {out[pre + 'proxy_cpu_ms_per_call']:.2f} ms/call "
+            f"({out[pre + 'proxy_loop_cpu_ms_per_call']:.2f} "
+            f"in its event loop), the loop waited for a CPU "
+            f"{out[pre + 'proxy_runq_ms_per_call']:.2f} ms/call, {out[pre + 'proxy_wake_wait_ms']:.2f} ms per wake-up; "
+            f"{out[pre + 'burst_p50']:.0f} engine answers (p50, itself included) within 10 ms of each"
+        )
+    print(
+        f"this client: {out['client_loop_cpu_ms_per_call']:.2f} ms CPU per call, {out['client_wake_wait_ms']:.2f} ms "
+        "wait for a CPU per wake-up"
+    )
     print(f"{out['records_per_s']:.1f} records/s; load average {out['loadavg_1m']:.1f} on {out['cpus']} CPUs")
     print(json.dumps(out))
 

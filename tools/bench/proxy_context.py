@@ -46,14 +46,27 @@ from gyre.proxy.config import ProxyConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL_CALL = '<tool_call>\n{"name": "Read", "arguments": {"file_path": "/repo/notes.txt"}}\n</tool_call>'
-TOOL_NAMES = ("Bash", "Read", "Edit", "Write", "Glob", "Grep", "Agent", "TodoWrite", "WebFetch", "NotebookEdit", "Task", "LS")
+TOOL_NAMES = (
+    "Bash",
+    "Read",
+    "Edit",
+    "Write",
+    "Glob",
+    "Grep",
+    "Agent",
+    "TodoWrite",
+    "WebFetch",
+    "NotebookEdit",
+    "Task",
+    "LS",
+)
 QWEN_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
     "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
-    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
-    "function signatures within <tools></tools> XML tags:\\n<tools>\" }}{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}"
-    "{%- endfor %}{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": <args-json-object>}"
+    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with '
+    'function signatures within <tools></tools> XML tags:\\n<tools>" }}{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}'
+    '{%- endfor %}{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}'
     "\\n</tool_call><|im_end|>\\n\" }}{%- else %}{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}"
     "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
@@ -63,7 +76,7 @@ QWEN_TEMPLATE = (
     "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}{%- if message.content %}"
     "{{- '\\n' + message.content }}{%- endif %}{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}{{- tool_call.arguments | tojson }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}{{- tool_call.arguments | tojson }}'
     "{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- elif message.role == 'tool' %}"
     "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
@@ -86,14 +99,20 @@ def make_bpe_model_dir(path: Path, vocab_size: int = 8192) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(project_text().split("\n\n"), trainer)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "additional_special_tokens": list(SPECIAL_TOKENS[1:]), "chat_template": QWEN_TEMPLATE,
-              "model_max_length": 1 << 30}  # fmt: skip
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "chat_template": QWEN_TEMPLATE,
+        "model_max_length": 1 << 30,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 
@@ -105,9 +124,15 @@ def serve_instant_engine(output_ids: list[int], port_file: str) -> None:
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
-        meta = {"id": body.get("rid"), "finish_reason": {"type": "stop"}, "prompt_tokens": len(body["input_ids"]),
-                "completion_tokens": len(output_ids), "cached_tokens": 0, "weight_version": "0",
-                "output_token_logprobs": [[-0.1, i, None] for i in output_ids]}  # fmt: skip
+        meta = {
+            "id": body.get("rid"),
+            "finish_reason": {"type": "stop"},
+            "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(output_ids),
+            "cached_tokens": 0,
+            "weight_version": "0",
+            "output_token_logprobs": [[-0.1, i, None] for i in output_ids],
+        }
         out = {"text": "", "output_ids": output_ids, "meta_info": meta}
         if not body.get("stream"):
             return web.json_response(out)
@@ -130,7 +155,9 @@ class InstantEngine(ChildServer):
         self.output_ids, self.url = output_ids, ""
 
     def start(self) -> "InstantEngine":
-        (port,) = self.spawn_and_wait_port([sys.executable, __file__, "--serve-engine", json.dumps(self.output_ids)], 60)
+        (port,) = self.spawn_and_wait_port(
+            [sys.executable, __file__, "--serve-engine", json.dumps(self.output_ids)], 60
+        )
         self.url = f"http://127.0.0.1:{port}"
         return self
 
@@ -141,16 +168,29 @@ class Conversation:
 
     def __init__(self, text: str, bytes_per_token: float, tokens: int, new_tokens: int):
         self.text, self.pos, self.bpt = text, 0, bytes_per_token
-        schema = {"type": "object", "properties": {"file_path": {"type": "string", "description": "absolute path"},
-                                                   "limit": {"type": "integer"}}, "required": ["file_path"]}  # fmt: skip
+        schema = {
+            "type": "object",
+            "properties": {
+                "file_path": {"type": "string", "description": "absolute path"},
+                "limit": {"type": "integer"},
+            },
+            "required": ["file_path"],
+        }
         head_chars = int(min(4000, tokens // 3) * bytes_per_token)
-        self.tools = [{"name": n, "description": self.take(head_chars // 24), "input_schema": schema} for n in TOOL_NAMES]
+        self.tools = [
+            {"name": n, "description": self.take(head_chars // 24), "input_schema": schema} for n in TOOL_NAMES
+        ]
         self.system = [{"type": "text", "text": "You are Claude Code, a coding agent. " + self.take(head_chars // 2)}]
         self.messages: list[dict] = [{"role": "user", "content": "Read the notes and fix the failing test."}]
         self.new_chars = int(new_tokens * bytes_per_token)
-        self.num_chars, n = len(self.system[0]["text"]) + len(json.dumps(self.tools)) + 500, 0  # 500: the template's own
+        self.num_chars, n = (
+            len(self.system[0]["text"]) + len(json.dumps(self.tools)) + 500,
+            0,
+        )  # 500: the template's own
         while self.num_chars < tokens * bytes_per_token:  # history the proxy never served (rendered from text)
-            self.add_turn({"type": "tool_use", "id": f"toolu_hist{n}", "name": "Read", "input": {"file_path": f"/repo/f{n}.py"}})
+            self.add_turn(
+                {"type": "tool_use", "id": f"toolu_hist{n}", "name": "Read", "input": {"file_path": f"/repo/f{n}.py"}}
+            )
             n += 1
 
     def take(self, n: int) -> str:
@@ -163,13 +203,23 @@ class Conversation:
         """The assistant's tool_use and a tool_result of `new_chars` characters; returns the new text."""
         new = self.take(self.new_chars)
         self.num_chars += len(new)
-        self.messages += [{"role": "assistant", "content": [tool_use]},
-                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": new}]}]  # fmt: skip
+        self.messages += [
+            {"role": "assistant", "content": [tool_use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": new}]},
+        ]
         return new
 
     def body(self) -> bytes:
-        return orjson.dumps({"model": "gyre", "max_tokens": 256, "stream": True, "system": self.system,
-                             "tools": self.tools, "messages": self.messages})  # fmt: skip
+        return orjson.dumps(
+            {
+                "model": "gyre",
+                "max_tokens": 256,
+                "stream": True,
+                "system": self.system,
+                "tools": self.tools,
+                "messages": self.messages,
+            }
+        )
 
 
 async def call(s: aiohttp.ClientSession, url: str, key: str, body: bytes) -> tuple[dict, int]:
@@ -193,14 +243,21 @@ async def call(s: aiohttp.ClientSession, url: str, key: str, body: bytes) -> tup
 
 def cpu_s(pids: list[int]) -> float:
     """CPU seconds the processes' threads ran (/proc schedstat: ns, unlike the 10 ms ticks of /proc stat)."""
-    return sum(int(Path(t, "schedstat").read_text().split()[0]) for p in pids for t in Path(f"/proc/{p}/task").iterdir()) / 1e9
+    return (
+        sum(int(Path(t, "schedstat").read_text().split()[0]) for p in pids for t in Path(f"/proc/{p}/task").iterdir())
+        / 1e9
+    )
 
 
 def admin(url: str, token: str, path: str, body: dict) -> dict:
     import urllib.request
 
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
@@ -217,11 +274,17 @@ class Proxies:
 
             p = ProxyProcess(cfg).start()
             self.stop, self.pids = p.stop, [p.proc.pid]
-            self.new_execution = lambda eid: (p.url, admin(p.url, p.admin_token, "/admin/executions", {"execution_id": eid})["api_key"])
+            self.new_execution = lambda eid: (
+                p.url,
+                admin(p.url, p.admin_token, "/admin/executions", {"execution_id": eid})["api_key"],
+            )
             return
         w = ProxyWorkers(cfg, num_workers).start()
         self.stop, self.pids = w.stop, w.pids
-        self.new_execution = lambda eid: (w.url_for(eid), admin(w.url_for(eid), w.admin_token, "/admin/executions", {"execution_id": eid})["api_key"])
+        self.new_execution = lambda eid: (
+            w.url_for(eid),
+            admin(w.url_for(eid), w.admin_token, "/admin/executions", {"execution_id": eid})["api_key"],
+        )
 
 
 async def idle_rate(pids: list[int], seconds: float = 2.0) -> float:
@@ -248,8 +311,13 @@ async def measure_size(proxies: Proxies, tok, text: str, bpt: float, size: int, 
     for body, new in bodies:  # the floors, in this process, after the calls (so they never overlap them)
         floors.append(_cpu_of(orjson.loads, body))  # once, as the proxy parses it
         floor_toks.append(floors[-1] + _cpu_of(tok.encode, new))
-    return {"cpu_ms_per_call": (used - idle * wall) / args.calls * 1e3, "floor_ms": statistics.median(floors) * 1e3,
-            "floor_tok_ms": statistics.median(floor_toks) * 1e3, "prompt_tokens": n_ins[-1], "body_mb": len(bodies[-1][0]) / 2**20}  # fmt: skip
+    return {
+        "cpu_ms_per_call": (used - idle * wall) / args.calls * 1e3,
+        "floor_ms": statistics.median(floors) * 1e3,
+        "floor_tok_ms": statistics.median(floor_toks) * 1e3,
+        "prompt_tokens": n_ins[-1],
+        "body_mb": len(bodies[-1][0]) / 2**20,
+    }
 
 
 def _cpu_of(fn, arg) -> float:
@@ -275,8 +343,13 @@ async def throughput(proxies: Proxies, text: str, args) -> float:
 
 
 def proxy_config(tmp: Path, engine_url: str, tokenizer_path: str | None) -> ProxyConfig:
-    return ProxyConfig(records_dir=str(tmp / "records"), engines=[engine_url], context_len=1 << 23, max_body_mb=256,
-                       tokenizer_path=tokenizer_path)  # fmt: skip
+    return ProxyConfig(
+        records_dir=str(tmp / "records"),
+        engines=[engine_url],
+        context_len=1 << 23,
+        max_body_mb=256,
+        tokenizer_path=tokenizer_path,
+    )
 
 
 def run_tokenizer(tmp: Path, tok, tokenizer_path: str | None, text: str, args) -> tuple[dict, dict]:
@@ -290,8 +363,11 @@ def run_tokenizer(tmp: Path, tok, tokenizer_path: str | None, text: str, args) -
             idle = asyncio.run(idle_rate(proxies.pids))
             for size in args.sizes:
                 sizes[size] = asyncio.run(measure_size(proxies, tok, text, bpt, size, args, idle))
-                print(f"{type(tok).__name__:<14}{size:>9}{sizes[size]['cpu_ms_per_call']:>10.2f}{sizes[size]['floor_ms']:>10.2f}"
-                      f"{sizes[size]['floor_tok_ms']:>10.2f}{sizes[size]['prompt_tokens']:>10}", flush=True)  # fmt: skip
+                print(
+                    f"{type(tok).__name__:<14}{size:>9}{sizes[size]['cpu_ms_per_call']:>10.2f}{sizes[size]['floor_ms']:>10.2f}"
+                    f"{sizes[size]['floor_tok_ms']:>10.2f}{sizes[size]['prompt_tokens']:>10}",
+                    flush=True,
+                )
         finally:
             proxies.stop()
         for n in args.workers if tokenizer_path is None else ():
@@ -336,10 +412,26 @@ def main() -> None:
             bpe, _ = run_tokenizer(tmp, HFTokenizer(str(path)), str(path), text, args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    out = {str(n): {**f, **{"bpe_" + k: v for k, v in bpe.get(n, {}).items() if k != "floor_tok_ms"},
-                    "floor_tok_ms": bpe.get(n, f)["floor_tok_ms"]} for n, f in sizes.items()}  # fmt: skip
-    print(json.dumps({"sizes": out, "calls_per_s": {str(n): r for n, r in rates.items()}, "new_tokens": args.new_tokens,
-                      "calls_per_size": args.calls, "cpus": psutil.cpu_count(), "loadavg_1m": psutil.getloadavg()[0]}))  # fmt: skip
+    out = {
+        str(n): {
+            **f,
+            **{"bpe_" + k: v for k, v in bpe.get(n, {}).items() if k != "floor_tok_ms"},
+            "floor_tok_ms": bpe.get(n, f)["floor_tok_ms"],
+        }
+        for n, f in sizes.items()
+    }
+    print(
+        json.dumps(
+            {
+                "sizes": out,
+                "calls_per_s": {str(n): r for n, r in rates.items()},
+                "new_tokens": args.new_tokens,
+                "calls_per_size": args.calls,
+                "cpus": psutil.cpu_count(),
+                "loadavg_1m": psutil.getloadavg()[0],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -15,15 +15,15 @@ Usage: PYTHONPATH=. python tools/bench/records.py [--dir DIR] [--scale 1.0]
 import argparse
 import json
 import os
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from gyre.records import RecordWriter, read_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "unit"))
-from _synthetic import make_claude_like  # noqa: E402  (test data shapes, not library code)
+from _synthetic import make_claude_like
 
 
 def write_all(path: str, records, fsync: bool) -> float:
@@ -55,16 +55,25 @@ def main() -> None:
         read_s = time.perf_counter() - t0
     assert len(back) == len(records) and stats.num_torn == 0 and not stats.invalid
     out = {
-        "num_records": len(records), "logical_tokens": logical,
-        "write_s": round(write_s, 3), "write_nofsync_s": round(write_nofsync_s, 3), "read_s": round(read_s, 3),
-        "file_mb": round(size / 2**20, 2), "full_inputs_mb": round(full_inputs_bytes / 2**20, 1),
-        "write_tokens_per_s": round(logical / write_s), "read_tokens_per_s": round(logical / read_s),
+        "num_records": len(records),
+        "logical_tokens": logical,
+        "write_s": round(write_s, 3),
+        "write_nofsync_s": round(write_nofsync_s, 3),
+        "read_s": round(read_s, 3),
+        "file_mb": round(size / 2**20, 2),
+        "full_inputs_mb": round(full_inputs_bytes / 2**20, 1),
+        "write_tokens_per_s": round(logical / write_s),
+        "read_tokens_per_s": round(logical / read_s),
         "write_records_per_s": round(len(records) / write_s, 1),
     }
-    print(f"{len(records)} records, {logical:,} logical tokens, file {size / 2**20:.1f} MB "
-          f"(whole inputs would be {full_inputs_bytes / 2**20:.0f} MB)")
-    print(f"write {write_s:.3f} s with fsync per record ({write_nofsync_s:.3f} s without) = "
-          f"{len(records) / write_s:.0f} records/s; read {read_s:.3f} s = {logical / read_s / 1e6:.1f}M tokens/s")
+    print(
+        f"{len(records)} records, {logical:,} logical tokens, file {size / 2**20:.1f} MB "
+        f"(whole inputs would be {full_inputs_bytes / 2**20:.0f} MB)"
+    )
+    print(
+        f"write {write_s:.3f} s with fsync per record ({write_nofsync_s:.3f} s without) = "
+        f"{len(records) / write_s:.0f} records/s; read {read_s:.3f} s = {logical / read_s / 1e6:.1f}M tokens/s"
+    )
     print(json.dumps(out))
 
 

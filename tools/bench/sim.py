@@ -22,22 +22,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=48)
     args = parser.parse_args()
-    overrides = ["profile=nl2repo", "preset=qwen2t4_192n", f"num_steps={args.steps}",
-                 "profile.groups_per_step=64", "profile.group_size=16"]
+    overrides = [
+        "profile=nl2repo",
+        "preset=qwen2t4_192n",
+        f"num_steps={args.steps}",
+        "profile.groups_per_step=64",
+        "profile.group_size=16",
+    ]
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         sim = validate_sim(hydra.compose(config_name="sim", overrides=overrides))
     from gyre.sim.runner import run_modes
 
-    out = {"steps": sim.num_steps, "nodes": sim.preset.num_nodes,
-           "executions_per_step": sim.profile.executions_per_step, "target_s": TARGET_S,
-           "load_avg_1m": round(os.getloadavg()[0], 2), "modes": {}}
+    out = {
+        "steps": sim.num_steps,
+        "nodes": sim.preset.num_nodes,
+        "executions_per_step": sim.profile.executions_per_step,
+        "target_s": TARGET_S,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "modes": {},
+    }
     for mode in sim.modes:
         t0, c0 = time.perf_counter(), time.process_time()
         (r,) = run_modes(sim, modes=[mode])
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        out["modes"][mode] = {"cpu_s": round(cpu, 2), "wall_s": round(wall, 2), "simulated_h": round(r.total_s / 3600, 2)}
-        print(f"{mode:<9} {cpu:6.2f} s CPU ({wall:6.2f} s wall) for {r.total_s / 3600:7.2f} simulated h "
-              f"({sim.num_steps} steps x {sim.preset.num_nodes} nodes x {sim.profile.executions_per_step} executions/step)")
+        out["modes"][mode] = {
+            "cpu_s": round(cpu, 2),
+            "wall_s": round(wall, 2),
+            "simulated_h": round(r.total_s / 3600, 2),
+        }
+        print(
+            f"{mode:<9} {cpu:6.2f} s CPU ({wall:6.2f} s wall) for {r.total_s / 3600:7.2f} simulated h "
+            f"({sim.num_steps} steps x {sim.preset.num_nodes} nodes x {sim.profile.executions_per_step} "
+            "executions/step)"
+        )
     out["max_cpu_s"] = max(m["cpu_s"] for m in out["modes"].values())
     out["meets_target"] = out["max_cpu_s"] <= TARGET_S
     print(json.dumps(out))

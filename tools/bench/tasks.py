@@ -56,12 +56,22 @@ def toy_executions(ts, n: int, model_dir: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="gyre-bench-toy-") as tmp:
         engine = BuiltinEngineProcess(EngineConfig(model_path=model_dir, startup_timeout_s=300), ModelConfig())
         engine.start()
-        proxy = ProxyProcess(ProxyConfig(records_dir=f"{tmp}/records", engines=[engine.url], model_names=["gyre"], context_len=4096)).start()
+        proxy = ProxyProcess(
+            ProxyConfig(records_dir=f"{tmp}/records", engines=[engine.url], model_names=["gyre"], context_len=4096)
+        ).start()
         try:
             boxes = []
             for i in range(n):
                 ex = f"toy-{i}"
-                sb = Sandbox(ts.pick(0, i), ex, Path(tmp) / "sb", HarnessConfig(), proxy.url, register_execution(proxy, ex), "gyre")
+                sb = Sandbox(
+                    ts.pick(0, i),
+                    ex,
+                    Path(tmp) / "sb",
+                    HarnessConfig(),
+                    proxy.url,
+                    register_execution(proxy, ex),
+                    "gyre",
+                )
                 sb.prepare()
                 sb.start()
                 boxes.append(sb)
@@ -77,9 +87,17 @@ def toy_executions(ts, n: int, model_dir: str | None) -> dict:
             engine.stop()
     d = [r.duration_s for r in results.values()]
     timed_out = sum(r.timed_out for r in results.values())
-    print(f"toy executions ({n} concurrent): p50 {pct(d, 0.5):.1f} s, p90 {pct(d, 0.9):.1f} s, max {max(d):.1f} s, "
-          f"timed out {timed_out}, model calls per execution {sorted(calls)}")  # fmt: skip
-    return {"exec_calls_mean": round(sum(calls) / n, 2), "exec_p50_s": round(pct(d, 0.5), 2), "exec_p90_s": round(pct(d, 0.9), 2), "exec_max_s": round(max(d), 2), "exec_timed_out": timed_out}
+    print(
+        f"toy executions ({n} concurrent): p50 {pct(d, 0.5):.1f} s, p90 {pct(d, 0.9):.1f} s, max {max(d):.1f} s, "
+        f"timed out {timed_out}, model calls per execution {sorted(calls)}"
+    )
+    return {
+        "exec_calls_mean": round(sum(calls) / n, 2),
+        "exec_p50_s": round(pct(d, 0.5), 2),
+        "exec_p90_s": round(pct(d, 0.9), 2),
+        "exec_max_s": round(max(d), 2),
+        "exec_timed_out": timed_out,
+    }
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -104,9 +122,15 @@ def main() -> None:
             for m in modes:
                 costs[m].append(start_cost(task, Path(tmp) / "sb", m))
         for m in modes:
-            wall, cpu = statistics.median(c[0] for c in costs[m]), sum(c[1] for c in costs[m]) / a.runs  # CPU: 10 ms ticks
+            wall, cpu = (
+                statistics.median(c[0] for c in costs[m]),
+                sum(c[1] for c in costs[m]) / a.runs,
+            )  # CPU: 10 ms ticks
             out[f"start_{m}_wall_ms"], out[f"start_{m}_cpu_ms"] = round(wall * 1e3, 2), round(cpu * 1e3, 2)
-            print(f"sandbox start ({m}): median wall {wall * 1e3:.1f} ms, children CPU {cpu * 1e3:.1f} ms over {a.runs} runs")
+            print(
+                f"sandbox start ({m}): median wall {wall * 1e3:.1f} ms, children CPU {cpu * 1e3:.1f} ms over "
+                f"{a.runs} runs"
+            )
         if "bwrap" in modes:
             out["bwrap_over_plain_wall"] = round(out["start_bwrap_wall_ms"] / out["start_none_wall_ms"], 2)
         evals, cpu0 = [], children_cpu_s()
@@ -116,18 +140,25 @@ def main() -> None:
             t0 = time.perf_counter()
             evaluate(t, ws, "finished")
             evals.append(time.perf_counter() - t0)
-        out["evaluator_ms_median"], out["evaluator_ms_max"] = round(statistics.median(evals) * 1e3, 1), round(max(evals) * 1e3, 1)
+        out["evaluator_ms_median"], out["evaluator_ms_max"] = (
+            round(statistics.median(evals) * 1e3, 1),
+            round(max(evals) * 1e3, 1),
+        )
         out["evaluator_cpu_ms_mean"] = round((children_cpu_s() - cpu0) / len(evals) * 1e3, 1)
-        print(f"toy evaluator: median wall {out['evaluator_ms_median']} ms, max {out['evaluator_ms_max']} ms, "
-              f"mean CPU {out['evaluator_cpu_ms_mean']} ms per task ({len(evals)} tasks)")  # fmt: skip
+        print(
+            f"toy evaluator: median wall {out['evaluator_ms_median']} ms, max {out['evaluator_ms_max']} ms, "
+            f"mean CPU {out['evaluator_cpu_ms_mean']} ms per task ({len(evals)} tasks)"
+        )
     t = HarnessConfig().toy
     tool, rng = ToolTime(t.tool_median_s, t.tool_sigma, t.tool_max_s), __import__("random").Random(0)
     draws = [tool.draw(rng) for _ in range(a.draws)]
     for q, name in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
         out[f"tool_{name}_s"] = round(pct(draws, q), 3)
     out["tool_max_s"] = round(max(draws), 3)
-    print(f"toy tool durations ({a.draws} draws): p50 {out['tool_p50_s']} s, p90 {out['tool_p90_s']} s, "
-          f"p99 {out['tool_p99_s']} s, max {out['tool_max_s']} s")  # fmt: skip
+    print(
+        f"toy tool durations ({a.draws} draws): p50 {out['tool_p50_s']} s, p90 {out['tool_p90_s']} s, "
+        f"p99 {out['tool_p99_s']} s, max {out['tool_max_s']} s"
+    )
     if a.executions:
         out.update(toy_executions(ts, a.executions, a.model_dir))
     print(json.dumps(out))

@@ -31,7 +31,7 @@ from gyre.trajectory.pack import pack
 from gyre.trajectory.process import process_execution, weight_samples
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "unit"))
-from _synthetic import make_claude_like  # noqa: E402  (test data shapes, not library code)
+from _synthetic import make_claude_like
 
 
 def run_once(records, config: TrajectoryConfig):
@@ -81,22 +81,38 @@ def main() -> None:
     peak = peak_mb(1.0, args.rewinds, config)
     c = result.counts
     out = {
-        "seconds": round(seconds, 4), "peak_mb": round(peak, 1), "seconds_2x": round(seconds_2x, 4),
+        "seconds": round(seconds, 4),
+        "peak_mb": round(peak, 1),
+        "seconds_2x": round(seconds_2x, 4),
         "ratio_2x": round(seconds_2x / seconds, 3),
-        "tokens_naive": c.targets_naive, "tokens_capped": c.targets_capped, "tokens_dedup": c.targets_dedup,
-        "seq_tokens_naive": c.seq_tokens_naive, "seq_tokens_capped": c.seq_tokens_capped,
-        "seq_tokens_packed": c.seq_tokens_packed, "seq_tokens_tree": c.seq_tokens_tree,
-        "input_tokens": input_tokens, "input_tokens_2x": input_tokens_2x, "num_calls": num_calls,
-        "max_paths": args.max_paths, "packed_tokens": batch.num_tokens,
-        "left_out": dict(result.left_out), "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "tokens_naive": c.targets_naive,
+        "tokens_capped": c.targets_capped,
+        "tokens_dedup": c.targets_dedup,
+        "seq_tokens_naive": c.seq_tokens_naive,
+        "seq_tokens_capped": c.seq_tokens_capped,
+        "seq_tokens_packed": c.seq_tokens_packed,
+        "seq_tokens_tree": c.seq_tokens_tree,
+        "input_tokens": input_tokens,
+        "input_tokens_2x": input_tokens_2x,
+        "num_calls": num_calls,
+        "max_paths": args.max_paths,
+        "packed_tokens": batch.num_tokens,
+        "left_out": dict(result.left_out),
+        "maxrss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
-    print(f"calls {num_calls}, summed input {input_tokens:,} tokens; unique tokens on trainable paths "
-          f"{c.seq_tokens_naive:,}")
-    print(f"process+pack  {seconds:.3f} s (target <= 2)   peak {peak:.0f} MB (target <= 1024)   "
-          f"2x tokens {seconds_2x:.3f} s = {seconds_2x / seconds:.2f}x (target <= 2.2)")
+    print(
+        f"calls {num_calls}, summed input {input_tokens:,} tokens; unique tokens on trainable paths "
+        f"{c.seq_tokens_naive:,}"
+    )
+    print(
+        f"process+pack  {seconds:.3f} s (target <= 2)   peak {peak:.0f} MB (target <= 1024)   "
+        f"2x tokens {seconds_2x:.3f} s = {seconds_2x / seconds:.2f}x (target <= 2.2)"
+    )
     print(f"targets       naive {c.targets_naive:,}  capped {c.targets_capped:,}  capped+dedup {c.targets_dedup:,}")
-    print(f"seq tokens    naive {c.seq_tokens_naive:,}  capped {c.seq_tokens_capped:,}  packed "
-          f"{c.seq_tokens_packed:,}  prefix-tree {c.seq_tokens_tree:,}")
+    print(
+        f"seq tokens    naive {c.seq_tokens_naive:,}  capped {c.seq_tokens_capped:,}  packed "
+        f"{c.seq_tokens_packed:,}  prefix-tree {c.seq_tokens_tree:,}"
+    )
     print(f"paths left out {dict(result.left_out)}")
     print(json.dumps(out))
 

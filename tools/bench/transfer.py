@@ -28,8 +28,16 @@ _CFG = TrainerConfig(lr=1e-5, num_grad_slots=1, core_computes_microsteps=False)
 
 
 def _big(args) -> ModelConfig:
-    return ModelConfig(name="bench", num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.hidden * 11 // 4,
-                       num_attention_heads=16, num_query_groups=4, vocab_size=args.vocab, max_seq_len=512)
+    return ModelConfig(
+        name="bench",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.hidden * 11 // 4,
+        num_attention_heads=16,
+        num_query_groups=4,
+        vocab_size=args.vocab,
+        max_seq_len=512,
+    )
 
 
 def _batch(cfg: ModelConfig, seed: int):
@@ -103,8 +111,8 @@ def core(args) -> dict:
     from gyre.engines.config import EngineConfig
     from gyre.engines.launch import BuiltinEngineProcess
     from gyre.models.checkpoint import save_checkpoint
-    from gyre.train.publish import push_weights
     from gyre.train.elastic import CoreServer
+    from gyre.train.publish import push_weights
     from gyre.train.trainer import Trainer
     from gyre.transfer import TransferEndpoint
 
@@ -112,9 +120,26 @@ def core(args) -> dict:
     endpoint = TransferEndpoint()
     big, tiny = Trainer(_big(args), _CFG), Trainer(TINY, _CFG)
     servers = CoreServer(big, endpoint), CoreServer(tiny, endpoint)
-    cmd = [sys.executable, __file__, "--satellite", "--big-core", servers[0].address, "--tiny-core", servers[1].address,
-           "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab), "--repeats", str(args.repeats)]
-    sat = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        __file__,
+        "--satellite",
+        "--big-core",
+        servers[0].address,
+        "--tiny-core",
+        servers[1].address,
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--vocab",
+        str(args.vocab),
+        "--repeats",
+        str(args.repeats),
+    ]
+    sat = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     engine = BuiltinEngineProcess(EngineConfig(startup_timeout_s=300), TINY)
     try:
         engine.start()
@@ -147,9 +172,13 @@ def core(args) -> dict:
         for s in servers:
             s.close()
         sat.wait(timeout=60)
-    report |= {"switch_to_train/step_with_one_satellite_s": step_total, "switch_to_rollout/convert_s": convert_s,
-               "switch_to_rollout/publish_disk_s": publish_s,
-               "switch_to_rollout/push_to_engine_mooncake_s": push_s, "tiny_grad_norm": res_tiny["grad_norm"]}
+    report |= {
+        "switch_to_train/step_with_one_satellite_s": step_total,
+        "switch_to_rollout/convert_s": convert_s,
+        "switch_to_rollout/publish_disk_s": publish_s,
+        "switch_to_rollout/push_to_engine_mooncake_s": push_s,
+        "tiny_grad_norm": res_tiny["grad_norm"],
+    }
     return report
 
 
@@ -170,14 +199,29 @@ def main() -> None:
     gb = r["bytes"] / 1e9
     pull_gbps, raw_gbps = gb / min(r["pull_s"]), gb / min(r["raw_s"])
     print(f"weights: {r['bytes'] / 2**20:.1f} MiB fp32")
-    print(f"pull (SatelliteCell.pull): best {min(r['pull_s']):.3f} s = {pull_gbps:.2f} GB/s   all {[round(x, 3) for x in r['pull_s']]}")
-    print(f"raw transfer_sync_read:    best {min(r['raw_s']):.3f} s = {raw_gbps:.2f} GB/s   all {[round(x, 3) for x in r['raw_s']]}")
+    print(
+        f"pull (SatelliteCell.pull): best {min(r['pull_s']):.3f} s = {pull_gbps:.2f} GB/s   all "
+        f"{[round(x, 3) for x in r['pull_s']]}"
+    )
+    print(
+        f"raw transfer_sync_read:    best {min(r['raw_s']):.3f} s = {raw_gbps:.2f} GB/s   all "
+        f"{[round(x, 3) for x in r['raw_s']]}"
+    )
     print(f"pull / raw = {pull_gbps / raw_gbps:.1%}")
     phases = {k: round(v, 4) for k, v in r.items() if "/" in k}
     for k, v in phases.items():
         print(f"{k:48s} {v:.4f} s")
-    print(json.dumps({"bytes": r["bytes"], "pull_gbps": round(pull_gbps, 3), "raw_gbps": round(raw_gbps, 3),
-                      "pull_over_raw": round(pull_gbps / raw_gbps, 3)} | phases))
+    print(
+        json.dumps(
+            {
+                "bytes": r["bytes"],
+                "pull_gbps": round(pull_gbps, 3),
+                "raw_gbps": round(raw_gbps, 3),
+                "pull_over_raw": round(pull_gbps / raw_gbps, 3),
+            }
+            | phases
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Per step (of the batch its group was admitted for), the main agent's turns that are neither a well-formed toy tool call nor "Done": a sign
-the policy is losing its format (the toy harness's tools; byte tokenizer runs).
+"""Per step (of the batch its group was admitted for), the main agent's turns that are neither a
+well-formed toy tool call nor "Done": a sign that the policy is losing its format (the toy harness's
+tools; byte tokenizer runs).
 
     .venv/bin/python tools/probe/malformed_turns.py RUN_DIR [RUN_DIR ...]   # step:malformed/turns ...
 """
