@@ -7,6 +7,7 @@ reads YAML itself: entry points receive a composed DictConfig and call `validate
 directory is Hydra's (`hydra.run.dir`), not a Gyre key.
 """
 
+import importlib.util
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -116,6 +117,7 @@ def validate(cfg: DictConfig) -> GyreConfig:
     Raises:
         ConfigError: naming the full dotted key of the first value that cannot run.
     """
+    _refuse_unwired_engine(cfg.engine.backend)
     sections: dict[str, Any] = {}
     for f in fields(GyreConfig):
         node = cfg[f.name]
@@ -127,3 +129,16 @@ def validate(cfg: DictConfig) -> GyreConfig:
         except ConfigError as e:
             raise e.under(f.name) from None
     return GyreConfig(**sections)
+
+
+def _refuse_unwired_engine(backend: str) -> None:
+    """A run must never serve with another engine than the one asked for, so SGLang is refused up front
+    (before its own keys are checked) while the cells can start only the builtin engine."""
+    if backend != "sglang":
+        return
+    missing = importlib.util.find_spec("sglang") is None
+    hint = "; sglang is not installed here either: `pip install 'gyre[sglang]'` on a CUDA node" if missing else ""
+    raise ConfigError(
+        "engine.backend",
+        f"sglang is not wired into gyre-train's cells yet: they serve only with engine.backend=builtin{hint}",
+    )

@@ -52,6 +52,7 @@ def test_valid_configs_compose_and_validate(overrides):
         pytest.param("harness.kind=emacs", "harness.kind", id="unknown-harness"),
         pytest.param("cluster.control=zmq", "cluster.control", id="unknown-control-transport"),
         pytest.param("cluster.control_peer_timeout_s=0", "cluster.control_peer_timeout_s", id="no-peer-timeout"),
+        pytest.param("engine=sglang", "engine.backend", id="sglang-not-wired"),
     ],
 )
 def test_bad_values_name_their_key(override, key):
@@ -101,6 +102,13 @@ def test_cli_cfg_job_prints_only_validated_configs():
 def test_cli_run_with_more_cells_than_the_machine_fails_before_starting_anything(tmp_path):
     out = _gyre_train(f"hydra.run.dir={tmp_path}", "cluster.num_cells=64")
     assert out.returncode != 0 and "cluster.num_cells" in out.stderr and "CPUs" in out.stderr
+    assert not (tmp_path / "ledger.jsonl").exists()
+
+
+def test_cli_sglang_engine_is_refused_before_starting_anything(tmp_path):
+    """The cells start only the builtin engine: engine=sglang must stop the run, not serve with another engine."""
+    out = _gyre_train(f"hydra.run.dir={tmp_path}", "engine=sglang")
+    assert out.returncode != 0 and "engine.backend" in out.stderr and "builtin" in out.stderr
     assert not (tmp_path / "ledger.jsonl").exists()
 
 
