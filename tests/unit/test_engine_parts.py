@@ -3,6 +3,7 @@ command line (golden), and EngineConfig validation."""
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import make_sglang_command, make_sglang_env
@@ -137,10 +138,12 @@ def test_engine_group_composes_for_both_backends():
     from tests.unit.test_config import compose
 
     assert validate(compose()).engine.backend == "builtin"
-    sg = validate(
-        compose("engine=sglang", "engine.model_path=/models/q", "engine.mooncake_master=10.0.0.1:50051")
-    ).engine
+    sglang = compose("engine=sglang", "engine.model_path=/models/q", "engine.mooncake_master=10.0.0.1:50051")
+    sg = OmegaConf.to_object(sglang.engine)
     assert sg.backend == "sglang" and sg.enable_hicache and sg.page_size == 64
+    with pytest.raises(ConfigError) as err:  # a valid engine group, but the cells cannot serve with it yet
+        validate(sglang)
+    assert err.value.key == "engine.backend"
     with pytest.raises(ConfigError) as err:
         validate(compose("engine.max_running_requests=0"))
     assert err.value.key == "engine.max_running_requests"

@@ -175,7 +175,9 @@ def test_shipped_yaml_sets_every_field_and_validates():
 
     from omegaconf import OmegaConf
 
-    yaml = OmegaConf.load(Path(__file__).parents[2] / "gyre" / "conf" / "metrics" / "default.yaml")
+    from gyre.common import CONF_DIR
+
+    yaml = OmegaConf.load(Path(CONF_DIR) / "metrics" / "default.yaml")
     assert set(yaml) == {f.name for f in fields(MetricsConfig)}
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(MetricsConfig), yaml))
     assert cfg == MetricsConfig()

@@ -160,9 +160,10 @@ def test_unsupported_architectures_fail_at_load_naming_the_field(change, field, 
 
 def test_sglang_launch_serves_the_model_groups_directory(qwen3):
     import hydra
+    from omegaconf import OmegaConf
 
     from gyre.common import CONF_DIR
-    from gyre.config import register_configs, validate
+    from gyre.config import register_configs
     from gyre.engines.launch import make_sglang_command
 
     register_configs()
@@ -171,9 +172,10 @@ def test_sglang_launch_serves_the_model_groups_directory(qwen3):
             config_name="config",
             overrides=["engine=sglang", "model=hf", f"model.path={qwen3}", "engine.mooncake_master=10.0.0.1:50051"],
         )
-    cfg = validate(composed)
-    assert cfg.model.qk_norm and cfg.model.num_layers == 2
-    cmd = make_sglang_command(cfg.engine, 30000, python="python")
+    # Each group on its own: a whole run refuses engine=sglang until the cells can serve with it.
+    model, engine = OmegaConf.to_object(composed.model), OmegaConf.to_object(composed.engine)
+    assert model.qk_norm and model.num_layers == 2
+    cmd = make_sglang_command(engine, 30000, python="python")
     assert cmd[:5] == ["python", "-m", "sglang.launch_server", "--model-path", str(qwen3)]
 
 

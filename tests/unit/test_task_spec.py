@@ -5,13 +5,14 @@ from pathlib import Path
 
 import pytest
 
+from gyre.common import CONF_DIR
 from gyre.errors import ConfigError
 from gyre.harness.commands import make_template_command
 from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import make_bwrap_prefix, make_container_prefix
 from gyre.tasks.spec import TaskSet, TaskSpecError, parse_task, toy_taskset
 
-CONF = Path(__file__).resolve().parents[2] / "gyre" / "conf"
+CONF = Path(CONF_DIR)
 GOOD = {
     "task_id": "t1",
     "instruction": "do it",
