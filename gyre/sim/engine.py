@@ -96,8 +96,8 @@ class Simulation(RolloutSide):
         if preset.host_tier_scope == "rollout_pool":  # only nodes that start in rollout hold KV
             host_nodes = sum(c.num_nodes for c in cells if c.role is Role.ROLLOUT)
         self.pooled_sessions = preset.pooled_sessions(ctx, host_nodes)
-        self.host = HostTier(preset.host_kv_tokens_per_node * host_nodes)
-        self.cells = [SimCell(c, preset, costs, ctx, self.host) for c in cells]
+        host = HostTier(preset.host_kv_tokens_per_node * host_nodes)
+        self.cells = [SimCell(c, preset, costs, ctx, host) for c in cells]
         self.core = self.cells[0]
         self.sat_train_tok_s = self.cells[-1].train_tok_s
 

@@ -245,11 +245,7 @@ class RolloutSide:
             movable = [s for s in src.members if s not in in_call][:n]
             for s in movable:
                 if s.where == GPU and s in s.eng.idle:  # cached between calls: offload, reload there
-                    old = s.eng
-                    del old.idle[s]
-                    old.idle_kv -= s.kv
-                    old.kv_used -= s.kv
-                    self.host.put(s)
+                    s.eng.offload_idle(s)
                 src.drop(s, self.now)
                 s.cell = sc
                 sc.join(s, self.now)
