@@ -22,29 +22,30 @@ tier hold at the profile's mean context (beyond that every call would recompute)
 beyond them queue (the waterlevel counts them). The policy sees each cell's serving capacity at
 the profile's mean context: sessions its GPUs hold, and the decode those calls sustain (at long
 contexts the GPU KV, not the batch limit, caps the calls in flight).
+
+This module owns the clock, the event loop, the training side, the cells' roles and the result;
+the rollout side (admission to ready group) is `gyre.sim.rollout.RolloutSide`.
 """
 
 import heapq
 import itertools
-from collections import deque
 from dataclasses import replace
 
 from gyre.scheduler.cells import PHASE_SHARES, Phase, Role, make_cells
 from gyre.scheduler.config import SchedulerConfig
 from gyre.scheduler.observe import make_observation
-from gyre.scheduler.policy import Decision, Observation, make_policy, rebalance
-from gyre.scheduler.streaming import MicroStepQueue, may_admit, trained_spans
+from gyre.scheduler.policy import Decision, Observation, make_policy
+from gyre.scheduler.streaming import MicroStepQueue
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.cost import derive_costs
-from gyre.sim.kv import GPU, HostTier
-from gyre.sim.parts import Group, Session, SimCell
+from gyre.sim.kv import HostTier
+from gyre.sim.parts import LOSS, MICRO_END, OPT_END, PHASE_END, SEG_END, TICK, SimCell
 from gyre.sim.result import ModeResult, critical_path_s, startup_bound_s
-from gyre.sim.workload import budget_hit_fraction, draw_batch, mean_context_tokens, train_share, train_tokens
+from gyre.sim.rollout import RolloutSide
+from gyre.sim.workload import budget_hit_fraction, mean_context_tokens, train_share
 
-SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS, WAKE = range(8)
 
-
-class Simulation:
+class Simulation(RolloutSide):
     """One mode on one workload and cluster; `run()` returns a ModeResult.
 
     Args:
@@ -69,10 +70,25 @@ class Simulation:
         self.losses = losses
         self.stall_s = 20 * profile.timeout_s + 86400.0
         self.num_steps, self.seed, self.tick_s, self.tail_scale = num_steps, seed, tick_s, tail_scale
+        self._build_cells()
+        self.queue = MicroStepQueue(profile.groups_per_step, scheduler.staleness)
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        self.optimizing = False
+        self.step_times: list[float] = []
+        self.levels: list[tuple[float, int]] = []
+        self.train_tokens_total = 0
+        self.num_switches = 0
+        self._init_rollout()
+
+    def _build_cells(self):
+        """Costs, the policy and its initial roles, and the cells' engines over one host tier."""
+        profile, preset, seed = self.profile, self.preset, self.seed
         cells = make_cells(preset.num_cells, preset.cell_nodes)
         self.costs = costs = derive_costs(profile, preset, seed)
         share = train_share(profile, preset, seed, costs.train_tok_s_per_node, costs.prefill_tok_s_per_node)
-        self.policy = make_policy(scheduler, preset.num_cells, share)
+        self.policy = make_policy(self.cfg, preset.num_cells, share)
         for cell, role in zip(cells, self.policy.initial_roles()):
             cell.role = role
         ctx = mean_context_tokens(profile, seed)
@@ -80,41 +96,10 @@ class Simulation:
         if preset.host_tier_scope == "rollout_pool":  # only nodes that start in rollout hold KV
             host_nodes = sum(c.num_nodes for c in cells if c.role is Role.ROLLOUT)
         self.pooled_sessions = preset.pooled_sessions(ctx, host_nodes)
-        self.host = HostTier(preset.host_kv_tokens_per_node * host_nodes)
-        self.cells = [SimCell(c, preset, costs, ctx, self.host) for c in cells]
+        host = HostTier(preset.host_kv_tokens_per_node * host_nodes)
+        self.cells = [SimCell(c, preset, costs, ctx, host) for c in cells]
         self.core = self.cells[0]
         self.sat_train_tok_s = self.cells[-1].train_tok_s
-        self.queue = MicroStepQueue(profile.groups_per_step, scheduler.staleness)
-        self.heap: list = []
-        self.seq = itertools.count()
-        self.now = 0.0
-        self.waiting: deque = deque()
-        self.waiting_by_step: dict[int, int] = {}
-        self.running_by_step: dict[int, int] = {}
-        self.blocked: dict = {}  # insertion-ordered set
-        self.running = 0
-        self.next_batch = 0
-        self.optimizing = False
-        self.step_times: list[float] = []
-        self.levels: list[tuple[float, int]] = []
-        self.session_tok_s = preset.session_tok_s
-        self.ctx_per_seg, self.max_ctx = profile.context_tokens_per_segment, profile.max_context_tokens
-        self.train_tokens_total = 0
-        self.longest_s: list[float] = []
-        self.group_longest_s: list[list[float]] = []  # per step admitted, per group (unloaded, capped)
-        self.group_work: dict[int, list[tuple[float, int]]] = {}  # per step trained: (group's unloaded, tokens)
-        self.num_switches = 0
-        self.num_timeouts = 0
-        self.num_excluded = 0
-        self.num_blocked = 0
-        self.num_stale_dropped = 0
-        self.masked_segments = self.trained_segments = 0
-        # Of the executions trained or excluded: tokens generated, new prompt tokens, KV
-        # token-seconds of their model calls; all of them, and those of the batches admitted at 0.
-        self.useful = [0.0, 0.0, 0.0]
-        self.useful_first = [0.0, 0.0, 0.0]
-        self.prompt_total = 0.0
-        self.started = 0
 
     # ---- event plumbing -------------------------------------------------------------------
     def _at(self, t, kind, obj, token=0):
@@ -151,218 +136,6 @@ class Simulation:
             else:
                 handlers[kind](obj, token)
         return self._result()
-
-    # ---- rollout side ---------------------------------------------------------------------
-    def _may_admit(self, step: int) -> bool:
-        """The staleness rule, or (admission: staleness) one step further once the batch that
-        must be trained first is ready (its early spans are masked as older than the bound)."""
-        v, s = self.queue.version, self.cfg.staleness
-        if may_admit(step, v, s):
-            return True
-        return self.cfg.admission == "staleness" and step == v + s + 1 and self.queue.batch_ready(v)
-
-    def _admit_batches(self):
-        first_ready = self.cfg.batching == "first_ready"  # a slice of a longer run: keep launching
-        while (first_ready or self.next_batch < self.num_steps) and self._may_admit(self.next_batch):
-            step = self.next_batch
-            b = draw_batch(self.profile, step, self.seed, self.tail_scale, self.preset.session_tok_s)
-            self.longest_s.append(b.longest_s)
-            self.group_longest_s.append(b.group_longest_s)
-            g_size = self.profile.group_size
-            for g in range(self.profile.groups_per_step):
-                group = Group(g, step, self.queue.version, g_size)
-                for e in range(g * g_size, (g + 1) * g_size):
-                    self.waiting.append(Session(group, b.segments[e], b.offsets[e], b.excluded[e], b))
-            self.waiting_by_step[step] = self.profile.executions_per_step
-            self.next_batch += 1
-        self._fill_slots()
-
-    def _least_loaded(self, need_slot: bool):
-        """The serving cell with the lowest load; with `need_slot`, only one with room for a new
-        session: its GPUs' sessions plus an equal share of the pooled offload tier."""
-        best = None
-        extra = self.pooled_sessions // max(1, sum(sc.serving for sc in self.cells)) if need_slot else 0
-        for sc in self.cells:
-            if sc.serving and (not need_slot or len(sc.members) < sc.max_sessions + extra):
-                if best is None or len(sc.members) * best.max_sessions < len(best.members) * sc.max_sessions:
-                    best = sc
-        return best
-
-    def _fill_slots(self):
-        while self.waiting:
-            sc = self._least_loaded(need_slot=True)
-            if sc is None:
-                return
-            s = self.waiting.popleft()
-            self.waiting_by_step[s.group.step] -= 1
-            self.running_by_step[s.group.step] = self.running_by_step.get(s.group.step, 0) + 1
-            self.started += 1
-            s.cell = sc
-            sc.join(s, self.now)
-            s.deadline = self.now + self.profile.timeout_s
-            self.running += 1
-            self._start_gen(s)
-
-    def _start_gen(self, s):
-        sc = s.cell
-        if sc is None or not sc.serving:
-            if sc is not None:
-                sc.drop(s, self.now)
-            sc = self._least_loaded(need_slot=False)
-            s.cell = sc
-            if sc is None:
-                self.blocked[s] = self.now  # its time budget keeps running, as a harness's clock does
-                self.num_blocked += 1
-                return
-            sc.join(s, self.now)
-        if sc.eng.waiters or not self._call(sc, s):  # no slot: queue (FIFO) for the next call end
-            sc.eng.waiters.append(s)
-            self._wake(sc)
-
-    def _call(self, sc, s) -> bool:
-        """Start `s`'s model call on `sc` and schedule its segment's end; False when no slot is free."""
-        i = s.off + s.seg
-        ctx = s.seg * self.ctx_per_seg
-        if ctx > self.max_ctx:
-            ctx = self.max_ctx
-        need = ctx + self.ctx_per_seg
-        if need > self.max_ctx:
-            need = self.max_ctx
-        gen = s.gen[i]
-        prompt = self.ctx_per_seg - gen if gen < self.ctx_per_seg else 0.0  # tool output to prefill
-        end = sc.eng.start(s, self.now, ctx, need, gen, prompt)
-        if end is None:
-            return False
-        sc.gen_tokens += gen
-        s.gtok += gen
-        s.ptok += prompt
-        s.kvs += ctx * gen / self.session_tok_s
-        self.prompt_total += prompt
-        v = self.queue.version
-        if s.ver != v:
-            s.ver = v
-            s.marks.append((v, s.seg))
-        t = end + s.tool[i]  # the model call, then the segment's tool calls
-        if t < s.deadline:
-            heapq.heappush(self.heap, (t, next(self.seq), SEG_END, s, 0))
-        else:
-            heapq.heappush(self.heap, (max(s.deadline, self.now), next(self.seq), EXEC_END, s, 0))
-        return True
-
-    def _wake(self, sc):
-        eng = sc.eng
-        if eng.waiters and eng.wake_at is None and eng.busy:
-            eng.wake_at = eng.busy[0][0]
-            self._at(eng.wake_at, WAKE, sc)
-
-    def _on_wake(self, sc, _token):
-        eng = sc.eng
-        if eng.wake_at != self.now:
-            return  # superseded: the engine was vacated meanwhile
-        eng.wake_at = None
-        waiters = eng.waiters
-        while waiters and self._call(sc, waiters[0]):  # first come, first served
-            waiters.popleft()
-        self._wake(sc)
-
-    def _on_exec_end(self, s, _token):
-        self.num_timeouts += 1
-        self._finish(s)
-
-    def _finish(self, s):
-        if s.cell is not None:
-            s.cell.drop(s, self.now)
-        if s.eng is not None:
-            s.eng.release(s)
-        self.running -= 1
-        g = s.group
-        self.running_by_step[g.step] -= 1
-        g.remaining -= 1
-        g.execs.append((s.marks, s.seg, s.excluded, s.gtok, s.ptok, s.kvs))
-        if g.remaining == 0:
-            self._group_ready(g)
-        self._fill_slots()
-
-    def _group_ready(self, g):
-        """Place a ready group in its step (see `batching`) and mask its spans older than the bound."""
-        step = self.queue.open_step() if self.cfg.batching == "first_ready" else g.step
-        tokens, oldest = 0, step
-        for marks, done, excluded, gtok, ptok, kvs in g.execs:
-            if excluded or done == 0:  # no valid reward, or its budget ran out before one segment
-                self.num_excluded += 1
-                self._count_useful(g, gtok, ptok, kvs)  # no mode avoids it: part of the ideal's work
-                continue
-            kept = trained_spans(marks, done, step, self.cfg.staleness)
-            if kept is None:
-                self.num_stale_dropped += 1
-                continue
-            first, v = kept
-            self.masked_segments += first
-            self.trained_segments += done - first
-            self._count_useful(g, gtok, ptok, kvs)
-            tokens += train_tokens(self.profile, done)  # masked spans are still computed as context
-            oldest = min(oldest, v)
-        unloaded = self.group_longest_s[g.step][g.gid] if self.cfg.batching == "fixed" else 0.0
-        self.group_work.setdefault(step, []).append((unloaded, tokens))
-        if tokens:
-            self.queue.add_ready(step, g.gid, oldest, tokens, max_tokens=self.cfg.microstep_tokens)
-        else:
-            self.queue.exclude(step, g.gid)
-        if step == self.queue.current_step:
-            self._claim_all()
-            if self.queue.batch_ready():
-                self._admit_batches()
-                self._consult()
-            self._maybe_optimize()
-
-    def _count_useful(self, g, gtok, ptok, kvs):
-        for tally in (self.useful, self.useful_first) if g.step <= self.cfg.staleness else (self.useful,):
-            tally[0] += gtok
-            tally[1] += ptok
-            tally[2] += kvs
-
-    def _hand_off(self, sc):
-        """Move a leaving cell's sessions to the serving cells (proxy reroute; KV via the host tier)."""
-        waiters = sc.eng.vacate(sc.members)
-        for s in list(sc.members):
-            sc.drop(s, self.now)
-            dest = self._least_loaded(need_slot=False)
-            s.cell = dest
-            if dest is not None:
-                dest.join(s, self.now)
-        for s in waiters:
-            self._start_gen(s)
-
-    def _unblock(self):
-        """Parked sessions resume; a harness's clock never pauses, so one whose budget ran out
-        while parked ends now as a timeout."""
-        blocked, self.blocked = self.blocked, {}
-        for s in blocked:
-            if self.now >= s.deadline:
-                self._on_exec_end(s, 0)
-            else:
-                self._start_gen(s)
-
-    def _rebalance(self, sc):
-        """Move live sessions between model calls onto `sc` (just back in rollout) from the most
-        loaded serving cells: proxy reroute, their GPU KV through the offload tier."""
-        moves = rebalance(self._observe().cells, sc.cell.index)
-        for src_index, n in moves.items():
-            src = self.cells[src_index]
-            eng = src.eng
-            eng.retire(self.now)
-            in_call = {e[2] for e in eng.busy} | set(eng.waiters)
-            movable = [s for s in src.members if s not in in_call][:n]
-            for s in movable:
-                if s.where == GPU and s in s.eng.idle:  # cached between calls: offload, reload there
-                    old = s.eng
-                    del old.idle[s]
-                    old.idle_kv -= s.kv
-                    old.kv_used -= s.kv
-                    self.host.put(s)
-                src.drop(s, self.now)
-                s.cell = sc
-                sc.join(s, self.now)
 
     # ---- training side --------------------------------------------------------------------
     def _claim_all(self):
@@ -532,6 +305,41 @@ class Simulation:
     # ---- result ---------------------------------------------------------------------------
     def _result(self) -> ModeResult:
         total = self.now
+        self._close_cell_stats(total)
+        rollout_s, train_s, startup_s = self._work_bounds_s()
+        return ModeResult(
+            mode=self.cfg.mode,
+            total_s=total,
+            step_times_s=self.step_times,
+            cells=[sc.stats for sc in self.cells],
+            work_node_s=(rollout_s + train_s) * self.preset.num_nodes,
+            num_nodes=self.preset.num_nodes,
+            levels=self.levels,
+            num_switches=self.num_switches,
+            num_timeouts=self.num_timeouts,
+            num_excluded=self.num_excluded,
+            async_train_cells=getattr(self.policy, "num_train", None),
+            num_blocked=self.num_blocked,
+            max_staleness=self.queue.max_lag,
+            prefill_tokens=sum(sc.eng.prefill_tokens for sc in self.cells),
+            reload_tokens=sum(sc.eng.load_tokens for sc in self.cells),
+            critical_path_s=self._critical_path_s(),
+            rollout_work_s=rollout_s,
+            train_work_s=train_s,
+            recompute_tokens=sum(sc.eng.recompute_tokens for sc in self.cells),
+            budget_hit_fraction=self.num_timeouts / max(1, self.started),
+            rollout_latency_s=sum(self.longest_s[: self.num_steps]) / self.num_steps,
+            budget_hit_unloaded=budget_hit_fraction(self.profile, self.preset.session_tok_s, self.seed),
+            train_tok_s_per_node=self.costs.train_tok_s_per_node,
+            prefill_tok_s_per_node=self.costs.prefill_tok_s_per_node,
+            num_stale_dropped=self.num_stale_dropped,
+            trained_tokens=self.train_tokens_total,
+            startup_bound_s=startup_s,
+            masked_fraction=self.masked_segments / max(1, self.masked_segments + self.trained_segments),
+        )
+
+    def _close_cell_stats(self, total: float):
+        """Each cell's generated tokens, busy time and idle fraction over the run's `total` seconds."""
         for sc in self.cells:
             st = sc.stats
             st.gen_tokens = sc.gen_tokens
@@ -542,15 +350,18 @@ class Simulation:
             useful = st.train_busy_s + max(st.gen_tokens / sc.gen_tok_s, sc.slot_s / slots)
             st.rollout_use_s = st.gen_tokens / sc.eng.gen_tok_s + sc.eng.prefill_tokens / sc.eng.prefill_tok_s
             st.idle_fraction = min(1.0, max(0.0, 1.0 - useful / total))
-        prefill = sum(sc.eng.prefill_tokens for sc in self.cells)
-        recompute = sum(sc.eng.recompute_tokens for sc in self.cells)
-        # The ideal counts only work the N steps needed: executions trained or excluded, not those
-        # dropped as stale or still running for later steps; recomputed context is a mode's own
-        # waste and not counted. Decode and prefill share a cell's GPUs (gyre.sim.kv reserves
-        # both against its decode throughput), so their times add; a call also holds at least its
-        # context in GPU KV for at least its unloaded decode time, so serving takes at least the
-        # calls' KV token-seconds / the cluster's GPU KV; training is compute on cells that are
-        # not serving. Every node-second either serves or trains (or switches), so the sum bounds.
+
+    def _work_bounds_s(self) -> tuple[float, float, float]:
+        """The ideal's rollout and training seconds on the whole cluster, and its startup bound.
+
+        The ideal counts only work the N steps needed: executions trained or excluded, not those
+        dropped as stale or still running for later steps; recomputed context is a mode's own
+        waste and not counted. Decode and prefill share a cell's GPUs (gyre.sim.kv reserves
+        both against its decode throughput), so their times add; a call also holds at least its
+        context in GPU KV for at least its unloaded decode time, so serving takes at least the
+        calls' KV token-seconds / the cluster's GPU KV; training is compute on cells that are
+        not serving. Every node-second either serves or trains (or switches), so the sum bounds.
+        """
         gen_cap = sum(sc.eng.gen_tok_s for sc in self.cells)
         prefill_cap = sum(sc.eng.prefill_tok_s for sc in self.cells)
         kv_cap = sum(sc.eng.kv_cap for sc in self.cells)
@@ -565,40 +376,17 @@ class Simulation:
             (gen / gen_cap + prompt / prefill_cap, kvs / kv_cap),
             (gen0 / gen_cap + prompt0 / prefill_cap, kvs0 / kv_cap),
         )
-        work_node_s = (rollout_s + train_s) * self.preset.num_nodes
-        # A group waits for its own step's executions only with fixed batching (see _group_ready).
-        # With first_ready batching a step's batch may fill with earlier steps' groups before it is
-        # admitted, so early admission has no known gate: only time 0 bounds it.
+        return rollout_s, train_s, startup_s
+
+    def _critical_path_s(self) -> float:
+        """The steps' critical path with each group's training on the whole cluster.
+
+        A group waits for its own step's executions only with fixed batching (see _group_ready).
+        With first_ready batching a step's batch may fill with earlier steps' groups before it is
+        admitted, so early admission has no known gate: only time 0 bounds it.
+        """
+        train_cap = sum(sc.train_tok_s for sc in self.cells)
         early = self.cfg.admission == "staleness"
         gate = self.num_steps if early and self.cfg.batching != "fixed" else self.cfg.staleness
         groups = [[(u, tok / train_cap) for u, tok in self.group_work.get(k, [])] for k in range(self.num_steps)]
-        return ModeResult(
-            mode=self.cfg.mode,
-            total_s=total,
-            step_times_s=self.step_times,
-            cells=[sc.stats for sc in self.cells],
-            work_node_s=work_node_s,
-            num_nodes=self.preset.num_nodes,
-            levels=self.levels,
-            num_switches=self.num_switches,
-            num_timeouts=self.num_timeouts,
-            num_excluded=self.num_excluded,
-            async_train_cells=getattr(self.policy, "num_train", None),
-            num_blocked=self.num_blocked,
-            max_staleness=self.queue.max_lag,
-            prefill_tokens=prefill,
-            reload_tokens=sum(sc.eng.load_tokens for sc in self.cells),
-            critical_path_s=critical_path_s(groups, gate, self.costs.optimizer_step_s, early_admission=early),
-            rollout_work_s=rollout_s,
-            train_work_s=train_s,
-            recompute_tokens=recompute,
-            budget_hit_fraction=self.num_timeouts / max(1, self.started),
-            rollout_latency_s=sum(self.longest_s[: self.num_steps]) / self.num_steps,
-            budget_hit_unloaded=budget_hit_fraction(self.profile, self.preset.session_tok_s, self.seed),
-            train_tok_s_per_node=self.costs.train_tok_s_per_node,
-            prefill_tok_s_per_node=self.costs.prefill_tok_s_per_node,
-            num_stale_dropped=self.num_stale_dropped,
-            trained_tokens=self.train_tokens_total,
-            startup_bound_s=startup_s,
-            masked_fraction=self.masked_segments / max(1, self.masked_segments + self.trained_segments),
-        )
+        return critical_path_s(groups, gate, self.costs.optimizer_step_s, early_admission=early)

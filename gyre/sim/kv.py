@@ -144,11 +144,15 @@ class CellEngine:
         idle = self.idle
         while excess > 0 and idle:
             s = next(iter(idle))
-            del idle[s]
-            self.idle_kv -= s.kv
-            self.kv_used -= s.kv
             excess -= s.kv
-            self.host.put(s)
+            self.offload_idle(s)
+
+    def offload_idle(self, s) -> None:
+        """`s`, cached here between calls, leaves the GPU: its KV goes to the host tier (dropped when full)."""
+        del self.idle[s]
+        self.idle_kv -= s.kv
+        self.kv_used -= s.kv
+        self.host.put(s)
 
     def release(self, s) -> None:
         """`s` finished: its KV is freed wherever it lives."""

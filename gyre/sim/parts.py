@@ -7,6 +7,9 @@ from gyre.sim.cost import Costs
 from gyre.sim.kv import NONE, CellEngine, HostTier
 from gyre.sim.result import CellStats
 
+# Kinds of the events on the simulation's heap, ordered as `Simulation.run` dispatches them.
+SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS, WAKE = range(8)
+
 
 class Session:
     """One execution; it has at most one pending event (segment end or time budget), none while blocked."""

@@ -43,15 +43,7 @@ def policy_loss(
     lp, blp, adv, w = logprobs[m], behaviour_logprobs[m], advantages[m], loss_weights[m]
     log_ratio = lp - blp
     ratio = torch.exp(log_ratio)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high) * adv
-    surrogate = torch.minimum(unclipped, clipped)
-    token_loss = -surrogate
-    truncated = torch.zeros_like(m[m])
-    if cfg.truncation_cap > 0:
-        floor = cfg.truncation_cap * adv
-        truncated = (adv < 0) & (surrogate < floor)
-        token_loss = torch.where(truncated, -floor, token_loss)
+    token_loss, clipped, truncated = _clip_loss(ratio, adv, cfg)
     kl = torch.exp(-log_ratio) + log_ratio - 1  # k3 estimator of KL(pi_theta || pi_behaviour): unbiased, >= 0
     if cfg.kl_coef > 0:
         token_loss = token_loss + cfg.kl_coef * kl
@@ -68,7 +60,7 @@ def policy_loss(
             "weight_sum": float(w.sum()),
             "num_targets": int(m.sum()),
             "num_trained": int(trained.sum()),
-            "clipped": int(((clipped < unclipped) & trained).sum()),
+            "clipped": int((clipped & trained).sum()),
             "truncated": int((truncated & trained).sum()),
             "ratio_sum": float(ratio.sum()),
             "ratio_max": float(ratio.max()) if ratio.numel() else 0.0,
@@ -80,6 +72,26 @@ def policy_loss(
         if entropy is not None:
             stats["entropy_sum"] = float(entropy[m].sum())
     return loss, stats
+
+
+def _clip_loss(
+    ratio: torch.Tensor, adv: torch.Tensor, cfg: TrainerConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss with the dual clip (see the module docstring).
+
+    Returns:
+        (loss_t, tokens whose clipped surrogate was the smaller, tokens the dual clip truncated)
+    """
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high) * adv
+    surrogate = torch.minimum(unclipped, clipped)
+    token_loss = -surrogate
+    truncated = torch.zeros_like(adv, dtype=torch.bool)
+    if cfg.truncation_cap > 0:
+        floor = cfg.truncation_cap * adv
+        truncated = (adv < 0) & (surrogate < floor)
+        token_loss = torch.where(truncated, -floor, token_loss)
+    return token_loss, clipped < unclipped, truncated
 
 
 def merge_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
