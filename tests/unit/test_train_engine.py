@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from _train_ref import pack
+from _train_ref import as_samples
 
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
@@ -17,6 +17,7 @@ from gyre.models.transformer import init_weights
 from gyre.train.config import TrainerConfig
 from gyre.train.publish import load_weights_from_disk, push_weights, write_weights
 from gyre.train.trainer import Trainer
+from gyre.trajectory.pack import pack
 from gyre.transfer import TransferEndpoint
 
 MODEL = ModelConfig(
@@ -72,7 +73,7 @@ def _max_gap(trainer, prompts, n_each, samples):
         {"prompt": prompts[i // n_each], "output": out, "logprobs": lps, "advantage": 1.0}
         for i, (out, lps) in enumerate(samples)
     ]
-    batch = pack(seqs)
+    batch = pack(as_samples(seqs))
     return float((trainer.logprobs(batch) - batch.behaviour_logprobs)[batch.target_mask].abs().max()), batch
 
 
@@ -106,7 +107,7 @@ def test_updates_raise_the_engines_mean_reward(engine):
             for (out, lps), adv in zip(group, (r - r.mean()).tolist()):
                 seqs.append({"prompt": prompt, "output": out, "logprobs": lps, "advantage": adv})
         rewards.append(sum(sum(t in target for t in out) / len(out) for out, _ in samples) / len(samples))
-        tr.train_step([pack(seqs[:6]), pack(seqs[6:])])
+        tr.train_step([pack(as_samples(seqs[:6])), pack(as_samples(seqs[6:]))])
     assert rewards[-1] > rewards[0] + 0.3 and rewards[-1] > 0.5, rewards
 
 
@@ -115,7 +116,9 @@ def test_weights_reach_the_engine_through_a_model_directory(engine, tmp_path):
     url, _ = engine
     tr = _trainer(lr=1e-2)
     prompt = [3, 1, 4, 1, 5]
-    tr.train_step([pack([{"prompt": prompt, "output": [9, 2, 6], "logprobs": [-3.0, -3.0, -3.0], "advantage": 1.0}])])
+    tr.train_step(
+        [pack(as_samples([{"prompt": prompt, "output": [9, 2, 6], "logprobs": [-3.0, -3.0, -3.0], "advantage": 1.0}]))]
+    )
     path = write_weights(tr, tmp_path)
 
     async def go():
