@@ -15,7 +15,7 @@ from gyre.engines.launch import BuiltinEngineProcess
 from gyre.models.config import ModelConfig
 from gyre.models.transformer import init_weights
 from gyre.train.config import TrainerConfig
-from gyre.train.publish import load_weights_from_disk, push_weights, write_weights
+from gyre.train.publish import load_published, load_weights_from_disk, push_weights, write_weights
 from gyre.train.trainer import Trainer
 from gyre.trajectory.pack import pack
 from gyre.transfer import TransferEndpoint
@@ -161,6 +161,47 @@ def test_the_core_pushes_its_newest_weights_to_engines_while_a_step_runs(engine)
         gen = asyncio.run(_generate(url, prompts[0]))
         assert gen["meta_info"]["weight_version"] == 1 == tr.step
         assert _max_gap(tr, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
+    finally:
+        core.close()
+
+
+def test_an_engine_loads_the_weights_the_core_published_while_a_step_runs(engine):
+    """The live path (gyre.cells.leader): the core publishes while run_step computes the open step
+    and the engine loads them with load_published: version 0, whole. After the step, version 1; and
+    version 0, handed out before it, still loads whole."""
+    from gyre.train.elastic import CoreServer
+
+    url, endpoint = engine
+    tr = _trainer(lr=1e-2)
+    before = _trainer(lr=1e-2)  # the same weights, never stepped
+    prompts = [[1, 2, 3], [9, 8, 7, 6]]
+    samples = asyncio.run(_rollouts(url, endpoint, tr, prompts, 2, 8, seed0=3))
+    _, batch = _max_gap(tr, prompts, 2, samples)
+    core = CoreServer(tr, endpoint)
+
+    def load_and_generate(weights):
+        asyncio.run(load_published(url, weights))
+        return asyncio.run(_generate(url, prompts[0]))
+
+    try:
+        core.begin_step()
+        core.add_micro_batch(batch)
+        step = threading.Thread(target=core.run_step)
+        step.start()
+        version, descriptor = core.publish()  # races the step; must be version 0 whole
+        old = {**descriptor, "version": version}
+        gen = load_and_generate(old)
+        core.end_step()
+        step.join(timeout=120)
+        assert gen["meta_info"]["weight_version"] == 0 == old["version"]
+        assert _max_gap(before, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
+        version, descriptor = core.publish()
+        gen = load_and_generate({**descriptor, "version": version})
+        assert gen["meta_info"]["weight_version"] == 1 == tr.step
+        assert _max_gap(tr, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
+        gen = load_and_generate(old)
+        assert gen["meta_info"]["weight_version"] == 0
+        assert _max_gap(before, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
     finally:
         core.close()
 
