@@ -1,36 +1,35 @@
-"""Test helpers for gyre/train: pack sequences into the processor's PackedBatch, synthetic batches."""
+"""Test helpers for gyre/train: sequences as the processor's samples, synthetic packed batches."""
 
+import numpy as np
 import torch
 
 from gyre.models.config import ModelConfig
+from gyre.trajectory.pack import pack
+from gyre.trajectory.paths import PathSample
+from gyre.trajectory.process import TrainingSample
 from gyre.trajectory.sample import PackedBatch
 
 
-def pack(seqs: list[dict]) -> PackedBatch:
-    """Pack sequences {prompt, output, logprobs, advantage, weight=1, version=0, id} into one row."""
-    cols = {k: [] for k in ("tokens", "pos", "mask", "blp", "w", "adv", "ver")}
-    cu = [0]
-    for s in seqs:
+def as_samples(seqs: list[dict]) -> list[TrainingSample]:
+    """Sequences {prompt, output, logprobs, advantage, weight=1, version=0, id} as the processor's
+    samples, every output token a unique target, for the library's `pack`."""
+    out = []
+    for i, s in enumerate(seqs):
         n_p, n_o = len(s["prompt"]), len(s["output"])
-        cols["tokens"] += list(s["prompt"]) + list(s["output"])
-        cols["pos"] += list(range(n_p + n_o))
-        cols["mask"] += [False] * n_p + [True] * n_o
-        cols["blp"] += [0.0] * n_p + list(s["logprobs"])
-        cols["w"] += [0.0] * n_p + [s.get("weight", 1.0)] * n_o
-        cols["adv"] += [0.0] * n_p + [s["advantage"]] * n_o
-        cols["ver"] += [-1] * n_p + [s.get("version", 0)] * n_o
-        cu.append(cu[-1] + n_p + n_o)
-    return PackedBatch(
-        tokens=torch.tensor(cols["tokens"], dtype=torch.int64),
-        position_ids=torch.tensor(cols["pos"], dtype=torch.int64),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        target_mask=torch.tensor(cols["mask"], dtype=torch.bool),
-        behaviour_logprobs=torch.tensor(cols["blp"], dtype=torch.float32),
-        loss_weights=torch.tensor(cols["w"], dtype=torch.float32),
-        advantages=torch.tensor(cols["adv"], dtype=torch.float32),
-        weight_versions=torch.tensor(cols["ver"], dtype=torch.int64),
-        execution_ids=tuple(s.get("id", f"e{i}") for i, s in enumerate(seqs)),
-    )
+        mask = np.array([False] * n_p + [True] * n_o)
+        path = PathSample(
+            execution_id=s.get("id", f"e{i}"),
+            leaf_call_id=f"c{i}",
+            path_class="main",
+            tokens=np.array(list(s["prompt"]) + list(s["output"]), dtype=np.int32),
+            target_mask=mask,
+            unique_mask=mask,
+            logprobs=np.array([0.0] * n_p + list(s["logprobs"]), dtype=np.float32),
+            versions=np.array([-1] * n_p + [s.get("version", 0)] * n_o, dtype=np.int64),
+        )
+        weights = np.where(mask, np.float32(s.get("weight", 1.0)), np.float32(0))
+        out.append(TrainingSample(path, weights, s["advantage"]))
+    return out
 
 
 def random_batches(
@@ -52,5 +51,5 @@ def random_batches(
                     "advantage": float(torch.randn(1, generator=g)),
                 }
             )
-        out.append(pack(seqs))
+        out.append(pack(as_samples(seqs)))
     return out

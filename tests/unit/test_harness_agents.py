@@ -16,7 +16,9 @@ def test_claude_code_env_points_every_model_at_the_proxy():
     assert (
         env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9" and env["ANTHROPIC_API_KEY"] == "k1" and env["HOME"] == "/h"
     )
-    assert env["ANTHROPIC_MODEL"] == env["CLAUDE_CODE_SUBAGENT_MODEL"] == env["ANTHROPIC_SMALL_FAST_MODEL"] == "tiny"
+    aliases = ["ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL"]
+    aliases += [f"ANTHROPIC_DEFAULT_{tier}_MODEL" for tier in ("HAIKU", "SONNET", "OPUS")]
+    assert {a: env.get(a) for a in aliases} == dict.fromkeys(aliases, "tiny")  # any alias Claude Code may pick
     assert env["PATH"] == "/bin" and env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
 
 

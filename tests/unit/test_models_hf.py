@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from _hf_ref import DEFAULT_SYSTEM_TEMPLATE, hf_logprobs, make_qwen3_dir, train_tokenizer
-from _train_ref import pack
+from _train_ref import as_samples
 from safetensors.torch import load_file
 
 from gyre.errors import ConfigError
@@ -30,6 +30,7 @@ from gyre.proxy.wire import AnthropicWire
 from gyre.train.checkpoint import CheckpointManager
 from gyre.train.config import TrainerConfig
 from gyre.train.trainer import Trainer
+from gyre.trajectory.pack import pack
 
 ROOT = Path(__file__).resolve().parents[2]
 IDS = torch.randint(0, 397, (48,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -41,7 +42,9 @@ def qwen3(tmp_path_factory) -> Path:
 
 
 def _trainer_logprobs(trainer: Trainer, ids: list[int]) -> torch.Tensor:
-    batch = pack([{"prompt": ids[:4], "output": ids[4:], "logprobs": [0.0] * (len(ids) - 4), "advantage": 1.0}])
+    batch = pack(
+        as_samples([{"prompt": ids[:4], "output": ids[4:], "logprobs": [0.0] * (len(ids) - 4), "advantage": 1.0}])
+    )
     return trainer.logprobs(batch)[1:]
 
 

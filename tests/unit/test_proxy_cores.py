@@ -235,12 +235,8 @@ def test_render_reuses_model_tokens_exactly():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     first = r.render(msgs, None, mem).input_ids.tolist()
     # The model emitted a tool call with odd spacing; the harness echoes it back parsed.
-    out = (
-        tok.apply_chat_template([{"role": "user", "content": "x"}], None, False)[:0]
-        + list(b"ok ")
-        + [tok.special_ids["<tool_call>"]]
-    )
-    out += list(b'\n{"name":"f","arguments":{"x":1}}\n') + [tok.special_ids["</tool_call>"], tok.eos_token_id]
+    out = list(b"ok ") + [tok.special_ids["<tool_call>"]] + list(b'\n{"name":"f","arguments":{"x":1}}\n')
+    out += [tok.special_ids["</tool_call>"], tok.eos_token_id]
     parsed = tok.parse_assistant(out)
     mem.remember(
         assistant_key(parsed.content, [{"name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]), out

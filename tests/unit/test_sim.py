@@ -15,6 +15,7 @@ from gyre.sim.app import validate_sim
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.engine import Simulation
 from gyre.sim.result import critical_path_s, ideal_lower_bound_s, startup_bound_s
+from gyre.sim.workload import draw_batch
 
 PROFILE = ProfileConfig(
     groups_per_step=4,
@@ -113,10 +114,24 @@ def test_startup_bound(first, train, rollout, first_rollout, expected):
     assert startup_bound_s(first, train, rollout, first_rollout) == expected
 
 
-def test_same_seed_same_result_and_modes_see_the_same_executions():
-    a, b = simulate("elastic"), simulate("elastic")
-    assert a.total_s == b.total_s and a.num_switches == b.num_switches
-    assert simulate("async").num_excluded == a.num_excluded  # common random numbers across modes
+def test_same_seed_same_result_and_modes_see_the_same_executions(monkeypatch):
+    import gyre.sim.engine
+
+    drawn = []  # every batch of executions a run drew, in order
+
+    def recording_draw(*args, **kw):
+        drawn.append(draw_batch(*args, **kw))
+        return drawn[-1]
+
+    monkeypatch.setattr(gyre.sim.engine, "draw_batch", recording_draw)
+    a = simulate("elastic")
+    elastic_batches, drawn[:] = list(drawn), []
+    assert a == simulate("elastic")  # every figure, cell timeline and level sample
+    assert drawn == elastic_batches and len(drawn) == 4
+    drawn.clear()
+    async_ = simulate("async")
+    assert drawn == elastic_batches  # common random numbers: per execution, the same segments, tokens, tools
+    assert async_.num_excluded == a.num_excluded
 
 
 def test_elastic_switches_and_core_never_leaves_training():

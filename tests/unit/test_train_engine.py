@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from _train_ref import pack
+from _train_ref import as_samples
 
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
@@ -15,8 +15,9 @@ from gyre.engines.launch import BuiltinEngineProcess
 from gyre.models.config import ModelConfig
 from gyre.models.transformer import init_weights
 from gyre.train.config import TrainerConfig
-from gyre.train.publish import load_weights_from_disk, push_weights, write_weights
+from gyre.train.publish import load_published, load_weights_from_disk, push_weights, write_weights
 from gyre.train.trainer import Trainer
+from gyre.trajectory.pack import pack
 from gyre.transfer import TransferEndpoint
 
 MODEL = ModelConfig(
@@ -72,7 +73,7 @@ def _max_gap(trainer, prompts, n_each, samples):
         {"prompt": prompts[i // n_each], "output": out, "logprobs": lps, "advantage": 1.0}
         for i, (out, lps) in enumerate(samples)
     ]
-    batch = pack(seqs)
+    batch = pack(as_samples(seqs))
     return float((trainer.logprobs(batch) - batch.behaviour_logprobs)[batch.target_mask].abs().max()), batch
 
 
@@ -106,7 +107,7 @@ def test_updates_raise_the_engines_mean_reward(engine):
             for (out, lps), adv in zip(group, (r - r.mean()).tolist()):
                 seqs.append({"prompt": prompt, "output": out, "logprobs": lps, "advantage": adv})
         rewards.append(sum(sum(t in target for t in out) / len(out) for out, _ in samples) / len(samples))
-        tr.train_step([pack(seqs[:6]), pack(seqs[6:])])
+        tr.train_step([pack(as_samples(seqs[:6])), pack(as_samples(seqs[6:]))])
     assert rewards[-1] > rewards[0] + 0.3 and rewards[-1] > 0.5, rewards
 
 
@@ -115,7 +116,9 @@ def test_weights_reach_the_engine_through_a_model_directory(engine, tmp_path):
     url, _ = engine
     tr = _trainer(lr=1e-2)
     prompt = [3, 1, 4, 1, 5]
-    tr.train_step([pack([{"prompt": prompt, "output": [9, 2, 6], "logprobs": [-3.0, -3.0, -3.0], "advantage": 1.0}])])
+    tr.train_step(
+        [pack(as_samples([{"prompt": prompt, "output": [9, 2, 6], "logprobs": [-3.0, -3.0, -3.0], "advantage": 1.0}]))]
+    )
     path = write_weights(tr, tmp_path)
 
     async def go():
@@ -158,6 +161,47 @@ def test_the_core_pushes_its_newest_weights_to_engines_while_a_step_runs(engine)
         gen = asyncio.run(_generate(url, prompts[0]))
         assert gen["meta_info"]["weight_version"] == 1 == tr.step
         assert _max_gap(tr, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
+    finally:
+        core.close()
+
+
+def test_an_engine_loads_the_weights_the_core_published_while_a_step_runs(engine):
+    """The live path (gyre.cells.leader): the core publishes while run_step computes the open step
+    and the engine loads them with load_published: version 0, whole. After the step, version 1; and
+    version 0, handed out before it, still loads whole."""
+    from gyre.train.elastic import CoreServer
+
+    url, endpoint = engine
+    tr = _trainer(lr=1e-2)
+    before = _trainer(lr=1e-2)  # the same weights, never stepped
+    prompts = [[1, 2, 3], [9, 8, 7, 6]]
+    samples = asyncio.run(_rollouts(url, endpoint, tr, prompts, 2, 8, seed0=3))
+    _, batch = _max_gap(tr, prompts, 2, samples)
+    core = CoreServer(tr, endpoint)
+
+    def load_and_generate(weights):
+        asyncio.run(load_published(url, weights))
+        return asyncio.run(_generate(url, prompts[0]))
+
+    try:
+        core.begin_step()
+        core.add_micro_batch(batch)
+        step = threading.Thread(target=core.run_step)
+        step.start()
+        version, descriptor = core.publish()  # races the step; must be version 0 whole
+        old = {**descriptor, "version": version}
+        gen = load_and_generate(old)
+        core.end_step()
+        step.join(timeout=120)
+        assert gen["meta_info"]["weight_version"] == 0 == old["version"]
+        assert _max_gap(before, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
+        version, descriptor = core.publish()
+        gen = load_and_generate({**descriptor, "version": version})
+        assert gen["meta_info"]["weight_version"] == 1 == tr.step
+        assert _max_gap(tr, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
+        gen = load_and_generate(old)
+        assert gen["meta_info"]["weight_version"] == 0
+        assert _max_gap(before, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
     finally:
         core.close()
 

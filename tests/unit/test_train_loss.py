@@ -4,12 +4,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from _train_ref import pack
+from _train_ref import as_samples
 
 from gyre.errors import ConfigError
 from gyre.train.batch import BatchError, screen_batch
 from gyre.train.config import TrainerConfig
 from gyre.train.loss import finish_stats, merge_stats, policy_loss
+from gyre.trajectory.pack import pack
 
 CFG = TrainerConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, truncation_cap=3.0)
 
@@ -126,9 +127,9 @@ def _shifted_logprobs(b):
     ],
 )
 def test_bad_sequences_are_dropped_with_a_reason(make, reason):
-    bad = make(pack([_seq(id="bad")]))
-    good = pack([_seq(id="good", output=[7, 8, 9], logprobs=[-1.0, -2.0, -0.1])])
-    both = pack([_seq(id="x")])  # structure template for concatenation below
+    bad = make(pack(as_samples([_seq(id="bad")])))
+    good = pack(as_samples([_seq(id="good", output=[7, 8, 9], logprobs=[-1.0, -2.0, -0.1])]))
+    both = pack(as_samples([_seq(id="x")]))  # structure template for concatenation below
     merged = replace(
         both,
         **{
@@ -171,7 +172,7 @@ def test_bad_sequences_are_dropped_with_a_reason(make, reason):
 )
 def test_structural_faults_reject_the_whole_batch(make, match):
     with pytest.raises(BatchError, match=match):
-        screen_batch(make(pack([_seq()])), vocab_size=16)
+        screen_batch(make(pack(as_samples([_seq()]))), vocab_size=16)
 
 
 def test_trainer_group_composes_and_names_bad_keys():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_ref import pack, random_batches
+from _train_ref import as_samples, random_batches
 
 from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
@@ -19,6 +19,7 @@ from gyre.train.batch import BatchError
 from gyre.train.checkpoint import CheckpointManager, list_checkpoints
 from gyre.train.config import TrainerConfig
 from gyre.train.trainer import Trainer
+from gyre.trajectory.pack import pack
 
 MODEL = ModelConfig(
     num_layers=2,
@@ -135,10 +136,10 @@ def test_bad_input_is_rejected_with_a_reason_and_the_rest_trains():
     tr = Trainer(MODEL, CFG, seed=0)
     good = {"prompt": [1, 2], "output": [3, 4, 5], "logprobs": [-1.0, -2.0, -3.0], "advantage": 1.0, "id": "good"}
     empty = {"prompt": [1, 2, 3], "output": [], "logprobs": [], "advantage": 1.0, "id": "empty"}
-    batch = pack([good, empty])
-    one = pack([good])
+    batch = pack(as_samples([good, empty]))
+    one = pack(as_samples([good]))
     misaligned = replace(one, behaviour_logprobs=torch.roll(one.behaviour_logprobs, 1))
-    metrics = tr.train_step([batch, pack([good])])
+    metrics = tr.train_step([batch, pack(as_samples([good]))])
     assert metrics["excluded/empty_targets"] == 1 and metrics["num_targets"] == 6
     with pytest.raises(BatchError, match="logprobs_misaligned"):
         tr.train_step([misaligned])
