@@ -4,9 +4,10 @@
        ^                                                                                     │
        └──────────────────────────────── every tick_s ───────────────────────────────────────┘
 
-Everything here is wiring: building processes is gyre.coordinator.build, executions are
-gyre.coordinator.rollouts, batches and steps gyre.coordinator.training, the decisions are the
-scheduler's pure policy over gyre.scheduler.observe.make_observation.
+Everything here is wiring: building processes is gyre.coordinator.build, groups come from the
+mode's Source (gyre.coordinator.source: live rollouts or a replay), batches and steps are
+gyre.coordinator.training, the decisions are the scheduler's pure policy over
+gyre.scheduler.observe.make_observation.
 """
 
 import asyncio
