@@ -22,20 +22,13 @@ class ReplayError(GyreError):
 class ReplaySource(GroupBook):
     """Every recorded group is ready at once, nothing runs; it feeds at most the recorded complete steps."""
 
-    def __init__(
-        self,
-        records_dir: Path,
-        taskset: TaskSet,
-        groups_per_step: int,
-        num_steps: int,
-        ledger: ExecutionLedger,
-        on_state=None,
-    ):
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
+        records_dir, groups_per_step = Path(cfg.records), cfg.coordinator.groups_per_step
         ledger_path = records_dir.parent / "ledger.jsonl"
         if not ledger_path.exists():
             raise ReplayError(f"replay needs the run's ledger beside its records: {ledger_path} does not exist")
         view = read_ledger(ledger_path)
-        super().__init__(groups_per_step, num_steps, ledger, on_state)
+        super().__init__(groups_per_step, cfg.num_steps, ledger, on_state)
         for eid, entries in sorted(view.history.items()):
             done = view.outcome(eid)
             if done is None or done.reason == "interrupted":
@@ -56,11 +49,7 @@ class ReplaySource(GroupBook):
             )
         self.groups = {i: g for i, g in self.groups.items() if g.step < complete}
         self.next_group = max(self.groups) + 1
-        self.num_steps = min(num_steps, complete)
-
-    @classmethod
-    def from_config(cls, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
-        return cls(Path(cfg.records), taskset, cfg.coordinator.groups_per_step, cfg.num_steps, ledger, on_state)
+        self.num_steps = min(cfg.num_steps, complete)
 
     def attach(self, proxy: ProxyAdmin, proxy_url: str) -> None:
         pass

@@ -15,7 +15,6 @@ from gyre.config import GyreConfig
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, LedgerView
 from gyre.coordinator.source import Execution, Group, GroupBook, recorded
 from gyre.errors import GyreError
-from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import Sandbox
 from gyre.proxy.admin import ProxyAdmin
 from gyre.scheduler.streaming import may_admit
@@ -29,46 +28,16 @@ log = logging.getLogger(__name__)
 class Rollouts(GroupBook):
     """Executions from admission to evaluation (mode=train: every ready group trains)."""
 
-    def __init__(
-        self,
-        *,
-        taskset: TaskSet,
-        harness: HarnessConfig,
-        group_size: int,
-        groups_per_step: int,
-        num_steps: int,
-        staleness: int,
-        seed: int,
-        model: str,
-        run_dir: Path,
-        ledger: ExecutionLedger,
-        on_state=None,
-    ):
-        super().__init__(groups_per_step, num_steps, ledger, on_state)
-        self.taskset, self.harness, self.group_size = taskset, harness, group_size
-        self.staleness, self.seed, self.model = staleness, seed, model
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
+        c = cfg.coordinator
+        super().__init__(c.groups_per_step, cfg.num_steps, ledger, on_state)
+        self.taskset, self.harness, self.group_size = taskset, cfg.harness, c.group_size
+        self.staleness, self.seed, self.model = cfg.scheduler.staleness, cfg.seed, cfg.proxy.model_names[0]
         self.sandbox_root, self.records_dir = run_dir / "sandboxes", run_dir / "records"
         self.proxy: ProxyAdmin | None = None
         self.proxy_url = ""
         self.queue: list[Execution] = []
         self.running: list[Execution] = []
-
-    @classmethod
-    def from_config(cls, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
-        c = cfg.coordinator
-        return cls(
-            taskset=taskset,
-            harness=cfg.harness,
-            group_size=c.group_size,
-            groups_per_step=c.groups_per_step,
-            num_steps=cfg.num_steps,
-            staleness=cfg.scheduler.staleness,
-            seed=cfg.seed,
-            model=cfg.proxy.model_names[0],
-            run_dir=run_dir,
-            ledger=ledger,
-            on_state=on_state,
-        )
 
     def attach(self, proxy: ProxyAdmin, proxy_url: str) -> None:
         self.proxy, self.proxy_url = proxy, proxy_url
@@ -200,11 +169,9 @@ class Rollouts(GroupBook):
 class RolloutsOnly(Rollouts):
     """mode=rollout: executions are evaluated and recorded, never trained; every step's groups may start at once."""
 
-    @classmethod
-    def from_config(cls, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
-        source = super().from_config(cfg, run_dir, taskset, ledger, on_state)
-        source.staleness = cfg.num_steps
-        return source
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
+        super().__init__(cfg, run_dir, taskset, ledger, on_state)
+        self.staleness = cfg.num_steps
 
     def feed(self, train) -> None:
         for group in self.ready_groups():
