@@ -10,7 +10,7 @@ directory is Hydra's (`hydra.run.dir`), not a Gyre key.
 import importlib.util
 import os
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -27,6 +27,8 @@ from gyre.scheduler.config import SchedulerConfig
 from gyre.tasks.config import TasksConfig
 from gyre.train.config import TrainerConfig
 from gyre.trajectory.config import TrajectoryConfig
+
+T = TypeVar("T")
 
 LOCAL_RESERVE_CPUS = 0.5
 """CPUs local cells leave to the processes outside them, which get only what the cells' caps leave."""
@@ -111,24 +113,23 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="gyre_schema", node=GyreConfig)
 
 
-def validate(cfg: DictConfig) -> GyreConfig:
-    """Turn a composed config into typed objects, running every component's value checks.
+def validate(cfg: DictConfig, schema: type[T] = GyreConfig) -> T:
+    """Turn a composed config into typed objects of `schema` (GyreConfig, or gyre-sim's SimConfig),
+    running every component's value checks.
 
     Raises:
         ConfigError: naming the full dotted key of the first value that cannot run.
     """
-    _refuse_unwired_engine(cfg.engine.backend)
+    if schema is GyreConfig:
+        _refuse_unwired_engine(cfg.engine.backend)
     sections: dict[str, Any] = {}
-    for f in fields(GyreConfig):
+    for f in fields(schema):
         node = cfg[f.name]
-        if not isinstance(node, DictConfig):
-            sections[f.name] = node
-            continue
         try:
-            sections[f.name] = OmegaConf.to_object(node)
+            sections[f.name] = OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
         except ConfigError as e:
             raise e.under(f.name) from None
-    return GyreConfig(**sections)
+    return schema(**sections)
 
 
 def _refuse_unwired_engine(backend: str) -> None:

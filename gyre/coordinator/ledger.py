@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gyre.records.io import fsync_dir
+from gyre.trajectory.rewards import HARNESS_OUTCOMES
 
 STATES = ("queued", "running", "finished", "timed_out", "excluded", "trained")
-OUTCOMES = ("finished", "timed_out", "excluded")
+ENDS = (*HARNESS_OUTCOMES, "excluded")
+"""The states that end a rollout; an execution's first one is its outcome."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class LedgerView:
     def outcome(self, execution_id: str) -> LedgerEntry | None:
         """How its rollout ended (the first finished/timed_out/excluded entry), if it did; a later
         `excluded` says why it was then left out of training (uniform group, stale, ...)."""
-        return next((e for e in self.history.get(execution_id, []) if e.state in OUTCOMES), None)
+        return next((e for e in self.history.get(execution_id, []) if e.state in ENDS), None)
 
     def trained_step(self, execution_id: str) -> int | None:
         """The step it was trained at (the latest, if a resume re-trained it)."""

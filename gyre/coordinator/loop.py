@@ -4,9 +4,10 @@
        ^                                                                                     │
        └──────────────────────────────── every tick_s ───────────────────────────────────────┘
 
-Everything here is wiring: building processes is gyre.coordinator.build, executions are
-gyre.coordinator.rollouts, batches and steps gyre.coordinator.training, the decisions are the
-scheduler's pure policy over gyre.scheduler.observe.make_observation.
+Everything here is wiring: building processes is gyre.coordinator.build, groups come from the
+mode's Source (gyre.coordinator.source: live rollouts or a replay), batches and steps are
+gyre.coordinator.training, the decisions are the scheduler's pure policy over
+gyre.scheduler.observe.make_observation.
 """
 
 import asyncio
@@ -23,7 +24,8 @@ from gyre.control.messages import CheckpointDone, Failure, PhaseDone, RoleDone, 
 from gyre.coordinator.build import Parts, build, close
 from gyre.coordinator.ledger import ExecutionLedger, read_ledger
 from gyre.coordinator.replay import ReplaySource
-from gyre.coordinator.rollouts import Rollouts
+from gyre.coordinator.rollouts import Rollouts, RolloutsOnly
+from gyre.coordinator.source import Source
 from gyre.coordinator.summary import RunEvents
 from gyre.coordinator.training import Training
 from gyre.errors import GyreError
@@ -43,6 +45,10 @@ class Preempted(GyreError):
     """The run stopped on a preemption signal with every finished step checkpointed: resume continues it."""
 
 
+_SOURCES = {"train": Rollouts, "rollout": RolloutsOnly, "replay": ReplaySource}
+"""Each mode's source (RUN_MODES): what differs between modes is there, not in the loop."""
+
+
 async def run(
     cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = False, preempt: threading.Event | None = None
 ) -> dict:
@@ -52,89 +58,21 @@ async def run(
     and the loop raises Preempted as soon as no finished step is left uncheckpointed (the step in
     progress is given up: resume re-runs it from the ledger). Everything is closed on the way out.
     """
-    t_start, c = time.time(), cfg.coordinator
+    t_start = time.time()
     view = read_ledger(run_dir / "ledger.jsonl")
     ledger, events = ExecutionLedger(run_dir / "ledger.jsonl"), RunEvents(run_dir, cfg)
-    source = (
-        ReplaySource(Path(cfg.records), taskset, c.groups_per_step, ledger, events.execution_state)
-        if cfg.mode == "replay"
-        else None
-    )
+    source: Source = _SOURCES[cfg.mode](cfg, run_dir, taskset, ledger, events.execution_state)
     parts = None
     try:
         parts = await build(cfg, run_dir, resume)
         events.start(parts.initial, [x.state.role.value for x in parts.cells])
-        train = Training(
-            groups_per_step=c.groups_per_step,
-            staleness=cfg.scheduler.staleness,
-            trajectory=cfg.trajectory,
-            max_tokens=c.max_micro_batch_tokens,
-            version=parts.initial.step,
-            train_tok_s=c.train_tok_s,
-            weights=parts.initial.weights,
-        )
-        source = source or Rollouts(
-            taskset=taskset,
-            harness=cfg.harness,
-            group_size=c.group_size,
-            groups_per_step=c.groups_per_step,
-            num_steps=cfg.num_steps,
-            staleness=cfg.num_steps if cfg.mode == "rollout" else cfg.scheduler.staleness,
-            seed=cfg.seed,
-            model=cfg.proxy.model_names[0],
-            run_dir=run_dir,
-            ledger=ledger,
-            proxy=parts.admin,
-            proxy_url=parts.proxy.url,
-            records_dir=run_dir / "records",
-            on_state=events.execution_state,
-        )
+        train = _training(cfg, parts)
+        source.attach(parts.admin, parts.proxy.url)
         if resume:
             source.restore(view, train.version)
-        num_steps = min(cfg.num_steps, getattr(source, "num_steps", cfg.num_steps))
-        while not _finished(cfg.mode, num_steps, train, source):
-            now = time.time()
-            preempting = preempt is not None and preempt.is_set()
-            for cell in parts.cells:
-                for msg in _poll(cell, parts, events, now):
-                    await _on_message(msg, cell, parts, train, source, events, cfg, num_steps, now, preempting)
-            if preempting and not train.uncheckpointed:
-                raise Preempted(f"preempted at weight version {train.version}, its checkpoint complete")
-            queued, ahead, running = source.counts(train.version)
-            sessions = await _sessions(parts)
-            obs = make_observation(  # live, sessions per cell bound rollout; decode is not measured (None)
-                now,
-                [x.state for x in parts.cells],
-                sessions,
-                [c.sessions_per_cell] * len(parts.cells),
-                None,
-                queued=queued,
-                queued_ahead=ahead,
-                running=running,
-                queue=train.queue,
-                train_tok_s=train.train_tok_s,
-                optimizing=train.optimizing,
-            )
-            events.observe(obs, sessions)
-            decision = parts.policy.decide(obs)
-            for i in decision.to_train + decision.to_rollout:
-                target = Role.TRAIN if i in decision.to_train else Role.ROLLOUT
-                parts.cells[i].begin_switch(target, now, train.weights, parts.core_address)
-            source.admit_groups(train.version)
-            serving = sum(x.state.role == Role.ROLLOUT for x in parts.cells)
-            await source.start_queued(serving * c.sessions_per_cell - running)
-            await source.collect()
-            for group in source.ready_groups():
-                if cfg.mode == "rollout":
-                    group.batched = True  # evaluated and recorded; never trained
-                    continue
-                source.log_exclusions(group, train.add_group(group).excluded)
-            if parts.core.state.role == Role.TRAIN:
-                for msg in train.to_send():
-                    parts.core.state.join_step(msg.step)
-                    parts.core.channel.send(msg)
-            events.update()
-            await asyncio.sleep(c.tick_s)
+        while not source.done(train):
+            await _tick(cfg, parts, train, source, events, preempt is not None and preempt.is_set())
+            await asyncio.sleep(cfg.coordinator.tick_s)
     except Preempted:
         raise
     except BaseException as e:
@@ -145,12 +83,64 @@ async def run(
             "cpu_quota": parts.launcher.describe()
         }
     finally:
-        if source is not None:
-            source.close()
+        source.close()
         if parts is not None:
             await close(parts)
         ledger.close()
         events.close()
+
+
+def _training(cfg: GyreConfig, parts: Parts) -> Training:
+    c = cfg.coordinator
+    return Training(
+        groups_per_step=c.groups_per_step,
+        staleness=cfg.scheduler.staleness,
+        trajectory=cfg.trajectory,
+        max_tokens=c.max_micro_batch_tokens,
+        version=parts.initial.step,
+        train_tok_s=c.train_tok_s,
+        weights=parts.initial.weights,
+    )
+
+
+async def _tick(
+    cfg: GyreConfig, parts: Parts, train: Training, source: Source, events: RunEvents, preempting: bool
+) -> None:
+    """One turn: the cells' messages, then observe, decide, switch, admit, collect, batch and send."""
+    now, c = time.time(), cfg.coordinator
+    for cell in parts.cells:
+        for msg in _poll(cell, parts, events, now):
+            await _on_message(msg, cell, parts, train, source, events, cfg, now, preempting)
+    if preempting and not train.uncheckpointed:
+        raise Preempted(f"preempted at weight version {train.version}, its checkpoint complete")
+    queued, ahead, running = source.counts(train.version)
+    sessions = await _sessions(parts)
+    obs = make_observation(  # live, sessions per cell bound rollout; decode is not measured (None)
+        now,
+        [x.state for x in parts.cells],
+        sessions,
+        [c.sessions_per_cell] * len(parts.cells),
+        None,
+        queued=queued,
+        queued_ahead=ahead,
+        running=running,
+        queue=train.queue,
+        train_tok_s=train.train_tok_s,
+        optimizing=train.optimizing,
+    )
+    events.observe(obs, sessions)
+    decision = parts.policy.decide(obs)
+    for i in decision.to_train + decision.to_rollout:
+        target = Role.TRAIN if i in decision.to_train else Role.ROLLOUT
+        parts.cells[i].begin_switch(target, now, train.weights, parts.core_address)
+    serving = sum(x.state.role == Role.ROLLOUT for x in parts.cells)
+    await source.advance(train.version, serving * c.sessions_per_cell - running)
+    source.feed(train)
+    if parts.core.state.role == Role.TRAIN:
+        for msg in train.to_send():
+            parts.core.state.join_step(msg.step)
+            parts.core.channel.send(msg)
+    events.update()
 
 
 def _poll(cell, parts: Parts, events: RunEvents, now: float) -> list:
@@ -178,14 +168,6 @@ def _lose(cell, events: RunEvents, now: float, reason: str) -> None:
     threading.Thread(target=cell.stop, daemon=True, name=f"stop-cell{cell.index}").start()
 
 
-def _finished(mode: str, num_steps: int, train: Training, source) -> bool:
-    if mode == "rollout":
-        return source.next_group >= num_steps * source.groups_per_step and all(
-            g.batched for g in source.groups.values()
-        )
-    return train.version >= num_steps and not train.uncheckpointed
-
-
 async def _sessions(parts: Parts) -> list[int]:
     """Live sessions per cell, as the proxy routes them."""
     engines = {e["engine_id"]: e for e in (await parts.admin.metrics())["engines"]}
@@ -197,10 +179,9 @@ async def _on_message(
     cell,
     parts: Parts,
     train: Training,
-    source,
+    source: Source,
     events: RunEvents,
     cfg: GyreConfig,
-    num_steps: int,
     now: float,
     preempting: bool,
 ) -> None:
@@ -219,7 +200,11 @@ async def _on_message(
         t0, serving = time.monotonic(), [x for x in parts.cells if x.state.role == Role.ROLLOUT]
         await _load_serving(serving, msg.weights, parts, events, now)
         events.publish(train.version, time.monotonic() - t0, len(serving))
-        if train.version % cfg.coordinator.checkpoint_every_steps == 0 or train.version >= num_steps or preempting:
+        if (
+            train.version % cfg.coordinator.checkpoint_every_steps == 0
+            or train.version >= source.num_steps
+            or preempting
+        ):
             parts.core.channel.send(train.checkpoint({"next_group": source.next_group}))
     elif isinstance(msg, CheckpointDone):
         events.checkpoint(msg)

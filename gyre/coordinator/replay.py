@@ -7,11 +7,12 @@ of the earlier run would have. Useful to debug training alone, or to train on co
 
 from pathlib import Path
 
-from gyre.coordinator.ledger import ExecutionLedger, read_ledger
-from gyre.coordinator.rollouts import Execution, Group, GroupBook
+from gyre.config import GyreConfig
+from gyre.coordinator.ledger import ExecutionLedger, LedgerView, read_ledger
+from gyre.coordinator.source import Group, GroupBook, recorded
 from gyre.errors import GyreError
+from gyre.proxy.admin import ProxyAdmin
 from gyre.tasks.spec import TaskSet
-from gyre.trajectory.rewards import Evaluation
 
 
 class ReplayError(GyreError):
@@ -19,16 +20,15 @@ class ReplayError(GyreError):
 
 
 class ReplaySource(GroupBook):
-    """Stands in for Rollouts: every recorded group is ready at once, nothing runs."""
+    """Every recorded group is ready at once, nothing runs; it feeds at most the recorded complete steps."""
 
-    def __init__(
-        self, records_dir: Path, taskset: TaskSet, groups_per_step: int, ledger: ExecutionLedger, on_state=None
-    ):
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
+        records_dir, groups_per_step = Path(cfg.records), cfg.coordinator.groups_per_step
         ledger_path = records_dir.parent / "ledger.jsonl"
         if not ledger_path.exists():
             raise ReplayError(f"replay needs the run's ledger beside its records: {ledger_path} does not exist")
         view = read_ledger(ledger_path)
-        super().__init__(groups_per_step, ledger, on_state)
+        super().__init__(groups_per_step, cfg.num_steps, ledger, on_state)
         for eid, entries in sorted(view.history.items()):
             done = view.outcome(eid)
             if done is None or done.reason == "interrupted":
@@ -37,33 +37,29 @@ class ReplaySource(GroupBook):
             g = self.groups.setdefault(
                 first.group, Group(first.group, first.group // groups_per_step, taskset.get(first.task_id))
             )
-            ex = Execution(eid, g.index, g.task, state=done.state, records_path=records_dir / f"{eid}.jsonl")
-            ex.evaluation = (
-                Evaluation(done.state, done.score)
-                if done.state in ("finished", "timed_out")
-                else Evaluation("evaluator_error", None, done.reason)
-            )
+            ex = recorded(done, g, records_dir)
             g.executions.append(ex)
             self._log(ex, done.state, score=done.score, reason=done.reason)
-        self.num_steps = 0
-        """Steps whose every group is recorded (a cut-off run's last step is not replayed)."""
-        while all(self.num_steps * groups_per_step + i in self.groups for i in range(groups_per_step)):
-            self.num_steps += 1
-        if not self.num_steps:
+        complete = 0  # steps whose every group is recorded (a cut-off run's last step is not replayed)
+        while all(complete * groups_per_step + i in self.groups for i in range(groups_per_step)):
+            complete += 1
+        if not complete:
             raise ReplayError(
                 f"{ledger_path} has no complete step of {groups_per_step} groups with outcomes to train on"
             )
-        self.groups = {i: g for i, g in self.groups.items() if g.step < self.num_steps}
+        self.groups = {i: g for i, g in self.groups.items() if g.step < complete}
         self.next_group = max(self.groups) + 1
+        self.num_steps = min(cfg.num_steps, complete)
 
-    def admit_groups(self, version: int) -> None:
+    def attach(self, proxy: ProxyAdmin, proxy_url: str) -> None:
         pass
 
-    async def start_queued(self, free_slots: int) -> None:
-        pass
+    def restore(self, view: LedgerView, version: int) -> None:
+        """Drop the steps the restored weights have trained; the rest are replayed again."""
+        self.groups = {i: g for i, g in self.groups.items() if g.step >= version}
 
-    async def collect(self) -> list:
-        return []
+    async def advance(self, version: int, free_slots: int) -> None:
+        pass
 
     def counts(self, version: int) -> tuple[int, int, int]:
         return 0, 0, 0

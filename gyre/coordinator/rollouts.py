@@ -9,118 +9,43 @@ a resumed run continues the same sequence. Every state change is a ledger line f
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre.config import GyreConfig
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, LedgerView
+from gyre.coordinator.source import Execution, Group, GroupBook, recorded
 from gyre.errors import GyreError
-from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import Sandbox
 from gyre.proxy.admin import ProxyAdmin
 from gyre.scheduler.streaming import may_admit
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.spec import Task, TaskSet
-from gyre.trajectory.rewards import Evaluation
+from gyre.tasks.spec import TaskSet
+from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Execution:
-    execution_id: str
-    group: int
-    task: Task
-    state: str = "queued"
-    sandbox: Sandbox | None = None
-    records_path: Path | None = None
-    evaluation: Evaluation | None = None
-    started_s: float = 0.0
-    duration_s: float = 0.0
-
-
-@dataclass
-class Group:
-    index: int
-    step: int
-    task: Task
-    executions: list[Execution] = field(default_factory=list)
-    batched: bool = False
-
-    @property
-    def ready(self) -> bool:
-        return all(e.evaluation is not None for e in self.executions)
-
-
-class GroupBook:
-    """Groups and their executions, every state change written to the ledger (and to `on_state`)."""
-
-    def __init__(self, groups_per_step: int, ledger: ExecutionLedger, on_state=None):
-        self.groups_per_step, self.ledger, self.on_state = groups_per_step, ledger, on_state
-        self.groups: dict[int, Group] = {}
-        self.next_group = 0
-        """The data cursor: groups drawn so far."""
-
-    def _log(self, ex: Execution, state: str, **fields) -> None:
-        ex.state = state
-        entry = LedgerEntry(
-            ex.execution_id,
-            state,
-            time.time(),
-            group=ex.group,
-            task_id=ex.task.task_id,
-            **{k: v for k, v in fields.items() if v not in (None, "")},
-        )
-        self.ledger.append(entry)
-        if self.on_state is not None:
-            self.on_state(entry, ex.group // self.groups_per_step)
-
-    def log_exclusions(self, group: Group, excluded: list[tuple[str, str]]) -> None:
-        """Ledger lines for executions the trajectory processor left out (not those excluded already)."""
-        by_id = {ex.execution_id: ex for ex in group.executions}
-        for eid, reason in excluded:
-            ex = by_id.get(eid)
-            if ex is not None and ex.state != "excluded":
-                self._log(ex, "excluded", reason=reason)
-
-    def mark_trained(self, group: Group, execution_ids: set[str], step: int) -> None:
-        """Ledger lines for the executions whose targets optimizer step `step` trained (checkpointed)."""
-        for ex in group.executions:
-            if ex.execution_id in execution_ids:
-                self._log(ex, "trained", step=step)
-
-    def ready_groups(self) -> list[Group]:
-        """Groups whose executions all have an evaluation and that were not batched yet, in order."""
-        return [g for g in sorted(self.groups.values(), key=lambda g: g.index) if not g.batched and g.ready]
-
-
 class Rollouts(GroupBook):
-    """Executions from admission to evaluation."""
+    """Executions from admission to evaluation (mode=train: every ready group trains)."""
 
-    def __init__(
-        self,
-        *,
-        taskset: TaskSet,
-        harness: HarnessConfig,
-        group_size: int,
-        groups_per_step: int,
-        num_steps: int,
-        staleness: int,
-        seed: int,
-        model: str,
-        run_dir: Path,
-        ledger: ExecutionLedger,
-        proxy: ProxyAdmin,
-        proxy_url: str,
-        records_dir: Path,
-        on_state=None,
-    ):
-        super().__init__(groups_per_step, ledger, on_state)
-        self.taskset, self.harness, self.group_size = taskset, harness, group_size
-        self.num_steps, self.staleness, self.seed, self.model = num_steps, staleness, seed, model
-        self.sandbox_root, self.proxy, self.proxy_url = run_dir / "sandboxes", proxy, proxy_url
-        self.records_dir = records_dir
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
+        c = cfg.coordinator
+        super().__init__(c.groups_per_step, cfg.num_steps, ledger, on_state)
+        self.taskset, self.harness, self.group_size = taskset, cfg.harness, c.group_size
+        self.staleness, self.seed, self.model = cfg.scheduler.staleness, cfg.seed, cfg.proxy.model_names[0]
+        self.sandbox_root, self.records_dir = run_dir / "sandboxes", run_dir / "records"
+        self.proxy: ProxyAdmin | None = None
+        self.proxy_url = ""
         self.queue: list[Execution] = []
         self.running: list[Execution] = []
+
+    def attach(self, proxy: ProxyAdmin, proxy_url: str) -> None:
+        self.proxy, self.proxy_url = proxy, proxy_url
+
+    async def advance(self, version: int, free_slots: int) -> None:
+        self.admit_groups(version)
+        await self.start_queued(free_slots)
+        await self.collect()
 
     # ---- admission ---------------------------------------------------------------------------
     def admit_groups(self, version: int) -> None:
@@ -163,15 +88,10 @@ class Rollouts(GroupBook):
         while f"{execution_id}.r{attempt + 1}" in view.history:
             attempt += 1
             eid = f"{execution_id}.r{attempt}"
-        ex = Execution(eid, g.index, g.task)
         done = view.outcome(eid)
         if done is not None:
-            outcome = {"finished": "finished", "timed_out": "timed_out"}.get(done.state)
-            ex.state, ex.records_path = done.state, self.records_dir / f"{eid}.jsonl"
-            ex.evaluation = (
-                Evaluation(outcome, done.score) if outcome else Evaluation("evaluator_error", None, done.reason)
-            )
-            return ex
+            return recorded(done, g, self.records_dir)
+        ex = Execution(eid, g.index, g.task)
         self._log(ex, "excluded", reason="interrupted")
         retry = Execution(f"{execution_id}.r{attempt + 1}", g.index, g.task)
         self._log(retry, "queued")
@@ -230,10 +150,10 @@ class Rollouts(GroupBook):
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
             return
         ex.evaluation = ev = await asyncio.to_thread(evaluate, ex.task, result.workspace, outcome)
-        if ev.outcome in ("finished", "timed_out") and ev.score is not None:
+        if ev.outcome in HARNESS_OUTCOMES and ev.score is not None:
             self._log(ex, ev.outcome, score=ev.score, duration_s=ex.duration_s, exit_code=result.exit_code)
         else:
-            reason = "no_score" if ev.outcome in ("finished", "timed_out") else ev.outcome
+            reason = "no_score" if ev.outcome in HARNESS_OUTCOMES else ev.outcome
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
 
     def counts(self, version: int) -> tuple[int, int, int]:
@@ -244,6 +164,22 @@ class Rollouts(GroupBook):
     def close(self) -> None:
         for ex in self.running:
             ex.sandbox.kill()
+
+
+class RolloutsOnly(Rollouts):
+    """mode=rollout: executions are evaluated and recorded, never trained; every step's groups may start at once."""
+
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
+        super().__init__(cfg, run_dir, taskset, ledger, on_state)
+        self.staleness = cfg.num_steps
+
+    def feed(self, train) -> None:
+        for group in self.ready_groups():
+            group.batched = True
+
+    def done(self, train) -> bool:
+        """Every group drawn and evaluated."""
+        return self.next_group >= self.num_steps * self.groups_per_step and all(g.batched for g in self.groups.values())
 
 
 def _made_calls(records_path: Path | None) -> bool:

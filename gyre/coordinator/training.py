@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from gyre.control.messages import CheckpointDone, EndStep, MicroBatches, SaveCheckpoint, StepDone, StepProgress
 from gyre.coordinator.batching import GroupBatch, make_group_batch
-from gyre.coordinator.rollouts import Group
+from gyre.coordinator.source import Group
 from gyre.scheduler.streaming import MicroStep, MicroStepQueue
 from gyre.trajectory.config import TrajectoryConfig
 

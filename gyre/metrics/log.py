@@ -15,10 +15,10 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.metrics.events import Event, EventError, decode_event, encode_event
+from gyre.records.io import ReadStats
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +79,6 @@ class EventLog:
         self.close()
 
 
-@dataclass
-class ReadStats:
-    """What reading an events file found besides the events."""
-
-    num_events: int = 0
-    num_torn: int = 0
-    """1 if the file ends in a partial line (a crash mid-write, or a line still being written)."""
-    invalid: list[tuple[int, str]] = field(default_factory=list)
-    """(line number, reason) of complete lines that are no event (skipped)."""
-    num_bytes: int = 0
-
-
 class EventTail:
     """Reads an events file incrementally, as other processes append to it.
 
@@ -126,7 +114,7 @@ class EventTail:
                 events.append(decode_event(json.loads(raw)))
             except (ValueError, EventError, AttributeError) as e:
                 self.stats.invalid.append((self._line_no, f"{type(e).__name__}: {e}"[:200]))
-        self.stats.num_events += len(events)
+        self.stats.num_read += len(events)
         return events
 
     def read_all(self) -> Iterator[Event]:
@@ -140,7 +128,7 @@ class EventTail:
             except (ValueError, EventError, AttributeError):
                 return
             self._partial, self.stats.num_torn = b"", 0
-            self.stats.num_events += 1
+            self.stats.num_read += 1
             yield event
 
 

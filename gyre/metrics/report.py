@@ -13,10 +13,11 @@ from pathlib import Path
 from statistics import fmean
 
 from gyre.metrics.config import MetricsConfig
-from gyre.metrics.log import EVENTS_FILE, EventTail, ReadStats
+from gyre.metrics.log import EVENTS_FILE, EventTail
 from gyre.metrics.plots import draw_timelines, plot_compare, timeline_panel, utilisation, write_figures
 from gyre.metrics.progress import format_duration
 from gyre.metrics.state import RunState
+from gyre.records.io import ReadStats
 
 
 def load_run(run_dir: str | Path, cfg: MetricsConfig | None = None) -> tuple[RunState, ReadStats]:
@@ -147,7 +148,7 @@ def format_summary(name: str, s: dict, stats: ReadStats) -> str:
     if s["exclusions"]:
         lines.append("  exclusions              " + "  ".join(f"{r} {n}" for r, n in s["exclusions"].items()))
     lines.append(
-        f"  events                  {stats.num_events} read, {stats.num_torn} torn last line, "
+        f"  events                  {stats.num_read} read, {stats.num_torn} torn last line, "
         f"{len(stats.invalid)} invalid"
     )
     return "\n".join(lines)

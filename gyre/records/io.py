@@ -67,13 +67,14 @@ class RecordFileError(GyreError):
 
 @dataclass
 class ReadStats:
-    """What reading a records file found besides the records themselves."""
+    """What reading an append-only JSON-lines file (records, events) found besides its items."""
 
-    num_records: int = 0
+    num_read: int = 0
+    """Items read (records or events)."""
     num_torn: int = 0
-    """1 if the last line was torn by a crash mid-write (it was skipped), else 0."""
+    """1 if the file ends in a partial line (a crash mid-write, or a line still being written): skipped."""
     invalid: list[tuple[int, str]] = field(default_factory=list)
-    """(line number, reason) of complete lines whose record breaks the contract (skipped)."""
+    """(line number, reason) of complete lines whose item breaks the contract (skipped)."""
     num_bytes: int = 0
 
 
@@ -400,5 +401,5 @@ def read_records(path: str | os.PathLike) -> tuple[list[CallRecord], ReadStats]:
             log.warning("%s: line %d skipped: %s", path, i + 1, e)
             continue
         records.append(record)
-    stats.num_records = len(records)
+    stats.num_read = len(records)
     return records, stats

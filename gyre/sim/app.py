@@ -7,35 +7,19 @@ comes from gyre.sim.runner on validated configs.
 import json
 import os
 import sys
-from dataclasses import fields
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from gyre.common import CONF_DIR
+from gyre.config import validate
 from gyre.errors import ConfigError
 from gyre.metrics.plots import draw_timelines
 from gyre.sim.config import SimConfig
 from gyre.sim.report import format_compare, format_labels, format_modes, format_sensitivity, timeline_panels
 from gyre.sim.runner import baselines, label_table, mechanisms, run_modes, sensitivity, summarize
 from gyre.sim.seed import SEED_ROWS
-
-ConfigStore.instance().store(name="sim_schema", node=SimConfig)
-
-
-def validate_sim(cfg: DictConfig) -> SimConfig:
-    """Typed SimConfig from a composed config; a bad value raises ConfigError naming its full key."""
-    sections = {}
-    for f in fields(SimConfig):
-        node = cfg[f.name]
-        try:
-            sections[f.name] = OmegaConf.to_object(node) if OmegaConf.is_config(node) else node
-        except ConfigError as e:
-            raise e.under(f.name) from None
-    return SimConfig(**sections)
-
 
 _SCENARIO_KEYS = (
     "profile=",
@@ -72,7 +56,7 @@ def _compare_rows(user_overrides: list[str]) -> list[dict]:
                     *row.overrides,
                 ],
             )
-            sim = validate_sim(cfg)
+            sim = validate(cfg, SimConfig)
             runs = baselines(sim)
             table = label_table(runs)
             print(f"\n{row.workload} on {preset}:\n{format_labels(table)}", flush=True)
@@ -118,7 +102,7 @@ def _span(values: list[float]) -> str:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="sim")
 def run(cfg: DictConfig) -> None:
     try:
-        sim = validate_sim(cfg)
+        sim = validate(cfg, SimConfig)
     except ConfigError as e:
         sys.exit(f"gyre-sim: invalid config: {e}")
     results = run_modes(sim)

@@ -342,10 +342,12 @@ def compose_sim(overrides: list[str], modes: list[str]):
     import hydra
 
     from gyre.common import CONF_DIR
-    from gyre.sim.app import validate_sim
+    from gyre.config import validate
+    from gyre.sim.config import SimConfig
 
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return validate_sim(hydra.compose(config_name="sim", overrides=[*overrides, f"modes=[{','.join(modes)}]"]))
+        overrides = [*overrides, f"modes=[{','.join(modes)}]"]
+        return validate(hydra.compose(config_name="sim", overrides=overrides), SimConfig)
 
 
 def predict(sim) -> dict[str, float]:

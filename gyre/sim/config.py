@@ -7,6 +7,7 @@ run (more cells than nodes, zero capacity) fails at config time naming its key.
 
 from dataclasses import dataclass, field
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from gyre.errors import require
@@ -285,3 +286,6 @@ class SimConfig:
         for name, seconds in self.phase_s.items():
             require(name in phases, "phase_s", f"unknown phase {name!r}; valid: {', '.join(sorted(phases))}")
             require(seconds >= 0, "phase_s", f"{name} must be >= 0 s, got {seconds}")
+
+
+ConfigStore.instance().store(name="sim_schema", node=SimConfig)

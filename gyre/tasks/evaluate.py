@@ -20,9 +20,8 @@ from importlib import resources
 from pathlib import Path
 
 from gyre.tasks.spec import EvaluatorSpec, Task
-from gyre.trajectory.rewards import Evaluation
+from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation
 
-HARNESS_OUTCOMES = ("finished", "timed_out")
 PYTEST_OK_EXITS = (0, 1)
 """pytest exit codes that mean the tests ran (all passed / some failed); 2-5 mean they did not."""
 

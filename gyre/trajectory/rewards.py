@@ -12,7 +12,9 @@ import numpy as np
 
 from gyre.trajectory.config import TrajectoryConfig
 
-OUTCOMES = ("finished", "timed_out", "evaluator_error", "budget_exhausted")
+HARNESS_OUTCOMES = ("finished", "timed_out")
+"""How a harness run can end; the evaluator scores the workspace of either."""
+OUTCOMES = (*HARNESS_OUTCOMES, "evaluator_error", "budget_exhausted")
 """finished: the harness exited; timed_out: its time budget ended it (workspace preserved);
 evaluator_error: the evaluator crashed or its infrastructure failed; budget_exhausted: the overall
 time budget ran out before a valid reward existed."""
@@ -38,7 +40,7 @@ class Evaluation:
 
 def reward_of(evaluation: Evaluation) -> tuple[float | None, str | None]:
     """(reward, None) for a scorable execution, else (None, exclusion reason)."""
-    if evaluation.outcome in ("finished", "timed_out"):
+    if evaluation.outcome in HARNESS_OUTCOMES:
         if evaluation.score is None:
             return None, "no_score"
         return float(evaluation.score), None

@@ -51,7 +51,7 @@ def test_roundtrip_keeps_every_field_and_stores_inputs_as_deltas(tmp_path):
         for r in records:
             w.append(r)
     back, stats = read_records(path)
-    assert stats.num_torn == 0 and stats.invalid == [] and stats.num_records == len(records)
+    assert stats.num_torn == 0 and stats.invalid == [] and stats.num_read == len(records)
     assert all(_same(a, b) for a, b in zip(records, back))
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["input_base"] for x in lines[:2]] == [None, None]
@@ -70,7 +70,7 @@ def test_a_reopened_writer_continues_the_deltas(tmp_path):
         for r in records[2:]:
             w.append(r)
     back, stats = read_records(path)
-    assert stats.num_records == len(records) and all(_same(a, b) for a, b in zip(records, back))
+    assert stats.num_read == len(records) and all(_same(a, b) for a, b in zip(records, back))
     assert all(json.loads(x)["input_base"] is not None for x in path.read_text().splitlines()[2:])
 
 

@@ -9,10 +9,10 @@ import hydra
 import pytest
 
 from gyre.common import CONF_DIR
+from gyre.config import validate
 from gyre.errors import ConfigError
 from gyre.scheduler.config import SchedulerConfig
-from gyre.sim.app import validate_sim
-from gyre.sim.config import PresetConfig, ProfileConfig
+from gyre.sim.config import PresetConfig, ProfileConfig, SimConfig
 from gyre.sim.engine import Simulation
 from gyre.sim.result import critical_path_s, ideal_lower_bound_s, startup_bound_s
 from gyre.sim.workload import draw_batch
@@ -182,14 +182,14 @@ def compose(*overrides):
 )
 def test_bad_presets_and_profiles_fail_naming_the_key(override, key):
     with pytest.raises(ConfigError) as err:
-        validate_sim(compose(override))
+        validate(compose(override), SimConfig)
     assert err.value.key == key
 
 
 @pytest.mark.parametrize("profile", ["nl2repo", "deepswe", "terminalbench"])
 @pytest.mark.parametrize("preset", ["qwen122b_24n", "qwen122b_32n", "qwen2t4_192n"])
 def test_shipped_profiles_and_presets_validate(profile, preset):
-    sim = validate_sim(compose(f"profile={profile}", f"preset={preset}"))
+    sim = validate(compose(f"profile={profile}", f"preset={preset}"), SimConfig)
     assert sim.profile.name == profile and sim.preset.name == preset
 
 
@@ -372,7 +372,7 @@ def test_measured_switch_phase_times_replace_the_shares():
     # every rollout->train switch of colocate's 4 cells pays 200 s for pull_weights instead of 40% of 8.52 s
     assert slow.cells[1].switch_s >= base.cells[1].switch_s + 2 * (200 - 0.4 * 8.52) - 1e-6
     with pytest.raises(ConfigError) as err:
-        validate_sim(compose("+phase_s.warp_drive=1"))
+        validate(compose("+phase_s.warp_drive=1"), SimConfig)
     assert err.value.key == "phase_s"
 
 

@@ -13,7 +13,8 @@ import time
 import hydra
 
 from gyre.common import CONF_DIR
-from gyre.sim.app import validate_sim
+from gyre.config import validate
+from gyre.sim.config import SimConfig
 
 TARGET_S = 30.0
 
@@ -30,7 +31,7 @@ def main() -> None:
         "profile.group_size=16",
     ]
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        sim = validate_sim(hydra.compose(config_name="sim", overrides=overrides))
+        sim = validate(hydra.compose(config_name="sim", overrides=overrides), SimConfig)
     from gyre.sim.runner import run_modes
 
     out = {
