@@ -49,6 +49,11 @@ def streamable_text(text: str) -> str:
     return text.rstrip("\ufffd").strip()
 
 
+def text_closed(text: str) -> bool:
+    """Whether the turn's text is over: a tool call or the end marker began."""
+    return _OPEN in text or _END in text
+
+
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 """The start of a tool call as the template asks for it: name first, then an arguments object."""
 _ARGS_KEY = re.compile(r'"arguments"\s*:\s*\S')

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 
 import orjson
 
-from gyre.models.parse import ToolCall, ToolCallScanner, streamable_text
+from gyre.models.parse import ToolCall, ToolCallScanner, streamable_text, text_closed
 from gyre.proxy.chat import ApiError, ChatRequest, Resume
 from gyre.proxy.conversation import WireRequest
 from gyre.proxy.hints import CallHints
@@ -154,7 +154,7 @@ class OutputStream:
         out = []
         if not self.frozen:
             safe = streamable_text(full)
-            self.frozen = any(m in full for m in ("<tool_call>", "<|im_end|>"))
+            self.frozen = text_closed(full)
             if safe.startswith(self.shown) and len(safe) > len(self.shown):
                 out += self.events.text(safe[len(self.shown) :])
                 self.shown = safe
