@@ -14,18 +14,17 @@ Messages are OpenAI-style dicts: {"role", "content", "tool_calls": [{"name", "ar
 text inside message content is encoded as plain bytes, so content cannot forge structure.
 `HFTokenizer` renders with the checkpoint's own template through `transformers` (jinja2), exactly
 as `transformers`, SGLang and vLLM do, including their parsing of special-token text in content.
-A thinking block (`<think>...</think>`, Qwen3) at the start of an assistant turn is parsed into
-`ParsedAssistant.reasoning`, not content.
+Generated turns are parsed by `gyre.models.parse` (a thinking block, Qwen3's `<think>...</think>`,
+goes to `ParsedAssistant.reasoning`, not content).
 """
 
 import json
 import os
-import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre.errors import GyreError
+from gyre.models.parse import ParsedAssistant, parse_assistant_text
 
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TOKENS = (
@@ -39,30 +38,11 @@ SPECIAL_TOKENS = (
     "<think>",
     "</think>",
 )
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>", re.DOTALL)
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 class ChatTemplateError(GyreError):
     """A message list the template cannot render (unknown role, bad tool call)."""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict
-
-
-@dataclass(frozen=True)
-class ParsedAssistant:
-    """An assistant turn split into text and tool calls; `malformed` keeps unparseable call bodies."""
-
-    content: str
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    malformed: list[str] = field(default_factory=list)
-    reasoning: str = ""
-    """The turn's leading thinking block, without its tags (Qwen3 `<think>`); "" if none."""
 
 
 class Special(str):
@@ -135,29 +115,6 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, add_gener
     if add_generation_prompt:
         out += [Special("<|im_start|>"), "assistant\n"]
     return [p for p in out if p]
-
-
-def parse_assistant_text(text: str) -> ParsedAssistant:
-    """Split generated assistant text (special tokens kept, `<|im_end|>` stripped) into content and calls."""
-    text = text.split("<|im_end|>")[0]
-    reasoning = ""
-    if (think := _THINK.match(text)) is not None:
-        reasoning, text = think.group(1).strip("\n"), text[think.end() :]
-    calls, malformed = [], []
-    for body in _TOOL_CALL.findall(text):
-        try:
-            obj = json.loads(body)
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                raise ValueError("needs a string 'name'")
-            args = obj.get("arguments", {})
-            args = json.loads(args) if isinstance(args, str) else args
-            if not isinstance(args, dict):
-                raise ValueError("'arguments' must be an object")
-            calls.append(ToolCall(obj["name"], args))
-        except ValueError:
-            malformed.append(body)
-    content = _TOOL_CALL.sub("", text).strip()
-    return ParsedAssistant(content, calls, malformed, reasoning)
 
 
 class BaseTokenizer(ABC):

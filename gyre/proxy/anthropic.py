@@ -8,11 +8,10 @@ mid-conversation) is rendered in place as a user turn, so earlier turns keep the
 turn); images become the placeholder text `[image]`.
 """
 
-import json
 import re
 import uuid
 
-from gyre.models.tokenizer import ToolCall
+from gyre.models.parse import ToolCall
 from gyre.proxy.chat import (
     ApiError,
     ChatRequest,
@@ -21,8 +20,12 @@ from gyre.proxy.chat import (
     check_tool_schema,
     convert_messages,
     invalid,
+    json_text,
     require_type,
 )
+from gyre.proxy.conversation import WireRequest
+from gyre.proxy.hints import CallHints, anthropic_hints
+from gyre.proxy.wire import BaseStream, BaseWire, Event, split_request
 
 ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
@@ -227,11 +230,11 @@ def make_response(
     }
 
 
-class StreamEvents:
-    """Builds the SSE events of one streamed message, as (event name, data) pairs.
+class AnthropicStream(BaseStream):
+    """The SSE events of one streamed message.
 
     Blocks are sequential: text and tool_use blocks open as their content arrives, each closing the
-    one before. A tool call streamed with `tool_start`/`tool_args` is not sent again by `finish`.
+    one before.
     """
 
     def __init__(self, msg_id: str, model: str, input_tokens: int):
@@ -241,7 +244,7 @@ class StreamEvents:
         """Type of the block open at `index` (text or tool_use), or None."""
         self.streamed: set[str] = set()
 
-    def start(self) -> list[tuple[str, dict]]:
+    def start(self) -> list[Event]:
         msg = {
             "id": self.msg_id,
             "type": "message",
@@ -254,47 +257,74 @@ class StreamEvents:
         }
         return [("message_start", {"type": "message_start", "message": msg})]
 
-    def _open(self, block: dict) -> list[tuple[str, dict]]:
+    def _open(self, block: dict) -> list[Event]:
         events = self._close()
         self.open = block["type"]
         return events + [
             ("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
         ]
 
-    def _close(self) -> list[tuple[str, dict]]:
+    def _close(self) -> list[Event]:
         if self.open is None:
             return []
         self.open = None
         self.index += 1
         return [("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})]
 
-    def _delta(self, delta: dict) -> tuple[str, dict]:
+    def _delta(self, delta: dict) -> Event:
         return ("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
-    def text(self, delta: str) -> list[tuple[str, dict]]:
+    def text(self, delta: str) -> list[Event]:
         if not delta:
             return []
         events = [] if self.open == "text" else self._open({"type": "text", "text": ""})
         return events + [self._delta({"type": "text_delta", "text": delta})]
 
-    def tool_start(self, tool_id: str, name: str) -> list[tuple[str, dict]]:
+    def tool_start(self, tool_id: str, name: str) -> list[Event]:
         """Open a tool_use block whose input follows in `tool_args` chunks."""
         self.streamed.add(tool_id)
         return self._open({"type": "tool_use", "id": tool_id, "name": name, "input": {}})
 
-    def tool_args(self, partial_json: str) -> list[tuple[str, dict]]:
+    def tool_args(self, partial_json: str) -> list[Event]:
         assert self.open == "tool_use", "tool_args outside a tool_use block"
         return [self._delta({"type": "input_json_delta", "partial_json": partial_json})] if partial_json else []
 
-    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, output_tokens: int) -> list[tuple[str, dict]]:
-        """Close the open block, send the calls not streamed yet, then the stop reason and usage."""
+    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int) -> list[Event]:
         events = self._close()
         for tid, c in calls:
             if tid not in self.streamed:
-                events += self.tool_start(tid, c.name) + self.tool_args(json.dumps(c.arguments)) + self._close()
+                events += self.tool_start(tid, c.name) + self.tool_args(json_text(c.arguments)) + self._close()
         delta = {"stop_reason": stop_reason(finish, [c for _, c in calls]), "stop_sequence": None}
-        usage = make_usage(self.input_tokens, output_tokens)
+        usage = make_usage(self.input_tokens, n_out)
         return events + [
             ("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
             ("message_stop", {"type": "message_stop"}),
         ]
+
+
+class AnthropicWire(BaseWire):
+    name = "anthropic"
+
+    def split(self, body, raw: bytes = b"") -> WireRequest | None:
+        return split_request(body, "messages", ("system", "tools"), raw)
+
+    def parse(self, body, resume: Resume | None = None) -> ChatRequest:
+        return parse_request(body, self.models, resume)
+
+    def hints(self, headers, body: dict, chat: ChatRequest) -> CallHints:
+        return anthropic_hints(headers, body, summary_request(body), bool(chat.tools))
+
+    def error(self, err: ApiError) -> tuple[int, dict]:
+        return err.status, make_error(err)
+
+    def new_call_id(self) -> str:
+        return new_tool_id()
+
+    def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
+        return make_response(new_message_id(), chat.model, text, calls, finish, make_usage(n_in, n_out))
+
+    def stream(self, chat: ChatRequest, n_in: int) -> AnthropicStream:
+        return AnthropicStream(new_message_id(), chat.model, n_in)
+
+    def stream_error(self, err: ApiError) -> list[Event]:
+        return [("error", make_error(err))]

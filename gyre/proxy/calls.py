@@ -1,4 +1,4 @@
-"""The lifecycle of one model call, shared by both APIs (wire formats fill in gyre.proxy.wire hooks).
+"""The lifecycle of one model call, shared by all APIs (each implements gyre.proxy.wire.BaseWire).
 
     body ─parse─> ChatRequest ─render (token-faithful)─> input ids ─Generation (routes, reroutes)─>
     output ids ─parse─> text + tool calls ─wire─> response / SSE events
@@ -19,14 +19,14 @@ from aiohttp_sse import sse_response
 from gyre.metrics.events import ModelCall
 from gyre.metrics.log import EventLog
 from gyre.models.tokenizer import BaseTokenizer, ChatTemplateError
-from gyre.proxy.chat import ApiError, ChatRequest, Resume, invalid
+from gyre.proxy.chat import ApiError, ChatRequest, Resume, invalid, json_text
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import Snapshot
 from gyre.proxy.executions import Execution
 from gyre.proxy.hints import CallHints
 from gyre.proxy.pool import EnginePool, Generation
 from gyre.proxy.render import Renderer, RenderResult, assistant_key
-from gyre.proxy.wire import OutputStream
+from gyre.proxy.wire import BaseWire, Event, OutputStream
 from gyre.records.record import CallRecord
 
 
@@ -67,7 +67,7 @@ class CallRunner:
         """Asked once: an HF tokenizer looks them up by name."""
 
     def render(
-        self, ex: Execution, wire, body, headers, keep: bool = True, raw: bytes = b""
+        self, ex: Execution, wire: BaseWire, body, headers, keep: bool = True, raw: bytes = b""
     ) -> tuple[ChatRequest, CallHints, RenderResult, bool]:
         """Parse and render only what the call adds to its conversation's snapshot (see
         gyre.proxy.conversation); `keep` stores the call as the conversation's new snapshot; `raw`
@@ -102,7 +102,9 @@ class CallRunner:
             )
         return chat, hints, rendered, is_retry
 
-    def prepare(self, ex: Execution, wire, body: dict, headers, received_mono: float, raw: bytes = b"") -> Call:
+    def prepare(
+        self, ex: Execution, wire: BaseWire, body: dict, headers, received_mono: float, raw: bytes = b""
+    ) -> Call:
         """Validate and render; raises ApiError before anything is numbered or recorded.
 
         Args:
@@ -202,7 +204,7 @@ class CallRunner:
                 )
             )
 
-    async def respond(self, request: web.Request, call: Call, wire) -> web.StreamResponse:
+    async def respond(self, request: web.Request, call: Call, wire: BaseWire) -> web.StreamResponse:
         """Run the generation and answer (JSON or SSE). The record is written before the answer
         completes (fsynced per `fsync_window_ms`), so whoever sees a harness finish can read all of
         its records."""
@@ -213,7 +215,7 @@ class CallRunner:
         finally:
             call.ex.num_inflight -= 1
 
-    async def _respond(self, request: web.Request, call: Call, wire) -> web.StreamResponse:
+    async def _respond(self, request: web.Request, call: Call, wire: BaseWire) -> web.StreamResponse:
         stream = call.gen.stream()
         try:
             first = await stream.__anext__()  # errors before any byte is sent are plain HTTP errors
@@ -228,39 +230,35 @@ class CallRunner:
         self._remember(call, text, calls)
         await self._record(call)
         n_in, n_out = call.rendered.input_ids.size, len(call.gen.output_ids)
-        return web.json_response(wire.response(call.chat, text, calls, call.gen.finish, n_in, n_out))
+        return web.json_response(wire.response(call.chat, text, calls, call.gen.finish, n_in, n_out), dumps=json_text)
 
-    async def _stream(self, request, call: Call, wire, stream, first: list[int]) -> web.StreamResponse:
+    async def _stream(self, request, call: Call, wire: BaseWire, stream, first: list[int]) -> web.StreamResponse:
         """SSE answer; a call failing after the stream began ends with an error event and no record."""
         events = wire.stream(call.chat, call.rendered.input_ids.size)
         out = OutputStream(events, self.tok.decode, wire.new_call_id)
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
-            pending, new = events.start(), first
+            await _send(sse, events.start())
+            new = first
             try:
                 while True:
                     if new:
-                        pending += out.update(call.gen.output_ids)
-                    if pending:  # the events of one engine chunk in one write: one syscall, not one each
-                        await sse.write(_sse_text(pending))
-                        pending = []
+                        await _send(sse, out.update(call.gen.output_ids))
                     new = await stream.__anext__()
             except StopAsyncIteration:
                 pass
             except ApiError as e:
-                await sse.write(_sse_text(wire.stream_error(e)))
+                await _send(sse, wire.stream_error(e))
                 return sse
-            text, calls = out.result(self.tok.parse_assistant(call.gen.output_ids))
+            text, calls = out.result(call.gen.output_ids)
             self._remember(call, text, calls)
             await self._record(call)
-            # the closing events and the end of the chunked body in one write (one syscall, not two)
-            await sse.write_eof(
-                _sse_text(
-                    out.finish(text, calls, call.gen.finish, call.rendered.input_ids.size, len(call.gen.output_ids))
-                )
-            )
+            n_in, n_out = call.rendered.input_ids.size, len(call.gen.output_ids)
+            await _send(sse, out.finish(text, calls, call.gen.finish, n_in, n_out))
+            await sse.write_eof()
         return sse
 
 
-def _sse_text(events: list[tuple[str | None, str]]) -> bytes:
-    """Server-sent events as aiohttp-sse's `send(data, event=name)` frames them (one-line JSON data)."""
-    return "".join((f"event: {name}\n" if name else "") + f"data: {data}\n\n" for name, data in events).encode()
+async def _send(sse, events: list[Event]) -> None:
+    """Send SSE events, JSON data as one line (literal data, OpenAI's `[DONE]`, as it is)."""
+    for name, data in events:
+        await sse.send(data if isinstance(data, str) else json_text(data), event=name)

@@ -3,9 +3,10 @@
 import argparse
 import dataclasses
 import gc
-import json
 import logging
 import sys
+
+import orjson
 
 from gyre.common.serve import ChildServer, serve_app
 from gyre.models.tokenizer import ByteTokenizer, HFTokenizer
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = ProxyConfig(**json.loads(a.config_json))
+        cfg = ProxyConfig(**orjson.loads(a.config_json))
     except (TypeError, ValueError) as e:
         sys.exit(f"gyre-proxy: invalid config: {e}")
     serve(cfg, a.port_file)
@@ -64,7 +65,13 @@ class ProxyProcess(ChildServer):
         self.url, self.admin_token = "", ""
 
     def start(self) -> "ProxyProcess":
-        cmd = [sys.executable, "-m", "gyre.proxy.main", "--config-json", json.dumps(dataclasses.asdict(self.cfg))]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gyre.proxy.main",
+            "--config-json",
+            orjson.dumps(dataclasses.asdict(self.cfg)).decode(),
+        ]
         port, self.admin_token = self.spawn_and_wait_port(cmd, self.startup_timeout_s)
         self.url = f"http://{self.cfg.host}:{port}"
         return self

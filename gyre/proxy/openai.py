@@ -6,11 +6,12 @@ string) become argument objects; `tool` messages must answer a tool call id of t
 assistant message.
 """
 
-import json
 import time
 import uuid
 
-from gyre.models.tokenizer import ToolCall
+import orjson
+
+from gyre.models.parse import ToolCall
 from gyre.proxy.chat import (
     ApiError,
     ChatRequest,
@@ -19,9 +20,13 @@ from gyre.proxy.chat import (
     check_tool_schema,
     convert_messages,
     invalid,
+    json_text,
     require_model,
     require_type,
 )
+from gyre.proxy.conversation import WireRequest
+from gyre.proxy.hints import CallHints, openai_hints
+from gyre.proxy.wire import BaseStream, BaseWire, Event, split_request
 
 ERROR_TYPES = {
     "invalid_request": ("invalid_request_error", None),
@@ -69,8 +74,8 @@ def _tool_calls(calls, where: str) -> list[dict]:
         name = require_type(fn.get("name"), str, f"{where}[{j}].function.name", "a string")
         raw = fn.get("arguments") or "{}"
         try:
-            args = json.loads(raw) if isinstance(raw, str) else raw
-        except json.JSONDecodeError as e:
+            args = orjson.loads(raw) if isinstance(raw, str) else raw
+        except orjson.JSONDecodeError as e:
             raise invalid(f"{where}[{j}].function.arguments: not valid JSON ({e})") from None
         require_type(args, dict, f"{where}[{j}].function.arguments", "a JSON object")
         out.append({"id": str(c.get("id")), "name": name, "arguments": args})
@@ -187,7 +192,7 @@ def _wire_calls(calls: list[tuple[str, ToolCall]], with_index: bool) -> list[dic
             **({"index": i} if with_index else {}),
             "id": cid,
             "type": "function",
-            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            "function": {"name": c.name, "arguments": json_text(c.arguments)},
         }
         for i, (cid, c) in enumerate(calls)
     ]
@@ -208,12 +213,9 @@ def make_response(cid: str, model: str, text: str, calls: list[tuple[str, ToolCa
     }
 
 
-class StreamChunks:
-    """Builds the `chat.completion.chunk` objects of one streamed completion.
-
-    A tool call streamed with `tool_start` (id, name, empty arguments) and `tool_args` (argument
-    text deltas, as OpenAI sends them) is not sent again by `finish`.
-    """
+class OpenAIStream(BaseStream):
+    """The `chat.completion.chunk` objects of one streamed completion, then `[DONE]`; a tool call
+    streams as its id and name with empty arguments, then argument text deltas (as OpenAI sends them)."""
 
     def __init__(self, cid: str, model: str, include_usage: bool):
         self.cid, self.model, self.include_usage = cid, model, include_usage
@@ -230,13 +232,13 @@ class StreamChunks:
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
         }
 
-    def start(self) -> list[dict]:
-        return [self._chunk({"role": "assistant", "content": ""})]
+    def start(self) -> list[Event]:
+        return [(None, self._chunk({"role": "assistant", "content": ""}))]
 
-    def text(self, delta: str) -> list[dict]:
-        return [self._chunk({"content": delta})] if delta else []
+    def text(self, delta: str) -> list[Event]:
+        return [(None, self._chunk({"content": delta}))] if delta else []
 
-    def tool_start(self, call_id: str, name: str) -> list[dict]:
+    def tool_start(self, call_id: str, name: str) -> list[Event]:
         self.streamed.add(call_id)
         self.num_calls += 1
         call = {
@@ -245,14 +247,14 @@ class StreamChunks:
             "type": "function",
             "function": {"name": name, "arguments": ""},
         }
-        return [self._chunk({"tool_calls": [call]})]
+        return [(None, self._chunk({"tool_calls": [call]}))]
 
-    def tool_args(self, arguments: str) -> list[dict]:
-        if not arguments:
+    def tool_args(self, chunk: str) -> list[Event]:
+        if not chunk:
             return []
-        return [self._chunk({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": arguments}}]})]
+        return [(None, self._chunk({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": chunk}}]}))]
 
-    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, usage: dict) -> list[dict]:
+    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int) -> list[Event]:
         fresh = [(cid, c) for cid, c in calls if cid not in self.streamed]
         wire = _wire_calls(fresh, with_index=True)
         for w in wire:
@@ -260,5 +262,33 @@ class StreamChunks:
         out = [self._chunk({"tool_calls": wire})] if wire else []
         out.append(self._chunk({}, finish_reason(finish, calls)))
         if self.include_usage:
-            out.append({**self._chunk({}), "choices": [], "usage": usage})
-        return out
+            out.append({**self._chunk({}), "choices": [], "usage": make_usage(n_in, n_out)})
+        return [(None, c) for c in out] + [(None, "[DONE]")]
+
+
+class OpenAIWire(BaseWire):
+    name = "openai"
+
+    def split(self, body, raw: bytes = b"") -> WireRequest | None:
+        return split_request(body, "messages", ("tools",), raw)
+
+    def parse(self, body, resume: Resume | None = None) -> ChatRequest:
+        return parse_request(body, self.models, self.default_max_tokens, resume)
+
+    def hints(self, headers, body: dict, chat: ChatRequest) -> CallHints:
+        return openai_hints(headers, body)
+
+    def error(self, err: ApiError) -> tuple[int, dict]:
+        return error_status(err), make_error(err)
+
+    def new_call_id(self) -> str:
+        return new_call_id()
+
+    def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
+        return make_response(new_completion_id(), chat.model, text, calls, finish, make_usage(n_in, n_out))
+
+    def stream(self, chat: ChatRequest, n_in: int) -> OpenAIStream:
+        return OpenAIStream(new_completion_id(), chat.model, chat.include_usage)
+
+    def stream_error(self, err: ApiError) -> list[Event]:
+        return [(None, make_error(err)), (None, "[DONE]")]

@@ -37,7 +37,6 @@ new branch there instead of continuing the old one. `RenderResult.num_retokenize
 turns (recorded in the record's hints).
 """
 
-import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -46,14 +45,15 @@ import numpy as np
 import orjson
 
 from gyre.models.tokenizer import BaseTokenizer
+from gyre.proxy.chat import json_text
 
 log = logging.getLogger(__name__)
 
 
 def assistant_key(content: str, tool_calls) -> str:
     """The identity of an assistant turn as a harness echoes it back: text and calls, not ids."""
-    calls = [(c["name"], json.dumps(c.get("arguments", {}), sort_keys=True)) for c in tool_calls or []]
-    return json.dumps([content.strip(), calls])
+    calls = [[c["name"], c.get("arguments", {})] for c in tool_calls or []]
+    return json_text([content.strip(), calls], sort_keys=True)
 
 
 class TurnMemory:

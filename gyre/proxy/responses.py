@@ -13,11 +13,12 @@ here cannot call, so they are left out (Codex sends `web_search` on every call);
 client tool types are refused. Stateless: `previous_response_id` is refused (nothing is stored).
 """
 
-import json
 import time
 import uuid
 
-from gyre.models.tokenizer import ToolCall
+import orjson
+
+from gyre.models.parse import ToolCall
 from gyre.proxy.chat import (
     ApiError,
     ChatRequest,
@@ -26,10 +27,14 @@ from gyre.proxy.chat import (
     check_tool_schema,
     convert_messages,
     invalid,
+    json_text,
     require_model,
     require_type,
 )
-from gyre.proxy.openai import ERROR_TYPES
+from gyre.proxy.conversation import WireRequest
+from gyre.proxy.hints import CallHints, openai_hints
+from gyre.proxy.openai import ERROR_TYPES, error_status
+from gyre.proxy.wire import BaseStream, BaseWire, Event, split_request
 
 
 def make_error(err: ApiError) -> dict:
@@ -59,8 +64,8 @@ def _call(item: dict, where: str) -> dict:
     call_id = require_type(item.get("call_id"), str, f"{where}.call_id", "a string")
     raw = item.get("arguments") or "{}"
     try:
-        args = json.loads(raw) if isinstance(raw, str) else raw
-    except json.JSONDecodeError as e:
+        args = orjson.loads(raw) if isinstance(raw, str) else raw
+    except orjson.JSONDecodeError as e:
         raise invalid(f"{where}.arguments: not valid JSON ({e})") from None
     require_type(args, dict, f"{where}.arguments", "a JSON object")
     return {"id": call_id, "name": name, "arguments": args}
@@ -223,7 +228,7 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
 
 
 def call_item(item_id: str, call_id: str, call: ToolCall | None, name: str = "", status: str = "completed") -> dict:
-    arguments = json.dumps(call.arguments) if call is not None else ""
+    arguments = json_text(call.arguments) if call is not None else ""
     return {
         "type": "function_call",
         "id": item_id,
@@ -278,12 +283,11 @@ def output_items(text: str, calls: list[tuple[str, ToolCall]]) -> list[dict]:
     return items + [call_item("fc_" + uuid.uuid4().hex[:24], cid, c) for cid, c in calls]
 
 
-class StreamEvents:
-    """The SSE events of one streamed response, as (event type, data) pairs, numbered in order.
+class ResponsesStream(BaseStream):
+    """The SSE events of one streamed response, numbered in order.
 
     Items are sequential: a message item (one output_text part) and function_call items open as
-    their content arrives, each closing the one before. A call streamed with `tool_start` and
-    `tool_args` is not sent again by `finish`.
+    their content arrives, each closing the one before.
     """
 
     def __init__(self, resp_id: str, chat: ChatRequest):
@@ -295,15 +299,15 @@ class StreamEvents:
         self.open_text = ""
         self.streamed: set[str] = set()
 
-    def _event(self, kind: str, **fields) -> tuple[str, dict]:
+    def _event(self, kind: str, **fields) -> Event:
         self.seq += 1
         return kind, {"type": kind, "sequence_number": self.seq - 1, **fields}
 
-    def start(self) -> list[tuple[str, dict]]:
+    def start(self) -> list[Event]:
         snap = make_response(self.resp_id, self.chat, [], None, None)
         return [self._event("response.created", response=snap), self._event("response.in_progress", response=snap)]
 
-    def _close(self) -> list[tuple[str, dict]]:
+    def _close(self) -> list[Event]:
         item, self.open = self.open, None
         if item is None:
             return []
@@ -338,7 +342,7 @@ class StreamEvents:
         self.output.append(done)
         return events + [self._event("response.output_item.done", output_index=k, item=done)]
 
-    def _open(self, item: dict) -> list[tuple[str, dict]]:
+    def _open(self, item: dict) -> list[Event]:
         events = self._close()
         self.open = item
         return events + [
@@ -349,7 +353,7 @@ class StreamEvents:
             )
         ]
 
-    def text(self, delta: str) -> list[tuple[str, dict]]:
+    def text(self, delta: str) -> list[Event]:
         if not delta:
             return []
         events = []
@@ -378,11 +382,11 @@ class StreamEvents:
             )
         ]
 
-    def tool_start(self, call_id: str, name: str) -> list[tuple[str, dict]]:
+    def tool_start(self, call_id: str, name: str) -> list[Event]:
         self.streamed.add(call_id)
         return self._open(call_item("fc_" + uuid.uuid4().hex[:24], call_id, None, name, status="in_progress"))
 
-    def tool_args(self, chunk: str) -> list[tuple[str, dict]]:
+    def tool_args(self, chunk: str) -> list[Event]:
         assert self.open is not None and self.open["type"] == "function_call", "tool_args outside a function_call item"
         if not chunk:
             return []
@@ -396,15 +400,45 @@ class StreamEvents:
             )
         ]
 
-    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, usage: dict) -> list[tuple[str, dict]]:
-        """Close the open item, send the calls not streamed yet, then the completed response."""
+    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int) -> list[Event]:
         events = self._close()
         for cid, c in calls:
             if cid not in self.streamed:
-                events += self.tool_start(cid, c.name) + self.tool_args(json.dumps(c.arguments)) + self._close()
-        done = make_response(self.resp_id, self.chat, self.output, finish, usage)
+                events += self.tool_start(cid, c.name) + self.tool_args(json_text(c.arguments)) + self._close()
+        done = make_response(self.resp_id, self.chat, self.output, finish, make_usage(n_in, n_out))
         return events + [
             self._event(
                 "response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done
             )
         ]
+
+
+class ResponsesWire(BaseWire):
+    """OpenAI's Responses API (what Codex CLI speaks); hints as for chat completions."""
+
+    name = "responses"
+
+    def split(self, body, raw: bytes = b"") -> WireRequest | None:
+        return split_request(body, "input", ("instructions", "tools"), raw)
+
+    def parse(self, body, resume: Resume | None = None) -> ChatRequest:
+        return parse_request(body, self.models, self.default_max_tokens, resume)
+
+    def hints(self, headers, body: dict, chat: ChatRequest) -> CallHints:
+        return openai_hints(headers, body)
+
+    def error(self, err: ApiError) -> tuple[int, dict]:
+        return error_status(err), make_error(err)
+
+    def new_call_id(self) -> str:
+        return new_call_id()
+
+    def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
+        return make_response(new_response_id(), chat, output_items(text, calls), finish, make_usage(n_in, n_out))
+
+    def stream(self, chat: ChatRequest, n_in: int) -> ResponsesStream:
+        return ResponsesStream(new_response_id(), chat)
+
+    def stream_error(self, err: ApiError) -> list[Event]:
+        kind, code = ERROR_TYPES[err.kind]
+        return [("error", {"type": "error", "code": code or kind, "message": err.message, "param": None})]

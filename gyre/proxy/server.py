@@ -14,7 +14,6 @@ Every error answers in the API's own format; a bad request never takes the proxy
 
 import asyncio
 import hmac
-import json
 import logging
 import secrets
 import time
@@ -25,26 +24,23 @@ from aiohttp import web
 from gyre.errors import GyreError
 from gyre.metrics.log import EventLog
 from gyre.models.tokenizer import BaseTokenizer
+from gyre.proxy.anthropic import AnthropicWire
 from gyre.proxy.calls import CallRunner
-from gyre.proxy.chat import ApiError, invalid
+from gyre.proxy.chat import ApiError, invalid, json_text
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.executions import ExecutionRegistry
+from gyre.proxy.openai import OpenAIWire
 from gyre.proxy.pool import EnginePool
 from gyre.proxy.render import Renderer
+from gyre.proxy.responses import ResponsesWire
 from gyre.proxy.routing import RoutingError
-from gyre.proxy.wire import AnthropicWire, OpenAIWire, ResponsesWire
+from gyre.proxy.wire import BaseWire
 
 log = logging.getLogger(__name__)
 
 
-def _credential(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return request.headers.get("x-api-key") or request.headers.get("x-gyre-key")
-
-
 def _credentials(request: web.Request) -> list[str]:
+    """The keys a request carries, in order: `Authorization: Bearer`, `x-api-key`, `x-gyre-key`."""
     auth = request.headers.get("Authorization", "")
     keys = [auth[7:].strip()] if auth.lower().startswith("bearer ") else []
     return keys + [request.headers[h] for h in ("x-api-key", "x-gyre-key") if h in request.headers]
@@ -67,6 +63,10 @@ async def _read_body(request: web.Request) -> bytes:
             raise ApiError("too_large", f"request body exceeds {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _json(body, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=json_text)
 
 
 async def _json_body(request: web.Request) -> tuple[object, bytes]:
@@ -155,7 +155,7 @@ class ProxyServer:
                 return ex
         raise ApiError("authentication", "invalid x-api-key: unknown or revoked execution credential")
 
-    async def _chat(self, request: web.Request, wire) -> web.StreamResponse:
+    async def _chat(self, request: web.Request, wire: BaseWire) -> web.StreamResponse:
         t0 = time.monotonic()
         try:
             ex = self._execution(request)
@@ -167,7 +167,7 @@ class ProxyServer:
             status, body = wire.error(e)
             if e.kind == "overloaded":
                 log.warning("%s", e)
-            return web.json_response(body, status=status)
+            return _json(body, status=status)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self._chat(request, self.anthropic)
@@ -186,42 +186,42 @@ class ProxyServer:
             if isinstance(body, dict):
                 body = {**body, "max_tokens": body.get("max_tokens") or 1}
             _, _, rendered, _ = self.runner.render(ex, self.anthropic, body, request.headers, keep=False)
-            return web.json_response({"input_tokens": int(rendered.input_ids.size)})
+            return _json({"input_tokens": int(rendered.input_ids.size)})
         except ApiError as e:
             status, body = self.anthropic.error(e)
-            return web.json_response(body, status=status)
+            return _json(body, status=status)
 
     async def models(self, request: web.Request) -> web.Response:
         try:
             self._execution(request)
         except ApiError as e:
             status, body = self.openai.error(e)
-            return web.json_response(body, status=status)
-        return web.json_response(
+            return _json(body, status=status)
+        return _json(
             {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "gyre"} for m in self.cfg.model_names]}
         )
 
     # --- admin side ---------------------------------------------------------------------------
     def _admin(self, request: web.Request) -> None:
-        given = _credential(request) or ""
+        given = next((k for k in _credentials(request) if k), "")
         if not hmac.compare_digest(given.encode(), self.admin_token.encode()):
             raise web.HTTPUnauthorized(
-                text=json.dumps({"error": {"message": "admin token required"}}), content_type="application/json"
+                text=json_text({"error": {"message": "admin token required"}}), content_type="application/json"
             )
 
     async def _admin_body(self, request: web.Request) -> dict:
         self._admin(request)
         try:
-            body = json.loads(await request.read() or b"{}")
-        except ValueError as e:
+            body = orjson.loads(await request.read() or b"{}")
+        except orjson.JSONDecodeError as e:
             raise web.HTTPBadRequest(
-                text=json.dumps({"error": {"message": f"malformed JSON body: {e}"}}), content_type="application/json"
+                text=json_text({"error": {"message": f"malformed JSON body: {e}"}}), content_type="application/json"
             ) from None
         return body if isinstance(body, dict) else {}
 
     @staticmethod
     def _bad(message: str, status: int = 400) -> web.Response:
-        return web.json_response({"error": {"message": message}}, status=status)
+        return _json({"error": {"message": message}}, status=status)
 
     async def create_execution(self, request: web.Request) -> web.Response:
         body = await self._admin_body(request)
@@ -230,9 +230,7 @@ class ProxyServer:
                 ex = await asyncio.to_thread(self.executions.create, body.get("execution_id"), body.get("api_key"))
         except GyreError as e:
             return self._bad(str(e))
-        return web.json_response(
-            {"execution_id": ex.execution_id, "api_key": ex.key, "records_path": str(ex.records_path)}
-        )
+        return _json({"execution_id": ex.execution_id, "api_key": ex.key, "records_path": str(ex.records_path)})
 
     async def revoke_execution(self, request: web.Request) -> web.Response:
         self._admin(request)
@@ -243,20 +241,18 @@ class ProxyServer:
             return self._bad(str(e), 404)
         self.pool.table.forget(ex.execution_id + "/")
         ex.conversations.clear()
-        return web.json_response({"execution_id": ex.execution_id, "revoked": True})
+        return _json({"execution_id": ex.execution_id, "revoked": True})
 
     async def list_engines(self, request: web.Request) -> web.Response:
         self._admin(request)
-        return web.json_response({"engines": self.pool.describe()})
+        return _json({"engines": self.pool.describe()})
 
     async def add_engine(self, request: web.Request) -> web.Response:
         body = await self._admin_body(request)
         if not isinstance(body.get("engine_id"), str) or not isinstance(body.get("url"), str):
             return self._bad("needs {engine_id: str, url: str}")
         try:
-            return web.json_response(
-                await self.pool.register(body["engine_id"], body["url"], str(body.get("cell_id", "")))
-            )
+            return _json(await self.pool.register(body["engine_id"], body["url"], str(body.get("cell_id", ""))))
         except ApiError as e:
             return self._bad(e.message)
 
@@ -267,7 +263,7 @@ class ProxyServer:
             result = await op(eid)
         except RoutingError as e:
             return self._bad(str(e), 404)
-        return web.json_response({"engine_id": eid, "result": result, "engines": self.pool.describe()})
+        return _json({"engine_id": eid, "result": result, "engines": self.pool.describe()})
 
     async def remove_engine(self, request: web.Request) -> web.Response:
         return await self._engine_op(request, self.pool.remove)
@@ -291,7 +287,7 @@ class ProxyServer:
             for eid, ex in self.executions.by_id.items()
             if not ex.revoked
         }
-        return web.json_response(
+        return _json(
             {
                 **vars(self.pool.metrics),
                 "worker_index": self.cfg.worker_index,

@@ -22,7 +22,6 @@ and an unparseable line elsewhere is real corruption.
 """
 
 import base64
-import json
 import logging
 import os
 import threading
@@ -211,7 +210,7 @@ class RecordWriter:
             start = lo
         self._file.seek(start)
         try:
-            json.loads(self._file.read(end - start))
+            orjson.loads(self._file.read(end - start))
         except ValueError:
             self._file.truncate(start)
             log.warning("%s: cut a torn last line of %d bytes left by a crash", self.path, size - start)
@@ -383,7 +382,7 @@ def read_records(path: str | os.PathLike) -> tuple[list[CallRecord], ReadStats]:
     sequences: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for i, line in enumerate(lines):
         try:
-            obj = json.loads(line)
+            obj = orjson.loads(line)
             if not isinstance(obj, dict):
                 raise ValueError(f"a JSON {type(obj).__name__}, not an object")
         except ValueError as e:

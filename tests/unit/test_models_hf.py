@@ -22,11 +22,11 @@ from gyre.models.export import export
 from gyre.models.hf import hf_config_fields
 from gyre.models.tokenizer import HFTokenizer
 from gyre.models.transformer import sequence_logprobs
+from gyre.proxy.anthropic import AnthropicWire
 from gyre.proxy.calls import CallRunner
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.executions import ExecutionRegistry
 from gyre.proxy.render import Renderer, TurnMemory, assistant_key
-from gyre.proxy.wire import AnthropicWire
 from gyre.train.checkpoint import CheckpointManager
 from gyre.train.config import TrainerConfig
 from gyre.train.trainer import Trainer

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from gyre.engines.scripted import ScriptedPolicy, ScriptRule
-from gyre.models.tokenizer import ByteTokenizer, ToolCall
+from gyre.models.parse import ToolCall, streamable_text
+from gyre.models.tokenizer import ByteTokenizer
 from gyre.proxy import anthropic, openai
 from gyre.proxy.chat import ApiError
 from gyre.proxy.hints import anthropic_hints, openai_hints
 from gyre.proxy.render import Renderer, TurnMemory, assistant_key
 from gyre.proxy.routing import RoutingError, RoutingTable
-from gyre.proxy.wire import streamable_text
 
 MODELS = ["gyre"]
 TOOL = {"name": "f", "description": "d", "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
@@ -127,9 +127,9 @@ def test_anthropic_conversion():
 
 
 def test_anthropic_stream_events_shape():
-    ev = anthropic.StreamEvents("m", "gyre", 10)
+    ev = anthropic.AnthropicStream("m", "gyre", 10)
     names = [n for n, _ in ev.start() + ev.text("he") + ev.text("llo")]
-    names += [n for n, _ in ev.finish([("tu", ToolCall("f", {"x": 1}))], "stop", 7)]
+    names += [n for n, _ in ev.finish([("tu", ToolCall("f", {"x": 1}))], "stop", 10, 7)]
     assert names == [
         "message_start",
         "content_block_start",
@@ -142,7 +142,7 @@ def test_anthropic_stream_events_shape():
         "message_delta",
         "message_stop",
     ]
-    final = ev.finish([], "length", 3)
+    final = ev.finish([], "length", 10, 3)
     assert final[-2][1]["delta"]["stop_reason"] == "max_tokens" and final[-2][1]["usage"]["output_tokens"] == 3
 
 
@@ -218,12 +218,10 @@ def test_openai_round_trip_and_stream():
         "content": "",
         "tool_calls": [{"id": "c1", "name": "f", "arguments": {"x": 2}}],
     }
-    chunks = openai.StreamChunks("id", "gyre", True)
-    out = (
-        chunks.start()
-        + chunks.text("a")
-        + chunks.finish([("c9", ToolCall("f", {"x": 1}))], "stop", openai.make_usage(5, 2))
-    )
+    chunks = openai.OpenAIStream("id", "gyre", True)
+    events = chunks.start() + chunks.text("a") + chunks.finish([("c9", ToolCall("f", {"x": 1}))], "stop", 5, 2)
+    *out, done = [d for _, d in events]
+    assert done == "[DONE]"
     assert out[-2]["choices"][0]["finish_reason"] == "tool_calls" and out[-1]["usage"]["total_tokens"] == 7
     assert json.loads(out[-3]["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
 

@@ -10,12 +10,14 @@ import pytest
 
 from gyre.models.tokenizer import ByteTokenizer
 from gyre.proxy import conversation
+from gyre.proxy.anthropic import AnthropicWire
 from gyre.proxy.calls import CallRunner
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import num_shared, num_shared_messages
 from gyre.proxy.executions import ExecutionRegistry
+from gyre.proxy.openai import OpenAIWire
 from gyre.proxy.render import Renderer, assistant_key
-from gyre.proxy.wire import AnthropicWire, OpenAIWire, split_request
+from gyre.proxy.wire import split_request
 
 
 class CountingTokenizer(ByteTokenizer):

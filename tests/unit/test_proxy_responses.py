@@ -3,7 +3,7 @@ back into one assistant turn each, and resuming a conversion equals converting f
 
 import pytest
 
-from gyre.models.tokenizer import ToolCall
+from gyre.models.parse import ToolCall
 from gyre.proxy import responses
 from gyre.proxy.chat import ApiError, Resume
 
@@ -131,7 +131,7 @@ def test_resumed_conversion_equals_a_fresh_one(num_shared):
 
 def test_stream_events_are_numbered_and_close_each_item():
     chat = responses.parse_request({**GOOD, "tools": TOOLS}, ["gyre"], 64)
-    ev = responses.StreamEvents("resp_1", chat)
+    ev = responses.ResponsesStream("resp_1", chat)
     out = (
         ev.start()
         + ev.text("Look")
@@ -143,7 +143,8 @@ def test_stream_events_are_numbered_and_close_each_item():
     out += ev.finish(
         [("call_1", ToolCall("bash", {"cmd": "ls"})), ("call_2", ToolCall("bash", {}))],
         "stop",
-        responses.make_usage(5, 7),
+        5,
+        7,
     )
     assert [d["sequence_number"] for _, d in out] == list(range(len(out)))
     assert (
@@ -159,7 +160,7 @@ def test_stream_events_are_numbered_and_close_each_item():
         ("function_call", "{}"),
     ]
     assert done["output"][0]["content"][0]["text"] == "Looking."
-    incomplete = responses.StreamEvents("resp_2", chat)
-    assert incomplete.finish([], "length", responses.make_usage(1, 1))[-1][1]["response"]["incomplete_details"] == {
+    incomplete = responses.ResponsesStream("resp_2", chat)
+    assert incomplete.finish([], "length", 1, 1)[-1][1]["response"]["incomplete_details"] == {
         "reason": "max_output_tokens"
     }

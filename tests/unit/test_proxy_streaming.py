@@ -5,9 +5,12 @@ import json
 import pytest
 
 from gyre.engines.scripted import ScriptedPolicy
+from gyre.models.parse import ToolCallScanner
 from gyre.models.tokenizer import ByteTokenizer
+from gyre.proxy.anthropic import AnthropicWire
 from gyre.proxy.chat import ChatRequest
-from gyre.proxy.wire import AnthropicWire, OpenAIWire, OutputStream, ToolCallScanner
+from gyre.proxy.openai import OpenAIWire
+from gyre.proxy.wire import OutputStream
 
 TOK = ByteTokenizer()
 S = TOK.special_ids
@@ -26,9 +29,9 @@ def run_stream(wire, ids: list[int], step: int = 1) -> tuple[list[tuple], tuple]
     sent = list(events.start())
     for n in range(step, len(ids) + step, step):
         sent += out.update(ids[:n])
-    text, calls = out.result(TOK.parse_assistant(ids))
+    text, calls = out.result(ids)
     sent += out.finish(text, calls, "stop", 10, len(ids))
-    return [(name, json.loads(d)) for name, d in sent if d != "[DONE]"], (text, calls)
+    return [(name, d) for name, d in sent if d != "[DONE]"], (text, calls)
 
 
 def anthropic_blocks(events) -> tuple[list[dict], int]:
