@@ -115,7 +115,7 @@ def test_startup_bound(first, train, rollout, first_rollout, expected):
 
 
 def test_same_seed_same_result_and_modes_see_the_same_executions(monkeypatch):
-    import gyre.sim.engine
+    import gyre.sim.rollout
 
     drawn = []  # every batch of executions a run drew, in order
 
@@ -123,7 +123,7 @@ def test_same_seed_same_result_and_modes_see_the_same_executions(monkeypatch):
         drawn.append(draw_batch(*args, **kw))
         return drawn[-1]
 
-    monkeypatch.setattr(gyre.sim.engine, "draw_batch", recording_draw)
+    monkeypatch.setattr(gyre.sim.rollout, "draw_batch", recording_draw)
     a = simulate("elastic")
     elastic_batches, drawn[:] = list(drawn), []
     assert a == simulate("elastic")  # every figure, cell timeline and level sample
