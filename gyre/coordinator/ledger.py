@@ -12,11 +12,14 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from gyre.records.io import fsync_dir
 from gyre.trajectory.rewards import HARNESS_OUTCOMES
 
-STATES = ("queued", "running", "finished", "timed_out", "excluded", "trained")
+State = Literal["queued", "running", "finished", "timed_out", "excluded", "trained"]
+"""An execution's ledger states, in the order a normal life goes through them."""
+STATES: tuple[State, ...] = get_args(State)
 ENDS = (*HARNESS_OUTCOMES, "excluded")
 """The states that end a rollout; an execution's first one is its outcome."""
 

@@ -13,12 +13,12 @@ Field names follow the parts that produce the figures: an optimizer step's loss 
 import json
 import time
 from dataclasses import dataclass, field, fields
-from typing import ClassVar, Literal
+from typing import ClassVar
 
-EXECUTION_STATES = ("queued", "running", "finished", "timed_out", "excluded", "trained")
-"""An execution's ledger states, in the order a normal life goes through them."""
+from gyre.coordinator.ledger import STATES, State
+from gyre.scheduler.cells import Role
 
-ROLES = ("rollout", "train", "to_train", "to_rollout", "lost")
+ROLES = tuple(r.value for r in Role)
 """`gyre.scheduler.cells.Role` values (cells report them as strings)."""
 
 
@@ -80,7 +80,7 @@ class ExecutionState(Event):
     group_id: str
     step: int
     """The RL step whose batch the execution belongs to."""
-    state: Literal["queued", "running", "finished", "timed_out", "excluded", "trained"]
+    state: State
     reason: str | None = None
     """Why it was excluded or timed out (e.g. missing_call, uniform_group)."""
     reward: float | None = None
@@ -89,8 +89,8 @@ class ExecutionState(Event):
     """Harness wall time (finished / timed_out)."""
 
     def __post_init__(self):
-        if self.state not in EXECUTION_STATES:
-            raise EventError(f"execution state must be one of {', '.join(EXECUTION_STATES)}; got {self.state!r}")
+        if self.state not in STATES:
+            raise EventError(f"execution state must be one of {', '.join(STATES)}; got {self.state!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from gyre.models.tokenizer import BaseTokenizer, ChatTemplateError
 from gyre.proxy.chat import ApiError, ChatRequest, Resume, invalid, json_text
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import Snapshot
-from gyre.proxy.executions import Execution
+from gyre.proxy.executions import ProxyExecution
 from gyre.proxy.hints import CallHints
 from gyre.proxy.pool import EnginePool, Generation
 from gyre.proxy.render import Renderer, RenderResult, assistant_key
@@ -34,7 +34,7 @@ from gyre.records.record import CallRecord
 class Call:
     """One call in flight: what was asked, how it was rendered, and its generation."""
 
-    ex: Execution
+    ex: ProxyExecution
     chat: ChatRequest
     hints: CallHints
     rendered: RenderResult
@@ -67,7 +67,7 @@ class CallRunner:
         """Asked once: an HF tokenizer looks them up by name."""
 
     def render(
-        self, ex: Execution, wire: BaseWire, body, headers, keep: bool = True, raw: bytes = b""
+        self, ex: ProxyExecution, wire: BaseWire, body, headers, keep: bool = True, raw: bytes = b""
     ) -> tuple[ChatRequest, CallHints, RenderResult, bool]:
         """Parse and render only what the call adds to its conversation's snapshot (see
         gyre.proxy.conversation); `keep` stores the call as the conversation's new snapshot; `raw`
@@ -103,7 +103,7 @@ class CallRunner:
         return chat, hints, rendered, is_retry
 
     def prepare(
-        self, ex: Execution, wire: BaseWire, body: dict, headers, received_mono: float, raw: bytes = b""
+        self, ex: ProxyExecution, wire: BaseWire, body: dict, headers, received_mono: float, raw: bytes = b""
     ) -> Call:
         """Validate and render; raises ApiError before anything is numbered or recorded.
 

@@ -56,7 +56,10 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-class Execution:
+class ProxyExecution:
+    """One execution as the proxy serves it: its key, records file, call numbering and turn memory
+    (its lifecycle is `gyre.coordinator.source.Execution`'s)."""
+
     def __init__(
         self,
         execution_id: str,
@@ -156,8 +159,8 @@ class ExecutionRegistry:
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.fsync, self.parse = fsync, parse
         self.group = GroupCommit(fsync_window_ms / 1e3) if fsync and fsync_window_ms > 0 else None
-        self.by_id: dict[str, Execution] = {}
-        self._by_digest: dict[str, Execution] = {}
+        self.by_id: dict[str, ProxyExecution] = {}
+        self._by_digest: dict[str, ProxyExecution] = {}
         for path in sorted(self.records_dir.glob("*.key")):
             digest = path.read_text().strip()
             if not (_ID.match(path.stem) and re.fullmatch(r"[0-9a-f]{64}", digest)):
@@ -165,15 +168,15 @@ class ExecutionRegistry:
             elif worker_of(path.stem, worker[1]) == worker[0]:
                 self._add(path.stem, None, digest)
 
-    def _add(self, execution_id: str, key: str | None, digest: str) -> Execution:
-        ex = Execution(
+    def _add(self, execution_id: str, key: str | None, digest: str) -> ProxyExecution:
+        ex = ProxyExecution(
             execution_id, key, digest, self.records_dir / f"{execution_id}.jsonl", self.fsync, self.parse, self.group
         )
         self.by_id[execution_id] = ex
         self._by_digest[digest] = ex
         return ex
 
-    def create(self, execution_id: str, key: str | None = None) -> Execution:
+    def create(self, execution_id: str, key: str | None = None) -> ProxyExecution:
         """A new execution (a fresh key unless `key` is given: the sandbox's key after a proxy lost
         it); its records go to `<records_dir>/<id>.jsonl`, continuing an existing file.
 
@@ -201,7 +204,7 @@ class ExecutionRegistry:
             fsync_dir(self.records_dir)
         return self._add(execution_id, key, digest)
 
-    def revoke(self, execution_id: str) -> Execution:
+    def revoke(self, execution_id: str) -> ProxyExecution:
         ex = self.by_id.get(execution_id)
         if ex is None:
             raise GyreError(f"unknown execution {execution_id!r}")
@@ -210,7 +213,7 @@ class ExecutionRegistry:
         (self.records_dir / f"{execution_id}.key").unlink(missing_ok=True)
         return ex
 
-    def lookup(self, key: str | None) -> Execution | None:
+    def lookup(self, key: str | None) -> ProxyExecution | None:
         ex = self._by_digest.get(key_digest(key or ""))
         return ex if ex is not None and not ex.revoked else None
 

@@ -27,7 +27,7 @@ next message is a remembered assistant turn (or there is none: a re-sent call).
 
 The memory survives a proxy restart: the records are its durable copy, and the first call of an
 execution a process has no memory of refills it from them (`remember_records`, called by
-`gyre.proxy.executions.Execution.ready`).
+`gyre.proxy.executions.ProxyExecution.ready`).
 
 When this cannot hold: the harness edited an assistant turn (trimmed text, changed a tool call,
 dropped thinking), or the turn was served by another proxy over another records directory. Then
