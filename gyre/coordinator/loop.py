@@ -31,7 +31,7 @@ from gyre.coordinator.training import Training
 from gyre.errors import GyreError
 from gyre.scheduler.cells import Role
 from gyre.scheduler.observe import make_observation
-from gyre.tasks.spec import TaskSet
+from gyre.tasks.spec import TaskSource
 from gyre.train.publish import load_published
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ _SOURCES = {"train": Rollouts, "rollout": RolloutsOnly, "replay": ReplaySource}
 
 
 async def run(
-    cfg: GyreConfig, run_dir: Path, taskset: TaskSet, resume: bool = False, preempt: threading.Event | None = None
+    cfg: GyreConfig, run_dir: Path, taskset: TaskSource, resume: bool = False, preempt: threading.Event | None = None
 ) -> dict:
     """Run `cfg.num_steps` RL steps into `run_dir` (cfg.mode: train, replay or rollout); returns the summary.
 

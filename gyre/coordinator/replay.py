@@ -12,7 +12,7 @@ from gyre.coordinator.ledger import ExecutionLedger, LedgerView, read_ledger
 from gyre.coordinator.source import Group, GroupBook, recorded
 from gyre.errors import GyreError
 from gyre.proxy.admin import ProxyAdmin
-from gyre.tasks.spec import TaskSet
+from gyre.tasks.spec import TaskSource
 
 
 class ReplayError(GyreError):
@@ -22,7 +22,7 @@ class ReplayError(GyreError):
 class ReplaySource(GroupBook):
     """Every recorded group is ready at once, nothing runs; it feeds at most the recorded complete steps."""
 
-    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSource, ledger: ExecutionLedger, on_state=None):
         records_dir, groups_per_step = Path(cfg.records), cfg.coordinator.groups_per_step
         ledger_path = records_dir.parent / "ledger.jsonl"
         if not ledger_path.exists():

@@ -19,7 +19,7 @@ from gyre.harness.sandbox import Sandbox
 from gyre.proxy.admin import ProxyAdmin
 from gyre.scheduler.streaming import may_admit
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.spec import TaskSet
+from gyre.tasks.spec import TaskSource
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class Rollouts(GroupBook):
     """Executions from admission to evaluation (mode=train: every ready group trains)."""
 
-    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSource, ledger: ExecutionLedger, on_state=None):
         c = cfg.coordinator
         super().__init__(c.groups_per_step, cfg.num_steps, ledger, on_state)
         self.taskset, self.harness, self.group_size = taskset, cfg.harness, c.group_size
@@ -169,7 +169,7 @@ class Rollouts(GroupBook):
 class RolloutsOnly(Rollouts):
     """mode=rollout: executions are evaluated and recorded, never trained; every step's groups may start at once."""
 
-    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSet, ledger: ExecutionLedger, on_state=None):
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSource, ledger: ExecutionLedger, on_state=None):
         super().__init__(cfg, run_dir, taskset, ledger, on_state)
         self.staleness = cfg.num_steps
 

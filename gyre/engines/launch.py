@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import time
+from abc import ABC, abstractmethod
 
 from gyre.common.serve import ChildServer, ChildServerError
 from gyre.engines.client import EngineClient
@@ -78,8 +79,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class BaseEngineProcess(ChildServer):
-    """A rollout server child process; `url` is valid after `start()`. Use as a context manager."""
+class BaseEngineProcess(ChildServer, ABC):
+    """A rollout server child process; `url` is valid after `start()`. Use as a context manager.
+
+    The engine seam: a backend implements `start` (and `client`, when its server needs other client
+    options) and serves the HTTP endpoints `EngineClient` calls, SGLang 0.5.x's (/generate:
+    gyre.engines.protocol); every caller talks to any backend through the one `EngineClient`.
+    """
 
     error = EngineLaunchError
 
@@ -87,6 +93,10 @@ class BaseEngineProcess(ChildServer):
         super().__init__("gyre-engine", keep_log)
         self.cfg = cfg
         self.url = ""
+
+    @abstractmethod
+    def start(self) -> None:
+        """Spawn the server, set `url`, and return once it answers /health (`wait_healthy`)."""
 
     async def wait_healthy(self) -> None:
         """Poll /health until 200, failing fast if the child dies; bounded by startup_timeout_s."""
@@ -106,6 +116,7 @@ class BaseEngineProcess(ChildServer):
                 await asyncio.sleep(0.1)
 
     def client(self, timeout_s: float | None = None) -> EngineClient:
+        """A client for this engine (use as `async with`)."""
         return EngineClient(self.url, timeout_s or self.cfg.request_timeout_s)
 
 

@@ -94,7 +94,7 @@ class GyreJob:
 
 
 def submit_run(cfg, taskset, run_dir: Path):
-    """Check the partition's limits, then submit the run (GyreConfig, TaskSet) as one het job.
+    """Check the partition's limits, then submit the run (GyreConfig, TaskSource) as one het job.
 
     Returns:
         The submitit.Job (running or queued).

@@ -20,7 +20,7 @@ from gyre.common import CONF_DIR
 from gyre.common.files import write_private_file
 from gyre.config import GyreConfig, register_configs, validate
 from gyre.errors import ConfigError, GyreError
-from gyre.tasks.spec import TaskSet, toy_taskset
+from gyre.tasks.spec import TaskSet, TaskSource, toy_taskset
 
 register_configs()
 
@@ -49,7 +49,7 @@ def run(cfg: DictConfig) -> None:
     print(json.dumps(summary), flush=True)
 
 
-def run_on_slurm(cfg: GyreConfig, taskset: TaskSet, run_dir: Path) -> dict:
+def run_on_slurm(cfg: GyreConfig, taskset: TaskSource, run_dir: Path) -> dict:
     """Submit the run as one het job (the coordinator inside it) and wait for its summary, across requeues.
 
     Interrupting gyre-train cancels the job: a run someone stopped must not hold its allocation.

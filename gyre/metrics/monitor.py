@@ -24,7 +24,7 @@ from gyre.metrics.log import EVENTS_FILE, EventTail
 from gyre.metrics.plots import write_figures
 from gyre.metrics.progress import Progress
 from gyre.metrics.report import run_name, summarize
-from gyre.metrics.sinks import TensorBoardSink, WandbSink, make_scalars
+from gyre.metrics.sinks import MetricsSink, TensorBoardSink, WandbSink, make_scalars
 from gyre.metrics.state import RunState
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class RunMonitor:
             factories["tensorboard"] = lambda: TensorBoardSink(self.run_dir / cfg.tensorboard_dir)
         if cfg.wandb:
             factories["wandb"] = lambda: WandbSink(self.run_dir, cfg, self.run_dir.name)
-        self._sinks: dict[str, TensorBoardSink | WandbSink] = {}
+        self._sinks: dict[str, MetricsSink] = {}
         for name, make in factories.items():
             self._guard(name, lambda name=name, make=make: self._sinks.update({name: make()}))
         self._plots_at: float | None = None

@@ -8,6 +8,7 @@ the run's first event: the cluster samples with calls/s, tokens/s, outcomes, exc
 
 import os
 from dataclasses import dataclass
+from typing import Protocol
 
 from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import (
@@ -91,7 +92,17 @@ def make_scalars(e: Event, state: RunState) -> Scalars | None:
     return None
 
 
-class TensorBoardSink:
+class MetricsSink(Protocol):
+    """Where scalars go (TensorBoard, W&B); gyre.metrics.monitor.RunMonitor writes every sink it was configured with."""
+
+    def write(self, e: Event, scalars: Scalars) -> None:
+        """Log the figures `e` added (`scalars.values` against `scalars.axis` = `scalars.step`)."""
+
+    def close(self) -> None:
+        """Flush and release (the run is over)."""
+
+
+class TensorBoardSink(MetricsSink):
     """TensorBoard event files under `log_dir` (`tensorboard --logdir <run_dir>/tensorboard`)."""
 
     def __init__(self, log_dir: str | os.PathLike):
@@ -107,7 +118,7 @@ class TensorBoardSink:
         self._writer.close()
 
 
-class WandbSink:
+class WandbSink(MetricsSink):
     """A Weights & Biases run; each tag is plotted against its own axis (`define_metric`)."""
 
     def __init__(self, run_dir: str | os.PathLike, cfg: MetricsConfig, name: str):

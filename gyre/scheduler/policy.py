@@ -26,6 +26,7 @@ colocate: every cell rolls out until the step's batch is ready, then every cell 
 """
 
 import math
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -97,20 +98,20 @@ class Decision:
     to_rollout: tuple[int, ...] = ()
 
 
-class BasePolicy:
+class BasePolicy(ABC):
     """Decides cell roles; subclasses implement `initial_roles` and `decide`."""
 
     def __init__(self, cfg: SchedulerConfig, num_cells: int):
         self.cfg = cfg
         self.num_cells = num_cells
 
+    @abstractmethod
     def initial_roles(self) -> list[Role]:
         """Role of each cell (index 0 is the core) when the run starts."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decide(self, obs: Observation) -> Decision:
         """Switches to start now, given `obs`."""
-        raise NotImplementedError
 
 
 def _capacity(cells: list[CellView]) -> tuple[int, float]:

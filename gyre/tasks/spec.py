@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Protocol
 
 from gyre.errors import GyreError
 
@@ -205,7 +206,22 @@ def _read_specs(path: Path) -> list[tuple[object, str]]:
     return out
 
 
-class TaskSet:
+class TaskSource(Protocol):
+    """The tasks a run draws from, as the coordinator asks for them (TaskSet reads Gyre's specs; another
+    task format implements these two methods and hands its object to `gyre.coordinator.loop.run`)."""
+
+    def get(self, task_id: str) -> Task:
+        """The task `task_id` (a resumed or replayed run finds its groups' tasks again).
+
+        Raises:
+            TaskSpecError: no such task.
+        """
+
+    def pick(self, seed: int, cursor: int) -> Task:
+        """The task of the `cursor`-th group drawn: deterministic in (seed, cursor), so a resume continues the order."""
+
+
+class TaskSet(TaskSource):
     """An ordered, validated list of tasks and a deterministic draw order over them."""
 
     def __init__(self, tasks: list[Task], name: str = ""):
