@@ -78,6 +78,9 @@ class GyreJob:
             return asyncio.run(run(cfg, self.run_dir, taskset, resume=resume, preempt=preempt.event))
         except Preempted as e:
             closed_t = time.time()
+            # The requeue SIGTERMs this job's processes, scontrol among them; ignored (inherited across
+            # exec), it cannot cut the requeue short nor this exit (seen: scontrol killed mid-requeue).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             subprocess.run(["scontrol", "requeue", placement.job_id], check=True, timeout=60)
             times = {
                 "signal_t": preempt.received_t,
