@@ -25,7 +25,7 @@ from gyre.proxy.chat import (
 )
 from gyre.proxy.conversation import WireRequest
 from gyre.proxy.hints import CallHints, anthropic_hints
-from gyre.proxy.wire import BaseStream, BaseWire, Event, split_request
+from gyre.proxy.wire import BaseStream, BaseWire, Event, Usage, split_request
 
 ERROR_TYPES = {
     "invalid_request": "invalid_request_error",
@@ -203,12 +203,13 @@ def stop_reason(finish: str, calls: list[ToolCall]) -> str:
     return "tool_use" if calls else ("max_tokens" if finish == "length" else "end_turn")
 
 
-def make_usage(input_tokens: int, output_tokens: int) -> dict:
+def make_usage(usage: Usage) -> dict:
+    """Anthropic counts cache reads apart from `input_tokens` (the three add up to the prompt)."""
     return {
-        "input_tokens": input_tokens,
-        "output_tokens": output_tokens,
+        "input_tokens": usage.input - usage.cached,
+        "output_tokens": usage.output,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_read_input_tokens": usage.cached,
     }
 
 
@@ -237,8 +238,8 @@ class AnthropicStream(BaseStream):
     one before.
     """
 
-    def __init__(self, msg_id: str, model: str, input_tokens: int):
-        self.msg_id, self.model, self.input_tokens = msg_id, model, input_tokens
+    def __init__(self, msg_id: str, model: str, usage: Usage):
+        self.msg_id, self.model, self.usage = msg_id, model, usage
         self.index = 0
         self.open: str | None = None
         """Type of the block open at `index` (text or tool_use), or None."""
@@ -253,7 +254,7 @@ class AnthropicStream(BaseStream):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": make_usage(self.input_tokens, 1),
+            "usage": make_usage(self.usage._replace(output=1)),
         }
         return [("message_start", {"type": "message_start", "message": msg})]
 
@@ -289,15 +290,14 @@ class AnthropicStream(BaseStream):
         assert self.open == "tool_use", "tool_args outside a tool_use block"
         return [self._delta({"type": "input_json_delta", "partial_json": partial_json})] if partial_json else []
 
-    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int) -> list[Event]:
+    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, usage: Usage) -> list[Event]:
         events = self._close()
         for tid, c in calls:
             if tid not in self.streamed:
                 events += self.tool_start(tid, c.name) + self.tool_args(json_text(c.arguments)) + self._close()
         delta = {"stop_reason": stop_reason(finish, [c for _, c in calls]), "stop_sequence": None}
-        usage = make_usage(self.input_tokens, n_out)
         return events + [
-            ("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+            ("message_delta", {"type": "message_delta", "delta": delta, "usage": make_usage(usage)}),
             ("message_stop", {"type": "message_stop"}),
         ]
 
@@ -320,11 +320,11 @@ class AnthropicWire(BaseWire):
     def new_call_id(self) -> str:
         return new_tool_id()
 
-    def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
-        return make_response(new_message_id(), chat.model, text, calls, finish, make_usage(n_in, n_out))
+    def response(self, chat: ChatRequest, text, calls, finish, usage: Usage) -> dict:
+        return make_response(new_message_id(), chat.model, text, calls, finish, make_usage(usage))
 
-    def stream(self, chat: ChatRequest, n_in: int) -> AnthropicStream:
-        return AnthropicStream(new_message_id(), chat.model, n_in)
+    def stream(self, chat: ChatRequest, usage: Usage) -> AnthropicStream:
+        return AnthropicStream(new_message_id(), chat.model, usage)
 
     def stream_error(self, err: ApiError) -> list[Event]:
         return [("error", make_error(err))]

@@ -26,7 +26,7 @@ from gyre.proxy.executions import ProxyExecution
 from gyre.proxy.hints import CallHints
 from gyre.proxy.pool import EnginePool, Generation
 from gyre.proxy.render import Renderer, RenderResult, assistant_key
-from gyre.proxy.wire import BaseWire, Event, OutputStream
+from gyre.proxy.wire import BaseWire, Event, OutputStream, Usage
 from gyre.records.record import CallRecord
 
 
@@ -229,12 +229,12 @@ class CallRunner:
         text, calls = parsed.content, [(wire.new_call_id(), c) for c in parsed.tool_calls]
         self._remember(call, text, calls)
         await self._record(call)
-        n_in, n_out = call.rendered.input_ids.size, len(call.gen.output_ids)
-        return web.json_response(wire.response(call.chat, text, calls, call.gen.finish, n_in, n_out), dumps=json_text)
+        answer = wire.response(call.chat, text, calls, call.gen.finish, _usage(call))
+        return web.json_response(answer, dumps=json_text)
 
     async def _stream(self, request, call: Call, wire: BaseWire, stream, first: list[int]) -> web.StreamResponse:
         """SSE answer; a call failing after the stream began ends with an error event and no record."""
-        events = wire.stream(call.chat, call.rendered.input_ids.size)
+        events = wire.stream(call.chat, _usage(call))  # the first chunk has arrived: cached tokens known
         out = OutputStream(events, self.tok.decode, wire.new_call_id)
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
             await _send(sse, events.start())
@@ -252,8 +252,7 @@ class CallRunner:
             text, calls = out.result(call.gen.output_ids)
             self._remember(call, text, calls)
             await self._record(call)
-            n_in, n_out = call.rendered.input_ids.size, len(call.gen.output_ids)
-            await _send(sse, out.finish(text, calls, call.gen.finish, n_in, n_out))
+            await _send(sse, out.finish(text, calls, call.gen.finish, _usage(call)))
             await sse.write_eof()
         return sse
 
@@ -262,3 +261,8 @@ async def _send(sse, events: list[Event]) -> None:
     """Send SSE events, JSON data as one line (literal data, OpenAI's `[DONE]`, as it is)."""
     for name, data in events:
         await sse.send(data if isinstance(data, str) else json_text(data), event=name)
+
+
+def _usage(call: "Call") -> Usage:
+    """What the engine reported so far: the prompt, the output and the prompt tokens its cache served."""
+    return Usage(int(call.rendered.input_ids.size), len(call.gen.output_ids), int(call.gen.cached_tokens))

@@ -26,7 +26,7 @@ from gyre.proxy.chat import (
 )
 from gyre.proxy.conversation import WireRequest
 from gyre.proxy.hints import CallHints, openai_hints
-from gyre.proxy.wire import BaseStream, BaseWire, Event, split_request
+from gyre.proxy.wire import BaseStream, BaseWire, Event, Usage, split_request
 
 ERROR_TYPES = {
     "invalid_request": ("invalid_request_error", None),
@@ -178,11 +178,12 @@ def finish_reason(finish: str, calls: list) -> str:
     return "tool_calls" if calls else ("length" if finish == "length" else "stop")
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def make_usage(usage: Usage) -> dict:
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": usage.input,
+        "completion_tokens": usage.output,
+        "total_tokens": usage.input + usage.output,
+        "prompt_tokens_details": {"cached_tokens": usage.cached},
     }
 
 
@@ -254,7 +255,7 @@ class OpenAIStream(BaseStream):
             return []
         return [(None, self._chunk({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": chunk}}]}))]
 
-    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int) -> list[Event]:
+    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, usage: Usage) -> list[Event]:
         fresh = [(cid, c) for cid, c in calls if cid not in self.streamed]
         wire = _wire_calls(fresh, with_index=True)
         for w in wire:
@@ -262,7 +263,7 @@ class OpenAIStream(BaseStream):
         out = [self._chunk({"tool_calls": wire})] if wire else []
         out.append(self._chunk({}, finish_reason(finish, calls)))
         if self.include_usage:
-            out.append({**self._chunk({}), "choices": [], "usage": make_usage(n_in, n_out)})
+            out.append({**self._chunk({}), "choices": [], "usage": make_usage(usage)})
         return [(None, c) for c in out] + [(None, "[DONE]")]
 
 
@@ -284,10 +285,10 @@ class OpenAIWire(BaseWire):
     def new_call_id(self) -> str:
         return new_call_id()
 
-    def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
-        return make_response(new_completion_id(), chat.model, text, calls, finish, make_usage(n_in, n_out))
+    def response(self, chat: ChatRequest, text, calls, finish, usage: Usage) -> dict:
+        return make_response(new_completion_id(), chat.model, text, calls, finish, make_usage(usage))
 
-    def stream(self, chat: ChatRequest, n_in: int) -> OpenAIStream:
+    def stream(self, chat: ChatRequest, usage: Usage) -> OpenAIStream:
         return OpenAIStream(new_completion_id(), chat.model, chat.include_usage)
 
     def stream_error(self, err: ApiError) -> list[Event]:

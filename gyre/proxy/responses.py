@@ -34,7 +34,7 @@ from gyre.proxy.chat import (
 from gyre.proxy.conversation import WireRequest
 from gyre.proxy.hints import CallHints, openai_hints
 from gyre.proxy.openai import ERROR_TYPES, error_status
-from gyre.proxy.wire import BaseStream, BaseWire, Event, split_request
+from gyre.proxy.wire import BaseStream, BaseWire, Event, Usage, split_request
 
 
 def make_error(err: ApiError) -> dict:
@@ -210,13 +210,13 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def make_usage(input_tokens: int, output_tokens: int) -> dict:
+def make_usage(usage: Usage) -> dict:
     return {
-        "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": output_tokens,
+        "input_tokens": usage.input,
+        "input_tokens_details": {"cached_tokens": usage.cached},
+        "output_tokens": usage.output,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": input_tokens + output_tokens,
+        "total_tokens": usage.input + usage.output,
     }
 
 
@@ -400,12 +400,12 @@ class ResponsesStream(BaseStream):
             )
         ]
 
-    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int) -> list[Event]:
+    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, usage: Usage) -> list[Event]:
         events = self._close()
         for cid, c in calls:
             if cid not in self.streamed:
                 events += self.tool_start(cid, c.name) + self.tool_args(json_text(c.arguments)) + self._close()
-        done = make_response(self.resp_id, self.chat, self.output, finish, make_usage(n_in, n_out))
+        done = make_response(self.resp_id, self.chat, self.output, finish, make_usage(usage))
         return events + [
             self._event(
                 "response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done
@@ -433,10 +433,10 @@ class ResponsesWire(BaseWire):
     def new_call_id(self) -> str:
         return new_call_id()
 
-    def response(self, chat: ChatRequest, text, calls, finish, n_in, n_out) -> dict:
-        return make_response(new_response_id(), chat, output_items(text, calls), finish, make_usage(n_in, n_out))
+    def response(self, chat: ChatRequest, text, calls, finish, usage: Usage) -> dict:
+        return make_response(new_response_id(), chat, output_items(text, calls), finish, make_usage(usage))
 
-    def stream(self, chat: ChatRequest, n_in: int) -> ResponsesStream:
+    def stream(self, chat: ChatRequest, usage: Usage) -> ResponsesStream:
         return ResponsesStream(new_response_id(), chat)
 
     def stream_error(self, err: ApiError) -> list[Event]:

@@ -11,6 +11,7 @@ decides what is a call, once, for streamed and whole answers alike).
 
 import logging
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import orjson
 
@@ -23,6 +24,15 @@ log = logging.getLogger(__name__)
 
 Event = tuple[str | None, dict | str]
 """One SSE event: (event name or None, data: a JSON object, or literal text such as OpenAI's `[DONE]`)."""
+
+
+class Usage(NamedTuple):
+    """One call's token counts as the engine reported them, told to the harness in its API's terms."""
+
+    input: int
+    output: int
+    cached: int = 0
+    """Of `input`, the tokens the engine took from its prefix cache (SGLang's `cached_tokens`)."""
 
 
 class BaseStream(ABC):
@@ -43,7 +53,7 @@ class BaseStream(ABC):
     def tool_args(self, chunk: str) -> list[Event]: ...
 
     @abstractmethod
-    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int) -> list[Event]:
+    def finish(self, calls: list[tuple[str, ToolCall]], finish: str, usage: Usage) -> list[Event]:
         """Close what is open, send the calls not streamed yet, then the stop reason and usage."""
 
 
@@ -80,12 +90,13 @@ class BaseWire(ABC):
 
     @abstractmethod
     def response(
-        self, chat: ChatRequest, text: str, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int
+        self, chat: ChatRequest, text: str, calls: list[tuple[str, ToolCall]], finish: str, usage: Usage
     ) -> dict:
         """The non-streamed answer; `calls` are (call id, call)."""
 
     @abstractmethod
-    def stream(self, chat: ChatRequest, n_in: int) -> BaseStream: ...
+    def stream(self, chat: ChatRequest, usage: Usage) -> BaseStream:
+        """The stream of one answer; `usage` has its input (and cached) tokens, its output still 0."""
 
     @abstractmethod
     def stream_error(self, err: ApiError) -> list[Event]:
@@ -179,6 +190,6 @@ class OutputStream:
             calls.append((cid or self.new_call_id(), c))
         return text, calls
 
-    def finish(self, text: str, calls: list[tuple[str, ToolCall]], finish: str, n_in: int, n_out: int) -> list[Event]:
+    def finish(self, text: str, calls: list[tuple[str, ToolCall]], finish: str, usage: Usage) -> list[Event]:
         """The rest of the text, the calls not streamed yet, and the wire's closing events."""
-        return self.events.text(text[len(self.shown) :]) + self.events.finish(calls, finish, n_in, n_out)
+        return self.events.text(text[len(self.shown) :]) + self.events.finish(calls, finish, usage)

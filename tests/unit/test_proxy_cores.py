@@ -9,11 +9,12 @@ import pytest
 from gyre.engines.scripted import ScriptedPolicy, ScriptRule
 from gyre.models.parse import ToolCall, streamable_text
 from gyre.models.tokenizer import ByteTokenizer
-from gyre.proxy import anthropic, openai
-from gyre.proxy.chat import ApiError
+from gyre.proxy import anthropic, openai, responses
+from gyre.proxy.chat import ApiError, ChatRequest
 from gyre.proxy.hints import anthropic_hints, openai_hints
 from gyre.proxy.render import Renderer, TurnMemory, assistant_key
 from gyre.proxy.routing import RoutingError, RoutingTable
+from gyre.proxy.wire import Usage
 
 MODELS = ["gyre"]
 TOOL = {"name": "f", "description": "d", "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
@@ -127,9 +128,9 @@ def test_anthropic_conversion():
 
 
 def test_anthropic_stream_events_shape():
-    ev = anthropic.AnthropicStream("m", "gyre", 10)
+    ev = anthropic.AnthropicStream("m", "gyre", Usage(10, 0, cached=6))
     names = [n for n, _ in ev.start() + ev.text("he") + ev.text("llo")]
-    names += [n for n, _ in ev.finish([("tu", ToolCall("f", {"x": 1}))], "stop", 10, 7)]
+    names += [n for n, _ in ev.finish([("tu", ToolCall("f", {"x": 1}))], "stop", Usage(10, 7, cached=6))]
     assert names == [
         "message_start",
         "content_block_start",
@@ -142,8 +143,32 @@ def test_anthropic_stream_events_shape():
         "message_delta",
         "message_stop",
     ]
-    final = ev.finish([], "length", 10, 3)
+    final = ev.finish([], "length", Usage(10, 3, cached=6))
     assert final[-2][1]["delta"]["stop_reason"] == "max_tokens" and final[-2][1]["usage"]["output_tokens"] == 3
+
+
+def test_every_api_tells_the_harness_the_engines_cached_tokens():
+    """The engine served 6 of the 10 prompt tokens from its cache: each API says so in its own terms,
+    answered whole or streamed (Anthropic counts cache reads apart from `input_tokens`)."""
+    usage = Usage(10, 3, cached=6)
+    chat = ChatRequest(model="gyre", messages=[], tools=None, max_tokens=16, stream=True, include_usage=True)
+    a_wire, o_wire, r_wire = (
+        w(["gyre"], 16) for w in (anthropic.AnthropicWire, openai.OpenAIWire, responses.ResponsesWire)
+    )
+    a_stream, o_stream = a_wire.stream(chat, usage._replace(output=0)), o_wire.stream(chat, usage._replace(output=0))
+    a_usages = [
+        a_wire.response(chat, "ok", [], "stop", usage)["usage"],
+        a_stream.start()[0][1]["message"]["usage"],
+        a_stream.finish([], "stop", usage)[-2][1]["usage"],
+    ]
+    assert [(u["input_tokens"], u["cache_read_input_tokens"]) for u in a_usages] == [(4, 6)] * 3
+    o_usages = [
+        o_wire.response(chat, "ok", [], "stop", usage)["usage"],
+        o_stream.finish([], "stop", usage)[-2][1]["usage"],
+    ]
+    assert [(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"]) for u in o_usages] == [(10, 6)] * 2
+    r = r_wire.response(chat, "ok", [], "stop", usage)["usage"]
+    assert (r["input_tokens"], r["input_tokens_details"]["cached_tokens"]) == (10, 6)
 
 
 OPENAI_BAD = [
@@ -219,7 +244,7 @@ def test_openai_round_trip_and_stream():
         "tool_calls": [{"id": "c1", "name": "f", "arguments": {"x": 2}}],
     }
     chunks = openai.OpenAIStream("id", "gyre", True)
-    events = chunks.start() + chunks.text("a") + chunks.finish([("c9", ToolCall("f", {"x": 1}))], "stop", 5, 2)
+    events = chunks.start() + chunks.text("a") + chunks.finish([("c9", ToolCall("f", {"x": 1}))], "stop", Usage(5, 2))
     *out, done = [d for _, d in events]
     assert done == "[DONE]"
     assert out[-2]["choices"][0]["finish_reason"] == "tool_calls" and out[-1]["usage"]["total_tokens"] == 7

@@ -6,6 +6,7 @@ import pytest
 from gyre.models.parse import ToolCall
 from gyre.proxy import responses
 from gyre.proxy.chat import ApiError, Resume
+from gyre.proxy.wire import Usage
 
 TOOLS = [{"type": "function", "name": "bash", "parameters": {"type": "object"}}]
 GOOD = {"model": "gyre", "input": "hi"}
@@ -143,8 +144,7 @@ def test_stream_events_are_numbered_and_close_each_item():
     out += ev.finish(
         [("call_1", ToolCall("bash", {"cmd": "ls"})), ("call_2", ToolCall("bash", {}))],
         "stop",
-        5,
-        7,
+        Usage(5, 7),
     )
     assert [d["sequence_number"] for _, d in out] == list(range(len(out)))
     assert (
@@ -161,6 +161,6 @@ def test_stream_events_are_numbered_and_close_each_item():
     ]
     assert done["output"][0]["content"][0]["text"] == "Looking."
     incomplete = responses.ResponsesStream("resp_2", chat)
-    assert incomplete.finish([], "length", 1, 1)[-1][1]["response"]["incomplete_details"] == {
+    assert incomplete.finish([], "length", Usage(1, 1))[-1][1]["response"]["incomplete_details"] == {
         "reason": "max_output_tokens"
     }

@@ -10,7 +10,7 @@ from gyre.models.tokenizer import ByteTokenizer
 from gyre.proxy.anthropic import AnthropicWire
 from gyre.proxy.chat import ChatRequest
 from gyre.proxy.openai import OpenAIWire
-from gyre.proxy.wire import OutputStream
+from gyre.proxy.wire import OutputStream, Usage
 
 TOK = ByteTokenizer()
 S = TOK.special_ids
@@ -24,13 +24,13 @@ def emitted(text: str) -> list[int]:
 
 def run_stream(wire, ids: list[int], step: int = 1) -> tuple[list[tuple], tuple]:
     """(events as (name, data dict), (text, calls)) of streaming `ids` `step` tokens at a time."""
-    events = wire.stream(CHAT, 10)
+    events = wire.stream(CHAT, Usage(10, 0))
     out = OutputStream(events, TOK.decode, wire.new_call_id)
     sent = list(events.start())
     for n in range(step, len(ids) + step, step):
         sent += out.update(ids[:n])
     text, calls = out.result(ids)
-    sent += out.finish(text, calls, "stop", 10, len(ids))
+    sent += out.finish(text, calls, "stop", Usage(10, len(ids)))
     return [(name, d) for name, d in sent if d != "[DONE]"], (text, calls)
 
 
@@ -70,7 +70,7 @@ def test_anthropic_streams_tool_input_in_chunks_equal_to_the_plain_answer(step):
     events, (text, calls) = run_stream(wire, ids, step)
     blocks, n_json = anthropic_blocks(events)
     parsed = TOK.parse_assistant(ids)
-    plain = wire.response(CHAT, parsed.content, [(tid, c) for tid, c in calls], "stop", 10, len(ids))
+    plain = wire.response(CHAT, parsed.content, [(tid, c) for tid, c in calls], "stop", Usage(10, len(ids)))
     assert [{k: v for k, v in b.items() if k != "id"} for b in blocks] == [
         {k: v for k, v in b.items() if k != "id"} for b in plain["content"]
     ]
