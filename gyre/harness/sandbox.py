@@ -14,7 +14,9 @@ to the plain runner; `isolation=bwrap` refuses to start.
 Harbor tasks (`task.environment` set) need their paths: bubblewrap then builds a fresh root with
 the workspace at the workdir (gyre/harness/contract.py) and the task folder masked, so tests/ and
 solution/ stay unseen; `[environment].memory_mb` caps RLIMIT_AS below `harness.mem_limit_gb`
-(not for harnesses run without one: Node reserves large address spaces). A Harbor task that
+(not for harnesses run without one: Node reserves large address spaces) and `cpus` is a CFS quota
+of the sandbox's own cgroup (gyre/cells/quota.py; where no cgroup is writable, a warning and no
+cap). A Harbor task that
 needs an image (docker_image or environment/Dockerfile), or that would run without bubblewrap,
 is refused naming the task and `harness.isolation`, never run unisolated: container isolation
 (podman, apptainer) for such tasks is not built yet.
@@ -36,6 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre.cells.quota import CGROUP_ROOT, CpuQuota, make_quota
 from gyre.errors import GyreError
 from gyre.harness.commands import make_harness_command
 from gyre.harness.config import HarnessConfig
@@ -114,6 +117,22 @@ def make_limits_prefix(cfg: HarnessConfig, memory_mb: int | None = None) -> list
     return ["prlimit", *flags, "--"] if flags else []
 
 
+def make_cgroup_prefix(procs_file: str) -> list[str]:
+    """argv of a shell that enters a cgroup (writes itself to `procs_file`), then execs the rest:
+    nothing the harness starts can run outside it, and no preexec function is needed (pure)."""
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs_file]
+
+
+def make_sandbox_quota(execution_id: str, cpus: float) -> CpuQuota | None:
+    """A cgroup holding the sandbox to `cpus` CPUs, or None (with a warning) where none is writable."""
+    writable = os.access(CGROUP_ROOT / "cpu", os.W_OK) or os.access(CGROUP_ROOT / "cgroup.controllers", os.W_OK)
+    quota = make_quota(f"gyre-sandbox-{execution_id}", cpus, 0) if writable else None
+    if quota is not None and quota.mechanism.startswith("cgroup"):
+        return quota
+    log.warning("no writable cgroup: [environment].cpus=%g of %s is not enforced", cpus, execution_id)
+    return None
+
+
 def check_isolation(task: Task, cfg: HarnessConfig, bwrap_ok: bool) -> None:
     """Refuse a Harbor task this sandbox cannot give its paths: never a silent unisolated run (pure).
 
@@ -163,6 +182,7 @@ class Sandbox:
         self.dir = Path(root).resolve() / execution_id
         self.workspace, self.home, self.log_path = self.dir / "workspace", self.dir / "home", self.dir / "harness.log"
         self.isolated = False
+        self._quota: CpuQuota | None = None
         self._proc: subprocess.Popen | None = None
         self._log = None
         self._started = self._term_at = 0.0
@@ -196,12 +216,11 @@ class Sandbox:
         env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"))
         if contract is not None:  # prepare() has checked that bubblewrap can give its paths
             self.isolated = True
-            self._popen(
-                make_limits_prefix(self.cfg, contract.memory_mb)
-                + make_agent_prefix(self.task, self.workspace, self.home)
-                + argv,
-                env,
-            )
+            prefix = make_limits_prefix(self.cfg, contract.memory_mb)
+            if contract.cpus is not None and (quota := make_sandbox_quota(self.execution_id, contract.cpus)):
+                self._quota = quota
+                prefix += make_cgroup_prefix(str(Path(quota.path, "cgroup.procs")))
+            self._popen(prefix + make_agent_prefix(self.task, self.workspace, self.home) + argv, env)
             return
         want = self.cfg.isolation
         self.isolated = want == "bwrap" or (want == "auto" and bwrap_available())
@@ -256,6 +275,8 @@ class Sandbox:
             return None
         self._signal(signal.SIGKILL)  # what the harness left running in its group
         self._log.close()
+        if self._quota is not None:
+            self._quota.remove(timeout_s=1.0)
         self._result = SandboxResult(code, bool(self._term_at), now - self._started, self.workspace, self.log_path)
         return self._result
 

@@ -50,14 +50,14 @@ def test_oracle_check_passes_the_shipped_set_and_fails_a_task_that_needs_an_imag
 SNOOP = (
     "bash -c 'pwd > seen.txt; ls /tests >> seen.txt 2>&1; ls {task_dir}/tests {task_dir}/solution >> seen.txt 2>&1; "
     "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && echo planted >> seen.txt; "
-    "echo goodbye > hello.txt; sleep {sleep_s}'"
+    "cat /proc/self/cgroup >> seen.txt; echo goodbye > hello.txt; sleep {sleep_s}'"
 )
 
 
 def _run(task, tmp_path: Path, sleep_s: float = 0) -> tuple[Sandbox, object]:
     command = SNOOP.format(task_dir=task.environment.task_dir, sleep_s=sleep_s)
     harness = HarnessConfig(kind="command", command=command, grace_s=0.5)
-    sb = Sandbox(task, "e1", tmp_path, harness, "http://127.0.0.1:9", "key", "gyre")
+    sb = Sandbox(task, f"e-{tmp_path.name}", tmp_path, harness, "http://127.0.0.1:9", "key", "gyre")
     sb.prepare()
     sb.start()
     return sb, sb.wait()
@@ -71,6 +71,9 @@ def test_agent_never_sees_the_tests_and_a_planted_reward_is_ignored(tmp_path):
     assert seen.splitlines()[0] == "/app" and "planted" in seen
     assert seen.count("No such file or directory") == 3, seen  # /tests, the folder's tests/ and solution/
     assert (result.workspace / "NOTES.md").is_file()  # started from environment/'s files
+    cgroup = f"gyre-sandbox-{sb.execution_id}"  # [environment].cpus = 1: the sandbox's own CPU quota
+    assert (cgroup in seen) == os.access("/sys/fs/cgroup/cpu", os.W_OK), seen
+    assert not Path("/sys/fs/cgroup/cpu", cgroup).exists() and not Path("/sys/fs/cgroup", cgroup).exists()
     ev = evaluate(task, result.workspace, "finished")
     assert (ev.outcome, ev.score) == ("finished", 0.0), ev
     (result.workspace / "hello.txt").write_text("hello\n")
