@@ -43,8 +43,10 @@ def find_task_dirs(root: Path, depth: int = MAX_DEPTH) -> list[Path]:
 
 
 def is_harbor_set(path: Path) -> bool:
-    """A folder of Harbor tasks, not of Gyre `*.json` specs."""
-    return path.is_dir() and not any(path.glob("*.json")) and bool(find_task_dirs(path))
+    """A Harbor task folder, or a folder of them rather than of Gyre `*.json` specs."""
+    if not path.is_dir():
+        return False
+    return (path / "task.toml").is_file() or (not any(path.glob("*.json")) and bool(find_task_dirs(path)))
 
 
 def load_harbor_tasks(root: Path) -> list[Task]:
