@@ -261,7 +261,9 @@ class TaskSet:
 
         p = resolve_path(str(path), Path.cwd())
         if not p.exists():
-            raise TaskSpecError(str(path), "(path)", "no such task set (a directory of *.json or a .jsonl file)")
+            raise TaskSpecError(
+                str(path), "(path)", "no such task set (a directory of *.json, a .jsonl file or Harbor task folders)"
+            )
         if is_harbor_set(p):
             return cls(load_harbor_tasks(p), name=str(path))
         base = p if p.is_dir() else p.parent

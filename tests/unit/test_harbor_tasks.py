@@ -6,7 +6,7 @@ import pytest
 
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount, make_contract_prefix
-from gyre.harness.sandbox import SandboxError, check_isolation
+from gyre.harness.sandbox import SandboxError, check_isolation, make_limits_prefix
 from gyre.tasks.evaluate import EvaluatorFailed, parse_reward
 from gyre.tasks.harbor import find_task_dirs, load_harbor_task
 from gyre.tasks.spec import TaskSet, TaskSpecError
@@ -185,3 +185,9 @@ def test_contract_prefix_layout():
         "--dev /dev --proc /proc --tmpfs /tmp --tmpfs /work/set/t1 --bind /h/ws /app --ro-bind /h/t /tests "
         "--unshare-pid --die-with-parent --chdir /app --"
     )
+
+
+def test_task_memory_lowers_the_harness_rlimit_only_where_it_has_one():
+    assert "--as=1073741824" in make_limits_prefix(HarnessConfig(mem_limit_gb=4.0), memory_mb=1024)
+    assert f"--as={2 * 2**30}" in make_limits_prefix(HarnessConfig(mem_limit_gb=2.0), memory_mb=8192)
+    assert not any(a.startswith("--as") for a in make_limits_prefix(HarnessConfig(mem_limit_gb=None), memory_mb=1024))
