@@ -39,13 +39,14 @@ def make_contract_prefix(
     """bubblewrap argv for a sandbox with the Harbor paths (pure).
 
     Args:
-        host_root: list_host_root(): the entries bound read-only, but those FRESH and those whose
-            name a mount's destination starts with (the contract's own /app, /tests, /logs).
+        host_root: list_host_root(): the entries bound read-only, but those FRESH and those a
+            contract mount starts with (/app, /tests, /logs: a mount to another path than its
+            source's); a mount at its own host path (the private HOME) sits inside the host's.
         mounts: bound in order, after the host entries (a later mount may sit inside an earlier one).
         cwd: the working directory inside (the workdir).
         hide: host paths masked by an empty tmpfs (the task folder, from the agent).
     """
-    taken = {PurePosixPath(m.dest).parts[1] for m in mounts}
+    taken = {PurePosixPath(m.dest).parts[1] for m in mounts if str(m.source) != m.dest}
     argv = ["bwrap", "--tmpfs", "/"]
     for name, target in host_root:
         if name in FRESH or name in taken:

@@ -178,11 +178,16 @@ def test_isolation_refusals_name_task_and_key(tmp_path):
 
 def test_contract_prefix_layout():
     host = [("bin", "usr/bin"), ("usr", None), ("proc", None), ("tmp", None), ("app", None), ("work", None)]
-    mounts = [Mount(Path("/h/ws"), "/app"), Mount(Path("/h/t"), "/tests", writable=False)]
+    mounts = [
+        Mount(Path("/h/ws"), "/app"),
+        Mount(Path("/h/t"), "/tests", writable=False),
+        Mount(Path("/work/h"), "/work/h"),
+    ]
     argv = make_contract_prefix(host, mounts, "/app", hide=["/work/set/t1"])
     assert " ".join(argv) == (
         "bwrap --tmpfs / --symlink usr/bin /bin --ro-bind /usr /usr --ro-bind /work /work "
         "--dev /dev --proc /proc --tmpfs /tmp --tmpfs /work/set/t1 --bind /h/ws /app --ro-bind /h/t /tests "
+        "--bind /work/h /work/h "
         "--unshare-pid --die-with-parent --chdir /app --"
     )
 
