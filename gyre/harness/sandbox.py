@@ -126,7 +126,7 @@ def make_cgroup_prefix(procs_file: str) -> list[str]:
 def make_sandbox_quota(execution_id: str, cpus: float) -> CpuQuota | None:
     """A cgroup holding the sandbox to `cpus` CPUs, or None (with a warning) where none is writable."""
     writable = os.access(CGROUP_ROOT / "cpu", os.W_OK) or os.access(CGROUP_ROOT / "cgroup.controllers", os.W_OK)
-    quota = make_quota(f"gyre-sandbox-{execution_id}", cpus, 0) if writable else None
+    quota = make_quota(f"gyre-sandbox-{execution_id}", cpus, 0, top_weight=False) if writable else None
     if quota is not None and quota.mechanism.startswith("cgroup"):
         return quota
     log.warning("no writable cgroup: [environment].cpus=%g of %s is not enforced", cpus, execution_id)
