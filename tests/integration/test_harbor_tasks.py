@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gyre.coordinator.ledger import read_ledger
 from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import Sandbox, SandboxError, bwrap_available
 from gyre.tasks.evaluate import evaluate
@@ -133,3 +134,9 @@ def test_one_training_step_on_harbor_tasks(tmp_path):
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["executions"].get("trained", 0) >= 1, summary
     assert (run_dir / "checkpoints" / "step_00000001").is_dir()
+    view = read_ledger(run_dir / "ledger.jsonl")
+    assert not any(k.startswith("excluded/sandbox") or k.endswith("evaluator_error") for k in view.counts()), (
+        view.counts()
+    )
+    for eid in view.history:  # hello-file's cpus cgroups are gone with their sandboxes
+        assert not Path("/sys/fs/cgroup/cpu", f"gyre-sandbox-{eid}").exists()
