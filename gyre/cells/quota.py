@@ -68,14 +68,16 @@ def quota_us(cpus: float) -> int:
     return max(1000, round(cpus * PERIOD_US))
 
 
-def make_quota(name: str, cpus: float, index: int, root: Path = CGROUP_ROOT) -> CpuQuota:
-    """A quota of `cpus` CPUs named `name` (the `index`-th cell picks its cores for the fallback)."""
+def make_quota(name: str, cpus: float, index: int, root: Path = CGROUP_ROOT, top_weight: bool = True) -> CpuQuota:
+    """A quota of `cpus` CPUs named `name` (the `index`-th cell picks its cores for the fallback);
+    `top_weight=False` keeps the kernel's default weight (a harness sandbox must not outweigh the cells)."""
     if (root / "cgroup.controllers").exists():  # v2: one unified hierarchy
         path = root / name
         try:
             path.mkdir(exist_ok=True)
             (path / "cpu.max").write_text(f"{quota_us(cpus)} {PERIOD_US}")
-            (path / "cpu.weight").write_text(str(WEIGHT_V2))
+            if top_weight:
+                (path / "cpu.weight").write_text(str(WEIGHT_V2))
             return CpuQuota(name, cpus, "cgroup_v2", str(path))
         except OSError as e:
             log.warning("cgroup v2 quota for %s failed (%s)", name, e)
@@ -85,7 +87,8 @@ def make_quota(name: str, cpus: float, index: int, root: Path = CGROUP_ROOT) -> 
             path.mkdir(exist_ok=True)
             (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
             (path / "cpu.cfs_quota_us").write_text(str(quota_us(cpus)))
-            (path / "cpu.shares").write_text(str(SHARES_V1))
+            if top_weight:
+                (path / "cpu.shares").write_text(str(SHARES_V1))
             return CpuQuota(name, cpus, "cgroup_v1", str(path))
         except OSError as e:
             log.warning("cgroup v1 quota for %s failed (%s)", name, e)

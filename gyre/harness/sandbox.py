@@ -11,6 +11,16 @@ A write anywhere else fails with EROFS and shows in the harness log. Where bubbl
 (not installed, no user namespaces in a container), `isolation=auto` says so once and falls back
 to the plain runner; `isolation=bwrap` refuses to start.
 
+Harbor tasks (`task.environment` set) need their paths: bubblewrap then builds a fresh root with
+the workspace at the workdir (gyre/harness/contract.py) and the task folder masked, so tests/ and
+solution/ stay unseen; `[environment].memory_mb` caps RLIMIT_AS below `harness.mem_limit_gb`
+(not for harnesses run without one: Node reserves large address spaces) and `cpus` is a CFS quota
+of the sandbox's own cgroup (gyre/cells/quota.py; where no cgroup is writable, a warning and no
+cap). A Harbor task that
+needs an image (docker_image or environment/Dockerfile), or that would run without bubblewrap,
+is refused naming the task and `harness.isolation`, never run unisolated: container isolation
+(podman, apptainer) for such tasks is not built yet.
+
 Apptainer/enroot on Slurm: the runner is the same inside the image (bubblewrap needs to be in the
 image; unprivileged user namespaces must be allowed, which Apptainer's own sandbox also needs);
 with `isolation=none` the container itself is the isolation. Sites that start each sandbox in
@@ -28,9 +38,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre.cells.quota import CGROUP_ROOT, CpuQuota, make_quota
 from gyre.errors import GyreError
 from gyre.harness.commands import make_harness_command
 from gyre.harness.config import HarnessConfig
+from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
 from gyre.tasks.spec import Task
 from gyre.tasks.workspace import make_workspace, run_setup
 
@@ -93,16 +105,63 @@ def bwrap_available() -> bool:
     return _bwrap_ok
 
 
-def make_limits_prefix(cfg: HarnessConfig) -> list[str]:
+def make_limits_prefix(cfg: HarnessConfig, memory_mb: int | None = None) -> list[str]:
     """util-linux `prlimit` argv setting the harness's rlimits, inherited by all it starts (pure).
-    An exec'd wrapper rather than a preexec function: safe in a multi-threaded coordinator."""
-    limits = [
-        ("cpu", cfg.cpu_limit_s),
-        ("nproc", cfg.max_processes),
-        ("as", None if cfg.mem_limit_gb is None else int(cfg.mem_limit_gb * 2**30)),
-    ]
+    An exec'd wrapper rather than a preexec function: safe in a multi-threaded coordinator.
+    A task's `memory_mb` lowers RLIMIT_AS where the harness has one."""
+    mem = None if cfg.mem_limit_gb is None else int(cfg.mem_limit_gb * 2**30)
+    if mem is not None and memory_mb is not None:
+        mem = min(mem, memory_mb * 2**20)
+    limits = [("cpu", cfg.cpu_limit_s), ("nproc", cfg.max_processes), ("as", mem)]
     flags = [f"--{name}={value}" for name, value in limits if value is not None]
     return ["prlimit", *flags, "--"] if flags else []
+
+
+def make_cgroup_prefix(procs_file: str) -> list[str]:
+    """argv of a shell that enters a cgroup (writes itself to `procs_file`), then execs the rest:
+    nothing the harness starts can run outside it, and no preexec function is needed (pure)."""
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs_file]
+
+
+def make_sandbox_quota(execution_id: str, cpus: float) -> CpuQuota | None:
+    """A cgroup holding the sandbox to `cpus` CPUs, or None (with a warning) where none is writable."""
+    writable = os.access(CGROUP_ROOT / "cpu", os.W_OK) or os.access(CGROUP_ROOT / "cgroup.controllers", os.W_OK)
+    quota = make_quota(f"gyre-sandbox-{execution_id}", cpus, 0, top_weight=False) if writable else None
+    if quota is not None and quota.mechanism.startswith("cgroup"):
+        return quota
+    log.warning("no writable cgroup: [environment].cpus=%g of %s is not enforced", cpus, execution_id)
+    return None
+
+
+def check_isolation(task: Task, cfg: HarnessConfig, bwrap_ok: bool) -> None:
+    """Refuse a Harbor task this sandbox cannot give its paths: never a silent unisolated run (pure).
+
+    Raises:
+        SandboxError: naming the task and `harness.isolation`.
+    """
+    env = task.environment
+    if env is None:
+        return
+    if env.image:
+        what = f"[environment].docker_image {env.docker_image}" if env.docker_image else env.dockerfile
+        raise SandboxError(
+            f"task {task.task_id!r}: harness.isolation={cfg.isolation} cannot run a task that needs a container "
+            f"image ({what}); bubblewrap runs Harbor tasks whose environment/ holds files (podman and apptainer "
+            "isolation are not built yet)"
+        )
+    if cfg.isolation == "none" or not bwrap_ok:
+        why = "isolation=none" if cfg.isolation == "none" else "bubblewrap cannot run here"
+        raise SandboxError(
+            f"task {task.task_id!r}: harness.isolation: a Harbor task needs bubblewrap for {env.workdir}, "
+            f"/tests and /logs ({why}); set harness.isolation=auto or bwrap where bubblewrap runs"
+        )
+
+
+def make_agent_prefix(task: Task, workspace: Path, home: Path) -> list[str]:
+    """The Harbor sandbox of the agent: WS at the workdir, HOME writable, the task folder masked."""
+    env = task.environment
+    mounts = [Mount(workspace, env.workdir), Mount(home, str(home))]
+    return make_contract_prefix(list_host_root(), mounts, env.workdir, hide=[env.task_dir])
 
 
 class Sandbox:
@@ -123,6 +182,7 @@ class Sandbox:
         self.dir = Path(root).resolve() / execution_id
         self.workspace, self.home, self.log_path = self.dir / "workspace", self.dir / "home", self.dir / "harness.log"
         self.isolated = False
+        self._quota: CpuQuota | None = None
         self._proc: subprocess.Popen | None = None
         self._log = None
         self._started = self._term_at = 0.0
@@ -132,8 +192,11 @@ class Sandbox:
         """A fresh workspace copy with the task's setup run in it, and a private home.
 
         Raises:
+            SandboxError: a Harbor task this sandbox cannot run (check_isolation).
             WorkspaceError: the source cannot be copied or the setup failed.
         """
+        if self.task.environment is not None:
+            check_isolation(self.task, self.cfg, self.cfg.isolation != "none" and bwrap_available())
         make_workspace(self.task.workspace, self.workspace)
         run_setup(self.task, self.workspace)
         (self.home / "tmp").mkdir(parents=True, exist_ok=True)
@@ -145,10 +208,20 @@ class Sandbox:
         Raises:
             SandboxError: isolation=bwrap where bubblewrap cannot run, or the harness is missing.
         """
+        contract = self.task.environment
+        inside = Path(contract.workdir) if contract else self.workspace
         argv, env = make_harness_command(
-            self.cfg, self.task.instruction, self.workspace, self.proxy_url, self.api_key, self.model, self.home
+            self.cfg, self.task.instruction, inside, self.proxy_url, self.api_key, self.model, self.home
         )
         env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"))
+        if contract is not None:  # prepare() has checked that bubblewrap can give its paths
+            self.isolated = True
+            prefix = make_limits_prefix(self.cfg, contract.memory_mb)
+            if contract.cpus is not None and (quota := make_sandbox_quota(self.execution_id, contract.cpus)):
+                self._quota = quota
+                prefix += make_cgroup_prefix(str(Path(quota.path, "cgroup.procs")))
+            self._popen(prefix + make_agent_prefix(self.task, self.workspace, self.home) + argv, env)
+            return
         want = self.cfg.isolation
         self.isolated = want == "bwrap" or (want == "auto" and bwrap_available())
         if want == "bwrap" and not bwrap_available():
@@ -162,7 +235,9 @@ class Sandbox:
                 )
                 + argv
             )
-        argv = make_limits_prefix(self.cfg) + argv
+        self._popen(make_limits_prefix(self.cfg) + argv, env)
+
+    def _popen(self, argv: list[str], env: dict[str, str]) -> None:
         self._log = open(self.log_path, "ab")
         self._started = time.monotonic()
         try:
@@ -200,6 +275,8 @@ class Sandbox:
             return None
         self._signal(signal.SIGKILL)  # what the harness left running in its group
         self._log.close()
+        if self._quota is not None:
+            self._quota.remove(timeout_s=1.0)
         self._result = SandboxResult(code, bool(self._term_at), now - self._started, self.workspace, self.log_path)
         return self._result
 

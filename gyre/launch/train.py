@@ -71,12 +71,22 @@ def run_on_slurm(cfg: GyreConfig, taskset: TaskSource, run_dir: Path) -> dict:
 def load_tasks(cfg: GyreConfig) -> TaskSet:
     """The run's task set; warm-starts the initial policy on it when asked (sets init_weights) and
     the model is Gyre's own tiny family (a Hugging Face checkpoint is already a trained policy).
+    Harbor tasks are checked against `harness.isolation` here, before any execution starts.
 
     Raises:
         TaskSpecError: a task spec that does not load (names the task and the field).
+        SandboxError: a Harbor task this machine's sandboxes cannot run (names the task and the key).
     """
+    from gyre.harness.sandbox import bwrap_available, check_isolation
+
     taskset = TaskSet.load(cfg.tasks.path) if cfg.tasks.path else toy_taskset()
-    if cfg.tasks.warm_start and cfg.coordinator.init_weights is None and cfg.model.path is None and not cfg.resume:
+    for task in taskset.tasks:
+        if task.environment is not None:  # on Slurm the nodes' bubblewrap is checked by each sandbox
+            check_isolation(task, cfg.harness, cfg.cluster.backend == "slurm" or bwrap_available())
+    wants_warm = cfg.tasks.warm_start and cfg.coordinator.init_weights is None and cfg.model.path is None
+    if wants_warm and not cfg.resume and not any("files" in (t.reference or {}) for t in taskset.tasks):
+        print("gyre-train: warm start skipped: no task has reference files to demonstrate", file=sys.stderr)
+    elif wants_warm and not cfg.resume:
         from gyre.tasks.warmstart import warm_start
 
         out, report = warm_start(Path(cfg.tasks.warm_start_dir), taskset, cfg.model)

@@ -4,9 +4,10 @@
     gyre-task list [TASKSET]
     gyre-task check [TASKSET]
 
-Without --proxy, `run` starts a builtin engine (random weights, or --model-dir) and a proxy of its
-own, and stops them after. Without TASKSET the embedded toy set is used. `run` and `check` print
-one JSON object on their last line.
+TASKSET: a directory of *.json specs, a JSONL file, or a folder of Harbor task folders; TASK: a
+task id of --taskset, or a Harbor task folder. Without --proxy, `run` starts a builtin engine
+(random weights, or --model-dir) and a proxy of its own, and stops them after. Without TASKSET the
+embedded toy set is used. `run` and `check` print one JSON object on their last line.
 """
 
 import argparse
@@ -20,8 +21,9 @@ from pathlib import Path
 
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
+from gyre.errors import GyreError
 from gyre.harness.config import KINDS, HarnessConfig
-from gyre.harness.sandbox import Sandbox
+from gyre.harness.sandbox import Sandbox, bwrap_available, check_isolation
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.proxy.config import ProxyConfig
@@ -72,8 +74,15 @@ def start_stack(args, root: Path) -> tuple[list, str, str, str]:
     return procs, proxy.url, key, str(root / "records" / f"{args.execution_id}.jsonl")
 
 
+def load_run_task(args):
+    """TASK as a Harbor task folder, else as an id of --taskset."""
+    if Path(args.task, "task.toml").is_file():
+        return TaskSet.load(args.task).tasks[0]
+    return TaskSet.load(args.taskset).get(args.task)
+
+
 def cmd_run(args) -> int:
-    task = TaskSet.load(args.taskset).get(args.task)
+    task = load_run_task(args)
     harness = HarnessConfig(
         kind=args.harness,
         command=args.command or "",
@@ -134,13 +143,20 @@ def evaluate_retrying(task, ws: Path) -> tuple[Evaluation, int]:
 
 
 def check_task(task, root: Path) -> tuple[bool, str, float]:
-    """(ok, line, evaluator seconds) for one task: the empty workspace scores < 1, the reference 1
-    (an evaluator that keeps failing on either is a FAIL, not a pass)."""
-    ws = make_workspace(task.workspace, root / task.task_id)
+    """(ok, line, evaluator seconds) for one task: an untouched workspace scores < 1, and the
+    reference (a Harbor task's solution/solve.sh in its sandbox) applied to a fresh one scores 1;
+    an evaluator that keeps failing on either, or a reference that cannot run, is a FAIL."""
+    try:
+        if task.environment is not None:
+            check_isolation(task, HarnessConfig(), bwrap_available())
+        untouched = make_workspace(task.workspace, root / task.task_id / "untouched")
+        solved = make_workspace(task.workspace, root / task.task_id / "reference")
+        apply_reference(task, solved)
+    except GyreError as e:
+        return False, f"{task.task_id}\tFAIL\t{e}", 0.0
     start = time.monotonic()
-    before, runs_before = evaluate_retrying(task, ws)
-    apply_reference(task, ws)
-    after, runs_after = evaluate_retrying(task, ws)
+    before, runs_before = evaluate_retrying(task, untouched)
+    after, runs_after = evaluate_retrying(task, solved)
     seconds = (time.monotonic() - start) / (runs_before + runs_after)
     errors = runs_before + runs_after - sum(e.outcome != "evaluator_error" for e in (before, after))
     ok = after.outcome == before.outcome == "finished" and after.score == 1.0 and before.score != 1.0

@@ -1,14 +1,24 @@
 """Evaluators: score a finished (or timed-out, preserved) workspace into an `Evaluation`.
 
 Kinds: `pytest` (pass fraction from a junit XML report), `json_score` (a command whose last stdout
-line is a JSON number or {"score": x}), `files` (fraction of expected files with equal content).
+line is a JSON number or {"score": x}), `files` (fraction of expected files with equal content),
+`harbor` (Harbor's verifier contract, below).
 Anything that says nothing about the policy, an evaluator that crashes, hangs past its own
 timeout, prints garbage or finds its own files gone, is `evaluator_error` (the execution is
 excluded, never scored 0). A file the harness should have written and did not is a real 0.
+
+Harbor verifier: after the agent ends, a fresh copy of the task's tests/ at /tests, an empty
+/logs/verifier, the workspace at the workdir; `bash /tests/test.sh` runs there (bubblewrap,
+gyre/harness/contract.py) under `[verifier].timeout_sec`, its exit status ignored as Harbor does.
+The reward is /logs/verifier/reward.txt (one number) or reward.json: its "reward" key, or its only
+value if it has one key; several keys without "reward" are refused (no weighting is guessed).
+No reward file, both files, garbage, a reward outside [0, 1] or a timeout: evaluator_error.
 """
 
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +29,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
 from gyre.tasks.spec import EvaluatorSpec, Task
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation
 
@@ -42,21 +53,23 @@ def make_command(template: str, workspace: Path) -> str:
     return template.format(python=sys.executable, workspace=str(workspace), pkg=str(resources.files("gyre")))
 
 
-def run_command(command: str, workspace: Path, timeout_s: float) -> CommandResult:
-    """Run `command` in its own process group; on timeout kill the whole group.
+def run_command(
+    command: str | list[str], workspace: Path, timeout_s: float, env: dict[str, str] | None = None
+) -> CommandResult:
+    """Run `command` (a shell line, or an argv) in its own process group; on timeout kill the whole group.
 
     Raises:
         EvaluatorFailed: it ran past `timeout_s`.
     """
     proc = subprocess.Popen(
         command,
-        shell=True,
+        shell=isinstance(command, str),
         cwd=workspace,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})},
     )
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -136,6 +149,67 @@ def _score_json(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
     return parse_json_score(done.stdout), ""
 
 
+def parse_reward(txt: str | None, json_text: str | None) -> float:
+    """The reward from the texts of reward.txt and reward.json (None: no such file).
+
+    Raises:
+        EvaluatorFailed: neither or both files, garbage, several keys without "reward", or a
+            reward that is not a finite number in [0, 1].
+    """
+    if (txt is None) == (json_text is None):
+        raise EvaluatorFailed("the verifier wrote " + ("no reward file" if txt is None else "both reward files"))
+    if txt is not None:
+        try:
+            value = float(txt.strip())
+        except ValueError:
+            raise EvaluatorFailed(f"reward.txt is not one number: {txt[:200]!r}") from None
+    else:
+        try:
+            obj = json.loads(json_text)
+        except json.JSONDecodeError:
+            raise EvaluatorFailed(f"reward.json is not JSON: {json_text[:200]!r}") from None
+        if not isinstance(obj, dict) or not obj or ("reward" not in obj and len(obj) > 1):
+            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise EvaluatorFailed(f'reward.json needs a "reward" key or exactly one key, got {keys}')
+        value = obj["reward"] if "reward" in obj else next(iter(obj.values()))
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise EvaluatorFailed(f"the reward must be a number, got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise EvaluatorFailed(f"the reward must be in [0, 1], got {value}")
+    return float(value)
+
+
+def _read_optional(path: Path) -> str | None:
+    return path.read_text(errors="replace") if path.is_file() else None
+
+
+def score_harbor(task: Task, workspace: Path) -> tuple[float, str]:
+    """Run the task's verifier on `workspace` as Harbor's contract says (see the module docstring)."""
+    contract = task.environment
+    with tempfile.TemporaryDirectory(prefix="gyre-verifier-") as tmp:
+        tests, logs, home = Path(tmp, "tests"), Path(tmp, "logs"), Path(tmp, "home")
+        shutil.copytree(Path(contract.task_dir, "tests"), tests, symlinks=True)
+        (logs / "verifier").mkdir(parents=True)
+        home.mkdir()
+        mounts = [
+            Mount(workspace, contract.workdir),
+            Mount(tests, "/tests"),
+            Mount(logs, "/logs"),
+            Mount(home, str(home)),
+        ]
+        argv = make_contract_prefix(list_host_root(), mounts, contract.workdir) + ["bash", "/tests/test.sh"]
+        done = run_command(argv, workspace, task.evaluator.timeout_s, {**task.evaluator.env, "HOME": str(home)})
+        try:
+            score = parse_reward(
+                _read_optional(logs / "verifier/reward.txt"), _read_optional(logs / "verifier/reward.json")
+            )
+        except EvaluatorFailed as e:
+            raise EvaluatorFailed(
+                f"{e} (test.sh exited {done.exit_code}: {(done.stdout + done.stderr)[-300:]})"
+            ) from None
+    return score, f"reward {score:g} (test.sh exited {done.exit_code})"
+
+
 SCORERS = {"pytest": _score_pytest, "json_score": _score_json, "files": score_files}
 
 
@@ -155,7 +229,10 @@ def evaluate(task: Task, workspace: Path, outcome: str) -> Evaluation:
     try:
         if not workspace.is_dir():
             raise EvaluatorFailed(f"workspace {workspace} is missing")
-        score, detail = SCORERS[task.evaluator.kind](task.evaluator, workspace)
+        if task.evaluator.kind == "harbor":
+            score, detail = score_harbor(task, workspace)
+        else:
+            score, detail = SCORERS[task.evaluator.kind](task.evaluator, workspace)
     except (EvaluatorFailed, OSError, UnicodeError) as e:
         return Evaluation("evaluator_error", None, f"{e} ({time.monotonic() - start:.2f} s)")
     return Evaluation(outcome, score, f"{detail} ({time.monotonic() - start:.2f} s)".lstrip())

@@ -1,6 +1,7 @@
 """Task specs and task sets (pure but for reading the set): what an execution works on and how it is scored.
 
-A task set is a directory of `*.json` specs (one task each) or a JSONL file (one task per line).
+A task set is a directory of `*.json` specs (one task each), a JSONL file (one task per line), or a
+folder of Harbor task folders (gyre/tasks/harbor.py: a folder with `task.toml` is a task).
 Relative paths in a spec (workspace sources, tarballs) are relative to the set's directory;
 `pkg:<path>` names a file shipped inside the `gyre` package (the embedded toy set).
 Every error names the task id (or the line) and the field.
@@ -59,6 +60,34 @@ class EvaluatorSpec:
     """files: relative path -> expected content (score = fraction equal, trailing whitespace ignored)."""
     timeout_s: float = 60.0
     """The evaluator's own time limit; past it the evaluation is an evaluator error."""
+    env: dict[str, str] = field(default_factory=dict)
+    """harbor: `[verifier].env`, added to the verifier's environment."""
+
+
+@dataclass(frozen=True)
+class TaskEnvironment:
+    """A Harbor task's container contract: the paths the agent and the verifier see, and the limits.
+
+    The agent works in `workdir`; after it ends the verifier gets `tests/` at /tests and an empty
+    /logs/verifier. Tasks of Gyre's own JSON specs have none (the workspace at its host path)."""
+
+    task_dir: str
+    """The Harbor task folder (absolute): tests/ and solution/ are read from it, never shown to the agent."""
+    workdir: str = "/app"
+    """Where the workspace appears inside the sandbox (the agent's and the verifier's cwd)."""
+    docker_image: str = ""
+    """`[environment].docker_image`; empty: none."""
+    dockerfile: str = ""
+    """`environment/Dockerfile` (absolute) if the folder has one; empty: none."""
+    cpus: float | None = None
+    """`[environment].cpus`; None: the harness's defaults."""
+    memory_mb: int | None = None
+    """`[environment].memory_mb` (or `memory` = "4G"); caps the sandbox's RLIMIT_AS."""
+
+    @property
+    def image(self) -> str:
+        """What the task must start from when not from its environment/ files: an image or a Dockerfile."""
+        return self.docker_image or self.dockerfile
 
 
 @dataclass(frozen=True)
@@ -72,8 +101,11 @@ class Task:
     time_budget_s: float
     """Wall-clock budget of the harness; past it the execution is timed out (workspace still scored)."""
     reference: dict | None = None
-    """A reference solution: {"files": {path: text}} written into the workspace, or {"command": sh}
-    run in it; `gyre-task check` scores it and the warm start trains on it."""
+    """A reference solution: {"files": {path: text}} written into the workspace, {"command": sh}
+    run in it, or {"solve_sh": path} (Harbor: run in the task's sandbox); `gyre-task check` scores
+    it and the warm start trains on its files."""
+    environment: TaskEnvironment | None = None
+    """Harbor tasks: the container contract (workdir, /tests, /logs, limits); None: Gyre's own spec."""
 
 
 def _where(obj: dict, where: str) -> str:
@@ -235,14 +267,21 @@ class TaskSet(TaskSource):
 
     @classmethod
     def load(cls, path: str | Path) -> "TaskSet":
-        """Read and validate a directory of `*.json` specs or a JSONL file (`pkg:` paths allowed).
+        """Read and validate a directory of `*.json` specs, a JSONL file (`pkg:` paths allowed) or
+        a folder of Harbor task folders.
 
         Raises:
-            TaskSpecError: a missing set, bad JSON, or a bad field (naming task and field).
+            TaskSpecError: a missing set, bad JSON or TOML, or a bad field (naming task and field).
         """
+        from gyre.tasks.harbor import is_harbor_set, load_harbor_tasks  # harbor builds on this module
+
         p = resolve_path(str(path), Path.cwd())
         if not p.exists():
-            raise TaskSpecError(str(path), "(path)", "no such task set (a directory of *.json or a .jsonl file)")
+            raise TaskSpecError(
+                str(path), "(path)", "no such task set (a directory of *.json, a .jsonl file or Harbor task folders)"
+            )
+        if is_harbor_set(p):
+            return cls(load_harbor_tasks(p), name=str(path))
         base = p if p.is_dir() else p.parent
         return cls([parse_task(obj, where, base) for obj, where in _read_specs(p)], name=str(path))
 

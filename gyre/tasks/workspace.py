@@ -1,11 +1,14 @@
 """Fresh workspace copies from a task's source, and reference solutions applied to them (filesystem edge)."""
 
+import os
 import shutil
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
 from gyre.errors import GyreError
+from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
 from gyre.tasks.spec import Task, WorkspaceSource
 
 
@@ -83,8 +86,43 @@ def apply_reference(task: Task, workspace: Path, timeout_s: float = 600.0) -> No
     if "files" in task.reference:
         _write_files(workspace, task.reference["files"])
         return
+    if "solve_sh" in task.reference:
+        run_solve_sh(task, workspace)
+        return
     done = subprocess.run(
         task.reference["command"], shell=True, cwd=workspace, capture_output=True, text=True, timeout=timeout_s
     )
     if done.returncode != 0:
         raise WorkspaceError(f"task {task.task_id!r}: reference command exited {done.returncode}: {done.stderr[-500:]}")
+
+
+def run_solve_sh(task: Task, workspace: Path) -> None:
+    """Harbor's oracle: `bash /solution/solve.sh` from the workdir, in the agent's sandbox layout
+    (bubblewrap) with a copy of solution/ at /solution, under the agent's time budget.
+
+    Raises:
+        WorkspaceError: it failed, ran past the budget, or bubblewrap could not start.
+    """
+    contract = task.environment
+    with tempfile.TemporaryDirectory(prefix="gyre-oracle-") as tmp:
+        solution, home = Path(tmp, "solution"), Path(tmp, "home")
+        shutil.copytree(Path(task.reference["solve_sh"]).parent, solution, symlinks=True)
+        home.mkdir()
+        mounts = [Mount(workspace, contract.workdir), Mount(solution, "/solution"), Mount(home, str(home))]
+        argv = make_contract_prefix(list_host_root(), mounts, contract.workdir, hide=[contract.task_dir])
+        try:
+            done = subprocess.run(
+                [*argv, "bash", "/solution/solve.sh"],
+                capture_output=True,
+                text=True,
+                timeout=task.time_budget_s,
+                env={**os.environ, "HOME": str(home)},
+            )
+        except subprocess.TimeoutExpired:
+            raise WorkspaceError(f"task {task.task_id!r}: solution/solve.sh ran past {task.time_budget_s} s") from None
+        except OSError as e:
+            raise WorkspaceError(f"task {task.task_id!r}: cannot start bubblewrap for solve.sh: {e}") from e
+    if done.returncode != 0:
+        raise WorkspaceError(
+            f"task {task.task_id!r}: solution/solve.sh exited {done.returncode}: {(done.stdout + done.stderr)[-500:]}"
+        )

@@ -1,10 +1,12 @@
-"""Sandbox start-up overhead (bubblewrap vs plain), evaluator time per toy task, and the toy
-profile's duration distribution (tool calls drawn from the harness config's log-normal).
+"""Sandbox start-up overhead (plain, bubblewrap, bubblewrap with a Harbor task's paths), evaluator
+time per toy task and of a Harbor verifier, and the toy profile's duration distribution (tool
+calls drawn from the harness config's log-normal).
 
     python tools/bench/tasks.py [--runs N]      # last line: one JSON object
 
 Overhead is measured side by side in one run: the same trivial harness (`true`) started through
-Sandbox.prepare/start/wait with isolation none and bwrap, interleaved; CPU time from /proc
+Sandbox.prepare/start/wait with isolation none and bwrap, and for tests/harbor_tasks/hello-file
+(fresh root, workdir, masked task folder, its cpus cgroup), interleaved; CPU time from /proc
 (children's user+sys via os.times) and wall time are both reported.
 """
 
@@ -22,7 +24,7 @@ from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import Sandbox, bwrap_available
 from gyre.harness.toy_agent import ToolTime
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.spec import toy_taskset
+from gyre.tasks.spec import TaskSet, toy_taskset
 from gyre.tasks.workspace import apply_reference, make_workspace
 
 
@@ -32,9 +34,12 @@ def children_cpu_s() -> float:
     return t.children_user + t.children_system
 
 
+HARBOR_TASK = Path(__file__).resolve().parents[2] / "tests" / "harbor_tasks" / "hello-file"
+
+
 def start_cost(task, root: Path, isolation: str) -> tuple[float, float]:
     """(wall s, children CPU s) of one prepare + start + wait of a harness that does nothing."""
-    cfg = HarnessConfig(kind="command", command="true", isolation=isolation)
+    cfg = HarnessConfig(kind="command", command="true", isolation="auto" if isolation == "harbor" else isolation)
     cpu0, t0 = children_cpu_s(), time.perf_counter()
     sb = Sandbox(task, f"b-{uuid.uuid4().hex[:8]}", root, cfg, "http://127.0.0.1:9", "k", "gyre")
     sb.prepare()
@@ -105,6 +110,28 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def start_costs(task, root: Path, runs: int) -> dict:
+    """Median wall and mean children CPU ms of sandbox start-up, per isolation, interleaved."""
+    modes = ["none"] + (["bwrap", "harbor"] if bwrap_available() else [])
+    harbor = TaskSet.load(HARBOR_TASK).tasks[0]
+    costs, out = {m: [] for m in modes}, {}
+    for _ in range(runs):
+        for m in modes:
+            costs[m].append(start_cost(harbor if m == "harbor" else task, root, m))
+    for m in modes:
+        wall, cpu = statistics.median(c[0] for c in costs[m]), sum(c[1] for c in costs[m]) / runs  # CPU: 10 ms ticks
+        out[f"start_{m}_wall_ms"], out[f"start_{m}_cpu_ms"] = round(wall * 1e3, 2), round(cpu * 1e3, 2)
+        print(f"sandbox start ({m}): median wall {wall * 1e3:.1f} ms, children CPU {cpu * 1e3:.1f} ms over {runs} runs")
+    if "bwrap" in modes:
+        out["bwrap_over_plain_wall"] = round(out["start_bwrap_wall_ms"] / out["start_none_wall_ms"], 2)
+        ws = make_workspace(harbor.workspace, root / "harbor-verifier")
+        t0 = time.perf_counter()
+        evaluate(harbor, ws, "finished")
+        out["harbor_verifier_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+        print(f"harbor verifier (hello-file): {out['harbor_verifier_ms']} ms")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=20)
@@ -116,23 +143,7 @@ def main() -> None:
     task = ts.tasks[0]
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="gyre-bench-tasks-") as tmp:
-        modes = ["none"] + (["bwrap"] if bwrap_available() else [])
-        costs = {m: [] for m in modes}
-        for _ in range(a.runs):
-            for m in modes:
-                costs[m].append(start_cost(task, Path(tmp) / "sb", m))
-        for m in modes:
-            wall, cpu = (
-                statistics.median(c[0] for c in costs[m]),
-                sum(c[1] for c in costs[m]) / a.runs,
-            )  # CPU: 10 ms ticks
-            out[f"start_{m}_wall_ms"], out[f"start_{m}_cpu_ms"] = round(wall * 1e3, 2), round(cpu * 1e3, 2)
-            print(
-                f"sandbox start ({m}): median wall {wall * 1e3:.1f} ms, children CPU {cpu * 1e3:.1f} ms over "
-                f"{a.runs} runs"
-            )
-        if "bwrap" in modes:
-            out["bwrap_over_plain_wall"] = round(out["start_bwrap_wall_ms"] / out["start_none_wall_ms"], 2)
+        out.update(start_costs(task, Path(tmp) / "sb", a.runs))
         evals, cpu0 = [], children_cpu_s()
         for t in ts.tasks:
             ws = make_workspace(t.workspace, Path(tmp) / "ev" / t.task_id)

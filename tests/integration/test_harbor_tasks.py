@@ -1,0 +1,142 @@
+"""Harbor task folders end to end on bubblewrap: the oracle check, what the agent can and cannot
+see, a planted reward, a timed-out run verified on its preserved workspace, and (slow) gyre-train."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.coordinator.ledger import read_ledger
+from gyre.harness.config import HarnessConfig
+from gyre.harness.sandbox import Sandbox, SandboxError, bwrap_available
+from gyre.tasks.evaluate import evaluate
+from gyre.tasks.spec import TaskSet
+
+ROOT = Path(__file__).resolve().parents[2]
+SET = ROOT / "tests" / "harbor_tasks"
+pytestmark = pytest.mark.skipif(not bwrap_available(), reason="Harbor tasks need bubblewrap (tools/setup.sh)")
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gyre.tasks.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_oracle_check_passes_the_shipped_set_and_fails_a_task_that_needs_an_image(tmp_path):
+    done = _cli("check", str(SET))
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(line.split("\t")[:2] for line in lines[:-1]) == [
+        ["fix-greeting", "ok"],
+        ["hello-file", "ok"],
+        ["word-count", "ok"],
+    ]
+    assert json.loads(lines[-1])["passed"] == 3
+    img = tmp_path / "needs-image"
+    (img / "tests").mkdir(parents=True)
+    (img / "task.toml").write_text('[environment]\ndocker_image = "python:3.12"\n')
+    (img / "instruction.md").write_text("anything")
+    (img / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    done = _cli("check", str(tmp_path))
+    assert done.returncode == 1 and "needs-image\tFAIL\ttask 'needs-image': harness.isolation" in done.stdout
+
+
+# The "agent": looks for the tests (at /tests and in its task folder), plants a reward, writes a wrong answer.
+SNOOP = (
+    "bash -c 'pwd > seen.txt; ls /tests >> seen.txt 2>&1; ls {task_dir}/tests {task_dir}/solution >> seen.txt 2>&1; "
+    "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && echo planted >> seen.txt; "
+    "cat /proc/self/cgroup >> seen.txt; echo goodbye > hello.txt; sleep {sleep_s}'"
+)
+
+
+def _run(task, tmp_path: Path, sleep_s: float = 0) -> tuple[Sandbox, object]:
+    command = SNOOP.format(task_dir=task.environment.task_dir, sleep_s=sleep_s)
+    harness = HarnessConfig(kind="command", command=command, grace_s=0.5)
+    sb = Sandbox(task, f"e-{tmp_path.name}", tmp_path, harness, "http://127.0.0.1:9", "key", "gyre")
+    sb.prepare()
+    sb.start()
+    return sb, sb.wait()
+
+
+def test_agent_never_sees_the_tests_and_a_planted_reward_is_ignored(tmp_path):
+    task = TaskSet.load(SET).get("hello-file")
+    sb, result = _run(task, tmp_path)
+    seen = (result.workspace / "seen.txt").read_text()
+    assert result.exit_code == 0 and sb.isolated, result.log_path.read_text()
+    assert seen.splitlines()[0] == "/app" and "planted" in seen
+    assert seen.count("No such file or directory") == 3, seen  # /tests, the folder's tests/ and solution/
+    assert (result.workspace / "NOTES.md").is_file()  # started from environment/'s files
+    cgroup = f"gyre-sandbox-{sb.execution_id}"  # [environment].cpus = 1: the sandbox's own CPU quota
+    assert (cgroup in seen) == os.access("/sys/fs/cgroup/cpu", os.W_OK), seen
+    assert not Path("/sys/fs/cgroup/cpu", cgroup).exists() and not Path("/sys/fs/cgroup", cgroup).exists()
+    ev = evaluate(task, result.workspace, "finished")
+    assert (ev.outcome, ev.score) == ("finished", 0.0), ev
+    (result.workspace / "hello.txt").write_text("hello\n")
+    assert evaluate(task, result.workspace, "finished").score == 1.0
+
+
+def test_timed_out_run_is_verified_on_its_preserved_workspace(tmp_path):
+    task = dataclasses.replace(TaskSet.load(SET).get("hello-file"), time_budget_s=1.0)
+    _, result = _run(task, tmp_path, sleep_s=60)
+    assert result.timed_out and result.duration_s < 10
+    (result.workspace / "hello.txt").write_text("hello")
+    ev = evaluate(task, result.workspace, "timed_out")
+    assert (ev.outcome, ev.score) == ("timed_out", 1.0), ev
+
+
+def test_verifier_without_reward_and_past_its_timeout_is_an_evaluator_error(tmp_path):
+    task = TaskSet.load(SET).get("hello-file")
+    tests = tmp_path / "task" / "tests"
+    tests.mkdir(parents=True)
+    env = dataclasses.replace(task.environment, task_dir=str(tmp_path / "task"))
+    for script, why in [("exit 0", "no reward file"), ("sleep 30", "past its timeout")]:
+        (tests / "test.sh").write_text(script + "\n")
+        quick = dataclasses.replace(task, environment=env, evaluator=dataclasses.replace(task.evaluator, timeout_s=1))
+        ev = evaluate(quick, tmp_path, "finished")
+        assert ev.outcome == "evaluator_error" and ev.score is None and why in ev.detail, ev
+
+
+def test_isolation_none_refuses_a_harbor_task(tmp_path):
+    task = TaskSet.load(SET).get("word-count")
+    sb = Sandbox(task, "e1", tmp_path, HarnessConfig(isolation="none"), "http://127.0.0.1:9", "key", "gyre")
+    with pytest.raises(SandboxError, match="^task 'word-count': harness.isolation"):
+        sb.prepare()
+
+
+@pytest.mark.slow
+def test_one_training_step_on_harbor_tasks(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "gyre.launch.train",
+        f"hydra.run.dir={run_dir}",
+        f"tasks.path={SET}",
+        "num_steps=1",
+        "coordinator.group_size=2",
+        "coordinator.groups_per_step=3",
+        "coordinator.sessions_per_cell=20",
+        "coordinator.train_tok_s=100",
+        "harness.toy.max_tokens=16",
+        "harness.toy.max_turns=2",
+        "harness.toy.subagent=false",
+        "trajectory.drop_uniform_groups=false",  # the tiny model solves nothing: train on zero advantages
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "warm start skipped" in done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["executions"].get("trained", 0) >= 1, summary
+    assert (run_dir / "checkpoints" / "step_00000001").is_dir()
+    view = read_ledger(run_dir / "ledger.jsonl")
+    assert not any(k.startswith("excluded/sandbox") or k.endswith("evaluator_error") for k in view.counts()), (
+        view.counts()
+    )
+    for eid in view.history:  # hello-file's cpus cgroups are gone with their sandboxes
+        assert not Path("/sys/fs/cgroup/cpu", f"gyre-sandbox-{eid}").exists()
