@@ -14,7 +14,7 @@ from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, LedgerView
 from gyre.harness.sandbox import Sandbox
 from gyre.proxy.admin import ProxyAdmin
 from gyre.tasks.spec import Task
-from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation
+from gyre.trajectory.rewards import HARNESS_OUTCOMES, OUTCOMES, Evaluation
 
 if TYPE_CHECKING:  # training.py imports Group from here
     from gyre.coordinator.training import Training
@@ -131,10 +131,9 @@ class GroupBook:
 
 def recorded(done: LedgerEntry, group: Group, records_dir: Path) -> Execution:
     """The execution whose outcome `done` the ledger holds: its records and its score are durable."""
-    ev = (
-        Evaluation(done.state, done.score)
-        if done.state in HARNESS_OUTCOMES
-        else Evaluation("evaluator_error", None, done.reason)
-    )
+    if done.state in HARNESS_OUTCOMES:
+        ev = Evaluation(done.state, done.score)
+    else:  # excluded: its reason, where it is an outcome (budget_exhausted), counts as it did live
+        ev = Evaluation(done.reason if done.reason in OUTCOMES else "evaluator_error", None, done.reason)
     eid = done.execution_id
     return Execution(eid, group.index, group.task, done.state, records_path=records_dir / f"{eid}.jsonl", evaluation=ev)

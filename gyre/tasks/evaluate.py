@@ -3,9 +3,10 @@
 Kinds: `pytest` (pass fraction from a junit XML report), `json_score` (a command whose last stdout
 line is a JSON number or {"score": x}), `files` (fraction of expected files with equal content),
 `harbor` (Harbor's verifier contract, below).
-Anything that says nothing about the policy, an evaluator that crashes, hangs past its own
-timeout, prints garbage or finds its own files gone, is `evaluator_error` (the execution is
-excluded, never scored 0). A file the harness should have written and did not is a real 0.
+Anything that says nothing about the policy, an evaluator that crashes, hangs past its own timeout,
+prints garbage or finds its own files gone, is `evaluator_error` (`budget_exhausted` for a run
+stopped at its time budget; either way the execution is excluded, never scored 0). A file the
+harness should have written and did not is a real 0.
 
 Harbor verifier: after the agent ends, a fresh copy of the task's tests/ at /tests, an empty
 /logs/verifier, the workspace at the workdir; `bash /tests/test.sh` runs there (bubblewrap,
@@ -217,7 +218,9 @@ def evaluate(task: Task, workspace: Path, outcome: str) -> Evaluation:
     """Score `workspace` for `task` after the harness ended with `outcome` (finished / timed_out).
 
     Never raises for evaluator trouble: that is an `evaluator_error` Evaluation with the reason
-    in `detail` (and the seconds the evaluator took).
+    in `detail` (and the seconds the evaluator took), or `budget_exhausted` when the harness was
+    stopped at its time budget: an execution that ran out of time without a valid reward is
+    discarded, counted apart from an evaluator failing on a finished one (the seed's rule).
 
     Raises:
         ValueError: `outcome` is not a harness outcome (a caller bug).
@@ -234,5 +237,6 @@ def evaluate(task: Task, workspace: Path, outcome: str) -> Evaluation:
         else:
             score, detail = SCORERS[task.evaluator.kind](task.evaluator, workspace)
     except (EvaluatorFailed, OSError, UnicodeError) as e:
-        return Evaluation("evaluator_error", None, f"{e} ({time.monotonic() - start:.2f} s)")
+        failed = "budget_exhausted" if outcome == "timed_out" else "evaluator_error"
+        return Evaluation(failed, None, f"{e} ({time.monotonic() - start:.2f} s)")
     return Evaluation(outcome, score, f"{detail} ({time.monotonic() - start:.2f} s)".lstrip())

@@ -85,6 +85,17 @@ def test_json_score_evaluator_good_garbage_crash_hang(tmp_path):
     )
 
 
+def test_a_timed_out_run_without_a_valid_reward_is_budget_exhausted_not_an_evaluator_error(tmp_path):
+    task = task_of({"kind": "json_score", "command": "echo 'score: high'", "timeout_s": 5})
+    ws = workspace_of(task, tmp_path)
+    assert (evaluate(task, ws, "finished").outcome, evaluate(task, ws, "timed_out").outcome) == (
+        "evaluator_error",
+        "budget_exhausted",
+    )
+    good = task_of({"kind": "json_score", "command": "echo 0.5", "timeout_s": 5})
+    assert (evaluate(good, workspace_of(good, tmp_path, "good"), "timed_out").outcome) == "timed_out"  # partial credit
+
+
 def test_files_evaluator_and_missing_workspace(tmp_path):
     task = task_of({"kind": "files", "files": {"a.txt": "one", "b.txt": "two"}})
     ws = workspace_of(task, tmp_path)

@@ -163,3 +163,25 @@ def test_satellites_async_starts_in_training_switch_in_so_they_join_the_cores_st
     assert [(i, target, weights, address) for i, target, _, weights, address in switched] == [
         (1, Role.TRAIN, {"version": 0}, "tcp://core")
     ]
+
+
+def test_a_resumed_execution_keeps_its_outcome_or_exclusion_reason(tmp_path):
+    """Resume rebuilds evaluations from the ledger: a budget_exhausted exclusion stays one (it is an
+    outcome), any other exclusion is not trainable, a score is kept."""
+    from gyre.coordinator.source import Group, recorded
+    from gyre.tasks.spec import toy_taskset
+
+    group = Group(0, 0, toy_taskset().tasks[0])
+    outcomes = [
+        recorded(LedgerEntry("e", state, 0.0, reason=reason, score=score), group, tmp_path).evaluation
+        for state, reason, score in [
+            ("timed_out", "", 0.4),
+            ("excluded", "budget_exhausted", None),
+            ("excluded", "harness_failed", None),
+        ]
+    ]
+    assert [(e.outcome, e.score) for e in outcomes] == [
+        ("timed_out", 0.4),
+        ("budget_exhausted", None),
+        ("evaluator_error", None),
+    ]
