@@ -141,5 +141,5 @@ def _refuse_unwired_engine(backend: str) -> None:
     hint = "; sglang is not installed here either: `pip install 'gyre[sglang]'` on a CUDA node" if missing else ""
     raise ConfigError(
         "engine.backend",
-        f"sglang is not wired into gyre-train's cells yet: they serve only with engine.backend=builtin{hint}",
+        f"sglang is not wired into Gyre's cells yet: they serve only with engine.backend=builtin{hint}",
     )

@@ -50,7 +50,7 @@ class CellLeader:
     def __init__(self, spec: CellSpec):
         import torch
 
-        from gyre.engines.launch import BuiltinEngineProcess
+        from gyre.engines.launch import make_engine_process
         from gyre.train.checkpoint import CheckpointManager
         from gyre.train.trainer import Trainer
         from gyre.transfer import TransferEndpoint
@@ -60,7 +60,7 @@ class CellLeader:
         self.index, self.is_core = spec.index, spec.index == 0
         self.channel = connect(spec.coordinator_address, peer_timeout_s=spec.control_peer_timeout_s)
         self.events = EventLog(spec.run_dir)
-        self.engine = BuiltinEngineProcess(spec.engine, spec.model)
+        self.engine = make_engine_process(spec.engine, spec.model)  # builtin: gyre.config refuses sglang for now
         self.engine.start()
         self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
         self.endpoint = TransferEndpoint(spec.host)

@@ -157,4 +157,5 @@ class SGLangProcess(BaseEngineProcess):
 
 
 def make_engine_process(cfg: EngineConfig, model_cfg: ModelConfig) -> BaseEngineProcess:
+    """The one factory of engine servers: `engine.backend` picks the process (cell leaders start theirs here)."""
     return SGLangProcess(cfg) if cfg.backend == "sglang" else BuiltinEngineProcess(cfg, model_cfg)
