@@ -1,9 +1,9 @@
 """Evaluators: score a finished (or timed-out, preserved) workspace into an `Evaluation`.
 
 Kinds: `pytest` (pass fraction from a junit XML report; a test module that cannot be collected,
-because it imports what the agent did not write, counts as a failed test), `json_score` (a command whose last stdout
-line is a JSON number or {"score": x}), `files` (fraction of expected files with equal content),
-`harbor` (Harbor's verifier contract, below).
+because it imports what the agent did not write, counts as a failed test), `json_score` (a command
+whose last stdout line is a JSON number or {"score": x}), `files` (fraction of expected files with
+equal content), `harbor` (Harbor's verifier contract, below).
 Anything that says nothing about the policy, an evaluator that crashes, hangs past its own
 timeout, prints garbage or finds its own files gone, is `evaluator_error` (the execution is
 excluded, never scored 0). A file the harness should have written and did not is a real 0.
