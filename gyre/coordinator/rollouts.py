@@ -17,10 +17,11 @@ from gyre.coordinator.source import Execution, Group, GroupBook, recorded
 from gyre.errors import GyreError
 from gyre.harness.sandbox import Sandbox
 from gyre.proxy.admin import ProxyAdmin
+from gyre.records.io import has_records
 from gyre.scheduler.streaming import may_admit
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import TaskSource
-from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation
+from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation, unscored_reason
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +145,7 @@ class Rollouts(GroupBook):
             await self.proxy.revoke_execution(ex.execution_id)
         except Exception as e:  # a revoke that fails leaves a key valid, nothing else
             log.warning("revoking %s: %s", ex.execution_id, e)
-        if not _made_calls(ex.records_path):
-            reason = "harness_failed" if result.exit_code != 0 else "no_model_calls"
+        if (reason := unscored_reason(result.exit_code, has_records(ex.records_path))) is not None:
             ex.evaluation = Evaluation(outcome, None, reason)
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
             return
@@ -180,8 +180,3 @@ class RolloutsOnly(Rollouts):
     def done(self, train) -> bool:
         """Every group drawn and evaluated."""
         return self.next_group >= self.num_steps * self.groups_per_step and all(g.batched for g in self.groups.values())
-
-
-def _made_calls(records_path: Path | None) -> bool:
-    """Whether the proxy recorded at least one model call of the execution."""
-    return records_path is not None and records_path.is_file() and records_path.stat().st_size > 0

@@ -364,6 +364,11 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def has_records(path: str | os.PathLike | None) -> bool:
+    """Whether the proxy recorded at least one model call in `path` (None: no records file known)."""
+    return path is not None and Path(path).is_file() and Path(path).stat().st_size > 0
+
+
 def read_records(path: str | os.PathLike) -> tuple[list[CallRecord], ReadStats]:
     """All readable records of a file, in file order, and what was skipped.
 

@@ -1,13 +1,15 @@
 """`gyre-task`: run one execution, list a task set, check a task set's reference solutions.
 
-    gyre-task run TASK --harness toy|claude_code|mini_swe_agent|command [--proxy URL --key K]
+    gyre-task run TASK --harness toy|claude_code|mini_swe_agent|command [--proxy URL --key K --records F]
     gyre-task list [TASKSET]
     gyre-task check [TASKSET]
 
 TASKSET: a directory of *.json specs, a JSONL file, or a folder of Harbor task folders; TASK: a
 task id of --taskset, or a Harbor task folder. Without --proxy, `run` starts a builtin engine
 (random weights, or --model-dir) and a proxy of its own, and stops them after. Without TASKSET the
-embedded toy set is used. `run` and `check` print one JSON object on their last line.
+embedded toy set is used. `run` and `check` print one JSON object on their last line. `run` scores
+as the coordinator does: a harness that made no model call is `excluded` (`harness_failed` if it
+exited non-zero, else `no_model_calls`), never scored; --records names where --proxy counts the calls.
 """
 
 import argparse
@@ -28,10 +30,11 @@ from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.main import ProxyProcess
+from gyre.records.io import has_records
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import TOY_TASKSET, TaskSet
 from gyre.tasks.workspace import apply_reference, make_workspace
-from gyre.trajectory.rewards import Evaluation
+from gyre.trajectory.rewards import Evaluation, reward_of, unscored_reason
 
 CHECK_ATTEMPTS = 3
 """Evaluator errors are retried this often in `check` (toy evaluators fail at a configured rate)."""
@@ -91,10 +94,10 @@ def cmd_run(args) -> int:
     )
     root = Path(args.root or tempfile.mkdtemp(prefix="gyre-task-")).resolve()
     args.execution_id = args.execution_id or f"{task.task_id}-{uuid.uuid4().hex[:8]}"
-    procs, records = [], None
+    procs, records = [], args.records
     if args.proxy:
-        if not args.key:
-            raise SystemExit("gyre-task run: --proxy needs --key (the execution's API key)")
+        if not (args.key and args.records):
+            raise SystemExit("gyre-task run: --proxy needs --key and --records (as the execution's registration gave)")
         url, key = args.proxy, args.key
     else:
         procs, url, key, records = start_stack(args, root)
@@ -106,25 +109,31 @@ def cmd_run(args) -> int:
     finally:
         for p in procs:
             p.stop()
-    ev = evaluate(task, result.workspace, "timed_out" if result.timed_out else "finished")
     print(result.log_path.read_text(errors="replace")[-2000:], file=sys.stderr)
-    print(
-        json.dumps(
-            {
-                "outcome": ev.outcome,
-                "score": ev.score,
-                "records_path": records,
-                "workspace": str(result.workspace),
-                "duration_s": round(result.duration_s, 3),
-                "exit_code": result.exit_code,
-                "timed_out": result.timed_out,
-                "isolated": sb.isolated,
-                "execution_id": args.execution_id,
-                "detail": ev.detail,
-            }
-        )
-    )
+    print(json.dumps(run_report(task, result, records) | {"isolated": sb.isolated, "execution_id": args.execution_id}))
     return 0
+
+
+def run_report(task, result, records: str) -> dict:
+    """The outcome of one ended harness run by the coordinator's rule: excluded unscored when it made no
+    model call (`unscored_reason`), else its workspace's evaluation."""
+    reason = unscored_reason(result.exit_code, has_records(records))
+    if reason is not None:
+        ev = Evaluation("timed_out" if result.timed_out else "finished")
+    else:
+        ev = evaluate(task, result.workspace, "timed_out" if result.timed_out else "finished")
+        reason = reward_of(ev)[1]
+    return {
+        "outcome": "excluded" if reason else ev.outcome,
+        "reason": reason,
+        "score": ev.score,
+        "records_path": records,
+        "workspace": str(result.workspace),
+        "duration_s": round(result.duration_s, 3),
+        "exit_code": result.exit_code,
+        "timed_out": result.timed_out,
+        "detail": ev.detail,
+    }
 
 
 def cmd_list(args) -> int:
@@ -203,6 +212,7 @@ def parse_args(argv):
     )
     run.add_argument("--proxy", help="a running proxy's URL (else an engine and a proxy are started)")
     run.add_argument("--key", help="the execution's API key on --proxy")
+    run.add_argument("--records", help="the execution's records file on --proxy (its model calls are counted there)")
     run.add_argument("--model", default="gyre", help="model name the harness asks for")
     run.add_argument("--model-dir", help="own engine: weights directory (default: random tiny weights)")
     run.add_argument("--scripted-policy", help="own engine: a scripted policy file (tests, demos)")

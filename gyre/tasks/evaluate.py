@@ -1,8 +1,9 @@
 """Evaluators: score a finished (or timed-out, preserved) workspace into an `Evaluation`.
 
-Kinds: `pytest` (pass fraction from a junit XML report), `json_score` (a command whose last stdout
-line is a JSON number or {"score": x}), `files` (fraction of expected files with equal content),
-`harbor` (Harbor's verifier contract, below).
+Kinds: `pytest` (pass fraction from a junit XML report; a test module that cannot be collected,
+because it imports what the agent did not write, counts as a failed test), `json_score` (a command
+whose last stdout line is a JSON number or {"score": x}), `files` (fraction of expected files with
+equal content), `harbor` (Harbor's verifier contract, below).
 Anything that says nothing about the policy, an evaluator that crashes, hangs past its own timeout,
 prints garbage or finds its own files gone, is `evaluator_error` (`budget_exhausted` for a run
 stopped at its time budget; either way the execution is excluded, never scored 0). A file the
@@ -34,8 +35,10 @@ from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
 from gyre.tasks.spec import EvaluatorSpec, Task
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation
 
-PYTEST_OK_EXITS = (0, 1)
-"""pytest exit codes that mean the tests ran (all passed / some failed); 2-5 mean they did not."""
+PYTEST_FLAGS = "-p no:cacheprovider --continue-on-collection-errors"
+"""Added to a pytest evaluator's command: a module that cannot be collected no longer stops the others."""
+PYTEST_SCORED_EXITS = (0, 1)
+"""pytest exit codes whose report is scored: all passed, or some failed (collection errors included)."""
 
 
 class EvaluatorFailed(Exception):
@@ -103,6 +106,10 @@ def parse_json_score(stdout: str) -> float:
 def parse_junit_fraction(xml_text: str) -> tuple[float, str]:
     """(passed / run, summary) from a junit XML report (skipped tests do not count).
 
+    A test module that could not be collected (it imports what the agent did not write, or wrote
+    broken) is one errored test in the report, so it counts as one failed test, as SWE-bench and
+    Harbor verifiers count tests that did not pass.
+
     Raises:
         EvaluatorFailed: unreadable report, or no test ran.
     """
@@ -116,7 +123,28 @@ def parse_junit_fraction(xml_text: str) -> tuple[float, str]:
     if ran <= 0:
         raise EvaluatorFailed("no test ran")
     passed = ran - counts["failures"] - counts["errors"]
-    return passed / ran, f"{passed}/{ran} tests passed"
+    uncollected = sum(1 for s in suites for e in s.iter("error") if e.get("message") == "collection failure")
+    note = f" ({uncollected} uncollectable module{'s' * (uncollected > 1)} counted as failed)" if uncollected else ""
+    return passed / ran, f"{passed}/{ran} tests passed{note}"
+
+
+def score_pytest_report(exit_code: int, xml_text: str | None) -> tuple[float, str]:
+    """The pass fraction of a pytest run (run with PYTEST_FLAGS) from its exit code and junit report.
+
+    Exits 0 and 1 are scored, collection errors counted as failed tests. The rest are failures the
+    policy cannot cause: 2 (interrupted: with --continue-on-collection-errors never by a collection
+    error, so a KeyboardInterrupt or pytest.exit), 3 (pytest's internal error), 4 (usage error: a bad
+    option, a test path gone) and 5 (no test collected: the task's selection holds no test, whereas
+    a module the agent was to write shows as a collection error).
+
+    Raises:
+        EvaluatorFailed: any exit but 0 and 1, no report, or a report with no test run.
+    """
+    if exit_code not in PYTEST_SCORED_EXITS:
+        raise EvaluatorFailed(f"pytest exited {exit_code} (tests did not run)")
+    if xml_text is None:
+        raise EvaluatorFailed("pytest wrote no junit report")
+    return parse_junit_fraction(xml_text)
 
 
 def score_files(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
@@ -129,18 +157,19 @@ def score_files(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
     return len(equal) / len(spec.files), f"{len(equal)}/{len(spec.files)} files match"
 
 
+def _read_optional(path: Path) -> str | None:
+    return path.read_text(errors="replace") if path.is_file() else None
+
+
 def _score_pytest(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
     with tempfile.TemporaryDirectory(prefix="gyre-junit-") as tmp:
         report = Path(tmp) / "report.xml"
-        cmd = f"{make_command(spec.command, workspace)} -p no:cacheprovider --junitxml={report}"
+        cmd = f"{make_command(spec.command, workspace)} {PYTEST_FLAGS} --junitxml={report}"
         done = run_command(cmd, workspace, spec.timeout_s)
-        if done.exit_code not in PYTEST_OK_EXITS:
-            raise EvaluatorFailed(
-                f"pytest exited {done.exit_code} (tests did not run): {(done.stdout + done.stderr)[-300:]}"
-            )
-        if not report.exists():
-            raise EvaluatorFailed("pytest wrote no junit report")
-        return parse_junit_fraction(report.read_text())
+        try:
+            return score_pytest_report(done.exit_code, _read_optional(report))
+        except EvaluatorFailed as e:
+            raise EvaluatorFailed(f"{e}: {(done.stdout + done.stderr)[-300:]}") from None
 
 
 def _score_json(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
@@ -178,10 +207,6 @@ def parse_reward(txt: str | None, json_text: str | None) -> float:
     if not 0.0 <= value <= 1.0:
         raise EvaluatorFailed(f"the reward must be in [0, 1], got {value}")
     return float(value)
-
-
-def _read_optional(path: Path) -> str | None:
-    return path.read_text(errors="replace") if path.is_file() else None
 
 
 def score_harbor(task: Task, workspace: Path) -> tuple[float, str]:

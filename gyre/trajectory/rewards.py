@@ -47,6 +47,18 @@ def reward_of(evaluation: Evaluation) -> tuple[float | None, str | None]:
     return None, evaluation.outcome
 
 
+def unscored_reason(exit_code: int, made_model_calls: bool) -> str | None:
+    """Why an ended harness run is excluded before its workspace is scored, or None to score it.
+
+    Without a model call the policy never acted, so the workspace says nothing about it: the harness
+    crashed at once (harness_failed) or did the work itself (no_model_calls). The coordinator and
+    `gyre-task run` both apply this rule.
+    """
+    if made_model_calls:
+        return None
+    return "harness_failed" if exit_code != 0 else "no_model_calls"
+
+
 def group_advantages(rewards: dict[str, float], config: TrajectoryConfig) -> tuple[dict[str, float], str | None]:
     """GRPO advantages of one task group's valid executions, or ({}, reason) to drop the group.
 

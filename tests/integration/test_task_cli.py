@@ -33,26 +33,47 @@ def test_check_and_list(tmp_path):
     assert "word-river\tFAIL\tempty=None reference=1.0" in done.stdout and "evaluator_errors=3" in done.stdout
 
 
+ASK_THEN_ANSWER = """
+import json, os, pathlib, sys, urllib.request
+body = {"model": sys.argv[1], "max_tokens": 4, "messages": [{"role": "user", "content": "a river"}]}
+req = urllib.request.Request(os.environ["GYRE_PROXY_URL"] + "/v1/chat/completions", json.dumps(body).encode(),
+    {"Authorization": "Bearer " + os.environ["GYRE_API_KEY"], "Content-Type": "application/json"})
+urllib.request.urlopen(req, timeout=120).read()
+pathlib.Path("answer.txt").write_text("rivers")
+"""
+
+
 def test_run_command_harness_with_own_engine_and_proxy(tmp_path):
+    (tmp_path / "agent.py").write_text(ASK_THEN_ANSWER)
     done = gyre_task(
         "run",
         "word-river",
         "--harness",
         "command",
         "--root",
-        str(tmp_path),
+        str(tmp_path / "run"),
         "--command",
-        "sh -c 'echo rivers > answer.txt; echo {model}'",
+        f"{sys.executable} {tmp_path / 'agent.py'} {{model}}",
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["outcome"] == "finished" and 0.2 < out["score"] < 1.0  # a near miss: partial credit
-    assert (
-        out["workspace"].startswith(str(tmp_path)) and out["records_path"].endswith(".jsonl") and out["duration_s"] > 0
-    )
+    assert (out["outcome"], out["reason"]) == ("finished", None) and 0.2 < out["score"] < 1.0  # a near miss
+    assert out["workspace"].startswith(str(tmp_path)) and Path(out["records_path"]).stat().st_size > 0
+    assert out["duration_s"] > 0
 
 
-def test_run_against_a_given_proxy_passes_its_url_and_key(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "command,calls,expect",
+    [
+        pytest.param("echo apple > answer.txt; exit 3", "", ("excluded", "harness_failed", None), id="crashed"),
+        pytest.param("echo apple > answer.txt", "", ("excluded", "no_model_calls", None), id="no-calls"),
+        pytest.param("echo apple > answer.txt; exit 3", "{}\n", ("finished", None, 1.0), id="called-then-failed"),
+    ],
+)
+def test_run_against_a_given_proxy_scores_as_the_coordinator_does(tmp_path, capsys, command, calls, expect):
+    """A harness with no model call is excluded unscored (harness_failed / no_model_calls), as in gyre-train."""
+    records = tmp_path / "records.jsonl"
+    records.write_text(calls)
     with pytest.raises(SystemExit) as done:  # in process: no engine or proxy of its own to start
         main(
             [
@@ -66,18 +87,21 @@ def test_run_against_a_given_proxy_passes_its_url_and_key(tmp_path, capsys):
                 "http://127.0.0.1:9",
                 "--key",
                 "key-7",
+                "--records",
+                str(records),
                 "--command",
-                "sh -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY > seen.txt; echo apple > answer.txt'",
+                f"sh -c 'echo $GYRE_PROXY_URL $GYRE_API_KEY > seen.txt; {command}'",
             ]
         )
     assert done.value.code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (out["outcome"], out["score"], out["records_path"]) == (
-        "finished",
-        1.0,
-        None,
-    )  # no proxy of its own: no records
+    assert (out["outcome"], out["reason"], out["score"], out["records_path"]) == (*expect, str(records))
     assert (Path(out["workspace"]) / "seen.txt").read_text().split() == ["http://127.0.0.1:9", "key-7"]
+
+
+def test_run_against_a_given_proxy_needs_its_records(tmp_path):
+    with pytest.raises(SystemExit, match="--records"):
+        main(["run", "word-apple", "--root", str(tmp_path), "--proxy", "http://127.0.0.1:9", "--key", "k"])
 
 
 CC_RULES = {

@@ -9,7 +9,7 @@ from gyre.errors import ConfigError
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.pack import make_micro_batches, pack
 from gyre.trajectory.process import process_group
-from gyre.trajectory.rewards import Evaluation, group_advantages, reward_of
+from gyre.trajectory.rewards import Evaluation, group_advantages, reward_of, unscored_reason
 from gyre.trajectory.tree import TrajectoryError
 
 
@@ -46,6 +46,14 @@ def small(execution_id, n_turns=3, seed=0):
 )
 def test_reward_rules(evaluation, expect):
     assert reward_of(evaluation) == expect
+
+
+@pytest.mark.parametrize(
+    "exit_code,calls,expect",
+    [(3, False, "harness_failed"), (-9, False, "harness_failed"), (0, False, "no_model_calls"), (3, True, None)],
+)
+def test_a_harness_without_model_calls_is_unscored(exit_code, calls, expect):
+    assert unscored_reason(exit_code, calls) == expect
 
 
 def test_evaluation_rejects_unknown_outcome_and_bad_score():
