@@ -17,6 +17,9 @@ policy prefer a wrong answer W, and the tool result repeats the pair (Q, W) twen
 - behaviour log-probs off by one token: the answer's ratio takes the chatter token's log-prob
   (near-uniform, about -3.5) or 0, far from 1 either way, so the clip and the dual-clip truncation
   silence the answers or drown them in the chatter's gradient.
+
+Such bugs that also leave a log-prob outside the targets, or a target without a weight version,
+are stopped before the loss by `screen_batch` (BatchError), which fails this test as well.
 """
 
 import numpy as np
