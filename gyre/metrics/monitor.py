@@ -4,7 +4,7 @@
     RunMonitor.update() (the coordinator's loop, ~1/s):
         EventTail.read_new() ─> RunState.add ─> make_scalars ─> TensorBoard, W&B
                                             └─> Progress (live table / plain lines)
-                                            └─> figures, every plots_interval_s
+                                            └─> figures, every plots_interval_s ─> W&B images
 
 Following the file rather than the coordinator's own emits is what makes other processes' events
 (the proxy's model calls, the cell leaders' switches) count in calls/s and in TensorBoard. A view
@@ -98,8 +98,16 @@ class RunMonitor:
             self._guard(name, lambda sink=sink: sink.write(e, scalars))
 
     def _draw(self) -> None:
-        if self.cfg.figures:
-            self._guard("figures", lambda: write_figures(self.state, self.run_dir, run_name(self.state, self.run_dir)))
+        if not self.cfg.figures:
+            return
+        paths: list[Path] = []
+        name = run_name(self.state, self.run_dir)
+        self._guard("figures", lambda: paths.extend(write_figures(self.state, self.run_dir, name)))
+        if not paths:
+            return
+        step = self.state.last_step or 0
+        for sink_name, sink in list(self._sinks.items()):
+            self._guard(sink_name, lambda sink=sink: sink.write_images(paths, step))
 
     def _guard(self, name: str, fn) -> None:
         try:

@@ -8,6 +8,7 @@ the run's first event: the cluster samples with calls/s, tokens/s, outcomes, exc
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from gyre.metrics.config import MetricsConfig
@@ -98,6 +99,9 @@ class MetricsSink(Protocol):
     def write(self, e: Event, scalars: Scalars) -> None:
         """Log the figures `e` added (`scalars.values` against `scalars.axis` = `scalars.step`)."""
 
+    def write_images(self, paths: list[Path], step: int) -> None:
+        """Log the pictures the monitor has just redrawn in the run directory (`step`: the last optimizer step)."""
+
     def close(self) -> None:
         """Flush and release (the run is over)."""
 
@@ -113,6 +117,9 @@ class TensorBoardSink(MetricsSink):
     def write(self, e: Event, scalars: Scalars) -> None:
         for tag, value in scalars.values.items():
             self._writer.add_scalar(tag, value, scalars.step, walltime=e.t)
+
+    def write_images(self, paths: list[Path], step: int) -> None:
+        """Scalars only: the pictures are already files beside the event files."""
 
     def close(self) -> None:
         self._writer.close()
@@ -135,10 +142,19 @@ class WandbSink(MetricsSink):
         self._defined: set[str] = set()
 
     def write(self, e: Event, scalars: Scalars) -> None:
-        for tag in scalars.values.keys() - self._defined:
-            self._run.define_metric(tag, step_metric=scalars.axis)
+        self._log(scalars.values, scalars.axis, scalars.step)
+
+    def write_images(self, paths: list[Path], step: int) -> None:
+        """Each picture as a `wandb.Image` under `figures/<name>` (one per redraw: the run page's slider)."""
+        import wandb
+
+        self._log({f"figures/{p.stem}": wandb.Image(str(p)) for p in paths}, "step", step)
+
+    def _log(self, values: dict, axis: str, step: int) -> None:
+        for tag in values.keys() - self._defined:
+            self._run.define_metric(tag, step_metric=axis)
             self._defined.add(tag)
-        self._run.log({**scalars.values, scalars.axis: scalars.step})
+        self._run.log({**values, axis: step})
 
     def close(self) -> None:
         self._run.finish()

@@ -357,14 +357,19 @@ def test_monitor_follows_events_other_processes_append_and_draws_at_the_end(tmp_
     assert {p.name for p in tmp_path.glob("*.png")} == {"timeline.png", "reward.png", "tokens.png", "utilisation.png"}
 
 
-def test_wandb_offline_run_logs_the_scalars(tmp_path, run_events):
+def test_wandb_offline_run_logs_the_scalars_and_the_figures(tmp_path, run_events):
     pytest.importorskip("wandb")
     write_run(tmp_path, run_events)
-    monitor = RunMonitor(tmp_path, replace(QUIET, wandb=True, wandb_mode="offline"))
+    monitor = RunMonitor(tmp_path, replace(QUIET, wandb=True, wandb_mode="offline", figures=True, plots_interval_s=0))
     assert monitor.close()["view_errors"] == {}
-    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    (run_dir,) = tmp_path.glob("wandb/offline-run-*")
+    (run_file,) = run_dir.glob("run-*.wandb")
     data = run_file.read_bytes()
     assert b"train/loss" in data and b"tokens/saved_by_dedup" in data and b"cluster/waterlevel" in data
+    figures = ("timeline", "reward", "tokens", "utilisation")
+    assert all(f"figures/{k}".encode() in data for k in figures) and b"image-file" in data
+    logged = {p.name.split("_")[0] for p in run_dir.glob("files/media/images/figures/*.png")}
+    assert logged == set(figures)
 
 
 def test_plain_progress_lines_come_at_each_step_and_otherwise_at_most_every_interval(run_events):
