@@ -263,6 +263,6 @@ async def _send(sse, events: list[Event]) -> None:
         await sse.send(data if isinstance(data, str) else json_text(data), event=name)
 
 
-def _usage(call: "Call") -> Usage:
+def _usage(call: Call) -> Usage:
     """What the engine reported so far: the prompt, the output and the prompt tokens its cache served."""
     return Usage(int(call.rendered.input_ids.size), len(call.gen.output_ids), int(call.gen.cached_tokens))

@@ -33,7 +33,7 @@ from gyre.proxy.chat import (
 )
 from gyre.proxy.conversation import WireRequest
 from gyre.proxy.hints import CallHints, openai_hints
-from gyre.proxy.openai import ERROR_TYPES, error_status
+from gyre.proxy.openai import ERROR_TYPES, error_status, new_call_id
 from gyre.proxy.wire import BaseStream, BaseWire, Event, Usage, split_request
 
 
@@ -204,10 +204,6 @@ def parse_request(body, models: list[str], default_max_tokens: int, resume: Resu
 
 def new_response_id() -> str:
     return "resp_" + uuid.uuid4().hex[:24]
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 def make_usage(usage: Usage) -> dict:

@@ -104,6 +104,9 @@ def _env_map(verifier: dict, where: str) -> dict[str, str]:
     env = verifier.get("env", {})
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise TaskSpecError(where, "verifier.env", "must be a table of names to strings")
+    templated = sorted(k for k, v in env.items() if "${" in v)
+    if templated:  # refused rather than passed on literally: the verifier would see "${...}"
+        raise TaskSpecError(where, "verifier.env", f"{', '.join(templated)}: ${{...}} templates are not expanded")
     return dict(env)
 
 
@@ -137,6 +140,10 @@ def load_harbor_task(folder: Path) -> Task:
     if not isinstance(image, str):
         raise TaskSpecError(where, "environment.docker_image", f"must be an image name, got {image!r}")
     env_dir, dockerfile = folder / "environment", folder / "environment" / "Dockerfile"
+    if env.get("allow_internet", True) is not True:  # refused rather than ignored
+        raise TaskSpecError(
+            where, "environment.allow_internet", "only true: a sandbox without a container shares the host's network"
+        )
     cpus = _number(env, "cpus", where, "environment.cpus")
     contract = TaskEnvironment(
         task_dir=str(folder),

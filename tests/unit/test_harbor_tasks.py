@@ -52,6 +52,8 @@ BAD = [
     ("workdir-in-tests", {"toml": '[environment]\nworkdir = "/tests/x"'}, "environment.workdir"),
     ("workdir-hides-usr", {"toml": '[environment]\nworkdir = "/usr/src/app"'}, "environment.workdir"),
     ("name-with-space", {"name": "my task"}, "task_id"),
+    ("verifier-env-template", {"toml": '[verifier]\nenv = { KEY = "${HOST_KEY}" }'}, "verifier.env"),
+    ("no-internet", {"toml": "[environment]\nallow_internet = false"}, "environment.allow_internet"),
 ]
 
 
