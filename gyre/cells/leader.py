@@ -58,7 +58,9 @@ class CellLeader:
         torch.set_num_threads(1)
         self.spec = spec
         self.index, self.is_core = spec.index, spec.index == 0
-        self.channel = connect(spec.coordinator_address, peer_timeout_s=spec.control_peer_timeout_s)
+        self.channel = None
+        """Connected once the cell is built (`run`): the coordinator accepts leaders one handshake at a time,
+        so connecting first would make every cell wait for the previous one to be built."""
         self.events = EventLog(spec.run_dir)
         self.engine = make_engine_process(spec.engine, spec.model)  # builtin: gyre.config refuses sglang for now
         self.engine.start()
@@ -118,8 +120,9 @@ class CellLeader:
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
-        self.channel.send(self.ready())
         try:
+            self.channel = connect(self.spec.coordinator_address, peer_timeout_s=self.spec.control_peer_timeout_s)
+            self.channel.send(self.ready())
             while True:
                 if self.is_core:
                     self._watch_step()
@@ -281,7 +284,8 @@ class CellLeader:
         if self.core is not None:
             self.core.close()
         self.engine.stop()
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
         self.events.close()
 
 
