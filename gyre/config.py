@@ -82,6 +82,12 @@ class GyreConfig:
             "proxy.context_len",
             f"{self.proxy.context_len} exceeds the model's max_seq_len {self.model.max_seq_len}",
         )
+        require(
+            self.cluster.num_cells >= 2 or self.mode != "train" or self.scheduler.mode == "colocate",
+            "cluster.num_cells",
+            f"scheduler={self.scheduler.mode} trains on the core cell, which never serves: with 1 cell no engine "
+            "would roll out (use >= 2 cells, or scheduler=colocate)",
+        )
         if self.cluster.backend == "local":  # the cells outweigh the rest (gyre.cells.quota), which needs room
             need, have = self.cluster.num_cells * self.coordinator.cpus_per_cell, len(os.sched_getaffinity(0))
             require(

@@ -176,7 +176,7 @@ def small_partition():
         pytest.param(["cluster.partition=no-such-partition"], "cluster.partition", "not found", id="unknown-partition"),
         pytest.param(["cluster.num_cells=2", "cluster.cell_nodes=2"], "cluster.num_cells", "has 4", id="more-nodes"),
         pytest.param(
-            ["cluster.num_cells=1", "cluster.cell_nodes=1", "cluster.time_limit_min=6"],
+            ["cluster.num_cells=2", "cluster.cell_nodes=1", "cluster.time_limit_min=6"],
             "cluster.time_limit_min",
             "MaxTime of 5 min",
             id="time-above-max",

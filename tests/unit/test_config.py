@@ -53,6 +53,7 @@ def test_valid_configs_compose_and_validate(overrides):
         pytest.param("cluster.control=zmq", "cluster.control", id="unknown-control-transport"),
         pytest.param("cluster.control_peer_timeout_s=0", "cluster.control_peer_timeout_s", id="no-peer-timeout"),
         pytest.param("engine=sglang", "engine.backend", id="sglang-not-wired"),
+        pytest.param("cluster.num_cells=1", "cluster.num_cells", id="one-cell-cannot-serve-and-train"),
     ],
 )
 def test_bad_values_name_their_key(override, key):
