@@ -12,6 +12,7 @@ import pytest
 
 from gyre.coordinator.ledger import read_ledger
 from gyre.harness.config import HarnessConfig
+from gyre.harness.podman import podman_available
 from gyre.harness.sandbox import Sandbox, SandboxError, bwrap_available
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import TaskSet
@@ -28,7 +29,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_oracle_check_passes_the_shipped_set_and_fails_a_task_that_needs_an_image(tmp_path):
+def test_oracle_check_passes_the_shipped_set_and_fails_a_task_whose_image_cannot_be_had(tmp_path):
     done = _cli("check", str(SET))
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0, done.stdout + done.stderr
@@ -40,11 +41,12 @@ def test_oracle_check_passes_the_shipped_set_and_fails_a_task_that_needs_an_imag
     assert json.loads(lines[-1])["passed"] == 3
     img = tmp_path / "needs-image"
     (img / "tests").mkdir(parents=True)
-    (img / "task.toml").write_text('[environment]\ndocker_image = "python:3.12"\n')
+    (img / "task.toml").write_text('[environment]\ndocker_image = "localhost/gyre-no-such-image:0"\n')
     (img / "instruction.md").write_text("anything")
     (img / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
     done = _cli("check", str(tmp_path))
-    assert done.returncode == 1 and "needs-image\tFAIL\ttask 'needs-image': harness.isolation" in done.stdout
+    why = "podman pull localhost/gyre-no-such-image:0 failed" if podman_available() else "harness.isolation=podman"
+    assert done.returncode == 1 and f"needs-image\tFAIL\ttask 'needs-image': {why}" in done.stdout, done.stdout
 
 
 # The "agent": looks for the tests (at /tests and in its task folder), plants a reward, writes a wrong answer.
