@@ -4,7 +4,8 @@
                environment/Dockerfile (tag: the task id and a hash of environment/'s files)
     workspace: a copy of the image's workdir (`podman create` + `podman cp`), kept on the host
     agent:     podman run --network=none, the workspace at the workdir, the private HOME and the
-               harness's Python (read-only, at their host paths); the harness runs under the relay
+               harness's Python (read-only, at their host paths; the task folder masked where it
+               lies inside them); the harness runs under the relay
     verifier:  podman run, the workspace at the workdir, a fresh copy of tests/ at /tests, a fresh /logs
     oracle:    podman run, the workspace at the workdir, a copy of solution/ at /solution
 
@@ -187,13 +188,17 @@ def make_agent_argv(
 ) -> list[str]:
     """`podman run` argv of the agent's container, up to the harness command: no network, the relay
     listening at the proxy's port inside and carrying to `relay_dir`'s socket."""
+    bound = harness_mounts()
     mounts = [
         Mount(workspace, task.environment.workdir),
         Mount(home, str(home)),
         Mount(relay_dir, RELAY_DIR),
-        *(Mount(p, str(p), writable=False) for p in harness_mounts()),
+        *(Mount(p, str(p), writable=False) for p in bound),
     ]
     flags = ["--network=none", *make_limit_flags(cfg)]
+    task_dir = Path(task.environment.task_dir)
+    if any(p in task_dir.parents for p in bound):  # a task set inside Gyre's tree: its tests/ stay unseen
+        flags += ["--tmpfs", f"{task_dir}:notmpcopyup"]  # podman copies what it covers into a tmpfs by default
     run = make_run_argv(task, image, name, mounts, container_env(env), flags)
     relay = ["--listen", f"tcp:127.0.0.1:{port}", "--to", f"unix:{RELAY_DIR}/proxy.sock", "--"]
     return [*run, sys.executable, "-m", "gyre.harness.relay", *relay]

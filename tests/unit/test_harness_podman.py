@@ -135,3 +135,12 @@ def test_relay_carries_bytes_both_ways_and_a_half_close(tmp_path):
         return got
 
     assert asyncio.run(scenario()) == b"X" * 200_000 + b"END"
+
+
+def test_a_task_folder_inside_the_bound_gyre_tree_is_masked_from_the_agent(tmp_path):
+    shipped = load_harbor_task(Path(__file__).parents[1] / "harbor_image_tasks" / "hello-image")
+    args = (HarnessConfig(), "img:1", "gyre-e1", tmp_path / "ws", tmp_path / "h", tmp_path / "r", {}, 8123)
+    argv = podman.make_agent_argv(args[0], shipped, *args[1:])
+    assert ["--tmpfs", f"{shipped.environment.task_dir}:notmpcopyup"] == argv[argv.index("--tmpfs") :][:2]
+    outside = podman.make_agent_argv(args[0], harbor_task(tmp_path), *args[1:])
+    assert "--tmpfs" not in outside
