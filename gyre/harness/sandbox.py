@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,7 +178,7 @@ def make_task_workspace(task: Task, dest: Path) -> Path:
     env = task.environment
     if env is None or not env.image:
         return make_workspace(task.workspace, dest)
-    copy_workdir(ensure_image(task), env.workdir, dest, f"gyre-copy-{uuid.uuid4().hex[:12]}")
+    copy_workdir(ensure_image(task), env.workdir, dest)
     return dest
 
 
@@ -233,7 +232,9 @@ class Sandbox:
         if contract is not None and contract.image:
             self.container = "gyre-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.execution_id)
             self._image = ensure_image(self.task)
-        make_task_workspace(self.task, self.workspace)
+            copy_workdir(self._image, contract.workdir, self.workspace)
+        else:
+            make_workspace(self.task.workspace, self.workspace)
         run_setup(self.task, self.workspace)
         (self.home / "tmp").mkdir(parents=True, exist_ok=True)
         return self.workspace
