@@ -223,6 +223,7 @@ class Sandbox:
 
         Raises:
             SandboxError: a Harbor task this sandbox cannot run (check_isolation).
+            PodmanError: the task's image cannot be pulled, built or copied from.
             WorkspaceError: the source cannot be copied or the setup failed.
         """
         contract = self.task.environment
@@ -293,25 +294,30 @@ class Sandbox:
         env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"))
         self._relay_dir = Path(tempfile.mkdtemp(prefix="gyre-relay-"))  # short: a socket path has 107 bytes
         listener = socket.socket(socket.AF_UNIX)
-        try:  # bound before either side starts: no race between the relays
+        try:  # bound before either relay starts: no race between them
             listener.bind(str(self._relay_dir / "proxy.sock"))
             listener.listen(64)
-            container = make_agent_argv(
-                self.cfg, self.task, self._image, self.container, self.workspace, self.home, self._relay_dir, env, port
-            )
-            self.isolated = True
-            self._popen(container + argv, env)
-            relay = ["--listen", f"fd:{listener.fileno()}", "--to", f"tcp:{host}:{port}"]
-            self._relay = subprocess.Popen(
-                [sys.executable, "-m", "gyre.harness.relay", *relay],
-                pass_fds=(listener.fileno(),),
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            with open(self.dir / "relay.log", "ab") as relay_log:
+                self._relay = subprocess.Popen(
+                    [sys.executable, "-m", "gyre.harness.relay", "--listen", f"fd:{listener.fileno()}"]
+                    + ["--to", f"tcp:{host}:{port}"],
+                    pass_fds=(listener.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    stdout=relay_log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         finally:
             listener.close()
+        container = make_agent_argv(
+            self.cfg, self.task, self._image, self.container, self.workspace, self.home, self._relay_dir, env, port
+        )
+        self.isolated = True
+        try:
+            self._popen(container + argv, env)
+        except SandboxError:
+            self._stop_container(0)
+            raise
 
     def _stop_container(self, code: int) -> None:
         """Stop the host relay; remove a container its killed `podman run` left behind."""
