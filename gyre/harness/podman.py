@@ -13,7 +13,8 @@ Only the proxy is reachable from the agent's container: it has no network but it
 Inside it the relay (gyre/harness/relay.py, the harness its child) listens on 127.0.0.1 at the
 proxy's port, so the proxy URL works unchanged, and carries each connection over a unix socket
 bound into the container to a relay on the host that connects to the proxy. The verifier and the
-oracle are the task's own code and get podman's default network, as Harbor gives them.
+oracle are the task's own code and get podman's default network, as Harbor gives them, but none
+where the task says `allow_internet = false`.
 
 The harness runs from the host's install, bound read-only: the image must provide the C library
 and shared libraries that Python links (Debian and Ubuntu images do; the relay and the toy agent
@@ -148,6 +149,8 @@ def make_run_argv(
     contract = task.environment
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     argv = ["podman", "run", "--rm", "--name", name, "--workdir", contract.workdir, "--ulimit", f"nofile={soft}:{hard}"]
+    if not contract.allow_internet and "--network=none" not in flags:
+        argv.append("--network=none")
     if not any(f.startswith("nproc=") for f in flags):
         argv += ["--ulimit", f"nproc={DEFAULT_NPROC}:{DEFAULT_NPROC}"]
     if contract.cpus is not None:

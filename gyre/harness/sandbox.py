@@ -161,6 +161,11 @@ def check_isolation(task: Task, cfg: HarnessConfig, bwrap_ok: bool, podman_ok: b
                 f"a container image ({what}); apt-get install podman (tools/setup.sh)"
             )
         return
+    if not env.allow_internet:  # bubblewrap shares the host's network: the proxy is reached over it
+        raise SandboxError(
+            f"task {task.task_id!r}: harness.isolation={cfg.isolation}: [environment].allow_internet = false needs "
+            "a task with an image run with harness.isolation=podman (a container without a network)"
+        )
     if cfg.isolation == "none" or not bwrap_ok:
         why = "isolation=none" if cfg.isolation == "none" else "bubblewrap cannot run here"
         raise SandboxError(

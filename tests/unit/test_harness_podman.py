@@ -42,6 +42,12 @@ def test_verifier_run_argv_has_the_task_limits_and_the_host_open_files_limit(tmp
     ]
 
 
+def test_verifier_of_a_task_without_internet_has_no_network(tmp_path):
+    task = harbor_task(tmp_path, "[environment]\nallow_internet = false")
+    assert "--network=none" in podman.make_run_argv(task, "img:1", "gyre-v1", [], {})
+    assert "--network=none" not in podman.make_run_argv(harbor_task(tmp_path, name="t2"), "img:1", "gyre-v1", [], {})
+
+
 def test_agent_argv_has_no_network_its_rlimits_and_runs_the_harness_under_the_relay(tmp_path):
     task = harbor_task(tmp_path)
     cfg = HarnessConfig(max_processes=64, cpu_limit_s=30)
