@@ -58,7 +58,11 @@ class PodmanError(GyreError):
 
 
 def podman(args: list[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess:
-    return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout_s)
+    """Run one podman command (a hung one is a PodmanError, as a failed one is for its caller)."""
+    try:
+        return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise PodmanError(f"podman {' '.join(args[:2])} took over {timeout_s:g} s") from None
 
 
 def podman_available() -> bool:
@@ -67,7 +71,7 @@ def podman_available() -> bool:
     if _podman_ok is None:
         try:
             _podman_ok = podman(["info", "--format", "{{.Host.OCIRuntime.Name}}"], 60).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
+        except (OSError, PodmanError):
             _podman_ok = False
     return _podman_ok
 
