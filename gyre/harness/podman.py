@@ -22,6 +22,7 @@ need libssl). Harnesses that need Node (claude_code, codex) need it in the image
 """
 
 import hashlib
+import logging
 import os
 import resource
 import shutil
@@ -39,6 +40,7 @@ from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount
 from gyre.tasks.spec import Task
 
+log = logging.getLogger(__name__)
 RELAY_DIR = "/gyre/relay"
 """Where the agent's container sees the folder holding the relay's unix socket."""
 DEFAULT_NPROC = 4096
@@ -139,8 +141,15 @@ def copy_workdir(image_id: str, workdir: str, dest: Path) -> None:
 
 
 def remove(name: str) -> None:
-    """Remove a container that may outlive its `podman run` (a client killed at a timeout)."""
-    podman(["rm", "--force", "--ignore", "--time", "0", name])
+    """Remove a container that may outlive its `podman run` (a client killed at a timeout); a failure
+    is logged, not raised: the execution has ended either way."""
+    try:
+        done = podman(["rm", "--force", "--ignore", "--time", "0", name])
+        failed = done.stderr.strip() if done.returncode else ""
+    except (OSError, PodmanError) as e:
+        failed = str(e)
+    if failed:
+        log.warning("could not remove container %s: %s", name, failed[-300:])
 
 
 def make_run_argv(
