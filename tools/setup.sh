@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 
-# Mooncake's Transfer Engine links libibverbs even for TCP transfers; bubblewrap isolates harness sandboxes.
-APT_PACKAGES=(libibverbs1 ibverbs-providers bubblewrap)
+# Mooncake's Transfer Engine links libibverbs even for TCP transfers; bubblewrap isolates harness sandboxes;
+# podman (with runc, its network stack and iptables) runs Harbor tasks that need an image
+# (harness.isolation=podman); debootstrap makes the local image of their tests (tools/podman-test-image).
+APT_PACKAGES=(libibverbs1 ibverbs-providers bubblewrap podman runc netavark iptables debootstrap)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -20,6 +22,15 @@ if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null
   apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# crun (podman's default OCI runtime on Debian 12) refuses a hybrid cgroup layout whose v2 tree has
+# controllers ("cgroups in hybrid mode not supported"); runc runs there. Root only: the system's containers.conf.
+RUNC_CONF=/etc/containers/containers.conf.d/gyre-runc.conf
+if [[ $EUID -eq 0 && ! -f $RUNC_CONF ]] && grep -qs . /sys/fs/cgroup/unified/cgroup.controllers; then
+  log "hybrid cgroups with v2 controllers: podman runs containers with runc ($RUNC_CONF)"
+  mkdir -p "$(dirname "$RUNC_CONF")"
+  printf '[engine]\nruntime = "runc"\n' >"$RUNC_CONF"
 fi
 
 PY=$(command -v python3.11 || command -v python3)

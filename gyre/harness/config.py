@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from gyre.errors import ConfigError, require
 
 KINDS = ("toy", "claude_code", "mini_swe_agent", "codex", "command")
-ISOLATIONS = ("auto", "bwrap", "none")
+ISOLATIONS = ("auto", "bwrap", "podman", "none")
 PLACEHOLDERS = ("instruction", "workspace", "proxy_url", "api_key", "model")
 
 
@@ -56,7 +56,8 @@ class HarnessConfig:
     placeholders {instruction} {workspace} {proxy_url} {api_key} {model}; write {{ }} for braces."""
     isolation: str = "auto"
     """bwrap: bubblewrap (workspace and a private HOME writable, the rest read-only; fails if it
-    cannot run); none: the plain runner; auto: bwrap where it runs, else a warning and none."""
+    cannot run); none: the plain runner; auto: bwrap where it runs, else a warning and none;
+    podman: as bwrap, but a Harbor task that needs an image runs in it (gyre/harness/podman.py)."""
     grace_s: float = 5.0
     """Seconds between SIGTERM at the time budget and SIGKILL of the whole process group."""
     cpu_limit_s: int | None = 3600

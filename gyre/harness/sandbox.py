@@ -16,10 +16,11 @@ the workspace at the workdir (gyre/harness/contract.py) and the task folder mask
 solution/ stay unseen; `[environment].memory_mb` caps RLIMIT_AS below `harness.mem_limit_gb`
 (not for harnesses run without one: Node reserves large address spaces) and `cpus` is a CFS quota
 of the sandbox's own cgroup (gyre/cells/quota.py; where no cgroup is writable, a warning and no
-cap). A Harbor task that
-needs an image (docker_image or environment/Dockerfile), or that would run without bubblewrap,
-is refused naming the task and `harness.isolation`, never run unisolated: container isolation
-(podman, apptainer) for such tasks is not built yet.
+cap). A Harbor task that needs an image (docker_image or environment/Dockerfile) runs in it with
+`isolation=podman` (gyre/harness/podman.py: no network but a relay to the proxy; cpus and
+memory_mb as the container's cgroup limits); without podman, or with another isolation, it is
+refused naming the task and `harness.isolation`, as is one that would run without bubblewrap:
+never run unisolated.
 
 Apptainer/enroot on Slurm: the runner is the same inside the image (bubblewrap needs to be in the
 image; unprivileged user namespaces must be allowed, which Apptainer's own sandbox also needs);
@@ -31,9 +32,13 @@ command (and bubblewrap, which then must be in the image) in `apptainer exec --c
 
 import logging
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +48,7 @@ from gyre.errors import GyreError
 from gyre.harness.commands import make_harness_command
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
+from gyre.harness.podman import copy_workdir, ensure_image, make_agent_argv, podman_available, proxy_port, remove
 from gyre.tasks.spec import Task
 from gyre.tasks.workspace import make_workspace, run_setup
 
@@ -133,7 +139,7 @@ def make_sandbox_quota(execution_id: str, cpus: float) -> CpuQuota | None:
     return None
 
 
-def check_isolation(task: Task, cfg: HarnessConfig, bwrap_ok: bool) -> None:
+def check_isolation(task: Task, cfg: HarnessConfig, bwrap_ok: bool, podman_ok: bool) -> None:
     """Refuse a Harbor task this sandbox cannot give its paths: never a silent unisolated run (pure).
 
     Raises:
@@ -144,10 +150,21 @@ def check_isolation(task: Task, cfg: HarnessConfig, bwrap_ok: bool) -> None:
         return
     if env.image:
         what = f"[environment].docker_image {env.docker_image}" if env.docker_image else env.dockerfile
+        if cfg.isolation != "podman":
+            raise SandboxError(
+                f"task {task.task_id!r}: harness.isolation={cfg.isolation} cannot run a task that needs a container "
+                f"image ({what}); set harness.isolation=podman"
+            )
+        if not podman_ok:
+            raise SandboxError(
+                f"task {task.task_id!r}: harness.isolation=podman but podman cannot run here, and the task needs "
+                f"a container image ({what}); apt-get install podman (tools/setup.sh)"
+            )
+        return
+    if not env.allow_internet:  # bubblewrap shares the host's network: the proxy is reached over it
         raise SandboxError(
-            f"task {task.task_id!r}: harness.isolation={cfg.isolation} cannot run a task that needs a container "
-            f"image ({what}); bubblewrap runs Harbor tasks whose environment/ holds files (podman and apptainer "
-            "isolation are not built yet)"
+            f"task {task.task_id!r}: harness.isolation={cfg.isolation}: [environment].allow_internet = false needs "
+            "a task with an image run with harness.isolation=podman (a container without a network)"
         )
     if cfg.isolation == "none" or not bwrap_ok:
         why = "isolation=none" if cfg.isolation == "none" else "bubblewrap cannot run here"
@@ -155,6 +172,19 @@ def check_isolation(task: Task, cfg: HarnessConfig, bwrap_ok: bool) -> None:
             f"task {task.task_id!r}: harness.isolation: a Harbor task needs bubblewrap for {env.workdir}, "
             f"/tests and /logs ({why}); set harness.isolation=auto or bwrap where bubblewrap runs"
         )
+
+
+def make_task_workspace(task: Task, dest: Path) -> Path:
+    """A fresh workspace: a copy of the image's workdir for a task with an image, else of its source.
+
+    Raises:
+        PodmanError, WorkspaceError: the image or the source cannot be copied.
+    """
+    env = task.environment
+    if env is None or not env.image:
+        return make_workspace(task.workspace, dest)
+    copy_workdir(ensure_image(task), env.workdir, dest)
+    return dest
 
 
 def make_agent_prefix(task: Task, workspace: Path, home: Path) -> list[str]:
@@ -182,6 +212,11 @@ class Sandbox:
         self.dir = Path(root).resolve() / execution_id
         self.workspace, self.home, self.log_path = self.dir / "workspace", self.dir / "home", self.dir / "harness.log"
         self.isolated = False
+        self.container = ""
+        """The agent's podman container (a Harbor task with an image), else ''."""
+        self._image = ""
+        self._relay: subprocess.Popen | None = None
+        self._relay_dir: Path | None = None
         self._quota: CpuQuota | None = None
         self._proc: subprocess.Popen | None = None
         self._log = None
@@ -193,11 +228,19 @@ class Sandbox:
 
         Raises:
             SandboxError: a Harbor task this sandbox cannot run (check_isolation).
+            PodmanError: the task's image cannot be pulled, built or copied from.
             WorkspaceError: the source cannot be copied or the setup failed.
         """
-        if self.task.environment is not None:
-            check_isolation(self.task, self.cfg, self.cfg.isolation != "none" and bwrap_available())
-        make_workspace(self.task.workspace, self.workspace)
+        contract = self.task.environment
+        if contract is not None:
+            bwrap_ok = self.cfg.isolation != "none" and bwrap_available()
+            check_isolation(self.task, self.cfg, bwrap_ok, self.cfg.isolation == "podman" and podman_available())
+        if contract is not None and contract.image:
+            self.container = "gyre-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.execution_id)
+            self._image = ensure_image(self.task)
+            copy_workdir(self._image, contract.workdir, self.workspace)
+        else:
+            make_workspace(self.task.workspace, self.workspace)
         run_setup(self.task, self.workspace)
         (self.home / "tmp").mkdir(parents=True, exist_ok=True)
         return self.workspace
@@ -208,6 +251,9 @@ class Sandbox:
         Raises:
             SandboxError: isolation=bwrap where bubblewrap cannot run, or the harness is missing.
         """
+        if self.container:
+            self._start_podman()
+            return
         contract = self.task.environment
         inside = Path(contract.workdir) if contract else self.workspace
         argv, env = make_harness_command(
@@ -223,9 +269,9 @@ class Sandbox:
             self._popen(prefix + make_agent_prefix(self.task, self.workspace, self.home) + argv, env)
             return
         want = self.cfg.isolation
-        self.isolated = want == "bwrap" or (want == "auto" and bwrap_available())
-        if want == "bwrap" and not bwrap_available():
-            raise SandboxError("harness.isolation=bwrap but bubblewrap cannot run here; use auto or none")
+        self.isolated = want in ("bwrap", "podman") or (want == "auto" and bwrap_available())
+        if want in ("bwrap", "podman") and not bwrap_available():
+            raise SandboxError(f"harness.isolation={want} but bubblewrap cannot run here; use auto or none")
         if self.isolated:
             argv = make_bwrap_prefix([self.workspace, self.home], self.workspace) + argv
         if self.cfg.container_image:
@@ -236,6 +282,56 @@ class Sandbox:
                 + argv
             )
         self._popen(make_limits_prefix(self.cfg) + argv, env)
+
+    def _start_podman(self) -> None:
+        """The harness in the task's image; its one way out is the relay pair to the proxy (podman.py)."""
+        host, port = proxy_port(self.proxy_url)
+        workdir = self.task.environment.workdir
+        argv, env = make_harness_command(
+            self.cfg,
+            self.task.instruction,
+            Path(workdir),
+            f"http://127.0.0.1:{port}",
+            self.api_key,
+            self.model,
+            self.home,
+        )
+        env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"))
+        self._relay_dir = Path(tempfile.mkdtemp(prefix="gyre-relay-"))  # short: a socket path has 107 bytes
+        listener = socket.socket(socket.AF_UNIX)
+        try:  # bound before either relay starts: no race between them
+            listener.bind(str(self._relay_dir / "proxy.sock"))
+            listener.listen(64)
+            with open(self.dir / "relay.log", "ab") as relay_log:
+                self._relay = subprocess.Popen(
+                    [sys.executable, "-m", "gyre.harness.relay", "--listen", f"fd:{listener.fileno()}"]
+                    + ["--to", f"tcp:{host}:{port}"],
+                    pass_fds=(listener.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    stdout=relay_log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        finally:
+            listener.close()
+        container = make_agent_argv(
+            self.cfg, self.task, self._image, self.container, self.workspace, self.home, self._relay_dir, env, port
+        )
+        self.isolated = True
+        try:
+            self._popen(container + argv, env)
+        except SandboxError:
+            self._stop_container(0)
+            raise
+
+    def _stop_container(self, code: int) -> None:
+        """Stop the host relay; remove a container its killed `podman run` left behind."""
+        if self._relay is not None:
+            self._relay.kill()
+            self._relay.wait()
+            shutil.rmtree(self._relay_dir, ignore_errors=True)
+        if code != 0:
+            remove(self.container)
 
     def _popen(self, argv: list[str], env: dict[str, str]) -> None:
         self._log = open(self.log_path, "ab")
@@ -275,6 +371,8 @@ class Sandbox:
             return None
         self._signal(signal.SIGKILL)  # what the harness left running in its group
         self._log.close()
+        if self.container:
+            self._stop_container(code)
         if self._quota is not None:
             self._quota.remove(timeout_s=1.0)
         self._result = SandboxResult(code, bool(self._term_at), now - self._started, self.workspace, self.log_path)

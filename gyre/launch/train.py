@@ -77,12 +77,14 @@ def load_tasks(cfg: GyreConfig) -> TaskSet:
         TaskSpecError: a task spec that does not load (names the task and the field).
         SandboxError: a Harbor task this machine's sandboxes cannot run (names the task and the key).
     """
+    from gyre.harness.podman import podman_available
     from gyre.harness.sandbox import bwrap_available, check_isolation
 
     taskset = TaskSet.load(cfg.tasks.path) if cfg.tasks.path else toy_taskset()
     for task in taskset.tasks:
         if task.environment is not None:  # on Slurm the nodes' bubblewrap is checked by each sandbox
-            check_isolation(task, cfg.harness, cfg.cluster.backend == "slurm" or bwrap_available())
+            slurm = cfg.cluster.backend == "slurm"
+            check_isolation(task, cfg.harness, slurm or bwrap_available(), slurm or podman_available())
     wants_warm = cfg.tasks.warm_start and cfg.coordinator.init_weights is None and cfg.model.path is None
     if wants_warm and not cfg.resume and not any("files" in (t.reference or {}) for t in taskset.tasks):
         print("gyre-train: warm start skipped: no task has reference files to demonstrate", file=sys.stderr)

@@ -24,8 +24,9 @@ from pathlib import Path
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
 from gyre.errors import GyreError
-from gyre.harness.config import KINDS, HarnessConfig
-from gyre.harness.sandbox import Sandbox, bwrap_available, check_isolation
+from gyre.harness.config import ISOLATIONS, KINDS, HarnessConfig
+from gyre.harness.podman import podman_available
+from gyre.harness.sandbox import Sandbox, bwrap_available, check_isolation, make_task_workspace
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.proxy.config import ProxyConfig
@@ -33,7 +34,7 @@ from gyre.proxy.main import ProxyProcess
 from gyre.records.io import has_records
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import TOY_TASKSET, TaskSet
-from gyre.tasks.workspace import apply_reference, make_workspace
+from gyre.tasks.workspace import apply_reference
 from gyre.trajectory.rewards import Evaluation, reward_of, unscored_reason
 
 CHECK_ATTEMPTS = 3
@@ -157,9 +158,9 @@ def check_task(task, root: Path) -> tuple[bool, str, float]:
     an evaluator that keeps failing on either, or a reference that cannot run, is a FAIL."""
     try:
         if task.environment is not None:
-            check_isolation(task, HarnessConfig(), bwrap_available())
-        untouched = make_workspace(task.workspace, root / task.task_id / "untouched")
-        solved = make_workspace(task.workspace, root / task.task_id / "reference")
+            check_isolation(task, HarnessConfig(isolation="podman"), bwrap_available(), podman_available())
+        untouched = make_task_workspace(task, root / task.task_id / "untouched")
+        solved = make_task_workspace(task, root / task.task_id / "reference")
         apply_reference(task, solved)
     except GyreError as e:
         return False, f"{task.task_id}\tFAIL\t{e}", 0.0
@@ -217,7 +218,7 @@ def parse_args(argv):
     run.add_argument("--model-dir", help="own engine: weights directory (default: random tiny weights)")
     run.add_argument("--scripted-policy", help="own engine: a scripted policy file (tests, demos)")
     run.add_argument("--temperature", type=float, default=None)
-    run.add_argument("--isolation", choices=("auto", "bwrap", "none"), default="auto")
+    run.add_argument("--isolation", choices=ISOLATIONS, default="auto")
     run.add_argument("--root", help="directory for sandboxes and records (default: a new temporary one)")
     run.add_argument("--execution-id")
     for name in ("list", "check"):

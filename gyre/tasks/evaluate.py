@@ -11,7 +11,8 @@ harness should have written and did not is a real 0.
 
 Harbor verifier: after the agent ends, a fresh copy of the task's tests/ at /tests, an empty
 /logs/verifier, the workspace at the workdir; `bash /tests/test.sh` runs there (bubblewrap,
-gyre/harness/contract.py) under `[verifier].timeout_sec`, its exit status ignored as Harbor does.
+gyre/harness/contract.py; a task with an image: in it, with podman, gyre/harness/podman.py) under
+`[verifier].timeout_sec`, its exit status ignored as Harbor does.
 The reward is /logs/verifier/reward.txt (one number) or reward.json: its "reward" key, or its only
 value if it has one key; several keys without "reward" are refused (no weighting is guessed).
 No reward file, both files, garbage, a reward outside [0, 1] or a timeout: evaluator_error.
@@ -32,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 
 from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
+from gyre.harness.podman import PodmanError, ensure_image, make_run_argv, remove
 from gyre.tasks.spec import EvaluatorSpec, Task
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation
 
@@ -217,14 +219,21 @@ def score_harbor(task: Task, workspace: Path) -> tuple[float, str]:
         shutil.copytree(Path(contract.task_dir, "tests"), tests, symlinks=True)
         (logs / "verifier").mkdir(parents=True)
         home.mkdir()
-        mounts = [
-            Mount(workspace, contract.workdir),
-            Mount(tests, "/tests"),
-            Mount(logs, "/logs"),
-            Mount(home, str(home)),
-        ]
-        argv = make_contract_prefix(list_host_root(), mounts, contract.workdir) + ["bash", "/tests/test.sh"]
-        done = run_command(argv, workspace, task.evaluator.timeout_s, {**task.evaluator.env, "HOME": str(home)})
+        mounts = [Mount(workspace, contract.workdir), Mount(tests, "/tests"), Mount(logs, "/logs")]
+        if contract.image:  # the task's own image (podman.py); HOME is the image's
+            name = f"gyre-verifier-{Path(tmp).name}"
+            try:
+                argv = make_run_argv(task, ensure_image(task), name, mounts, task.evaluator.env)
+                done = run_command([*argv, "bash", "/tests/test.sh"], workspace, task.evaluator.timeout_s)
+            except PodmanError as e:
+                raise EvaluatorFailed(str(e)) from None
+            except EvaluatorFailed:
+                remove(name)  # its podman client was killed at the timeout, the container was not
+                raise
+        else:
+            mounts.append(Mount(home, str(home)))
+            argv = make_contract_prefix(list_host_root(), mounts, contract.workdir) + ["bash", "/tests/test.sh"]
+            done = run_command(argv, workspace, task.evaluator.timeout_s, {**task.evaluator.env, "HOME": str(home)})
         try:
             score = parse_reward(
                 _read_optional(logs / "verifier/reward.txt"), _read_optional(logs / "verifier/reward.json")

@@ -140,10 +140,9 @@ def load_harbor_task(folder: Path) -> Task:
     if not isinstance(image, str):
         raise TaskSpecError(where, "environment.docker_image", f"must be an image name, got {image!r}")
     env_dir, dockerfile = folder / "environment", folder / "environment" / "Dockerfile"
-    if env.get("allow_internet", True) is not True:  # refused rather than ignored
-        raise TaskSpecError(
-            where, "environment.allow_internet", "only true: a sandbox without a container shares the host's network"
-        )
+    allow_internet = env.get("allow_internet", True)
+    if not isinstance(allow_internet, bool):
+        raise TaskSpecError(where, "environment.allow_internet", f"must be true or false, got {allow_internet!r}")
     cpus = _number(env, "cpus", where, "environment.cpus")
     contract = TaskEnvironment(
         task_dir=str(folder),
@@ -152,6 +151,7 @@ def load_harbor_task(folder: Path) -> Task:
         dockerfile=str(dockerfile) if dockerfile.is_file() else "",
         cpus=None if cpus is None else float(cpus),
         memory_mb=parse_memory_mb(env, where),
+        allow_internet=allow_internet,
     )
     evaluator = EvaluatorSpec(
         "harbor",

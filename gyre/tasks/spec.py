@@ -83,6 +83,8 @@ class TaskEnvironment:
     """`[environment].cpus`; None: the harness's defaults."""
     memory_mb: int | None = None
     """`[environment].memory_mb` (or `memory` = "4G"); caps the sandbox's RLIMIT_AS."""
+    allow_internet: bool = True
+    """`[environment].allow_internet`; false: only a container without a network can run the task."""
 
     @property
     def image(self) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gyre.errors import GyreError
 from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
+from gyre.harness.podman import ensure_image, make_run_argv, remove
 from gyre.tasks.spec import Task, WorkspaceSource
 
 
@@ -98,19 +99,25 @@ def apply_reference(task: Task, workspace: Path, timeout_s: float = 600.0) -> No
 
 def run_solve_sh(task: Task, workspace: Path) -> None:
     """Harbor's oracle: `bash /solution/solve.sh` from the workdir, in the agent's sandbox layout
-    (bubblewrap) with a copy of solution/ at /solution, under the agent's time budget.
+    (bubblewrap, or the task's image with podman) with a copy of solution/ at /solution, under the
+    agent's time budget.
 
     Raises:
-        WorkspaceError: it failed, ran past the budget, or bubblewrap could not start.
+        WorkspaceError: it failed, ran past the budget, or its sandbox could not start.
     """
     contract = task.environment
     with tempfile.TemporaryDirectory(prefix="gyre-oracle-") as tmp:
         solution, home = Path(tmp, "solution"), Path(tmp, "home")
         shutil.copytree(Path(task.reference["solve_sh"]).parent, solution, symlinks=True)
         home.mkdir()
-        mounts = [Mount(workspace, contract.workdir), Mount(solution, "/solution"), Mount(home, str(home))]
-        argv = make_contract_prefix(list_host_root(), mounts, contract.workdir, hide=[contract.task_dir])
+        mounts = [Mount(workspace, contract.workdir), Mount(solution, "/solution")]
+        name = f"gyre-oracle-{Path(tmp).name}"
         try:
+            if contract.image:
+                argv = make_run_argv(task, ensure_image(task), name, mounts, {})
+            else:
+                mounts.append(Mount(home, str(home)))
+                argv = make_contract_prefix(list_host_root(), mounts, contract.workdir, hide=[contract.task_dir])
             done = subprocess.run(
                 [*argv, "bash", "/solution/solve.sh"],
                 capture_output=True,
@@ -119,9 +126,11 @@ def run_solve_sh(task: Task, workspace: Path) -> None:
                 env={**os.environ, "HOME": str(home)},
             )
         except subprocess.TimeoutExpired:
+            if contract.image:
+                remove(name)
             raise WorkspaceError(f"task {task.task_id!r}: solution/solve.sh ran past {task.time_budget_s} s") from None
         except OSError as e:
-            raise WorkspaceError(f"task {task.task_id!r}: cannot start bubblewrap for solve.sh: {e}") from e
+            raise WorkspaceError(f"task {task.task_id!r}: cannot start the sandbox of solve.sh: {e}") from e
     if done.returncode != 0:
         raise WorkspaceError(
             f"task {task.task_id!r}: solution/solve.sh exited {done.returncode}: {(done.stdout + done.stderr)[-500:]}"

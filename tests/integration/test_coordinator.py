@@ -197,16 +197,21 @@ HARNESS_RULES = {
             "emit": "Submitting. " + _tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}),
         },
     ],
+    "codex": [
+        {"match": "answer.txt", "emit": _tool_call("exec_command", {"cmd": "printf apple > answer.txt"})},
+        {"match": ".", "emit": "Done: answer.txt holds the word."},
+    ],
 }
 
 
-@pytest.mark.parametrize("harness", ["claude_code", "mini_swe_agent"])
+@pytest.mark.parametrize("harness", ["claude_code", "mini_swe_agent", "codex"])
 def test_real_harnesses_roll_out_through_the_coordinator(tmp_path, harness):
-    from gyre.harness.agents import find_claude_code, find_mini_swe_agent
+    from gyre.harness.agents import find_claude_code, find_codex, find_mini_swe_agent
     from gyre.records.io import read_records
     from gyre.trajectory.tree import build_call_tree
 
-    if (find_claude_code if harness == "claude_code" else find_mini_swe_agent)() is None:
+    finders = {"claude_code": find_claude_code, "mini_swe_agent": find_mini_swe_agent, "codex": find_codex}
+    if finders[harness]() is None:
         pytest.skip(f"{harness} is not installed: run tools/setup.sh")
     rules = tmp_path / "rules.json"
     rules.write_text(json.dumps({"rules": HARNESS_RULES[harness]}))

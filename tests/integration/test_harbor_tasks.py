@@ -1,5 +1,6 @@
 """Harbor task folders end to end on bubblewrap: the oracle check, what the agent can and cannot
-see, a planted reward, a timed-out run verified on its preserved workspace, and (slow) gyre-train."""
+see, a planted reward, a timed-out run verified on its preserved workspace, and (slow) gyre-train,
+with a task in a local image under podman where podman runs (test_harbor_podman.py: the rest of podman)."""
 
 import dataclasses
 import json
@@ -9,11 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from podman_fixtures import IMAGE_SET, local_image
 
 from gyre.coordinator.ledger import read_ledger
 from gyre.harness.config import HarnessConfig
+from gyre.harness.podman import podman_available
 from gyre.harness.sandbox import Sandbox, SandboxError, bwrap_available
 from gyre.tasks.evaluate import evaluate
+from gyre.tasks.harbor import find_task_dirs
 from gyre.tasks.spec import TaskSet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +32,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_oracle_check_passes_the_shipped_set_and_fails_a_task_that_needs_an_image(tmp_path):
+def test_oracle_check_passes_the_shipped_set_and_fails_a_task_whose_image_cannot_be_had(tmp_path):
     done = _cli("check", str(SET))
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0, done.stdout + done.stderr
@@ -40,11 +44,12 @@ def test_oracle_check_passes_the_shipped_set_and_fails_a_task_that_needs_an_imag
     assert json.loads(lines[-1])["passed"] == 3
     img = tmp_path / "needs-image"
     (img / "tests").mkdir(parents=True)
-    (img / "task.toml").write_text('[environment]\ndocker_image = "python:3.12"\n')
+    (img / "task.toml").write_text('[environment]\ndocker_image = "localhost/gyre-no-such-image:0"\n')
     (img / "instruction.md").write_text("anything")
     (img / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
     done = _cli("check", str(tmp_path))
-    assert done.returncode == 1 and "needs-image\tFAIL\ttask 'needs-image': harness.isolation" in done.stdout
+    why = "podman pull localhost/gyre-no-such-image:0 failed" if podman_available() else "harness.isolation=podman"
+    assert done.returncode == 1 and f"needs-image\tFAIL\ttask 'needs-image': {why}" in done.stdout, done.stdout
 
 
 # The "agent": looks for the tests (at /tests and in its task folder), plants a reward, writes a wrong answer.
@@ -111,22 +116,32 @@ def test_isolation_none_refuses_a_harbor_task(tmp_path):
 
 @pytest.mark.slow
 def test_one_training_step_on_harbor_tasks(tmp_path):
-    run_dir = tmp_path / "run"
+    """Where podman and the local image are at hand, the image task joins the run under isolation=podman."""
+    run_dir, (image, _) = tmp_path / "run", local_image()
+    tasks, extra = SET, []
+    if image is not None:
+        tasks = tmp_path / "set"
+        tasks.mkdir()
+        for d in [*find_task_dirs(SET), IMAGE_SET / "hello-image"]:
+            (tasks / d.name).symlink_to(d)
+        extra = ["harness.isolation=podman"]
+    n_tasks = len(find_task_dirs(tasks))
     cmd = [
         sys.executable,
         "-m",
         "gyre.launch.train",
         f"hydra.run.dir={run_dir}",
-        f"tasks.path={SET}",
+        f"tasks.path={tasks}",
         "num_steps=1",
         "coordinator.group_size=2",
-        "coordinator.groups_per_step=3",
+        f"coordinator.groups_per_step={n_tasks}",  # one epoch of the draw order: every task once
         "coordinator.sessions_per_cell=20",
         "coordinator.train_tok_s=100",
         "harness.toy.max_tokens=16",
         "harness.toy.max_turns=2",
         "harness.toy.subagent=false",
         "trajectory.drop_uniform_groups=false",  # the tiny model solves nothing: train on zero advantages
+        *extra,
     ]
     done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -138,5 +153,10 @@ def test_one_training_step_on_harbor_tasks(tmp_path):
     assert not any(k.startswith("excluded/sandbox") or k.endswith("evaluator_error") for k in view.counts()), (
         view.counts()
     )
-    for eid in view.history:  # hello-file's cpus cgroups are gone with their sandboxes
+    ran = {view.history[eid][0].task_id for eid in view.history}
+    assert ran == {d.name for d in find_task_dirs(tasks)}, ran
+    for eid in view.history:  # hello-file's cpus cgroups are gone with their sandboxes, the containers too
         assert not Path("/sys/fs/cgroup/cpu", f"gyre-sandbox-{eid}").exists()
+    if image is not None:
+        left = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True)
+        assert not [n for n in left.stdout.split() if n.startswith("gyre-") and n[5:] in view.history], left.stdout

@@ -53,7 +53,7 @@ BAD = [
     ("workdir-hides-usr", {"toml": '[environment]\nworkdir = "/usr/src/app"'}, "environment.workdir"),
     ("name-with-space", {"name": "my task"}, "task_id"),
     ("verifier-env-template", {"toml": '[verifier]\nenv = { KEY = "${HOST_KEY}" }'}, "verifier.env"),
-    ("no-internet", {"toml": "[environment]\nallow_internet = false"}, "environment.allow_internet"),
+    ("internet-not-bool", {"toml": '[environment]\nallow_internet = "no"'}, "environment.allow_internet"),
 ]
 
 
@@ -168,14 +168,29 @@ def test_reward_file_errors(txt, js, match):
 
 def test_isolation_refusals_name_task_and_key(tmp_path):
     plain = load_harbor_task(make_task(tmp_path, "plain"))
-    check_isolation(plain, HarnessConfig(), bwrap_ok=True)
     image = load_harbor_task(make_task(tmp_path, "img", '[environment]\ndocker_image = "python:3.12"'))
     built = load_harbor_task(make_task(tmp_path, "built", files={"environment/Dockerfile": "FROM debian"}))
-    cases = [(image, HarnessConfig(), True), (built, HarnessConfig(), True)]
-    cases += [(plain, HarnessConfig(isolation="none"), True), (plain, HarnessConfig(), False)]
-    for task, cfg, ok in cases:
+    offline = load_harbor_task(make_task(tmp_path, "offline", "[environment]\nallow_internet = false"))
+    offline_image = load_harbor_task(
+        make_task(tmp_path, "offline-img", '[environment]\nallow_internet = false\ndocker_image = "python:3.12"')
+    )
+    podman = HarnessConfig(isolation="podman")
+    for task, cfg in [
+        (plain, HarnessConfig()),
+        (plain, podman),
+        (image, podman),
+        (built, podman),
+        (offline_image, podman),
+    ]:
+        check_isolation(task, cfg, bwrap_ok=True, podman_ok=True)
+    cases = [(image, HarnessConfig(), True, True), (built, HarnessConfig(isolation="bwrap"), True, True)]
+    cases += [(image, podman, True, False), (built, podman, True, False)]  # podman cannot run here
+    cases += [(plain, HarnessConfig(isolation="none"), True, True), (plain, HarnessConfig(), False, True)]
+    cases += [(plain, podman, False, True)]  # a task without an image still needs bubblewrap
+    cases += [(offline, HarnessConfig(), True, True), (offline, podman, True, True)]  # bubblewrap shares the network
+    for task, cfg, bwrap_ok, podman_ok in cases:
         with pytest.raises(SandboxError, match=rf"^task '{task.task_id}': harness\.isolation"):
-            check_isolation(task, cfg, bwrap_ok=ok)
+            check_isolation(task, cfg, bwrap_ok=bwrap_ok, podman_ok=podman_ok)
 
 
 def test_contract_prefix_layout():

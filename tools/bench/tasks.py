@@ -1,19 +1,23 @@
-"""Sandbox start-up overhead (plain, bubblewrap, bubblewrap with a Harbor task's paths), evaluator
-time per toy task and of a Harbor verifier, and the toy profile's duration distribution (tool
-calls drawn from the harness config's log-normal).
+"""Sandbox start-up overhead (plain, bubblewrap, bubblewrap with a Harbor task's paths, podman with a
+Harbor task's image), evaluator time per toy task and of a Harbor verifier (bubblewrap, podman),
+and the toy profile's duration distribution (tool calls drawn from the harness config's log-normal).
 
     python tools/bench/tasks.py [--runs N]      # last line: one JSON object
 
 Overhead is measured side by side in one run: the same trivial harness (`true`) started through
 Sandbox.prepare/start/wait with isolation none and bwrap, and for tests/harbor_tasks/hello-file
-(fresh root, workdir, masked task folder, its cpus cgroup), interleaved; CPU time from /proc
-(children's user+sys via os.times) and wall time are both reported.
+(fresh root, workdir, masked task folder, its cpus cgroup), and, where podman runs, for
+tests/harbor_image_tasks/hello-image with isolation=podman (the workspace copied from the image,
+the container, the relay pair; its image built once before timing, on tools/podman-test-image's
+local Debian), interleaved; CPU time from /proc (children's user+sys via os.times) and wall
+time are both reported (podman's conmon is not our child: its CPU is not counted).
 """
 
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,7 +25,8 @@ import uuid
 from pathlib import Path
 
 from gyre.harness.config import HarnessConfig
-from gyre.harness.sandbox import Sandbox, bwrap_available
+from gyre.harness.podman import ensure_image, podman_available
+from gyre.harness.sandbox import Sandbox, bwrap_available, make_task_workspace
 from gyre.harness.toy_agent import ToolTime
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.spec import TaskSet, toy_taskset
@@ -34,7 +39,9 @@ def children_cpu_s() -> float:
     return t.children_user + t.children_system
 
 
-HARBOR_TASK = Path(__file__).resolve().parents[2] / "tests" / "harbor_tasks" / "hello-file"
+ROOT = Path(__file__).resolve().parents[2]
+HARBOR_TASK = ROOT / "tests" / "harbor_tasks" / "hello-file"
+IMAGE_TASK = ROOT / "tests" / "harbor_image_tasks" / "hello-image"
 
 
 def start_cost(task, root: Path, isolation: str) -> tuple[float, float]:
@@ -110,25 +117,47 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def podman_task():
+    """hello-image with its image built (not part of the timings), or None where podman cannot run."""
+    if not podman_available() or subprocess.run([ROOT / "tools" / "podman-test-image"], capture_output=True).returncode:
+        print("podman: not measured (podman cannot run here, or tools/podman-test-image failed)")
+        return None
+    task = TaskSet.load(IMAGE_TASK).tasks[0]
+    ensure_image(task)
+    return task
+
+
+def verifier_ms(task, root: Path) -> float:
+    ws = make_task_workspace(task, root / f"verifier-{task.task_id}")
+    t0 = time.perf_counter()
+    evaluate(task, ws, "finished")
+    return round((time.perf_counter() - t0) * 1e3, 1)
+
+
 def start_costs(task, root: Path, runs: int) -> dict:
     """Median wall and mean children CPU ms of sandbox start-up, per isolation, interleaved."""
-    modes = ["none"] + (["bwrap", "harbor"] if bwrap_available() else [])
-    harbor = TaskSet.load(HARBOR_TASK).tasks[0]
-    costs, out = {m: [] for m in modes}, {}
+    image_task = podman_task() if bwrap_available() else None
+    tasks = {"none": task}
+    if bwrap_available():
+        tasks |= {"bwrap": task, "harbor": TaskSet.load(HARBOR_TASK).tasks[0]}
+    if image_task is not None:
+        tasks["podman"] = image_task
+    costs, out = {m: [] for m in tasks}, {}
     for _ in range(runs):
-        for m in modes:
-            costs[m].append(start_cost(harbor if m == "harbor" else task, root, m))
-    for m in modes:
+        for m, t in tasks.items():
+            costs[m].append(start_cost(t, root, m))
+    for m in tasks:
         wall, cpu = statistics.median(c[0] for c in costs[m]), sum(c[1] for c in costs[m]) / runs  # CPU: 10 ms ticks
         out[f"start_{m}_wall_ms"], out[f"start_{m}_cpu_ms"] = round(wall * 1e3, 2), round(cpu * 1e3, 2)
         print(f"sandbox start ({m}): median wall {wall * 1e3:.1f} ms, children CPU {cpu * 1e3:.1f} ms over {runs} runs")
-    if "bwrap" in modes:
+    if "bwrap" in tasks:
         out["bwrap_over_plain_wall"] = round(out["start_bwrap_wall_ms"] / out["start_none_wall_ms"], 2)
-        ws = make_workspace(harbor.workspace, root / "harbor-verifier")
-        t0 = time.perf_counter()
-        evaluate(harbor, ws, "finished")
-        out["harbor_verifier_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
-        print(f"harbor verifier (hello-file): {out['harbor_verifier_ms']} ms")
+        out["harbor_verifier_ms"] = verifier_ms(tasks["harbor"], root)
+        print(f"harbor verifier (hello-file, bubblewrap): {out['harbor_verifier_ms']} ms")
+    if "podman" in tasks:
+        out["podman_over_harbor_wall"] = round(out["start_podman_wall_ms"] / out["start_harbor_wall_ms"], 2)
+        out["podman_verifier_ms"] = verifier_ms(image_task, root)
+        print(f"harbor verifier (hello-image, podman): {out['podman_verifier_ms']} ms")
     return out
 
 

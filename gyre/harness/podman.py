@@ -1,0 +1,242 @@
+"""Harbor tasks in their own image (`harness.isolation=podman`): Harbor's paths inside a podman container.
+
+    image:     `[environment].docker_image` (pulled if podman's store lacks it), or built once from
+               environment/Dockerfile (tag: the task id and a hash of environment/'s files)
+    workspace: a copy of the image's workdir (`podman cp` once per image into WORKDIR_CACHE), kept on the host
+    agent:     podman run --network=none, the workspace at the workdir, the private HOME and the
+               harness's Python (read-only, at their host paths; the task folder masked where it
+               lies inside them); the harness runs under the relay
+    verifier:  podman run, the workspace at the workdir, a fresh copy of tests/ at /tests, a fresh /logs
+    oracle:    podman run, the workspace at the workdir, a copy of solution/ at /solution
+
+Only the proxy is reachable from the agent's container: it has no network but its own loopback.
+Inside it the relay (gyre/harness/relay.py, the harness its child) listens on 127.0.0.1 at the
+proxy's port, so the proxy URL works unchanged, and carries each connection over a unix socket
+bound into the container to a relay on the host that connects to the proxy. The verifier and the
+oracle are the task's own code and get podman's default network, as Harbor gives them, but none
+where the task says `allow_internet = false`.
+
+The harness runs from the host's install, bound read-only: the image must provide the C library
+and shared libraries that Python links (Debian and Ubuntu images do; the relay and the toy agent
+need libssl). Harnesses that need Node (claude_code, codex) need it in the image.
+"""
+
+import hashlib
+import logging
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import gyre
+from gyre.errors import GyreError
+from gyre.harness.config import HarnessConfig
+from gyre.harness.contract import Mount
+from gyre.tasks.spec import Task
+
+log = logging.getLogger(__name__)
+RELAY_DIR = "/gyre/relay"
+"""Where the agent's container sees the folder holding the relay's unix socket."""
+DEFAULT_NPROC = 4096
+"""RLIMIT_NPROC in a container where none is configured (the verifier, the oracle, max_processes=null)."""
+IMAGE_TIMEOUT_S = 1800.0
+"""How long an image pull or build may take."""
+SYSTEM_DIRS = ("/", "/bin", "/etc", "/lib", "/lib64", "/sbin", "/usr", "/usr/local", "/var")
+"""Host folders never bound into an image: they would hide the image's own."""
+WORKDIR_CACHE = Path(tempfile.gettempdir(), "gyre-image-workdirs")
+"""Host copies of images' workdirs, one per image ID and workdir: each workspace is copied from one."""
+_image_lock = threading.Lock()
+_podman_ok: bool | None = None
+
+
+class PodmanError(GyreError):
+    """podman cannot give a task its image (missing runtime, failed pull or build, harness not bindable)."""
+
+
+def podman(args: list[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+    """Run one podman command (a hung one is a PodmanError, as a failed one is for its caller)."""
+    try:
+        return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise PodmanError(f"podman {' '.join(args[:2])} took over {timeout_s:g} s") from None
+
+
+def podman_available() -> bool:
+    """Whether podman answers here (checked once per process)."""
+    global _podman_ok
+    if _podman_ok is None:
+        try:
+            _podman_ok = podman(["info", "--format", "{{.Host.OCIRuntime.Name}}"], 60).returncode == 0
+        except (OSError, PodmanError):
+            _podman_ok = False
+    return _podman_ok
+
+
+def dockerfile_tag(task_id: str, env_dir: Path) -> str:
+    """The local tag of an image built from `env_dir`: a new one whenever a file in it changes."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in env_dir.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(env_dir)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"localhost/gyre-harbor-{task_id.lower()}:{digest.hexdigest()[:16]}"
+
+
+def _image_id(ref: str) -> str | None:
+    done = podman(["image", "inspect", "--format", "{{.Id}}", ref])
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def ensure_image(task: Task) -> str:
+    """The ID of the task's image in podman's store, pulled or built on first use (an ID, not a tag:
+    the workspace copy and the containers of one execution come from the same image).
+
+    Raises:
+        PodmanError: the pull or the build failed (naming the task and the image).
+    """
+    env = task.environment
+    dockerfile = Path(env.dockerfile) if not env.docker_image else None
+    ref = env.docker_image or dockerfile_tag(task.task_id, dockerfile.parent)
+    with _image_lock:  # executions of one task start in parallel threads: one build
+        if image_id := _image_id(ref):
+            return image_id
+        args = (
+            ["pull", ref] if dockerfile is None else ["build", "-t", ref, "-f", str(dockerfile), str(dockerfile.parent)]
+        )
+        done = podman(args, IMAGE_TIMEOUT_S)
+        image_id = _image_id(ref) if done.returncode == 0 else None
+    if image_id is None:
+        raise PodmanError(f"task {task.task_id!r}: podman {args[0]} {ref} failed: {done.stderr.strip()[-500:]}")
+    return image_id
+
+
+def copy_workdir(image_id: str, workdir: str, dest: Path) -> None:
+    """Copy the image's `workdir` to `dest` (created; empty where the image has no such folder),
+    from a host copy made once per image and workdir (`podman create` + `podman cp` take ~0.6 s).
+
+    Raises:
+        PodmanError: the container could not be created.
+    """
+    cache = WORKDIR_CACHE / f"{image_id[:24]}{workdir.replace('/', '-')}"
+    if not cache.is_dir():
+        fresh = WORKDIR_CACHE / f".{cache.name}-{uuid.uuid4().hex}"
+        fresh.mkdir(parents=True)
+        name = f"gyre-copy-{uuid.uuid4().hex[:12]}"
+        done = podman(["create", "--name", name, image_id, "true"])  # never started: the command is a formality
+        if done.returncode != 0:
+            raise PodmanError(f"podman create {image_id[:12]} failed: {done.stderr.strip()[-500:]}")
+        try:
+            podman(["cp", f"{name}:{workdir}/.", str(fresh)], IMAGE_TIMEOUT_S)  # fails where there is no workdir
+        finally:
+            podman(["rm", "--force", name])
+        try:
+            fresh.rename(cache)  # atomic: a concurrent copy of the same image keeps the first
+        except OSError:
+            shutil.rmtree(fresh, ignore_errors=True)
+    shutil.copytree(cache, dest, symlinks=True)
+
+
+def remove(name: str) -> None:
+    """Remove a container that may outlive its `podman run` (a client killed at a timeout); a failure
+    is logged, not raised: the execution has ended either way."""
+    try:
+        done = podman(["rm", "--force", "--ignore", "--time", "0", name])
+        failed = done.stderr.strip() if done.returncode else ""
+    except (OSError, PodmanError) as e:
+        failed = str(e)
+    if failed:
+        log.warning("could not remove container %s: %s", name, failed[-300:])
+
+
+def make_run_argv(
+    task: Task, image: str, name: str, mounts: list[Mount], env: dict[str, str], flags: list[str] = ()
+) -> list[str]:
+    """`podman run` argv up to the command, in the workdir with the task's cpus / memory_mb as its
+    cgroup's limits, each mount a volume, each env entry an --env (pure but for reading this
+    process's open-files limit). The open-files and process limits are always set: podman's
+    defaults (1048576) can sit above what the host allows, and the OCI runtime then refuses to start."""
+    contract = task.environment
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    argv = ["podman", "run", "--rm", "--name", name, "--workdir", contract.workdir, "--ulimit", f"nofile={soft}:{hard}"]
+    if not contract.allow_internet and "--network=none" not in flags:
+        argv.append("--network=none")
+    if not any(f.startswith("nproc=") for f in flags):
+        argv += ["--ulimit", f"nproc={DEFAULT_NPROC}:{DEFAULT_NPROC}"]
+    if contract.cpus is not None:
+        argv += ["--cpus", f"{contract.cpus:g}"]
+    if contract.memory_mb is not None:
+        argv += ["--memory", f"{contract.memory_mb}m"]
+    for m in mounts:
+        argv += ["--volume", f"{m.source}:{m.dest}:{'rw' if m.writable else 'ro'}"]
+    for key, value in sorted(env.items()):
+        argv += ["--env", f"{key}={value}"]
+    return [*argv, *flags, image]
+
+
+def make_limit_flags(cfg: HarnessConfig) -> list[str]:
+    """podman's flags for the harness's rlimits (pure)."""
+    limits = (("nproc", cfg.max_processes or DEFAULT_NPROC), ("cpu", cfg.cpu_limit_s))
+    return [a for name, value in limits if value is not None for a in ("--ulimit", f"{name}={value}:{value}")]
+
+
+def harness_mounts() -> list[Path]:
+    """The host folders this Python and Gyre run from, bound read-only into the agent's container.
+
+    Raises:
+        PodmanError: one is a system folder (a system Python): binding it would hide the image's.
+    """
+    wanted = {Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parents[1]}
+    wanted |= {Path(p) for p in sys.path if p and Path(p).is_dir()}
+    wanted = {p.resolve() for p in wanted}
+    if bad := sorted(str(p) for p in wanted if str(p) in SYSTEM_DIRS):
+        raise PodmanError(
+            f"harness.isolation=podman: the harness's Python lives in {', '.join(bad)}, which would hide the "
+            "image's own; run Gyre from a Python of its own (a uv or pyenv install, as tools/setup.sh makes)"
+        )
+    return sorted(p for p in wanted if not any(q != p and q in p.parents for q in wanted))
+
+
+def proxy_port(proxy_url: str) -> tuple[str, int]:
+    """(host, port) of the proxy (pure)."""
+    parts = urlsplit(proxy_url)
+    return parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def container_env(env: dict[str, str]) -> dict[str, str]:
+    """What of the harness's environment the container gets: what Gyre set, not the host's own (pure
+    but for reading os.environ); PYTHONPATH passes, for a Gyre run from its source tree."""
+    keep = {k: v for k, v in env.items() if os.environ.get(k) != v}
+    return keep | ({"PYTHONPATH": env["PYTHONPATH"]} if "PYTHONPATH" in env else {})
+
+
+def make_agent_argv(
+    cfg: HarnessConfig,
+    task: Task,
+    image: str,
+    name: str,
+    workspace: Path,
+    home: Path,
+    relay_dir: Path,
+    env: dict[str, str],
+    port: int,
+) -> list[str]:
+    """`podman run` argv of the agent's container, up to the harness command: no network, the relay
+    listening at the proxy's port inside and carrying to `relay_dir`'s socket."""
+    bound = harness_mounts()
+    mounts = [
+        Mount(workspace, task.environment.workdir),
+        Mount(home, str(home)),
+        Mount(relay_dir, RELAY_DIR),
+        *(Mount(p, str(p), writable=False) for p in bound),
+    ]
+    flags = ["--network=none", *make_limit_flags(cfg)]
+    task_dir = Path(task.environment.task_dir)
+    if any(p in task_dir.parents for p in bound):  # a task set inside Gyre's tree: its tests/ stay unseen
+        flags += ["--tmpfs", f"{task_dir}:notmpcopyup"]  # podman copies what it covers into a tmpfs by default
+    run = make_run_argv(task, image, name, mounts, container_env(env), flags)
+    relay = ["--listen", f"tcp:127.0.0.1:{port}", "--to", f"unix:{RELAY_DIR}/proxy.sock", "--"]
+    return [*run, sys.executable, "-m", "gyre.harness.relay", *relay]

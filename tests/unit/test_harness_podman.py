@@ -1,0 +1,152 @@
+"""Podman isolation's pure parts (the argv of the agent's and the verifier's containers, the image tag,
+what the container's environment gets) and the relay that is the agent's only way to the proxy."""
+
+import asyncio
+import os
+import resource
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre.harness import podman
+from gyre.harness.config import HarnessConfig
+from gyre.harness.contract import Mount
+from gyre.harness.relay import _listen, parse_address
+from gyre.tasks.harbor import load_harbor_task
+
+
+def harbor_task(root: Path, toml: str = "", name: str = "t1"):
+    d = root / name
+    (d / "tests").mkdir(parents=True)
+    (d / "environment").mkdir()
+    (d / "task.toml").write_text(toml)
+    (d / "instruction.md").write_text("do it")
+    (d / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    (d / "environment" / "Dockerfile").write_text("FROM localhost/base\n")
+    return load_harbor_task(d)
+
+
+def test_verifier_run_argv_has_the_task_limits_and_the_host_open_files_limit(tmp_path):
+    task = harbor_task(tmp_path, "[environment]\ncpus = 1.5\nmemory_mb = 512\nworkdir = '/src'")
+    mounts = [Mount(Path("/h/ws"), "/src"), Mount(Path("/h/tests"), "/tests", writable=False)]
+    argv = podman.make_run_argv(task, "img:1", "gyre-v1", mounts, {"B": "2", "A": "x y"})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert argv == [
+        *("podman", "run", "--rm", "--name", "gyre-v1", "--workdir", "/src"),
+        *("--ulimit", f"nofile={soft}:{hard}", "--ulimit", f"nproc={podman.DEFAULT_NPROC}:{podman.DEFAULT_NPROC}"),
+        *("--cpus", "1.5", "--memory", "512m"),
+        *("--volume", "/h/ws:/src:rw", "--volume", "/h/tests:/tests:ro"),
+        *("--env", "A=x y", "--env", "B=2"),
+        "img:1",
+    ]
+
+
+def test_verifier_of_a_task_without_internet_has_no_network(tmp_path):
+    task = harbor_task(tmp_path, "[environment]\nallow_internet = false")
+    assert "--network=none" in podman.make_run_argv(task, "img:1", "gyre-v1", [], {})
+    assert "--network=none" not in podman.make_run_argv(harbor_task(tmp_path, name="t2"), "img:1", "gyre-v1", [], {})
+
+
+def test_agent_argv_has_no_network_its_rlimits_and_runs_the_harness_under_the_relay(tmp_path):
+    task = harbor_task(tmp_path)
+    cfg = HarnessConfig(max_processes=64, cpu_limit_s=30)
+    env = {"GYRE_API_KEY": "k", "PATH": os.environ["PATH"]}  # the host's own PATH stays outside
+    argv = podman.make_agent_argv(
+        cfg, task, "img:1", "gyre-e1", tmp_path / "ws", tmp_path / "h", tmp_path / "r", env, 8123
+    )
+    image = argv.index("img:1")
+    assert argv[image - 5 : image] == ["--network=none", "--ulimit", "nproc=64:64", "--ulimit", "cpu=30:30"]
+    assert f"nproc={podman.DEFAULT_NPROC}:{podman.DEFAULT_NPROC}" not in argv  # the harness's own limit only
+    assert argv[image + 1 :] == [
+        *(sys.executable, "-m", "gyre.harness.relay"),
+        *("--listen", "tcp:127.0.0.1:8123", "--to", f"unix:{podman.RELAY_DIR}/proxy.sock", "--"),
+    ]
+    volumes = [argv[i + 1] for i, a in enumerate(argv) if a == "--volume"]
+    assert volumes[:3] == [
+        f"{tmp_path / 'ws'}:/app:rw",
+        f"{tmp_path / 'h'}:{tmp_path / 'h'}:rw",
+        f"{tmp_path / 'r'}:/gyre/relay:rw",
+    ]
+    assert all(v.endswith(":ro") for v in volumes[3:]) and any(sys.base_prefix in v for v in volumes[3:])
+    envs = [argv[i + 1] for i, a in enumerate(argv) if a == "--env"]
+    assert "GYRE_API_KEY=k" in envs and not any(e.startswith("PATH=") for e in envs)
+
+
+def test_harness_mounts_are_minimal_and_refuse_a_system_python(monkeypatch):
+    mounts = podman.harness_mounts()
+    assert not any(a != b and a in b.parents for a in mounts for b in mounts)
+    assert Path(sys.base_prefix).resolve() in mounts or any(
+        m in Path(sys.base_prefix).resolve().parents for m in mounts
+    )
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    with pytest.raises(podman.PodmanError, match="harness.isolation=podman: .* /usr"):
+        podman.harness_mounts()
+
+
+def test_dockerfile_tag_changes_with_any_file_of_the_environment(tmp_path):
+    env = tmp_path / "environment"
+    env.mkdir()
+    (env / "Dockerfile").write_text("FROM base\n")
+    first = podman.dockerfile_tag("My.Task", env)
+    assert first.startswith("localhost/gyre-harbor-my.task:") and podman.dockerfile_tag("My.Task", env) == first
+    (env / "data.txt").write_text("x")
+    assert podman.dockerfile_tag("My.Task", env) != first
+
+
+def test_proxy_port_and_container_env(monkeypatch):
+    assert podman.proxy_port("http://10.0.0.5:8000") == ("10.0.0.5", 8000)
+    assert podman.proxy_port("http://proxy") == ("proxy", 80)
+    monkeypatch.setenv("GYRE_SAME", "1")
+    monkeypatch.setenv("PYTHONPATH", "/src")
+    env = {"GYRE_SAME": "1", "GYRE_NEW": "2", "PYTHONPATH": "/src"}
+    assert podman.container_env(env) == {"GYRE_NEW": "2", "PYTHONPATH": "/src"}
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("tcp:127.0.0.1:8000", ("tcp", ("127.0.0.1", 8000))),
+        ("unix:/gyre/relay/proxy.sock", ("unix", "/gyre/relay/proxy.sock")),
+        ("fd:3", ("fd", 3)),
+    ],
+)
+def test_relay_addresses(text, want):
+    assert parse_address(text) == want
+
+
+@pytest.mark.parametrize("text", ["tcp:host", "unix:", "fd:x", "udp:1.2.3.4:5"])
+def test_relay_refuses_other_addresses(text):
+    with pytest.raises(ValueError, match="not an address"):
+        parse_address(text)
+
+
+def test_relay_carries_bytes_both_ways_and_a_half_close(tmp_path):
+    async def scenario() -> bytes:
+        async def echo(reader, writer):  # answers only after the client's half-close
+            writer.write((await reader.read()).upper())
+            await writer.drain()
+            writer.close()
+
+        target = await asyncio.start_unix_server(echo, path=str(tmp_path / "t.sock"))
+        relay = await _listen(("tcp", ("127.0.0.1", 0)), ("unix", str(tmp_path / "t.sock")))
+        port = relay.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"x" * 200_000 + b"end")
+        writer.write_eof()
+        got = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        relay.close()
+        target.close()
+        return got
+
+    assert asyncio.run(scenario()) == b"X" * 200_000 + b"END"
+
+
+def test_a_task_folder_inside_the_bound_gyre_tree_is_masked_from_the_agent(tmp_path):
+    shipped = load_harbor_task(Path(__file__).parents[1] / "harbor_image_tasks" / "hello-image")
+    args = (HarnessConfig(), "img:1", "gyre-e1", tmp_path / "ws", tmp_path / "h", tmp_path / "r", {}, 8123)
+    argv = podman.make_agent_argv(args[0], shipped, *args[1:])
+    assert ["--tmpfs", f"{shipped.environment.task_dir}:notmpcopyup"] == argv[argv.index("--tmpfs") :][:2]
+    outside = podman.make_agent_argv(args[0], harbor_task(tmp_path), *args[1:])
+    assert "--tmpfs" not in outside
