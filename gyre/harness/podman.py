@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -140,16 +141,24 @@ def copy_workdir(image_id: str, workdir: str, dest: Path) -> None:
     shutil.copytree(cache, dest, symlinks=True)
 
 
-def remove(name: str) -> None:
-    """Remove a container that may outlive its `podman run` (a client killed at a timeout); a failure
-    is logged, not raised: the execution has ended either way."""
-    try:
-        done = podman(["rm", "--force", "--ignore", "--time", "0", name])
-        failed = done.stderr.strip() if done.returncode else ""
-    except (OSError, PodmanError) as e:
-        failed = str(e)
-    if failed:
-        log.warning("could not remove container %s: %s", name, failed[-300:])
+def remove(name: str, timeout_s: float = 30.0) -> None:
+    """Remove a container that may outlive its `podman run` (a client killed at a timeout), retrying
+    while it is still there: conmon, detached from the killed client, may still be initialising it
+    (seen on a loaded box: a container left "Initialized" after one rm). A failure is logged, not
+    raised: the execution has ended either way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            done = podman(["rm", "--force", "--ignore", "--time", "0", name])
+            failed = done.stderr.strip() if done.returncode else ""
+            if podman(["container", "exists", name]).returncode != 0:
+                return
+        except (OSError, PodmanError) as e:
+            failed = str(e)
+        if time.monotonic() > deadline:
+            log.warning("could not remove container %s: %s", name, failed[-300:] or "it is still there")
+            return
+        time.sleep(0.2)
 
 
 def make_run_argv(
