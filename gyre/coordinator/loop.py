@@ -31,7 +31,7 @@ from gyre.coordinator.training import Training
 from gyre.errors import GyreError
 from gyre.scheduler.cells import Role
 from gyre.scheduler.observe import make_observation
-from gyre.tasks.spec import TaskSource
+from gyre.tasks.taskset import TaskSource
 from gyre.train.publish import load_published
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from gyre.coordinator.ledger import ExecutionLedger, LedgerView, read_ledger
 from gyre.coordinator.source import Group, GroupBook, recorded
 from gyre.errors import GyreError
 from gyre.proxy.admin import ProxyAdmin
-from gyre.tasks.spec import TaskSource
+from gyre.tasks.taskset import TaskSource
 
 
 class ReplayError(GyreError):

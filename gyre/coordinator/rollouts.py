@@ -20,7 +20,7 @@ from gyre.proxy.admin import ProxyAdmin
 from gyre.records.io import has_records
 from gyre.scheduler.streaming import may_admit
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.spec import TaskSource
+from gyre.tasks.taskset import TaskSource
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation, unscored_reason
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from gyre.common import CONF_DIR
 from gyre.common.files import write_private_file
 from gyre.config import GyreConfig, register_configs, validate
 from gyre.errors import ConfigError, GyreError
-from gyre.tasks.spec import TaskSet, TaskSource, toy_taskset
+from gyre.tasks.taskset import TaskSet, TaskSource, toy_taskset
 
 register_configs()
 

@@ -33,7 +33,7 @@ from gyre.proxy.config import ProxyConfig
 from gyre.proxy.main import ProxyProcess
 from gyre.records.io import has_records
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.spec import TOY_TASKSET, TaskSet
+from gyre.tasks.taskset import TOY_TASKSET, TaskSet
 from gyre.tasks.workspace import apply_reference
 from gyre.trajectory.rewards import Evaluation, reward_of, unscored_reason
 

@@ -1,8 +1,8 @@
-"""Task specs and task sets (pure but for reading the set): what an execution works on and how it is scored.
+"""Task specs (pure but for reading them): what an execution works on and how it is scored.
 
-A task set is a directory of `*.json` specs (one task each), a JSONL file (one task per line), or a
-folder of Harbor task folders (gyre/tasks/harbor.py: a folder with `task.toml` is a task).
-Relative paths in a spec (workspace sources, tarballs) are relative to the set's directory;
+Gyre's own specs are a directory of `*.json` files (one task each) or a JSONL file (one task per
+line); gyre/tasks/harbor.py reads Harbor task folders into the same `Task`, and gyre/tasks/taskset.py
+chooses between the two. Relative paths in a spec (workspace sources, tarballs) are relative to the set's directory;
 `pkg:<path>` names a file shipped inside the `gyre` package (the embedded toy set).
 Every error names the task id (or the line) and the field.
 
@@ -12,19 +12,15 @@ Every error names the task id (or the line) and the field.
      "reference": {"files": {...}} | {"command": "..."} | null}
 """
 
-import hashlib
 import json
-import random
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Protocol
 
 from gyre.errors import GyreError
 
 EVALUATOR_KINDS = ("pytest", "json_score", "files")
 WORKSPACE_KINDS = ("dir", "git", "tar", "files")
-TOY_TASKSET = "pkg:tasks/toy/tasks.jsonl"
 
 
 class TaskSpecError(GyreError, ValueError):
@@ -221,7 +217,7 @@ def parse_task(obj, where: str, base: Path) -> Task:
     )
 
 
-def _read_specs(path: Path) -> list[tuple[object, str]]:
+def read_specs(path: Path) -> list[tuple[object, str]]:
     if path.is_dir():
         out = []
         for f in sorted(path.glob("*.json")):
@@ -238,75 +234,3 @@ def _read_specs(path: Path) -> list[tuple[object, str]]:
             except json.JSONDecodeError as e:
                 raise TaskSpecError(f"{path.name} line {n}", "(spec)", f"not valid JSON ({e})") from None
     return out
-
-
-class TaskSource(Protocol):
-    """The tasks a run draws from, as the coordinator asks for them (TaskSet reads Gyre's specs; another
-    task format implements these two methods and hands its object to `gyre.coordinator.loop.run`)."""
-
-    def get(self, task_id: str) -> Task:
-        """The task `task_id` (a resumed or replayed run finds its groups' tasks again).
-
-        Raises:
-            TaskSpecError: no such task.
-        """
-
-    def pick(self, seed: int, cursor: int) -> Task:
-        """The task of the `cursor`-th group drawn: deterministic in (seed, cursor), so a resume continues the order."""
-
-
-class TaskSet(TaskSource):
-    """An ordered, validated list of tasks and a deterministic draw order over them."""
-
-    def __init__(self, tasks: list[Task], name: str = ""):
-        if not tasks:
-            raise TaskSpecError(name or "task set", "(tasks)", "no tasks")
-        ids = [t.task_id for t in tasks]
-        if dup := sorted({i for i in ids if ids.count(i) > 1}):
-            raise TaskSpecError(f"task {dup[0]!r}", "task_id", "used by more than one task")
-        self.tasks, self.name = list(tasks), name
-        self._by_id = {t.task_id: t for t in tasks}
-
-    @classmethod
-    def load(cls, path: str | Path) -> "TaskSet":
-        """Read and validate a directory of `*.json` specs, a JSONL file (`pkg:` paths allowed) or
-        a folder of Harbor task folders.
-
-        Raises:
-            TaskSpecError: a missing set, bad JSON or TOML, or a bad field (naming task and field).
-        """
-        from gyre.tasks.harbor import is_harbor_set, load_harbor_tasks  # harbor builds on this module
-
-        p = resolve_path(str(path), Path.cwd())
-        if not p.exists():
-            raise TaskSpecError(
-                str(path), "(path)", "no such task set (a directory of *.json, a .jsonl file or Harbor task folders)"
-            )
-        if is_harbor_set(p):
-            return cls(load_harbor_tasks(p), name=str(path))
-        base = p if p.is_dir() else p.parent
-        return cls([parse_task(obj, where, base) for obj, where in _read_specs(p)], name=str(path))
-
-    def __len__(self) -> int:
-        return len(self.tasks)
-
-    def get(self, task_id: str) -> Task:
-        if task_id not in self._by_id:
-            raise TaskSpecError(f"task {task_id!r}", "task_id", f"not in {self.name}; valid: {', '.join(self._by_id)}")
-        return self._by_id[task_id]
-
-    def pick(self, seed: int, cursor: int) -> Task:
-        """The cursor-th task of the seeded order: each epoch (len(tasks) draws) is a fresh
-        permutation, so every task comes once per epoch and a resumed run continues the cursor."""
-        if cursor < 0:
-            raise ValueError(f"cursor must be >= 0, got {cursor}")
-        epoch, i = divmod(cursor, len(self.tasks))
-        digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
-        order = list(range(len(self.tasks)))
-        random.Random(int.from_bytes(digest[:8], "little")).shuffle(order)
-        return self.tasks[order[i]]
-
-
-def toy_taskset() -> TaskSet:
-    """The embedded default task set (shipped inside the package)."""
-    return TaskSet.load(TOY_TASKSET)

@@ -32,7 +32,8 @@ from gyre.models.transformer import attend, forward_tokens, init_weights, logits
 from gyre.proxy import anthropic as anthropic_wire
 from gyre.proxy import openai as openai_wire
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.spec import Task, TaskSet, toy_taskset
+from gyre.tasks.spec import Task
+from gyre.tasks.taskset import TaskSet, toy_taskset
 from gyre.tasks.workspace import make_workspace
 
 SUB_REPORT = "task.md"

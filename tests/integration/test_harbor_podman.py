@@ -18,7 +18,7 @@ from podman_fixtures import IMAGE_SET, ROOT, local_image
 from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import Sandbox
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.spec import TaskSet
+from gyre.tasks.taskset import TaskSet
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from gyre.harness.podman import podman_available
 from gyre.harness.sandbox import Sandbox, SandboxError, bwrap_available
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.harbor import find_task_dirs
-from gyre.tasks.spec import TaskSet
+from gyre.tasks.taskset import TaskSet
 
 ROOT = Path(__file__).resolve().parents[2]
 SET = ROOT / "tests" / "harbor_tasks"

@@ -17,7 +17,8 @@ from gyre.harness import sandbox
 from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import Sandbox, SandboxError, bwrap_available
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.spec import parse_task, toy_taskset
+from gyre.tasks.spec import parse_task
+from gyre.tasks.taskset import toy_taskset
 from gyre.tasks.workspace import WorkspaceError, apply_reference, make_workspace, run_setup
 
 PYTEST_WS = {

@@ -12,7 +12,7 @@ from gyre.harness.sandbox import Sandbox
 from gyre.models.tokenizer import ByteTokenizer
 from gyre.records.io import read_records
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.spec import toy_taskset
+from gyre.tasks.taskset import toy_taskset
 from gyre.tasks.warmstart import reference_conversations, reference_transcript, render_call
 from gyre.trajectory.tree import build_call_tree
 

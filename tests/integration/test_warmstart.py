@@ -6,7 +6,7 @@ import torch
 
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
-from gyre.tasks.spec import TaskSet, toy_taskset
+from gyre.tasks.taskset import TaskSet, toy_taskset
 from gyre.tasks.warmstart import WarmStartConfig, warm_start
 
 

@@ -169,7 +169,7 @@ def test_a_resumed_execution_keeps_its_outcome_or_exclusion_reason(tmp_path):
     """Resume rebuilds evaluations from the ledger: a budget_exhausted exclusion stays one (it is an
     outcome), any other exclusion is not trainable, a score is kept."""
     from gyre.coordinator.source import Group, recorded
-    from gyre.tasks.spec import toy_taskset
+    from gyre.tasks.taskset import toy_taskset
 
     group = Group(0, 0, toy_taskset().tasks[0])
     outcomes = [

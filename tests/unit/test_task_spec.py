@@ -10,7 +10,8 @@ from gyre.errors import ConfigError
 from gyre.harness.commands import make_template_command
 from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import make_bwrap_prefix, make_container_prefix
-from gyre.tasks.spec import TaskSet, TaskSpecError, parse_task, toy_taskset
+from gyre.tasks.spec import TaskSpecError, parse_task
+from gyre.tasks.taskset import TaskSet, toy_taskset
 
 CONF = Path(CONF_DIR)
 GOOD = {

@@ -20,7 +20,7 @@ import torch
 
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.tokenizer import ByteTokenizer
-from gyre.tasks.spec import toy_taskset
+from gyre.tasks.taskset import toy_taskset
 from gyre.tasks.warmstart import reference_transcript, sample, score_turn
 from gyre.train.config import TrainerConfig
 from gyre.train.trainer import Trainer

@@ -29,7 +29,7 @@ from gyre.harness.podman import ensure_image, podman_available
 from gyre.harness.sandbox import Sandbox, bwrap_available, make_task_workspace
 from gyre.harness.toy_agent import ToolTime
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.spec import TaskSet, toy_taskset
+from gyre.tasks.taskset import TaskSet, toy_taskset
 from gyre.tasks.workspace import apply_reference, make_workspace
 
 
