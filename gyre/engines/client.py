@@ -289,18 +289,29 @@ async def migrate_prefix(
 ) -> dict:
     """Move the KV of `input_ids`' cached prefix from `src` to `dst` over Mooncake.
 
-    Returns {"transferred_tokens", "recomputed_tokens"}: the page-aligned prefix `dst` got from
-    `src`, and the rest of `input_ids` that `dst` must compute itself. (A /generate on exactly
-    `input_ids` still recomputes its last page: the next token needs one forward.)
+    Returns {"exported_tokens", "transferred_tokens", "recomputed_tokens", "refused"}: the
+    page-aligned prefix `src` held, the part `dst` got, the rest of `input_ids` that `dst` must
+    compute itself, and why `dst` refused the import (a 4xx: its cache is full, other weights),
+    else None. (A /generate on exactly `input_ids` still recomputes its last page: the next token
+    needs one forward.)
     """
     export = await src.export_kv(input_ids, extra_key)
-    n = 0
-    if export.get("num_tokens", 0) > 0:
+    held, n, refused = int(export.get("num_tokens", 0)), 0, None
+    if held > 0:
         try:
             n = (await dst.import_kv(export, extra_key))["transferred_tokens"]
+        except EngineHTTPError as e:
+            if e.status >= 500:
+                raise
+            refused = e.body[:500]
         finally:
             await src.release_kv_export(export["export_id"])
-    return {"transferred_tokens": n, "recomputed_tokens": len(input_ids) - n}
+    return {
+        "exported_tokens": held,
+        "transferred_tokens": n,
+        "recomputed_tokens": len(input_ids) - n,
+        "refused": refused,
+    }
 
 
 def _wire(version: int | None) -> str | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gyre.engines.prefix_cache import PrefixCache
+from gyre.engines.prefix_cache import CacheFull, PrefixCache
 from gyre.engines.runner import SamplingParams, SeqKV, StepItem, run_step, sample
 from gyre.engines.scripted import forced_logprob
 from gyre.errors import GyreError
@@ -321,7 +321,10 @@ class EngineCore:
             )
         if "kv_cache" in self.released:
             raise EngineRequestError("KV cache memory is released; resume it first")
-        self.cache.insert((version, extra_key), tokens, kv)
+        try:  # pinned until the session's next call uses it
+            self.cache.insert((version, extra_key), tokens, kv, pin=True)
+        except CacheFull as e:
+            raise EngineRequestError(str(e)) from None
         return len(tokens) // self.cache.page_size * self.cache.page_size
 
 

@@ -305,6 +305,7 @@ class BuiltinEngineServer:
                 "context_length": self.model_cfg.max_seq_len,
                 "vocab_size": self.model_cfg.vocab_size,
                 "engine": "gyre-builtin",
+                "page_size": self.core.cache.page_size,
                 "model_config": dataclasses.asdict(self.model_cfg),
             }
         )

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import make_sglang_command, make_sglang_env
-from gyre.engines.prefix_cache import PrefixCache
+from gyre.engines.prefix_cache import CacheFull, PrefixCache
 from gyre.engines.protocol import BadRequest, make_spans, parse_generate
 from gyre.errors import ConfigError
 
@@ -35,6 +35,19 @@ def test_prefix_cache_evicts_least_recently_used_leaves_first():
     assert cache.num_tokens == 8
     assert len(cache.match(("v",), [1, 2, 3, 4, 5, 6])) == 2
     assert len(cache.match(("v",), [7, 8, 9, 10])) == 2
+
+
+def test_moved_kv_is_pinned_until_its_session_uses_it_and_a_full_cache_refuses_more():
+    cache = PrefixCache(page_size=2, capacity_tokens=8)  # 4 pages
+    cache.insert(("v",), [1, 2, 3, 4], _kv(4), pin=True)  # a moved session: 2 pinned pages
+    cache.insert(("v",), [5, 6, 7, 8, 9, 10], _kv(6))  # 3 ordinary pages: one of them is evicted, no pinned one
+    assert len(cache.match(("v",), [5, 6, 7, 8, 9, 10])) == 2 and cache.num_tokens == 8  # its leaf went
+    with pytest.raises(CacheFull, match="room for 4 more pinned tokens, the import needs 6"):
+        cache.insert(("v",), [11, 12, 13, 14, 15, 16], _kv(6), pin=True)
+    assert cache.insert(("v",), [11, 12, 13, 14], _kv(4), pin=True) == 2  # fits beside the pinned 2
+    assert len(cache.match(("v",), [1, 2, 3, 4])) == 2  # the session's next call: unpinned from now on
+    cache.insert(("v",), [21, 22, 23, 24], _kv(4))
+    assert cache.match(("v",), [1, 2]) == [] and len(cache.match(("v",), [11, 12, 13, 14])) == 2
 
 
 OK = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
