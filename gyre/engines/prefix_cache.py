@@ -66,8 +66,13 @@ class PrefixCache:
             page.pinned = False
         return [p.kv for _, p in found]
 
-    def insert(self, namespace: tuple, tokens: list[int], kv: torch.Tensor, pin: bool = False) -> int:
+    def insert(
+        self, namespace: tuple, tokens: list[int], kv: torch.Tensor, pin: bool = False, copy: bool = True
+    ) -> int:
         """Cache the full pages of `tokens` whose KV is `kv` [L, 2, >=len(tokens), nKV, hd]; returns pages added.
+
+        `copy=False` keeps views of `kv` (an imported buffer nobody else writes): no copy, and the
+        buffer's memory is freed once its last page is evicted.
 
         Raises:
             CacheFull: with `pin`, when the pages do not fit beside the pages already pinned.
@@ -88,7 +93,8 @@ class PrefixCache:
         for i, (key, chunk) in enumerate(walk):
             page = self._pages.get(key)
             if page is None or page.tokens != chunk or page.parent != parent:
-                self._pages[key] = Page(parent, chunk, kv[:, :, i * ps : (i + 1) * ps].clone())
+                page_kv = kv[:, :, i * ps : (i + 1) * ps]
+                self._pages[key] = Page(parent, chunk, page_kv.clone() if copy else page_kv)
                 added += 1
             parent = key
         for key, _ in reversed(walk):

@@ -322,12 +322,11 @@ class BuiltinEngineServer:
             self.model_cfg.max_seq_len,
         ).input_ids
         extra_key = body.get("extra_key")
-        n, kv, version = await self._call(lambda: self.core.export_kv(ids, extra_key))
+        n, pages, version = await self._call(lambda: self.core.export_kv(ids, extra_key))
         if n == 0:
             return web.json_response({"num_tokens": 0, "weight_version": version})
-        return web.json_response(
-            {**self.exporter.publish(kv), "num_tokens": n, "input_ids": ids[:n], "weight_version": version}
-        )
+        published = await asyncio.to_thread(self.exporter.publish, pages)
+        return web.json_response({**published, "num_tokens": n, "input_ids": ids[:n], "weight_version": version})
 
     async def release_kv_export(self, request: web.Request) -> web.Response:
         self.exporter.release(str((await _json(request)).get("export_id")))

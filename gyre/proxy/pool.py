@@ -121,11 +121,11 @@ class EnginePool:
         been given up, so the engine's memory may be released after it."""
         self.table.set_status(engine_id, "draining")
         moves, busy = self.table.reassign(engine_id), self.table.busy_sessions(engine_id)
+        aborted = await self._abort_streaming(engine_id)  # first: exports wait for the engine's step
         for session, dst in moves.items():
             if session not in busy:
                 self._start_move(session, engine_id, dst)
         self._wake()
-        aborted = await self._abort_streaming(engine_id)
         deadline = time.monotonic() + self.cfg.kv_move_timeout_s
         while self._holds(engine_id) and time.monotonic() < deadline:
             await self._wait_change(0.5)
