@@ -15,16 +15,7 @@ import aiohttp
 import orjson
 
 from gyre.errors import GyreError
-
-
-def parse_weight_version(value) -> int:
-    """An engine's `weight_version` as Gyre's integer; -1 for one that is not a number (SGLang
-    starts at "default" until a weight update names a version)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    s = str(value).strip()
-    return int(s) if s.lstrip("-").isdigit() else -1
-
+from gyre.records.versions import parse_weight_version
 
 KEEPALIVE_S = 4.0
 """How long an idle pooled connection is kept: under the 5 s after which uvicorn (SGLang's server)

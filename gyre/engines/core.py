@@ -326,16 +326,3 @@ class EngineCore:
         except CacheFull as e:
             raise EngineRequestError(str(e)) from None
         return len(tokens) // self.cache.page_size * self.cache.page_size
-
-
-def parse_weight_version(value: object) -> int:
-    """A weight version from a request: an int >= 0, or its decimal string (what SGLang's API sends).
-
-    Raises:
-        EngineRequestError: anything else (HTTP 400).
-    """
-    if isinstance(value, str) and value.isdecimal():
-        return int(value)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise EngineRequestError(f"weight_version must be an integer >= 0 (the trainer's step), got {value!r}")

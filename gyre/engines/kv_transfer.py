@@ -14,7 +14,8 @@ from collections import OrderedDict
 
 import torch
 
-from gyre.engines.core import EngineRequestError, parse_weight_version
+from gyre.engines.core import EngineRequestError
+from gyre.records.versions import parse_weight_version
 from gyre.transfer import TransferEndpoint
 from gyre.transfer.layout import BufferLayout
 

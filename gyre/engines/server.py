@@ -25,7 +25,7 @@ from safetensors.torch import load as load_safetensors
 
 from gyre.common.serve import serve_app
 from gyre.engines.config import EngineConfig
-from gyre.engines.core import EngineCore, EngineRequestError, Request, parse_weight_version
+from gyre.engines.core import EngineCore, EngineRequestError, Request
 from gyre.engines.kv_transfer import KVExporter, import_kv_pages
 from gyre.engines.protocol import BadRequest, make_response, parse_generate
 from gyre.engines.scripted import ScriptedPolicy
@@ -34,6 +34,7 @@ from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer, HFTokenizer, has_hf_tokenizer
 from gyre.models.transformer import init_weights
+from gyre.records.versions import WeightVersionError, parse_weight_version
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -56,7 +57,7 @@ async def _json(request: web.Request) -> dict:
 async def _errors_to_400(request: web.Request, handler):
     try:
         return await handler(request)
-    except (BadRequest, EngineRequestError) as e:
+    except (BadRequest, EngineRequestError, WeightVersionError) as e:
         return _error(400, str(e))
 
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from gyre.engines.client import EngineHTTPError, parse_weight_version
+from gyre.engines.client import EngineHTTPError
 from gyre.proxy.chat import ApiError
 from gyre.proxy.pool import ENGINE_DOWN, EnginePool
+from gyre.records.versions import VersionSpan, WeightVersionError, parse_weight_version, versions_between
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,8 @@ class Generation:
                 if meta.get("finish_reason"):
                     yield meta["finish_reason"]
                     return
+        except WeightVersionError as e:
+            raise ApiError("api_error", f"engine {eid} reported a bad weight version: {e}") from None
         except EngineHTTPError as e:
             if e.status < 500:
                 raise ApiError("invalid_request", f"the engine refused the request: {e.body[:500]}") from None
@@ -138,17 +141,16 @@ class Generation:
     def _extend(self, new: list[int], lps: list[float], meta: dict, seen: int) -> None:
         if len(lps) != len(new):
             raise ApiError("api_error", f"engine returned {len(lps)} log-probs for {len(new)} tokens")
-        spans = meta.get("weight_version_spans")
-        if spans:  # the versions of output positions [seen, seen + len(new)) from the spans overlapping them
-            end = seen + len(new)
-            versions = [
-                v
-                for s in spans
-                if s["end"] > seen and s["start"] < end
-                for v in [parse_weight_version(s["weight_version"])] * (min(s["end"], end) - max(s["start"], seen))
-            ]
-        else:
-            versions = [parse_weight_version(meta.get("weight_version", 0))] * len(new)
+        try:
+            if meta.get("weight_version_spans"):  # the versions of output positions [seen, seen + len(new))
+                spans = [VersionSpan.from_wire(s) for s in meta["weight_version_spans"]]
+                versions = versions_between(spans, seen, seen + len(new))
+            else:
+                versions = [parse_weight_version(meta.get("weight_version", 0))] * len(new)
+        except (WeightVersionError, KeyError, TypeError, ValueError) as e:
+            raise ApiError("api_error", f"engine returned bad weight versions: {e}") from None
+        if len(versions) != len(new):
+            raise ApiError("api_error", f"engine's version spans cover {len(versions)} of {len(new)} new tokens")
         self.output_ids += new
         self.logprobs += lps
         self.versions += versions
