@@ -47,7 +47,7 @@ from gyre.proxy.main import ProxyProcess
 from gyre.records.io import read_records
 from gyre.transfer import TransferEndpoint
 
-LONG_OUT = "Reading the next file and thinking about the change. " * 12
+LONG_OUT = "Reading the next file and thinking about the change. " * 6
 RULES = [{"match": "LONGOUT", "emit": LONG_OUT}, {"match": "SHORT", "emit": "ok"}]
 PAGE = 16
 
