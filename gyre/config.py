@@ -88,6 +88,9 @@ class GyreConfig:
             f"scheduler={self.scheduler.mode} trains on the core cell, which never serves: with 1 cell no engine "
             "would roll out (use >= 2 cells, or scheduler=colocate)",
         )
+        for key, live, why in _SIM_ONLY:  # a key that validates but would do nothing live is refused
+            value = getattr(self.scheduler, key)
+            require(value == live, f"scheduler.{key}", f"{value!r} is modelled by gyre-sim only; a live run {why}")
         if self.cluster.backend == "local":  # the cells outweigh the rest (gyre.cells.quota), which needs room
             need, have = self.cluster.num_cells * self.coordinator.cpus_per_cell, len(os.sched_getaffinity(0))
             require(
@@ -98,6 +101,14 @@ class GyreConfig:
                 f"the coordinator; this machine has {have}",
             )
 
+
+_SIM_ONLY = (
+    ("microstep_tokens", 0, "splits micro-batches by coordinator.max_micro_batch_tokens: leave it 0"),
+    ("admission", "step", "admits a step's executions once step k - staleness - 1 is applied: leave it 'step'"),
+    ("batching", "fixed", "trains each step on its own groups: leave it 'fixed'"),
+)
+"""Scheduler switches the simulator models and the live coordinator does not (yet): (key, the
+value a live run has, what it does instead)."""
 
 _SECTIONS = (
     ClusterConfig,

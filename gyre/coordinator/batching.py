@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from gyre.records.io import RecordFileError, read_records
+from gyre.records.versions import make_version_spans
 from gyre.scheduler.streaming import trained_spans
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.pack import make_micro_batches
@@ -47,11 +48,7 @@ def mask_stale(sample: TrainingSample, step: int, staleness: int) -> tuple[Train
     on = np.flatnonzero(path.target_mask)
     versions = path.versions[on]
     # Spans in order of position; the per-span rule keeps spans from the first in-bound version on.
-    marks, last = [], None
-    for i, v in enumerate(versions.tolist()):
-        if v != last:
-            marks.append((v, i))
-            last = v
+    marks = [(s.version, s.start) for s in make_version_spans(versions)]
     kept = trained_spans(marks, len(versions), step, staleness)
     first = len(versions) if kept is None else kept[0]
     if first == 0:

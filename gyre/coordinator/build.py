@@ -82,6 +82,7 @@ async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
         records_dir=str(run_dir / "records"),
         events_dir=str(run_dir),
         vocab_size=cfg.model.vocab_size,
+        rebalance_on_return=cfg.scheduler.rebalance_on_return,
     )
     proxy = ProxyProcess(proxy_cfg).start()
     parts = Parts(run_dir, proxy, await ProxyAdmin(proxy.url, proxy.admin_token).__aenter__(), launcher)

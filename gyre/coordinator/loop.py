@@ -79,8 +79,11 @@ async def run(
         events.failure("coordinator", repr(e))
         raise
     else:
+        kv = await parts.admin.metrics()
         return events.summary(read_ledger(run_dir / "ledger.jsonl"), time.time() - t_start, train.version) | {
-            "cpu_quota": parts.launcher.describe()
+            "cpu_quota": parts.launcher.describe(),
+            "kv_migrated_tokens": kv["kv_migrated_tokens"],
+            "kv_reprefill_tokens": kv["kv_reprefill_tokens"],
         }
     finally:
         source.close()

@@ -15,16 +15,7 @@ import aiohttp
 import orjson
 
 from gyre.errors import GyreError
-
-
-def parse_weight_version(value) -> int:
-    """An engine's `weight_version` as Gyre's integer; -1 for one that is not a number (SGLang
-    starts at "default" until a weight update names a version)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    s = str(value).strip()
-    return int(s) if s.lstrip("-").isdigit() else -1
-
+from gyre.records.versions import parse_weight_version
 
 KEEPALIVE_S = 4.0
 """How long an idle pooled connection is kept: under the 5 s after which uvicorn (SGLang's server)
@@ -289,18 +280,29 @@ async def migrate_prefix(
 ) -> dict:
     """Move the KV of `input_ids`' cached prefix from `src` to `dst` over Mooncake.
 
-    Returns {"transferred_tokens", "recomputed_tokens"}: the page-aligned prefix `dst` got from
-    `src`, and the rest of `input_ids` that `dst` must compute itself. (A /generate on exactly
-    `input_ids` still recomputes its last page: the next token needs one forward.)
+    Returns {"exported_tokens", "transferred_tokens", "recomputed_tokens", "refused"}: the
+    page-aligned prefix `src` held, the part `dst` got, the rest of `input_ids` that `dst` must
+    compute itself, and why `dst` refused the import (a 4xx: its cache is full, other weights),
+    else None. (A /generate on exactly `input_ids` still recomputes its last page: the next token
+    needs one forward.)
     """
     export = await src.export_kv(input_ids, extra_key)
-    n = 0
-    if export.get("num_tokens", 0) > 0:
+    held, n, refused = int(export.get("num_tokens", 0)), 0, None
+    if held > 0:
         try:
             n = (await dst.import_kv(export, extra_key))["transferred_tokens"]
+        except EngineHTTPError as e:
+            if e.status >= 500:
+                raise
+            refused = e.body[:500]
         finally:
             await src.release_kv_export(export["export_id"])
-    return {"transferred_tokens": n, "recomputed_tokens": len(input_ids) - n}
+    return {
+        "exported_tokens": held,
+        "transferred_tokens": n,
+        "recomputed_tokens": len(input_ids) - n,
+        "refused": refused,
+    }
 
 
 def _wire(version: int | None) -> str | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gyre.engines.prefix_cache import PrefixCache
+from gyre.engines.prefix_cache import CacheFull, PrefixCache
 from gyre.engines.runner import SamplingParams, SeqKV, StepItem, run_step, sample
 from gyre.engines.scripted import forced_logprob
 from gyre.errors import GyreError
@@ -305,14 +305,14 @@ class EngineCore:
             self.weights = weights
         self.released -= set(tags)
 
-    def export_kv(self, input_ids: list[int], extra_key: str | None) -> tuple[int, torch.Tensor | None, int]:
-        """The cached KV of the longest page-aligned prefix of `input_ids`.
+    def export_kv(self, input_ids: list[int], extra_key: str | None) -> tuple[int, list[torch.Tensor], int]:
+        """The cached KV pages of the longest page-aligned prefix of `input_ids` (read-only: pages
+        are never written in place, so they may be copied off the engine thread).
 
-        Returns: (num_tokens, KV [L,2,n,nKV,hd] or None, the weight version that computed it).
+        Returns: (num_tokens, pages [L,2,page,nKV,hd], the weight version that computed them).
         """
         pages = self.cache.match((self.weight_version, extra_key), input_ids)
-        kv = torch.cat(pages, dim=2) if pages else None
-        return (0 if kv is None else kv.shape[2]), kv, self.weight_version
+        return sum(p.shape[2] for p in pages), pages, self.weight_version
 
     def import_kv(self, tokens: list[int], kv: torch.Tensor, version: int, extra_key: str | None) -> int:
         if version != self.weight_version:
@@ -321,18 +321,8 @@ class EngineCore:
             )
         if "kv_cache" in self.released:
             raise EngineRequestError("KV cache memory is released; resume it first")
-        self.cache.insert((version, extra_key), tokens, kv)
+        try:  # pinned until the session's next call uses it
+            self.cache.insert((version, extra_key), tokens, kv, pin=True, copy=False)
+        except CacheFull as e:
+            raise EngineRequestError(str(e)) from None
         return len(tokens) // self.cache.page_size * self.cache.page_size
-
-
-def parse_weight_version(value: object) -> int:
-    """A weight version from a request: an int >= 0, or its decimal string (what SGLang's API sends).
-
-    Raises:
-        EngineRequestError: anything else (HTTP 400).
-    """
-    if isinstance(value, str) and value.isdecimal():
-        return int(value)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise EngineRequestError(f"weight_version must be an integer >= 0 (the trainer's step), got {value!r}")

@@ -1,9 +1,10 @@
 """KV prefix export/import between builtin engines over the Mooncake Transfer Engine.
 
-Export: the source engine copies a cached prefix's KV pages into one registered buffer and
-publishes (session_id, address, layout). Import: the destination reads those bytes with one
-Mooncake read, checks shapes and weight version, and inserts the pages into its prefix cache, so a
-rerouted session's next /generate reports them as cached_tokens instead of recomputing them.
+Export: the source engine copies a cached prefix's KV pages into one registered buffer (off the
+engine thread: cached pages are never written) and publishes (session_id, address, layout).
+Import: the destination reads those bytes with one Mooncake read into a new buffer, checks shapes
+and weight version, and inserts the pages into its prefix cache as views of that buffer (no copy),
+so a moved session's next /generate reports them as cached_tokens instead of recomputing them.
 """
 
 import asyncio
@@ -13,8 +14,10 @@ from collections import OrderedDict
 
 import torch
 
-from gyre.engines.core import EngineRequestError, parse_weight_version
+from gyre.engines.core import EngineRequestError
+from gyre.records.versions import parse_weight_version
 from gyre.transfer import TransferEndpoint
+from gyre.transfer.layout import BufferLayout
 
 MAX_EXPORTS = 8
 
@@ -35,8 +38,13 @@ class KVExporter:
                 self._endpoint = TransferEndpoint()
             return self._endpoint
 
-    def publish(self, kv: torch.Tensor) -> dict:
-        descriptor, buf = self.endpoint.publish_tensors({"kv": kv.contiguous()})
+    def publish(self, pages: list[torch.Tensor]) -> dict:
+        """Concatenate KV pages [L, 2, page, nKV, hd] straight into a new registered buffer (one copy)."""
+        first = pages[0]
+        shape = (*first.shape[:2], sum(p.shape[2] for p in pages), *first.shape[3:])
+        layout = BufferLayout.for_tensors({"kv": torch.empty(shape, dtype=first.dtype, device="meta")})
+        descriptor, buf = self.endpoint.allocate(layout)
+        torch.cat(pages, dim=2, out=layout.unpack(buf)["kv"])
         export_id = str(next(self._ids))
         with self._lock:
             self._exports[export_id] = buf

@@ -4,6 +4,9 @@ A page's key hashes (namespace, parent key, its tokens); the namespace holds the
 (and SGLang's `extra_key`), so KV computed with old weights is never matched after an update.
 Lookups verify tokens and parents, so a hash collision can only miss, never return wrong KV.
 Eviction is LRU; a chain is touched leaf-first so ancestors stay newer than descendants.
+Imported pages (a session's KV moved here on a hand-off) are pinned until that session's next call
+matches them: eviction skips them, and an import that does not fit beside the pinned pages is
+refused (CacheFull) rather than evicting KV another moved session is about to use.
 """
 
 from dataclasses import dataclass
@@ -18,6 +21,11 @@ class Page:
     kv: torch.Tensor
     """[num_layers, 2, page_size, num_kv_heads, head_dim]"""
     last_used: int = 0
+    pinned: bool = False
+
+
+class CacheFull(ValueError):
+    """An import needs more pages than the cache has room for beside its pinned pages."""
 
 
 class PrefixCache:
@@ -55,24 +63,44 @@ class PrefixCache:
         for _key, page in reversed(found):
             self._clock += 1
             page.last_used = self._clock
+            page.pinned = False
         return [p.kv for _, p in found]
 
-    def insert(self, namespace: tuple, tokens: list[int], kv: torch.Tensor) -> int:
-        """Cache the full pages of `tokens` whose KV is `kv` [L, 2, >=len(tokens), nKV, hd]; returns pages added."""
+    def insert(
+        self, namespace: tuple, tokens: list[int], kv: torch.Tensor, pin: bool = False, copy: bool = True
+    ) -> int:
+        """Cache the full pages of `tokens` whose KV is `kv` [L, 2, >=len(tokens), nKV, hd]; returns pages added.
+
+        `copy=False` keeps views of `kv` (an imported buffer nobody else writes): no copy, and the
+        buffer's memory is freed once its last page is evicted.
+
+        Raises:
+            CacheFull: with `pin`, when the pages do not fit beside the pages already pinned.
+        """
         added, ps = 0, self.page_size
+        walk = self._walk(namespace, tokens)
+        if pin:
+            pinned = sum(p.pinned for p in self._pages.values())
+            want = sum(not (k in self._pages and self._pages[k].pinned) for k, _ in walk)
+            if pinned + want > self.capacity_pages:
+                raise CacheFull(
+                    f"the prefix cache has room for {(self.capacity_pages - pinned) * ps} more pinned tokens, "
+                    f"the import needs {want * ps}"
+                )
         if self.capacity_pages == 0:
             return 0
-        walk = self._walk(namespace, tokens)
         parent = None
         for i, (key, chunk) in enumerate(walk):
             page = self._pages.get(key)
             if page is None or page.tokens != chunk or page.parent != parent:
-                self._pages[key] = Page(parent, chunk, kv[:, :, i * ps : (i + 1) * ps].clone())
+                page_kv = kv[:, :, i * ps : (i + 1) * ps]
+                self._pages[key] = Page(parent, chunk, page_kv.clone() if copy else page_kv)
                 added += 1
             parent = key
         for key, _ in reversed(walk):
             self._clock += 1
             self._pages[key].last_used = self._clock
+            self._pages[key].pinned |= pin
         self._evict()
         return added
 
@@ -80,5 +108,6 @@ class PrefixCache:
         excess = len(self._pages) - self.capacity_pages
         if excess <= 0:
             return
-        for key, _ in sorted(self._pages.items(), key=lambda kv: kv[1].last_used)[:excess]:
+        unpinned = [(k, p) for k, p in self._pages.items() if not p.pinned]
+        for key, _ in sorted(unpinned, key=lambda kv: kv[1].last_used)[:excess]:
             del self._pages[key]

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 from gyre.engines.runner import SamplingParams
+from gyre.records.versions import make_version_spans
 
 
 class BadRequest(ValueError):
@@ -105,17 +106,6 @@ def parse_generate(body, vocab_size: int, context_len: int, encode=None) -> Gene
     )
 
 
-def make_spans(versions: list[int]) -> list[dict]:
-    """Runs of equal weight versions over output tokens: [{weight_version, start, end}], end exclusive."""
-    spans: list[dict] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1]["weight_version"] == v:
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"weight_version": v, "start": i, "end": i + 1})
-    return spans
-
-
 def make_response(req, text: str, weight_version: int, return_logprob: bool, latency_s: float) -> dict:
     """The /generate response (or one stream chunk; cumulative like SGLang's default) for `req`."""
     meta = {
@@ -125,7 +115,7 @@ def make_response(req, text: str, weight_version: int, return_logprob: bool, lat
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.cached_tokens,
         "weight_version": req.versions[-1] if req.versions else weight_version,
-        "weight_version_spans": make_spans(req.versions),
+        "weight_version_spans": [s.to_wire() for s in make_version_spans(req.versions)],
         "e2e_latency": latency_s,
     }
     if return_logprob:

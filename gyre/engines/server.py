@@ -25,7 +25,7 @@ from safetensors.torch import load as load_safetensors
 
 from gyre.common.serve import serve_app
 from gyre.engines.config import EngineConfig
-from gyre.engines.core import EngineCore, EngineRequestError, Request, parse_weight_version
+from gyre.engines.core import EngineCore, EngineRequestError, Request
 from gyre.engines.kv_transfer import KVExporter, import_kv_pages
 from gyre.engines.protocol import BadRequest, make_response, parse_generate
 from gyre.engines.scripted import ScriptedPolicy
@@ -34,6 +34,7 @@ from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer, HFTokenizer, has_hf_tokenizer
 from gyre.models.transformer import init_weights
+from gyre.records.versions import WeightVersionError, parse_weight_version
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -56,7 +57,7 @@ async def _json(request: web.Request) -> dict:
 async def _errors_to_400(request: web.Request, handler):
     try:
         return await handler(request)
-    except (BadRequest, EngineRequestError) as e:
+    except (BadRequest, EngineRequestError, WeightVersionError) as e:
         return _error(400, str(e))
 
 
@@ -305,6 +306,7 @@ class BuiltinEngineServer:
                 "context_length": self.model_cfg.max_seq_len,
                 "vocab_size": self.model_cfg.vocab_size,
                 "engine": "gyre-builtin",
+                "page_size": self.core.cache.page_size,
                 "model_config": dataclasses.asdict(self.model_cfg),
             }
         )
@@ -321,12 +323,11 @@ class BuiltinEngineServer:
             self.model_cfg.max_seq_len,
         ).input_ids
         extra_key = body.get("extra_key")
-        n, kv, version = await self._call(lambda: self.core.export_kv(ids, extra_key))
+        n, pages, version = await self._call(lambda: self.core.export_kv(ids, extra_key))
         if n == 0:
             return web.json_response({"num_tokens": 0, "weight_version": version})
-        return web.json_response(
-            {**self.exporter.publish(kv), "num_tokens": n, "input_ids": ids[:n], "weight_version": version}
-        )
+        published = await asyncio.to_thread(self.exporter.publish, pages)
+        return web.json_response({**published, "num_tokens": n, "input_ids": ids[:n], "weight_version": version})
 
     async def release_kv_export(self, request: web.Request) -> web.Response:
         self.exporter.release(str((await _json(request)).get("export_id")))

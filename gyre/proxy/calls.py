@@ -23,8 +23,9 @@ from gyre.proxy.chat import ApiError, ChatRequest, Resume, invalid, json_text
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import Snapshot
 from gyre.proxy.executions import ProxyExecution
+from gyre.proxy.generation import Generation
 from gyre.proxy.hints import CallHints
-from gyre.proxy.pool import EnginePool, Generation
+from gyre.proxy.pool import EnginePool
 from gyre.proxy.render import Renderer, RenderResult, assistant_key
 from gyre.proxy.wire import BaseWire, Event, OutputStream, Usage
 from gyre.records.record import CallRecord
@@ -145,10 +146,6 @@ class CallRunner:
         key = assistant_key(text, [{"name": c.name, "arguments": c.arguments} for _, c in calls])
         call.ex.turns.remember(key, call.gen.output_ids, call.hints.agent_id)
 
-    def _cell_of(self, engine_id: str) -> str:
-        entry = self.pool.table.engines.get(engine_id)
-        return entry.cell_id if entry else ""
-
     def make_record(self, call: Call) -> CallRecord:
         g = call.gen
         hints = {
@@ -176,7 +173,7 @@ class CallRunner:
             kind_hint=call.hints.kind_hint,
             finish_reason=g.finish,
             engine_id=g.engine_ids[-1] if g.engine_ids else "",
-            cell_id=self._cell_of(g.engine_ids[-1]) if g.engine_ids else "",
+            cell_id=self.pool.cell_of(g.engine_ids[-1]) if g.engine_ids else "",
             rerouted=g.rerouted,
             num_migrated_tokens=g.num_migrated,
             num_recomputed_tokens=g.num_recomputed,
@@ -208,7 +205,7 @@ class CallRunner:
         """Run the generation and answer (JSON or SSE). The record is written before the answer
         completes (fsynced per `fsync_window_ms`), so whoever sees a harness finish can read all of
         its records."""
-        self.pool.metrics.num_calls += 1
+        self.pool.count_call()
         call.ex.num_inflight += 1
         try:
             return await self._respond(request, call, wire)

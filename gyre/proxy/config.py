@@ -39,7 +39,15 @@ class ProxyConfig:
     max_resumes: int = 16
     """Reroutes one call may take (drains, crashes) before it fails."""
     migrate_kv: bool = True
-    """On a drain, move the call's KV prefix to the next engine where both engines support it."""
+    """On a hand-off (drain), move each session's KV (calls in flight and sessions between calls) to
+    its new engine where both engines support it; off: their next calls recompute it (counted in
+    kv_reprefill_tokens)."""
+    kv_move_timeout_s: float = 30.0
+    """A session's KV move not done within this is given up (recomputed, counted), and a hand-off
+    waits at most this long for its moves before the engine may release memory."""
+    rebalance_on_return: bool = False
+    """An engine that (re)turns active takes idle sessions, with their KV, from the most loaded
+    engines until loads are even within one session (a run sets it from scheduler.rebalance_on_return)."""
     fsync: bool = True
     """fsync records (see fsync_window_ms); off only in benchmarks of the HTTP path."""
     fsync_window_ms: float = 50.0
@@ -77,6 +85,7 @@ class ProxyConfig:
         require(self.health_interval_s > 0, "health_interval_s", f"must be > 0, got {self.health_interval_s}")
         require(self.max_imbalance >= 0, "max_imbalance", f"must be >= 0, got {self.max_imbalance}")
         require(self.max_resumes >= 0, "max_resumes", f"must be >= 0, got {self.max_resumes}")
+        require(self.kv_move_timeout_s > 0, "kv_move_timeout_s", f"must be > 0, got {self.kv_move_timeout_s}")
         require(0 <= self.fsync_window_ms <= 10_000, "fsync_window_ms", f"must be 0..10000, got {self.fsync_window_ms}")
         require(self.max_body_mb >= 1, "max_body_mb", f"must be >= 1, got {self.max_body_mb}")
         require(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")

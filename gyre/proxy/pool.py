@@ -1,62 +1,68 @@
-"""The proxy's engine edge: clients per engine, health checks, drains, and generation with reroutes.
+"""The proxy's engine pool: a client per engine, health checks, and the verbs that move sessions.
 
-    handler ─Generation(prompt)─> pool.acquire(session) ─> engine A /generate (stream)
-        ^                                   │ abort (drain) / connection lost (crash)
-        └── new tokens ─────────────────────┤
-                                            └─> migrate KV prefix A->B (if A alive) ─> engine B
-                                                /generate(prompt + partial output, remaining budget)
+    admin ─register / stop_admission / hand_off / activate / remove─> pool ─> RoutingTable (pure)
+    hand_off(A): A draining ─> table.reassign(A): each session gets a new engine
+                 ├─ idle sessions:  move_kv(A -> its new engine), at most MOVES_PER_ENGINE at once ─┐
+                 └─ calls in flight: aborted; each resumes elsewhere and moves its own KV (generation)┤
+                 return once A has no call in flight and no move under way, or kv_move_timeout_s <──┘
+                 (only then may A's cell release the engine's memory)
+    activate(B): B active ─> table.rebalance(B) ─> move_kv(most loaded -> B) for idle sessions
 
-A drained or crashed engine's in-flight calls resume on another engine from input + the output
-tokens already produced, so the harness sees one ordinary response; the record keeps one input
-and the concatenated output with its log-probs and weight versions. With no active engine a call
-waits up to `no_engine_wait_s`, then fails with an overloaded error (harnesses retry those).
+A session's next call waits for its move, so it finds its KV on its new engine (cached_tokens). KV
+that cannot move (target full, timeout, engine dead) is recomputed by the session's next call and
+counted in `kv_reprefill_tokens`. Everything else (Generation, the HTTP edge) changes the pool's
+state only through these verbs.
 """
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import numpy as np
-import orjson
 
-from gyre.engines.client import EngineClient, EngineHTTPError, migrate_prefix, parse_weight_version
+from gyre.engines.client import EngineClient, EngineHTTPError, migrate_prefix
 from gyre.proxy.chat import ApiError
+from gyre.proxy.config import ProxyConfig
 from gyre.proxy.routing import SERVING, RoutingTable
 
 log = logging.getLogger(__name__)
-_ENGINE_DOWN = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
+ENGINE_DOWN = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
+MOVES_PER_ENGINE = 4
+"""KV moves out of one engine at once: under the builtin engine's MAX_EXPORTS (8) published
+buffers, so none is withdrawn before its reader has it."""
 
 
 @dataclass
 class PoolMetrics:
     num_calls: int = 0
     num_reroutes: int = 0
-    num_migrated_tokens: int = 0
     num_engine_failures: int = 0
     num_overloaded: int = 0
+    num_sessions_moved: int = 0
+    """Sessions between calls given a new engine with their KV (hand-off, rebalance)."""
+    kv_migrated_tokens: int = 0
+    """KV tokens moved between engines (sessions between calls and calls in flight)."""
+    kv_reprefill_tokens: int = 0
+    """KV tokens a leaving engine held (or is assumed to have held: it is dead) that did not reach
+    the session's new engine; its next call recomputes them."""
 
 
 class EnginePool:
-    def __init__(
-        self,
-        *,
-        no_engine_wait_s: float,
-        health_interval_s: float,
-        request_timeout_s: float,
-        max_imbalance: int,
-        migrate_kv: bool,
-    ):
-        self.table = RoutingTable(max_imbalance)
-        self.no_engine_wait_s, self.health_interval_s = no_engine_wait_s, health_interval_s
-        self.request_timeout_s, self.migrate_kv = request_timeout_s, migrate_kv
+    def __init__(self, cfg: ProxyConfig):
+        self.cfg = cfg
+        self.table = RoutingTable(cfg.max_imbalance)
         self.clients: dict[str, EngineClient] = {}
-        self.inflight: dict[str, set[str]] = {}
-        """engine id -> rids of calls streaming from it (what a drain aborts)."""
         self.metrics = PoolMetrics()
-        self._changed = asyncio.Condition()
+        self._page_size: dict[str, int] = {}
+        self._contexts: dict[str, tuple[np.ndarray, list[int]]] = {}
+        """session -> (input ids, output ids) of its last finished call: the KV its engine holds."""
+        self._moves: dict[str, tuple[str, asyncio.Task]] = {}
+        """session -> (engine it leaves, the task moving its KV)."""
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._changed = asyncio.Event()
+        """Set (and replaced) whenever engines, flights or moves change: what waiters wait on."""
         self._health_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -65,21 +71,29 @@ class EnginePool:
     async def close(self) -> None:
         if self._health_task:
             self._health_task.cancel()
+        for _, task in list(self._moves.values()):
+            task.cancel()
         for c in self.clients.values():
             await c.close()
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_change(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(timeout_s, 0))
+        except TimeoutError:
+            pass
 
     # --- admin ------------------------------------------------------------------------------
     async def register(self, engine_id: str, url: str, cell_id: str = "") -> dict:
         """Add an engine after one /model_info answer (which also says whether it exports KV)."""
-        client = EngineClient(url, timeout_s=self.request_timeout_s)
+        client = EngineClient(url, timeout_s=self.cfg.request_timeout_s)
         await client.__aenter__()
         try:
             info = await asyncio.wait_for(client.model_info(), 10)
-        except (*_ENGINE_DOWN, EngineHTTPError, ValueError) as e:
+        except (*ENGINE_DOWN, EngineHTTPError, ValueError) as e:
             await client.close()
             raise ApiError(
                 "invalid_request", f"engine {engine_id} at {url} did not answer /model_info: {e!r}"
@@ -90,34 +104,68 @@ class EnginePool:
         if old:
             await old.close()
         self.clients[engine_id] = client
-        self.inflight.setdefault(engine_id, set())
+        self._page_size[engine_id] = int(info.get("page_size", 1))
+        self._slots.setdefault(engine_id, asyncio.Semaphore(MOVES_PER_ENGINE))
         self.table.add(engine_id, url, supports_kv_export=builtin, cell_id=cell_id)
-        await self._notify()
+        self._wake()
         return {"engine_id": engine_id, "url": url, "weight_version": client.weight_version}
 
     async def stop_admission(self, engine_id: str) -> None:
         """Phase 1 of a cell leaving rollout: no new sessions; its current ones stay (see routing)."""
         self.table.set_status(engine_id, "closing")
-        await self._notify()
+        self._wake()
 
-    async def drain(self, engine_id: str) -> int:
-        """Stop routing to the engine and abort its in-flight calls (they resume elsewhere)."""
+    async def hand_off(self, engine_id: str) -> dict:
+        """Phase 2 of a cell leaving rollout: every session of the engine, in flight or between
+        calls, gets a new engine and its KV moves there. Returns once every move has finished or
+        been given up, so the engine's memory may be released after it."""
         self.table.set_status(engine_id, "draining")
-        rids = list(self.inflight.get(engine_id, ()))
+        moves, busy = self.table.reassign(engine_id), self.table.busy_sessions(engine_id)
+        aborted = await self._abort_streaming(engine_id)  # first: exports wait for the engine's step
+        for session, dst in moves.items():
+            if session not in busy:
+                self._start_move(session, engine_id, dst)
+        self._wake()
+        deadline = time.monotonic() + self.cfg.kv_move_timeout_s
+        while self._holds(engine_id) and time.monotonic() < deadline:
+            await self._wait_change(0.5)
+            await self._abort_streaming(engine_id)  # a call may have reached the engine after the first abort
+        if self._holds(engine_id):
+            log.warning("hand-off of %s: moves still under way after %g s", engine_id, self.cfg.kv_move_timeout_s)
+        return {"num_aborted": aborted, "num_sessions": len(moves)}
+
+    def _holds(self, engine_id: str) -> bool:
+        """Whether a call or a session move still needs the engine's KV."""
+        entry = self.table.engines.get(engine_id)
+        return bool(entry and entry.flights) or any(src == engine_id for src, _ in self._moves.values())
+
+    async def _abort_streaming(self, engine_id: str) -> int:
+        rids = self.table.streaming(engine_id)
         client = self.clients[engine_id]
         await asyncio.gather(*(client.abort(rid) for rid in rids), return_exceptions=True)
         return len(rids)
 
-    async def activate(self, engine_id: str) -> None:
+    async def activate(self, engine_id: str) -> dict:
+        """The engine serves (again); with `rebalance_on_return`, idle sessions of the most loaded
+        engines move to it with their KV until loads are even within one session."""
         self.table.set_status(engine_id, "active")
-        await self._notify()
+        moves = self.table.rebalance(engine_id) if self.cfg.rebalance_on_return else {}
+        for session, src in moves.items():
+            self._start_move(session, src, engine_id)
+        self._wake()
+        return {"num_sessions": len(moves)}
 
     async def remove(self, engine_id: str) -> None:
-        await self.drain(engine_id)
+        await self.hand_off(engine_id)
         self.table.remove(engine_id)
         client = self.clients.pop(engine_id, None)
         if client:
             await client.close()
+
+    def forget(self, execution_id: str) -> None:
+        """An execution ended: drop its sessions and their contexts."""
+        for session in self.table.forget(execution_id + "/"):
+            self._contexts.pop(session, None)
 
     def describe(self) -> list[dict]:
         """Each engine's state and load: calls in flight and sessions routed to it."""
@@ -136,187 +184,119 @@ class EnginePool:
             for e in self.table.engines.values()
         ]
 
+    def executions_with_sessions(self) -> set[str]:
+        return self.table.executions_with_sessions()
+
+    def cell_of(self, engine_id: str) -> str:
+        entry = self.table.engines.get(engine_id)
+        return entry.cell_id if entry else ""
+
     # --- health -----------------------------------------------------------------------------
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.health_interval_s)
+            await asyncio.sleep(self.cfg.health_interval_s)
             for eid, entry in list(self.table.engines.items()):
                 client = self.clients.get(eid)
                 if client is None or entry.status == "draining":
                     continue
                 try:
-                    ok = await asyncio.wait_for(client.health(), self.health_interval_s * 5)
+                    ok = await asyncio.wait_for(client.health(), self.cfg.health_interval_s * 5)
                 except TimeoutError:
                     ok = False
                 if not ok and entry.status in SERVING:
                     self.mark_dead(eid, "health check failed")
                 elif ok and entry.status == "dead":
                     log.warning("engine %s answers /health again: active", eid)
-                    entry.status = "active"
-                    await self._notify()
+                    self.table.set_status(eid, "active")
+                    self._wake()
 
     def mark_dead(self, engine_id: str, why: str) -> None:
         entry = self.table.engines.get(engine_id)
         if entry is not None and entry.status in SERVING:
             log.warning("engine %s marked dead: %s", engine_id, why)
-            entry.status = "dead"
+            self.table.set_status(engine_id, "dead")
             self.metrics.num_engine_failures += 1
 
     # --- calls ------------------------------------------------------------------------------
     async def acquire(self, session: str, exclude: frozenset[str]) -> str:
-        """An engine for the session, waiting (bounded) while none is active."""
-        deadline = time.monotonic() + self.no_engine_wait_s
-        async with self._changed:
-            while True:
-                eid = self.table.pick(session, exclude) or self.table.pick(session)
-                if eid is not None:
-                    return eid
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.metrics.num_overloaded += 1
-                    raise ApiError("overloaded", f"no engine available for {self.no_engine_wait_s:g} s; retry later")
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left)
-                except TimeoutError:
-                    pass
+        """An engine for the session's next call, after its KV move if one is under way; waits
+        (bounded) while no engine is active."""
+        move = self._moves.get(session)
+        if move is not None:
+            await asyncio.shield(move[1])  # bounded by kv_move_timeout_s
+        deadline = time.monotonic() + self.cfg.no_engine_wait_s
+        while True:
+            eid = self.table.pick(session, exclude) or self.table.pick(session)
+            if eid is not None:
+                return eid
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.metrics.num_overloaded += 1
+                raise ApiError("overloaded", f"no engine available for {self.cfg.no_engine_wait_s:g} s; retry later")
+            await self._wait_change(left)
 
+    def begin(self, rid: str, engine_id: str, session: str) -> None:
+        """A call's attempt starts streaming from the engine."""
+        self.table.begin(rid, engine_id, session)
 
-async def _one(coro):
-    yield await coro
+    def stop_streaming(self, rid: str) -> None:
+        self.table.stop_streaming(rid)
 
+    def end(self, rid: str) -> None:
+        """The attempt is over and its KV needs its engine no more (a hand-off may be waiting)."""
+        self.table.end(rid)
+        self._wake()
 
-@dataclass
-class Generation:
-    """One call's generation across engines; `stream()` yields new output ids as they arrive."""
+    def count_call(self) -> None:
+        self.metrics.num_calls += 1
 
-    pool: EnginePool
-    session: str
-    rid: str
-    input_ids: np.ndarray
-    """int32 prompt ids."""
-    input_json: tuple[bytes, ...]
-    """The same as a JSON array in pieces (rendered incrementally: a long context costs only its new ids)."""
-    sampling: dict
-    max_resumes: int = 16
-    incremental: bool = True
-    """Stream from the engine (for streaming answers); else one /generate answer per engine attempt
-    (cheaper for the engine; a drained call still returns its partial output with finish abort)."""
-    on_admit: Callable[[], None] | None = None
-    """Called once, when the call first gets an engine (the proxy numbers calls then)."""
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish: str = "abort"
-    engine_ids: list[str] = field(default_factory=list)
-    num_migrated: int = 0
-    num_recomputed: int = 0
-    cached_tokens: int = 0
-    engine_s: float = 0.0
-    """Wall time spent in engine calls (the rest of a call's time is the proxy's own or queueing)."""
+    def count_reroute(self) -> None:
+        self.metrics.num_reroutes += 1
 
-    @property
-    def rerouted(self) -> bool:
-        return len(self.engine_ids) > 1
+    def remember(self, session: str, input_ids: np.ndarray, output_ids: list[int]) -> None:
+        """The session's last finished call: the context whose KV moves with the session."""
+        self._contexts[session] = (input_ids, output_ids)
 
-    async def stream(self):
-        """Yield lists of new output ids until the call finishes (stop or length)."""
-        budget, prev = self.sampling["max_new_tokens"], None
-        for attempt in range(self.max_resumes + 1):
-            eid = await self.pool.acquire(self.session, frozenset([prev]) if prev else frozenset())
-            if not self.engine_ids and self.on_admit is not None:
-                self.on_admit()
-            self.engine_ids.append(eid)
-            prompt = self._prompt_json()
-            if prev is not None:
-                await self._migrate(
-                    prev, eid, np.concatenate((self.input_ids, np.asarray(self.output_ids, np.int32))).tolist()
-                )
-            params = {**self.sampling, "max_new_tokens": budget - len(self.output_ids)}
-            finish = None
-            async for new in self._one_engine(eid, f"{self.rid}-{attempt}", prompt, params):
-                if isinstance(new, dict):
-                    finish = new
-                else:
-                    yield new
-            if finish is not None and finish.get("type") != "abort":
-                self.finish = finish["type"]
-                return
-            if len(self.output_ids) >= budget:
-                self.finish = "length"
-                return
-            self.pool.metrics.num_reroutes += 1
-            prev = eid
-        raise ApiError("api_error", f"call {self.rid} was interrupted {self.max_resumes + 1} times; giving up")
+    # --- KV moves ---------------------------------------------------------------------------
+    def _start_move(self, session: str, src: str, dst: str) -> None:
+        context = self._contexts.get(session)
+        if context is not None and session not in self._moves:
+            tokens = np.concatenate((context[0], np.asarray(context[1], np.int32))).tolist()
+            self._moves[session] = (src, asyncio.create_task(self._move_session(session, src, dst, tokens)))
 
-    def _prompt_json(self) -> tuple[bytes, ...]:
-        """The prompt of the next engine attempt (input + output so far) as JSON array pieces."""
-        if not self.output_ids:
-            return self.input_json
-        return (*self.input_json[:-1], b"," + orjson.dumps(self.output_ids)[1:])
-
-    async def _one_engine(self, eid: str, rid: str, ids_json: tuple[bytes, ...], params: dict):
-        """Stream from one engine; yields new-id lists, then the finish dict (None if the engine failed)."""
-        pool, client = self.pool, self.pool.clients[eid]
-        prompt = ()  # sent as `ids_json`
-        pool.table.begin(eid)
-        pool.inflight[eid].add(rid)
-        seen, t0 = 0, time.monotonic()
+    async def _move_session(self, session: str, src: str, dst: str, tokens: list[int]) -> None:
+        """Move the session's KV; if it was routed elsewhere meanwhile (its new engine left too),
+        follow it from where the KV now is."""
         try:
-            if self.incremental:
-                chunks = client.generate_stream(prompt, params, rid=rid, return_logprob=True, input_ids_json=ids_json)
-            else:
-                chunks = _one(client.generate(prompt, params, rid=rid, return_logprob=True, input_ids_json=ids_json))
-            async for chunk in chunks:
-                ids, meta = chunk["output_ids"], chunk["meta_info"]
-                new = ids[seen:]  # chunks are cumulative (SGLang's default, the builtin engine's)
-                raw = meta.get("output_token_logprobs") or []
-                self._extend(new, [x[0] for x in (raw[seen:] if len(raw) == len(ids) else raw)], meta, seen)
-                seen += len(new)
-                self.cached_tokens = max(self.cached_tokens, int(meta.get("cached_tokens", 0)))
-                if new:
-                    yield new
-                if meta.get("finish_reason"):
-                    yield meta["finish_reason"]
-                    return
-        except EngineHTTPError as e:
-            if e.status < 500:
-                raise ApiError("invalid_request", f"the engine refused the request: {e.body[:500]}") from None
-            pool.mark_dead(eid, str(e))
-        except _ENGINE_DOWN as e:
-            pool.mark_dead(eid, repr(e))
+            while True:
+                await self.move_kv(src, dst, tokens)
+                now = self.table.sessions.get(session)
+                if now is None or now == dst:
+                    break
+                src, dst = dst, now
+                self._moves[session] = (src, self._moves[session][1])
+            self.metrics.num_sessions_moved += 1
         finally:
-            self.engine_s += time.monotonic() - t0
-            pool.inflight[eid].discard(rid)
-            pool.table.end(eid)
+            self._moves.pop(session, None)
+            self._wake()
 
-    def _extend(self, new: list[int], lps: list[float], meta: dict, seen: int) -> None:
-        if len(lps) != len(new):
-            raise ApiError("api_error", f"engine returned {len(lps)} log-probs for {len(new)} tokens")
-        spans = meta.get("weight_version_spans")
-        if spans:  # the versions of output positions [seen, seen + len(new)) from the spans overlapping them
-            end = seen + len(new)
-            versions = [
-                v
-                for s in spans
-                if s["end"] > seen and s["start"] < end
-                for v in [parse_weight_version(s["weight_version"])] * (min(s["end"], end) - max(s["start"], seen))
-            ]
-        else:
-            versions = [parse_weight_version(meta.get("weight_version", 0))] * len(new)
-        self.output_ids += new
-        self.logprobs += lps
-        self.versions += versions
-
-    async def _migrate(self, src: str, dst: str, prompt: list[int]) -> None:
-        """Move the prompt's KV prefix from the engine the call left to the one it resumes on."""
-        pool = self.pool
-        s, d = pool.table.engines.get(src), pool.table.engines.get(dst)
-        moved = 0
-        if pool.migrate_kv and s and d and s.status == "draining" and s.supports_kv_export and d.supports_kv_export:
+    async def move_kv(self, src: str, dst: str, tokens: list[int]) -> int:
+        """Move the KV `src` holds for a prefix of `tokens` to `dst` over Mooncake (builtin engines),
+        within kv_move_timeout_s; what does not arrive is counted as re-prefill. Returns tokens moved."""
+        s, d = self.table.engines.get(src), self.table.engines.get(dst)
+        if s is None or d is None or src == dst or not s.supports_kv_export:
+            return 0  # SGLang engines share KV through HiCache's Mooncake store instead
+        ps = self._page_size.get(src, 1)
+        held, moved = len(tokens) // ps * ps, 0
+        if self.cfg.migrate_kv and d.supports_kv_export and s.status != "dead":
             try:
-                moved = (await migrate_prefix(pool.clients[src], pool.clients[dst], prompt))["transferred_tokens"]
-            except (*_ENGINE_DOWN, EngineHTTPError, KeyError) as e:
-                log.warning("KV migration %s -> %s failed (recomputing): %r", src, dst, e)
-        self.num_migrated += moved
-        self.num_recomputed += len(prompt) - moved
-        pool.metrics.num_migrated_tokens += moved
+                async with asyncio.timeout(self.cfg.kv_move_timeout_s), self._slots[src]:
+                    out = await migrate_prefix(self.clients[src], self.clients[dst], tokens)
+                held, moved = out["exported_tokens"], out["transferred_tokens"]
+                if out["refused"]:
+                    log.warning("KV move %s -> %s refused (recomputing): %s", src, dst, out["refused"])
+            except (*ENGINE_DOWN, EngineHTTPError, KeyError) as e:
+                log.warning("KV move %s -> %s failed (recomputing): %r", src, dst, e)
+        self.metrics.kv_migrated_tokens += moved
+        self.metrics.kv_reprefill_tokens += max(0, held - moved)
+        return moved

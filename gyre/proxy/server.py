@@ -7,7 +7,8 @@ Admin side (`Authorization: Bearer <admin token>`):
     POST /admin/executions {execution_id, api_key?} -> {api_key}; DELETE /admin/executions/{id} (revoke);
     GET/POST /admin/engines {engine_id, url, cell_id?}; DELETE /admin/engines/{id};
     POST /admin/engines/{id}/stop_admission (phase 1 of leaving rollout: no new sessions) | /drain
-    (phase 2: abort and resume its calls elsewhere) | /activate;
+    (phase 2: hand every session off with its KV; answers once every move has ended) | /activate
+    (with rebalance_on_return, takes idle sessions from the most loaded engines);
     GET /admin/metrics (counters, each engine's and each execution's load)
 Every error answers in the API's own format; a bad request never takes the proxy down.
 """
@@ -84,13 +85,7 @@ class ProxyServer:
         self.admin_token = cfg.admin_token or secrets.token_urlsafe(24)
         self.tok = tokenizer
         self.renderer = Renderer(tokenizer)
-        self.pool = EnginePool(
-            no_engine_wait_s=cfg.no_engine_wait_s,
-            health_interval_s=cfg.health_interval_s,
-            request_timeout_s=cfg.request_timeout_s,
-            max_imbalance=cfg.max_imbalance,
-            migrate_kv=cfg.migrate_kv,
-        )
+        self.pool = EnginePool(cfg)
         self.executions = ExecutionRegistry(
             cfg.records_dir,
             cfg.fsync,
@@ -239,7 +234,7 @@ class ProxyServer:
                 ex = self.executions.revoke(request.match_info["id"])
         except GyreError as e:
             return self._bad(str(e), 404)
-        self.pool.table.forget(ex.execution_id + "/")
+        self.pool.forget(ex.execution_id)
         ex.conversations.clear()
         return _json({"execution_id": ex.execution_id, "revoked": True})
 
@@ -269,7 +264,7 @@ class ProxyServer:
         return await self._engine_op(request, self.pool.remove)
 
     async def drain_engine(self, request: web.Request) -> web.Response:
-        return await self._engine_op(request, self.pool.drain)
+        return await self._engine_op(request, self.pool.hand_off)
 
     async def activate_engine(self, request: web.Request) -> web.Response:
         return await self._engine_op(request, self.pool.activate)
@@ -281,7 +276,7 @@ class ProxyServer:
         """Counters, engines (status, calls in flight, sessions) and executions (calls in flight,
         whether a session of theirs is in the routing table): O(engines + sessions + executions)."""
         self._admin(request)
-        with_sessions = self.pool.table.executions_with_sessions()
+        with_sessions = self.pool.executions_with_sessions()
         executions = {
             eid: {"num_inflight": ex.num_inflight, "has_session": eid in with_sessions}
             for eid, ex in self.executions.by_id.items()

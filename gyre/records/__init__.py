@@ -7,9 +7,8 @@ from gyre.records.record import (
     MAIN_AGENT,
     CallRecord,
     RecordError,
-    VersionSpan,
-    make_version_spans,
 )
+from gyre.records.versions import VersionSpan, WeightVersionError, make_version_spans, parse_weight_version
 
 __all__ = [
     "CallRecord",
@@ -20,6 +19,8 @@ __all__ = [
     "ReadStats",
     "read_records",
     "make_version_spans",
+    "parse_weight_version",
+    "WeightVersionError",
     "KINDS",
     "FINISH_REASONS",
     "MAIN_AGENT",

@@ -13,6 +13,7 @@ import numpy as np
 import orjson
 
 from gyre.errors import GyreError
+from gyre.records.versions import VersionSpan, make_version_spans
 
 KINDS = ("main", "summary", "subagent", "subagent_summary", "auxiliary", "unknown")
 """Kind hints the proxy may attach: `unknown` when the harness gave no recognisable sign."""
@@ -26,15 +27,6 @@ MAIN_AGENT = "main"
 
 class RecordError(GyreError, ValueError):
     """A record that breaks the contract (misaligned arrays, unknown kind, ...)."""
-
-
-@dataclass(frozen=True)
-class VersionSpan:
-    """Output tokens [start, end) were sampled under weights of optimizer step `version`."""
-
-    start: int
-    end: int
-    version: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,16 +102,6 @@ class CallRecord:
         for span in self.version_spans:
             versions[span.start : span.end] = span.version
         return versions
-
-
-def make_version_spans(versions) -> tuple[VersionSpan, ...]:
-    """Runs of equal weight versions, one entry per output token, as VersionSpans."""
-    v = np.asarray(versions, dtype=np.int64)
-    if v.size == 0:
-        return ()
-    starts = np.concatenate(([0], np.flatnonzero(v[1:] != v[:-1]) + 1))
-    ends = np.concatenate((starts[1:], [v.size]))
-    return tuple(VersionSpan(int(a), int(b), int(v[a])) for a, b in zip(starts, ends))
 
 
 def _problem(r: CallRecord) -> str | None:

@@ -88,13 +88,20 @@ class TransferEndpoint:
         the reader out of band; keep `buffer` alive and unregister it once the reader is done.
         """
         layout = BufferLayout.for_tensors(tensors)
-        buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
+        descriptor, buf = self.allocate(layout)
         layout.pack(tensors, buf)
+        return descriptor, buf
+
+    def allocate(self, layout: BufferLayout) -> tuple[dict, torch.Tensor]:
+        """A new registered buffer for `layout` and its descriptor (as `publish_tensors`); the
+        caller fills the slots (`layout.unpack(buffer)`) before handing the descriptor to a peer."""
+        buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
         addr = self.register(buf)
         return {"session_id": self.session_id, "address": addr, "layout": layout.to_json()}, buf
 
     def fetch_tensors(self, descriptor: dict) -> dict[str, torch.Tensor]:
-        """Read the tensors a peer published (its `publish_tensors` descriptor); returns owned copies."""
+        """Read the tensors a peer published (its `publish_tensors` descriptor); returns views of
+        one new buffer that nothing else holds (no copy: a KV import keeps them as its pages)."""
         layout = BufferLayout.from_json(descriptor["layout"])
         buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
         self.register(buf)
@@ -102,7 +109,7 @@ class TransferEndpoint:
             self.read(descriptor["session_id"], int(descriptor["address"]), buf, layout.nbytes)
         finally:
             self.unregister(buf)
-        return {k: v.clone() for k, v in layout.unpack(buf).items()}
+        return layout.unpack(buf)
 
     def close(self) -> None:
         """Unregister everything this endpoint registered."""

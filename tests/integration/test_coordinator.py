@@ -95,6 +95,7 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
     summary = _finish(_gyre_train(run_dir, _taskset(tmp_path), "num_steps=2"))
 
     assert summary["num_steps"] == 2 and summary["run_dir"] == str(run_dir)
+    assert summary["kv_reprefill_tokens"] == 0 and summary["kv_migrated_tokens"] >= 0  # hand-offs moved all KV
     view = read_ledger(run_dir / "ledger.jsonl")
     assert len(view.history) == 2 * 3 * 2 and view.num_torn == 0
     for eid, entries in view.history.items():

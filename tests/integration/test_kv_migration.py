@@ -71,4 +71,4 @@ def test_kv_from_other_weights_is_refused(engines):
 def test_nothing_cached_means_nothing_transferred(engines):
     a, b = engines
     moved = run(lambda ca: migrate_prefix(ca, ca, [9] * 40), a.url)
-    assert moved == {"transferred_tokens": 0, "recomputed_tokens": 40}
+    assert moved == {"exported_tokens": 0, "transferred_tokens": 0, "recomputed_tokens": 40, "refused": None}

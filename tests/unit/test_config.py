@@ -54,6 +54,9 @@ def test_valid_configs_compose_and_validate(overrides):
         pytest.param("cluster.control_peer_timeout_s=0", "cluster.control_peer_timeout_s", id="no-peer-timeout"),
         pytest.param("engine=sglang", "engine.backend", id="sglang-not-wired"),
         pytest.param("cluster.num_cells=1", "cluster.num_cells", id="one-cell-cannot-serve-and-train"),
+        pytest.param("scheduler.microstep_tokens=4096", "scheduler.microstep_tokens", id="sim-only-microsteps"),
+        pytest.param("scheduler.admission=staleness", "scheduler.admission", id="sim-only-admission"),
+        pytest.param("scheduler.batching=first_ready", "scheduler.batching", id="sim-only-batching"),
     ],
 )
 def test_bad_values_name_their_key(override, key):

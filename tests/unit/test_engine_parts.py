@@ -7,8 +7,8 @@ from omegaconf import OmegaConf
 
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import make_sglang_command, make_sglang_env
-from gyre.engines.prefix_cache import PrefixCache
-from gyre.engines.protocol import BadRequest, make_spans, parse_generate
+from gyre.engines.prefix_cache import CacheFull, PrefixCache
+from gyre.engines.protocol import BadRequest, parse_generate
 from gyre.errors import ConfigError
 
 
@@ -35,6 +35,19 @@ def test_prefix_cache_evicts_least_recently_used_leaves_first():
     assert cache.num_tokens == 8
     assert len(cache.match(("v",), [1, 2, 3, 4, 5, 6])) == 2
     assert len(cache.match(("v",), [7, 8, 9, 10])) == 2
+
+
+def test_moved_kv_is_pinned_until_its_session_uses_it_and_a_full_cache_refuses_more():
+    cache = PrefixCache(page_size=2, capacity_tokens=8)  # 4 pages
+    cache.insert(("v",), [1, 2, 3, 4], _kv(4), pin=True)  # a moved session: 2 pinned pages
+    cache.insert(("v",), [5, 6, 7, 8, 9, 10], _kv(6))  # 3 ordinary pages: one of them is evicted, no pinned one
+    assert len(cache.match(("v",), [5, 6, 7, 8, 9, 10])) == 2 and cache.num_tokens == 8  # its leaf went
+    with pytest.raises(CacheFull, match="room for 4 more pinned tokens, the import needs 6"):
+        cache.insert(("v",), [11, 12, 13, 14, 15, 16], _kv(6), pin=True)
+    assert cache.insert(("v",), [11, 12, 13, 14], _kv(4), pin=True) == 2  # fits beside the pinned 2
+    assert len(cache.match(("v",), [1, 2, 3, 4])) == 2  # the session's next call: unpinned from now on
+    cache.insert(("v",), [21, 22, 23, 24], _kv(4))
+    assert cache.match(("v",), [1, 2]) == [] and len(cache.match(("v",), [11, 12, 13, 14])) == 2
 
 
 OK = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
@@ -71,12 +84,24 @@ def test_generate_body_defaults_and_unknown_fields():
     assert parse_generate({"text": "ab"}, 512, 512, encode=lambda t: list(t.encode())).input_ids == [97, 98]
 
 
-def test_spans_group_output_tokens_by_weight_version():
-    assert make_spans([1, 1, 2, 2, 2]) == [
-        {"weight_version": 1, "start": 0, "end": 2},
-        {"weight_version": 2, "start": 2, "end": 5},
-    ]
-    assert make_spans([]) == []
+def test_one_span_type_and_one_version_parser_for_wire_records_and_batching():
+    from gyre.records.versions import (
+        VersionSpan,
+        WeightVersionError,
+        make_version_spans,
+        parse_weight_version,
+        versions_between,
+    )
+
+    spans = make_version_spans([1, 1, 2, 2, 2])
+    wire = [s.to_wire() for s in spans]
+    assert wire == [{"weight_version": 1, "start": 0, "end": 2}, {"weight_version": 2, "start": 2, "end": 5}]
+    assert make_version_spans([]) == () and [VersionSpan.from_wire(w) for w in wire] == list(spans)
+    assert versions_between(list(spans), 1, 4) == [1, 2, 2]
+    assert [parse_weight_version(v) for v in (3, "12", 0)] == [3, 12, 0]
+    for bad in ("-1", -1, "default", None, True, 1.5, "7b"):
+        with pytest.raises(WeightVersionError, match="weight_version must be an integer >= 0"):
+            parse_weight_version(bad)
 
 
 def test_sglang_command_golden():

@@ -332,10 +332,16 @@ def test_routing_sticky_balanced_and_drained():
     t.add("a", "u1")
     t.add("b", "u2")
     assert t.pick("s1") == "a" and t.pick("s2") == "a"  # least loaded, ties by id
-    t.begin("a")
+    t.begin("r1", "a", "s1")
     assert t.pick("s2") == "a"  # sticky within the imbalance
-    t.begin("a")
+    t.begin("r2", "a", "s1")
     assert t.pick("s2") == "b"  # a is 2 ahead of b: move
+    t.stop_streaming("r2")
+    assert (
+        t.engines["a"].num_inflight == 1 and t.streaming("a") == ["r1"] and set(t.engines["a"].flights) == {"r1", "r2"}
+    )
+    t.end("r2")
+    assert set(t.flights) == {"r1"}
     t.set_status("b", "draining")
     assert t.pick("s2") == "a" and t.pick("s3", exclude=frozenset(["a"])) is None
     with pytest.raises(RoutingError, match="registered: a, b|registered: \\['a', 'b'\\]"):
@@ -373,8 +379,67 @@ def test_routing_stop_admission(case_id, ops, expect):
     )
 
 
+def _table(sessions: dict[str, str], statuses: dict[str, str]) -> RoutingTable:
+    t = RoutingTable()
+    for eid, status in statuses.items():
+        t.add(eid, "u")
+        t.set_status(eid, status)
+    t.sessions.update(sessions)
+    return t
+
+
+@pytest.mark.parametrize(
+    "case_id, sessions, statuses, expect",
+    [
+        (
+            "spread-over-two",
+            {"s1": "a", "s2": "a", "s3": "a"},
+            {"a": "draining", "b": "active", "c": "active"},
+            {"s1": "b", "s2": "c", "s3": "b"},
+        ),
+        (
+            "fill-the-emptier",
+            {"s1": "a", "s2": "a", "x": "b", "y": "b"},
+            {"a": "draining", "b": "active", "c": "active"},
+            {"s1": "c", "s2": "c"},
+        ),
+        ("not-onto-closing", {"s1": "a"}, {"a": "draining", "b": "closing", "c": "active"}, {"s1": "c"}),
+        ("none-active-they-stay", {"s1": "a"}, {"a": "draining", "b": "closing"}, {}),
+    ],
+)
+def test_reassign_gives_every_session_of_a_leaving_engine_the_least_loaded_active_one(
+    case_id, sessions, statuses, expect
+):
+    t = _table(sessions, statuses)
+    assert t.reassign("a") == expect
+    assert {s: e for s, e in t.sessions.items() if s in sessions and sessions[s] == "a"} == (expect or {"s1": "a"})
+
+
+@pytest.mark.parametrize(
+    "case_id, sessions, busy, expect_counts",
+    [
+        ("even-out", {f"s{i}": "a" for i in range(6)}, [], {"a": 3, "b": 0, "r": 3}),
+        (
+            "two-sources",
+            {**{f"a{i}": "a" for i in range(5)}, **{f"b{i}": "b" for i in range(3)}},
+            [],
+            {"a": 3, "b": 3, "r": 2},
+        ),
+        ("within-one-stays", {"s1": "a", "s2": "b"}, [], {"a": 1, "b": 1, "r": 0}),
+        ("busy-sessions-stay", {f"s{i}": "a" for i in range(4)}, ["s0", "s1", "s2"], {"a": 3, "b": 0, "r": 1}),
+    ],
+)
+def test_rebalance_on_return_takes_idle_sessions_from_the_most_loaded(case_id, sessions, busy, expect_counts):
+    t = _table(sessions, {"a": "active", "b": "active", "r": "active"})
+    for i, s in enumerate(busy):
+        t.begin(f"rid{i}", sessions[s], s)
+    moves = t.rebalance("r")
+    assert t.num_sessions() == expect_counts
+    assert all(t.sessions[s] == "r" and sessions[s] == src for s, src in moves.items()) and not set(moves) & set(busy)
+
+
 def test_engine_client_keys_sglang_generations_by_weight_version():
-    from gyre.engines.client import EngineClient, _version, parse_weight_version
+    from gyre.engines.client import EngineClient, _version
 
     c = EngineClient("http://x", key_by_weight_version=True)
     assert "extra_key" not in c._generate_body([1], {}, "r", True, False, None)
@@ -383,7 +448,6 @@ def test_engine_client_keys_sglang_generations_by_weight_version():
     builtin = EngineClient("http://x")
     builtin.weight_version = 7
     assert "extra_key" not in builtin._generate_body([1], {}, "r", True, False, None)
-    assert [parse_weight_version(v) for v in (3, "12", "-1", "default")] == [3, 12, -1, -1]
 
 
 def test_engine_client_stream_stopped_at_its_finish_chunk_keeps_the_connection():
@@ -537,7 +601,7 @@ def test_turn_memory_prefers_the_asking_agents_own_tokens():
 
 
 def test_generation_takes_versions_of_new_tokens_from_spans():
-    from gyre.proxy.pool import Generation
+    from gyre.proxy.generation import Generation
 
     g = Generation(
         pool=None,
@@ -551,7 +615,9 @@ def test_generation_takes_versions_of_new_tokens_from_spans():
     g._extend([7], [-0.5], {"weight_version_spans": spans[:1]}, 0)
     g._extend([8, 9, 10], [-0.1, -0.2, -0.3], {"weight_version_spans": spans}, 1)
     assert g.output_ids == [7, 8, 9, 10] and g.versions == [3, 3, 4, 4]
-    g._extend([11], [-0.1], {"weight_version": "default"}, 4)  # SGLang before any numbered update
-    assert g.versions[-1] == -1
+    with pytest.raises(ApiError, match="bad weight versions: weight_version must be an integer >= 0"):
+        g._extend([11], [-0.1], {"weight_version": "default"}, 4)  # Gyre launches SGLang with a numbered version
+    with pytest.raises(ApiError, match="cover 1 of 2 new tokens"):
+        g._extend([11, 12], [-0.1, -0.1], {"weight_version_spans": spans[:1]}, 1)
     with pytest.raises(ApiError, match="2 log-probs for 1 tokens"):
         g._extend([1], [-1.0, -1.0], {}, 4)

@@ -1,0 +1,133 @@
+"""The engine pool's hand-off and rebalance over fake engine clients (the edge faked, the pool real):
+when a hand-off returns, every move has ended; a session's next call waits for its move; what
+cannot move is counted as re-prefill, never raised."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import gyre.proxy.pool as pool_module
+from gyre.engines.client import EngineHTTPError
+from gyre.proxy.config import ProxyConfig
+from gyre.proxy.pool import EnginePool
+
+
+class FakeEngine:
+    """What the pool calls on an engine client; exports wait for `gate`, imports may be refused."""
+
+    gate: asyncio.Event | None = None
+    refuse: bool = False
+    log: list = []
+
+    def __init__(self, url: str, timeout_s: float):
+        self.url, self.weight_version, self.key_by_weight_version = url, 0, False
+
+    async def __aenter__(self):
+        return self
+
+    async def close(self):
+        pass
+
+    async def model_info(self):
+        return {"engine": "gyre-builtin", "page_size": 16, "weight_version": 0}
+
+    async def health(self):
+        return True
+
+    async def abort(self, rid):
+        self.log.append(("abort", self.url, rid))
+
+    async def export_kv(self, ids, extra_key=None):
+        await FakeEngine.gate.wait()
+        return {"export_id": "x", "num_tokens": len(ids) // 16 * 16}
+
+    async def import_kv(self, export, extra_key=None):
+        if FakeEngine.refuse:
+            raise EngineHTTPError(400, "/gyre/import_kv", "the prefix cache has room for 0 more pinned tokens")
+        self.log.append(("import", self.url, export["num_tokens"]))
+        return {"transferred_tokens": export["num_tokens"]}
+
+    async def release_kv_export(self, export_id):
+        pass
+
+
+@pytest.fixture
+def fake_engines(monkeypatch):
+    monkeypatch.setattr(pool_module, "EngineClient", FakeEngine)
+    FakeEngine.refuse, FakeEngine.log = False, []
+
+
+async def _pool(**cfg) -> EnginePool:
+    FakeEngine.gate = asyncio.Event()
+    pool = EnginePool(ProxyConfig(no_engine_wait_s=1, **cfg))
+    for eid in ("a", "b"):
+        await pool.register(eid, f"http://{eid}")
+    return pool
+
+
+async def _idle_session(pool: EnginePool, session: str, n: int) -> str:
+    eid = await pool.acquire(session, frozenset())
+    pool.remember(session, np.arange(n, dtype=np.int32), [1, 2, 3])
+    return eid
+
+
+def test_a_hand_off_returns_only_once_every_move_has_ended(fake_engines):
+    async def main():
+        pool = await _pool()
+        await pool.stop_admission("b")
+        assert await _idle_session(pool, "x/main", 200) == "a"
+        pool.begin("call-0", await pool.acquire("y/main", frozenset()), "y/main")  # a call in flight on a
+        await pool.activate("b")
+        hand_off = asyncio.create_task(pool.hand_off("a"))
+        await asyncio.sleep(0.2)
+        assert not hand_off.done()  # the idle session's export is held at the gate
+        assert ("abort", "http://a", "call-0") in FakeEngine.log
+        next_call = asyncio.create_task(pool.acquire("x/main", frozenset()))
+        await asyncio.sleep(0.05)
+        assert not next_call.done()  # the session's next call waits for its KV
+        FakeEngine.gate.set()
+        await asyncio.sleep(0.1)
+        assert await next_call == "b" and not hand_off.done()  # the aborted call's KV has not left yet
+        pool.stop_streaming("call-0")
+        pool.end("call-0")
+        out = await asyncio.wait_for(hand_off, 2)
+        return out, pool.metrics
+
+    out, m = asyncio.run(main())
+    assert out == {"num_aborted": 1, "num_sessions": 2}
+    assert (m.kv_migrated_tokens, m.kv_reprefill_tokens, m.num_sessions_moved) == (192, 0, 1)
+    assert ("import", "http://b", 192) in FakeEngine.log
+
+
+@pytest.mark.parametrize("case_id, refuse, gate_open", [("target-full", True, True), ("timeout", False, False)])
+def test_kv_that_cannot_move_is_counted_as_reprefill(fake_engines, case_id, refuse, gate_open):
+    async def main():
+        pool = await _pool(kv_move_timeout_s=0.3)
+        FakeEngine.refuse = refuse
+        await pool.stop_admission("b")
+        await _idle_session(pool, "x/main", 200)
+        await pool.activate("b")
+        if gate_open:
+            FakeEngine.gate.set()
+        await asyncio.wait_for(pool.hand_off("a"), 2)
+        return await pool.acquire("x/main", frozenset()), pool.metrics
+
+    eid, m = asyncio.run(main())
+    assert eid == "b" and (m.kv_migrated_tokens, m.kv_reprefill_tokens) == (0, 192)
+
+
+def test_a_returning_engine_takes_idle_sessions_with_their_kv(fake_engines):
+    async def main():
+        pool = await _pool(rebalance_on_return=True)
+        await pool.stop_admission("b")
+        for i in range(4):
+            await _idle_session(pool, f"s{i}/main", 64)
+        FakeEngine.gate.set()
+        out = await pool.activate("b")
+        await asyncio.sleep(0.05)
+        return out, {e["engine_id"]: e["num_sessions"] for e in pool.describe()}, pool.metrics
+
+    out, sessions, m = asyncio.run(main())
+    assert out == {"num_sessions": 2} and sessions == {"a": 2, "b": 2}
+    assert (m.kv_migrated_tokens, m.num_sessions_moved) == (2 * 64, 2)
