@@ -11,9 +11,7 @@ the instruction rather than recalling a trained pair. A few words' evaluators cr
 import json
 from pathlib import Path
 
-WORDS = (
-    "apple river stone cloud tiger lemon piano robot mango ocean pearl quilt sugar tulip melon zebra"
-).split()
+WORDS = ("apple river stone cloud tiger lemon piano robot mango ocean pearl quilt sugar tulip melon zebra").split()
 FILES = ("answer.txt", "out.txt", "note.txt")
 FLAKY = {"cloud", "robot", "quilt", "zebra"}
 OUT = Path(__file__).resolve().parents[1] / "gyre" / "tasks" / "toy"

@@ -43,10 +43,10 @@ SUB_REPORT = "task.md"
 
 @dataclass(frozen=True)
 class WarmStartConfig:
-    steps: int = 150
+    steps: int = 200
     """Optimizer steps (batches of `batch_size` transcripts' turns)."""
     lr: float = 3e-3
-    batch_size: int = 6
+    batch_size: int = 24
     seed: int = 0
     init_seed: int = 0
     max_tokens: int = 96
@@ -59,6 +59,10 @@ class WarmStartConfig:
     call), which the evaluator scores 0. Demonstrations of mixed quality, as real SFT data has:
     the warm policy then acts on about half its first turns, one decision shared by every task,
     which RL can learn within the few steps of a local run."""
+
+    def __post_init__(self):
+        if self.tokenizer not in ("bpe", "byte"):
+            raise ValueError(f"tokenizer must be one of bpe, byte; got {self.tokenizer!r}")
 
 
 def parse_call(messages: list[dict], reply: dict, api: str = "openai") -> tuple[list[dict], list[dict], dict]:
