@@ -11,9 +11,9 @@ the instruction rather than recalling a trained pair. A few words' evaluators cr
 import json
 from pathlib import Path
 
-WORDS = ("apple river stone cloud tiger lemon piano robot mango ocean pearl quilt sugar tulip melon zebra").split()
+WORDS = "apple river stone cloud tiger lemon piano robot".split()
 FILES = ("answer.txt", "out.txt", "note.txt")
-FLAKY = {"cloud", "robot", "quilt", "zebra"}
+FLAKY = {"cloud", "robot"}
 OUT = Path(__file__).resolve().parents[1] / "gyre" / "tasks" / "toy"
 
 
@@ -33,8 +33,8 @@ def make_task(word: str, file: str, task_id: str) -> dict:
 
 def main() -> None:
     train, held_out = [], []
-    for i, word in enumerate(WORDS):
-        for j, file in enumerate(FILES):
+    for j, file in enumerate(FILES):  # the answer.txt tasks first
+        for i, word in enumerate(WORDS):
             stem = file.removesuffix(".txt")
             if j == (i + 1) % len(FILES):  # one pair per word held out, the files in turn
                 held_out.append(make_task(word, file, f"eval-{word}-{stem}"))

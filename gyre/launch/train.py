@@ -94,7 +94,7 @@ def load_tasks(cfg: GyreConfig) -> TaskSet:
         out, report = warm_start(Path(cfg.tasks.warm_start_dir), taskset, cfg.model, ws)
         print(
             f"gyre-train: warm start {'reused' if report['reused'] else 'trained'}: {out} "
-            f"(score before {report['before']}, after {report['after']})",
+            f"(first turns scored {report['after']}, {report['train_cpu_s']} CPU-s)",
             file=sys.stderr,
             flush=True,
         )

@@ -16,7 +16,7 @@ class TasksConfig:
     """Held-out task set (never trained on), rolled out under the first and the last weights of a
     run (summary: eval_reward_first, eval_reward_last); None: the toy's held-out set when `path` is
     None, else no held-out rollouts."""
-    eval_samples: int = 1
+    eval_samples: int = 2
     """Executions per held-out task at each of the two points; 0: no held-out rollouts."""
     warm_start: bool = True
     """Without coordinator.init_weights: start RL from a policy trained on the task set's reference

@@ -205,6 +205,7 @@ def train(
     averages over all their target tokens (the main agent's long tool calls weigh most)."""
     params = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
     opt = torch.optim.AdamW(params.values(), lr=ws.lr, weight_decay=0.0)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / ws.steps)  # linear to 0: a sharper end
     rng, losses, groups = random.Random(ws.seed), [], group_examples(examples, end_id)
     for _ in range(ws.steps):
         batches = [rng.sample(g, min(ws.batch_size, len(g))) for g in groups]
@@ -213,6 +214,7 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
         opt.step()
+        decay.step()
         losses.append(float(loss.detach()))
     return {n: t.detach() for n, t in params.items()}, losses
 
@@ -304,12 +306,39 @@ def make_tokenizer(cfg: ModelConfig, ws: WarmStartConfig, calls: list, out: Path
     return BPETokenizer(out, cfg.vocab_size)
 
 
+def train_into(
+    out: Path, taskset: TaskSet, cfg: ModelConfig, ws: WarmStartConfig, calls: list, samples_per_task: int
+) -> dict:
+    """Train the vocabulary and the weights into the directory `out`; returns the report."""
+    start, wall = time.process_time(), time.monotonic()
+    tok = make_tokenizer(cfg, ws, calls, out)
+    examples = [render_call(tok, *c) for c in calls]
+    trained, losses = train(cfg, init_weights(cfg, ws.init_seed), examples, ws, tok.eos_token_id)
+    train_cpu_s = time.process_time() - start
+    after = score_policy(cfg, trained, tok, taskset.tasks, samples_per_task, ws.seed + 1, ws.max_tokens)
+    save_checkpoint(out, cfg, trained)
+    return {
+        "tokenizer": ws.tokenizer,
+        "num_examples": len(examples),
+        "prompt_tokens_mean": round(sum(len(p) for p, _ in examples) / len(examples), 1),
+        "target_tokens_mean": round(sum(len(t) for _, t in examples) / len(examples), 1),
+        "steps": ws.steps,
+        "lr": ws.lr,
+        "loss_first": round(losses[0], 4),
+        "loss_last": round(losses[-1], 4),
+        "train_cpu_s": round(train_cpu_s, 1),
+        "cpu_s": round(time.process_time() - start, 1),
+        "wall_s": round(time.monotonic() - wall, 1),
+        "after": after,
+    }
+
+
 def warm_start(
     out_root: Path,
     taskset: TaskSet | None = None,
     cfg: ModelConfig | None = None,
     ws: WarmStartConfig | None = None,
-    samples_per_task: int = 2,
+    samples_per_task: int = 1,
 ) -> tuple[Path, dict]:
     """The warm-started model directory under `out_root` (reused when its hash matches) and its report.
 
@@ -319,35 +348,21 @@ def warm_start(
     out = Path(out_root) / f"warmstart-{content_hash(cfg, ws, calls)}"
     if (out / "report.json").exists():
         return out, {**json.loads((out / "report.json").read_text()), "reused": True}
-    start, wall = time.process_time(), time.monotonic()
-    with tempfile.TemporaryDirectory(dir=out_root if Path(out_root).is_dir() else None) as tmp:
-        tok = make_tokenizer(cfg, ws, calls, Path(tmp))
-        examples = [render_call(tok, *c) for c in calls]
-        weights = init_weights(cfg, ws.init_seed)
-        before = score_policy(cfg, weights, tok, taskset.tasks, samples_per_task, ws.seed, ws.max_tokens)
-        trained, losses = train(cfg, weights, examples, ws, tok.eos_token_id)
-        train_cpu_s = time.process_time() - start
-        after = score_policy(cfg, trained, tok, taskset.tasks, samples_per_task, ws.seed + 1, ws.max_tokens)
-        save_checkpoint(Path(tmp), cfg, trained)
-        report = {
-            "model_dir": str(out),
-            "tokenizer": ws.tokenizer,
-            "num_examples": len(examples),
-            "prompt_tokens_mean": round(sum(len(p) for p, _ in examples) / len(examples), 1),
-            "target_tokens_mean": round(sum(len(t) for _, t in examples) / len(examples), 1),
-            "steps": ws.steps,
-            "lr": ws.lr,
-            "loss_first": round(losses[0], 4),
-            "loss_last": round(losses[-1], 4),
-            "train_cpu_s": round(train_cpu_s, 1),
-            "wall_s": round(time.monotonic() - wall, 1),
-            "before": before,
-            "after": after,
-        }
-        (Path(tmp) / "report.json").write_text(json.dumps(report))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        Path(tmp).rename(out)  # the whole directory appears at once, so a crash never leaves half a cache
-        Path(tmp).mkdir()  # for TemporaryDirectory's cleanup
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: a second thread costs more than it gives on a shared box
+    Path(out_root).mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(dir=out_root) as tmp:
+            report = train_into(Path(tmp), taskset, cfg, ws, calls, samples_per_task) | {"model_dir": str(out)}
+            (Path(tmp) / "report.json").write_text(json.dumps(report))
+            try:
+                Path(tmp).rename(out)  # the whole directory appears at once: a crash never leaves half a cache
+                Path(tmp).mkdir()  # for TemporaryDirectory's cleanup
+            except OSError:  # another run cached the same inputs first: keep its directory
+                if not (out / "report.json").exists():
+                    raise
+    finally:
+        torch.set_num_threads(threads)
     return out, {**report, "reused": False}
 
 
@@ -357,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--taskset", default=None)
     p.add_argument("--steps", type=int, default=WarmStartConfig.steps)
     p.add_argument("--lr", type=float, default=WarmStartConfig.lr)
-    p.add_argument("--samples-per-task", type=int, default=2)
+    p.add_argument("--samples-per-task", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     taskset = TaskSet.load(a.taskset) if a.taskset else None
