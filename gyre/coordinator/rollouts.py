@@ -1,7 +1,7 @@
 """The rollout side of the run: groups admitted within the staleness bound, one sandbox per execution.
 
     admit_groups (may_admit) ─> queued ─start_queued (free slots)─> running ─poll─> evaluate ─> group ready
-    admit_held_out (first and last weights) ─> front of the queue ─> ... ─> evaluate ─> HeldOutResult event
+    admit_held_out (first and last weights) ─> queue (groups wait) ─> ... ─> evaluate ─> HeldOutResult event
 
 Group g belongs to step g // groups_per_step and draws its task from the task set at cursor g, so
 a resumed run continues the same sequence. Every state change is a ledger line first. Held-out
@@ -59,7 +59,10 @@ class Rollouts(GroupBook):
 
     # ---- admission ---------------------------------------------------------------------------
     def admit_groups(self, version: int) -> None:
-        """Draw the groups the staleness bound lets start under weight version `version`."""
+        """Draw the groups the staleness bound lets start under weight version `version`, once no
+        held-out execution is queued or running (those run alone, under the weights they evaluate)."""
+        if any(ex.held_out is not None for ex in self.queue + self.running):
+            return
         while (step := self.next_group // self.groups_per_step) < self.num_steps and may_admit(
             step, version, self.staleness
         ):
@@ -73,7 +76,7 @@ class Rollouts(GroupBook):
                 self.queue.append(ex)
 
     def admit_held_out(self, version: int) -> None:
-        """Queue every held-out task, ahead of the groups, under weight version 0 and the last one."""
+        """Queue every held-out task under weight version 0 and the last one (no group starts meanwhile)."""
         if not self.held_out_tasks or version not in (0, self.num_steps) or version in self.held_out_versions:
             return
         self.held_out_versions.add(version)

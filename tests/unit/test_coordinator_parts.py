@@ -208,16 +208,19 @@ def test_held_out_tasks_run_at_the_first_and_last_weights_never_in_the_ledger(tm
     r = Rollouts(cfg, tmp_path, toy_taskset(), ledger, events)
     train = SimpleNamespace(version=0, uncheckpointed=False)
     r.admit_held_out(0)
-    r.admit_groups(0)
+    r.admit_groups(0)  # the first weights' held-out rollouts run alone
     num_held_out = len(r.held_out_tasks) * cfg.tasks.eval_samples
-    assert num_held_out == 16 and [ex.held_out for ex in r.queue[:num_held_out]] == [0] * num_held_out
-    assert r.counts(0) == (num_held_out + 2 * 4 * 4, 4 * 4, 0)  # steps 0 and 1 admitted (staleness 1)
+    assert num_held_out == 16 and [ex.held_out for ex in r.queue] == [0] * num_held_out
+    assert r.counts(0) == (num_held_out, 0, 0)
     r.admit_held_out(0)  # once per version
-    assert len(r.queue) == num_held_out + 32
+    assert len(r.queue) == num_held_out
     ex = r.queue.pop(0)
     ex.evaluation = Evaluation("finished", 0.6)
     r._log(ex, "finished", score=0.6)
     assert results == [ex] and not [e for e in read_ledger(tmp_path / "ledger.jsonl").entries if "heldout" in e]
+    r.queue.clear()
+    r.admit_groups(0)
+    assert r.counts(0) == (2 * 4 * 4, 4 * 4, 0)  # then steps 0 and 1 (staleness 1)
     train.version = 2
     assert not r.done(train)  # the held-out rollouts under the last weights are still to come
     r.queue.clear()
