@@ -61,7 +61,7 @@ async def run(
     t_start = time.time()
     view = read_ledger(run_dir / "ledger.jsonl")
     ledger, events = ExecutionLedger(run_dir / "ledger.jsonl"), RunEvents(run_dir, cfg)
-    source: Source = _SOURCES[cfg.mode](cfg, run_dir, taskset, ledger, events.execution_state)
+    source: Source = _SOURCES[cfg.mode](cfg, run_dir, taskset, ledger, events)
     parts = None
     try:
         parts = await build(cfg, run_dir, resume)

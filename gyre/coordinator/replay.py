@@ -22,13 +22,13 @@ class ReplayError(GyreError):
 class ReplaySource(GroupBook):
     """Every recorded group is ready at once, nothing runs; it feeds at most the recorded complete steps."""
 
-    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSource, ledger: ExecutionLedger, on_state=None):
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSource, ledger: ExecutionLedger, events=None):
         records_dir, groups_per_step = Path(cfg.records), cfg.coordinator.groups_per_step
         ledger_path = records_dir.parent / "ledger.jsonl"
         if not ledger_path.exists():
             raise ReplayError(f"replay needs the run's ledger beside its records: {ledger_path} does not exist")
         view = read_ledger(ledger_path)
-        super().__init__(groups_per_step, cfg.num_steps, ledger, on_state)
+        super().__init__(groups_per_step, cfg.num_steps, ledger, events)
         for eid, entries in sorted(view.history.items()):
             done = view.outcome(eid)
             if done is None or done.reason == "interrupted":

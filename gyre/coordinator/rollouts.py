@@ -1,9 +1,12 @@
 """The rollout side of the run: groups admitted within the staleness bound, one sandbox per execution.
 
     admit_groups (may_admit) ─> queued ─start_queued (free slots)─> running ─poll─> evaluate ─> group ready
+    admit_held_out (first and last weights) ─> queue (groups wait) ─> ... ─> evaluate ─> HeldOutResult event
 
 Group g belongs to step g // groups_per_step and draws its task from the task set at cursor g, so
-a resumed run continues the same sequence. Every state change is a ledger line first.
+a resumed run continues the same sequence. Every state change is a ledger line first. Held-out
+tasks (`tasks.held_out_path`) run the same way under weight version 0 and under the last weights,
+and are never trained nor in the ledger: their scores go to the run's events only.
 """
 
 import asyncio
@@ -20,7 +23,7 @@ from gyre.proxy.admin import ProxyAdmin
 from gyre.records.io import has_records
 from gyre.scheduler.streaming import may_admit
 from gyre.tasks.evaluate import evaluate
-from gyre.tasks.taskset import TaskSource
+from gyre.tasks.taskset import TaskSet, TaskSource
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation, unscored_reason
 
 log = logging.getLogger(__name__)
@@ -29,9 +32,14 @@ log = logging.getLogger(__name__)
 class Rollouts(GroupBook):
     """Executions from admission to evaluation (mode=train: every ready group trains)."""
 
-    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSource, ledger: ExecutionLedger, on_state=None):
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSource, ledger: ExecutionLedger, events=None):
         c = cfg.coordinator
-        super().__init__(c.groups_per_step, cfg.num_steps, ledger, on_state)
+        super().__init__(c.groups_per_step, cfg.num_steps, ledger, events)
+        path = cfg.tasks.held_out_path
+        self.held_out_tasks = TaskSet.load(path).tasks if path else []
+        self.held_out_samples = cfg.tasks.eval_samples
+        self.held_out_versions: set[int] = set()
+        """Weight versions whose held-out rollouts were admitted."""
         self.taskset, self.harness, self.group_size = taskset, cfg.harness, c.group_size
         self.staleness, self.seed, self.model = cfg.scheduler.staleness, cfg.seed, cfg.proxy.model_names[0]
         self.sandbox_root, self.records_dir = run_dir / "sandboxes", run_dir / "records"
@@ -44,13 +52,17 @@ class Rollouts(GroupBook):
         self.proxy, self.proxy_url = proxy, proxy_url
 
     async def advance(self, version: int, free_slots: int) -> None:
+        self.admit_held_out(version)
         self.admit_groups(version)
         await self.start_queued(free_slots)
         await self.collect()
 
     # ---- admission ---------------------------------------------------------------------------
     def admit_groups(self, version: int) -> None:
-        """Draw the groups the staleness bound lets start under weight version `version`."""
+        """Draw the groups the staleness bound lets start under weight version `version`, once no
+        held-out execution is queued or running (those run alone, under the weights they evaluate)."""
+        if any(ex.held_out is not None for ex in self.queue + self.running):
+            return
         while (step := self.next_group // self.groups_per_step) < self.num_steps and may_admit(
             step, version, self.staleness
         ):
@@ -62,6 +74,28 @@ class Rollouts(GroupBook):
             for ex in g.executions:
                 self._log(ex, "queued")
                 self.queue.append(ex)
+
+    def admit_held_out(self, version: int) -> None:
+        """Queue every held-out task under weight version 0 and the last one (no group starts meanwhile)."""
+        if not self.held_out_tasks or version not in (0, self.num_steps) or version in self.held_out_versions:
+            return
+        self.held_out_versions.add(version)
+        self.queue[:0] = [
+            Execution(f"heldout-v{version:04d}-{t.task_id}-{i}", -1, t, held_out=version)
+            for t in self.held_out_tasks
+            for i in range(self.held_out_samples)
+        ]
+
+    def held_out_pending(self) -> bool:
+        """Held-out rollouts still to admit under the last weights, queued or running."""
+        return bool(self.held_out_tasks) and (
+            self.num_steps not in self.held_out_versions
+            or any(ex.held_out is not None for ex in self.queue + self.running)
+        )
+
+    def done(self, train) -> bool:
+        """Every step trained and checkpointed, and the held-out tasks evaluated under the last weights."""
+        return super().done(train) and not self.held_out_pending()
 
     def restore(self, view: LedgerView, version: int) -> None:
         """Rebuild the groups not yet trained under the restored weights (`version`) from the ledger.
@@ -158,7 +192,7 @@ class Rollouts(GroupBook):
 
     def counts(self, version: int) -> tuple[int, int, int]:
         """(queued, queued for later steps than `version`, running)."""
-        ahead = sum(1 for ex in self.queue if self.groups[ex.group].step > version)
+        ahead = sum(1 for ex in self.queue if ex.held_out is None and self.groups[ex.group].step > version)
         return len(self.queue), ahead, len(self.running)
 
     def close(self) -> None:
@@ -169,9 +203,9 @@ class Rollouts(GroupBook):
 class RolloutsOnly(Rollouts):
     """mode=rollout: executions are evaluated and recorded, never trained; every step's groups may start at once."""
 
-    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSource, ledger: ExecutionLedger, on_state=None):
-        super().__init__(cfg, run_dir, taskset, ledger, on_state)
-        self.staleness = cfg.num_steps
+    def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSource, ledger: ExecutionLedger, events=None):
+        super().__init__(cfg, run_dir, taskset, ledger, events)
+        self.staleness, self.held_out_tasks = cfg.num_steps, []
 
     def feed(self, train) -> None:
         for group in self.ready_groups():

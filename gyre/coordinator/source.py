@@ -31,6 +31,8 @@ class Execution:
     evaluation: Evaluation | None = None
     started_s: float = 0.0
     duration_s: float = 0.0
+    held_out: int | None = None
+    """A held-out execution (never trained, not in the ledger): the weight version it evaluates."""
 
 
 @dataclass
@@ -80,16 +82,21 @@ class Source(Protocol):
 
 
 class GroupBook:
-    """Groups and their executions, every state change written to the ledger (and to `on_state`)."""
+    """Groups and their executions, every state change written to the ledger and told to `events`
+    (gyre.coordinator.summary.RunEvents: execution states; held-out executions' results)."""
 
-    def __init__(self, groups_per_step: int, num_steps: int, ledger: ExecutionLedger, on_state=None):
-        self.groups_per_step, self.num_steps, self.ledger, self.on_state = groups_per_step, num_steps, ledger, on_state
+    def __init__(self, groups_per_step: int, num_steps: int, ledger: ExecutionLedger, events=None):
+        self.groups_per_step, self.num_steps, self.ledger, self.events = groups_per_step, num_steps, ledger, events
         self.groups: dict[int, Group] = {}
         self.next_group = 0
         """The data cursor: groups drawn so far."""
 
     def _log(self, ex: Execution, state: str, **fields) -> None:
         ex.state = state
+        if ex.held_out is not None:
+            if state not in ("queued", "running") and self.events is not None:
+                self.events.held_out(ex)
+            return
         entry = LedgerEntry(
             ex.execution_id,
             state,
@@ -99,8 +106,8 @@ class GroupBook:
             **{k: v for k, v in fields.items() if v not in (None, "")},
         )
         self.ledger.append(entry)
-        if self.on_state is not None:
-            self.on_state(entry, ex.group // self.groups_per_step)
+        if self.events is not None:
+            self.events.execution_state(entry, ex.group // self.groups_per_step)
 
     def log_exclusions(self, group: Group, excluded: list[tuple[str, str]]) -> None:
         """Ledger lines for executions the trajectory processor left out (not those excluded already)."""

@@ -13,6 +13,7 @@ from gyre.metrics.events import (
     Exclusion,
     ExecutionState,
     Failure,
+    HeldOutResult,
     Observation,
     OptimizerStep,
     RoleSwitch,
@@ -61,6 +62,19 @@ class RunEvents:
         )
         if entry.state == "excluded":
             self.log.emit(Exclusion(execution_id=entry.execution_id, reason=entry.reason))
+
+    def held_out(self, ex) -> None:
+        """A held-out execution's result (gyre.coordinator.source.Execution with its evaluation)."""
+        ev = ex.evaluation
+        self.log.emit(
+            HeldOutResult(
+                execution_id=ex.execution_id,
+                task_id=ex.task.task_id,
+                version=ex.held_out,
+                outcome=ev.outcome,
+                reward=ev.score,
+            )
+        )
 
     def observe(self, obs, sessions: list[int]) -> None:
         if obs.now_s - self._observed_at < 1.0:

@@ -32,7 +32,14 @@ from gyre.engines.scripted import ScriptedPolicy
 from gyre.errors import GyreError
 from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
-from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer, HFTokenizer, has_hf_tokenizer
+from gyre.models.tokenizer import (
+    SPECIAL_TOKENS,
+    ByteTokenizer,
+    HFTokenizer,
+    has_bpe_tokenizer,
+    has_hf_tokenizer,
+    load_tokenizer,
+)
 from gyre.models.transformer import init_weights
 from gyre.records.versions import WeightVersionError, parse_weight_version
 
@@ -75,8 +82,8 @@ class BuiltinEngineServer:
             self._source = None
         self.model_cfg = model_cfg
         self.model_path = path
-        if path and has_hf_tokenizer(path):
-            self.tokenizer = HFTokenizer(path)
+        if path and (has_hf_tokenizer(path) or has_bpe_tokenizer(path)):
+            self.tokenizer = load_tokenizer(path, model_cfg.vocab_size)
         else:
             ok = model_cfg.vocab_size >= 256 + len(SPECIAL_TOKENS)
             self.tokenizer = ByteTokenizer(model_cfg.vocab_size) if ok else None

@@ -32,6 +32,8 @@ def make_toy_command(cfg: HarnessConfig, instruction: str, model: str) -> list[s
         "--subagent" if t.subagent else "--no-subagent",
         "--subagent-turns",
         str(t.subagent_turns),
+        "--clear-chars",
+        str(t.clear_chars),
         "--compact-chars",
         str(t.compact_chars),
         "--tool-median-s",

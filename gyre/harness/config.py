@@ -18,11 +18,14 @@ class ToyAgentConfig:
     (Messages API: sub-agents and summaries hinted; ~2.8 CPU-s to import, per execution)."""
     max_tokens: int = 96
     """New tokens per model call."""
-    max_turns: int = 3
+    max_turns: int = 4
     """Main-agent model calls (summaries aside)."""
     subagent: bool = True
     """Spawn one sub-agent that surveys the workspace before the main agent starts."""
     subagent_turns: int = 2
+    clear_chars: int = 100
+    """Replace every tool result but the latest turn's with a placeholder once the conversation
+    passes this many characters (the next call branches off the first call that saw them)."""
     compact_chars: int = 300
     """Compact (summary request, fresh conversation) once the conversation passes this many characters."""
     tool_median_s: float = 0.05
@@ -39,6 +42,7 @@ class ToyAgentConfig:
         require(self.max_tokens >= 1, "max_tokens", "must be >= 1")
         require(self.max_turns >= 1, "max_turns", "must be >= 1")
         require(self.subagent_turns >= 1, "subagent_turns", "must be >= 1")
+        require(self.clear_chars >= 1, "clear_chars", "must be >= 1 character")
         require(self.compact_chars >= 1, "compact_chars", "must be >= 1 character")
         require(self.tool_median_s >= 0, "tool_median_s", "must be >= 0 s")
         require(self.tool_sigma >= 0, "tool_sigma", "must be >= 0")

@@ -2,13 +2,16 @@
 
 It talks to the proxy the way a user's agent would, with an official SDK (`anthropic` Messages
 API, or `openai` chat completions), calls tools in its workspace (write_file, read_file, run),
-spawns a sub-agent that surveys the workspace, and compacts its context with a summary request
-once the conversation grows past `--compact-chars`. Each tool call lasts a duration drawn from a
+spawns a sub-agent that surveys the workspace, clears old tool results once the conversation
+grows past `--clear-chars` (as Claude Code's micro-compaction does: the next call then branches
+off the first one that saw them), and compacts its context with a summary request once it grows
+past `--compact-chars`. Each tool call lasts a duration drawn from a
 seeded log-normal (median, sigma, cap), so executions have the long tail the scheduler exists for.
 
     main agent ──spawns──> sub-agent (run / read_file, reports in one line)
         │ instruction + report
         ├─ turn: model call ─> tool calls ─> tool results (sleep to the drawn duration) ─> ...
+        ├─ conversation > clear_chars: every tool result but the latest turn's becomes CLEARED
         ├─ conversation > compact_chars: summary request ─> fresh conversation with the summary
         └─ a turn without tool calls (or max turns) ends the run
 
@@ -39,6 +42,9 @@ MAIN_SYSTEM = "You are a coding agent. Use the tools to complete the task in the
 SUB_SYSTEM = "You are a helper agent. Look at the workspace and report what you find in one line."
 SUB_TASK = "List the files in the workspace."
 SUMMARY_REQUEST = "Write a short summary of the conversation so far. Do NOT call any tools."
+CLEARED = "[Old tool result content cleared]"
+CLEAR_CHARS = 100
+"""Default `--clear-chars`: the reference run clears its write's result before its last call."""
 TOOLS = [
     {
         "name": "write_file",
@@ -90,6 +96,15 @@ def conversation_chars(messages: list[dict]) -> int:
         len(m.get("content") or "") + sum(len(json.dumps(c["arguments"])) for c in m.get("tool_calls", []))
         for m in messages[1:]
     )
+
+
+def clear_old_results(messages: list[dict], clear_chars: int = CLEAR_CHARS) -> list[dict]:
+    """The conversation with every tool result before the last assistant turn replaced by CLEARED,
+    once it is longer than `clear_chars` (else unchanged)."""
+    if conversation_chars(messages) <= clear_chars:
+        return messages
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return [{**m, "content": CLEARED} if m["role"] == "tool" and i < last else m for i, m in enumerate(messages)]
 
 
 def make_openai_body(model: str, messages: list[dict], max_tokens: int, tools: bool) -> dict:
@@ -233,6 +248,7 @@ class ToyAgent:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
         reply = {"content": ""}
         for _ in range(max_turns):
+            messages = clear_old_results(messages, self.args.clear_chars)
             reply = self.call(messages, agent_id)
             messages.append(reply)
             if not reply["tool_calls"]:
@@ -264,6 +280,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-turns", type=int, default=4, help="main-agent model calls (summaries aside)")
     p.add_argument("--subagent", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--subagent-turns", type=int, default=2)
+    p.add_argument(
+        "--clear-chars", type=int, default=CLEAR_CHARS, help="clear old tool results past this many characters"
+    )
     p.add_argument("--compact-chars", type=int, default=400, help="compact once the conversation exceeds this")
     p.add_argument("--tool-median-s", type=float, default=0.05)
     p.add_argument("--tool-sigma", type=float, default=2.5)

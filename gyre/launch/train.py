@@ -86,19 +86,23 @@ def load_tasks(cfg: GyreConfig) -> TaskSet:
             slurm = cfg.cluster.backend == "slurm"
             check_isolation(task, cfg.harness, slurm or bwrap_available(), slurm or podman_available())
     wants_warm = cfg.tasks.warm_start and cfg.coordinator.init_weights is None and cfg.model.path is None
-    if wants_warm and not cfg.resume and not any("files" in (t.reference or {}) for t in taskset.tasks):
+    if wants_warm and not any("files" in (t.reference or {}) for t in taskset.tasks):
         print("gyre-train: warm start skipped: no task has reference files to demonstrate", file=sys.stderr)
-    elif wants_warm and not cfg.resume:
-        from gyre.tasks.warmstart import warm_start
+    elif wants_warm:  # on resume too: the checkpoints hold the weights, the warm start's directory the vocabulary
+        from gyre.models.tokenizer import has_bpe_tokenizer
+        from gyre.tasks.warmstart import WarmStartConfig, warm_start
 
-        out, report = warm_start(Path(cfg.tasks.warm_start_dir), taskset, cfg.model)
+        ws = WarmStartConfig(clear_chars=cfg.harness.toy.clear_chars)
+        out, report = warm_start(Path(cfg.tasks.warm_start_dir), taskset, cfg.model, ws)
         print(
             f"gyre-train: warm start {'reused' if report['reused'] else 'trained'}: {out} "
-            f"(score before {report['before']}, after {report['after']})",
+            f"(first turns scored {report['after']}, {report['train_cpu_s']} CPU-s)",
             file=sys.stderr,
             flush=True,
         )
         cfg.coordinator.init_weights = str(out)
+        if cfg.proxy.tokenizer_path is None and has_bpe_tokenizer(out):
+            cfg.proxy.tokenizer_path = str(out)
     return taskset
 
 

@@ -94,6 +94,21 @@ class ExecutionState(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HeldOutResult(Event):
+    """One execution of a held-out task (never trained on), rolled out under weight version `version`."""
+
+    kind: ClassVar[str] = "held_out_result"
+    execution_id: str
+    task_id: str
+    version: int
+    """The weight version the engines served when it started (0 at the start, num_steps at the end)."""
+    outcome: str
+    """How it ended (`gyre.trajectory.rewards.OUTCOMES`); reward None: no score (evaluator error, no calls)."""
+    reward: float | None = None
+    """The evaluator's score; None when it has none (then it counts in no mean)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoleSwitch(Event):
     """A cell finished switching roles: from_role until t_start, then `phases` in order, then to_role."""
 
@@ -212,6 +227,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         RunStart,
         ModelCall,
         ExecutionState,
+        HeldOutResult,
         RoleSwitch,
         MicroStep,
         OptimizerStep,

@@ -138,7 +138,8 @@ def timeline_panel(state: RunState, title: str) -> TimelinePanel:
 
 
 def plot_reward(state: RunState, path: str | os.PathLike, title: str) -> None:
-    """Each evaluated execution's reward per step (dots), the step's mean and its +-1 std band."""
+    """Each evaluated execution's reward per step (dots), the step's mean and its +-1 std band, and
+    the held-out tasks' mean reward at each weight version they were rolled out under."""
     by_step = state.step_rewards()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if by_step:
@@ -175,7 +176,16 @@ def plot_reward(state: RunState, path: str | os.PathLike, title: str) -> None:
                 marker="x",
                 label="mean reward of the trained batch",
             )
-        ax.set_xticks(steps)
+        if state.held_out:
+            versions = sorted(state.held_out)
+            ax.plot(
+                versions,
+                [sum(state.held_out[v]) / len(state.held_out[v]) for v in versions],
+                color="tab:green",
+                marker="s",
+                label="held-out tasks (never trained), by weight version",
+            )
+        ax.set_xticks(sorted(set(steps) | set(state.held_out)))
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     else:
         ax.text(0.5, 0.5, "no evaluated executions yet", ha="center", va="center", transform=ax.transAxes)

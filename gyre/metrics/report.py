@@ -59,6 +59,7 @@ def summarize(state: RunState) -> dict:
         "reward_first3": round(fmean(rewards[:3]), 4) if rewards else None,
         "reward_last3": round(fmean(rewards[-3:]), 4) if rewards else None,
         "reward_per_step": [round(r, 4) for r in rewards],
+        **held_out_summary(state.held_out),
         "num_role_switches": state.num_switches,
         "switch_s": {k: round(fmean(v), 3) for k, v in state.switch_s.items()},
         "switch_phase_s": {p: round(fmean(v), 3) for p, v in state.phase_s.items()},
@@ -83,6 +84,13 @@ def summarize(state: RunState) -> dict:
         "num_checkpoints": len(state.checkpoints),
         "failures": dict(sorted(state.failures.items())),
     }
+
+
+def held_out_summary(held_out: dict[int, list[float]]) -> dict:
+    """The held-out tasks' mean reward at the first and the last weight version they were rolled out under."""
+    means = {v: round(fmean(r), 4) for v, r in sorted(held_out.items())}
+    first, last = (means[min(means)], means[max(means)]) if means else (None, None)
+    return {"eval_reward_first": first, "eval_reward_last": last, "eval_reward_per_version": means}
 
 
 def format_steps(state: RunState) -> str:

@@ -16,6 +16,7 @@ from gyre.metrics.events import (
     ROLES,
     Checkpoint,
     Event,
+    HeldOutResult,
     MicroStep,
     Observation,
     OptimizerStep,
@@ -84,6 +85,9 @@ def make_scalars(e: Event, state: RunState) -> Scalars | None:
         return Scalars("version", e.version, {"publish/seconds": e.seconds, "publish/num_engines": e.num_engines})
     if isinstance(e, Checkpoint):
         return Scalars("step", e.step, {"checkpoint/seconds": e.seconds})
+    if isinstance(e, HeldOutResult) and e.reward is not None:  # the running mean at this version
+        rewards = state.held_out[e.version]
+        return Scalars("version", e.version, {"eval/reward_mean": sum(rewards) / len(rewards)})
     if isinstance(e, MicroStep):
         return Scalars(
             "micro_step",

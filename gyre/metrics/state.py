@@ -22,6 +22,7 @@ from gyre.metrics.events import (
     Exclusion,
     ExecutionState,
     Failure,
+    HeldOutResult,
     MicroStep,
     ModelCall,
     Observation,
@@ -132,6 +133,8 @@ class RunState:
     """Each execution's latest state."""
     rewards: dict[str, tuple[int, float]] = field(default_factory=dict)
     """execution id -> (step, reward) once evaluated."""
+    held_out: dict[int, list[float]] = field(default_factory=dict)
+    """Weight version -> the rewards of the held-out executions rolled out under it."""
     exclusions: Counter = field(default_factory=Counter)
     failures: Counter = field(default_factory=Counter)
     """By component."""
@@ -179,6 +182,10 @@ class RunState:
         self.executions[e.execution_id] = e
         if e.reward is not None:
             self.rewards[e.execution_id] = (e.step, e.reward)
+
+    def _held_out(self, e: HeldOutResult) -> None:
+        if e.reward is not None:
+            self.held_out.setdefault(e.version, []).append(e.reward)
 
     def _role_switch(self, e: RoleSwitch) -> None:
         lane = self._lane(e.cell, e.from_role, e.t_start)
@@ -281,6 +288,7 @@ _HANDLERS = {
     RunStart: RunState._run_start,
     ModelCall: RunState._model_call,
     ExecutionState: RunState._execution_state,
+    HeldOutResult: RunState._held_out,
     RoleSwitch: RunState._role_switch,
     MicroStep: RunState._micro_step,
     OptimizerStep: RunState._optimizer_step,

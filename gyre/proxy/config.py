@@ -59,9 +59,11 @@ class ProxyConfig:
     engines: list[str] = field(default_factory=list)
     """Engine URLs registered at start (ids e0, e1, ...); more come through the admin API."""
     tokenizer_path: str | None = None
-    """Hugging Face model directory of the served model's tokenizer; None: Gyre's byte tokenizer."""
+    """Model directory of the served model's tokenizer: its `bpe.json` (a warm-started tiny model;
+    gyre-train sets this to the warm start's directory) or its Hugging Face tokenizer files;
+    None: Gyre's byte tokenizer."""
     vocab_size: int = 512
-    """Vocabulary size of the byte tokenizer (the served model's)."""
+    """Vocabulary size of the served model (the byte and BPE tokenizers' ids, specials included)."""
     max_body_mb: int = 64
     """Largest request body accepted (413 beyond)."""
     num_workers: int = 1

@@ -9,14 +9,14 @@ import sys
 import orjson
 
 from gyre.common.serve import ChildServer, serve_app
-from gyre.models.tokenizer import ByteTokenizer, HFTokenizer
+from gyre.models.tokenizer import load_tokenizer
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.server import ProxyServer
 
 
 def serve(cfg: ProxyConfig, port_file: str | None = None) -> None:
     """Serve until stopped; writes `port admin_token` to `port_file` (atomically) once listening."""
-    tok = HFTokenizer(cfg.tokenizer_path) if cfg.tokenizer_path else ByteTokenizer(cfg.vocab_size)
+    tok = load_tokenizer(cfg.tokenizer_path, cfg.vocab_size)
     server = ProxyServer(cfg, tok)
     # Everything imported so far (aiohttp, numpy, transformers and torch with an HF tokenizer) lives
     # as long as the process: moved out of the collector's reach, a full collection (triggered as

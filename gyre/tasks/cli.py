@@ -29,6 +29,7 @@ from gyre.harness.podman import podman_available
 from gyre.harness.sandbox import Sandbox, bwrap_available, check_isolation, make_task_workspace
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
+from gyre.models.tokenizer import has_bpe_tokenizer
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.main import ProxyProcess
 from gyre.records.io import has_records
@@ -67,6 +68,8 @@ def start_stack(args, root: Path) -> tuple[list, str, str, str]:
                 model_names=[args.model],
                 context_len=model_cfg.max_seq_len,
                 temperature=args.temperature,
+                tokenizer_path=args.model_dir if args.model_dir and has_bpe_tokenizer(args.model_dir) else None,
+                vocab_size=model_cfg.vocab_size,
             )
         ).start()
         procs.insert(0, proxy)

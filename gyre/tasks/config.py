@@ -1,14 +1,23 @@
-"""Which task set a run draws from, and whether the initial policy is warm-started on it."""
+"""Which task set a run draws from, its held-out set, and whether the initial policy is warm-started on it."""
 
 from dataclasses import dataclass
 
 from gyre.errors import require
+
+TOY_HELD_OUT = "pkg:tasks/toy/eval.jsonl"
+"""The embedded toy set's held-out tasks: (word, file) pairs never in its training set."""
 
 
 @dataclass(kw_only=True)
 class TasksConfig:
     path: str | None = None
     """Task set: a directory or JSONL file of task specs (gyre.tasks.spec); None: the embedded toy set."""
+    eval_path: str | None = None
+    """Held-out task set (never trained on), rolled out under the first and the last weights of a
+    run (summary: eval_reward_first, eval_reward_last); None: the toy's held-out set when `path` is
+    None, else no held-out rollouts."""
+    eval_samples: int = 2
+    """Executions per held-out task at each of the two points; 0: no held-out rollouts."""
     warm_start: bool = True
     """Without coordinator.init_weights: start RL from a policy trained on the task set's reference
     solutions (gyre.tasks.warmstart), so rewards vary from the first step; False: the seeded init."""
@@ -17,3 +26,11 @@ class TasksConfig:
 
     def __post_init__(self):
         require(bool(self.warm_start_dir), "warm_start_dir", "must name a directory")
+        require(self.eval_samples >= 0, "eval_samples", f"must be >= 0, got {self.eval_samples}")
+
+    @property
+    def held_out_path(self) -> str | None:
+        """The held-out set the run rolls out, if any (see eval_path)."""
+        if self.eval_samples == 0:
+            return None
+        return self.eval_path or (TOY_HELD_OUT if self.path is None else None)

@@ -1,13 +1,16 @@
-"""Warm start: supervised training of the tiny model on the toy set's reference transcripts.
+"""Warm start: a BPE vocabulary and supervised training of the tiny model on the toy set's reference transcripts.
 
 RL from random weights never sees a reward; from a policy that sometimes succeeds it has a signal
 at once. The transcripts are the toy agent's own calls (gyre/harness/toy_agent.py) with the
 reference solution as the model's answers, parsed by the proxy's own request parser and rendered
 with the tokenizer's chat template, so the prompts are token for token what the proxy sends the
-engine. Training is next-token cross-entropy on the assistant turns (the engine's functional
-model, engine-named weights), and the result is a model directory in engine format
-(`save_checkpoint`), cached under a content hash of the transcripts, the settings and this
-module's code: a second run with the same inputs reuses it.
+engine. The vocabulary is a byte-level BPE trained with `tokenizers` on the same transcripts' text
+(`gyre.models.tokenizer.train_bpe`), so the prompts are ~4x shorter than in bytes and a word of
+the tasks is one or two tokens; it is saved with the weights (`bpe.json`), and the proxy renders
+with it (`proxy.tokenizer_path`, set to the model directory by gyre-train). Training is next-token
+cross-entropy on the assistant turns (the engine's functional model, engine-named weights), and
+the result is a model directory in engine format (`save_checkpoint`), cached under a content
+hash of the conversations, the settings and this module's code: a second run with the same inputs reuses it.
 
     python -m gyre.tasks.warmstart --out DIR [--steps N --lr X --taskset PATH]   # last line: JSON report
 """
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from gyre.harness import toy_agent as toy
 from gyre.models.checkpoint import save_checkpoint
 from gyre.models.config import ModelConfig
-from gyre.models.tokenizer import ByteTokenizer
+from gyre.models.tokenizer import BaseTokenizer, BPETokenizer, ByteTokenizer, Special, render_chat, train_bpe
 from gyre.models.transformer import attend, forward_tokens, init_weights, logits_of
 from gyre.proxy import anthropic as anthropic_wire
 from gyre.proxy import openai as openai_wire
@@ -41,45 +44,63 @@ SUB_REPORT = "task.md"
 
 @dataclass(frozen=True)
 class WarmStartConfig:
-    steps: int = 150
+    steps: int = 200
     """Optimizer steps (batches of `batch_size` transcripts' turns)."""
     lr: float = 3e-3
-    batch_size: int = 6
+    batch_size: int = 24
     seed: int = 0
     init_seed: int = 0
     max_tokens: int = 96
+    clear_chars: int = toy.CLEAR_CHARS
+    """The toy agent's `--clear-chars` (harness.toy.clear_chars): demonstrations clear old tool results as it does."""
+    tokenizer: str = "bpe"
+    """bpe: train a byte-level BPE vocabulary of the model's vocab_size on the transcripts; byte: bytes."""
     quitters: bool = True
     """Add, for every task, a demonstration of the main agent ending at once ("Done.", no tool
     call), which the evaluator scores 0. Demonstrations of mixed quality, as real SFT data has:
     the warm policy then acts on about half its first turns, one decision shared by every task,
     which RL can learn within the few steps of a local run."""
 
+    def __post_init__(self):
+        if self.tokenizer not in ("bpe", "byte"):
+            raise ValueError(f"tokenizer must be one of bpe, byte; got {self.tokenizer!r}")
 
-def render_call(
-    tok: ByteTokenizer, messages: list[dict], reply: dict, api: str = "openai"
-) -> tuple[list[int], list[int]]:
-    """(prompt ids as the proxy renders this toy-agent call on `api`, the reply's ids ending in <|im_end|>)."""
+
+def parse_call(messages: list[dict], reply: dict, api: str = "openai") -> tuple[list[dict], list[dict], dict]:
+    """(template messages, tools, reply message) of one toy-agent call as the proxy parses it on `api`."""
     if api == "anthropic":
         chat = anthropic_wire.parse_request(toy.make_anthropic_body("gyre", messages, 96, tools=True), ["gyre"])
     else:
         chat = openai_wire.parse_request(toy.make_openai_body("gyre", messages, 96, tools=True), ["gyre"], 96)
-    prompt = tok.apply_chat_template(chat.messages, chat.tools, add_generation_prompt=True)
     reply_msg = {
         "role": "assistant",
         "content": reply["content"],
         "tool_calls": [{"name": c["name"], "arguments": c["arguments"]} for c in reply["tool_calls"]],
     }
-    full = tok.apply_chat_template(chat.messages + [reply_msg], chat.tools, add_generation_prompt=False)
+    return chat.messages, chat.tools, reply_msg
+
+
+def render_call(
+    tok: BaseTokenizer, messages: list[dict], reply: dict, api: str = "openai"
+) -> tuple[list[int], list[int]]:
+    """(prompt ids as the proxy renders this toy-agent call on `api`, the reply's ids ending in <|im_end|>)."""
+    chat_messages, tools, reply_msg = parse_call(messages, reply, api)
+    prompt = tok.apply_chat_template(chat_messages, tools, add_generation_prompt=True)
+    full = tok.apply_chat_template(chat_messages + [reply_msg], tools, add_generation_prompt=False)
     head = prompt[: -len(tok.encode("assistant\n")) - 1]  # the prompt without its generation prompt
     assert full[: len(head)] == head, "the chat template is not separable per turn"
     return prompt, full[len(prompt) : -len(tok.encode("\n"))]
 
 
-def _conversation(system: str, prompt: str, turns: list[tuple[dict, list[str]]]) -> list[tuple[list[dict], dict]]:
-    """(messages so far, reply) per call of one agent; each turn is a reply and its tools' results."""
+def _conversation(
+    system: str, prompt: str, turns: list[tuple[dict, list[str]]], clear_chars: int = toy.CLEAR_CHARS
+) -> list[tuple[list[dict], dict]]:
+    """(messages so far, reply) per call of one agent; each turn is a reply and its tools' results,
+    old results cleared as the toy agent clears them."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
     out = []
     for reply, results in turns:
+        messages = toy.clear_old_results(messages, clear_chars)
         out.append((list(messages), reply))
         messages.append({"role": "assistant", **reply})
         messages += [
@@ -88,9 +109,10 @@ def _conversation(system: str, prompt: str, turns: list[tuple[dict, list[str]]])
     return out
 
 
-def reference_conversations(task: Task) -> list[tuple[list[dict], dict]]:
+def reference_conversations(task: Task, clear_chars: int = toy.CLEAR_CHARS) -> list[tuple[list[dict], dict]]:
     """The toy agent's calls when the model answers with the reference: sub-agent (ls, report),
-    main agent (write each reference file, then done); tool results as the toy agent's tools word them."""
+    main agent (write each reference file, read the first back, then done; the write's result is
+    cleared by then); tool results as the toy agent's tools word them."""
     ls = {"content": "", "tool_calls": [{"id": "call_ls", "name": "run", "arguments": {"command": "ls"}}]}
     sub = _conversation(
         toy.SUB_SYSTEM,
@@ -106,10 +128,13 @@ def reference_conversations(task: Task) -> list[tuple[list[dict], dict]]:
         ],
     }
     results = [f"wrote {len(t)} bytes to {p}" for p, t in files.items()]
+    path, text = next(iter(files.items()))
+    check = {"content": "", "tool_calls": [{"id": "call_r", "name": "read_file", "arguments": {"path": path}}]}
     main = _conversation(
         toy.MAIN_SYSTEM,
         toy.make_main_prompt(task.instruction, SUB_REPORT),
-        [(writes, results), ({"content": "Done.", "tool_calls": []}, [])],
+        [(writes, results), (check, [text]), ({"content": "Done.", "tool_calls": []}, [])],
+        clear_chars,
     )
     return sub + main
 
@@ -120,7 +145,13 @@ def quitting_conversation(task: Task) -> list[tuple[list[dict], dict]]:
     return _conversation(toy.MAIN_SYSTEM, prompt, [({"content": "Done.", "tool_calls": []}, [])])
 
 
-def reference_transcript(tok: ByteTokenizer, task: Task, api: str = "openai") -> list[tuple[list[int], list[int]]]:
+def call_texts(messages: list[dict], reply: dict) -> list[str]:
+    """The plain-text pieces of one rendered call, reply included: what the BPE vocabulary is trained on."""
+    chat_messages, tools, reply_msg = parse_call(messages, reply)
+    return [p for p in render_chat(chat_messages + [reply_msg], tools, False) if not isinstance(p, Special)]
+
+
+def reference_transcript(tok: BaseTokenizer, task: Task, api: str = "openai") -> list[tuple[list[int], list[int]]]:
     """(prompt ids, target ids) of each reference call, rendered as the proxy renders them."""
     return [render_call(tok, messages, reply, api) for messages, reply in reference_conversations(task)]
 
@@ -160,20 +191,23 @@ def shared_prefix_loss(cfg: ModelConfig, weights: dict, examples: list) -> torch
     return sum(losses)
 
 
-def group_examples(examples: list) -> list[list]:
-    """Distinct examples grouped by their first 256 tokens (the agent's system prompt)."""
+def group_examples(examples: list, end_id: int) -> list[list]:
+    """Distinct examples grouped by their system prompt (the tokens up to the first `end_id`)."""
     groups: dict[tuple, dict] = {}
     for p, t in examples:
-        groups.setdefault(tuple(p[:256]), {})[json.dumps([p, t])] = (p, t)
+        groups.setdefault(tuple(p[: p.index(end_id) + 1]), {})[json.dumps([p, t])] = (p, t)
     return [list(g.values()) for g in groups.values()]
 
 
-def train(cfg: ModelConfig, weights: dict, examples: list, ws: WarmStartConfig) -> tuple[dict, list[float]]:
+def train(
+    cfg: ModelConfig, weights: dict, examples: list, ws: WarmStartConfig, end_id: int
+) -> tuple[dict, list[float]]:
     """AdamW steps; each draws up to `batch_size` examples from every system-prompt group and
     averages over all their target tokens (the main agent's long tool calls weigh most)."""
     params = {n: t.clone().requires_grad_(True) for n, t in weights.items()}
     opt = torch.optim.AdamW(params.values(), lr=ws.lr, weight_decay=0.0)
-    rng, losses, groups = random.Random(ws.seed), [], group_examples(examples)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / ws.steps)  # linear to 0: a sharper end
+    rng, losses, groups = random.Random(ws.seed), [], group_examples(examples, end_id)
     for _ in range(ws.steps):
         batches = [rng.sample(g, min(ws.batch_size, len(g))) for g in groups]
         loss = sum(shared_prefix_loss(cfg, params, b) for b in batches) / sum(len(t) for b in batches for _, t in b)
@@ -181,6 +215,7 @@ def train(cfg: ModelConfig, weights: dict, examples: list, ws: WarmStartConfig) 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
         opt.step()
+        decay.step()
         losses.append(float(loss.detach()))
     return {n: t.detach() for n, t in params.items()}, losses
 
@@ -216,7 +251,7 @@ def sample(
     return out, logprobs
 
 
-def score_turn(tok: ByteTokenizer, task: Task, output: list[int], workspace: Path):
+def score_turn(tok: BaseTokenizer, task: Task, output: list[int], workspace: Path):
     """Apply one sampled main-agent turn's tool calls to a fresh workspace and evaluate it."""
     ws = make_workspace(task.workspace, workspace)
     for c in tok.parse_assistant(output).tool_calls:
@@ -225,11 +260,16 @@ def score_turn(tok: ByteTokenizer, task: Task, output: list[int], workspace: Pat
 
 
 def score_policy(
-    cfg: ModelConfig, weights: dict, tasks: list[Task], samples_per_task: int, seed: int, max_tokens: int
+    cfg: ModelConfig,
+    weights: dict,
+    tok: BaseTokenizer,
+    tasks: list[Task],
+    samples_per_task: int,
+    seed: int,
+    max_tokens: int,
 ) -> dict:
     """Mean score and success rate (score 1) of the main agent's first turn, sampled, applied, evaluated."""
-    tok, gen = ByteTokenizer(cfg.vocab_size), torch.Generator().manual_seed(seed)
-    scores = []
+    gen, scores = torch.Generator().manual_seed(seed), []
     with tempfile.TemporaryDirectory(prefix="gyre-warm-") as tmp:
         for task in tasks:
             prompt, _ = reference_transcript(tok, task)[2]
@@ -245,13 +285,53 @@ def score_policy(
     }
 
 
-def content_hash(cfg: ModelConfig, ws: WarmStartConfig, examples: list) -> str:
-    """Hash of everything the weights depend on: settings, transcripts, and this module's code."""
+def demonstrations(taskset: TaskSet, ws: WarmStartConfig) -> list[tuple[list[dict], dict]]:
+    """(messages so far, reply) of every demonstrated call: the reference runs, and the giving-up ones."""
+    calls = [c for t in taskset.tasks for c in reference_conversations(t, ws.clear_chars)]
+    return calls + ([c for t in taskset.tasks for c in quitting_conversation(t)] if ws.quitters else [])
+
+
+def content_hash(cfg: ModelConfig, ws: WarmStartConfig, calls: list) -> str:
+    """Hash of everything the vocabulary and the weights depend on: settings, conversations, this module's code."""
     h = hashlib.sha256(json.dumps([asdict(cfg), asdict(ws)], sort_keys=True).encode())
     h.update(Path(__file__).read_bytes())
-    for p, t in examples:
-        h.update(json.dumps([p, t]).encode())
+    h.update(json.dumps(calls, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def make_tokenizer(cfg: ModelConfig, ws: WarmStartConfig, calls: list, out: Path) -> BaseTokenizer:
+    """The model's tokenizer: a BPE vocabulary trained on the calls' text into `out`, or bytes."""
+    if ws.tokenizer == "byte":
+        return ByteTokenizer(cfg.vocab_size)
+    train_bpe([p for c in calls for p in call_texts(*c)], cfg.vocab_size, out)
+    return BPETokenizer(out, cfg.vocab_size)
+
+
+def train_into(
+    out: Path, taskset: TaskSet, cfg: ModelConfig, ws: WarmStartConfig, calls: list, samples_per_task: int
+) -> dict:
+    """Train the vocabulary and the weights into the directory `out`; returns the report."""
+    start, wall = time.process_time(), time.monotonic()
+    tok = make_tokenizer(cfg, ws, calls, out)
+    examples = [render_call(tok, *c) for c in calls]
+    trained, losses = train(cfg, init_weights(cfg, ws.init_seed), examples, ws, tok.eos_token_id)
+    train_cpu_s = time.process_time() - start
+    after = score_policy(cfg, trained, tok, taskset.tasks, samples_per_task, ws.seed + 1, ws.max_tokens)
+    save_checkpoint(out, cfg, trained)
+    return {
+        "tokenizer": ws.tokenizer,
+        "num_examples": len(examples),
+        "prompt_tokens_mean": round(sum(len(p) for p, _ in examples) / len(examples), 1),
+        "target_tokens_mean": round(sum(len(t) for _, t in examples) / len(examples), 1),
+        "steps": ws.steps,
+        "lr": ws.lr,
+        "loss_first": round(losses[0], 4),
+        "loss_last": round(losses[-1], 4),
+        "train_cpu_s": round(train_cpu_s, 1),
+        "cpu_s": round(time.process_time() - start, 1),
+        "wall_s": round(time.monotonic() - wall, 1),
+        "after": after,
+    }
 
 
 def warm_start(
@@ -259,36 +339,31 @@ def warm_start(
     taskset: TaskSet | None = None,
     cfg: ModelConfig | None = None,
     ws: WarmStartConfig | None = None,
-    samples_per_task: int = 2,
+    samples_per_task: int = 1,
 ) -> tuple[Path, dict]:
-    """The warm-started model directory under `out_root` (reused when its hash matches) and its report."""
+    """The warm-started model directory under `out_root` (reused when its hash matches) and its report.
+
+    The directory holds the weights in engine format and, with the BPE tokenizer, its `bpe.json`."""
     taskset, cfg, ws = taskset or toy_taskset(), cfg or ModelConfig(), ws or WarmStartConfig()
-    tok = ByteTokenizer(cfg.vocab_size)
-    examples = [e for t in taskset.tasks for e in reference_transcript(tok, t)]
-    if ws.quitters:
-        examples += [render_call(tok, *c) for t in taskset.tasks for c in quitting_conversation(t)]
-    out = Path(out_root) / f"warmstart-{content_hash(cfg, ws, examples)}"
+    calls = demonstrations(taskset, ws)
+    out = Path(out_root) / f"warmstart-{content_hash(cfg, ws, calls)}"
     if (out / "report.json").exists():
         return out, {**json.loads((out / "report.json").read_text()), "reused": True}
-    start = time.process_time()
-    weights = init_weights(cfg, ws.init_seed)
-    before = score_policy(cfg, weights, taskset.tasks, samples_per_task, ws.seed, ws.max_tokens)
-    trained, losses = train(cfg, weights, examples, ws)
-    train_cpu_s = time.process_time() - start
-    after = score_policy(cfg, trained, taskset.tasks, samples_per_task, ws.seed + 1, ws.max_tokens)
-    save_checkpoint(out, cfg, trained)
-    report = {
-        "model_dir": str(out),
-        "num_examples": len(examples),
-        "steps": ws.steps,
-        "lr": ws.lr,
-        "loss_first": round(losses[0], 4),
-        "loss_last": round(losses[-1], 4),
-        "train_cpu_s": round(train_cpu_s, 1),
-        "before": before,
-        "after": after,
-    }
-    (out / "report.json").write_text(json.dumps(report))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: a second thread costs more than it gives on a shared box
+    Path(out_root).mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(dir=out_root) as tmp:
+            report = train_into(Path(tmp), taskset, cfg, ws, calls, samples_per_task) | {"model_dir": str(out)}
+            (Path(tmp) / "report.json").write_text(json.dumps(report))
+            try:
+                Path(tmp).rename(out)  # the whole directory appears at once: a crash never leaves half a cache
+                Path(tmp).mkdir()  # for TemporaryDirectory's cleanup
+            except OSError:  # another run cached the same inputs first: keep its directory
+                if not (out / "report.json").exists():
+                    raise
+    finally:
+        torch.set_num_threads(threads)
     return out, {**report, "reused": False}
 
 
@@ -298,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--taskset", default=None)
     p.add_argument("--steps", type=int, default=WarmStartConfig.steps)
     p.add_argument("--lr", type=float, default=WarmStartConfig.lr)
-    p.add_argument("--samples-per-task", type=int, default=2)
+    p.add_argument("--samples-per-task", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     taskset = TaskSet.load(a.taskset) if a.taskset else None

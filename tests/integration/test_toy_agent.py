@@ -1,5 +1,6 @@
 """The toy agent through a real proxy and builtin engine: it completes a toy task, and its records
-rebuild into a call tree with a sub-agent and a compaction summary."""
+rebuild into a call tree with a sub-agent, a compaction summary, and the branch its clearing of
+old tool results makes."""
 
 import dataclasses
 import json
@@ -7,6 +8,7 @@ import json
 import pytest
 from proxy_fixtures import new_execution, start_engine, start_proxy
 
+from gyre.harness import toy_agent
 from gyre.harness.config import HarnessConfig, ToyAgentConfig
 from gyre.harness.sandbox import Sandbox
 from gyre.models.tokenizer import ByteTokenizer
@@ -14,16 +16,20 @@ from gyre.records.io import read_records
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import toy_taskset
 from gyre.tasks.warmstart import reference_conversations, reference_transcript, render_call
+from gyre.trajectory.config import TrajectoryConfig
+from gyre.trajectory.process import process_execution
 from gyre.trajectory.tree import build_call_tree
 
 WRITE = '<tool_call>\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "apple"}}\n</tool_call>'
+READ = '<tool_call>\n{"name": "read_file", "arguments": {"path": "answer.txt"}}\n</tool_call>'
 RULES = [  # the scripted policy forces these outputs for prompts whose unanswered part matches
     {"match": "Do NOT call any tools", "emit": "Wrote apple to answer.txt."},
     {"match": "List the files", "emit": '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call>'},
     {"match": "exit 0", "emit": "task.md"},
     {"match": "Summary so far", "emit": "Done."},
-    {"match": "wrote 5 bytes", "emit": "Done."},  # no compaction: the reference path
-    {"match": "Write the word apple", "emit": WRITE},
+    {"match": "wrote 5 bytes", "emit": READ},  # no compaction: the reference path reads its answer back
+    {"match": "<tool_response>\napple\n", "emit": "Done."},
+    {"match": 'Write "apple"', "emit": WRITE},
 ]
 
 
@@ -78,8 +84,16 @@ def test_warm_start_transcripts_are_what_the_proxy_renders(stack):
     records = sorted(read_records(tmp / "records" / "ref.jsonl")[0], key=lambda r: r.seq)
     tok = ByteTokenizer(512)
     transcript = reference_transcript(tok, task)
-    assert len(records) == len(transcript) == 4
+    assert len(records) == len(transcript) == 5
     assert [render_call(tok, *c, api="anthropic") for c in reference_conversations(task)] == transcript
     for r, (prompt, target) in zip(records, transcript):
         assert r.input_ids.tolist() == prompt
         assert r.output_ids.tolist() == target
+    # The last call saw the write's result cleared: it branches off the write, whose targets two
+    # paths then share, and the dedup counts them once.
+    tree = build_call_tree(records)
+    assert tree.nodes[4].parent == tree.nodes[3].parent == 2 and toy_agent.CLEARED in tok.decode(
+        records[4].input_ids.tolist()
+    )
+    counts = process_execution(records, TrajectoryConfig()).counts
+    assert counts.targets_dedup == counts.targets_capped - records[2].output_ids.size

@@ -6,8 +6,9 @@ import torch
 
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
+from gyre.models.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from gyre.tasks.taskset import TaskSet, toy_taskset
-from gyre.tasks.warmstart import WarmStartConfig, warm_start
+from gyre.tasks.warmstart import WarmStartConfig, reference_transcript, warm_start
 
 
 def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
@@ -15,8 +16,11 @@ def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
     cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, num_query_groups=1)
     ws = WarmStartConfig(steps=2, batch_size=2, max_tokens=8)
     out, report = warm_start(tmp_path, one, cfg, ws, samples_per_task=1)
-    # 4 reference calls (sub-agent ls + report, main write + done) and the giving-up demonstration
-    assert not report["reused"] and report["num_examples"] == 5 and report["loss_last"] < report["loss_first"]
+    # 5 reference calls (sub-agent ls + report, main write + read back + done) and the giving-up demonstration
+    assert not report["reused"] and report["num_examples"] == 6 and report["loss_last"] < report["loss_first"]
+    bpe, byte = load_tokenizer(out, cfg.vocab_size), ByteTokenizer(cfg.vocab_size)
+    assert isinstance(bpe, BPETokenizer)  # the vocabulary travels with the weights; prompts are much shorter
+    assert len(reference_transcript(bpe, one.tasks[0])[2][0]) * 2 < len(reference_transcript(byte, one.tasks[0])[2][0])
     loaded_cfg, weights = load_checkpoint(out)
     shape = lambda c: {k: v for k, v in dataclasses.asdict(c).items() if k not in ("name", "path")}  # noqa: E731
     assert shape(loaded_cfg) == shape(cfg) and all(torch.isfinite(t).all() for t in weights.values())
@@ -26,5 +30,6 @@ def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
         tmp_path, one, cfg, WarmStartConfig(steps=2, batch_size=2, max_tokens=8, lr=1e-3), samples_per_task=1
     )
     assert other != out
-    plain, report3 = warm_start(tmp_path, one, cfg, dataclasses.replace(ws, quitters=False), samples_per_task=1)
-    assert plain not in (out, other) and report3["num_examples"] == 4
+    byte_ws = dataclasses.replace(ws, quitters=False, tokenizer="byte")
+    plain, report3 = warm_start(tmp_path, one, cfg, byte_ws, samples_per_task=1)
+    assert plain not in (out, other) and report3["num_examples"] == 5 and not (plain / "bpe.json").exists()

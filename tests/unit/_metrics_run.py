@@ -16,6 +16,7 @@ from gyre.metrics.events import (
     Exclusion,
     ExecutionState,
     Failure,
+    HeldOutResult,
     MicroStep,
     ModelCall,
     Observation,
@@ -114,7 +115,27 @@ def make_run_events(
             )
         t += TO_ROLLOUT_S
     events += _observations(t0, t, spans, queued, switches)
+    events += held_out_results(t0, t, num_steps)
     return sorted(events, key=lambda e: e.t)
+
+
+HELD_OUT = {0: (0.2, 0.4, None), 1: (0.6, 1.0, 0.8)}
+"""Held-out rewards under the first weights and under the last (index 1): None has no score."""
+
+
+def held_out_results(t0: float, t1: float, num_steps: int) -> list[HeldOutResult]:
+    return [
+        HeldOutResult(
+            t=(t0 if k == 0 else t1) + 5.0 + i,
+            execution_id=f"heldout-v{k * num_steps}-{i}",
+            task_id=f"held{i}",
+            version=k * num_steps,
+            outcome="finished" if r is not None else "evaluator_error",
+            reward=r,
+        )
+        for k, rewards in HELD_OUT.items()
+        for i, r in enumerate(rewards)
+    ]
 
 
 def _calls(rng: Random, eid: str, t_run: float, t_end: float, t_switch: float) -> list[ModelCall]:

@@ -185,3 +185,47 @@ def test_a_resumed_execution_keeps_its_outcome_or_exclusion_reason(tmp_path):
         ("budget_exhausted", None),
         ("evaluator_error", None),
     ]
+
+
+def test_held_out_tasks_run_at_the_first_and_last_weights_never_in_the_ledger(tmp_path):
+    """Held-out executions go ahead of the groups under version 0 and under the last version, only
+    then is the run done, and their results reach the events, not the ledger."""
+    import hydra
+
+    from gyre.common import CONF_DIR
+    from gyre.config import register_configs, validate
+    from gyre.coordinator.ledger import ExecutionLedger, read_ledger
+    from gyre.coordinator.rollouts import Rollouts
+    from gyre.tasks.taskset import toy_taskset
+    from gyre.trajectory.rewards import Evaluation
+
+    register_configs()
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = validate(hydra.compose(config_name="config", overrides=["num_steps=2"]))
+    results = []
+    events = SimpleNamespace(execution_state=lambda entry, step: None, held_out=results.append)
+    ledger = ExecutionLedger(tmp_path / "ledger.jsonl")
+    r = Rollouts(cfg, tmp_path, toy_taskset(), ledger, events)
+    train = SimpleNamespace(version=0, uncheckpointed=False)
+    r.admit_held_out(0)
+    r.admit_groups(0)  # the first weights' held-out rollouts run alone
+    num_held_out = len(r.held_out_tasks) * cfg.tasks.eval_samples
+    assert num_held_out == 16 and [ex.held_out for ex in r.queue] == [0] * num_held_out
+    assert r.counts(0) == (num_held_out, 0, 0)
+    r.admit_held_out(0)  # once per version
+    assert len(r.queue) == num_held_out
+    ex = r.queue.pop(0)
+    ex.evaluation = Evaluation("finished", 0.6)
+    r._log(ex, "finished", score=0.6)
+    assert results == [ex] and not [e for e in read_ledger(tmp_path / "ledger.jsonl").entries if "heldout" in e]
+    r.queue.clear()
+    r.admit_groups(0)
+    assert r.counts(0) == (2 * 4 * 4, 4 * 4, 0)  # then steps 0 and 1 (staleness 1)
+    train.version = 2
+    assert not r.done(train)  # the held-out rollouts under the last weights are still to come
+    r.queue.clear()
+    r.admit_held_out(2)
+    assert len(r.queue) == num_held_out and r.queue[0].held_out == 2 and not r.done(train)
+    r.queue.clear()
+    assert r.done(train)
+    ledger.close()

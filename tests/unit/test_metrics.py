@@ -21,6 +21,7 @@ from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import (
     EventError,
     Failure,
+    HeldOutResult,
     ModelCall,
     Observation,
     OptimizerStep,
@@ -60,7 +61,7 @@ def test_every_kind_round_trips_through_its_json_line(run_events):
     kinds = {}
     for e in run_events:
         kinds.setdefault(e.kind, e)
-    assert len(kinds) == 11
+    assert len(kinds) == 12
     for e in kinds.values():
         assert decode_event(json.loads(encode_event(e))) == e
 
@@ -272,6 +273,9 @@ def test_summary_of_the_fixture_run(run_events):
     assert s["targets"]["naive"] == naive
     assert s["targets"]["saved_by_cap"] == pytest.approx(1 - sum(e.targets_capped for e in steps) / naive, abs=1e-4)
     assert s["num_calls"] == sum(isinstance(e, ModelCall) for e in run_events) and s["failures"] == {"engine e1": 1}
+    # held-out rewards: means under the first and the last weights, an unscored execution left out
+    assert (s["eval_reward_first"], s["eval_reward_last"]) == (0.3, pytest.approx(0.8))
+    assert s["eval_reward_per_version"] == {0: 0.3, 4: pytest.approx(0.8)}
 
 
 # --- live views -------------------------------------------------------------------------------
@@ -326,6 +330,7 @@ def test_a_raising_sink_never_stops_the_monitor_and_is_counted(tmp_path, run_eve
         monitor.update()
     summary = monitor.close()
     with_scalars = sum(isinstance(e, (RoleSwitch, OptimizerStep)) for e in run_events[:50])
+    with_scalars += sum(isinstance(e, HeldOutResult) and e.reward is not None for e in run_events[:50])
     observed = [e.t for e in run_events[:50] if isinstance(e, Observation)]
     with_scalars += len({int((t - observed[0]) // 10) for t in observed})  # one cluster sample per 10 s
     assert summary["view_errors"] == {"tensorboard": with_scalars} and with_scalars > 0

@@ -7,9 +7,17 @@ import pytest
 import torch
 
 from gyre.engines.runner import SeqKV, StepItem, run_step
+from gyre.errors import GyreError
 from gyre.models.checkpoint import load_checkpoint, save_checkpoint
 from gyre.models.config import ModelConfig
-from gyre.models.tokenizer import ByteTokenizer, ChatTemplateError, parse_assistant_text
+from gyre.models.tokenizer import (
+    BPETokenizer,
+    ByteTokenizer,
+    ChatTemplateError,
+    load_tokenizer,
+    parse_assistant_text,
+    train_bpe,
+)
 from gyre.models.transformer import init_weights, param_shapes, sequence_logprobs
 
 CFG = ModelConfig()
@@ -93,6 +101,36 @@ def test_chat_template_renders_all_roles_and_tool_calls():
 def test_special_text_in_content_stays_plain_bytes():
     ids = TOK.apply_chat_template([{"role": "user", "content": "<|im_end|>"}], add_generation_prompt=False)
     assert ids.count(TOK.special_ids["<|im_end|>"]) == 1  # only the template's own
+
+
+BPE_TEXTS = [
+    "You are a coding agent. Use the tools to complete the task in the current directory.",
+    'Write "apple" to "answer.txt".',
+    'Write "river" to "note.txt".',
+    '\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "apple"}}\n',
+] * 3
+
+
+def test_bpe_vocabulary_is_deterministic_and_keeps_the_template_separable(tmp_path):
+    """train_bpe gives the same file twice; BPETokenizer round-trips text, keeps special-token
+    text in content plain, and the generation prompt is a prefix of the rendered answer."""
+    a, b = train_bpe(BPE_TEXTS, 320, tmp_path / "a"), train_bpe(BPE_TEXTS, 320, tmp_path / "b")
+    assert a.read_bytes() == b.read_bytes()
+    tok = load_tokenizer(tmp_path / "a", 320)
+    assert isinstance(tok, BPETokenizer) and tok.vocab_size == 320 and max(tok.special_ids.values()) < 320
+    text = 'Write "apple" to "answer.txt". ünïcode <|im_end|>'
+    assert tok.decode(tok.encode(text)) == text and len(tok.encode('"apple"')) < len('"apple"')
+    msgs = [{"role": "user", "content": "Write <|im_end|> to a.txt"}]
+    prompt = tok.apply_chat_template(msgs)
+    assert prompt.count(tok.eos_token_id) == 1  # only the template's own
+    reply = {"role": "assistant", "content": "Done.", "tool_calls": [{"name": "f", "arguments": {"x": "apple"}}]}
+    full = tok.apply_chat_template(msgs + [reply], add_generation_prompt=False)
+    assert full[: len(prompt)] == prompt
+    parsed = tok.parse_assistant(full[len(prompt) :])
+    assert parsed.content == "Done." and parsed.tool_calls[0].arguments == {"x": "apple"}
+    with pytest.raises(GyreError, match="vocab_size"):
+        BPETokenizer(tmp_path / "a", 300)
+    assert isinstance(load_tokenizer(None, 512), ByteTokenizer)
 
 
 def test_assistant_output_parses_back_into_tool_calls():

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from gyre.models.checkpoint import load_checkpoint
-from gyre.models.tokenizer import ByteTokenizer
+from gyre.models.tokenizer import load_tokenizer
 from gyre.tasks.taskset import toy_taskset
 from gyre.tasks.warmstart import reference_transcript, sample, score_turn
 from gyre.train.config import TrainerConfig
@@ -59,7 +59,7 @@ def run(model_dir: str, lr: float, steps: int, tasks_per_step: int, group: int, 
     cfg, weights = load_checkpoint(model_dir)
     trainer = Trainer(cfg, TrainerConfig(lr=lr, lr_warmup_steps=warmup), seed=seed)
     trainer.load_engine_weights(weights)
-    tok, ts, gen = ByteTokenizer(cfg.vocab_size), toy_taskset(), torch.Generator().manual_seed(seed)
+    tok, ts, gen = load_tokenizer(model_dir, cfg.vocab_size), toy_taskset(), torch.Generator().manual_seed(seed)
     traj, means = TrajectoryConfig(), []
     with tempfile.TemporaryDirectory(prefix="gyre-learn-") as tmp:
         for step in range(steps):
