@@ -142,6 +142,10 @@ class BuiltinEngineServer:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
     # --- generation ---------------------------------------------------------------------------
+    def answer(self, snap: dict) -> dict:
+        """A /generate answer as this server's contract shapes it (the SGLang fake drops Gyre's fields)."""
+        return snap
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
         g = parse_generate(
@@ -154,8 +158,14 @@ class BuiltinEngineServer:
 
         def emit(req: Request, final: bool) -> None:  # engine thread: snapshot, then hand over
             if final or g.stream:
-                snap = make_response(
-                    req, self._text(req.output_ids), self.core.weight_version, g.return_logprob, time.monotonic() - t0
+                snap = self.answer(
+                    make_response(
+                        req,
+                        self._text(req.output_ids),
+                        self.core.weight_version,
+                        g.return_logprob,
+                        time.monotonic() - t0,
+                    )
                 )
                 try:
                     loop.call_soon_threadsafe(queue.put_nowait, (snap, final))

@@ -45,6 +45,7 @@ def start_sglang(**overrides) -> SGLangProcess:
             "enable_hicache": False,
             "mem_fraction_static": 0.3,
             "startup_timeout_s": 900,
+            "weight_sync": "distributed",
         }
         | overrides
     )
