@@ -72,42 +72,19 @@ class SGLangFakeServer(BuiltinEngineServer):
         self.audit = os.environ.get("GYRE_SGLANG_FAKE_AUDIT")
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_sglang_errors], client_max_size=1 << 30)
-        post, get = web.post, web.get
-        app.add_routes(
-            [
-                post("/generate", self.generate),
-                post("/abort_request", self.abort_request),
-                post("/pause_generation", self.pause),
-                post("/continue_generation", self.continue_generation),
-                post("/init_weights_update_group", self.init_group),
-                post("/update_weights_from_distributed", self.update_from_distributed),
-                post("/update_weights_from_disk", self.update_from_disk),
-                post("/update_weights_from_tensor", self.update_from_tensor),
-                post("/flush_cache", self.flush_cache),
-                get("/flush_cache", self.flush_cache),
-                post("/release_memory_occupation", self.release_memory),
-                post("/resume_memory_occupation", self.resume_memory),
-                get("/health", self.health),
-                get("/health_generate", self.health_generate),
-                get("/get_model_info", self.model_info),
-            ]
-        )
-        app.on_startup.append(lambda _app: self._start())
-        app.on_cleanup.append(lambda _app: self._close())
-        return app
+        return self.make_app([_sglang_errors], self.routes())  # SGLang's routes only: no gyre_routes
 
     def answer(self, snap: dict) -> dict:
         meta = {k: v for k, v in snap["meta_info"].items() if k != "weight_version_spans"}
         return {**snap, "meta_info": {**meta, "weight_version": self.version_label}}
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
         if self.audit:
-            body = await _json(request)  # aiohttp keeps the body: the builtin handler reads it again
             line = {"rid": body.get("rid"), "extra_key": body.get("extra_key"), "weight_version": self.version_label}
             with open(self.audit, "a") as f:
                 f.write(json.dumps(line) + "\n")
-        return await super().generate(request)
+        return await self.serve_generate(request, body)
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _json(request)

@@ -108,7 +108,8 @@ def _gap(trainer: Trainer, answer: dict) -> float:
 
 def test_the_core_publishes_to_sglang_by_update_weights_from_distributed(fake):
     """weight_sync=distributed: the first load forms the weight group (init_weights_update_group),
-    later ones reuse it; each makes the fake serve the core's published version exactly."""
+    later ones reuse it; each makes the fake serve the core's published version exactly, the second
+    after a round trip through training (SGLangProcess.release: pause, release memory; .resume)."""
     torch.set_num_threads(1)
     trainer = Trainer(MODEL, TrainerConfig(lr=1e-2), seed=3)
     endpoint = TransferEndpoint()
@@ -129,6 +130,8 @@ def test_the_core_publishes_to_sglang_by_update_weights_from_distributed(fake):
         core.end_step()
         step.join(timeout=120)
         v1 = publisher.publish()
+        _run(fake.release, fake.url)
+        _run(fake.resume, fake.url)
         reply1 = asyncio.run(load_weights_at(fake.url, v1))
         out1 = _run(generate, fake.url)
     finally:
