@@ -125,14 +125,14 @@ class BuiltinEngineServer:
             get("/health", self.health),
             get("/health_generate", self.health_generate),
             get("/get_model_info", self.model_info),
+            get("/v1/loads", self.loads),
         ]
 
     def gyre_routes(self) -> list[web.RouteDef]:
-        """The builtin engine's own: KV export/import over Mooncake, and two status aliases."""
+        """The builtin engine's own: KV export/import over Mooncake, and a status alias."""
         post, get = web.post, web.get
         return [
             get("/model_info", self.model_info),
-            get("/v1/loads", self.loads),
             post("/gyre/export_kv", self.export_kv),
             post("/gyre/release_kv_export", self.release_kv_export),
             post("/gyre/import_kv", self.import_kv),

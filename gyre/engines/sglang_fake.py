@@ -18,6 +18,8 @@ every route Gyre calls with SGLang's field names, status codes and error shapes,
     /health, /health_generate         200 / 503, empty bodies
     /get_model_info                   {model_path, tokenizer_path, is_generation,
                                       preferred_sampling_params, weight_version}
+    /v1/loads                         {loads: [{dp_rank, num_running_reqs, num_waiting_reqs, ...}]}
+                                      (`python/sglang/srt/entrypoints/v1_loads.py`'s fields Gyre reads)
     anything else (Gyre's /gyre/* KV routes among them)   404 {"detail": "Not Found"} (FastAPI's)
 
 It takes `sglang.launch_server`'s command line (gyre.engines.launch.make_sglang_command), so a run
