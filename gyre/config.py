@@ -138,7 +138,7 @@ def validate(cfg: DictConfig, schema: type[T] = GyreConfig) -> T:
         ConfigError: naming the full dotted key of the first value that cannot run.
     """
     if schema is GyreConfig:
-        _refuse_unwired_engine(cfg.engine.backend)
+        _refuse_missing_sglang(cfg.engine)
     sections: dict[str, Any] = {}
     for f in fields(schema):
         node = cfg[f.name]
@@ -149,14 +149,14 @@ def validate(cfg: DictConfig, schema: type[T] = GyreConfig) -> T:
     return schema(**sections)
 
 
-def _refuse_unwired_engine(backend: str) -> None:
-    """A run must never serve with another engine than the one asked for, so SGLang is refused up front
-    (before its own keys are checked) while the cells can start only the builtin engine."""
-    if backend != "sglang":
+def _refuse_missing_sglang(engine: DictConfig) -> None:
+    """A run must never serve with another engine than the one asked for: without sglang (and
+    without its contract fake) `engine=sglang` stops here, before its own keys are checked."""
+    if engine.backend != "sglang" or engine.get("sglang_fake", False):
         return
-    missing = importlib.util.find_spec("sglang") is None
-    hint = "; sglang is not installed here either: `pip install 'gyre[sglang]'` on a CUDA node" if missing else ""
-    raise ConfigError(
-        "engine.backend",
-        f"sglang is not wired into Gyre's cells yet: they serve only with engine.backend=builtin{hint}",
-    )
+    if importlib.util.find_spec("sglang") is None:
+        raise ConfigError(
+            "engine.backend",
+            "sglang is not installed here: `pip install 'gyre[sglang]'` on a CUDA node "
+            "(or engine.sglang_fake=true for the CPU contract fake, tests only)",
+        )

@@ -14,6 +14,7 @@ from typing import Protocol
 from gyre.cells.spec import CellSpec
 from gyre.control.messages import PhaseDone, RoleSwitch
 from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout
+from gyre.engines.published import PublishedWeights
 from gyre.errors import GyreError
 from gyre.scheduler.cells import Cell, Role
 
@@ -62,11 +63,11 @@ class BaseCell(ABC):
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the leader (its engine with it) and release what `start` took; idempotent."""
 
-    def begin_switch(self, target: Role, now_s: float, weights: dict | None, core_address: str) -> None:
+    def begin_switch(self, target: Role, now_s: float, weights: PublishedWeights | None, core_address: str) -> None:
         """Start a role switch: the state machine first (it refuses what is not allowed), then the leader."""
         self.state.begin_switch(target, now_s)
         if target == Role.ROLLOUT and weights is not None:
-            self.engine_version = weights["version"]  # what its engine loads in the switch's load_weights phase
+            self.engine_version = weights.version  # what its engine loads in the switch's load_weights phase
         self.channel.send(RoleSwitch(self.index, target.value, weights, core_address))
 
     def messages(self) -> list:

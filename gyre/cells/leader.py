@@ -5,7 +5,8 @@
                      EndStep ──> ... ──StepProgress... ──> publish ──> StepDone
 
 A local cell is this process (the trainer: the core's owns optimizer and weights; a satellite's
-pulls weights and pushes gradients over Mooncake) plus one builtin engine child. Both stay warm:
+pulls weights and pushes gradients over Mooncake) plus one engine child (`engine.backend`; what
+differs between backends in a switch is the engine process's `release`/`resume`). Both stay warm:
 a switch moves work, not processes, and each of its phases (gyre.scheduler.cells.PHASES) is timed
 and reported. The leader exits when its coordinator's channel closes, stopping its engine.
 
@@ -38,10 +39,11 @@ from gyre.control.messages import (
     Stop,
 )
 from gyre.control.transport import ChannelClosed, ChannelTimeout, connect
+from gyre.engines.published import PublishedWeights
+from gyre.engines.weights import load_weights
 from gyre.metrics.events import MicroStep
 from gyre.metrics.log import EventLog
 from gyre.scheduler.cells import PHASES, Phase, Role
-from gyre.train.publish import load_published
 
 log = logging.getLogger("gyre.cells.leader")
 
@@ -62,25 +64,26 @@ class CellLeader:
         """Connected once the cell is built (`run`): the coordinator accepts leaders one handshake at a time,
         so connecting first would make every cell wait for the previous one to be built."""
         self.events = EventLog(spec.run_dir)
-        self.engine = make_engine_process(spec.engine, spec.model)  # builtin: gyre.config refuses sglang for now
+        self.engine = make_engine_process(spec.engine, spec.model)
         self.engine.start()
         self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
         self.endpoint = TransferEndpoint(spec.host)
         self.role = Role(spec.role)
         self.engine_id = f"cell{self.index}"
         self.checkpoints = CheckpointManager(spec.checkpoint_dir, spec.trainer.checkpoint_keep_last)
-        self.weights: dict | None = None
-        """The newest weights this cell's engine should serve (descriptor + version)."""
+        self.weights: PublishedWeights | None = None
+        """The newest weights this cell's engine should serve."""
         self.core_address = ""
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
-        self.core = self.satellite = None
+        self.core = self.satellite = self.publisher = None
         self._step: dict | None = None
         """The core's open step: its number, the core index of each micro-batch received (None if
         screened out), their tokens, the result of run_step once it returns."""
         if self.is_core:
             from gyre.control.transport import listen
             from gyre.train.elastic import CoreServer
+            from gyre.train.publish import WeightPublisher
 
             self._load_initial_weights()
             listener = listen(
@@ -90,7 +93,15 @@ class CellLeader:
                 peer_timeout_s=spec.control_peer_timeout_s,
             )
             self.core = CoreServer(self.trainer, self.endpoint, listener=listener)
-            self.weights = self._publish()
+            self.publisher = WeightPublisher(
+                self.core,
+                spec.engine.weight_sync,
+                spec.model,
+                str(Path(spec.run_dir) / "weights"),
+                spec.host,
+                spec.engine.tp_size,
+            )
+            self.weights = self.publisher.publish()
 
     # ---- start ---------------------------------------------------------------------------
     def _load_initial_weights(self) -> None:
@@ -102,11 +113,6 @@ class CellLeader:
         if self.spec.init_weights:
             _, tensors = load_checkpoint(self.spec.init_weights)
             self.trainer.load_engine_weights(tensors)
-
-    def _publish(self) -> dict:
-        """The core's newest weights as engines load them: its published descriptor and version."""
-        version, descriptor = self.core.publish()
-        return {**descriptor, "version": version}
 
     def weights_digest(self) -> str:
         return hashlib.sha256(self.trainer.flat.weights.detach().cpu().numpy().tobytes()).hexdigest()[:16]
@@ -220,11 +226,11 @@ class CellLeader:
         self._done(st["step"], metrics, time.monotonic() - st["t0"])
 
     def _done(self, step: int, metrics: dict, seconds: float) -> None:
-        self.weights = self._publish()
+        self.weights = self.publisher.publish()
         self.channel.send(StepDone(step, self.trainer.step, metrics, self.weights, seconds))
 
     # ---- role switches -------------------------------------------------------------------
-    def _switch(self, target: Role, weights: dict | None, core_address: str) -> None:
+    def _switch(self, target: Role, weights: PublishedWeights | None, core_address: str) -> None:
         self.weights = weights or self.weights
         self.core_address = core_address or self.core_address
         state = Role.TO_TRAIN if target == Role.TRAIN else Role.TO_ROLLOUT
@@ -247,7 +253,7 @@ class CellLeader:
             elif phase == Phase.HAND_OFF_SESSIONS:
                 await proxy.engine_op(self.engine_id, "drain")
             elif phase == Phase.RELEASE_ENGINE_MEMORY:
-                await engine.release_memory()
+                await self.engine.release(engine)
             elif phase == Phase.PULL_WEIGHTS and not self.is_core:
                 await asyncio.to_thread(self._pull)
             elif phase == Phase.JOIN_STEP and not self.is_core:
@@ -259,8 +265,9 @@ class CellLeader:
                 await asyncio.to_thread(self._worker.join)
                 self._worker = None
             elif phase == Phase.LOAD_WEIGHTS:
-                await engine.resume_memory()
-                await load_published(self.engine.url, self.weights)
+                await self.engine.resume(engine)
+                await load_weights(engine, self.weights)
+                await proxy.set_weight_version(self.engine_id, self.weights.version)
             elif phase == Phase.ANNOUNCE_TO_PROXY:
                 await proxy.engine_op(self.engine_id, "activate")
 
@@ -281,6 +288,8 @@ class CellLeader:
         self._stop.set()
         if self.satellite is not None:
             self.satellite.close()
+        if self.publisher is not None:
+            self.publisher.close()
         if self.core is not None:
             self.core.close()
         self.engine.stop()

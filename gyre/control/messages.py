@@ -24,6 +24,7 @@ import types
 import typing
 from dataclasses import dataclass
 
+from gyre.engines.published import PublishedWeights
 from gyre.errors import GyreError
 from gyre.trajectory.sample import PackedBatch
 
@@ -167,12 +168,12 @@ class Leave:
 @message
 class CellReady:
     """A cell leader built its trainer and engine. The core adds where satellites join it, its
-    weights as published (descriptor + version), its step and a digest of its weights."""
+    weights as published, its step and a digest of its weights."""
 
     cell: int
     engine_url: str
     core_address: str = ""
-    weights: dict | None = None
+    weights: PublishedWeights | None = None
     step: int = 0
     weights_digest: str = ""
 
@@ -185,7 +186,7 @@ class RoleSwitch:
 
     cell: int
     target: str
-    weights: dict | None = None
+    weights: PublishedWeights | None = None
     core_address: str = ""
 
 
@@ -238,7 +239,7 @@ class StepDone:
     step: int
     version: int
     metrics: dict
-    weights: dict
+    weights: PublishedWeights
     seconds: float
 
 

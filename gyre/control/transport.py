@@ -42,7 +42,12 @@ _BUILTINS = {
     "complex",
     "bool",
 }
-_OTHERS = {("collections", "OrderedDict"), ("copyreg", "_reconstructor"), ("builtins", "object")}
+_OTHERS = {
+    ("gyre.engines.published", "PublishedWeights"),
+    ("collections", "OrderedDict"),
+    ("copyreg", "_reconstructor"),
+    ("builtins", "object"),
+}
 
 
 class _Unpickler(pickle.Unpickler):

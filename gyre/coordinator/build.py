@@ -24,11 +24,11 @@ from gyre.config import GyreConfig
 from gyre.control.messages import CellReady
 from gyre.control.transport import ChannelTimeout, Listener, listen
 from gyre.engines.client import EngineClient
+from gyre.engines.weights import load_weights_at
 from gyre.proxy.admin import ProxyAdmin
 from gyre.proxy.main import ProxyProcess
 from gyre.scheduler.cells import Role, make_cells
 from gyre.scheduler.policy import BasePolicy, Decision, make_policy
-from gyre.train.publish import load_published
 
 
 class RolloutOnlyPolicy(BasePolicy):
@@ -162,8 +162,8 @@ def _accept_cells(parts: Parts, timeout_s: float) -> None:
 async def _register_engines(parts: Parts) -> None:
     """Every engine in the proxy (serving ones active, the others closed) at the core's weights."""
     for cell in parts.cells:
-        await load_published(cell.engine_url, parts.initial.weights)
-        cell.engine_version = parts.initial.weights["version"]
+        await load_weights_at(cell.engine_url, parts.initial.weights)
+        cell.engine_version = parts.initial.weights.version
         if cell.state.role != Role.ROLLOUT:
             async with EngineClient(cell.engine_url) as engine:
                 await engine.release_memory()

@@ -28,11 +28,12 @@ from gyre.coordinator.rollouts import Rollouts, RolloutsOnly
 from gyre.coordinator.source import Source
 from gyre.coordinator.summary import RunEvents
 from gyre.coordinator.training import Training
+from gyre.engines.published import PublishedWeights
+from gyre.engines.weights import load_weights_at
 from gyre.errors import GyreError
 from gyre.scheduler.cells import Role
 from gyre.scheduler.observe import make_observation
 from gyre.tasks.taskset import TaskSource
-from gyre.train.publish import load_published
 
 log = logging.getLogger(__name__)
 
@@ -218,21 +219,27 @@ async def _on_message(
         raise RunFailed(f"cell {msg.cell}: {msg.reason}")
 
 
-async def _load_serving(cells: list, weights: dict, parts: Parts, events: RunEvents, now: float) -> None:
+async def _load_serving(cells: list, weights: PublishedWeights, parts: Parts, events: RunEvents, now: float) -> None:
     """Have serving cells load `weights`. A satellite whose engine cannot be reached is lost: its
     leader may be dead before its channel says so (MPI finds a dead peer only by its silence)."""
-    results = await asyncio.gather(*(_load_newest(x, weights) for x in cells), return_exceptions=True)
+    results = await asyncio.gather(*(_load_newest(x, weights, parts) for x in cells), return_exceptions=True)
     for cell, result in zip(cells, results):
         if (
             isinstance(result, (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError))
             and cell is not parts.core
         ):
-            _lose(cell, events, now, f"its engine did not take weight version {weights['version']}: {result!r}")
+            _lose(cell, events, now, f"its engine did not take weight version {weights.version}: {result!r}")
         elif isinstance(result, BaseException):
             raise result
 
 
-async def _load_newest(cell, weights: dict) -> None:
-    """Have a serving cell's engine load the newest published weights (Mooncake read from the core)."""
-    await load_published(cell.engine_url, weights)
-    cell.engine_version = weights["version"]
+async def _load_newest(cell, weights: PublishedWeights, parts: Parts) -> None:
+    """Have a serving cell's engine load the newest published weights. The proxy holds the engine's
+    calls meanwhile and then keys them by the version it serves now (SGLang's `extra_key`), so no
+    call carries a version the engine no longer serves; a failed load keeps the old one."""
+    await parts.admin.hold_calls(cell.engine_id)
+    try:
+        await load_weights_at(cell.engine_url, weights)
+        cell.engine_version = weights.version
+    finally:
+        await parts.admin.set_weight_version(cell.engine_id, cell.engine_version)

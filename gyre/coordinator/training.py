@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from gyre.control.messages import CheckpointDone, EndStep, MicroBatches, SaveCheckpoint, StepDone, StepProgress
 from gyre.coordinator.batching import GroupBatch, make_group_batch
 from gyre.coordinator.source import Group
+from gyre.engines.published import PublishedWeights
 from gyre.scheduler.streaming import MicroStep, MicroStepQueue
 from gyre.trajectory.config import TrajectoryConfig
 
@@ -48,7 +49,7 @@ class Training:
         max_tokens: int,
         version: int,
         train_tok_s: float,
-        weights: dict | None = None,
+        weights: PublishedWeights | None = None,
     ):
         self.queue = MicroStepQueue(groups_per_step, staleness)
         self.queue.version = version
@@ -58,7 +59,7 @@ class Training:
         """Training throughput of one cell, tokens/s: the configured guess until a step measures it."""
         self.uncheckpointed: list[StepRecord] = []
         self.weights = weights
-        """The newest published weights (descriptor + version)."""
+        """The newest published weights."""
 
     @property
     def version(self) -> int:

@@ -2,9 +2,11 @@
 
 Every call has an explicit timeout; a non-2xx answer raises EngineHTTPError carrying the status
 and the response body. With `key_by_weight_version` (SGLang engines), `generate` sends
-`extra_key` = the last weight version this client saw, so SGLang's HiCache (and the builtin prefix
-cache) never mixes KV across weight versions. Weight versions are integers (the optimizer step)
-on Gyre's side; on the wire they are what the engine sends (SGLang: strings).
+`extra_key` = `weight_version`, the version the engine serves now as its owner set it (the proxy's
+admin API, told by the coordinator after each load; not what the last answer said, which lags an
+update by one call), so SGLang's HiCache never mixes KV across weight versions. Weight versions
+are integers (the optimizer step) on Gyre's side; on the wire they are what the engine sends
+(SGLang: strings).
 """
 
 import asyncio
@@ -40,8 +42,21 @@ class EngineClient:
         self.key_by_weight_version = key_by_weight_version
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.weight_version: int | None = None
-        """The last weight version an engine reported (an int: the trainer's step)."""
+        """The engine's weight version (an int: the trainer's step): set by its loads and, unless
+        `key_by_weight_version` (then only its owner sets it), learnt from its answers."""
+        self._loaded = asyncio.Event()
+        self._loaded.set()
         self._session: aiohttp.ClientSession | None = None
+
+    def hold_calls(self) -> None:
+        """A weight load is starting: keyed calls wait (`serve_version` releases them), so none
+        leaves with a version the engine no longer serves once the load lands."""
+        self._loaded.clear()
+
+    def serve_version(self, version: int) -> None:
+        """The engine serves `version` now: keyed calls carry it from here on."""
+        self.weight_version = version
+        self._loaded.set()
 
     async def __aenter__(self) -> "EngineClient":
         self._session = aiohttp.ClientSession(
@@ -120,11 +135,13 @@ class EngineClient:
 
         input_ids_json: `input_ids` already encoded (the proxy keeps each prompt's JSON), sent as is.
         """
+        if self.key_by_weight_version:
+            await self._loaded.wait()
         payload = self._generate_payload(
             input_ids, sampling_params, rid, return_logprob, False, extra_key, input_ids_json
         )
         out = await self._request("POST", "/generate", raw=payload)
-        self.weight_version = _version(out["meta_info"].get("weight_version"), self.weight_version)
+        self._saw(out["meta_info"])
         return out
 
     async def generate_stream(
@@ -143,6 +160,8 @@ class EngineClient:
         rest of the body (`data: [DONE]`) is read before it is yielded, so a caller that stops there
         leaves the connection at its end and aiohttp pools it (an unread body closes it: one more
         TCP connect and close per call)."""
+        if self.key_by_weight_version:
+            await self._loaded.wait()
         payload = self._generate_payload(
             input_ids, sampling_params, rid, return_logprob, True, extra_key, input_ids_json
         )
@@ -160,7 +179,7 @@ class EngineClient:
                     return
                 chunk = orjson.loads(payload)
                 meta = chunk.get("meta_info", {})
-                self.weight_version = _version(meta.get("weight_version"), self.weight_version)
+                self._saw(meta)
                 if meta.get("finish_reason"):
                     try:
                         async with asyncio.timeout(REST_OF_STREAM_S):
@@ -168,6 +187,10 @@ class EngineClient:
                     except TimeoutError:
                         pass
                 yield chunk
+
+    def _saw(self, meta: dict) -> None:
+        if not self.key_by_weight_version:
+            self.weight_version = _version(meta.get("weight_version"), self.weight_version)
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
         return await self.post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
@@ -257,7 +280,7 @@ class EngineClient:
         await self.get("/health_generate")
 
     async def model_info(self) -> dict:
-        info = await self.get("/model_info")
+        info = await self.get("/get_model_info")  # SGLang 0.5.x has no /model_info
         self.weight_version = _version(info.get("weight_version"), self.weight_version)
         return info
 

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from gyre.engines.published import WEIGHT_SYNCS
 from gyre.errors import require
 
 BACKENDS = ("builtin", "sglang")
@@ -52,6 +53,13 @@ class EngineConfig:
     """Mooncake transport: `tcp` here, `rdma` on InfiniBand clusters."""
     load_format: str = "auto"
     """SGLang --load-format (`dummy` for random weights in tests)."""
+    weight_sync: str = "mooncake"
+    """How engines load each published version (gyre.engines.published.WEIGHT_SYNCS): `mooncake`
+    (builtin only), `distributed` (SGLang's update_weights_from_distributed: NCCL, gloo on CPU) or
+    `disk` (update_weights_from_disk of an HF directory under the run directory's `weights/`)."""
+    sglang_fake: bool = False
+    """Tests on CPU: launch gyre.engines.sglang_fake, the SGLang contract fake, on SGLang's command
+    line instead of sglang.launch_server (engine.backend=sglang only)."""
     scripted_policy: str | None = None
     """Builtin, tests only: JSON rules file of a scripted policy (gyre.engines.scripted) that forces
     the emitted tokens for matching prompts; log-probs stay the model's."""
@@ -77,6 +85,22 @@ class EngineConfig:
             0 < self.mem_fraction_static < 1,
             "mem_fraction_static",
             f"must be in (0, 1), got {self.mem_fraction_static}",
+        )
+        require(
+            self.weight_sync in WEIGHT_SYNCS,
+            "weight_sync",
+            f"must be one of {list(WEIGHT_SYNCS)}, got {self.weight_sync!r}",
+        )
+        require(
+            not (self.backend == "sglang" and self.weight_sync == "mooncake"),
+            "weight_sync",
+            "SGLang cannot read Gyre's Mooncake buffers (load_format=gyre_transfer is Gyre's own): "
+            "use distributed or disk",
+        )
+        require(
+            not self.sglang_fake or self.backend == "sglang",
+            "sglang_fake",
+            "the SGLang contract fake stands in for SGLang: set engine.backend=sglang (engine=sglang)",
         )
         require(self.startup_timeout_s > 0, "startup_timeout_s", f"must be > 0, got {self.startup_timeout_s}")
         require(

@@ -1,7 +1,8 @@
 """Start a rollout server as a child process and wait until it answers /health.
 
-`make_sglang_command`/`make_sglang_env` are pure (golden-tested); the process classes only spawn,
-poll and stop. SGLang path: needs a GPU node with sglang 0.5.x installed (marked `gpu` in tests).
+`make_sglang_command`/`make_sglang_env` are pure (golden-tested); the process classes spawn, poll,
+stop, and own what differs between backends in a role switch (`release`/`resume`). SGLang path:
+needs a GPU node with sglang 0.5.x installed (marked `gpu` in tests), or `engine.sglang_fake`.
 """
 
 import asyncio
@@ -23,12 +24,19 @@ class EngineLaunchError(ChildServerError):
     """The server exited or did not become healthy in time; carries the tail of its log."""
 
 
-def make_sglang_command(cfg: EngineConfig, port: int, python: str = sys.executable) -> list[str]:
-    """The `sglang.launch_server` command line for `cfg` on `port`."""
+def make_sglang_command(
+    cfg: EngineConfig,
+    port: int,
+    python: str = sys.executable,
+    base_gpu_id: int = 0,
+    module: str = "sglang.launch_server",
+) -> list[str]:
+    """The `sglang.launch_server` command line for `cfg` on `port`, serving from GPUs
+    `base_gpu_id` .. `base_gpu_id + cfg.tp_size - 1` (one server per `tp_size` GPUs)."""
     cmd = [
         python,
         "-m",
-        "sglang.launch_server",
+        module,
         "--model-path",
         str(cfg.model_path),
         "--host",
@@ -37,6 +45,8 @@ def make_sglang_command(cfg: EngineConfig, port: int, python: str = sys.executab
         str(port),
         "--tp-size",
         str(cfg.tp_size),
+        "--base-gpu-id",
+        str(base_gpu_id),
         "--mem-fraction-static",
         str(cfg.mem_fraction_static),
         "--page-size",
@@ -119,6 +129,14 @@ class BaseEngineProcess(ChildServer, ABC):
         """A client for this engine (use as `async with`)."""
         return EngineClient(self.url, timeout_s or self.cfg.request_timeout_s)
 
+    async def release(self, client: EngineClient) -> None:
+        """Free the engine's memory for training (the proxy has drained its calls already)."""
+        await client.release_memory()
+
+    async def resume(self, client: EngineClient) -> None:
+        """Take the memory back before loading weights and serving again."""
+        await client.resume_memory()
+
 
 class BuiltinEngineProcess(BaseEngineProcess):
     """`python -m gyre.engines.server` on a free port (the child reports it through a file)."""
@@ -144,18 +162,36 @@ class BuiltinEngineProcess(BaseEngineProcess):
 
 
 class SGLangProcess(BaseEngineProcess):
-    """`sglang.launch_server` from config (GPU nodes only)."""
+    """`sglang.launch_server` from config (GPU nodes), or with `engine.sglang_fake` the contract
+    fake (gyre.engines.sglang_fake) on the very same command line."""
+
+    def __init__(self, cfg: EngineConfig, base_gpu_id: int = 0):
+        super().__init__(cfg)
+        self.base_gpu_id = base_gpu_id
 
     def start(self) -> None:
         port = self.cfg.port or free_port(self.cfg.host)
         self.url = f"http://{self.cfg.host}:{port}"
-        self.spawn(make_sglang_command(self.cfg, port), make_sglang_env(self.cfg, dict(os.environ)))
+        module = "gyre.engines.sglang_fake" if self.cfg.sglang_fake else "sglang.launch_server"
+        cmd = make_sglang_command(self.cfg, port, base_gpu_id=self.base_gpu_id, module=module)
+        self.spawn(cmd, make_sglang_env(self.cfg, dict(os.environ)))
         asyncio.run(self.wait_healthy())
 
     def client(self, timeout_s: float | None = None) -> EngineClient:
         return EngineClient(self.url, timeout_s or self.cfg.request_timeout_s, key_by_weight_version=True)
 
+    async def release(self, client: EngineClient) -> None:
+        # SGLang releases only an idle engine: abort what is left (a straggler the proxy's drain missed)
+        await client.pause("abort")
+        await client.release_memory()
+
+    async def resume(self, client: EngineClient) -> None:
+        await client.resume_memory()
+        await client.resume()  # /continue_generation: undo the pause of `release`
+
 
 def make_engine_process(cfg: EngineConfig, model_cfg: ModelConfig) -> BaseEngineProcess:
-    """The one factory of engine servers: `engine.backend` picks the process (cell leaders start theirs here)."""
+    """The one factory of engine servers: `engine.backend` picks the process (cell leaders and
+    `gyre-engine` start theirs here). A one-rank cell runs one server from GPU 0; a cell of more
+    ranks will run one per `engine.tp_size` of them (SGLangProcess's `base_gpu_id`)."""
     return SGLangProcess(cfg) if cfg.backend == "sglang" else BuiltinEngineProcess(cfg, model_cfg)

@@ -105,35 +105,46 @@ class BuiltinEngineServer:
         self._scratch = tempfile.mkdtemp(prefix="gyre-engine-")
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors_to_400], client_max_size=1 << 30)
-        post, get = web.post, web.get
-        app.add_routes(
-            [
-                post("/generate", self.generate),
-                post("/abort_request", self.abort_request),
-                post("/pause_generation", self.pause),
-                post("/continue_generation", self.continue_generation),
-                post("/update_weights_from_disk", self.update_from_disk),
-                post("/update_weights_from_tensor", self.update_from_tensor),
-                post("/update_weights_from_distributed", self.unsupported),
-                post("/init_weights_update_group", self.unsupported),
-                post("/flush_cache", self.flush_cache),
-                get("/flush_cache", self.flush_cache),
-                post("/release_memory_occupation", self.release_memory),
-                post("/resume_memory_occupation", self.resume_memory),
-                get("/health", self.health),
-                get("/health_generate", self.health_generate),
-                get("/model_info", self.model_info),
-                get("/get_model_info", self.model_info),
-                get("/v1/loads", self.loads),
-                post("/gyre/export_kv", self.export_kv),
-                post("/gyre/release_kv_export", self.release_kv_export),
-                post("/gyre/import_kv", self.import_kv),
-            ]
-        )
+        return self.make_app([_errors_to_400], self.routes() + self.gyre_routes())
+
+    def make_app(self, middlewares: list, routes: list[web.RouteDef]) -> web.Application:
+        app = web.Application(middlewares=middlewares, client_max_size=1 << 30)
+        app.add_routes(routes)
         app.on_startup.append(lambda _app: self._start())
         app.on_cleanup.append(lambda _app: self._close())
         return app
+
+    def routes(self) -> list[web.RouteDef]:
+        """SGLang's routes, those Gyre calls (the contract), each to the method of its name."""
+        post, get = web.post, web.get
+        return [
+            post("/generate", self.generate),
+            post("/abort_request", self.abort_request),
+            post("/pause_generation", self.pause),
+            post("/continue_generation", self.continue_generation),
+            post("/update_weights_from_disk", self.update_from_disk),
+            post("/update_weights_from_tensor", self.update_from_tensor),
+            post("/update_weights_from_distributed", self.update_from_distributed),
+            post("/init_weights_update_group", self.init_group),
+            post("/flush_cache", self.flush_cache),
+            get("/flush_cache", self.flush_cache),
+            post("/release_memory_occupation", self.release_memory),
+            post("/resume_memory_occupation", self.resume_memory),
+            get("/health", self.health),
+            get("/health_generate", self.health_generate),
+            get("/get_model_info", self.model_info),
+            get("/v1/loads", self.loads),
+        ]
+
+    def gyre_routes(self) -> list[web.RouteDef]:
+        """The builtin engine's own: KV export/import over Mooncake, and a status alias."""
+        post, get = web.post, web.get
+        return [
+            get("/model_info", self.model_info),
+            post("/gyre/export_kv", self.export_kv),
+            post("/gyre/release_kv_export", self.release_kv_export),
+            post("/gyre/import_kv", self.import_kv),
+        ]
 
     async def _start(self) -> None:
         self.core.start()
@@ -150,8 +161,15 @@ class BuiltinEngineServer:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
     # --- generation ---------------------------------------------------------------------------
+    def answer(self, snap: dict) -> dict:
+        """A /generate answer as this server's contract shapes it (the SGLang fake drops Gyre's fields)."""
+        return snap
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
+        return await self.serve_generate(request, await _json(request))
+
+    async def serve_generate(self, request: web.Request, body: dict) -> web.StreamResponse:
+        """Answer the /generate `body` (read off `request`, which the answer is written to)."""
         g = parse_generate(
             body,
             self.model_cfg.vocab_size,
@@ -162,8 +180,14 @@ class BuiltinEngineServer:
 
         def emit(req: Request, final: bool) -> None:  # engine thread: snapshot, then hand over
             if final or g.stream:
-                snap = make_response(
-                    req, self._text(req.output_ids), self.core.weight_version, g.return_logprob, time.monotonic() - t0
+                snap = self.answer(
+                    make_response(
+                        req,
+                        self._text(req.output_ids),
+                        self.core.weight_version,
+                        g.return_logprob,
+                        time.monotonic() - t0,
+                    )
                 )
                 try:
                     loop.call_soon_threadsafe(queue.put_nowait, (snap, final))
@@ -251,7 +275,14 @@ class BuiltinEngineServer:
         self._source = None  # only in memory now: release() will spill to scratch
         return response
 
-    async def unsupported(self, request: web.Request) -> web.Response:
+    async def init_group(self, request: web.Request) -> web.Response:
+        return self._unsupported(request)
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        return self._unsupported(request)
+
+    @staticmethod
+    def _unsupported(request: web.Request) -> web.Response:
         return _error(
             400,
             f"{request.path} needs NCCL and is SGLang-only; the builtin engine takes "

@@ -141,13 +141,18 @@ def read_hf_weights(path: str | os.PathLike, cfg: ModelConfig) -> dict[str, torc
             for name in st.keys():
                 if name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight"):
                     continue
-                out[name.removeprefix("model.")] = st.get_tensor(name).to(torch.float32)
+                out[engine_name(name)] = st.get_tensor(name).to(torch.float32)
     return out
 
 
 def hf_name(engine_name: str) -> str:
     """The checkpoint (and SGLang parameter) name of an engine-named tensor."""
     return engine_name if engine_name == "lm_head.weight" else "model." + engine_name
+
+
+def engine_name(name: str) -> str:
+    """The engine name of a checkpoint (SGLang parameter) name: `hf_name`'s inverse."""
+    return name.removeprefix("model.")
 
 
 def write_hf_dir(

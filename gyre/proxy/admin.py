@@ -46,5 +46,13 @@ class ProxyAdmin:
         """`op` one of drain, activate, stop_admission."""
         return await self._call("POST", f"/admin/engines/{engine_id}/{op}")
 
+    async def set_weight_version(self, engine_id: str, version: int) -> dict:
+        """Tell the proxy the version `engine_id` serves now (SGLang calls carry it as `extra_key`)."""
+        return await self._call("POST", f"/admin/engines/{engine_id}/weight_version", {"weight_version": version})
+
+    async def hold_calls(self, engine_id: str) -> dict:
+        """A weight load of `engine_id` starts: its calls wait until `set_weight_version`."""
+        return await self._call("POST", f"/admin/engines/{engine_id}/weight_version", {"loading": True})
+
     async def metrics(self) -> dict:
         return await self._call("GET", "/admin/metrics")

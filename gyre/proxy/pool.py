@@ -145,6 +145,16 @@ class EnginePool:
         await asyncio.gather(*(client.abort(rid) for rid in rids), return_exceptions=True)
         return len(rids)
 
+    async def set_weight_version(self, engine_id: str, version: int | None) -> None:
+        """`version`: what `engine_id` serves now (its owner loaded it), SGLang calls' `extra_key` from
+        here on; None: a load is starting, its calls wait until the version it brings is set."""
+        self.table.get(engine_id)  # RoutingError (404) for an unknown engine
+        client = self.clients[engine_id]
+        if version is None:
+            client.hold_calls()
+        else:
+            client.serve_version(version)
+
     async def activate(self, engine_id: str) -> dict:
         """The engine serves (again); with `rebalance_on_return`, idle sessions of the most loaded
         engines move to it with their KV until loads are even within one session."""

@@ -9,6 +9,8 @@ Admin side (`Authorization: Bearer <admin token>`):
     POST /admin/engines/{id}/stop_admission (phase 1 of leaving rollout: no new sessions) | /drain
     (phase 2: hand every session off with its KV; answers once every move has ended) | /activate
     (with rebalance_on_return, takes idle sessions from the most loaded engines);
+    POST /admin/engines/{id}/weight_version {weight_version} (the version it serves now: SGLang's
+    extra_key) | {loading: true} (a load starts: its calls wait for the version it brings);
     GET /admin/metrics (counters, each engine's and each execution's load)
 Every error answers in the API's own format; a bad request never takes the proxy down.
 """
@@ -120,6 +122,7 @@ class ProxyServer:
                 web.delete("/admin/engines/{id}", self.remove_engine),
                 web.post("/admin/engines/{id}/drain", self.drain_engine),
                 web.post("/admin/engines/{id}/activate", self.activate_engine),
+                web.post("/admin/engines/{id}/weight_version", self.engine_weight_version),
                 web.get("/admin/metrics", self.metrics),
                 web.post("/admin/engines/{id}/stop_admission", self.stop_admission),
             ]
@@ -268,6 +271,17 @@ class ProxyServer:
 
     async def activate_engine(self, request: web.Request) -> web.Response:
         return await self._engine_op(request, self.pool.activate)
+
+    async def engine_weight_version(self, request: web.Request) -> web.Response:
+        self._admin(request)
+        body = await request.json()
+        body = body if isinstance(body, dict) else {}
+        version = None if body.get("loading") is True else body.get("weight_version")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            return self._bad(f"weight_version must be an integer >= 0, got {version!r}")
+        if version is None and body.get("loading") is not True:
+            return self._bad("give weight_version (an integer >= 0) or loading: true")
+        return await self._engine_op(request, lambda eid: self.pool.set_weight_version(eid, version))
 
     async def stop_admission(self, request: web.Request) -> web.Response:
         return await self._engine_op(request, self.pool.stop_admission)

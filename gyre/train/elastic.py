@@ -27,8 +27,6 @@ engines is copying them. One slot per claim keeps the core's memory bounded (`nu
 freed slot goes to the back of the queue so a late write of a dead satellite cannot land in a slot
 that is being reused at once."""
 
-import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -44,7 +42,7 @@ from gyre.scheduler.streaming import MicroStepQueue
 from gyre.train.loss import finish_stats, merge_stats
 from gyre.train.trainer import Trainer, prepare_step
 from gyre.trajectory.sample import PackedBatch
-from gyre.transfer import TransferEndpoint
+from gyre.transfer import BufferLayout, TransferEndpoint
 
 CORE = "core"
 logger = logging.getLogger(__name__)
@@ -106,7 +104,6 @@ class CoreServer:
         self._channels: set[Channel] = set()
         self._evicted: set[str] = set()
         self._quarantine: dict[str, list[int]] = {}  # slots an evicted (hung) cell may still write
-        self._publish_lock = threading.Lock()
         self._published: deque = deque(maxlen=2)  # (version, descriptor, buffer) of the last two versions
         self._listener = listener or listen("tcp", host)
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="core-accept")]
@@ -313,32 +310,6 @@ class CoreServer:
             self._cond.notify_all()
 
     # ---- weights for engines ---------------------------------------------------------------
-    def push_to(self, engine_urls: list[str], timeout_s: float = 600.0) -> float:
-        """Have every engine load the newest weights (version `trainer.step`) over Mooncake.
-
-        Safe from a control thread while `run_step` runs: the engine-format copy is made while the
-        optimizer step is held off, and stays registered until the next version is published.
-
-        Returns:
-            Seconds from the call to the last engine's reply.
-        Raises:
-            EngineHTTPError: an engine refused or failed the update.
-        """
-        from gyre.engines.client import EngineClient
-        from gyre.train.publish import push_published
-
-        t0 = time.perf_counter()
-        with self._publish_lock:
-            version, descriptor = self.publish()
-
-            async def push() -> None:
-                async with contextlib.AsyncExitStack() as stack:
-                    clients = [await stack.enter_async_context(EngineClient(url, timeout_s)) for url in engine_urls]
-                    await push_published(descriptor, version, clients)
-
-            asyncio.run(push())
-        return time.perf_counter() - t0
-
     def publish(self) -> tuple[int, dict]:
         """(version, descriptor) of the engine-format buffer of the current weights (copied once per
         version). The previous version's buffer stays readable too, so an engine that was handed
@@ -361,6 +332,17 @@ class CoreServer:
             self.endpoint.unregister(self._published[0][2])
         self._published.append((version, descriptor, buffer))
         return version, descriptor
+
+    def published_tensors(self, version: int) -> dict[str, torch.Tensor]:
+        """Engine-named views of the published snapshot of `version` (read-only for the caller).
+
+        Raises:
+            KeyError: `version` is no longer (or not yet) published.
+        """
+        for v, descriptor, buffer in list(self._published):
+            if v == version:
+                return BufferLayout.from_json(descriptor["layout"]).unpack(buffer)
+        raise KeyError(f"weight version {version} is not published; have {[p[0] for p in self._published]}")
 
     # ---- satellites ------------------------------------------------------------------------
     def _accept_loop(self) -> None:

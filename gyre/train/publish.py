@@ -1,181 +1,161 @@
-"""Weights to engines after a step, under engine (HF/Qwen2) names, as version `trainer.step`.
+"""The core's side of the one publish contract: after each step, one `PublishedWeights` per version,
+in the form `engine.weight_sync` names (gyre.engines.published); engines load it with
+gyre.engines.weights.load_weights.
 
-Two ways, one per engine kind:
-- `push_weights`: over Mooncake. The builtin engine reads the packed buffer with one transfer
-  (`/update_weights_from_tensor`, load_format `gyre_transfer`).
-- `write_weights` + `load_weights_from_disk`: a model directory (model.safetensors + config.json)
-  that SGLang and the builtin engine load with `/update_weights_from_disk`.
-- `connect_weight_group` + `broadcast_weights` (SGLang only): the trainer's rank 0 and the SGLang
-  engines form one NCCL group (`/init_weights_update_group`); each update broadcasts every tensor
-  from rank 0 while the engines receive it (`/update_weights_from_distributed`).
-Either way the engine bumps its `weight_version`; requests in flight continue and record the
-version of each span they generated.
+    CoreServer.publish() ── engine-named snapshot of version v (registered for Mooncake reads)
+        mooncake:    PublishedWeights(v, "mooncake", descriptor)
+        disk:        <root>/version_v (HF directory, config.json + model.safetensors) -> {"path"}
+        distributed: {"sender": WeightSender.url}; per engine, once: a weight group with the engine's
+                     TP ranks (SGLang /init_weights_update_group); per load: broadcast each tensor
+                     of the snapshot from rank 0 while the engine's /update_weights_from_distributed
+                     receives them
+
+The snapshot, not the live weights, is what every way sends, so a load may race the next step.
 """
 
 import asyncio
-import os
-from datetime import timedelta
+import itertools
+import shutil
+import threading
+from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from aiohttp import web
 
-from gyre.engines.client import EngineClient
+from gyre.common.weight_group import join_weight_group
+from gyre.engines.client import EngineClient, EngineHTTPError
+from gyre.engines.published import PublishedWeights
 from gyre.models.checkpoint import save_checkpoint
+from gyre.models.config import ModelConfig
 from gyre.models.hf import hf_name
-from gyre.train.trainer import Trainer
-from gyre.transfer import TransferEndpoint
+
+KEEP_DIRS = 2
+"""Weight directories kept on disk (`disk`): an engine told of the previous version still finds it."""
 
 
-async def push_weights(trainer: Trainer, endpoint: TransferEndpoint, clients: list[EngineClient]) -> list[dict]:
-    """Publish the trainer's current weights once and have every engine pull them over Mooncake.
+class WeightSender:
+    """The core's `/send {engine_url, version}`: broadcast published `version` to that engine over its
+    weight group (formed on the first send), while the engine receives through SGLang's routes.
+    Serves on its own thread and event loop, so a send never blocks the leader's control loop."""
 
-    Returns:
-        The engines' replies.
-    Raises:
-        EngineHTTPError: an engine refused or failed the update (its body says why).
-    """
-    descriptor, buffer = endpoint.publish_tensors(trainer.engine_weights())
-    try:
-        return await push_published(descriptor, trainer.step, clients)
-    finally:
-        endpoint.unregister(buffer)
+    def __init__(self, tensors_of, host: str, tp_size: int, backend: str | None = None, timeout_s: float = 600.0):
+        self._tensors_of, self.host, self.tp_size = tensors_of, host, tp_size
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = timeout_s
+        self._groups: dict[str, tuple[str, dist.ProcessGroup]] = {}
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._names = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        ready = threading.Event()
+        threading.Thread(target=self._serve, args=(ready,), daemon=True, name="weight-sender").start()
+        ready.wait()
 
+    def _serve(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.add_routes([web.post("/send", self._send)])
+        self._runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, self.host, 0)
+        self._loop.run_until_complete(site.start())
+        self.url = f"http://{self.host}:{self._runner.addresses[0][1]}"
+        ready.set()
+        self._loop.run_forever()
 
-async def push_published(descriptor: dict, version: int, clients: list[EngineClient]) -> list[dict]:
-    """Have every engine pull an already published buffer (`TransferEndpoint.publish_tensors`) as `version`."""
-    return await asyncio.gather(
-        *(
-            c.update_weights_from_tensor(weight_version=version, load_format="gyre_transfer", **descriptor)
-            for c in clients
+    async def _send(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        url, version = str(body["engine_url"]), int(body["version"])
+        async with self._locks[url], EngineClient(url, self.timeout_s) as engine:
+            try:
+                tensors = self._tensors_of(version)
+            except LookupError as e:
+                return web.json_response({"success": False, "message": str(e)}, status=400)
+            try:
+                name, group = self._groups.get(url) or await self._connect(url, engine)
+                reply = await self._broadcast(engine, name, group, tensors, version)
+            except EngineHTTPError as e:
+                self._drop(url)
+                return web.json_response({"success": False, "message": str(e)}, status=e.status)
+        return web.json_response(reply)
+
+    async def _connect(self, url: str, engine: EngineClient) -> tuple[str, dist.ProcessGroup]:
+        from gyre.engines.launch import free_port
+
+        name, port, world = f"gyre-weights-{next(self._names)}", free_port(self.host), 1 + self.tp_size
+        group, _ = await asyncio.gather(
+            asyncio.to_thread(join_weight_group, self.host, port, 0, world, name, self.backend, self.timeout_s),
+            engine.init_weights_update_group(self.host, port, 1, world, name, self.backend),
         )
-    )
+        self._groups[url] = (name, group)
+        return name, group
+
+    async def _broadcast(self, engine: EngineClient, name: str, group, tensors: dict, version: int) -> dict:
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+        def send() -> None:
+            sent = [t.to(device).contiguous() for t in tensors.values()]
+            for work in [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in sent]:
+                work.wait()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        names = [hf_name(n) for n in tensors]
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors.values()]
+        shapes = [list(t.shape) for t in tensors.values()]
+        _, reply = await asyncio.gather(
+            asyncio.to_thread(send),
+            engine.update_weights_from_distributed(names, dtypes, shapes, weight_version=version, group_name=name),
+        )
+        return reply
+
+    def _drop(self, url: str) -> None:
+        _, group = self._groups.pop(url, (None, None))
+        if group is not None:
+            dist.destroy_process_group(group)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self._runner.cleanup()
+            self._loop.stop()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop)
+        for url in list(self._groups):
+            self._drop(url)
 
 
-async def load_published(engine_url: str, weights: dict) -> dict:
-    """Have the engine at `engine_url` load `weights` ({**descriptor, "version": v}, as the core
-    publishes them: gyre.cells.leader) over Mooncake."""
-    descriptor = dict(weights)
-    version = descriptor.pop("version")
-    async with EngineClient(engine_url) as client:
-        return (await push_published(descriptor, version, [client]))[0]
+class WeightPublisher:
+    """Publishes the core's newest weights as `PublishedWeights` in the form `sync` names.
 
-
-def write_weights(trainer: Trainer, root: str | os.PathLike) -> str:
-    """Write the current weights to `<root>/version_<step>` (all TP ranks gather; rank 0 writes).
-
-    Returns:
-        The model directory engines should load.
+    Args:
+        core: the core's CoreServer (its `publish` snapshots a version; `published_tensors` reads one).
+        sync: one of gyre.engines.published.WEIGHT_SYNCS.
+        model_cfg: the served architecture (disk: the directories' config.json).
+        root: where `disk` writes `version_<v>` directories.
+        host: the address the distributed sender binds (engines connect to it).
+        tp_size: each engine's TP ranks (the size of its weight group, less the trainer's rank 0).
     """
-    import torch.distributed as dist
 
-    weights = trainer.engine_weights()
-    path = os.path.join(root, f"version_{trainer.step:08d}")
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        save_checkpoint(path, trainer.model_cfg, weights)
-    return path
+    def __init__(self, core, sync: str, model_cfg: ModelConfig, root: str, host: str, tp_size: int = 1):
+        self.core, self.sync, self.model_cfg, self.root = core, sync, model_cfg, Path(root)
+        self.sender = WeightSender(core.published_tensors, host, tp_size) if sync == "distributed" else None
 
+    def publish(self) -> PublishedWeights:
+        version, descriptor = self.core.publish()
+        if self.sync == "mooncake":
+            return PublishedWeights(version, "mooncake", descriptor)
+        if self.sync == "distributed":
+            return PublishedWeights(version, "distributed", {"sender": self.sender.url})
+        path = self.root / f"version_{version:08d}"
+        if not path.is_dir():
+            save_checkpoint(path, self.model_cfg, self.core.published_tensors(version))
+        for old in sorted(self.root.glob("version_*"))[:-KEEP_DIRS]:
+            shutil.rmtree(old, ignore_errors=True)
+        return PublishedWeights(version, "disk", {"path": str(path)})
 
-async def load_weights_from_disk(clients: list[EngineClient], path: str, weight_version: int) -> list[dict]:
-    """Have every engine load the model directory `path` as `weight_version`."""
-    return await asyncio.gather(*(c.update_weights_from_disk(path, weight_version=weight_version) for c in clients))
-
-
-WEIGHT_GROUP = "gyre"
-"""Name of the trainer-to-SGLang weight group (SGLang keys the group's rendezvous under it)."""
-
-
-def join_weight_group(
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    group_name: str = WEIGHT_GROUP,
-    backend: str = "nccl",
-    timeout_s: float = 300.0,
-) -> dist.ProcessGroup:
-    """Create, as its rank 0, the group SGLang engines join on /init_weights_update_group.
-
-    SGLang's side (`sglang.srt.utils.init_custom_process_group`) rendezvouses at
-    tcp://master_address:master_port, keeps the group's keys under `group_name` and builds a group
-    beside the default one (the trainer's own, here); this is the same construction for rank 0,
-    which hosts the store. torch has no public call for a second, separately rendezvoused group,
-    hence the c10d helpers SGLang itself uses. Blocks until all `world_size` ranks have joined.
-    """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
-    )
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
-
-async def connect_weight_group(
-    clients: list[EngineClient],
-    tp_sizes: list[int],
-    master_address: str,
-    master_port: int,
-    group_name: str = WEIGHT_GROUP,
-    backend: str = "nccl",
-) -> dist.ProcessGroup:
-    """Form the weight group of this process (rank 0) and the SGLang engines `clients` (engine i's
-    TP ranks take the next `tp_sizes[i]` ranks). Call on the trainer's rank 0 only.
-
-    Raises:
-        EngineHTTPError: an engine could not join (its body says why).
-    """
-    world_size = 1 + sum(tp_sizes)
-    offsets = [1 + sum(tp_sizes[:i]) for i in range(len(clients))]
-    joined = asyncio.to_thread(join_weight_group, master_address, master_port, world_size, group_name, backend)
-    group, *_ = await asyncio.gather(
-        joined,
-        *(
-            c.init_weights_update_group(master_address, master_port, off, world_size, group_name, backend)
-            for c, off in zip(clients, offsets)
-        ),
-    )
-    return group
-
-
-async def broadcast_weights(
-    trainer: Trainer,
-    group: dist.ProcessGroup | None,
-    clients: list[EngineClient],
-    dtype: torch.dtype = torch.bfloat16,
-    group_name: str = WEIGHT_GROUP,
-) -> list[dict]:
-    """Send the current weights, as version `trainer.step` in `dtype` under HF names, to the engines
-    of `group` (`connect_weight_group`): they receive while rank 0 broadcasts each tensor in the
-    order announced. Call on every trainer rank (TP ranks gather); only rank 0 sends.
-
-    Returns:
-        The engines' replies (none on other ranks).
-    Raises:
-        EngineHTTPError: an engine refused or failed the update.
-    """
-    weights = trainer.engine_weights()
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return []
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    )
-    tensors = [t.to(device, dtype).contiguous() for t in weights.values()]
-    names = [hf_name(n) for n in weights]
-    dtypes, shapes = [str(dtype).removeprefix("torch.")] * len(names), [list(t.shape) for t in tensors]
-
-    def send() -> None:
-        for work in [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]:
-            work.wait()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    _, *replies = await asyncio.gather(
-        asyncio.to_thread(send),
-        *(
-            c.update_weights_from_distributed(names, dtypes, shapes, weight_version=trainer.step, group_name=group_name)
-            for c in clients
-        ),
-    )
-    return replies
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()

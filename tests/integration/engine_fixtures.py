@@ -31,6 +31,25 @@ def start_builtin(**overrides) -> BuiltinEngineProcess:
     return proc
 
 
+def start_sglang_fake(model_dir) -> SGLangProcess:
+    """SGLang's contract fake (gyre.engines.sglang_fake) serving MODEL's HF directory, started as SGLang would be."""
+    from gyre.models.checkpoint import save_checkpoint
+    from gyre.models.transformer import init_weights
+
+    save_checkpoint(model_dir, MODEL, init_weights(MODEL, SEED))
+    cfg = EngineConfig(
+        backend="sglang",
+        sglang_fake=True,
+        model_path=str(model_dir),
+        enable_hicache=False,
+        weight_sync="distributed",
+        startup_timeout_s=120,
+    )
+    proc = SGLangProcess(cfg)
+    proc.start()
+    return proc
+
+
 def start_sglang(**overrides) -> SGLangProcess:
     """A real SGLang server with random (dummy) weights; needs a GPU, sglang, and a model dir's config."""
     pytest.importorskip("sglang")
@@ -45,6 +64,7 @@ def start_sglang(**overrides) -> SGLangProcess:
             "enable_hicache": False,
             "mem_fraction_static": 0.3,
             "startup_timeout_s": 900,
+            "weight_sync": "distributed",
         }
         | overrides
     )

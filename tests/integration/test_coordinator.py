@@ -73,10 +73,12 @@ def _gyre_train(run_dir: Path, tasks: Path, *extra: str, **popen) -> subprocess.
         *OVERRIDES,
         *extra,
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
-    )
+    popen.setdefault("env", _env())
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def _env(**extra: str) -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float = 900) -> dict:
@@ -90,9 +92,47 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["kind"] == kind]
 
 
+def _sglang_fake(tmp_path: Path) -> list[str]:
+    """engine=sglang served by its CPU contract fake, dummy-loading a tiny HF directory of
+    conf/model/tiny.yaml's shapes (the core's weights reach it before any call)."""
+    from gyre.models.checkpoint import save_checkpoint
+    from gyre.models.config import ModelConfig
+    from gyre.models.transformer import init_weights
+
+    tiny = ModelConfig(name="tiny", num_layers=2, hidden_size=128, ffn_hidden_size=384, vocab_size=512)
+    save_checkpoint(tmp_path / "tiny", tiny, init_weights(tiny, 0))
+    return [
+        "engine=sglang",
+        "engine.sglang_fake=true",
+        f"engine.model_path={tmp_path / 'tiny'}",
+        "engine.load_format=dummy",
+        "engine.host=127.0.0.1",
+        "engine.enable_hicache=false",
+        "engine.mooncake_master=",
+        "engine.startup_timeout_s=120",
+    ]
+
+
 def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluator(tmp_path):
-    run_dir = tmp_path / "run"
-    summary = _finish(_gyre_train(run_dir, _taskset(tmp_path), "num_steps=2"))
+    """Served by SGLang's contract fake (the builtin engine runs in the other runs here): every
+    cell's server speaks only SGLang's routes, weights reach it by update_weights_from_distributed
+    over gloo (the fake refuses Gyre's Mooncake load), and every call carries `extra_key` = the
+    version the engine served when the call arrived, the calls after the update included."""
+    run_dir, audit = tmp_path / "run", tmp_path / "generate.jsonl"
+    summary = _finish(
+        _gyre_train(
+            run_dir,
+            _taskset(tmp_path),
+            "num_steps=2",
+            "scheduler.staleness=0",  # step 1's executions start under version 1: calls after an update
+            *_sglang_fake(tmp_path),
+            env=_env(GYRE_SGLANG_FAKE_AUDIT=str(audit)),
+        )
+    )
+    calls = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert calls and all(c["extra_key"] == c["weight_version"] for c in calls), calls
+    assert {"0", "1"} <= {c["weight_version"] for c in calls}
+    assert any(e["num_engines"] >= 1 for e in _events(run_dir, "weight_publish"))  # loaded while serving
 
     assert summary["num_steps"] == 2 and summary["run_dir"] == str(run_dir)
     assert summary["kv_reprefill_tokens"] == 0 and summary["kv_migrated_tokens"] >= 0  # hand-offs moved all KV

@@ -340,6 +340,15 @@ def test_stop_admission_keeps_old_sessions_and_metrics_show_load(engines, tmp_pa
         status, out = http(f"{proxy.url}/admin/engines/{first}/activate", "POST", token=proxy.admin_token)
         assert {e["engine_id"]: e["status"] for e in out["engines"]}[first] == "active"
         assert http(proxy.url + "/admin/engines/zz/stop_admission", "POST", token=proxy.admin_token)[0] == 404
+        # The version an engine serves, as its owner says (SGLang's extra_key): set, refused, unknown.
+        url = f"{proxy.url}/admin/engines/{first}/weight_version"
+        status, out = http(url, "POST", {"weight_version": 3}, token=proxy.admin_token)
+        assert status == 200 and {e["engine_id"]: e["weight_version"] for e in out["engines"]}[first] == 3
+        for bad in ({"weight_version": -1}, {"weight_version": "3"}, {}):
+            status, out = http(url, "POST", bad, token=proxy.admin_token)
+            assert status == 400 and "weight_version" in json.dumps(out), (bad, out)
+        zz = proxy.url + "/admin/engines/zz/weight_version"
+        assert http(zz, "POST", {"weight_version": 1}, token=proxy.admin_token)[0] == 404
     finally:
         proxy.stop()
 

@@ -52,7 +52,7 @@ def test_valid_configs_compose_and_validate(overrides):
         pytest.param("harness.kind=emacs", "harness.kind", id="unknown-harness"),
         pytest.param("cluster.control=zmq", "cluster.control", id="unknown-control-transport"),
         pytest.param("cluster.control_peer_timeout_s=0", "cluster.control_peer_timeout_s", id="no-peer-timeout"),
-        pytest.param("engine=sglang", "engine.backend", id="sglang-not-wired"),
+        pytest.param("engine=sglang", "engine.backend", id="sglang-not-installed"),
         pytest.param("cluster.num_cells=1", "cluster.num_cells", id="one-cell-cannot-serve-and-train"),
         pytest.param("scheduler.microstep_tokens=4096", "scheduler.microstep_tokens", id="sim-only-microsteps"),
         pytest.param("scheduler.admission=staleness", "scheduler.admission", id="sim-only-admission"),
@@ -109,10 +109,11 @@ def test_cli_run_with_more_cells_than_the_machine_fails_before_starting_anything
     assert not (tmp_path / "ledger.jsonl").exists()
 
 
-def test_cli_sglang_engine_is_refused_before_starting_anything(tmp_path):
-    """The cells start only the builtin engine: engine=sglang must stop the run, not serve with another engine."""
+def test_cli_sglang_engine_without_sglang_is_refused_before_starting_anything(tmp_path):
+    """Where sglang cannot be imported (and no fake is configured) engine=sglang must stop the run
+    with the install hint, not serve with another engine."""
     out = _gyre_train(f"hydra.run.dir={tmp_path}", "engine=sglang")
-    assert out.returncode != 0 and "engine.backend" in out.stderr and "builtin" in out.stderr
+    assert out.returncode != 0 and "engine.backend" in out.stderr and "pip install 'gyre[sglang]'" in out.stderr
     assert not (tmp_path / "ledger.jsonl").exists()
 
 

@@ -15,6 +15,7 @@ from gyre.cells.quota import PERIOD_US, SHARES_V1, WEIGHT_V2, make_quota, quota_
 from gyre.coordinator.batching import mask_stale
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
 from gyre.coordinator.loop import _load_serving
+from gyre.engines.published import PublishedWeights
 from gyre.scheduler.cells import Role, make_cells
 from gyre.trajectory.paths import PathSample
 from gyre.trajectory.process import TrainingSample
@@ -109,7 +110,8 @@ def test_quota_uses_cgroup_v2_then_v1_then_pins_cores(tmp_path):
 
 class _Cell:
     def __init__(self, index: int, engine_url: str):
-        self.index, self.engine_url, self.engine_version = index, engine_url, -1
+        self.index, self.engine_url, self.engine_version = index, engine_url, 2
+        self.engine_id = f"cell{index}"
         self.state, self.stopped = make_cells(3, 1)[index], threading.Event()
 
     def stop(self) -> None:
@@ -124,6 +126,17 @@ class _Events:
         self.failures.append((component, message))
 
 
+class _Admin:
+    def __init__(self):
+        self.calls = []
+
+    async def hold_calls(self, engine_id: str) -> None:
+        self.calls.append((engine_id, "hold"))
+
+    async def set_weight_version(self, engine_id: str, version: int) -> None:
+        self.calls.append((engine_id, version))
+
+
 def _closed_port_url() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,14 +145,17 @@ def _closed_port_url() -> str:
 
 def test_a_satellite_whose_engine_cannot_take_new_weights_is_lost_but_an_unreachable_core_ends_the_run():
     """A leader can be dead before its channel says so (MPI knows a dead peer only by silence): the
-    weight push after a step is where the coordinator finds out; it must not end the run."""
+    weight push after a step is where the coordinator finds out; it must not end the run. The proxy
+    held the engine's calls during the load and keys them by the version it still serves after."""
     core, satellite, events = _Cell(0, _closed_port_url()), _Cell(2, _closed_port_url()), _Events()
-    parts = SimpleNamespace(core=core)
-    asyncio.run(_load_serving([satellite], {"version": 3}, parts, events, now=5.0))
+    parts = SimpleNamespace(core=core, admin=_Admin())
+    weights = PublishedWeights(3, "disk", {"path": "/nonexistent"})
+    asyncio.run(_load_serving([satellite], weights, parts, events, now=5.0))
     assert satellite.state.role == Role.LOST and satellite.stopped.wait(10)
     assert events.failures[0][0] == "cell2" and "weight version 3" in events.failures[0][1]
+    assert parts.admin.calls == [("cell2", "hold"), ("cell2", 2)] and satellite.engine_version == 2
     with pytest.raises(aiohttp.ClientConnectionError):
-        asyncio.run(_load_serving([core], {"version": 3}, parts, events, now=5.0))
+        asyncio.run(_load_serving([core], weights, parts, events, now=5.0))
 
 
 def test_satellites_async_starts_in_training_switch_in_so_they_join_the_cores_step():
@@ -157,11 +173,14 @@ def test_satellites_async_starts_in_training_switch_in_so_they_join_the_cores_st
     for cell, role in zip(cells, policy.initial_roles()):
         cell.state.role = _start_role(role, cell.state.is_core)
     parts = SimpleNamespace(
-        cells=cells, policy=policy, initial=SimpleNamespace(weights={"version": 0}), core_address="tcp://core"
+        cells=cells,
+        policy=policy,
+        initial=SimpleNamespace(weights=PublishedWeights(0, "disk", {"path": "d"})),
+        core_address="tcp://core",
     )
     _join_training(parts)
     assert [(i, target, weights, address) for i, target, _, weights, address in switched] == [
-        (1, Role.TRAIN, {"version": 0}, "tcp://core")
+        (1, Role.TRAIN, PublishedWeights(0, "disk", {"path": "d"}), "tcp://core")
     ]
 
 

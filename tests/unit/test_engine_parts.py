@@ -105,7 +105,13 @@ def test_one_span_type_and_one_version_parser_for_wire_records_and_batching():
 
 
 def test_sglang_command_golden():
-    cfg = EngineConfig(backend="sglang", model_path="/models/qwen", mooncake_master="10.0.0.1:50051", weight_version=7)
+    cfg = EngineConfig(
+        backend="sglang",
+        model_path="/models/qwen",
+        mooncake_master="10.0.0.1:50051",
+        weight_version=7,
+        weight_sync="distributed",
+    )
     assert make_sglang_command(cfg, 30001, python="python") == [
         "python",
         "-m",
@@ -118,6 +124,8 @@ def test_sglang_command_golden():
         "30001",
         "--tp-size",
         "1",
+        "--base-gpu-id",
+        "0",
         "--mem-fraction-static",
         "0.85",
         "--page-size",
@@ -137,25 +145,60 @@ def test_sglang_command_golden():
     ]
     env = make_sglang_env(cfg, {"PATH": "/bin"})
     assert env["MOONCAKE_MASTER"] == "10.0.0.1:50051" and env["PATH"] == "/bin"
-    plain = EngineConfig(backend="sglang", model_path="/m", enable_hicache=False, extra_args=["--disable-cuda-graph"])
+    plain = EngineConfig(
+        backend="sglang", model_path="/m", enable_hicache=False, weight_sync="disk", extra_args=["--disable-cuda-graph"]
+    )
     cmd = make_sglang_command(plain, 1)
     assert "--enable-hierarchical-cache" not in cmd and cmd[-1] == "--disable-cuda-graph"
+    fake = make_sglang_command(plain, 1, python="python", base_gpu_id=2, module="gyre.engines.sglang_fake")
+    assert fake[:3] == ["python", "-m", "gyre.engines.sglang_fake"] and fake[fake.index("--base-gpu-id") + 1] == "2"
+
+
+def test_the_sglang_fake_takes_the_command_line_gyre_gives_sglang():
+    """The fake parses exactly make_sglang_command's flags (as sglang.launch_server would) and refuses
+    others and TP it cannot serve, so a run with engine.sglang_fake starts it as it starts SGLang."""
+    from gyre.engines.sglang_fake import parse_args
+
+    cfg = EngineConfig(
+        backend="sglang", model_path="/m", mooncake_master="h:1", weight_version=3, weight_sync="disk", sglang_fake=True
+    )
+    a = parse_args(make_sglang_command(cfg, 4242)[3:])
+    assert (a.model_path, a.port, a.weight_version, a.enable_hierarchical_cache) == ("/m", 4242, "3", True)
+    for argv in (["--model-path", "/m", "--no-such-flag"], ["--model-path", "/m", "--tp-size", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
 
 
 @pytest.mark.parametrize(
     "kwargs, key",
     [
         pytest.param({"backend": "vllm"}, "backend", id="unknown-backend"),
-        pytest.param({"backend": "sglang"}, "model_path", id="sglang-needs-model"),
-        pytest.param({"backend": "sglang", "model_path": "/m"}, "mooncake_master", id="hicache-needs-store"),
+        pytest.param({"backend": "sglang", "weight_sync": "disk"}, "model_path", id="sglang-needs-model"),
+        pytest.param(
+            {"backend": "sglang", "model_path": "/m", "weight_sync": "disk"},
+            "mooncake_master",
+            id="hicache-needs-store",
+        ),
         pytest.param({"max_running_requests": 0}, "max_running_requests", id="no-batch"),
         pytest.param({"mem_fraction_static": 1.5}, "mem_fraction_static", id="mem-fraction"),
+        pytest.param({"weight_sync": "rsync"}, "weight_sync", id="unknown-weight-sync"),
+        pytest.param(
+            {"backend": "sglang", "model_path": "/m", "enable_hicache": False},
+            "weight_sync",
+            id="sglang-cannot-read-mooncake",
+        ),
+        pytest.param({"sglang_fake": True}, "sglang_fake", id="fake-without-sglang"),
     ],
 )
 def test_engine_config_names_bad_keys(kwargs, key):
     with pytest.raises(ConfigError) as err:
         EngineConfig(**kwargs)
     assert err.value.key == key
+
+
+def test_an_unknown_weight_sync_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"\['mooncake', 'distributed', 'disk'\], got 'rsync'"):
+        EngineConfig(weight_sync="rsync")
 
 
 def test_engine_group_composes_for_both_backends():
@@ -166,9 +209,14 @@ def test_engine_group_composes_for_both_backends():
     sglang = compose("engine=sglang", "engine.model_path=/models/q", "engine.mooncake_master=10.0.0.1:50051")
     sg = OmegaConf.to_object(sglang.engine)
     assert sg.backend == "sglang" and sg.enable_hicache and sg.page_size == 64
-    with pytest.raises(ConfigError) as err:  # a valid engine group, but the cells cannot serve with it yet
+    assert sg.weight_sync == "distributed" and not sg.sglang_fake
+    with pytest.raises(ConfigError) as err:  # a valid engine group, but sglang is not installed here
         validate(sglang)
     assert err.value.key == "engine.backend"
+    faked = validate(
+        compose("engine=sglang", "engine.model_path=/m", "engine.enable_hicache=false", "engine.sglang_fake=true")
+    )
+    assert faked.engine.backend == "sglang" and faked.engine.sglang_fake
     with pytest.raises(ConfigError) as err:
         validate(compose("engine.max_running_requests=0"))
     assert err.value.key == "engine.max_running_requests"

@@ -175,7 +175,7 @@ def test_sglang_launch_serves_the_model_groups_directory(qwen3):
             config_name="config",
             overrides=["engine=sglang", "model=hf", f"model.path={qwen3}", "engine.mooncake_master=10.0.0.1:50051"],
         )
-    # Each group on its own: a whole run refuses engine=sglang until the cells can serve with it.
+    # Each group on its own: a whole run refuses engine=sglang where sglang is not installed.
     model, engine = OmegaConf.to_object(composed.model), OmegaConf.to_object(composed.engine)
     assert model.qk_norm and model.num_layers == 2
     cmd = make_sglang_command(engine, 30000, python="python")

@@ -450,6 +450,36 @@ def test_engine_client_keys_sglang_generations_by_weight_version():
     assert "extra_key" not in builtin._generate_body([1], {}, "r", True, False, None)
 
 
+def test_sglang_calls_carry_the_version_the_engine_serves_not_the_last_answers():
+    """The key comes from the owner (serve_version), never from an answer, which lags an update by
+    one call; while a load runs (hold_calls) a keyed call waits and then carries the new version."""
+    import asyncio
+
+    from gyre.engines.client import EngineClient
+
+    async def go() -> list:
+        c = EngineClient("http://x", key_by_weight_version=True)
+        sent = []
+
+        async def request(method, path, body=None, raw=None):
+            sent.append(json.loads(raw)["extra_key"])
+            return {"meta_info": {"weight_version": "0"}}  # an answer of the old version
+
+        c._request = request
+        c.serve_version(0)
+        await c.generate([1])
+        c.hold_calls()
+        held = asyncio.create_task(c.generate([2]))
+        await asyncio.sleep(0.05)
+        waiting = not held.done()
+        c.serve_version(1)
+        await held
+        await c.generate([3])
+        return [sent, waiting, c.weight_version]
+
+    assert asyncio.run(go()) == [["0", "1", "1"], True, 1]
+
+
 def test_engine_client_stream_stopped_at_its_finish_chunk_keeps_the_connection():
     """The proxy stops reading a /generate stream at the chunk with a finish_reason; the client
     has read the rest of the body by then, so the next call reuses the connection (an unread

@@ -12,10 +12,12 @@ from _train_ref import as_samples
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
+from gyre.engines.published import PublishedWeights
+from gyre.engines.weights import load_weights, load_weights_at
 from gyre.models.config import ModelConfig
 from gyre.models.transformer import init_weights
 from gyre.train.config import TrainerConfig
-from gyre.train.publish import load_published, load_weights_from_disk, push_weights, write_weights
+from gyre.train.publish import WeightPublisher
 from gyre.train.trainer import Trainer
 from gyre.trajectory.pack import pack
 from gyre.transfer import TransferEndpoint
@@ -52,9 +54,11 @@ def _trainer(lr: float) -> Trainer:
 
 
 async def _rollouts(url, endpoint, trainer, prompts, n_each, new_tokens, seed0):
-    """Push the trainer's weights, then sample `n_each` completions per prompt from the engine."""
+    """Load the trainer's weights into the engine (Mooncake), then sample `n_each` completions per prompt."""
+    descriptor, buffer = endpoint.publish_tensors(trainer.engine_weights())
     async with EngineClient(url, timeout_s=120) as client:
-        await push_weights(trainer, endpoint, [client])
+        await load_weights(client, PublishedWeights(trainer.step, "mooncake", descriptor))
+        endpoint.unregister(buffer)
         jobs = [
             client.generate(
                 p, {"max_new_tokens": new_tokens, "temperature": 1.0, "sampling_seed": seed0 + k * 1000 + j}
@@ -112,63 +116,33 @@ def test_updates_raise_the_engines_mean_reward(engine):
 
 
 def test_weights_reach_the_engine_through_a_model_directory(engine, tmp_path):
-    """The SGLang route (/update_weights_from_disk), exercised on the builtin engine."""
-    url, _ = engine
+    """engine.weight_sync=disk: the core writes the published version as an HF directory and the
+    engine loads it by SGLang's /update_weights_from_disk (here on the builtin engine)."""
+    from gyre.train.elastic import CoreServer
+
+    url, endpoint = engine
     tr = _trainer(lr=1e-2)
     prompt = [3, 1, 4, 1, 5]
     tr.train_step(
         [pack(as_samples([{"prompt": prompt, "output": [9, 2, 6], "logprobs": [-3.0, -3.0, -3.0], "advantage": 1.0}]))]
     )
-    path = write_weights(tr, tmp_path)
-
-    async def go():
-        async with EngineClient(url, timeout_s=120) as client:
-            await load_weights_from_disk([client], path, tr.step)
-            return await client.generate(prompt, {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 5})
-
-    out = asyncio.run(go())
+    core = CoreServer(tr, endpoint)
+    try:
+        weights = WeightPublisher(core, "disk", MODEL, str(tmp_path), "127.0.0.1").publish()
+        asyncio.run(load_weights_at(url, weights))
+        out = asyncio.run(_generate(url, prompt))
+    finally:
+        core.close()
+    assert weights.version == 1 and weights.source["path"] == str(tmp_path / "version_00000001")
     assert out["meta_info"]["weight_version"] == 1
-    lps = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-    gap, _ = _max_gap(tr, [prompt], 1, [(out["output_ids"], lps)])
+    gap, _ = _max_gap(tr, [prompt], 1, [_sample(out)])
     assert gap <= 1e-4
 
 
-def test_the_core_pushes_its_newest_weights_to_engines_while_a_step_runs(engine):
-    """push_to from a control thread while run_step computes the open step: the engine gets the
-    step's starting weights (version 0, whole: its log-probs equal an unstepped copy's); after the step, 1."""
-    from gyre.train.elastic import CoreServer
-
-    url, endpoint = engine
-    tr = _trainer(lr=1e-2)
-    before = _trainer(lr=1e-2)  # the same weights, never stepped
-    prompts = [[1, 2, 3], [9, 8, 7, 6]]
-    samples = asyncio.run(_rollouts(url, endpoint, tr, prompts, 2, 8, seed0=3))
-    _, batch = _max_gap(tr, prompts, 2, samples)
-    core = CoreServer(tr, endpoint)
-    try:
-        core.begin_step()
-        core.add_micro_batch(batch)
-        out = {}
-        step = threading.Thread(target=lambda: out.update(core.run_step()))
-        step.start()
-        pushed_s = core.push_to([url])  # races the step; must see version 0 whole
-        gen = asyncio.run(_generate(url, prompts[0]))
-        core.end_step()
-        step.join(timeout=120)
-        assert gen["meta_info"]["weight_version"] == 0 and pushed_s > 0
-        assert _max_gap(before, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
-        core.push_to([url])
-        gen = asyncio.run(_generate(url, prompts[0]))
-        assert gen["meta_info"]["weight_version"] == 1 == tr.step
-        assert _max_gap(tr, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
-    finally:
-        core.close()
-
-
 def test_an_engine_loads_the_weights_the_core_published_while_a_step_runs(engine):
-    """The live path (gyre.cells.leader): the core publishes while run_step computes the open step
-    and the engine loads them with load_published: version 0, whole. After the step, version 1; and
-    version 0, handed out before it, still loads whole."""
+    """The live path (gyre.cells.leader), engine.weight_sync=mooncake: the core publishes while
+    run_step computes the open step and the engine loads them with load_weights: version 0, whole.
+    After the step, version 1; and version 0, handed out before it, still loads whole."""
     from gyre.train.elastic import CoreServer
 
     url, endpoint = engine
@@ -178,9 +152,10 @@ def test_an_engine_loads_the_weights_the_core_published_while_a_step_runs(engine
     samples = asyncio.run(_rollouts(url, endpoint, tr, prompts, 2, 8, seed0=3))
     _, batch = _max_gap(tr, prompts, 2, samples)
     core = CoreServer(tr, endpoint)
+    publisher = WeightPublisher(core, "mooncake", MODEL, "", "127.0.0.1")
 
     def load_and_generate(weights):
-        asyncio.run(load_published(url, weights))
+        asyncio.run(load_weights_at(url, weights))
         return asyncio.run(_generate(url, prompts[0]))
 
     try:
@@ -188,15 +163,13 @@ def test_an_engine_loads_the_weights_the_core_published_while_a_step_runs(engine
         core.add_micro_batch(batch)
         step = threading.Thread(target=core.run_step)
         step.start()
-        version, descriptor = core.publish()  # races the step; must be version 0 whole
-        old = {**descriptor, "version": version}
+        old = publisher.publish()  # races the step; must be version 0 whole
         gen = load_and_generate(old)
         core.end_step()
         step.join(timeout=120)
-        assert gen["meta_info"]["weight_version"] == 0 == old["version"]
+        assert gen["meta_info"]["weight_version"] == 0 == old.version
         assert _max_gap(before, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
-        version, descriptor = core.publish()
-        gen = load_and_generate({**descriptor, "version": version})
+        gen = load_and_generate(publisher.publish())
         assert gen["meta_info"]["weight_version"] == 1 == tr.step
         assert _max_gap(tr, [prompts[0]], 1, [_sample(gen)])[0] <= 1e-4
         gen = load_and_generate(old)

@@ -110,9 +110,10 @@ def core(args) -> dict:
     from gyre.engines.client import EngineClient
     from gyre.engines.config import EngineConfig
     from gyre.engines.launch import BuiltinEngineProcess
+    from gyre.engines.weights import load_weights
     from gyre.models.checkpoint import save_checkpoint
     from gyre.train.elastic import CoreServer
-    from gyre.train.publish import push_weights
+    from gyre.train.publish import WeightPublisher
     from gyre.train.trainer import Trainer
     from gyre.transfer import TransferEndpoint
 
@@ -162,7 +163,7 @@ def core(args) -> dict:
         async def push():
             async with EngineClient(engine.url, timeout_s=120) as client:
                 t0 = time.perf_counter()
-                await push_weights(tiny, endpoint, [client])
+                await load_weights(client, WeightPublisher(servers[1], "mooncake", TINY, "", "127.0.0.1").publish())
                 return time.perf_counter() - t0, (await client.model_info())["weight_version"]
 
         push_s, version = asyncio.run(push())
