@@ -157,6 +157,8 @@ def test_tasks_config_yaml_matches_and_validates():
     assert TasksConfig(**yaml.safe_load(open(CONF / "tasks/toy.yaml"))) == TasksConfig()
     with pytest.raises(ConfigError, match="^warm_start_dir"):
         TasksConfig(warm_start_dir="")
-    assert HarnessConfig(**yaml.safe_load(open(CONF / "harness/toy.yaml"))) == HarnessConfig(grace_s=2.0)
+    toy = yaml.safe_load(open(CONF / "harness/toy.yaml"))
+    assert toy.pop("defaults") == [{"override /trajectory@_global_.trajectory": "toy"}]  # its path cap
+    assert HarnessConfig(**toy) == HarnessConfig(grace_s=2.0)
     for name in ("claude_code", "mini_swe_agent", "codex", "command"):
         assert HarnessConfig(**yaml.safe_load(open(CONF / f"harness/{name}.yaml"))).kind == name
