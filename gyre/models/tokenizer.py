@@ -150,35 +150,36 @@ class BaseTokenizer(ABC):
         return parse_assistant_text(self.decode(output_ids))
 
 
-class ByteTokenizer(BaseTokenizer):
-    """Bytes 0..255, then SPECIAL_TOKENS; ids above those up to vocab_size-1 are reserved (decode to "")."""
+class _GyreVocab(BaseTokenizer):
+    """Gyre's own vocabularies: `num_plain` plain ids (bytes or BPE tokens), then SPECIAL_TOKENS; ids
+    above those up to vocab_size-1 are reserved (decode to ""). The chat template is Gyre's."""
 
-    def __init__(self, vocab_size: int = 512):
-        if vocab_size < 256 + len(SPECIAL_TOKENS):
-            raise GyreError(f"ByteTokenizer needs vocab_size >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
-        self.vocab_size = vocab_size
-        self.special_ids = {s: 256 + i for i, s in enumerate(SPECIAL_TOKENS)}
+    num_plain: int
+
+    def _specials(self) -> None:
+        self.special_ids = {s: self.num_plain + i for i, s in enumerate(SPECIAL_TOKENS)}
         self._special_by_id = {i: s for s, i in self.special_ids.items()}
         self.eos_token_id = self.special_ids["<|im_end|>"]
+
+    @abstractmethod
+    def _decode_plain(self, ids: list[int]) -> str:
+        """A run of plain ids to text."""
 
     @property
     def stop_token_ids(self) -> list[int]:
         return [self.special_ids["<|im_end|>"], self.special_ids["<|endoftext|>"]]
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        out, run = [], bytearray()
+        out, run = [], []
         for i in ids:
-            if 0 <= i < 256:
+            if 0 <= i < self.num_plain:
                 run.append(i)
                 continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run = bytearray()
+            out.append(self._decode_plain(run) if run else "")
+            run = []
             if i in self._special_by_id and not skip_special_tokens:
                 out.append(self._special_by_id[i])
-        out.append(run.decode("utf-8", errors="replace"))
+        out.append(self._decode_plain(run) if run else "")
         return "".join(out)
 
     def apply_chat_template(
@@ -190,7 +191,25 @@ class ByteTokenizer(BaseTokenizer):
         return ids
 
 
-class BPETokenizer(BaseTokenizer):
+class ByteTokenizer(_GyreVocab):
+    """Bytes 0..255, then SPECIAL_TOKENS; ids above those up to vocab_size-1 are reserved (decode to "")."""
+
+    num_plain = 256
+
+    def __init__(self, vocab_size: int = 512):
+        if vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise GyreError(f"ByteTokenizer needs vocab_size >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self._specials()
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def _decode_plain(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class BPETokenizer(_GyreVocab):
     """A byte-level BPE vocabulary (ids 0..n-1), then SPECIAL_TOKENS; ids up to vocab_size-1 are reserved.
 
     Special tokens are not part of the `tokenizers` vocabulary, so their text inside content is
@@ -208,38 +227,14 @@ class BPETokenizer(BaseTokenizer):
                 f"{file}: {n} BPE tokens and {len(SPECIAL_TOKENS)} special ones need vocab_size >= "
                 f"{n + len(SPECIAL_TOKENS)}, got {self.vocab_size}"
             )
-        self.num_bpe = n
-        self.special_ids = {s: n + i for i, s in enumerate(SPECIAL_TOKENS)}
-        self._special_by_id = {i: s for s, i in self.special_ids.items()}
-        self.eos_token_id = self.special_ids["<|im_end|>"]
-
-    @property
-    def stop_token_ids(self) -> list[int]:
-        return [self.special_ids["<|im_end|>"], self.special_ids["<|endoftext|>"]]
+        self.num_plain = n
+        self._specials()
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        out, run = [], []
-        for i in ids:
-            if 0 <= i < self.num_bpe:
-                run.append(i)
-                continue
-            out.append(self._tok.decode(run) if run else "")
-            run = []
-            if i in self._special_by_id and not skip_special_tokens:
-                out.append(self._special_by_id[i])
-        out.append(self._tok.decode(run) if run else "")
-        return "".join(out)
-
-    def apply_chat_template(
-        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True
-    ) -> list[int]:
-        ids: list[int] = []
-        for piece in render_chat(messages, tools, add_generation_prompt):
-            ids += [self.special_ids[piece]] if isinstance(piece, Special) else self.encode(piece)
-        return ids
+    def _decode_plain(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
 
 
 def train_bpe(texts: list[str], vocab_size: int, out_dir: str | os.PathLike) -> Path:
