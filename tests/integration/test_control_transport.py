@@ -14,6 +14,7 @@ import torch
 
 from gyre.control import messages as m
 from gyre.control.transport import ChannelClosed, ChannelTimeout, connect, listen
+from gyre.engines.published import PublishedWeights
 from gyre.trajectory.sample import PackedBatch
 
 PEER = Path(__file__).with_name("control_peer.py")
@@ -80,12 +81,14 @@ def _every_message() -> list:
         m.Heartbeat(2, 12.5),
         m.WeightVersion(7),
         m.Failure("cell3", "engine exited 1"),
-        m.CellReady(0, "http://127.0.0.1:1", "tcp://127.0.0.1:2/00", {"address": 1, "version": 0}, 0, "ab12"),
+        m.CellReady(
+            0, "http://127.0.0.1:1", "tcp://127.0.0.1:2/00", PublishedWeights(0, "disk", {"path": "/w/0"}), 0, "ab12"
+        ),
         m.RoleDone(2, "train", 10.5, {"stop_admission": 0.01}),
         m.MicroBatches(3, []),
         m.EndStep(3),
         m.StepProgress(3, [0]),
-        m.StepDone(3, 4, {"loss": 0.5}, {"address": 1, "version": 4}, 2.5),
+        m.StepDone(3, 4, {"loss": 0.5}, PublishedWeights(4, "mooncake", {"address": 1}), 2.5),
         m.SaveCheckpoint(4, {"next_group": 16}),
         m.CheckpointDone(4, "/ckpt/step_00000004", 1.5, "ab12"),
         m.Stop(),

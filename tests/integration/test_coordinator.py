@@ -95,11 +95,13 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 def _sglang_fake(tmp_path: Path) -> list[str]:
     """engine=sglang served by its CPU contract fake, dummy-loading a tiny HF directory of
     conf/model/tiny.yaml's shapes (the core's weights reach it before any call)."""
+    import yaml  # PyYAML comes with Hydra
+
     from gyre.models.checkpoint import save_checkpoint
     from gyre.models.config import ModelConfig
     from gyre.models.transformer import init_weights
 
-    tiny = ModelConfig(name="tiny", num_layers=2, hidden_size=128, ffn_hidden_size=384, vocab_size=512)
+    tiny = ModelConfig(**yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text()))
     save_checkpoint(tmp_path / "tiny", tiny, init_weights(tiny, 0))
     return [
         "engine=sglang",

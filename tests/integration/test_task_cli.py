@@ -107,7 +107,7 @@ def test_run_against_a_given_proxy_needs_its_records(tmp_path):
 CC_RULES = {
     "rules": [  # Claude Code writes the answer with its Bash tool, then stops
         {
-            "match": "Write the word apple",
+            "match": 'Write "apple"',
             "emit": '<tool_call>\n{"name": "Bash", "arguments": {"command": "echo apple > answer.txt", '
             '"description": "write the answer"}}\n</tool_call>',
         },
