@@ -4,9 +4,11 @@ from dataclasses import dataclass
 
 from gyre.errors import require
 
-AVERAGING_MODES = ("execution", "token")
-"""execution: each execution's targets share a total loss weight of 1 (equal weight per execution,
-whatever its paths or tokens); token: every target weighs 1 (long executions weigh more; ablation)."""
+AVERAGING_MODES = ("path", "execution", "token")
+"""path: an execution's loss is the mean over its selected paths of each path's summed token loss
+(branching adds no weight; no length bias); execution: each execution's targets share a total
+weight of 1 (equal weight per execution, but a short execution's tokens weigh more: length-biased);
+token: every target weighs 1 (an execution that branches weighs more; ablation)."""
 
 
 @dataclass(kw_only=True)
@@ -16,9 +18,10 @@ class TrajectoryConfig:
     max_paths: int = 5
     """K: at most this many paths per execution, in priority main > main summary > sub-agent >
     sub-agent summary (the seed's cap of five matched uncapped scores with 25% less compute)."""
-    averaging: str = "execution"
+    averaging: str = "path"
     """One of AVERAGING_MODES. The trainer divides the step's summed weighted loss by the step's
-    summed loss_weights, so `execution` gives a mean over executions, `token` a mean over targets."""
+    summed loss_weights, so `path` gives a mean over paths (each path's tokens summed), `execution` a
+    mean over executions, `token` a mean over targets."""
     allow_missing_calls: bool = False
     """False: an execution whose record sequence numbers have gaps is excluded (`missing_call`).
     True: it is kept; the lost calls' outputs are then context, never targets."""

@@ -61,6 +61,8 @@ class PathSample:
     """bool: tokens[t] was sampled by the policy on this path's chain."""
     unique_mask: np.ndarray
     """bool: a target not already a target at the same token-tree node of an earlier selected path."""
+    copies: np.ndarray
+    """int32, on unique targets: how many selected paths have a target at this token-tree node (0 elsewhere)."""
     logprobs: np.ndarray
     """float32 behaviour log-prob of each target (0 elsewhere)."""
     versions: np.ndarray
@@ -162,13 +164,15 @@ def make_path_sample(tree: CallTree, path: Path) -> PathSample:
         tokens=tokens,
         target_mask=mask,
         unique_mask=mask.copy(),
+        copies=mask.astype(np.int32),
         logprobs=logprobs,
         versions=versions,
     )
 
 
 def mark_shared_targets(samples: list[PathSample]) -> None:
-    """Clear unique_mask where an earlier sample already has a target at the same token-tree node.
+    """Clear unique_mask where an earlier sample already has a target at the same token-tree node,
+    and count on the first copy how many samples have a target there (`copies`).
 
     Positions t < lcp(a, b) of two sequences are the same node (same token after the same prefix).
     """
@@ -176,4 +180,7 @@ def mark_shared_targets(samples: list[PathSample]) -> None:
         for earlier in samples[:k]:
             n = common_prefix_len(s.tokens, earlier.tokens)
             if n:
-                s.unique_mask[:n] &= ~earlier.target_mask[:n]
+                shared = s.unique_mask[:n] & earlier.target_mask[:n]
+                s.unique_mask[:n] &= ~shared
+                s.copies[:n][shared] = 0
+                earlier.copies[:n] += shared & earlier.unique_mask[:n]

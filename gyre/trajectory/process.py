@@ -4,11 +4,17 @@
     evaluation ─> reward ─┐                                            │
     group of executions ──┴─> GRPO advantages ─> loss weights ─> TrainingSample (pack.py packs)
 
-Loss weights (config.averaging): `execution` gives each unique target of an execution 1/U (U = its
-unique targets), so every execution weighs 1 whatever its paths or tokens; `token` gives each 1.
-The trainer divides the step's weighted loss by the step's summed weights. Shared targets weigh 0
-on later copies: the loss equals the naive per-path loss where a target found on m selected paths
-weighs 1/m per copy.
+Loss weights (config.averaging): `path` gives each unique target m/P (m = the selected paths that
+have it, P = the execution's selected paths), so the loss is the mean over an execution's paths of
+each path's summed loss: branching adds no weight, and a token's weight does not shrink as its
+execution grows. `execution` gives each unique target 1/U (U = the execution's unique targets), so
+every execution weighs 1 whatever its tokens; `token` gives each 1. The trainer divides the step's
+weighted loss by the step's summed weights. Shared targets weigh 0 on later copies.
+
+Why `path` is the default: under `execution`, a call every execution of a group makes alike (the
+first `ls`) weighs 1/U in each, and failed executions are short, so its tokens get a net negative
+advantage and training pushes them down until the call breaks (the toy's reward fell to 0 that way).
+Under `path` they cancel, as in Dr. GRPO's constant normaliser.
 """
 
 import logging
@@ -58,6 +64,8 @@ class ExecutionResult:
     """Why the whole execution is not trained (missing_call, no_trainable_path), or None."""
     left_out: Counter = field(default_factory=Counter)
     """Paths not trained, by reason (auxiliary, duplicate, over_cap, fully_shared)."""
+    num_paths: int = 0
+    """Selected paths, fully shared ones included (P of `path` averaging)."""
     counts: TokenCounts = field(default_factory=TokenCounts)
     num_missing_calls: int = 0
 
@@ -103,6 +111,7 @@ def process_execution(records: list[CallRecord], config: TrajectoryConfig) -> Ex
         return result
     samples = [make_path_sample(tree, p) for p in selected]
     mark_shared_targets(samples)
+    result.num_paths = len(samples)
     c = result.counts
     trainable = [p for p in paths if p.excluded is None]
     c.targets_naive = sum(p.num_targets for p in trainable)
@@ -129,12 +138,13 @@ def _tree_nodes(samples: list[PathSample]) -> int:
 
 def weight_samples(result: ExecutionResult, advantage: float, config: TrajectoryConfig) -> list[TrainingSample]:
     """Loss weights of one execution's samples under config.averaging (see module doc)."""
-    num_unique = sum(int(s.unique_mask.sum()) for s in result.samples)
-    scale = 1.0 / num_unique if config.averaging == "execution" else 1.0
-    return [
-        TrainingSample(path=s, loss_weights=s.unique_mask.astype(np.float32) * np.float32(scale), advantage=advantage)
-        for s in result.samples
-    ]
+    if config.averaging == "path":
+        weights = [s.copies.astype(np.float32) / np.float32(result.num_paths) for s in result.samples]
+    else:
+        num_unique = sum(int(s.unique_mask.sum()) for s in result.samples)
+        scale = np.float32(1.0 / num_unique if config.averaging == "execution" else 1.0)
+        weights = [s.unique_mask.astype(np.float32) * scale for s in result.samples]
+    return [TrainingSample(path=s, loss_weights=w, advantage=advantage) for s, w in zip(result.samples, weights)]
 
 
 def process_group(executions: list[tuple[list[CallRecord], Evaluation]], config: TrajectoryConfig) -> GroupResult:

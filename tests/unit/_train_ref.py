@@ -24,6 +24,7 @@ def as_samples(seqs: list[dict]) -> list[TrainingSample]:
             tokens=np.array(list(s["prompt"]) + list(s["output"]), dtype=np.int32),
             target_mask=mask,
             unique_mask=mask,
+            copies=mask.astype(np.int32),
             logprobs=np.array([0.0] * n_p + list(s["logprobs"]), dtype=np.float32),
             versions=np.array([-1] * n_p + [s.get("version", 0)] * n_o, dtype=np.int64),
         )

@@ -61,6 +61,7 @@ def _sample(versions: list[int]) -> TrainingSample:
         tokens=np.arange(n, dtype=np.int32),
         target_mask=target,
         unique_mask=target.copy(),
+        copies=target.astype(np.int32),
         logprobs=np.where(target, np.float32(-1.0), np.float32(0.0)).astype(np.float32),
         versions=np.array([-1, -1] + versions, dtype=np.int64),
     )

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import tempfile
 from collections import Counter
+from functools import partial
 
 import numpy as np
 from _synthetic import SyntheticExecution, Thread
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from gyre.records import RecordWriter, read_records
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.pack import pack
+from gyre.trajectory.paths import make_path_sample, make_paths, select_paths
 from gyre.trajectory.process import process_execution, weight_samples
 from gyre.trajectory.tree import build_call_tree
 
@@ -94,11 +96,12 @@ def test_masks_equal_the_token_tree_truth_and_no_target_is_dropped(execution):
 
 
 @PROPS
-@given(executions(), st.integers(1, 6), st.sampled_from(["execution", "token"]))
+@given(executions(), st.integers(1, 6), st.sampled_from(["path", "execution", "token"]))
 def test_deduplicated_loss_equals_naive_per_path_loss(execution, k, averaging):
-    """Naive: each selected path is its own sample; a target found on m selected paths weighs 1/m
-    per copy, and under `execution` averaging everything is divided by the execution's distinct
-    targets. The packed, deduplicated batch must give the same loss."""
+    """Naive: each selected path is its own sample. Under `path` averaging the execution's loss is
+    the mean over its P selected paths of each path's summed loss; under `execution` and `token` a
+    target found on m selected paths weighs 1/m per copy, and `execution` divides everything by the
+    execution's distinct targets. The packed, deduplicated batch must give the same loss."""
     records, kept = execution
     kept_keys = _policy_keys(records, kept)
     all_keys = _policy_keys(records)
@@ -113,12 +116,19 @@ def test_deduplicated_loss_equals_naive_per_path_loss(execution, k, averaging):
         for t in np.flatnonzero(batch.target_mask[lo:hi].numpy()):
             assert _key(tokens, t) in all_keys  # never a non-policy token
             packed_loss += float(batch.loss_weights[lo + t]) * _loss(_key(tokens, t))
+    tree = build_call_tree(records)
+    selected, _ = select_paths(make_paths(tree), k)  # fully shared paths too: they are in P
     per_path = [
-        [_key(s.tokens, t) for t in range(s.tokens.size) if _key(s.tokens, t) in kept_keys] for s in result.samples
+        [_key(s.tokens, t) for t in range(s.tokens.size) if _key(s.tokens, t) in kept_keys]
+        for s in map(partial(make_path_sample, tree), selected)
     ]
+    assert result.num_paths == len(per_path)
     copies = Counter(key for path in per_path for key in path)
-    scale = 1.0 / len(copies) if averaging == "execution" else 1.0
-    naive_loss = sum(_loss(key) * scale / copies[key] for path in per_path for key in path)
+    if averaging == "path":
+        naive_loss = sum(_loss(key) for path in per_path for key in path) / len(per_path)
+    else:
+        scale = 1.0 / len(copies) if averaging == "execution" else 1.0
+        naive_loss = sum(_loss(key) * scale / copies[key] for path in per_path for key in path)
     assert abs(packed_loss - naive_loss) < 1e-4 * max(1.0, abs(naive_loss))
 
 

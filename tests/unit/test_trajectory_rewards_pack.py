@@ -96,9 +96,14 @@ def test_group_counts_every_exclusion_and_normalises_after_them():
     assert {s.path.execution_id for s in group.samples} == {"ok1", "ok2"}
 
 
-def test_execution_averaging_gives_each_execution_weight_one():
-    short, long_ = small("short", n_turns=1), small("long", n_turns=8, seed=1)
-    for mode, expect in (("execution", {"short": 1.0, "long": 1.0}), ("token", {"short": 9.0, "long": 44.0})):
+def test_loss_weights_per_execution_under_each_averaging():
+    short, long_ = small("short", n_turns=1), small("long", n_turns=8, seed=1)  # 5+4 and 40+4 targets, 2 paths
+    expected = {
+        "path": {"short": 4.5, "long": 22.0},
+        "execution": {"short": 1.0, "long": 1.0},
+        "token": {"short": 9.0, "long": 44.0},
+    }
+    for mode, expect in expected.items():
         group = process_group(
             [(short, Evaluation("finished", 1.0)), (long_, Evaluation("finished", 0.0))],
             TrajectoryConfig(averaging=mode),
@@ -109,10 +114,32 @@ def test_execution_averaging_gives_each_execution_weight_one():
         assert totals == pytest.approx(expect)
 
 
+def test_path_averaging_cancels_a_call_every_execution_makes_alike_and_execution_averaging_does_not():
+    """The failure that flattened the toy: a short failed and a long successful execution open with
+    the same call; under `execution` averaging its tokens weigh more in the short one, so the step
+    pushes that shared call down. Under `path` its weighted advantages sum to 0."""
+    failed, solved = small("failed", n_turns=1), small("solved", n_turns=4)  # same seed: same first call
+    net = {}
+    for mode in ("path", "execution"):
+        group = process_group(
+            [(failed, Evaluation("finished", 0.0)), (solved, Evaluation("finished", 1.0))],
+            TrajectoryConfig(averaging=mode),
+        )
+        first_call = []
+        for s in group.samples:
+            if s.path.path_class == "main":
+                on = np.flatnonzero(s.path.target_mask)[:5]  # the first turn's 5 output tokens
+                first_call.append((s.path.tokens[on].tolist(), s.advantage * float(s.loss_weights[on].sum())))
+        assert len(first_call) == 2 and first_call[0][0] == first_call[1][0]
+        net[mode] = sum(w for _, w in first_call)
+    assert net["path"] == pytest.approx(0.0, abs=1e-6)
+    assert net["execution"] < -0.05
+
+
 def test_pack_follows_the_packed_batch_alignment():
     group = process_group(
         [(small("a"), Evaluation("finished", 1.0)), (small("b", seed=1), Evaluation("finished", 0.0))],
-        TrajectoryConfig(),
+        TrajectoryConfig(averaging="execution"),
     )
     batch = pack(group.samples)
     lengths = [s.path.tokens.size for s in group.samples]
@@ -145,7 +172,8 @@ def test_micro_batches_respect_the_token_limit():
     batches = make_micro_batches(group.samples, longest)
     assert all(b.num_tokens <= longest for b in batches)
     assert sum(len(b.execution_ids) for b in batches) == len(group.samples)
-    assert sum(float(b.loss_weights.sum()) for b in batches) == pytest.approx(2.0)
+    total = sum(float(s.loss_weights.sum()) for s in group.samples)
+    assert sum(float(b.loss_weights.sum()) for b in batches) == pytest.approx(total)
     with pytest.raises(TrajectoryError, match="more than max_tokens=10"):
         make_micro_batches(group.samples, 10)
     with pytest.raises(TrajectoryError, match="nothing to pack"):
@@ -169,14 +197,14 @@ def test_micro_batches_are_as_few_as_fit_and_even():
     batches = make_micro_batches(group.samples, 3 * sizes[0])
     assert [b.num_tokens for b in batches] == [2 * sizes[0]] * 2
     assert [b.execution_ids for b in batches] == [("a", "c"), ("b", "d")]  # in order within a row
-    assert sum(float(b.loss_weights.sum()) for b in batches) == pytest.approx(4.0)
+    assert sum(float(b.loss_weights.sum()) for b in batches) == pytest.approx(4 * 5.0)  # 4 one-path executions
 
 
 @pytest.mark.parametrize(
     "kw,key",
     [
         (dict(max_paths=0), "max_paths"),
-        (dict(averaging="path"), "averaging"),
+        (dict(averaging="sequence"), "averaging"),
         (dict(std_eps=0.0), "std_eps"),
         (dict(min_group_size=0), "min_group_size"),
     ],
