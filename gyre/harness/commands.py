@@ -30,6 +30,7 @@ def make_toy_command(cfg: HarnessConfig, instruction: str, model: str) -> list[s
         "--max-turns",
         str(t.max_turns),
         "--subagent" if t.subagent else "--no-subagent",
+        "--verify" if t.verify else "--no-verify",
         "--subagent-turns",
         str(t.subagent_turns),
         "--clear-chars",

@@ -22,6 +22,11 @@ class ToyAgentConfig:
     """Main-agent model calls (summaries aside)."""
     subagent: bool = True
     """Spawn one sub-agent that surveys the workspace before the main agent starts."""
+    verify: bool = True
+    """Once the main agent is done, spawn a sub-agent with the survey's prompt that lists the
+    workspace again. The toy's path cap (3 of its 4 paths) then drops the survey's path, the later
+    one of its class, and this one trains the same prompt: with one sub-agent under a cap of 2 the
+    survey was never trained, drifted with the weights it shares, and broke every execution at once."""
     subagent_turns: int = 2
     clear_chars: int = 100
     """Replace every tool result but the latest turn's with a placeholder once the conversation

@@ -2,18 +2,22 @@
 
 It talks to the proxy the way a user's agent would, with an official SDK (`anthropic` Messages
 API, or `openai` chat completions), calls tools in its workspace (write_file, read_file, run),
-spawns a sub-agent that surveys the workspace, clears old tool results once the conversation
+spawns a sub-agent that surveys the workspace (and, once the main agent is done, another with the
+same prompt that lists it again: the path cap drops the first one's path, and the second's trains
+the same prompt, so no call of the policy goes untrained), clears old tool results once the conversation
 grows past `--clear-chars` (as Claude Code's micro-compaction does: the next call then branches
 off the first one that saw them), and compacts its context with a summary request once it grows
 past `--compact-chars`. Each tool call lasts a duration drawn from a
 seeded log-normal (median, sigma, cap), so executions have the long tail the scheduler exists for.
 
-    main agent ──spawns──> sub-agent (run / read_file, reports in one line)
+    survey sub-agent (run / read_file, reports in one line)
         │ instruction + report
+    main agent
         ├─ turn: model call ─> tool calls ─> tool results (sleep to the drawn duration) ─> ...
         ├─ conversation > clear_chars: every tool result but the latest turn's becomes CLEARED
         ├─ conversation > compact_chars: summary request ─> fresh conversation with the summary
-        └─ a turn without tool calls (or max turns) ends the run
+        └─ a turn without tool calls (or max turns) ends it
+    verify sub-agent (the survey's prompt; its report is logged)
 
 Agents are told apart the way the proxy's hints read them (gyre/proxy/hints.py): on the
 Messages API with Claude Code's `x-claude-code-agent-id` / `-parent-agent-id` headers, and a
@@ -268,6 +272,9 @@ class ToyAgent:
         if self.args.subagent:
             report = self.run_agent(SUB_SYSTEM, SUB_TASK, f"sub-{uuid.uuid4().hex[:8]}", self.args.subagent_turns)
         self.run_agent(MAIN_SYSTEM, make_main_prompt(self.args.instruction, report), None, self.args.max_turns)
+        if self.args.verify:
+            report = self.run_agent(SUB_SYSTEM, SUB_TASK, f"sub-{uuid.uuid4().hex[:8]}", self.args.subagent_turns)
+            print(f"toy-agent: verified: {report[:RESULT_CHARS]!r}", file=sys.stderr, flush=True)
         print(json.dumps({"num_calls": self.num_calls}), flush=True)
 
 
@@ -279,6 +286,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=96, help="new tokens per call")
     p.add_argument("--max-turns", type=int, default=4, help="main-agent model calls (summaries aside)")
     p.add_argument("--subagent", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--subagent-turns", type=int, default=2)
     p.add_argument(
         "--clear-chars", type=int, default=CLEAR_CHARS, help="clear old tool results past this many characters"

@@ -110,16 +110,13 @@ def _conversation(
 
 
 def reference_conversations(task: Task, clear_chars: int = toy.CLEAR_CHARS) -> list[tuple[list[dict], dict]]:
-    """The toy agent's calls when the model answers with the reference: sub-agent (ls, report),
-    main agent (write each reference file, read the first back, then done; the write's result is
-    cleared by then); tool results as the toy agent's tools word them."""
-    ls = {"content": "", "tool_calls": [{"id": "call_ls", "name": "run", "arguments": {"command": "ls"}}]}
-    sub = _conversation(
-        toy.SUB_SYSTEM,
-        toy.SUB_TASK,
-        [(ls, [f"exit 0\n{SUB_REPORT}\n"]), ({"content": SUB_REPORT, "tool_calls": []}, [])],
-    )
+    """The toy agent's calls when the model answers with the reference: survey sub-agent (ls,
+    report), main agent (write each reference file, read the first back, then done; the write's
+    result is cleared by then), verify sub-agent (ls, report); tool results as the toy agent's
+    tools word them."""
     files = (task.reference or {}).get("files", {})
+    survey = _survey(SUB_REPORT)
+    verify = _survey("\n".join(sorted({SUB_REPORT, *files})))
     writes = {
         "content": "",
         "tool_calls": [
@@ -136,7 +133,17 @@ def reference_conversations(task: Task, clear_chars: int = toy.CLEAR_CHARS) -> l
         [(writes, results), (check, [text]), ({"content": "Done.", "tool_calls": []}, [])],
         clear_chars,
     )
-    return sub + main
+    return survey + main + verify
+
+
+def _survey(listing: str) -> list[tuple[list[dict], dict]]:
+    """A sub-agent's calls (ls, then the listing as its report) in a workspace holding `listing`."""
+    ls = {"content": "", "tool_calls": [{"id": "call_ls", "name": "run", "arguments": {"command": "ls"}}]}
+    return _conversation(
+        toy.SUB_SYSTEM,
+        toy.SUB_TASK,
+        [(ls, [f"exit 0\n{listing}\n"]), ({"content": listing, "tool_calls": []}, [])],
+    )
 
 
 def quitting_conversation(task: Task) -> list[tuple[list[dict], dict]]:

@@ -59,6 +59,7 @@ OVERRIDES = [
     "harness.toy.max_tokens=16",
     "harness.toy.max_turns=2",
     "harness.toy.subagent=false",
+    "harness.toy.verify=false",
     "tasks.warm_start=false",
 ]
 

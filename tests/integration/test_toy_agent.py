@@ -1,6 +1,6 @@
 """The toy agent through a real proxy and builtin engine: it completes a toy task, and its records
-rebuild into a call tree with a sub-agent, a compaction summary, and the branch its clearing of
-old tool results makes."""
+rebuild into a call tree with its two sub-agents, a compaction summary, and the branch its clearing
+of old tool results makes."""
 
 import dataclasses
 import json
@@ -25,6 +25,7 @@ READ = '<tool_call>\n{"name": "read_file", "arguments": {"path": "answer.txt"}}\
 RULES = [  # the scripted policy forces these outputs for prompts whose unanswered part matches
     {"match": "Do NOT call any tools", "emit": "Wrote apple to answer.txt."},
     {"match": "List the files", "emit": '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call>'},
+    {"match": "exit 0\nanswer.txt", "emit": "answer.txt\ntask.md"},  # the verify sub-agent's listing
     {"match": "exit 0", "emit": "task.md"},
     {"match": "Summary so far", "emit": "Done."},
     {"match": "wrote 5 bytes", "emit": READ},  # no compaction: the reference path reads its answer back
@@ -55,14 +56,16 @@ def test_toy_agent_completes_task_and_records_form_a_tree(stack, api):
     r = sb.wait()
     log = r.log_path.read_text()
     assert (r.exit_code, r.timed_out) == (0, False), log
-    assert json.loads(log.strip().splitlines()[-1])["num_calls"] == 5  # sub-agent 2, main 1, summary 1, resumed main 1
+    # survey 2, main 1, summary 1, resumed main 1, verify 2
+    assert json.loads(log.strip().splitlines()[-1])["num_calls"] == 7
     assert evaluate(task, r.workspace, "finished").score == 1.0
     records, _ = read_records(tmp / "records" / f"{ex}.jsonl")
     tree = build_call_tree(records)
     kinds = [n.kind for n in tree.nodes]
     sub = [n for n in tree.nodes if n.kind == "subagent"]
-    assert len(sub) == 2 and sub[1].parent == tree.nodes.index(sub[0]) and sub[0].record.parent_agent_id == "main"
-    assert sub[0].record.agent_id.startswith("sub-") and tree.nodes[tree.nodes.index(sub[0])].spawned_by is None
+    assert len(sub) == 4 and sub[1].parent == tree.nodes.index(sub[0]) and sub[3].parent == tree.nodes.index(sub[2])
+    assert {n.record.parent_agent_id for n in sub} == {"main"} and sub[0].record.agent_id != sub[2].record.agent_id
+    assert sub[0].record.agent_id.startswith("sub-") and sub[0].spawned_by is None
     # Both APIs hint summaries (chat completions through x-gyre-call-kind); a summary continues the main conversation.
     summary = next(n for n in tree.nodes if n.kind == "summary")
     assert tree.nodes[summary.parent].kind == "main"
@@ -84,7 +87,7 @@ def test_warm_start_transcripts_are_what_the_proxy_renders(stack):
     records = sorted(read_records(tmp / "records" / "ref.jsonl")[0], key=lambda r: r.seq)
     tok = ByteTokenizer(512)
     transcript = reference_transcript(tok, task)
-    assert len(records) == len(transcript) == 5
+    assert len(records) == len(transcript) == 7
     assert [render_call(tok, *c, api="anthropic") for c in reference_conversations(task)] == transcript
     for r, (prompt, target) in zip(records, transcript):
         assert r.input_ids.tolist() == prompt
@@ -95,5 +98,10 @@ def test_warm_start_transcripts_are_what_the_proxy_renders(stack):
     assert tree.nodes[4].parent == tree.nodes[3].parent == 2 and toy_agent.CLEARED in tok.decode(
         records[4].input_ids.tolist()
     )
+    # The verify sub-agent's `ls` is the survey's (same prompt, same call): one node, counted once.
     counts = process_execution(records, TrajectoryConfig()).counts
-    assert counts.targets_dedup == counts.targets_capped - records[2].output_ids.size
+    assert counts.targets_dedup == counts.targets_capped - records[2].output_ids.size - records[5].output_ids.size
+    # The toy's cap of 3 drops the survey's path (the earlier sub-agent); the verify's keeps its call.
+    capped = process_execution(records, TrajectoryConfig(max_paths=3))
+    assert capped.left_out["over_cap"] == 1 and capped.counts.targets_capped < capped.counts.targets_naive
+    assert {s.leaf_call_id for s in capped.samples if s.path_class == "subagent"} == {records[6].call_id}

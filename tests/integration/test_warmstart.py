@@ -16,8 +16,9 @@ def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
     cfg = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, num_query_groups=1)
     ws = WarmStartConfig(steps=2, batch_size=2, max_tokens=8)
     out, report = warm_start(tmp_path, one, cfg, ws, samples_per_task=1)
-    # 5 reference calls (sub-agent ls + report, main write + read back + done) and the giving-up demonstration
-    assert not report["reused"] and report["num_examples"] == 6 and report["loss_last"] < report["loss_first"]
+    # 7 reference calls (survey ls + report, main write + read back + done, verify ls + report) and
+    # the giving-up demonstration
+    assert not report["reused"] and report["num_examples"] == 8 and report["loss_last"] < report["loss_first"]
     bpe, byte = load_tokenizer(out, cfg.vocab_size), ByteTokenizer(cfg.vocab_size)
     assert isinstance(bpe, BPETokenizer)  # the vocabulary travels with the weights; prompts are much shorter
     assert len(reference_transcript(bpe, one.tasks[0])[2][0]) * 2 < len(reference_transcript(byte, one.tasks[0])[2][0])
@@ -32,4 +33,4 @@ def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
     assert other != out
     byte_ws = dataclasses.replace(ws, quitters=False, tokenizer="byte")
     plain, report3 = warm_start(tmp_path, one, cfg, byte_ws, samples_per_task=1)
-    assert plain not in (out, other) and report3["num_examples"] == 5 and not (plain / "bpe.json").exists()
+    assert plain not in (out, other) and report3["num_examples"] == 7 and not (plain / "bpe.json").exists()
