@@ -11,10 +11,10 @@ execution grows. `execution` gives each unique target 1/U (U = the execution's u
 every execution weighs 1 whatever its tokens; `token` gives each 1. The trainer divides the step's
 weighted loss by the step's summed weights. Shared targets weigh 0 on later copies.
 
-Why `path` is the default: under `execution`, a call every execution of a group makes alike (the
-first `ls`) weighs 1/U in each, and failed executions are short, so its tokens get a net negative
-advantage and training pushes them down until the call breaks (the toy's reward fell to 0 that way).
-Under `path` they cancel, as in Dr. GRPO's constant normaliser.
+Why `path` is the default: under `execution`, a call every execution of a group makes alike
+weighs 1/U in each, so when the failed executions are the short ones (on the toy they have half the
+targets) its tokens get a net negative advantage step after step. Under `path` such weights are
+equal whenever the executions' paths hold the call alike, as with Dr. GRPO's constant normaliser.
 """
 
 import logging

@@ -115,9 +115,9 @@ def test_loss_weights_per_execution_under_each_averaging():
 
 
 def test_path_averaging_cancels_a_call_every_execution_makes_alike_and_execution_averaging_does_not():
-    """The failure that flattened the toy: a short failed and a long successful execution open with
-    the same call; under `execution` averaging its tokens weigh more in the short one, so the step
-    pushes that shared call down. Under `path` its weighted advantages sum to 0."""
+    """A short failed and a long successful execution open with the same call: under `execution`
+    averaging its tokens weigh more in the short one, so the step pushes that shared call down (a
+    length bias). Under `path` its weighted advantages sum to 0."""
     failed, solved = small("failed", n_turns=1), small("solved", n_turns=4)  # same seed: same first call
     net = {}
     for mode in ("path", "execution"):
