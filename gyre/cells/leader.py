@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from gyre.cells.spec import CellSpec
@@ -77,9 +78,12 @@ class CellLeader:
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
         self.core = self.satellite = self.publisher = None
-        self._step: dict | None = None
-        """The core's open step: its number, the core index of each micro-batch received (None if
-        screened out), their tokens, the result of run_step once it returns."""
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"cell{self.index}-step")
+        self._run: tuple[int, float, Future] | None = None
+        """The core's open step as this leader drives it: (step, when it opened, run_step's future);
+        the step's micro-batches are the core's to track (CoreServer.done_ids)."""
+        self._reported: list = []
+        """The micro-batch ids last reported in StepProgress."""
         if self.is_core:
             from gyre.control.transport import listen
             from gyre.train.elastic import CoreServer
@@ -165,65 +169,48 @@ class CellLeader:
             self.channel.send(Failure(self.index, f"{type(msg).__name__}: {e!r}"))
 
     # ---- training steps (core) -----------------------------------------------------------
+    def _open(self, step: int) -> None:
+        """Open `step` on the core (once) and compute it in a worker thread as its batches arrive."""
+        if self._run is None:
+            self.core.begin_step(step)
+            self._run = (step, time.monotonic(), self._pool.submit(self.core.run_step))
+            self._reported = []
+
     def _add_batches(self, msg: MicroBatches) -> None:
         from gyre.train.batch import BatchError
 
-        if self._step is None:
-            if msg.step != self.trainer.step:
-                raise RuntimeError(f"micro-batches of step {msg.step} while the core is at step {self.trainer.step}")
-            self.core.begin_step()
-            self._step = {"step": msg.step, "index": [], "tokens": [], "t0": time.monotonic(), "sent": 0}
-            self._worker = threading.Thread(target=self._run_step, args=(self._step,), daemon=True)
-            self._worker.start()
-        for batch in msg.batches:
+        self._open(msg.step)
+        for k, batch in enumerate(msg.batches):
             try:
-                self._step["index"].append(self.core.add_micro_batch(batch))
-            except BatchError as e:  # nothing trainable in it: counted as done, the step goes on
-                log.warning("step %d: micro-batch screened out: %s", msg.step, e)
-                self._step["index"].append(None)
-            self._step["tokens"].append(batch.num_tokens)
-
-    def _run_step(self, step: dict) -> None:
-        try:
-            step["metrics"] = self.core.run_step()
-        except Exception as e:
-            step["error"] = repr(e)
+                self.core.add_micro_batch(batch, (msg.step, msg.group, k))
+            except BatchError as e:  # nothing trainable in it: the core counts it as done
+                log.warning("step %d: micro-batch (group %d, %d) screened out: %s", msg.step, msg.group, k, e)
 
     def _end_step(self, step: int) -> None:
-        if self._step is None or all(i is None for i in self._step["index"]):
-            if self._step is not None:
-                self.core.abort_step()
-                self._worker.join()
-            self.trainer.step += 1  # nothing to train: the version moves on, the weights do not
-            self._step = None
-            self._done(step, {"skipped": 1}, 0.0)
-            return
-        self._step["ended"] = True
+        self._open(step)  # a step none of whose groups had anything to train: the core skips it
         self.core.end_step()
 
     def _watch_step(self) -> None:
         """Report micro-batches trained so far; once run_step returned, publish and say StepDone."""
-        st = self._step
-        if st is None:
+        if self._run is None:
             return
-        done_by = self.core.progress()[1]
-        done = [o for o, i in enumerate(st["index"]) if i is None or i in done_by]
-        if len(done) > st["sent"]:
-            st["sent"] = len(done)
-            self.channel.send(StepProgress(st["step"], done))
-        if self._worker.is_alive():
+        step, t0, run = self._run
+        done = self.core.done_ids()
+        if len(done) > len(self._reported):
+            self._reported = done
+            self.channel.send(StepProgress(step, done))
+        if not run.done():
             return
-        self._worker, self._step = None, None
-        if "error" in st:
-            self.channel.send(Failure(self.index, f"step {st['step']}: {st['error']}"))
+        self._run = None
+        if run.exception() is not None:
+            self.channel.send(Failure(self.index, f"step {step}: {run.exception()!r}"))
             return
-        metrics = st["metrics"]
-        trained = [t for t, i in zip(st["tokens"], st["index"]) if i is not None]
-        for k, ((cell, seconds, ended), tokens) in enumerate(zip(metrics.pop("microsteps"), trained)):
+        metrics = run.result()
+        for k, (_, cell, seconds, ended, tokens) in enumerate(metrics.pop("microsteps", [])):
             by = 0 if cell == "core" else int(str(cell).removeprefix("cell"))
             # t is when it ended, not now: a cell's busy time is [t - seconds, t] (gyre.metrics.state)
-            self.events.emit(MicroStep(t=ended, step=st["step"], index=k, cell=by, tokens=tokens, seconds=seconds))
-        self._done(st["step"], metrics, time.monotonic() - st["t0"])
+            self.events.emit(MicroStep(t=ended, step=step, index=k, cell=by, tokens=tokens, seconds=seconds))
+        self._done(step, metrics, time.monotonic() - t0)
 
     def _done(self, step: int, metrics: dict, seconds: float) -> None:
         self.weights = self.publisher.publish()
@@ -292,6 +279,7 @@ class CellLeader:
             self.publisher.close()
         if self.core is not None:
             self.core.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.engine.stop()
         if self.channel is not None:
             self.channel.close()

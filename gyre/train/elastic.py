@@ -39,6 +39,7 @@ from gyre.control import messages as m
 from gyre.control.transport import Channel, ChannelClosed, Listener, listen
 from gyre.errors import GyreError
 from gyre.scheduler.streaming import MicroStepQueue
+from gyre.train.batch import BatchError
 from gyre.train.loss import finish_stats, merge_stats
 from gyre.train.trainer import Trainer, prepare_step
 from gyre.trajectory.sample import PackedBatch
@@ -59,11 +60,14 @@ def one_rank_cell() -> None:
 
 
 class _Step:
-    """The open step: its micro-batches, where their gradients are, and who computed what."""
+    """The open step, the one place its micro-batches are tracked: their ids, where their gradients
+    are, and who computed what."""
 
     def __init__(self, version: int):
         self.version = version
         self.batches: dict[int, PackedBatch] = {}
+        self.ids: dict[int, m.MicroBatchId] = {}  # index -> the id the coordinator gave it
+        self.screened: list[m.MicroBatchId] = []  # nothing trainable in them: done as they arrive
         self.micro: dict[int, object] = {}  # index -> the queue's MicroStep
         self.slot_of: dict[int, int] = {}
         self.stats: dict[int, dict] = {}
@@ -119,27 +123,48 @@ class CoreServer:
         with self._cond:
             return self._queue.claims(), self._queue.done_by()
 
+    def done_ids(self) -> list[m.MicroBatchId]:
+        """Ids of the open step's micro-batches trained or screened out so far (empty: no step open)."""
+        with self._cond:
+            step = self._step
+            if step is None:
+                return []
+            return step.screened + [step.ids[i] for i in sorted(self._queue.done_by())]
+
     # ---- the streaming step API ------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Open the step at version `trainer.step`: satellites may claim micro-batches as they arrive."""
+    def begin_step(self, step: int | None = None) -> None:
+        """Open the step at version `trainer.step` (which must be `step` if given): satellites may
+        claim micro-batches as they arrive."""
         with self._cond:
             if self._step is not None:
                 raise ElasticError(f"step {self._step.version} is still open; run_step must finish it first")
+            if step is not None and step != self.trainer.step:
+                raise ElasticError(f"step {step} cannot open: the core is at step {self.trainer.step}")
             self._queue.version = self.trainer.step
             self._step = _Step(self.trainer.step)
             self._cond.notify_all()
 
-    def add_micro_batch(self, batch: PackedBatch) -> int:
+    def add_micro_batch(self, batch: PackedBatch, batch_id: m.MicroBatchId | None = None) -> int:
         """Screen `batch` and make it claimable (thread-safe); returns its index in the step.
 
+        Args:
+            batch_id: its id (default: (step, 0, index)); `done_ids` reports it once trained.
         Raises:
-            BatchError: structurally broken, or nothing trainable left after screening.
+            BatchError: structurally broken, or nothing trainable left after screening (it then
+                counts as done: the step goes on without it).
             ElasticError: no step is open, or end_step was already called.
         """
-        (kept,), weight, excluded = prepare_step([batch], self.trainer.model_cfg.vocab_size)
+        try:
+            (kept,), weight, excluded = prepare_step([batch], self.trainer.model_cfg.vocab_size)
+        except BatchError:
+            with self._cond:
+                step = self._open_step("add_micro_batch")
+                step.screened.append(batch_id or (step.version, 0, len(step.batches) + len(step.screened)))
+            raise
         with self._cond:
             step = self._open_step("add_micro_batch")
             index = len(step.batches)
+            step.ids[index] = batch_id or (step.version, 0, index + len(step.screened))
             step.batches[index] = kept
             step.micro[index] = self._queue.add_ready(step.version, index, step.version, max(kept.num_tokens, 1))
             step.screened_weight += weight
@@ -149,11 +174,16 @@ class CoreServer:
 
     def end_step(self, total_weight: float | None = None) -> None:
         """No more micro-batches this step. `total_weight` is the normaliser (summed loss weight of
-        the step's targets); None uses the weight of what was screened in, as `Trainer.train_step` does."""
+        the step's targets); None uses the weight of what was screened in, as `Trainer.train_step` does.
+        A step with nothing to train (every micro-batch screened out, or none) is skipped: run_step
+        moves the version on and leaves the weights as they are."""
         with self._cond:
             step = self._open_step("end_step")
             if not step.batches:
-                raise ElasticError(f"end_step: step {step.version} has no micro-batch; add one or abort_step()")
+                step.total_weight = 0.0
+                self._queue.close_step(step.version)
+                self._cond.notify_all()
+                return
             weight = step.screened_weight if total_weight is None else float(total_weight)
             if not weight > 0:
                 raise ElasticError(f"end_step: the step's total loss weight must be > 0, got {weight}")
@@ -184,7 +214,8 @@ class CoreServer:
 
         Returns:
             Loss metrics, grad norm, `microsteps_by/<cell>`, `microsteps_redone`, exclusions, and
-            `microsteps`: [(cell, seconds, unix time it ended)] per micro-step in index order.
+            `microsteps`: [(id, cell, seconds, unix time it ended, tokens)] per micro-step in index
+            order; `{"skipped": 1}` for a step with nothing to train.
         Raises:
             ElasticError: no step is open, or it was aborted (abort_step).
         """
@@ -204,6 +235,10 @@ class CoreServer:
                     self._evict_hung_pulls()
                     self._cond.wait(timeout=0.05 if self.trainer.cfg.claim_timeout_s else None)
                 self._applying = True
+            if not step.batches:
+                self.trainer.skip_step()
+                applied = True
+                return {"skipped": 1}
             metrics = self.trainer.apply_gradient(acc, step.total_weight)
             applied = True
         finally:
@@ -211,8 +246,8 @@ class CoreServer:
         stats = {}
         for i in range(len(step.batches)):
             stats = merge_stats(stats, step.stats[i])
-        timing = [step.timing[i] for i in range(len(step.batches))]
-        by_cell = Counter(f"microsteps_by/{cell}" for cell, _, _ in timing)
+        timing = [(step.ids[i], *step.timing[i], step.batches[i].num_tokens) for i in range(len(step.batches))]
+        by_cell = Counter(f"microsteps_by/{t[1]}" for t in timing)
         return (
             finish_stats(stats)
             | dict(step.excluded)

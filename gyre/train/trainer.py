@@ -142,6 +142,10 @@ class Trainer:
         self.step += 1
         return {"grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"]}
 
+    def skip_step(self) -> None:
+        """A step with nothing to train: the version moves on (the lr schedule with it), the weights stay."""
+        self.step += 1
+
     def _grad_norm(self) -> float:
         """Global L2 norm: TP-sharded parameters summed over the TP group, replicated ones once."""
         from megatron.core import parallel_state
