@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -54,7 +55,6 @@ class CellLeader:
         import torch
 
         from gyre.engines.launch import make_engine_process
-        from gyre.train.checkpoint import CheckpointManager
         from gyre.train.trainer import Trainer
         from gyre.transfer import TransferEndpoint
 
@@ -67,17 +67,22 @@ class CellLeader:
         self.events = EventLog(spec.run_dir)
         self.engine = make_engine_process(spec.engine, spec.model)
         self.engine.start()
+        self.followers = []
+        """Ranks 1.. of this cell (gyre/train/ranks.py); this process is rank 0, the cell's control endpoint."""
+        if spec.ranks > 1:
+            from gyre.train.ranks import start_followers
+
+            self.followers = start_followers(spec.ranks, spec.host, spec.model, spec.trainer, spec.seed, spec.run_dir)
         self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
         self.endpoint = TransferEndpoint(spec.host)
         self.role = Role(spec.role)
         self.engine_id = f"cell{self.index}"
-        self.checkpoints = CheckpointManager(spec.checkpoint_dir, spec.trainer.checkpoint_keep_last)
         self.weights: PublishedWeights | None = None
         """The newest weights this cell's engine should serve."""
         self.core_address = ""
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
-        self.core = self.satellite = self.publisher = None
+        self.core = self.satellite = self.publisher = self.ranks = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"cell{self.index}-step")
         self._run: tuple[int, float, Future] | None = None
         """The core's open step as this leader drives it: (step, when it opened, run_step's future);
@@ -88,7 +93,9 @@ class CellLeader:
             from gyre.control.transport import listen
             from gyre.train.elastic import CoreServer
             from gyre.train.publish import WeightPublisher
+            from gyre.train.ranks import CellRanks
 
+            self.ranks = CellRanks(self.trainer)
             self._load_initial_weights()
             listener = listen(
                 spec.control,
@@ -96,7 +103,7 @@ class CellLeader:
                 port_file=str(Path(spec.run_dir) / f"core.{os.getpid()}.port"),
                 peer_timeout_s=spec.control_peer_timeout_s,
             )
-            self.core = CoreServer(self.trainer, self.endpoint, listener=listener)
+            self.core = CoreServer(self.trainer, self.endpoint, listener=listener, ranks=self.ranks)
             self.publisher = WeightPublisher(
                 self.core,
                 spec.engine.weight_sync,
@@ -110,13 +117,11 @@ class CellLeader:
     # ---- start ---------------------------------------------------------------------------
     def _load_initial_weights(self) -> None:
         """The latest checkpoint (resume), else the initial model directory, else the seeded init."""
-        from gyre.models.checkpoint import load_checkpoint
-
-        if self.spec.resume and self.checkpoints.load_latest(self.trainer) is not None:
+        keep = self.spec.trainer.checkpoint_keep_last
+        if self.spec.resume and self.ranks.call("load_latest", self.spec.checkpoint_dir, keep) is not None:
             return
         if self.spec.init_weights:
-            _, tensors = load_checkpoint(self.spec.init_weights)
-            self.trainer.load_engine_weights(tensors)
+            self.ranks.call("load_engine_dir", self.spec.init_weights)
 
     def weights_digest(self) -> str:
         return hashlib.sha256(self.trainer.flat.weights.detach().cpu().numpy().tobytes()).hexdigest()[:16]
@@ -158,8 +163,10 @@ class CellLeader:
                 self._end_step(msg.step)
             elif isinstance(msg, SaveCheckpoint):
                 t0 = time.monotonic()
-                path = self.checkpoints.save(self.trainer, msg.extra)
-                self.channel.send(CheckpointDone(msg.step, str(path), time.monotonic() - t0, self.weights_digest()))
+                path = self.ranks.call(
+                    "save", self.spec.checkpoint_dir, self.spec.trainer.checkpoint_keep_last, msg.extra
+                )
+                self.channel.send(CheckpointDone(msg.step, path, time.monotonic() - t0, self.weights_digest()))
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
         except ChannelClosed:
@@ -206,10 +213,10 @@ class CellLeader:
             self.channel.send(Failure(self.index, f"step {step}: {run.exception()!r}"))
             return
         metrics = run.result()
-        for k, (_, cell, seconds, ended, tokens) in enumerate(metrics.pop("microsteps", [])):
+        for k, (_, cell, seconds, ended, tokens, rank) in enumerate(metrics.pop("microsteps", [])):
             by = 0 if cell == "core" else int(str(cell).removeprefix("cell"))
             # t is when it ended, not now: a cell's busy time is [t - seconds, t] (gyre.metrics.state)
-            self.events.emit(MicroStep(t=ended, step=step, index=k, cell=by, tokens=tokens, seconds=seconds))
+            self.events.emit(MicroStep(t=ended, step=step, index=k, cell=by, rank=rank, tokens=tokens, seconds=seconds))
         self._done(step, metrics, time.monotonic() - t0)
 
     def _done(self, step: int, metrics: dict, seconds: float) -> None:
@@ -279,6 +286,13 @@ class CellLeader:
             self.publisher.close()
         if self.core is not None:
             self.core.close()
+        if self.ranks is not None:
+            self.ranks.stop()
+        for proc in self.followers:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # stuck in a collective rank 0 left: nothing to save there
+                proc.kill()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.engine.stop()
         if self.channel is not None:

@@ -132,6 +132,9 @@ class MicroStep(Event):
     cell: int
     tokens: int
     seconds: float
+    rank: int = 0
+    """The rank of the cell that computed it (its data-parallel share; with tensor parallel every
+    rank of its group computed it with this one)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,6 +41,7 @@ from gyre.errors import GyreError
 from gyre.scheduler.streaming import MicroStepQueue
 from gyre.train.batch import BatchError
 from gyre.train.loss import finish_stats, merge_stats
+from gyre.train.ranks import CellRanks
 from gyre.train.trainer import Trainer, prepare_step
 from gyre.trajectory.sample import PackedBatch
 from gyre.transfer import BufferLayout, TransferEndpoint
@@ -54,9 +55,9 @@ class ElasticError(GyreError):
 
 
 def one_rank_cell() -> None:
-    """Raise unless this cell is one rank (core and satellites pull and write whole flat buffers)."""
+    """Raise unless this cell is one rank (satellites pull and write whole flat buffers)."""
     if dist.get_world_size() != 1:
-        raise ElasticError("core/satellite steps are built for one-rank cells only (per-rank pulls are not built)")
+        raise ElasticError("satellites are built for one-rank cells only (per-rank pulls are not built)")
 
 
 class _Step:
@@ -83,15 +84,24 @@ class _Step:
 class CoreServer:
     """The core cell's side: hands out micro-steps as they arrive, folds them, steps once; publishes weights.
 
+    A core of several ranks (`ranks`, driven from rank 0) trains alone: it refuses satellites
+    (per-rank pulls are not built) and computes a step once it has ended, on all its ranks.
+
     Args:
         host: interface the control listener binds (a routable address when cells are on other nodes).
         listener: a ready listener (e.g. `listen("mpi", port_file=...)`); default TCP on `host`.
+        ranks: the cell's ranks (gyre/train/ranks.py); default this one rank.
     """
 
     def __init__(
-        self, trainer: Trainer, endpoint: TransferEndpoint, host: str = "127.0.0.1", listener: Listener | None = None
+        self,
+        trainer: Trainer,
+        endpoint: TransferEndpoint,
+        host: str = "127.0.0.1",
+        listener: Listener | None = None,
+        ranks: CellRanks | None = None,
     ):
-        one_rank_cell()
+        self.ranks = ranks or CellRanks(trainer)
         self.trainer, self.endpoint = trainer, endpoint
         n = trainer.flat.weights.numel()
         self.slots = torch.zeros(trainer.cfg.num_grad_slots, n, dtype=torch.float32, device=trainer.flat.weights.device)
@@ -214,8 +224,8 @@ class CoreServer:
 
         Returns:
             Loss metrics, grad norm, `microsteps_by/<cell>`, `microsteps_redone`, exclusions, and
-            `microsteps`: [(id, cell, seconds, unix time it ended, tokens)] per micro-step in index
-            order; `{"skipped": 1}` for a step with nothing to train.
+            `microsteps`: [(id, cell, seconds, unix time it ended, tokens, rank of the cell that
+            computed it)] per micro-step in index order; `{"skipped": 1}` for a step with nothing to train.
         Raises:
             ElasticError: no step is open, or it was aborted (abort_step).
         """
@@ -224,6 +234,8 @@ class CoreServer:
                 raise ElasticError("run_step: no step is open (call begin_step first) or it is running already")
             step = self._step
             step.running = True
+        if self.ranks.num_ranks > 1:
+            return self._run_on_ranks(step)
         acc = torch.zeros_like(self.trainer.flat.weights)
         redone_before = self._queue.num_redone
         applied = False
@@ -246,7 +258,7 @@ class CoreServer:
         stats = {}
         for i in range(len(step.batches)):
             stats = merge_stats(stats, step.stats[i])
-        timing = [(step.ids[i], *step.timing[i], step.batches[i].num_tokens) for i in range(len(step.batches))]
+        timing = [(step.ids[i], *step.timing[i], step.batches[i].num_tokens, 0) for i in range(len(step.batches))]
         by_cell = Counter(f"microsteps_by/{t[1]}" for t in timing)
         return (
             finish_stats(stats)
@@ -255,6 +267,38 @@ class CoreServer:
             | metrics
             | {"microsteps_redone": self._queue.num_redone - redone_before, "microsteps": timing}
         )
+
+    def _run_on_ranks(self, step: _Step) -> dict:
+        """run_step of a multi-rank core: once the step has ended, every rank computes it (the
+        micro-steps split over the data-parallel ranks, summed in index order)."""
+        applied = False
+        try:
+            with self._cond:
+                while step.total_weight is None and not step.aborted:
+                    self._cond.wait()
+                if step.aborted:
+                    raise ElasticError(f"step {step.version} was aborted")
+                while self._readers:
+                    self._cond.wait()
+                self._applying = True
+            if not step.batches:
+                self.trainer.skip_step()
+                applied = True
+                return {"skipped": 1}
+            batches = [step.batches[i] for i in range(len(step.batches))]
+            metrics, timing = self.ranks.call("step_screened", batches, step.total_weight)
+            with self._cond:
+                for i, (seconds, ended, _) in enumerate(timing):
+                    self._queue.complete(self._queue.claim(CORE, index=i), CORE)
+                    step.timing[i] = (CORE, seconds, ended)
+            applied = True
+        finally:
+            self._finish(step, applied)
+        microsteps = [
+            (step.ids[i], CORE, seconds, ended, step.batches[i].num_tokens, rank)
+            for i, (seconds, ended, rank) in enumerate(timing)
+        ]
+        return dict(step.excluded) | metrics | {"microsteps_by/core": len(batches), "microsteps": microsteps}
 
     def _finish(self, step: _Step, applied: bool) -> None:
         with self._cond:
@@ -357,7 +401,7 @@ class CoreServer:
                 return version, self._published[-1][1]
             self._readers["publish"] += 1
         try:
-            descriptor, buffer = self.endpoint.publish_tensors(self.trainer.engine_weights())
+            descriptor, buffer = self.endpoint.publish_tensors(self.ranks.call("engine_weights"))
         finally:
             with self._cond:
                 self._readers["publish"] -= 1
@@ -430,6 +474,9 @@ class CoreServer:
     def _welcome(self, ch: Channel, msg: object) -> str | None:
         if not isinstance(msg, m.Join):
             raise m.ProtocolError(f"expected Join first, got {type(msg).__name__}")
+        if self.ranks.num_ranks > 1:
+            ch.send(m.Refused(f"the core has {self.ranks.num_ranks} ranks; satellites join one-rank cores only"))
+            return None
         if [tuple(map(tuple, x)) for x in msg.signature] != [
             tuple(map(tuple, x)) for x in self.trainer.flat.signature()
         ]:

@@ -154,9 +154,9 @@ def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(start_sa
         server.end_step(sum(float(b.loss_weights[b.target_mask].sum()) for b in steps[0]))
         thread.join(timeout=120)
         assert first["microsteps_by/satellite1"] >= 1 and first["microsteps_by/satellite2"] >= 1
-        assert [c for _, c, _, _, _ in first["microsteps"]].count("satellite1") == first["microsteps_by/satellite1"]
-        assert all(seconds > 0 for _, _, seconds, _, _ in first["microsteps"])
-        assert all(t_begin + seconds <= ended <= time.time() for _, _, seconds, ended, _ in first["microsteps"])
+        assert [c for _, c, _, _, _, _ in first["microsteps"]].count("satellite1") == first["microsteps_by/satellite1"]
+        assert all(seconds > 0 for _, _, seconds, _, _, _ in first["microsteps"])
+        assert all(t_begin + seconds <= ended <= time.time() for _, _, seconds, ended, _, _ in first["microsteps"])
         assert _rel_diff(core.flat.weights, expected[0]) <= 1e-6
         assert torch.equal(core.flat.weights, expected[0])  # on CPU it is in fact bitwise
 
@@ -254,8 +254,8 @@ def test_each_micro_step_says_when_it_ended_and_the_cores_never_overlap():
         t_begin = time.time()
         thread, out = _run_in_thread(server, random_batches(MODEL, 3, 2, seed=3))
         thread.join(timeout=120)
-        assert [cell for _, cell, _, _, _ in out["microsteps"]] == ["core"] * 3
-        spans = sorted((ended - seconds, ended) for _, _, seconds, ended, _ in out["microsteps"])
+        assert [cell for _, cell, _, _, _, _ in out["microsteps"]] == ["core"] * 3
+        spans = sorted((ended - seconds, ended) for _, _, seconds, ended, _, _ in out["microsteps"])
         assert t_begin <= spans[0][0] and spans[-1][1] <= time.time()
         assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))
     finally:
