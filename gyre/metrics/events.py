@@ -44,6 +44,8 @@ class RunStart(Event):
     """Scheduler mode: elastic, async or colocate."""
     num_steps: int
     num_cells: int
+    cell_ranks: int = 1
+    """Ranks (trainer processes) per cell, the same in every cell."""
     core_cell: int | None = 0
     """Index of the core cell (None: no core, e.g. every cell trains in turn)."""
     name: str = ""
