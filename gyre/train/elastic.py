@@ -20,7 +20,8 @@ Micro-steps are computed with normaliser 1 and added in index order whoever comp
 is divided by the step's total loss weight before clipping, so the step does not depend on the
 split (bitwise on CPU) and can start before every batch exists.
 
-The satellite's side is gyre/train/satellite.py. Weights never change while anybody reads them: the
+The satellite's side is gyre/train/satellite.py; the core's half of that protocol is
+gyre/train/core_door.py. Weights never change while anybody reads them: the
 core applies its optimizer step only after every micro-step is folded (so a satellite holding a
 claim may pull), and defers it while an announced pull (`Pull` ... `PullDone`) or a publish for
 engines is copying them. One slot per claim keeps the core's memory bounded (`num_grad_slots`); a
@@ -36,17 +37,17 @@ import torch
 import torch.distributed as dist
 
 from gyre.control import messages as m
-from gyre.control.transport import Channel, ChannelClosed, Listener, listen
+from gyre.control.transport import Channel, Listener, listen
 from gyre.errors import GyreError
 from gyre.scheduler.streaming import MicroStepQueue
 from gyre.train.batch import BatchError
+from gyre.train.core_door import CORE, SatelliteDoor
 from gyre.train.loss import finish_stats, merge_stats
 from gyre.train.ranks import CellRanks
 from gyre.train.trainer import Trainer, prepare_step
 from gyre.trajectory.sample import PackedBatch
 from gyre.transfer import BufferLayout, TransferEndpoint
 
-CORE = "core"
 logger = logging.getLogger(__name__)
 
 
@@ -81,7 +82,7 @@ class _Step:
         self.aborted = False
 
 
-class CoreServer:
+class CoreServer(SatelliteDoor):
     """The core cell's side: hands out micro-steps as they arrive, folds them, steps once; publishes weights.
 
     A core of several ranks (`ranks`, driven from rank 0) trains alone: it refuses satellites
@@ -422,118 +423,6 @@ class CoreServer:
             if v == version:
                 return BufferLayout.from_json(descriptor["layout"]).unpack(buffer)
         raise KeyError(f"weight version {version} is not published; have {[p[0] for p in self._published]}")
-
-    # ---- satellites ------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                ch = self._listener.accept()
-            except ChannelClosed:
-                return
-            with self._cond:
-                self._channels.add(ch)
-            t = threading.Thread(target=self._serve, args=(ch,), daemon=True, name=f"core-{ch.peer}")
-            self._threads.append(t)
-            t.start()
-
-    def _serve(self, ch: Channel) -> None:
-        cell = None
-        try:
-            cell = self._welcome(ch, ch.recv(timeout_s=60))
-            while cell is not None:
-                msg = ch.recv()
-                if isinstance(msg, m.Claim):
-                    ch.send(self._grant(cell))
-                elif isinstance(msg, m.Done):
-                    self._accept_result(cell, msg)
-                elif isinstance(msg, m.Pull):
-                    ch.send(self._start_pull(cell))
-                elif isinstance(msg, m.PullDone):
-                    self._end_pull(cell)
-                elif isinstance(msg, m.Leave):
-                    self._release(cell)  # it finished its micro-step first; nothing should be held
-                elif not isinstance(msg, m.Heartbeat):
-                    raise m.ProtocolError(f"a satellite may not send {type(msg).__name__} to the core")
-        except m.ProtocolError as e:
-            logger.error("dropping %s (%s): %s", cell or "a peer", ch.peer, e)
-        except ChannelClosed:
-            pass  # the satellite died or the core is closing: release below
-        finally:
-            ch.close()
-            with self._cond:
-                self._channels.discard(ch)
-            if cell is not None:
-                with self._cond:
-                    if self._cells.get(cell) is ch:
-                        del self._cells[cell]
-                    self._evicted.discard(cell)
-                    self._free.extend(self._quarantine.pop(cell, []))  # the process is gone now
-                    self._cond.notify_all()
-                self._release(cell)
-
-    def _welcome(self, ch: Channel, msg: object) -> str | None:
-        if not isinstance(msg, m.Join):
-            raise m.ProtocolError(f"expected Join first, got {type(msg).__name__}")
-        if self.ranks.num_ranks > 1:
-            ch.send(m.Refused(f"the core has {self.ranks.num_ranks} ranks; satellites join one-rank cores only"))
-            return None
-        if [tuple(map(tuple, x)) for x in msg.signature] != [
-            tuple(map(tuple, x)) for x in self.trainer.flat.signature()
-        ]:
-            ch.send(m.Refused("model parameters differ from the core's (names, shapes)"))
-            return None
-        with self._cond:
-            if msg.cell in self._cells or msg.cell == CORE:
-                ch.send(m.Refused(f"cell name {msg.cell!r} is in use"))
-                return None
-            self._cells[msg.cell] = ch
-            version = self.trainer.step
-        ch.send(m.Welcome(self.endpoint.session_id, self._weights_addr, self.trainer.flat.weights.numel(), version))
-        return msg.cell
-
-    def _release(self, cell: str) -> None:
-        with self._cond:
-            step = self._step
-            for ms in self._queue.release(cell) if step is not None else []:
-                self._free.append(step.slot_of.pop(ms.index))
-            self._end_pull(cell, all_of_them=True)
-            self._cond.notify_all()
-
-    def _grant(self, cell: str) -> object:
-        with self._cond:
-            step = self._step
-            if cell in self._evicted:
-                return m.Evicted()
-            if step is None or not self._free or (ms := self._queue.claim(cell, time.monotonic())) is None:
-                return m.Wait()
-            step.slot_of[ms.index] = slot = self._free.popleft()
-            return m.Work(
-                ms.index, step.version, self._slots_addr + slot * self.slots.shape[1] * 4, step.batches[ms.index]
-            )
-
-    def _accept_result(self, cell: str, msg: m.Done) -> None:
-        with self._cond:
-            step = self._step
-            ms = None if step is None else step.micro.get(msg.index)
-            if ms is not None and self._queue.complete(ms, cell):
-                step.stats[msg.index] = msg.stats
-                step.timing[msg.index] = (cell, msg.seconds, time.time())  # its result just arrived
-            self._cond.notify_all()
-
-    def _start_pull(self, cell: str) -> m.WeightVersion:
-        with self._cond:
-            while self._applying:
-                self._cond.wait()
-            self._readers[cell] += 1
-            self._pull_started[cell] = time.monotonic()
-            return m.WeightVersion(self.trainer.step)
-
-    def _end_pull(self, cell: str, all_of_them: bool = False) -> None:
-        with self._cond:
-            if self._readers[cell] > 0:
-                self._readers[cell] = 0 if all_of_them else self._readers[cell] - 1
-            self._readers += Counter()
-            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop serving: satellites see their channel close and leave their loop."""
