@@ -12,6 +12,10 @@ same order, so rank 0 announces each operation that contains one before entering
 parallel is not built: megatron-core's pipeline schedules need CUDA streams and p2p ops that gloo's
 CPU backend does not give the way the trainer would use them (`trainer.tensor_parallel_size` and
 data parallel are the layouts a cell has).
+
+Not built yet (issue 27, items 2-4): satellites of several ranks, a serving engine per rank, and
+finding a dead rank: a follower waits for the next announcement inside a gloo collective, so a cell
+idle past the group's timeout (torch's default, 30 min) or with a dead rank fails only then.
 """
 
 import argparse
@@ -21,6 +25,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import torch.distributed as dist
 
@@ -61,20 +66,27 @@ class CellRanks:
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self.num_ranks = dist.get_world_size()
+        self._order = threading.Lock()  # the leader's thread and the step's worker: one announcement at a time
         if dist.get_rank() != 0:
             raise RuntimeError(f"CellRanks drives from rank 0; rank {dist.get_rank()} must follow()")
 
     def call(self, op: str, *args):
         """Run OPS[op] on every rank of the cell; returns rank 0's result."""
         fn = OPS[op]
-        if self.num_ranks > 1:
+        if self.num_ranks == 1:
+            return fn(self.trainer, *args)
+        with self._order:
             dist.broadcast_object_list([(op, args)], src=0)
-        return fn(self.trainer, *args)
+            return fn(self.trainer, *args)
 
-    def stop(self) -> None:
-        """Release the followers (their `follow` returns)."""
-        if self.num_ranks > 1:
-            dist.broadcast_object_list([None], src=0)
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Release the followers (their `follow` returns). If an operation still holds the group past
+        `timeout_s` (a rank died mid-collective), give up: the followers die with this process."""
+        if self.num_ranks > 1 and self._order.acquire(timeout=timeout_s):
+            try:
+                dist.broadcast_object_list([None], src=0)
+            finally:
+                self._order.release()
 
 
 def follow(trainer: Trainer) -> int:
