@@ -9,9 +9,9 @@
 A cell's trainer ranks form one torch.distributed group with megatron-core's tensor- and
 data-parallel groups (gyre/train/model.py); every collective must be entered by every rank in the
 same order, so rank 0 announces each operation that contains one before entering it. Pipeline
-parallel is not built: megatron-core's pipeline schedules need CUDA streams and p2p ops that gloo's
-CPU backend does not give the way the trainer would use them (`trainer.tensor_parallel_size` and
-data parallel are the layouts a cell has).
+parallel is not built and was not tried on CPU: the trainer builds its model and step without
+megatron-core's pipeline schedules, so a cell's layouts are tensor parallel
+(`trainer.tensor_parallel_size`) and data parallel (the remaining ranks).
 
 Not built yet (issue 27, items 2-4): satellites of several ranks, a serving engine per rank, and
 finding a dead rank: a follower waits for the next announcement inside a gloo collective, so a cell
