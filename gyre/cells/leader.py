@@ -90,29 +90,35 @@ class CellLeader:
         self._reported: list = []
         """The micro-batch ids last reported in StepProgress."""
         if self.is_core:
-            from gyre.control.transport import listen
-            from gyre.train.elastic import CoreServer
-            from gyre.train.publish import WeightPublisher
-            from gyre.train.ranks import CellRanks
+            self._start_core()
 
-            self.ranks = CellRanks(self.trainer)
-            self._load_initial_weights()
-            listener = listen(
-                spec.control,
-                spec.host,
-                port_file=str(Path(spec.run_dir) / f"core.{os.getpid()}.port"),
-                peer_timeout_s=spec.control_peer_timeout_s,
-            )
-            self.core = CoreServer(self.trainer, self.endpoint, listener=listener, ranks=self.ranks)
-            self.publisher = WeightPublisher(
-                self.core,
-                spec.engine.weight_sync,
-                spec.model,
-                str(Path(spec.run_dir) / "weights"),
-                spec.host,
-                spec.engine.tp_size,
-            )
-            self.weights = self.publisher.publish()
+    def _start_core(self) -> None:
+        """The core's trainer side: its ranks, initial weights, satellite listener and publisher."""
+        from gyre.control.transport import listen
+        from gyre.train.elastic import CoreServer
+        from gyre.train.publish import WeightPublisher
+        from gyre.train.ranks import CellRanks
+
+        spec = self.spec
+
+        self.ranks = CellRanks(self.trainer)
+        self._load_initial_weights()
+        listener = listen(
+            spec.control,
+            spec.host,
+            port_file=str(Path(spec.run_dir) / f"core.{os.getpid()}.port"),
+            peer_timeout_s=spec.control_peer_timeout_s,
+        )
+        self.core = CoreServer(self.trainer, self.endpoint, listener=listener, ranks=self.ranks)
+        self.publisher = WeightPublisher(
+            self.core,
+            spec.engine.weight_sync,
+            spec.model,
+            str(Path(spec.run_dir) / "weights"),
+            spec.host,
+            spec.engine.tp_size,
+        )
+        self.weights = self.publisher.publish()
 
     # ---- start ---------------------------------------------------------------------------
     def _load_initial_weights(self) -> None:
