@@ -82,6 +82,7 @@ class GyreConfig:
             "proxy.context_len",
             f"{self.proxy.context_len} exceeds the model's max_seq_len {self.model.max_seq_len}",
         )
+        self._check_ranks()
         require(
             self.cluster.num_cells >= 2 or self.mode != "train" or self.scheduler.mode == "colocate",
             "cluster.num_cells",
@@ -100,6 +101,30 @@ class GyreConfig:
                 f"need {need:g} CPUs, and {LOCAL_RESERVE_CPUS:g} more stay for the harnesses, the proxy and "
                 f"the coordinator; this machine has {have}",
             )
+
+    def _check_ranks(self) -> None:
+        """A cell of several ranks: what is built (a local core training alone) and its layout."""
+        ranks, tp = self.cluster.ranks_per_cell, self.trainer.tensor_parallel_size
+        require(
+            ranks % tp == 0,
+            "trainer.tensor_parallel_size",
+            f"{tp} does not divide cluster.ranks_per_cell={ranks} (the rest of the ranks are data parallel)",
+        )
+        if ranks == 1:
+            return
+        require(
+            self.cluster.backend == "local",
+            "cluster.ranks_per_cell",
+            f"{ranks} ranks per cell are built for backend=local only (on Slurm a cell would be cell_nodes x "
+            "ranks per node, not built yet); use ranks_per_cell=1",
+        )
+        require(
+            self.cluster.num_cells == 1,
+            "cluster.ranks_per_cell",
+            f"{ranks} ranks per cell with {self.cluster.num_cells} cells: satellites of several ranks (per-rank "
+            f"weight pulls) are not built, so scheduler={self.scheduler.mode} cannot run with them; a multi-rank "
+            "core trains alone (cluster.num_cells=1 with mode=replay or scheduler=colocate), else use ranks_per_cell=1",
+        )
 
 
 _SIM_ONLY = (

@@ -18,9 +18,11 @@ import hashlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from gyre.cells.spec import CellSpec
@@ -53,7 +55,6 @@ class CellLeader:
         import torch
 
         from gyre.engines.launch import make_engine_process
-        from gyre.train.checkpoint import CheckpointManager
         from gyre.train.trainer import Trainer
         from gyre.transfer import TransferEndpoint
 
@@ -66,53 +67,67 @@ class CellLeader:
         self.events = EventLog(spec.run_dir)
         self.engine = make_engine_process(spec.engine, spec.model)
         self.engine.start()
+        self.followers = []
+        """Ranks 1.. of this cell (gyre/train/ranks.py); this process is rank 0, the cell's control endpoint."""
+        if spec.ranks > 1:
+            from gyre.train.ranks import start_followers
+
+            self.followers = start_followers(spec.ranks, spec.host, spec.model, spec.trainer, spec.seed, spec.run_dir)
         self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
         self.endpoint = TransferEndpoint(spec.host)
         self.role = Role(spec.role)
         self.engine_id = f"cell{self.index}"
-        self.checkpoints = CheckpointManager(spec.checkpoint_dir, spec.trainer.checkpoint_keep_last)
         self.weights: PublishedWeights | None = None
         """The newest weights this cell's engine should serve."""
         self.core_address = ""
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
-        self.core = self.satellite = self.publisher = None
-        self._step: dict | None = None
-        """The core's open step: its number, the core index of each micro-batch received (None if
-        screened out), their tokens, the result of run_step once it returns."""
+        self.core = self.satellite = self.publisher = self.ranks = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"cell{self.index}-step")
+        self._run: tuple[int, float, Future] | None = None
+        """The core's open step as this leader drives it: (step, when it opened, run_step's future);
+        the step's micro-batches are the core's to track (CoreServer.done_ids)."""
+        self._reported: list = []
+        """The micro-batch ids last reported in StepProgress."""
         if self.is_core:
-            from gyre.control.transport import listen
-            from gyre.train.elastic import CoreServer
-            from gyre.train.publish import WeightPublisher
+            self._start_core()
 
-            self._load_initial_weights()
-            listener = listen(
-                spec.control,
-                spec.host,
-                port_file=str(Path(spec.run_dir) / f"core.{os.getpid()}.port"),
-                peer_timeout_s=spec.control_peer_timeout_s,
-            )
-            self.core = CoreServer(self.trainer, self.endpoint, listener=listener)
-            self.publisher = WeightPublisher(
-                self.core,
-                spec.engine.weight_sync,
-                spec.model,
-                str(Path(spec.run_dir) / "weights"),
-                spec.host,
-                spec.engine.tp_size,
-            )
-            self.weights = self.publisher.publish()
+    def _start_core(self) -> None:
+        """The core's trainer side: its ranks, initial weights, satellite listener and publisher."""
+        from gyre.control.transport import listen
+        from gyre.train.elastic import CoreServer
+        from gyre.train.publish import WeightPublisher
+        from gyre.train.ranks import CellRanks
+
+        spec = self.spec
+
+        self.ranks = CellRanks(self.trainer)
+        self._load_initial_weights()
+        listener = listen(
+            spec.control,
+            spec.host,
+            port_file=str(Path(spec.run_dir) / f"core.{os.getpid()}.port"),
+            peer_timeout_s=spec.control_peer_timeout_s,
+        )
+        self.core = CoreServer(self.trainer, self.endpoint, listener=listener, ranks=self.ranks)
+        self.publisher = WeightPublisher(
+            self.core,
+            spec.engine.weight_sync,
+            spec.model,
+            str(Path(spec.run_dir) / "weights"),
+            spec.host,
+            spec.engine.tp_size,
+        )
+        self.weights = self.publisher.publish()
 
     # ---- start ---------------------------------------------------------------------------
     def _load_initial_weights(self) -> None:
         """The latest checkpoint (resume), else the initial model directory, else the seeded init."""
-        from gyre.models.checkpoint import load_checkpoint
-
-        if self.spec.resume and self.checkpoints.load_latest(self.trainer) is not None:
+        keep = self.spec.trainer.checkpoint_keep_last
+        if self.spec.resume and self.ranks.call("load_latest", self.spec.checkpoint_dir, keep) is not None:
             return
         if self.spec.init_weights:
-            _, tensors = load_checkpoint(self.spec.init_weights)
-            self.trainer.load_engine_weights(tensors)
+            self.ranks.call("load_engine_dir", self.spec.init_weights)
 
     def weights_digest(self) -> str:
         return hashlib.sha256(self.trainer.flat.weights.detach().cpu().numpy().tobytes()).hexdigest()[:16]
@@ -154,8 +169,10 @@ class CellLeader:
                 self._end_step(msg.step)
             elif isinstance(msg, SaveCheckpoint):
                 t0 = time.monotonic()
-                path = self.checkpoints.save(self.trainer, msg.extra)
-                self.channel.send(CheckpointDone(msg.step, str(path), time.monotonic() - t0, self.weights_digest()))
+                path = self.ranks.call(
+                    "save", self.spec.checkpoint_dir, self.spec.trainer.checkpoint_keep_last, msg.extra
+                )
+                self.channel.send(CheckpointDone(msg.step, path, time.monotonic() - t0, self.weights_digest()))
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
         except ChannelClosed:
@@ -165,65 +182,48 @@ class CellLeader:
             self.channel.send(Failure(self.index, f"{type(msg).__name__}: {e!r}"))
 
     # ---- training steps (core) -----------------------------------------------------------
+    def _open(self, step: int) -> None:
+        """Open `step` on the core (once) and compute it in a worker thread as its batches arrive."""
+        if self._run is None:
+            self.core.begin_step(step)
+            self._run = (step, time.monotonic(), self._pool.submit(self.core.run_step))
+            self._reported = []
+
     def _add_batches(self, msg: MicroBatches) -> None:
         from gyre.train.batch import BatchError
 
-        if self._step is None:
-            if msg.step != self.trainer.step:
-                raise RuntimeError(f"micro-batches of step {msg.step} while the core is at step {self.trainer.step}")
-            self.core.begin_step()
-            self._step = {"step": msg.step, "index": [], "tokens": [], "t0": time.monotonic(), "sent": 0}
-            self._worker = threading.Thread(target=self._run_step, args=(self._step,), daemon=True)
-            self._worker.start()
-        for batch in msg.batches:
+        self._open(msg.step)
+        for k, batch in enumerate(msg.batches):
             try:
-                self._step["index"].append(self.core.add_micro_batch(batch))
-            except BatchError as e:  # nothing trainable in it: counted as done, the step goes on
-                log.warning("step %d: micro-batch screened out: %s", msg.step, e)
-                self._step["index"].append(None)
-            self._step["tokens"].append(batch.num_tokens)
-
-    def _run_step(self, step: dict) -> None:
-        try:
-            step["metrics"] = self.core.run_step()
-        except Exception as e:
-            step["error"] = repr(e)
+                self.core.add_micro_batch(batch, (msg.step, msg.group, k))
+            except BatchError as e:  # nothing trainable in it: the core counts it as done
+                log.warning("step %d: micro-batch (group %d, %d) screened out: %s", msg.step, msg.group, k, e)
 
     def _end_step(self, step: int) -> None:
-        if self._step is None or all(i is None for i in self._step["index"]):
-            if self._step is not None:
-                self.core.abort_step()
-                self._worker.join()
-            self.trainer.step += 1  # nothing to train: the version moves on, the weights do not
-            self._step = None
-            self._done(step, {"skipped": 1}, 0.0)
-            return
-        self._step["ended"] = True
+        self._open(step)  # a step none of whose groups had anything to train: the core skips it
         self.core.end_step()
 
     def _watch_step(self) -> None:
         """Report micro-batches trained so far; once run_step returned, publish and say StepDone."""
-        st = self._step
-        if st is None:
+        if self._run is None:
             return
-        done_by = self.core.progress()[1]
-        done = [o for o, i in enumerate(st["index"]) if i is None or i in done_by]
-        if len(done) > st["sent"]:
-            st["sent"] = len(done)
-            self.channel.send(StepProgress(st["step"], done))
-        if self._worker.is_alive():
+        step, t0, run = self._run
+        done = self.core.done_ids()
+        if len(done) > len(self._reported):
+            self._reported = done
+            self.channel.send(StepProgress(step, done))
+        if not run.done():
             return
-        self._worker, self._step = None, None
-        if "error" in st:
-            self.channel.send(Failure(self.index, f"step {st['step']}: {st['error']}"))
+        self._run = None
+        if run.exception() is not None:
+            self.channel.send(Failure(self.index, f"step {step}: {run.exception()!r}"))
             return
-        metrics = st["metrics"]
-        trained = [t for t, i in zip(st["tokens"], st["index"]) if i is not None]
-        for k, ((cell, seconds, ended), tokens) in enumerate(zip(metrics.pop("microsteps"), trained)):
+        metrics = run.result()
+        for k, (_, cell, seconds, ended, tokens, rank) in enumerate(metrics.pop("microsteps", [])):
             by = 0 if cell == "core" else int(str(cell).removeprefix("cell"))
             # t is when it ended, not now: a cell's busy time is [t - seconds, t] (gyre.metrics.state)
-            self.events.emit(MicroStep(t=ended, step=st["step"], index=k, cell=by, tokens=tokens, seconds=seconds))
-        self._done(st["step"], metrics, time.monotonic() - st["t0"])
+            self.events.emit(MicroStep(t=ended, step=step, index=k, cell=by, rank=rank, tokens=tokens, seconds=seconds))
+        self._done(step, metrics, time.monotonic() - t0)
 
     def _done(self, step: int, metrics: dict, seconds: float) -> None:
         self.weights = self.publisher.publish()
@@ -292,6 +292,14 @@ class CellLeader:
             self.publisher.close()
         if self.core is not None:
             self.core.close()
+        if self.ranks is not None:
+            self.ranks.stop()
+        for proc in self.followers:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # stuck in a collective rank 0 left: nothing to save there
+                proc.kill()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.engine.stop()
         if self.channel is not None:
             self.channel.close()

@@ -19,6 +19,8 @@ class CellSpec:
     trainer: TrainerConfig
     engine: EngineConfig
     seed: int
+    ranks: int = 1
+    """Processes of the cell's trainer (cluster.ranks_per_cell); the leader is rank 0."""
     host: str
     """Interface its servers bind (the core's satellite listener, Mooncake)."""
     coordinator_address: str

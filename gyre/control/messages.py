@@ -14,7 +14,9 @@ is built and again when it arrives (`check`), so a peer that sends something els
     coordinator <-> cell leader (gyre/coordinator, gyre/cells)
       CellReady(cell, engine_url, ...)        once the leader's trainer and engine are up
       RoleSwitch(cell, target, ...) -> PhaseDone(cell, phase, seconds)... -> RoleDone(cell, role, ...)
-      MicroBatches(step, batches)... EndStep(step) -> StepProgress(step, done)... -> StepDone(...)
+      MicroBatches(step, group, batches)... EndStep(step) -> StepProgress(step, done)... -> StepDone(...)
+    A micro-batch is known everywhere by its MicroBatchId (step, group, k): the coordinator names
+    it, the core (gyre/train/elastic.py) owns the open step and reports trained ids back.
       SaveCheckpoint(step, extra) -> CheckpointDone(...); Stop; Failure(cell, reason)
 """
 
@@ -81,6 +83,10 @@ def check(msg: object) -> None:
 
 CellId = str | int
 """A cell's name: trainer-side names ("core", "cell2") or the scheduler's cell index."""
+
+MicroBatchId = tuple[int, int, int]
+"""(step, group, k): the k-th micro-batch of group `group` trained at step `step`; stable from the
+coordinator that cuts it to the core that trains it, so nobody else counts a step's micro-batches."""
 
 
 # ---- satellite <-> core ---------------------------------------------------------------------
@@ -211,9 +217,11 @@ class RoleDone:
 
 @message
 class MicroBatches:
-    """More micro-batches of step `step` for the core (streamed as their groups become ready)."""
+    """Group `group`'s micro-batches of step `step` for the core (streamed as groups become ready):
+    `batches[k]` is micro-batch (step, group, k)."""
 
     step: int
+    group: int
     batches: list
 
 
@@ -226,7 +234,7 @@ class EndStep:
 
 @message
 class StepProgress:
-    """Ordinals (in the order received) of the step's micro-batches trained so far."""
+    """MicroBatchIds of the step's micro-batches trained (or screened out: nothing to train) so far."""
 
     step: int
     done: list

@@ -117,6 +117,7 @@ async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
             trainer=cfg.trainer,
             engine=cfg.engine,
             seed=cfg.seed,
+            ranks=cfg.cluster.ranks_per_cell,
             host=parts.launcher.host,
             coordinator_address=address,
             control=k.control,

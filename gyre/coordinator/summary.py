@@ -42,6 +42,7 @@ class RunEvents:
                 mode=self.cfg.scheduler.mode,
                 num_steps=self.cfg.num_steps,
                 num_cells=len(roles),
+                cell_ranks=self.cfg.cluster.ranks_per_cell,
                 start_step=ready.step,
                 weights_digest=ready.weights_digest,
             )

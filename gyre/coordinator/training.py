@@ -1,7 +1,10 @@
 """The training side of the run: ready groups stream to the core as micro-batches; it steps once.
 
     group ready ─> make_group_batch ─> MicroStepQueue[step] ─(core in TRAIN)─> MicroBatches ─> core
-    the step's every group accounted ─> EndStep;  StepProgress ─> groups done in the queue
+    the step's every group accounted ─> EndStep;  StepProgress(ids) ─> groups done in the queue
+
+Micro-batch k of group g at step s is (s, g, k) everywhere (gyre.control.messages.MicroBatchId):
+the core owns the open step and reports the ids it trained; nothing here counts them.
     StepDone ─> version + 1 ─> engines of serving cells load it ─> checkpoint ─> ledger: trained
 
 A group is one micro-step of the queue (what the policy counts as ready training work) until the
@@ -28,10 +31,10 @@ class StepRecord:
     groups: list[tuple[Group, GroupBatch]] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     seconds: float = 0.0
-    sent: list[int] = field(default_factory=list)
-    """Group of each micro-batch sent to the core, in the order sent (StepProgress ordinals)."""
-    micro: dict[int, MicroStep] = field(default_factory=dict)
-    """Group -> its micro-step in the queue, until the core trained all its micro-batches."""
+    sent: set[int] = field(default_factory=set)
+    """Groups whose micro-batches went to the core."""
+    micro: dict[int, tuple[MicroStep, int]] = field(default_factory=dict)
+    """Group -> (its micro-step in the queue, its number of micro-batches), until the core trained them all."""
     ended: bool = False
 
     @property
@@ -88,7 +91,8 @@ class Training:
         rec.groups.append((group, batch))
         tokens = sum(b.num_tokens for b in batch.micro_batches)
         if tokens:
-            rec.micro[group.index] = self.queue.add_ready(group.step, group.index, batch.min_version, tokens)
+            ms = self.queue.add_ready(group.step, group.index, batch.min_version, tokens)
+            rec.micro[group.index] = (ms, len(batch.micro_batches))
         else:
             self.queue.exclude(group.step, group.index)
         return batch
@@ -97,11 +101,10 @@ class Training:
         """Messages for the core now (it must be in TRAIN): new micro-batches of the current step,
         then EndStep once every group of the step is accounted for."""
         rec, out = self._record(self.version), []
-        sent = set(rec.sent)
         for group, batch in rec.groups:
-            if group.index not in sent and batch.micro_batches:
-                out.append(MicroBatches(rec.step, batch.micro_batches))
-                rec.sent += [group.index] * len(batch.micro_batches)
+            if group.index not in rec.sent and batch.micro_batches:
+                out.append(MicroBatches(rec.step, group.index, batch.micro_batches))
+                rec.sent.add(group.index)
         if not rec.ended and self.queue.batch_ready():
             out.append(EndStep(rec.step))
             rec.ended = True
@@ -112,12 +115,13 @@ class Training:
         rec = self.steps.get(msg.step)
         if rec is None:
             return
-        done = {rec.sent[o] for o in msg.done}
-        for gi in done - {rec.sent[o] for o in range(len(rec.sent)) if o not in msg.done}:
-            self._complete(rec, gi)
+        done = {tuple(i) for i in msg.done}
+        for gi, (_, n) in list(rec.micro.items()):
+            if all((msg.step, gi, k) in done for k in range(n)):
+                self._complete(rec, gi)
 
     def _complete(self, rec: StepRecord, group_index: int) -> None:
-        ms = rec.micro.pop(group_index, None)
+        ms, _ = rec.micro.pop(group_index, (None, 0))
         if ms is not None:
             claimed = self.queue.claim("core", index=ms.index)
             self.queue.complete(claimed)

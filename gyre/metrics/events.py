@@ -44,6 +44,8 @@ class RunStart(Event):
     """Scheduler mode: elastic, async or colocate."""
     num_steps: int
     num_cells: int
+    cell_ranks: int = 1
+    """Ranks (trainer processes) per cell, the same in every cell."""
     core_cell: int | None = 0
     """Index of the core cell (None: no core, e.g. every cell trains in turn)."""
     name: str = ""
@@ -132,6 +134,9 @@ class MicroStep(Event):
     cell: int
     tokens: int
     seconds: float
+    rank: int = 0
+    """The rank of the cell that computed it (its data-parallel share; with tensor parallel every
+    rank of its group computed it with this one)."""
 
 
 @dataclass(frozen=True, kw_only=True)

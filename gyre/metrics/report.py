@@ -63,7 +63,13 @@ def summarize(state: RunState) -> dict:
         "num_role_switches": state.num_switches,
         "switch_s": {k: round(fmean(v), 3) for k, v in state.switch_s.items()},
         "switch_phase_s": {p: round(fmean(v), 3) for p, v in state.phase_s.items()},
+        "cell_ranks": state.run.cell_ranks if state.run else None,
         "cell_role_share": shares,
+        "rank_train_busy_s": {
+            str(i): {str(r): round(v, 3) for r, v in sorted(lane.rank_train_s.items())}
+            for i, lane in sorted(state.cells.items())
+            if lane.rank_train_s
+        },
         "cell_utilisation": {
             str(i): {k: round(v, 4) for k, v in parts.items()} for i, parts in utilisation(state).items()
         },
@@ -150,6 +156,10 @@ def format_summary(name: str, s: dict, stats: ReadStats) -> str:
         lines.append(
             f"  cell {cell:<18} "
             + "  ".join(f"{r} {v:.1%}" + (f" (busy {busy[r]:.0%})" if r in busy else "") for r, v in shares.items())
+        )
+    for cell, ranks in s["rank_train_busy_s"].items():
+        lines.append(
+            f"  cell {cell:<4} train busy by rank  " + "  ".join(f"rank {r} {v:.1f} s" for r, v in ranks.items())
         )
     if s["switch_phase_s"]:
         lines.append("  switch phases (mean s)  " + "  ".join(f"{p} {v:.2f}" for p, v in s["switch_phase_s"].items()))

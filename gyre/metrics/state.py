@@ -105,6 +105,8 @@ class CellLane:
     busy: dict[str, Intervals] = field(default_factory=lambda: {"rollout": Intervals(), "train": Intervals()})
     num_calls: int = 0
     num_micro_steps: int = 0
+    rank_train_s: dict[int, float] = field(default_factory=dict)
+    """Rank -> seconds it computed micro-steps (one rank's micro-steps never overlap)."""
 
     def close(self, t: float) -> None:
         if t > self.since:
@@ -206,6 +208,7 @@ class RunState:
         lane = self._lane(e.cell, "train", e.t - e.seconds)
         lane.num_micro_steps += 1
         lane.busy["train"].add(e.t - e.seconds, e.t)
+        lane.rank_train_s[e.rank] = lane.rank_train_s.get(e.rank, 0.0) + e.seconds
         self.num_micro_steps += 1
 
     def _optimizer_step(self, e: OptimizerStep) -> None:

@@ -20,7 +20,8 @@ Micro-steps are computed with normaliser 1 and added in index order whoever comp
 is divided by the step's total loss weight before clipping, so the step does not depend on the
 split (bitwise on CPU) and can start before every batch exists.
 
-The satellite's side is gyre/train/satellite.py. Weights never change while anybody reads them: the
+The satellite's side is gyre/train/satellite.py; the core's half of that protocol is
+gyre/train/core_door.py. Weights never change while anybody reads them: the
 core applies its optimizer step only after every micro-step is folded (so a satellite holding a
 claim may pull), and defers it while an announced pull (`Pull` ... `PullDone`) or a publish for
 engines is copying them. One slot per claim keeps the core's memory bounded (`num_grad_slots`); a
@@ -36,15 +37,17 @@ import torch
 import torch.distributed as dist
 
 from gyre.control import messages as m
-from gyre.control.transport import Channel, ChannelClosed, Listener, listen
+from gyre.control.transport import Channel, Listener, listen
 from gyre.errors import GyreError
 from gyre.scheduler.streaming import MicroStepQueue
+from gyre.train.batch import BatchError
+from gyre.train.core_door import CORE, SatelliteDoor
 from gyre.train.loss import finish_stats, merge_stats
+from gyre.train.ranks import CellRanks
 from gyre.train.trainer import Trainer, prepare_step
 from gyre.trajectory.sample import PackedBatch
 from gyre.transfer import BufferLayout, TransferEndpoint
 
-CORE = "core"
 logger = logging.getLogger(__name__)
 
 
@@ -53,17 +56,20 @@ class ElasticError(GyreError):
 
 
 def one_rank_cell() -> None:
-    """Raise unless this cell is one rank (core and satellites pull and write whole flat buffers)."""
+    """Raise unless this cell is one rank (satellites pull and write whole flat buffers)."""
     if dist.get_world_size() != 1:
-        raise ElasticError("core/satellite steps are built for one-rank cells only (per-rank pulls are not built)")
+        raise ElasticError("satellites are built for one-rank cells only (per-rank pulls are not built)")
 
 
 class _Step:
-    """The open step: its micro-batches, where their gradients are, and who computed what."""
+    """The open step, the one place its micro-batches are tracked: their ids, where their gradients
+    are, and who computed what."""
 
     def __init__(self, version: int):
         self.version = version
         self.batches: dict[int, PackedBatch] = {}
+        self.ids: dict[int, m.MicroBatchId] = {}  # index -> the id the coordinator gave it
+        self.screened: list[m.MicroBatchId] = []  # nothing trainable in them: done as they arrive
         self.micro: dict[int, object] = {}  # index -> the queue's MicroStep
         self.slot_of: dict[int, int] = {}
         self.stats: dict[int, dict] = {}
@@ -76,18 +82,27 @@ class _Step:
         self.aborted = False
 
 
-class CoreServer:
+class CoreServer(SatelliteDoor):
     """The core cell's side: hands out micro-steps as they arrive, folds them, steps once; publishes weights.
+
+    A core of several ranks (`ranks`, driven from rank 0) trains alone: it refuses satellites
+    (per-rank pulls are not built) and computes a step once it has ended, on all its ranks.
 
     Args:
         host: interface the control listener binds (a routable address when cells are on other nodes).
         listener: a ready listener (e.g. `listen("mpi", port_file=...)`); default TCP on `host`.
+        ranks: the cell's ranks (gyre/train/ranks.py); default this one rank.
     """
 
     def __init__(
-        self, trainer: Trainer, endpoint: TransferEndpoint, host: str = "127.0.0.1", listener: Listener | None = None
+        self,
+        trainer: Trainer,
+        endpoint: TransferEndpoint,
+        host: str = "127.0.0.1",
+        listener: Listener | None = None,
+        ranks: CellRanks | None = None,
     ):
-        one_rank_cell()
+        self.ranks = ranks or CellRanks(trainer)
         self.trainer, self.endpoint = trainer, endpoint
         n = trainer.flat.weights.numel()
         self.slots = torch.zeros(trainer.cfg.num_grad_slots, n, dtype=torch.float32, device=trainer.flat.weights.device)
@@ -119,27 +134,48 @@ class CoreServer:
         with self._cond:
             return self._queue.claims(), self._queue.done_by()
 
+    def done_ids(self) -> list[m.MicroBatchId]:
+        """Ids of the open step's micro-batches trained or screened out so far (empty: no step open)."""
+        with self._cond:
+            step = self._step
+            if step is None:
+                return []
+            return step.screened + [step.ids[i] for i in sorted(self._queue.done_by())]
+
     # ---- the streaming step API ------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Open the step at version `trainer.step`: satellites may claim micro-batches as they arrive."""
+    def begin_step(self, step: int | None = None) -> None:
+        """Open the step at version `trainer.step` (which must be `step` if given): satellites may
+        claim micro-batches as they arrive."""
         with self._cond:
             if self._step is not None:
                 raise ElasticError(f"step {self._step.version} is still open; run_step must finish it first")
+            if step is not None and step != self.trainer.step:
+                raise ElasticError(f"step {step} cannot open: the core is at step {self.trainer.step}")
             self._queue.version = self.trainer.step
             self._step = _Step(self.trainer.step)
             self._cond.notify_all()
 
-    def add_micro_batch(self, batch: PackedBatch) -> int:
+    def add_micro_batch(self, batch: PackedBatch, batch_id: m.MicroBatchId | None = None) -> int:
         """Screen `batch` and make it claimable (thread-safe); returns its index in the step.
 
+        Args:
+            batch_id: its id (default: (step, 0, index)); `done_ids` reports it once trained.
         Raises:
-            BatchError: structurally broken, or nothing trainable left after screening.
+            BatchError: structurally broken, or nothing trainable left after screening (it then
+                counts as done: the step goes on without it).
             ElasticError: no step is open, or end_step was already called.
         """
-        (kept,), weight, excluded = prepare_step([batch], self.trainer.model_cfg.vocab_size)
+        try:
+            (kept,), weight, excluded = prepare_step([batch], self.trainer.model_cfg.vocab_size)
+        except BatchError:
+            with self._cond:
+                step = self._open_step("add_micro_batch")
+                step.screened.append(batch_id or (step.version, 0, len(step.batches) + len(step.screened)))
+            raise
         with self._cond:
             step = self._open_step("add_micro_batch")
             index = len(step.batches)
+            step.ids[index] = batch_id or (step.version, 0, index + len(step.screened))
             step.batches[index] = kept
             step.micro[index] = self._queue.add_ready(step.version, index, step.version, max(kept.num_tokens, 1))
             step.screened_weight += weight
@@ -149,11 +185,16 @@ class CoreServer:
 
     def end_step(self, total_weight: float | None = None) -> None:
         """No more micro-batches this step. `total_weight` is the normaliser (summed loss weight of
-        the step's targets); None uses the weight of what was screened in, as `Trainer.train_step` does."""
+        the step's targets); None uses the weight of what was screened in, as `Trainer.train_step` does.
+        A step with nothing to train (every micro-batch screened out, or none) is skipped: run_step
+        moves the version on and leaves the weights as they are."""
         with self._cond:
             step = self._open_step("end_step")
             if not step.batches:
-                raise ElasticError(f"end_step: step {step.version} has no micro-batch; add one or abort_step()")
+                step.total_weight = 0.0
+                self._queue.close_step(step.version)
+                self._cond.notify_all()
+                return
             weight = step.screened_weight if total_weight is None else float(total_weight)
             if not weight > 0:
                 raise ElasticError(f"end_step: the step's total loss weight must be > 0, got {weight}")
@@ -184,7 +225,8 @@ class CoreServer:
 
         Returns:
             Loss metrics, grad norm, `microsteps_by/<cell>`, `microsteps_redone`, exclusions, and
-            `microsteps`: [(cell, seconds, unix time it ended)] per micro-step in index order.
+            `microsteps`: [(id, cell, seconds, unix time it ended, tokens, rank of the cell that
+            computed it)] per micro-step in index order; `{"skipped": 1}` for a step with nothing to train.
         Raises:
             ElasticError: no step is open, or it was aborted (abort_step).
         """
@@ -193,6 +235,8 @@ class CoreServer:
                 raise ElasticError("run_step: no step is open (call begin_step first) or it is running already")
             step = self._step
             step.running = True
+        if self.ranks.num_ranks > 1:
+            return self._run_on_ranks(step)
         acc = torch.zeros_like(self.trainer.flat.weights)
         redone_before = self._queue.num_redone
         applied = False
@@ -204,6 +248,10 @@ class CoreServer:
                     self._evict_hung_pulls()
                     self._cond.wait(timeout=0.05 if self.trainer.cfg.claim_timeout_s else None)
                 self._applying = True
+            if not step.batches:
+                self.trainer.skip_step()
+                applied = True
+                return {"skipped": 1}
             metrics = self.trainer.apply_gradient(acc, step.total_weight)
             applied = True
         finally:
@@ -211,8 +259,8 @@ class CoreServer:
         stats = {}
         for i in range(len(step.batches)):
             stats = merge_stats(stats, step.stats[i])
-        timing = [step.timing[i] for i in range(len(step.batches))]
-        by_cell = Counter(f"microsteps_by/{cell}" for cell, _, _ in timing)
+        timing = [(step.ids[i], *step.timing[i], step.batches[i].num_tokens, 0) for i in range(len(step.batches))]
+        by_cell = Counter(f"microsteps_by/{t[1]}" for t in timing)
         return (
             finish_stats(stats)
             | dict(step.excluded)
@@ -220,6 +268,38 @@ class CoreServer:
             | metrics
             | {"microsteps_redone": self._queue.num_redone - redone_before, "microsteps": timing}
         )
+
+    def _run_on_ranks(self, step: _Step) -> dict:
+        """run_step of a multi-rank core: once the step has ended, every rank computes it (the
+        micro-steps split over the data-parallel ranks, summed in index order)."""
+        applied = False
+        try:
+            with self._cond:
+                while step.total_weight is None and not step.aborted:
+                    self._cond.wait()
+                if step.aborted:
+                    raise ElasticError(f"step {step.version} was aborted")
+                while self._readers:
+                    self._cond.wait()
+                self._applying = True
+            if not step.batches:
+                self.trainer.skip_step()
+                applied = True
+                return {"skipped": 1}
+            batches = [step.batches[i] for i in range(len(step.batches))]
+            metrics, timing = self.ranks.call("step_screened", batches, step.total_weight)
+            with self._cond:
+                for i, (seconds, ended, _) in enumerate(timing):
+                    self._queue.complete(self._queue.claim(CORE, index=i), CORE)
+                    step.timing[i] = (CORE, seconds, ended)
+            applied = True
+        finally:
+            self._finish(step, applied)
+        microsteps = [
+            (step.ids[i], CORE, seconds, ended, step.batches[i].num_tokens, rank)
+            for i, (seconds, ended, rank) in enumerate(timing)
+        ]
+        return dict(step.excluded) | metrics | {"microsteps_by/core": len(batches), "microsteps": microsteps}
 
     def _finish(self, step: _Step, applied: bool) -> None:
         with self._cond:
@@ -322,7 +402,7 @@ class CoreServer:
                 return version, self._published[-1][1]
             self._readers["publish"] += 1
         try:
-            descriptor, buffer = self.endpoint.publish_tensors(self.trainer.engine_weights())
+            descriptor, buffer = self.endpoint.publish_tensors(self.ranks.call("engine_weights"))
         finally:
             with self._cond:
                 self._readers["publish"] -= 1
@@ -343,115 +423,6 @@ class CoreServer:
             if v == version:
                 return BufferLayout.from_json(descriptor["layout"]).unpack(buffer)
         raise KeyError(f"weight version {version} is not published; have {[p[0] for p in self._published]}")
-
-    # ---- satellites ------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                ch = self._listener.accept()
-            except ChannelClosed:
-                return
-            with self._cond:
-                self._channels.add(ch)
-            t = threading.Thread(target=self._serve, args=(ch,), daemon=True, name=f"core-{ch.peer}")
-            self._threads.append(t)
-            t.start()
-
-    def _serve(self, ch: Channel) -> None:
-        cell = None
-        try:
-            cell = self._welcome(ch, ch.recv(timeout_s=60))
-            while cell is not None:
-                msg = ch.recv()
-                if isinstance(msg, m.Claim):
-                    ch.send(self._grant(cell))
-                elif isinstance(msg, m.Done):
-                    self._accept_result(cell, msg)
-                elif isinstance(msg, m.Pull):
-                    ch.send(self._start_pull(cell))
-                elif isinstance(msg, m.PullDone):
-                    self._end_pull(cell)
-                elif isinstance(msg, m.Leave):
-                    self._release(cell)  # it finished its micro-step first; nothing should be held
-                elif not isinstance(msg, m.Heartbeat):
-                    raise m.ProtocolError(f"a satellite may not send {type(msg).__name__} to the core")
-        except m.ProtocolError as e:
-            logger.error("dropping %s (%s): %s", cell or "a peer", ch.peer, e)
-        except ChannelClosed:
-            pass  # the satellite died or the core is closing: release below
-        finally:
-            ch.close()
-            with self._cond:
-                self._channels.discard(ch)
-            if cell is not None:
-                with self._cond:
-                    if self._cells.get(cell) is ch:
-                        del self._cells[cell]
-                    self._evicted.discard(cell)
-                    self._free.extend(self._quarantine.pop(cell, []))  # the process is gone now
-                    self._cond.notify_all()
-                self._release(cell)
-
-    def _welcome(self, ch: Channel, msg: object) -> str | None:
-        if not isinstance(msg, m.Join):
-            raise m.ProtocolError(f"expected Join first, got {type(msg).__name__}")
-        if [tuple(map(tuple, x)) for x in msg.signature] != [
-            tuple(map(tuple, x)) for x in self.trainer.flat.signature()
-        ]:
-            ch.send(m.Refused("model parameters differ from the core's (names, shapes)"))
-            return None
-        with self._cond:
-            if msg.cell in self._cells or msg.cell == CORE:
-                ch.send(m.Refused(f"cell name {msg.cell!r} is in use"))
-                return None
-            self._cells[msg.cell] = ch
-            version = self.trainer.step
-        ch.send(m.Welcome(self.endpoint.session_id, self._weights_addr, self.trainer.flat.weights.numel(), version))
-        return msg.cell
-
-    def _release(self, cell: str) -> None:
-        with self._cond:
-            step = self._step
-            for ms in self._queue.release(cell) if step is not None else []:
-                self._free.append(step.slot_of.pop(ms.index))
-            self._end_pull(cell, all_of_them=True)
-            self._cond.notify_all()
-
-    def _grant(self, cell: str) -> object:
-        with self._cond:
-            step = self._step
-            if cell in self._evicted:
-                return m.Evicted()
-            if step is None or not self._free or (ms := self._queue.claim(cell, time.monotonic())) is None:
-                return m.Wait()
-            step.slot_of[ms.index] = slot = self._free.popleft()
-            return m.Work(
-                ms.index, step.version, self._slots_addr + slot * self.slots.shape[1] * 4, step.batches[ms.index]
-            )
-
-    def _accept_result(self, cell: str, msg: m.Done) -> None:
-        with self._cond:
-            step = self._step
-            ms = None if step is None else step.micro.get(msg.index)
-            if ms is not None and self._queue.complete(ms, cell):
-                step.stats[msg.index] = msg.stats
-                step.timing[msg.index] = (cell, msg.seconds, time.time())  # its result just arrived
-            self._cond.notify_all()
-
-    def _start_pull(self, cell: str) -> m.WeightVersion:
-        with self._cond:
-            while self._applying:
-                self._cond.wait()
-            self._readers[cell] += 1
-            self._pull_started[cell] = time.monotonic()
-            return m.WeightVersion(self.trainer.step)
-
-    def _end_pull(self, cell: str, all_of_them: bool = False) -> None:
-        with self._cond:
-            if self._readers[cell] > 0:
-                self._readers[cell] = 0 if all_of_them else self._readers[cell] - 1
-            self._readers += Counter()
-            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop serving: satellites see their channel close and leave their loop."""

@@ -13,17 +13,18 @@ loss weight once (`apply_gradient`): the loss is linear in 1 / normaliser, so a 
 start before it knows the normaliser.
 """
 
+import time
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 
 from gyre.models.config import ModelConfig
-from gyre.models.convert import engine_to_megatron, megatron_to_engine
+from gyre.models.convert import megatron_to_engine
 from gyre.train.batch import check_structure, screen_batch
 from gyre.train.config import TrainerConfig
 from gyre.train.loss import finish_stats, merge_stats, policy_loss
-from gyre.train.model import FlatParams, build_gpt_model, init_distributed
+from gyre.train.model import FlatParams, build_gpt_model, init_distributed, load_full_weights
 from gyre.trajectory.sample import PackedBatch
 
 
@@ -142,6 +143,10 @@ class Trainer:
         self.step += 1
         return {"grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"]}
 
+    def skip_step(self) -> None:
+        """A step with nothing to train: the version moves on (the lr schedule with it), the weights stay."""
+        self.step += 1
+
     def _grad_norm(self) -> float:
         """Global L2 norm: TP-sharded parameters summed over the TP group, replicated ones once."""
         from megatron.core import parallel_state
@@ -159,30 +164,55 @@ class Trainer:
         return float((sharded + replicated).sqrt())
 
     def train_step(self, batches: list[PackedBatch]) -> dict[str, float]:
-        """One optimizer step over `batches` by this cell alone (every rank passes the same list).
+        """One optimizer step over `batches` by this cell alone (every rank passes the same list)."""
+        batches, normaliser, excluded = prepare_step(batches, self.model_cfg.vocab_size)
+        metrics, _ = self.step_screened(batches, normaliser)
+        return dict(excluded) | metrics
 
-        Data-parallel rank r computes micro-steps r, r + DP, ...; each rank adds its own in order,
-        then the sums are all-reduced over the data-parallel group.
+    def step_screened(self, batches: list[PackedBatch], normaliser: float) -> tuple[dict, list[tuple]]:
+        """One optimizer step over screened `batches` on every rank of the cell (each passes the same list).
+
+        Returns:
+            (loss metrics, grad norm and lr; [(seconds, unix time it ended, global rank)] per micro-step)
+        """
+        total, per = self.fold(batches)
+        stats = {}
+        for st, *_ in per:
+            stats = merge_stats(stats, st)
+        return finish_stats(stats) | self.apply_gradient(total, normaliser), [tuple(p[1:]) for p in per]
+
+    def fold(self, batches: list[PackedBatch]) -> tuple[torch.Tensor, list[tuple[dict, float, float, int]]]:
+        """The summed gradient of `batches`, added in index order whatever the data-parallel split,
+        so the sum is bitwise the one-rank sum (the elastic core's contract).
+
+        Data-parallel rank r computes micro-steps r, r + DP, ...; each round the DP ranks broadcast
+        their gradient in rank order and every rank adds them in index order (one flat gradient per
+        micro-step crosses the group, not one all-reduce per step: the price of bitwise sums).
+
+        Returns:
+            (summed flat gradient, [(stats, seconds, unix time it ended, global rank)] per micro-step)
         """
         from megatron.core import parallel_state
 
-        batches, normaliser, excluded = prepare_step(batches, self.model_cfg.vocab_size)
-        dp = parallel_state.get_data_parallel_world_size()
-        mine = range(parallel_state.get_data_parallel_rank(), len(batches), dp)
-        total = torch.zeros_like(self.flat.weights)
-        local = {}
-        for i in mine:
-            g, local[i] = self.microstep(batches[i])
-            total.add_(g)
-        if dp > 1:
-            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-            gathered = [None] * dp
-            dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
-            local = {i: st for part in gathered for i, st in part.items()}
-        stats = dict(excluded)
-        for i in sorted(local):
-            stats = merge_stats(stats, local[i])
-        return finish_stats(stats) | self.apply_gradient(total, normaliser)
+        dp, me = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        group = parallel_state.get_data_parallel_group() if dp > 1 else None
+        total, other = torch.zeros_like(self.flat.weights), torch.empty_like(self.flat.weights)
+        mine = []
+        for first in range(0, len(batches), dp):
+            if first + me < len(batches):
+                t0 = time.perf_counter()
+                grad, stats = self.microstep(batches[first + me])
+                mine.append((stats, time.perf_counter() - t0, time.time(), dist.get_rank()))
+            for owner in range(min(dp, len(batches) - first)):
+                g = self.grad if owner == me else other
+                if dp > 1:
+                    dist.broadcast(g, src=dist.get_global_rank(group, owner), group=group)
+                total.add_(g)
+        if dp == 1:
+            return total, mine
+        gathered = [None] * dp
+        dist.all_gather_object(gathered, mine, group=group)
+        return total, [gathered[i % dp][i // dp] for i in range(len(batches))]
 
     # ---- weights for engines ---------------------------------------------------------------
     def engine_weights(self) -> dict[str, torch.Tensor]:
@@ -209,12 +239,8 @@ class Trainer:
         return torch.cat(shards, dim=param.partition_dim)
 
     def load_engine_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Overwrite the weights from engine-named tensors (TP=1; TP>1 loads through a checkpoint)."""
-        state = engine_to_megatron(tensors, self.model_cfg)
-        own = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, t in state.items():
-                own[name].copy_(t)
+        """Overwrite the weights from full engine-named tensors, each TP rank its shard."""
+        load_full_weights(self.model, self.model_cfg, tensors)
 
 
 def prepare_step(batches: list[PackedBatch], vocab_size: int) -> tuple[list[PackedBatch], float, dict[str, float]]:

@@ -85,9 +85,9 @@ def _every_message() -> list:
             0, "http://127.0.0.1:1", "tcp://127.0.0.1:2/00", PublishedWeights(0, "disk", {"path": "/w/0"}), 0, "ab12"
         ),
         m.RoleDone(2, "train", 10.5, {"stop_admission": 0.01}),
-        m.MicroBatches(3, []),
+        m.MicroBatches(3, 0, []),
         m.EndStep(3),
-        m.StepProgress(3, [0]),
+        m.StepProgress(3, [(3, 0, 0)]),
         m.StepDone(3, 4, {"loss": 0.5}, PublishedWeights(4, "mooncake", {"address": 1}), 2.5),
         m.SaveCheckpoint(4, {"next_group": 16}),
         m.CheckpointDone(4, "/ckpt/step_00000004", 1.5, "ab12"),

@@ -220,6 +220,14 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
     assert all(view.outcome(eid) is not None for eid in view.history)
     assert summary["num_steps"] == 3
 
+    # Its records replayed by one core cell of two data-parallel ranks train the same weights, bit for bit.
+    replay = tmp_path / "replay"
+    records = [f"records={run_dir / 'records'}", "mode=replay", "cluster.num_cells=1", "cluster.ranks_per_cell=2"]
+    replayed = _finish(_gyre_train(replay, tasks, "num_steps=3", *records))
+    digests = [{e["step"]: e["weights_digest"] for e in _events(d, "checkpoint")} for d in (run_dir, replay)]
+    assert digests[0] == digests[1] and sorted(digests[1]) == [1, 2, 3]
+    assert replayed["cell_ranks"] == 2 and set(replayed["rank_train_busy_s"]["0"]) == {"0", "1"}
+
 
 def _tool_call(name: str, args: dict) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"

@@ -65,6 +65,27 @@ def test_bad_values_name_their_key(override, key):
     assert err.value.key == key
 
 
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        pytest.param(("cluster.ranks_per_cell=2",), "cluster.ranks_per_cell", id="elastic-satellites-of-two-ranks"),
+        pytest.param(
+            ("cluster=slurm", "cluster.num_cells=1", "scheduler=colocate", "cluster.ranks_per_cell=2"),
+            "cluster.ranks_per_cell",
+            id="multi-rank-slurm-cells",
+        ),
+        pytest.param(("trainer.tensor_parallel_size=2",), "trainer.tensor_parallel_size", id="tp-over-one-rank"),
+        pytest.param(("cluster.ranks_per_cell=0",), "cluster.ranks_per_cell", id="no-ranks"),
+    ],
+)
+def test_cells_of_several_ranks_are_refused_where_they_are_not_built(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(*overrides))
+    assert err.value.key == key
+    alone = ("cluster.num_cells=1", "scheduler=colocate", "cluster.ranks_per_cell=2", "trainer.tensor_parallel_size=2")
+    assert validate(compose(*alone)).cluster.ranks_per_cell == 2  # a core training alone is built
+
+
 def test_local_cells_leave_cpu_to_the_processes_outside_them():
     """Cells outweigh everything else (gyre.cells.quota), so cells that take every CPU would starve
     the harnesses, the proxy and the coordinator: refused, naming the key."""

@@ -22,10 +22,12 @@ from gyre.metrics.events import (
     EventError,
     Failure,
     HeldOutResult,
+    MicroStep,
     ModelCall,
     Observation,
     OptimizerStep,
     RoleSwitch,
+    RunStart,
     decode_event,
     encode_event,
 )
@@ -276,6 +278,18 @@ def test_summary_of_the_fixture_run(run_events):
     # held-out rewards: means under the first and the last weights, an unscored execution left out
     assert (s["eval_reward_first"], s["eval_reward_last"]) == (0.3, pytest.approx(0.8))
     assert s["eval_reward_per_version"] == {0: 0.3, 4: pytest.approx(0.8)}
+
+
+def test_the_summary_gives_ranks_per_cell_and_each_ranks_train_busy_time():
+    from gyre.metrics.report import format_summary
+    from gyre.records.io import ReadStats
+
+    events = [RunStart(t=T0, mode="colocate", num_steps=1, num_cells=1, cell_ranks=2)]
+    for k, (rank, seconds) in enumerate([(0, 2.0), (1, 3.0), (0, 1.5)]):
+        events.append(MicroStep(t=T0 + 10 + k, step=0, index=k, cell=0, rank=rank, tokens=100, seconds=seconds))
+    s = summarize(fold(events))
+    assert s["cell_ranks"] == 2 and s["rank_train_busy_s"] == {"0": {"0": 3.5, "1": 3.0}}
+    assert "cell 0    train busy by rank  rank 0 3.5 s  rank 1 3.0 s" in format_summary("r", s, ReadStats())
 
 
 # --- live views -------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 import torch
 from _train_ref import random_batches
 
+from gyre.coordinator.training import StepRecord, Training
 from gyre.models.config import ModelConfig
 from gyre.train.config import TrainerConfig
 from gyre.train.elastic import CoreServer, ElasticError
@@ -153,9 +154,9 @@ def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(start_sa
         server.end_step(sum(float(b.loss_weights[b.target_mask].sum()) for b in steps[0]))
         thread.join(timeout=120)
         assert first["microsteps_by/satellite1"] >= 1 and first["microsteps_by/satellite2"] >= 1
-        assert [cell for cell, _, _ in first["microsteps"]].count("satellite1") == first["microsteps_by/satellite1"]
-        assert all(seconds > 0 for _, seconds, _ in first["microsteps"])
-        assert all(t_begin + seconds <= ended <= time.time() for _, seconds, ended in first["microsteps"])
+        assert [c for _, c, _, _, _, _ in first["microsteps"]].count("satellite1") == first["microsteps_by/satellite1"]
+        assert all(seconds > 0 for _, _, seconds, _, _, _ in first["microsteps"])
+        assert all(t_begin + seconds <= ended <= time.time() for _, _, seconds, ended, _, _ in first["microsteps"])
         assert _rel_diff(core.flat.weights, expected[0]) <= 1e-6
         assert torch.equal(core.flat.weights, expected[0])  # on CPU it is in fact bitwise
 
@@ -253,8 +254,8 @@ def test_each_micro_step_says_when_it_ended_and_the_cores_never_overlap():
         t_begin = time.time()
         thread, out = _run_in_thread(server, random_batches(MODEL, 3, 2, seed=3))
         thread.join(timeout=120)
-        assert [cell for cell, _, _ in out["microsteps"]] == ["core"] * 3
-        spans = sorted((ended - seconds, ended) for _, seconds, ended in out["microsteps"])
+        assert [cell for _, cell, _, _, _, _ in out["microsteps"]] == ["core"] * 3
+        spans = sorted((ended - seconds, ended) for _, _, seconds, ended, _, _ in out["microsteps"])
         assert t_begin <= spans[0][0] and spans[-1][1] <= time.time()
         assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))
     finally:
@@ -270,10 +271,14 @@ def test_step_api_misuse_is_a_clear_error():
         server.begin_step()
         with pytest.raises(ElasticError, match="still open"):
             server.begin_step()
-        with pytest.raises(ElasticError, match="no micro-batch"):
-            server.end_step()
-        server.abort_step()  # e.g. every group of the step was excluded
+        server.abort_step()
         assert core.step == 0  # nothing was applied; a new step can open
+        with pytest.raises(ElasticError, match="core is at step 0"):
+            server.begin_step(1)
+        server.begin_step(0)
+        weights = core.flat.weights.clone()
+        server.end_step()  # e.g. every group of the step was excluded: skipped, the version moves on
+        assert server.run_step() == {"skipped": 1} and core.step == 1 and torch.equal(core.flat.weights, weights)
         server.begin_step()
         server.add_micro_batch(random_batches(MODEL, 1, 2, seed=1)[0])
         with pytest.raises(ElasticError, match="must be > 0"):
@@ -281,7 +286,7 @@ def test_step_api_misuse_is_a_clear_error():
         server.end_step()
         with pytest.raises(ElasticError, match="already ended"):
             server.add_micro_batch(random_batches(MODEL, 1, 2, seed=2)[0])
-        assert server.run_step()["microsteps_by/core"] == 1 and core.step == 1
+        assert server.run_step()["microsteps_by/core"] == 1 and core.step == 2
     finally:
         server.close()
 
@@ -310,3 +315,41 @@ def test_over_the_mpi_control_transport_a_satellite_trains_the_same_step(start_s
         server.close()
     assert metrics["microsteps_by/satellite1"] == 3 == report["computed"]
     assert torch.equal(core.flat.weights, ref.flat.weights)
+
+
+def test_micro_batches_keep_their_ids_from_the_core_to_the_coordinators_queue():
+    """The core reports (step, group, k) ids: a screened-out one at once, trained ones as they are
+    folded; the coordinator's queue retires a group only once all its ids are reported."""
+    from gyre.control.messages import StepProgress
+    from gyre.scheduler.streaming import MicroStepQueue
+    from gyre.train.batch import BatchError
+
+    core = Trainer(MODEL, CFG, seed=0)
+    server = CoreServer(core, TransferEndpoint())
+    good = random_batches(MODEL, 3, 2, seed=1)
+    empty = replace(good[0], loss_weights=torch.zeros_like(good[0].loss_weights))
+    try:
+        server.begin_step(0)
+        server.add_micro_batch(good[0], (0, 4, 0))
+        with pytest.raises(BatchError, match="no trainable sequence"):
+            server.add_micro_batch(empty, (0, 4, 1))
+        server.add_micro_batch(good[1], (0, 7, 0))
+        assert server.done_ids() == [(0, 4, 1)]  # screened: done at once
+        server.add_micro_batch(good[2], (0, 7, 1))
+        server.end_step()
+        out = server.run_step()
+    finally:
+        server.close()
+    assert [t[0] for t in out["microsteps"]] == [(0, 4, 0), (0, 7, 0), (0, 7, 1)]
+    assert [t[4] for t in out["microsteps"]] == [b.num_tokens for b in good]
+
+    queue = MicroStepQueue(groups_per_step=2, staleness=0)
+    rec = StepRecord(0)
+    for gi, n in ((4, 2), (7, 2)):
+        rec.micro[gi] = (queue.add_ready(0, gi, 0, 10), n)
+    train = Training.__new__(Training)
+    train.queue, train.steps = queue, {0: rec}
+    train.on_progress(StepProgress(0, [(0, 4, 1), (0, 7, 0)]))
+    assert set(rec.micro) == {4, 7}  # neither group has all its ids yet
+    train.on_progress(StepProgress(0, [(0, 4, 1), (0, 7, 0), (0, 4, 0)]))
+    assert set(rec.micro) == {7} and queue.done_by() == {0: "core"}
