@@ -32,6 +32,7 @@ from gyre.engines.published import PublishedWeights
 from gyre.engines.weights import load_weights_at
 from gyre.errors import GyreError
 from gyre.scheduler.cells import Role
+from gyre.scheduler.decode import measure_cells
 from gyre.scheduler.observe import make_observation
 from gyre.tasks.taskset import TaskSource
 
@@ -118,27 +119,29 @@ async def _tick(
     if preempting and not train.uncheckpointed:
         raise Preempted(f"preempted at weight version {train.version}, its checkpoint complete")
     queued, ahead, running = source.counts(train.version)
-    sessions = await _sessions(parts)
-    obs = make_observation(  # live, sessions per cell bound rollout; decode is not measured (None)
+    engines = (await parts.admin.metrics())["engines"]
+    loads = measure_cells(now, [x.engine_id for x in parts.cells], engines, parts.decode, c.sessions_per_cell)
+    obs = make_observation(
         now,
         [x.state for x in parts.cells],
-        sessions,
-        [c.sessions_per_cell] * len(parts.cells),
-        None,
+        loads.sessions,
+        loads.max_sessions,
+        loads.gen_tok_s,
         queued=queued,
         queued_ahead=ahead,
         running=running,
         queue=train.queue,
         train_tok_s=train.train_tok_s,
         optimizing=train.optimizing,
+        gen_demand_tok_s=loads.gen_demand_tok_s,
     )
-    events.observe(obs, sessions)
+    events.observe(obs, loads.sessions)
     decision = parts.policy.decide(obs)
     for i in decision.to_train + decision.to_rollout:
         target = Role.TRAIN if i in decision.to_train else Role.ROLLOUT
         parts.cells[i].begin_switch(target, now, train.weights, parts.core_address)
-    serving = sum(x.state.role == Role.ROLLOUT for x in parts.cells)
-    await source.advance(train.version, serving * c.sessions_per_cell - running)
+    serving = sum(m for x, m in zip(parts.cells, loads.max_sessions) if x.state.role == Role.ROLLOUT)
+    await source.advance(train.version, serving - running)
     source.feed(train)
     if parts.core.state.role == Role.TRAIN:
         for msg in train.to_send():
@@ -170,12 +173,6 @@ def _lose(cell, events: RunEvents, now: float, reason: str) -> None:
     cell.state.lose(now)
     events.failure(f"cell{cell.index}", f"lost: {reason[:2000]}")
     threading.Thread(target=cell.stop, daemon=True, name=f"stop-cell{cell.index}").start()
-
-
-async def _sessions(parts: Parts) -> list[int]:
-    """Live sessions per cell, as the proxy routes them."""
-    engines = {e["engine_id"]: e for e in (await parts.admin.metrics())["engines"]}
-    return [engines.get(x.engine_id, {}).get("num_sessions", 0) for x in parts.cells]
 
 
 async def _on_message(

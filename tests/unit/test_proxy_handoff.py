@@ -131,3 +131,19 @@ def test_a_returning_engine_takes_idle_sessions_with_their_kv(fake_engines):
     out, sessions, m = asyncio.run(main())
     assert out == {"num_sessions": 2} and sessions == {"a": 2, "b": 2}
     assert (m.kv_migrated_tokens, m.num_sessions_moved) == (2 * 64, 2)
+
+
+def test_idle_sessions_with_no_engine_to_go_to_are_counted_as_reprefill(fake_engines):
+    """With no other active engine a leaving engine's idle sessions stay routed to it; its memory
+    is released after the hand-off, so their next call recomputes their context: counted."""
+
+    async def main():
+        pool = await _pool()
+        await pool.stop_admission("b")
+        await _idle_session(pool, "x/main", 200)
+        out = await asyncio.wait_for(pool.hand_off("a"), 2)
+        return out, pool.metrics
+
+    out, m = asyncio.run(main())
+    assert out == {"num_aborted": 0, "num_sessions": 0}
+    assert (m.kv_migrated_tokens, m.kv_reprefill_tokens) == (0, 192)  # 203 tokens, 16-token pages
