@@ -147,3 +147,25 @@ def test_idle_sessions_with_no_engine_to_go_to_are_counted_as_reprefill(fake_eng
     out, m = asyncio.run(main())
     assert out == {"num_aborted": 0, "num_sessions": 0}
     assert (m.kv_migrated_tokens, m.kv_reprefill_tokens) == (0, 192)  # 203 tokens, 16-token pages
+
+
+def test_the_pool_counts_each_engines_output_tokens_and_call_time(fake_engines):
+    """The decode counters the live Observation is measured from (gyre.scheduler.decode)."""
+
+    async def main():
+        pool = await _pool()
+        pool.begin("c0", "a", "x/main")
+        pool.begin("c1", "a", "y/main")
+        await asyncio.sleep(0.2)
+        pool.count_output("a", 7)
+        pool.stop_streaming("c0")
+        pool.end("c1")  # ends streaming too
+        pool.end("c0")
+        before = pool.describe()[0]["busy_s"]
+        await asyncio.sleep(0.1)  # idle: no call time accrues
+        return before, {e["engine_id"]: e for e in pool.describe()}
+
+    before, engines = asyncio.run(main())
+    a, b = engines["a"], engines["b"]
+    assert a["output_tokens"] == 7 and (b["output_tokens"], b["call_s"], b["busy_s"]) == (0, 0.0, 0.0)
+    assert a["busy_s"] == before >= 0.2 and a["call_s"] == pytest.approx(2 * a["busy_s"], rel=0.05)  # two calls
