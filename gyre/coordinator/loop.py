@@ -32,8 +32,9 @@ from gyre.engines.published import PublishedWeights
 from gyre.engines.weights import load_weights_at
 from gyre.errors import GyreError
 from gyre.scheduler.cells import Role
-from gyre.scheduler.decode import measure_cells
+from gyre.scheduler.decode import EngineLoads, measure_cells
 from gyre.scheduler.observe import make_observation
+from gyre.scheduler.policy import Observation
 from gyre.tasks.taskset import TaskSource
 
 log = logging.getLogger(__name__)
@@ -112,14 +113,36 @@ async def _tick(
     cfg: GyreConfig, parts: Parts, train: Training, source: Source, events: RunEvents, preempting: bool
 ) -> None:
     """One turn: the cells' messages, then observe, decide, switch, admit, collect, batch and send."""
-    now, c = time.time(), cfg.coordinator
+    now = time.time()
     for cell in parts.cells:
         for msg in _poll(cell, parts, events, now):
             await _on_message(msg, cell, parts, train, source, events, cfg, now, preempting)
     if preempting and not train.uncheckpointed:
         raise Preempted(f"preempted at weight version {train.version}, its checkpoint complete")
+    obs, loads = await observe(cfg, parts, train, source, now)
+    events.observe(obs, loads.sessions)
+    decision = parts.policy.decide(obs)
+    for i in decision.to_train + decision.to_rollout:
+        target = Role.TRAIN if i in decision.to_train else Role.ROLLOUT
+        parts.cells[i].begin_switch(target, now, train.weights, parts.core_address)
+    serving = sum(m for x, m in zip(parts.cells, loads.max_sessions) if x.state.role == Role.ROLLOUT)
+    await source.advance(train.version, serving - obs.running)
+    source.feed(train)
+    if parts.core.state.role == Role.TRAIN:
+        for msg in train.to_send():
+            parts.core.state.join_step(msg.step)
+            parts.core.channel.send(msg)
+    events.update()
+
+
+async def observe(
+    cfg: GyreConfig, parts: Parts, train: Training, source: Source, now: float
+) -> tuple[Observation, EngineLoads]:
+    """What the policy sees now: the source's queue, the proxy's sessions and decode counters per
+    cell (measured over coordinator.decode_window_s), the trainer's ready work."""
     queued, ahead, running = source.counts(train.version)
     engines = (await parts.admin.metrics())["engines"]
+    c = cfg.coordinator
     loads = measure_cells(now, [x.engine_id for x in parts.cells], engines, parts.decode, c.sessions_per_cell)
     obs = make_observation(
         now,
@@ -135,19 +158,7 @@ async def _tick(
         optimizing=train.optimizing,
         gen_demand_tok_s=loads.gen_demand_tok_s,
     )
-    events.observe(obs, loads.sessions)
-    decision = parts.policy.decide(obs)
-    for i in decision.to_train + decision.to_rollout:
-        target = Role.TRAIN if i in decision.to_train else Role.ROLLOUT
-        parts.cells[i].begin_switch(target, now, train.weights, parts.core_address)
-    serving = sum(m for x, m in zip(parts.cells, loads.max_sessions) if x.state.role == Role.ROLLOUT)
-    await source.advance(train.version, serving - running)
-    source.feed(train)
-    if parts.core.state.role == Role.TRAIN:
-        for msg in train.to_send():
-            parts.core.state.join_step(msg.step)
-            parts.core.channel.send(msg)
-    events.update()
+    return obs, loads
 
 
 def _poll(cell, parts: Parts, events: RunEvents, now: float) -> list:

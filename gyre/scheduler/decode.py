@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-MIN_CALL_S = 1.0
+MIN_CALL_S = 0.5
 """Call-seconds a window needs before its per-call speed counts: less is one call's timing noise."""
 SLOWED = 0.8
 """Calls at under this fraction of full speed were sharing the engine's compute (its cap binds)."""

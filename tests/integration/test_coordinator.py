@@ -151,10 +151,6 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
     assert sorted(p.name for p in (run_dir / "records").glob("*.jsonl")) == sorted(f"{e}.jsonl" for e in view.history)
     assert (run_dir / "checkpoints" / "step_00000002").is_dir()
 
-    # The policy saw decode measured from the proxy's counters (gyre.scheduler.decode), not constants.
-    observed = _events(run_dir, "observation")
-    assert any(o["gen_demand_tok_s"] > 0 and 1.0 not in o["gen_tok_s"] for o in observed), observed[-3:]
-
     switches = _events(run_dir, "role_switch")
     assert summary["num_role_switches"] == len(switches) >= 1
     to_train = next(s for s in switches if s["to_role"] == "train")

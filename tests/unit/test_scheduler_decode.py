@@ -1,11 +1,15 @@
 """The live decode measurement (gyre.scheduler.decode) and what it changes in the policy's decisions."""
 
+import asyncio
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 
+from gyre.coordinator.loop import observe
 from gyre.scheduler.cells import Cell, Role
 from gyre.scheduler.config import SchedulerConfig
-from gyre.scheduler.decode import DecodeMeter, measure_cells, session_capacity
-from gyre.scheduler.observe import make_observation
+from gyre.scheduler.decode import DecodeMeter, session_capacity
 from gyre.scheduler.policy import ElasticPolicy
 from gyre.scheduler.streaming import MicroStepQueue
 
@@ -40,10 +44,10 @@ METER_CASES = [
     ("slowed-calls-delivered-the-cap", [ALONE, SLOWED_16], 60.0, 480.0, 16.0),
     (
         "too-few-call-seconds-measure-nothing",
-        [(10.0, [engine("e1", 300, 0.5, 0.5)])],
+        [(10.0, [engine("e1", 300, 0.4, 0.4)])],
         0.0,
         None,
-        0.05,
+        0.04,
     ),
     (
         "restarted-counters-are-skipped",
@@ -93,48 +97,54 @@ def test_session_capacity_cases(eng, expected):
     assert session_capacity(32, eng) == expected
 
 
-def _observations(measured: bool):
+class _Admin:
+    """The proxy's admin API as the loop reads it: one /admin/metrics answer per tick."""
+
+    def __init__(self):
+        self.engines = []
+
+    async def metrics(self):
+        return {"engines": self.engines}
+
+
+def _observations():
     """A run where one serving cell's 16 calls run at half speed, training has no ready work and
-    a satellite idles in training; yields each tick's observation (decode terms measured from the
-    proxy's counters, or dropped: None and 0, as the live coordinator passed before)."""
+    a satellite idles in training: each tick's observation as the coordinator's loop builds it
+    (gyre.coordinator.loop.observe) from the proxy's counters."""
     cells = [
-        Cell(0, 1, is_core=True, role=Role.TRAIN, since_s=-100.0),
-        Cell(1, 1, role=Role.ROLLOUT, since_s=-100.0),
-        Cell(2, 1, role=Role.TRAIN, since_s=-100.0),
+        SimpleNamespace(state=Cell(0, 1, is_core=True, role=Role.TRAIN, since_s=-100.0), engine_id="e0"),
+        SimpleNamespace(state=Cell(1, 1, role=Role.ROLLOUT, since_s=-100.0), engine_id="e1"),
+        SimpleNamespace(state=Cell(2, 1, role=Role.TRAIN, since_s=-100.0), engine_id="e2"),
     ]
-    meter, queue = DecodeMeter(window_s=10.0), MicroStepQueue(groups_per_step=1, staleness=1)
+    parts = SimpleNamespace(cells=cells, admin=_Admin(), decode=DecodeMeter(window_s=10.0))
+    train = SimpleNamespace(
+        version=0, queue=MicroStepQueue(groups_per_step=1, staleness=1), train_tok_s=2000.0, optimizing=False
+    )
+    source = SimpleNamespace(counts=lambda version: (0, 0, 16))
+    cfg = SimpleNamespace(coordinator=SimpleNamespace(sessions_per_cell=32))
+    out = []
     for t in range(0, 60, 10):
         # t=10: one call alone at 60 tokens/s; then 16 calls, 480 tokens/s together
         tokens, call_s = (0, 0.0) if t == 0 else (600 + 480 * (t - 10), 10.0 + 16 * (t - 10))
-        engines = [engine("e1", tokens, call_s, float(t), sessions=16), engine("e2")]
-        loads = measure_cells(t, ["e0", "e1", "e2"], engines, meter, sessions_per_cell=32)
-        yield make_observation(
-            float(t),
-            cells,
-            loads.sessions,
-            loads.max_sessions,
-            loads.gen_tok_s if measured else None,
-            queued=0,
-            queued_ahead=0,
-            running=16,
-            queue=queue,
-            train_tok_s=2000.0,
-            optimizing=False,
-            gen_demand_tok_s=loads.gen_demand_tok_s if measured else 0.0,
-        )
+        parts.admin.engines = [engine("e1", tokens, call_s, float(t), sessions=16), engine("e2")]
+        out.append(asyncio.run(observe(cfg, parts, train, source, float(t)))[0])
+    return out
+
+
+def _constants(o):
+    """`o` with the decode terms as the live coordinator passed them before they were measured."""
+    return replace(o, gen_demand_tok_s=0.0, cells=tuple(replace(c, gen_tok_s=1.0) for c in o.cells))
 
 
 @pytest.mark.parametrize("measured,expected", [(True, (2,)), (False, ())], ids=["measured", "constants"])
 def test_measured_decode_terms_bring_a_satellite_back_to_relieve_slowed_sessions(measured, expected):
     """With the proxy's counters the policy sees 16 calls drawing 960 tokens/s from a cell that
     delivers 480, and brings the idle satellite back (its sessions run at half speed); with the
-    decode terms dropped to constants it sees no overload and keeps it training."""
-    cfg = SchedulerConfig(leave_window_s=15.0, min_dwell_s=60.0)
-    policy = ElasticPolicy(cfg, num_cells=3)
-    decisions = [policy.decide(o) for o in _observations(measured)]
-    last = list(_observations(measured))[-1]
-    if measured:
-        assert last.gen_demand_tok_s == pytest.approx(960.0)
-        assert [c.gen_tok_s for c in last.cells] == pytest.approx([480.0] * 3)
+    decode terms as constants it sees no overload and keeps it training."""
+    observations = _observations()
+    assert observations[-1].gen_demand_tok_s == pytest.approx(960.0)
+    assert [c.gen_tok_s for c in observations[-1].cells] == pytest.approx([480.0] * 3)
+    policy = ElasticPolicy(SchedulerConfig(leave_window_s=15.0, min_dwell_s=60.0), num_cells=3)
+    decisions = [policy.decide(o if measured else _constants(o)) for o in observations]
     assert decisions[-1].to_rollout == expected
     assert not any(d.to_train for d in decisions)
