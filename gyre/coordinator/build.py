@@ -28,6 +28,7 @@ from gyre.engines.weights import load_weights_at
 from gyre.proxy.admin import ProxyAdmin
 from gyre.proxy.main import ProxyProcess
 from gyre.scheduler.cells import Role, make_cells
+from gyre.scheduler.decode import DecodeMeter
 from gyre.scheduler.policy import BasePolicy, Decision, make_policy
 
 
@@ -52,6 +53,8 @@ class Parts:
     """Makes the cells (local processes or this job's Slurm tasks), says how they were placed."""
     cells: list[BaseCell] = field(default_factory=list)
     policy: BasePolicy | None = None
+    decode: DecodeMeter | None = None
+    """Decode speed, demand and capacity from the proxy's counters (the live Observation's decode terms)."""
     listener: Listener | None = None
     core_address: str = ""
     initial: CellReady | None = None
@@ -99,6 +102,7 @@ async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
 async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
     n = cfg.cluster.num_cells
     parts.policy = RolloutOnlyPolicy(cfg.scheduler, n) if cfg.mode == "rollout" else make_policy(cfg.scheduler, n)
+    parts.decode = DecodeMeter(cfg.coordinator.decode_window_s)
     roles = parts.policy.initial_roles()
     k = cfg.cluster
     parts.listener = listen(

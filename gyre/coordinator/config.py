@@ -29,6 +29,9 @@ class CoordinatorConfig:
     """Local cells: CPU quota of each cell's processes (cgroup), like a fixed number of GPUs."""
     cell_start_timeout_s: float = 300.0
     """How long the cell leaders may take to build their trainer and engine."""
+    decode_window_s: float = 10.0
+    """Trailing window, seconds, over which the proxy's per-engine counters give the decode speed,
+    demand and capacity the policy sees (gyre.scheduler.decode)."""
     train_tok_s: float = 2000.0
     """Training throughput of one cell, tokens/s, the policy assumes until the first step measures it."""
     init_weights: str | None = None
@@ -50,6 +53,7 @@ class CoordinatorConfig:
             f"must be >= 1, got {self.checkpoint_every_steps}",
         )
         require(self.cpus_per_cell > 0, "cpus_per_cell", f"must be > 0, got {self.cpus_per_cell}")
+        require(self.decode_window_s > 0, "decode_window_s", f"must be > 0 s, got {self.decode_window_s}")
         require(self.train_tok_s > 0, "train_tok_s", f"must be > 0, got {self.train_tok_s}")
         require(
             self.cell_start_timeout_s > 0, "cell_start_timeout_s", f"must be > 0 s, got {self.cell_start_timeout_s}"

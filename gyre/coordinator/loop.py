@@ -32,7 +32,9 @@ from gyre.engines.published import PublishedWeights
 from gyre.engines.weights import load_weights_at
 from gyre.errors import GyreError
 from gyre.scheduler.cells import Role
+from gyre.scheduler.decode import EngineLoads, measure_cells
 from gyre.scheduler.observe import make_observation
+from gyre.scheduler.policy import Observation
 from gyre.tasks.taskset import TaskSource
 
 log = logging.getLogger(__name__)
@@ -111,40 +113,52 @@ async def _tick(
     cfg: GyreConfig, parts: Parts, train: Training, source: Source, events: RunEvents, preempting: bool
 ) -> None:
     """One turn: the cells' messages, then observe, decide, switch, admit, collect, batch and send."""
-    now, c = time.time(), cfg.coordinator
+    now = time.time()
     for cell in parts.cells:
         for msg in _poll(cell, parts, events, now):
             await _on_message(msg, cell, parts, train, source, events, cfg, now, preempting)
     if preempting and not train.uncheckpointed:
         raise Preempted(f"preempted at weight version {train.version}, its checkpoint complete")
-    queued, ahead, running = source.counts(train.version)
-    sessions = await _sessions(parts)
-    obs = make_observation(  # live, sessions per cell bound rollout; decode is not measured (None)
-        now,
-        [x.state for x in parts.cells],
-        sessions,
-        [c.sessions_per_cell] * len(parts.cells),
-        None,
-        queued=queued,
-        queued_ahead=ahead,
-        running=running,
-        queue=train.queue,
-        train_tok_s=train.train_tok_s,
-        optimizing=train.optimizing,
-    )
-    events.observe(obs, sessions)
+    obs, loads = await observe(cfg, parts, train, source, now)
+    events.observe(obs, loads.sessions)
     decision = parts.policy.decide(obs)
     for i in decision.to_train + decision.to_rollout:
         target = Role.TRAIN if i in decision.to_train else Role.ROLLOUT
         parts.cells[i].begin_switch(target, now, train.weights, parts.core_address)
-    serving = sum(x.state.role == Role.ROLLOUT for x in parts.cells)
-    await source.advance(train.version, serving * c.sessions_per_cell - running)
+    serving = sum(m for x, m in zip(parts.cells, loads.max_sessions) if x.state.role == Role.ROLLOUT)
+    await source.advance(train.version, serving - obs.running)
     source.feed(train)
     if parts.core.state.role == Role.TRAIN:
         for msg in train.to_send():
             parts.core.state.join_step(msg.step)
             parts.core.channel.send(msg)
     events.update()
+
+
+async def observe(
+    cfg: GyreConfig, parts: Parts, train: Training, source: Source, now: float
+) -> tuple[Observation, EngineLoads]:
+    """What the policy sees now: the source's queue, the proxy's sessions and decode counters per
+    cell (measured over coordinator.decode_window_s), the trainer's ready work."""
+    queued, ahead, running = source.counts(train.version)
+    engines = (await parts.admin.metrics())["engines"]
+    c = cfg.coordinator
+    loads = measure_cells(now, [x.engine_id for x in parts.cells], engines, parts.decode, c.sessions_per_cell)
+    obs = make_observation(
+        now,
+        [x.state for x in parts.cells],
+        loads.sessions,
+        loads.max_sessions,
+        loads.gen_tok_s,
+        queued=queued,
+        queued_ahead=ahead,
+        running=running,
+        queue=train.queue,
+        train_tok_s=train.train_tok_s,
+        optimizing=train.optimizing,
+        gen_demand_tok_s=loads.gen_demand_tok_s,
+    )
+    return obs, loads
 
 
 def _poll(cell, parts: Parts, events: RunEvents, now: float) -> list:
@@ -170,12 +184,6 @@ def _lose(cell, events: RunEvents, now: float, reason: str) -> None:
     cell.state.lose(now)
     events.failure(f"cell{cell.index}", f"lost: {reason[:2000]}")
     threading.Thread(target=cell.stop, daemon=True, name=f"stop-cell{cell.index}").start()
-
-
-async def _sessions(parts: Parts) -> list[int]:
-    """Live sessions per cell, as the proxy routes them."""
-    engines = {e["engine_id"]: e for e in (await parts.admin.metrics())["engines"]}
-    return [engines.get(x.engine_id, {}).get("num_sessions", 0) for x in parts.cells]
 
 
 async def _on_message(

@@ -83,7 +83,12 @@ class RunEvents:
         self._observed_at = obs.now_s
         self.log.emit(
             Observation(
-                queued=obs.queued, running=obs.running, roles=[c.role.value for c in obs.cells], sessions=sessions
+                queued=obs.queued,
+                running=obs.running,
+                roles=[c.role.value for c in obs.cells],
+                sessions=sessions,
+                gen_tok_s=[round(c.gen_tok_s, 1) for c in obs.cells],
+                gen_demand_tok_s=round(obs.gen_demand_tok_s, 1),
             )
         )
 

@@ -345,6 +345,7 @@ class BuiltinEngineServer:
                 "vocab_size": self.model_cfg.vocab_size,
                 "engine": "gyre-builtin",
                 "page_size": self.core.cache.page_size,
+                "max_total_num_tokens": self.core.cache.capacity_pages * self.core.cache.page_size,
                 "model_config": dataclasses.asdict(self.model_cfg),
             }
         )

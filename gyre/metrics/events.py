@@ -220,6 +220,10 @@ class Observation(Event):
     """Each cell's role (ROLES), indexed by cell."""
     sessions: list[int]
     """Each cell's live sessions (0 for cells not serving)."""
+    gen_tok_s: list[float] = field(default_factory=list)
+    """Each cell's decode capacity, tokens/s, as the policy saw it (empty: not measured yet)."""
+    gen_demand_tok_s: float = 0.0
+    """Decode the live calls would draw at full per-session speed, tokens/s (gyre.scheduler.decode)."""
 
     @property
     def waterlevel(self) -> int:

@@ -3,6 +3,7 @@
 import aiohttp
 
 from gyre.errors import GyreError
+from gyre.proxy.config import ADMIN_TIMEOUT_S
 
 
 class ProxyAdminError(GyreError):
@@ -12,7 +13,7 @@ class ProxyAdminError(GyreError):
 class ProxyAdmin:
     """Admin calls with the run's admin token. Use as an async context manager."""
 
-    def __init__(self, url: str, token: str, timeout_s: float = 60.0):
+    def __init__(self, url: str, token: str, timeout_s: float = ADMIN_TIMEOUT_S):
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
         self._session: aiohttp.ClientSession | None = None
 

@@ -4,6 +4,11 @@ from dataclasses import dataclass, field
 
 from gyre.errors import require
 
+ADMIN_TIMEOUT_S = 60.0
+"""Client timeout of an admin call (gyre.proxy.admin): a cell leader's drain waits for the hand-off."""
+HAND_OFF_SLACK_S = 10.0
+"""Time a hand-off takes beyond its moves' timeout (aborts, the last wait for its calls)."""
+
 
 @dataclass(kw_only=True)
 class ProxyConfig:
@@ -87,7 +92,12 @@ class ProxyConfig:
         require(self.health_interval_s > 0, "health_interval_s", f"must be > 0, got {self.health_interval_s}")
         require(self.max_imbalance >= 0, "max_imbalance", f"must be >= 0, got {self.max_imbalance}")
         require(self.max_resumes >= 0, "max_resumes", f"must be >= 0, got {self.max_resumes}")
-        require(self.kv_move_timeout_s > 0, "kv_move_timeout_s", f"must be > 0, got {self.kv_move_timeout_s}")
+        require(
+            0 < self.kv_move_timeout_s <= ADMIN_TIMEOUT_S - HAND_OFF_SLACK_S,
+            "kv_move_timeout_s",
+            f"must be in (0, {ADMIN_TIMEOUT_S - HAND_OFF_SLACK_S:g}] s, so a hand-off ends within the cell "
+            f"leader's {ADMIN_TIMEOUT_S:g} s admin timeout; got {self.kv_move_timeout_s}",
+        )
         require(0 <= self.fsync_window_ms <= 10_000, "fsync_window_ms", f"must be 0..10000, got {self.fsync_window_ms}")
         require(self.max_body_mb >= 1, "max_body_mb", f"must be >= 1, got {self.max_body_mb}")
         require(self.num_workers >= 1, "num_workers", f"must be >= 1, got {self.num_workers}")

@@ -120,6 +120,7 @@ class Generation:
                 raw = meta.get("output_token_logprobs") or []
                 self._extend(new, [x[0] for x in (raw[seen:] if len(raw) == len(ids) else raw)], meta, seen)
                 seen += len(new)
+                self.pool.count_output(eid, len(new))
                 self.cached_tokens = max(self.cached_tokens, int(meta.get("cached_tokens", 0)))
                 if new:
                     yield new

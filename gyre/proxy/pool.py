@@ -35,6 +35,32 @@ buffers, so none is withdrawn before its reader has it."""
 
 
 @dataclass
+class DecodeCounters:
+    """One engine's decode counters since the proxy started (cumulative; the coordinator takes
+    differences over a window, gyre.scheduler.decode)."""
+
+    output_tokens: int = 0
+    """Output tokens the engine generated for the proxy's calls."""
+    call_s: float = 0.0
+    """Call-seconds: the time integral of its calls in flight (streaming)."""
+    busy_s: float = 0.0
+    """Seconds with at least one call in flight."""
+    num_streaming: int = 0
+    since: float = 0.0
+    """When `call_s` and `busy_s` were last brought up to date (time.monotonic)."""
+
+    def advance(self, now: float) -> None:
+        dt = now - self.since if self.num_streaming else 0.0
+        self.call_s += self.num_streaming * dt
+        self.busy_s += dt
+        self.since = now
+
+    def add_streaming(self, delta: int, now: float) -> None:
+        self.advance(now)
+        self.num_streaming += delta
+
+
+@dataclass
 class PoolMetrics:
     num_calls: int = 0
     num_reroutes: int = 0
@@ -61,6 +87,9 @@ class EnginePool:
         self._moves: dict[str, tuple[str, asyncio.Task]] = {}
         """session -> (engine it leaves, the task moving its KV)."""
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self._decode: dict[str, DecodeCounters] = {}
+        self._kv_tokens: dict[str, int] = {}
+        """engine -> KV tokens its memory holds, where it says (builtin: max_total_num_tokens)."""
         self._changed = asyncio.Event()
         """Set (and replaced) whenever engines, flights or moves change: what waiters wait on."""
         self._health_task: asyncio.Task | None = None
@@ -105,6 +134,9 @@ class EnginePool:
             await old.close()
         self.clients[engine_id] = client
         self._page_size[engine_id] = int(info.get("page_size", 1))
+        if info.get("max_total_num_tokens"):
+            self._kv_tokens[engine_id] = int(info["max_total_num_tokens"])
+        self._decode.setdefault(engine_id, DecodeCounters(since=time.monotonic()))
         self._slots.setdefault(engine_id, asyncio.Semaphore(MOVES_PER_ENGINE))
         self.table.add(engine_id, url, supports_kv_export=builtin, cell_id=cell_id)
         self._wake()
@@ -125,6 +157,7 @@ class EnginePool:
         for session, dst in moves.items():
             if session not in busy:
                 self._start_move(session, engine_id, dst)
+        self._count_stranded(engine_id, busy)
         self._wake()
         deadline = time.monotonic() + self.cfg.kv_move_timeout_s
         while self._holds(engine_id) and time.monotonic() < deadline:
@@ -133,6 +166,15 @@ class EnginePool:
         if self._holds(engine_id):
             log.warning("hand-off of %s: moves still under way after %g s", engine_id, self.cfg.kv_move_timeout_s)
         return {"num_aborted": aborted, "num_sessions": len(moves)}
+
+    def _count_stranded(self, engine_id: str, busy: set[str]) -> None:
+        """Idle sessions left on a leaving engine (no other engine is active to take them) lose
+        their KV with its memory: their next call, wherever it runs, recomputes it (counted here)."""
+        ps = self._page_size.get(engine_id, 1)
+        for session, eid in self.table.sessions.items():
+            context = self._contexts.get(session)
+            if eid == engine_id and session not in busy and context is not None:
+                self.metrics.kv_reprefill_tokens += (len(context[0]) + len(context[1])) // ps * ps
 
     def _holds(self, engine_id: str) -> bool:
         """Whether a call or a session move still needs the engine's KV."""
@@ -168,6 +210,7 @@ class EnginePool:
     async def remove(self, engine_id: str) -> None:
         await self.hand_off(engine_id)
         self.table.remove(engine_id)
+        self._decode.pop(engine_id, None)  # its calls left with it (a re-registered engine counts anew)
         client = self.clients.pop(engine_id, None)
         if client:
             await client.close()
@@ -178,21 +221,37 @@ class EnginePool:
             self._contexts.pop(session, None)
 
     def describe(self) -> list[dict]:
-        """Each engine's state and load: calls in flight and sessions routed to it."""
-        sessions = self.table.num_sessions()
-        return [
-            {
-                "engine_id": e.engine_id,
-                "url": e.url,
-                "status": e.status,
-                "num_inflight": e.num_inflight,
-                "num_sessions": sessions[e.engine_id],
-                "supports_kv_export": e.supports_kv_export,
-                "cell_id": e.cell_id,
-                "weight_version": self.clients[e.engine_id].weight_version if e.engine_id in self.clients else None,
-            }
-            for e in self.table.engines.values()
-        ]
+        """Each engine's state and load: calls in flight, sessions routed to it and the KV tokens
+        of their last calls, its decode counters (DecodeCounters) and KV capacity (0: unknown)."""
+        sessions, context = self.table.num_sessions(), dict.fromkeys(self.table.engines, 0)
+        for session, (input_ids, output_ids) in self._contexts.items():
+            eid = self.table.sessions.get(session)
+            if eid in context:
+                context[eid] += len(input_ids) + len(output_ids)
+        now = time.monotonic()
+        out = []
+        for e in self.table.engines.values():
+            counters = self._decode[e.engine_id]
+            counters.advance(now)
+            client = self.clients.get(e.engine_id)
+            out.append(
+                {
+                    "engine_id": e.engine_id,
+                    "url": e.url,
+                    "status": e.status,
+                    "num_inflight": e.num_inflight,
+                    "num_sessions": sessions[e.engine_id],
+                    "context_tokens": context[e.engine_id],
+                    "kv_capacity_tokens": self._kv_tokens.get(e.engine_id, 0),
+                    "output_tokens": counters.output_tokens,
+                    "call_s": counters.call_s,
+                    "busy_s": counters.busy_s,
+                    "supports_kv_export": e.supports_kv_export,
+                    "cell_id": e.cell_id,
+                    "weight_version": client.weight_version if client else None,
+                }
+            )
+        return out
 
     def executions_with_sessions(self) -> set[str]:
         return self.table.executions_with_sessions()
@@ -248,12 +307,22 @@ class EnginePool:
     def begin(self, rid: str, engine_id: str, session: str) -> None:
         """A call's attempt starts streaming from the engine."""
         self.table.begin(rid, engine_id, session)
+        self._decode[engine_id].add_streaming(1, time.monotonic())
+
+    def count_output(self, engine_id: str, num_tokens: int) -> None:
+        counters = self._decode.get(engine_id)  # None: the engine was removed meanwhile
+        if counters is not None:
+            counters.output_tokens += num_tokens
 
     def stop_streaming(self, rid: str) -> None:
+        flight = self.table.flights.get(rid)
+        if flight is not None and flight.streaming:
+            self._decode[flight.engine_id].add_streaming(-1, time.monotonic())
         self.table.stop_streaming(rid)
 
     def end(self, rid: str) -> None:
         """The attempt is over and its KV needs its engine no more (a hand-off may be waiting)."""
+        self.stop_streaming(rid)
         self.table.end(rid)
         self._wake()
 

@@ -64,6 +64,11 @@ class ProxyWorkers:
         return WorkersAdmin(self.urls, self.admin_token, timeout_s)
 
 
+_PER_WORKER = ("num_inflight", "num_sessions", "context_tokens", "output_tokens", "call_s", "busy_s")
+"""An engine's figures each worker counts for its own calls (their sum is the engine's; busy_s
+sums to the workers' busy time, an upper bound of the engine's)."""
+
+
 class WorkersAdmin:
     """`gyre.proxy.admin.ProxyAdmin`'s calls over all workers (use as an async context manager):
     executions go to their worker, engine changes to every worker, metrics are summed."""
@@ -107,9 +112,9 @@ class WorkersAdmin:
         engines: dict[str, dict] = {}
         for p in parts:
             for e in p["engines"]:
-                seen = engines.setdefault(e["engine_id"], {**e, "num_inflight": 0, "num_sessions": 0})
-                seen["num_inflight"] += e["num_inflight"]
-                seen["num_sessions"] += e["num_sessions"]
+                seen = engines.setdefault(e["engine_id"], {**e, **dict.fromkeys(_PER_WORKER, 0)})
+                for k in _PER_WORKER:
+                    seen[k] += e[k]
         return {
             **out,
             "engines": list(engines.values()),

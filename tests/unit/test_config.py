@@ -57,6 +57,8 @@ def test_valid_configs_compose_and_validate(overrides):
         pytest.param("scheduler.microstep_tokens=4096", "scheduler.microstep_tokens", id="sim-only-microsteps"),
         pytest.param("scheduler.admission=staleness", "scheduler.admission", id="sim-only-admission"),
         pytest.param("scheduler.batching=first_ready", "scheduler.batching", id="sim-only-batching"),
+        pytest.param("proxy.kv_move_timeout_s=55", "proxy.kv_move_timeout_s", id="hand-off-past-admin-timeout"),
+        pytest.param("coordinator.decode_window_s=0", "coordinator.decode_window_s", id="no-decode-window"),
     ],
 )
 def test_bad_values_name_their_key(override, key):

@@ -131,3 +131,41 @@ def test_a_returning_engine_takes_idle_sessions_with_their_kv(fake_engines):
     out, sessions, m = asyncio.run(main())
     assert out == {"num_sessions": 2} and sessions == {"a": 2, "b": 2}
     assert (m.kv_migrated_tokens, m.num_sessions_moved) == (2 * 64, 2)
+
+
+def test_idle_sessions_with_no_engine_to_go_to_are_counted_as_reprefill(fake_engines):
+    """With no other active engine a leaving engine's idle sessions stay routed to it; its memory
+    is released after the hand-off, so their next call recomputes their context: counted."""
+
+    async def main():
+        pool = await _pool()
+        await pool.stop_admission("b")
+        await _idle_session(pool, "x/main", 200)
+        out = await asyncio.wait_for(pool.hand_off("a"), 2)
+        return out, pool.metrics
+
+    out, m = asyncio.run(main())
+    assert out == {"num_aborted": 0, "num_sessions": 0}
+    assert (m.kv_migrated_tokens, m.kv_reprefill_tokens) == (0, 192)  # 203 tokens, 16-token pages
+
+
+def test_the_pool_counts_each_engines_output_tokens_and_call_time(fake_engines):
+    """The decode counters the live Observation is measured from (gyre.scheduler.decode)."""
+
+    async def main():
+        pool = await _pool()
+        pool.begin("c0", "a", "x/main")
+        pool.begin("c1", "a", "y/main")
+        await asyncio.sleep(0.2)
+        pool.count_output("a", 7)
+        pool.stop_streaming("c0")
+        pool.end("c1")  # ends streaming too
+        pool.end("c0")
+        before = pool.describe()[0]["busy_s"]
+        await asyncio.sleep(0.1)  # idle: no call time accrues
+        return before, {e["engine_id"]: e for e in pool.describe()}
+
+    before, engines = asyncio.run(main())
+    a, b = engines["a"], engines["b"]
+    assert a["output_tokens"] == 7 and (b["output_tokens"], b["call_s"], b["busy_s"]) == (0, 0.0, 0.0)
+    assert a["busy_s"] == before >= 0.2 and a["call_s"] == pytest.approx(2 * a["busy_s"], rel=0.05)  # two calls
