@@ -1,14 +1,17 @@
 """The warm start writes an engine model directory, cached by content hash (a tiny run: two steps)."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 
+import gyre.tasks
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from gyre.tasks.taskset import TaskSet, toy_taskset
-from gyre.tasks.warmstart import WarmStartConfig, reference_transcript, warm_start
+from gyre.tasks.warmstart import WarmStartConfig, main, reference_transcript, warm_start
 
 
 def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
@@ -34,3 +37,20 @@ def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):
     byte_ws = dataclasses.replace(ws, quitters=False, tokenizer="byte")
     plain, report3 = warm_start(tmp_path, one, cfg, byte_ws, samples_per_task=1)
     assert plain not in (out, other) and report3["num_examples"] == 7 and not (plain / "bpe.json").exists()
+
+
+def test_the_command_line_warms_the_model_gyre_train_would(tmp_path, capsys):
+    """Its model comes from the composed gyre-train config (conf/model/tiny.yaml and overrides), not
+    from ModelConfig's bare defaults (whose vocabulary of 512 is not the tiny model's 1,024)."""
+    small = ["model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=2"]
+    main(["--out", str(tmp_path), "--steps", "2", "--taskset", str(_one_task(tmp_path)), *small])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cfg, _ = load_checkpoint(report["model_dir"])
+    assert (cfg.vocab_size, cfg.num_layers, cfg.hidden_size) == (1024, 1, 32)
+
+
+def _one_task(tmp_path):
+    """The toy set's first task, as a task file of its own."""
+    path = tmp_path / "one.jsonl"
+    path.write_text((Path(gyre.tasks.__file__).parent / "toy" / "tasks.jsonl").read_text().splitlines()[0] + "\n")
+    return path
