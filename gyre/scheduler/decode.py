@@ -71,8 +71,8 @@ class DecodeMeter:
         for tok, call, _ in deltas.values():
             if call >= MIN_CALL_S:
                 self.session_tok_s = max(self.session_tok_s, tok / call)
-        for eid, (tok, call, busy) in deltas.items():
-            if call >= MIN_CALL_S and busy > 0 and tok / call < SLOWED * self.session_tok_s:
+        for eid, (tok, call, busy) in deltas.items():  # no token at all: prefill or a stall, not decode
+            if call >= MIN_CALL_S and busy > 0 and 0 < tok < SLOWED * self.session_tok_s * call:
                 self.cap_tok_s[eid] = max(self.cap_tok_s.get(eid, 0.0), tok / busy)
         dt = now - t0
         return {eid: d[1] / dt for eid, d in deltas.items()} if dt > 0 else {}

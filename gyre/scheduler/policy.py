@@ -241,6 +241,8 @@ class ElasticPolicy(BasePolicy):
         """
         serving = [c for c in obs.cells if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
         per_cell = max(c.gen_tok_s for c in obs.cells)
+        if per_cell <= 0:  # no cell's decode measured yet: nothing to weigh the demand against
+            return ()
         deficit_cells = (demand_tok_s - _capacity(serving)[1]) / per_cell
         cost_s = self.cfg.gain_factor * self.cfg.round_trip_s
         n_train = sum(c.role in (Role.TRAIN, Role.TO_TRAIN) for c in obs.cells)

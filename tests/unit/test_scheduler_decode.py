@@ -57,6 +57,13 @@ METER_CASES = [
         None,
     ),
     (
+        "calls-waiting-without-a-token-are-no-cap (prefill or a stall: a cap of 0 stranded the policy)",
+        [ALONE, (20.0, [engine("e1", 600, 170.0, 20.0)])],
+        60.0,
+        None,
+        16.0,
+    ),
+    (
         "window-forgets-old-samples: the mean over the last 10 s",
         [ALONE, (20.0, [engine("e1", 1200, 20.0, 20.0)]), (30.0, [engine("e1", 1200, 20.0, 20.0)])],
         60.0,
@@ -129,6 +136,15 @@ def _observations():
         parts.admin.engines = [engine("e1", tokens, call_s, float(t), sessions=16), engine("e2")]
         out.append(asyncio.run(observe(cfg, parts, train, source, float(t)))[0])
     return out
+
+
+def test_no_measured_decode_capacity_brings_no_satellite_back():
+    """Every cell's decode capacity 0 (nothing decoded yet where calls wait): the policy cannot weigh
+    demand against capacity, so it brings nothing back (it divided by zero on a Slurm run)."""
+    o = _observations()[-1]
+    zero = replace(o, cells=tuple(replace(c, gen_tok_s=0.0) for c in o.cells))
+    policy = ElasticPolicy(SchedulerConfig(leave_window_s=15.0, min_dwell_s=60.0), num_cells=3)
+    assert policy.decide(zero).to_rollout == ()
 
 
 def _constants(o):
