@@ -1,8 +1,13 @@
-"""Test helpers for gyre/train: sequences as the processor's samples, synthetic packed batches."""
+"""Test helpers for gyre/train: sequences as the processor's samples, synthetic packed batches,
+the environment of a two-rank gloo group."""
+
+import os
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from gyre.engines.launch import free_port
 from gyre.models.config import ModelConfig
 from gyre.trajectory.pack import pack
 from gyre.trajectory.paths import PathSample
@@ -54,3 +59,17 @@ def random_batches(
             )
         out.append(pack(as_samples(seqs)))
     return out
+
+
+def two_rank_env() -> dict[str, str]:
+    """This process's environment for the ranks of a two-rank group on a free local port (each
+    rank adds its RANK), with the repository and tests/unit importable."""
+    root = Path(__file__).resolve().parents[2]
+    return dict(
+        os.environ,
+        PYTHONPATH=f"{root}:{root / 'tests/unit'}",
+        OMP_NUM_THREADS="1",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )

@@ -4,7 +4,6 @@ bitwise, refuses architectures Gyre would compute wrongly, and renders chats wit
 
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from _hf_ref import DEFAULT_SYSTEM_TEMPLATE, hf_logprobs, make_qwen3_dir, train_tokenizer
-from _train_ref import as_samples
+from _train_ref import as_samples, two_rank_env
 from safetensors.torch import load_file
 
 from gyre.errors import ConfigError
@@ -92,16 +91,7 @@ torch.distributed.destroy_process_group()
 
 def test_tp2_loading_matches_tp1(tmp_path):
     src = make_qwen3_dir(tmp_path / "m", seed=5)
-    from test_train_tp import _free_port
-
-    env = dict(
-        os.environ,
-        PYTHONPATH=f"{ROOT}:{ROOT / 'tests/unit'}",
-        OMP_NUM_THREADS="1",
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-    )
+    env = two_rank_env()
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(2)]
     ranks = [
         subprocess.Popen(

@@ -6,15 +6,13 @@ and weights equal the one-rank core's bit for bit; tensor parallel 2 splits each
 log-probs agree within 1e-6 and its weights after two Adam steps within 1% of one step's move (lr).
 """
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _train_ref import random_batches
+from _train_ref import random_batches, two_rank_env
 
 from gyre.models.config import ModelConfig
 from gyre.train.checkpoint import CheckpointManager
@@ -82,22 +80,9 @@ def stream_steps(server: CoreServer) -> list[dict]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("tp", [pytest.param(2, id="tp2"), pytest.param(1, id="dp2")])
 def test_a_two_rank_core_trains_streamed_steps_like_the_one_rank_core(tmp_path, tp):
-    env = dict(
-        os.environ,
-        PYTHONPATH=f"{ROOT}:{ROOT / 'tests/unit'}",
-        OMP_NUM_THREADS="1",
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-    )
+    env = two_rank_env()
     one = Trainer(MODEL, CFG, seed=0)
     one.train_step(random_batches(MODEL, 1, 2, seed=4))  # non-zero Adam state to reshard
     CheckpointManager(tmp_path / "ckpt", keep_last=1).save(one)

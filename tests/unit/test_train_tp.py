@@ -5,15 +5,13 @@ The TP=1 checkpoint (model and Adam state) is resharded to TP=2 by dist_checkpoi
 TP=2 ranks step, gather engine-named weights and save; the TP=1 side compares both.
 """
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _train_ref import random_batches
+from _train_ref import random_batches, two_rank_env
 
 from gyre.models.config import ModelConfig
 from gyre.train.checkpoint import CheckpointManager
@@ -57,22 +55,9 @@ if __name__ == "__main__":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("tp", [pytest.param(2, id="tp2"), pytest.param(1, id="dp2")])
 def test_two_ranks_over_gloo_match_one_rank(tmp_path, tp):
-    env = dict(
-        os.environ,
-        PYTHONPATH=f"{ROOT}:{ROOT / 'tests/unit'}",
-        OMP_NUM_THREADS="1",
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-    )
+    env = two_rank_env()
     one = Trainer(MODEL, CFG, seed=0)
     one.train_step(random_batches(MODEL, 1, 2, seed=4))  # non-zero Adam state to reshard
     CheckpointManager(tmp_path / "tp1", keep_last=1).save(one)
