@@ -134,8 +134,9 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
     )
     calls = [json.loads(line) for line in audit.read_text().splitlines()]
     assert calls and all(c["extra_key"] == c["weight_version"] for c in calls), calls
+    # Version-1 calls: a serving engine loaded the update in place, held and re-keyed by the proxy
+    # (at the publish, or on its return from training: which one depends on timing, so not asserted).
     assert {"0", "1"} <= {c["weight_version"] for c in calls}
-    assert any(e["num_engines"] >= 1 for e in _events(run_dir, "weight_publish"))  # loaded while serving
 
     assert summary["num_steps"] == 2 and summary["run_dir"] == str(run_dir)
     assert summary["kv_reprefill_tokens"] == 0 and summary["kv_migrated_tokens"] >= 0  # hand-offs moved all KV
@@ -191,11 +192,13 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
     proc = _gyre_train(run_dir, tasks, "num_steps=3", start_new_session=True)
     deadline = time.monotonic() + 900
 
-    def checkpointed() -> bool:  # step 0 trained, its checkpoint complete and announced
+    def checkpointed_with_one_running() -> bool:  # step 0's checkpoint announced, an execution in flight
         path = run_dir / "events.jsonl"
-        return path.exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint"))
+        if not (path.exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint"))):
+            return False
+        return any(es[-1].state == "running" for es in read_ledger(run_dir / "ledger.jsonl").history.values())
 
-    while not checkpointed():
+    while not checkpointed_with_one_running():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:]
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed mid-run"
@@ -213,10 +216,10 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
     assert trained and max(trained.values()) == 1  # none trained twice
     steps = {e.step for es in view.history.values() for e in es if e.state == "trained"}
     assert steps == {0, 1, 2}
-    # Every execution queued before the kill reached an outcome, or was interrupted and re-run.
-    for eid in before.history:
-        if view.outcome(eid).reason == "interrupted":
-            assert view.outcome(f"{eid}.r1") is not None
+    # Every execution queued before the kill reached an outcome, or was interrupted and re-run; the one
+    # running at the kill was interrupted, so the re-run branch ran.
+    interrupted = [eid for eid in before.history if view.outcome(eid).reason == "interrupted"]
+    assert interrupted and all(view.outcome(f"{eid}.r1") is not None for eid in interrupted)
     assert all(view.outcome(eid) is not None for eid in view.history)
     assert summary["num_steps"] == 3
 

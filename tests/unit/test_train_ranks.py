@@ -1,5 +1,7 @@
 """A core cell of two ranks over gloo (tensor-parallel 2, or data-parallel 2) trains the same
-streamed steps as the one-rank core: rank 0 runs the CoreServer and drives, rank 1 follows.
+streamed steps as the one-rank core: rank 0 runs the CoreServer and drives, rank 1 follows. The
+ranks start from the one-rank core's checkpoint (model and Adam state, resharded to TP=2 by
+dist_checkpointing on load) and save theirs, which one rank loads back.
 
 Data parallel 2 sums micro-steps in index order (Trainer.fold), so its log-probs, gradient norms
 and weights equal the one-rank core's bit for bit; tensor parallel 2 splits each matmul, so its
@@ -42,7 +44,7 @@ from test_train_ranks import MODEL, CFG, STEPS, stream_steps
 from gyre.train.ranks import CellRanks, follow
 from gyre.train.trainer import Trainer
 
-def main(tp, src, out):
+def main(tp, src, dst, out):
     torch.set_num_threads(1)
     tr = Trainer(MODEL, replace(CFG, tensor_parallel_size=int(tp)), seed=9)
     if torch.distributed.get_rank():
@@ -57,6 +59,7 @@ def main(tp, src, out):
         metrics = stream_steps(server)
         version, _ = server.publish()
         engine = {k: v.clone() for k, v in server.published_tensors(version).items()}
+        ranks.call("save", dst, 1, None)
         server.close()
         ranks.stop()
         torch.save({"logprobs": lp, "metrics": metrics, "engine": engine, "step": tr.step}, out)
@@ -86,7 +89,7 @@ def test_a_two_rank_core_trains_streamed_steps_like_the_one_rank_core(tmp_path, 
     one = Trainer(MODEL, CFG, seed=0)
     one.train_step(random_batches(MODEL, 1, 2, seed=4))  # non-zero Adam state to reshard
     CheckpointManager(tmp_path / "ckpt", keep_last=1).save(one)
-    args = [str(tp), str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]
+    args = [str(tp), str(tmp_path / "ckpt"), str(tmp_path / "saved"), str(tmp_path / "out.pt")]
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(2)]
     ranks = [
         subprocess.Popen(
@@ -115,6 +118,9 @@ def test_a_two_rank_core_trains_streamed_steps_like_the_one_rank_core(tmp_path, 
     got = torch.load(tmp_path / "out.pt", weights_only=False)
     assert got["step"] == one.step == 3
     expected = one.engine_weights()
+    back = Trainer(MODEL, CFG, seed=3)  # the ranks' checkpoint, loaded by one rank
+    CheckpointManager(tmp_path / "saved", keep_last=1).load_latest(back)
+    assert back.step == 3
     for m1, m2 in zip(metrics, got["metrics"]):
         assert m2["microsteps_by/core"] == m1["microsteps_by/core"]
         assert [t[0] for t in m2["microsteps"]] == [t[0] for t in m1["microsteps"]]  # ids, in order
@@ -123,6 +129,7 @@ def test_a_two_rank_core_trains_streamed_steps_like_the_one_rank_core(tmp_path, 
         assert torch.equal(got["logprobs"], lp)
         assert [m["grad_norm"] for m in got["metrics"]] == [m["grad_norm"] for m in metrics]
         assert all(torch.equal(t, expected[name]) for name, t in got["engine"].items())
+        assert torch.equal(back.flat.weights, one.flat.weights)
     else:
         assert (got["logprobs"] - lp).abs().max() <= 1e-6
         for m1, m2 in zip(metrics, got["metrics"]):
@@ -131,3 +138,4 @@ def test_a_two_rank_core_trains_streamed_steps_like_the_one_rank_core(tmp_path, 
         # rounding can move small-gradient weights differently: within 1% of one step (measured 0.13%).
         for name, t in got["engine"].items():
             assert (t - expected[name]).abs().max() <= 0.01 * CFG.lr, name
+        assert (back.flat.weights - one.flat.weights).abs().max() <= 0.01 * CFG.lr
