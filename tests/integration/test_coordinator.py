@@ -187,23 +187,31 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
     assert report_main([str(run_dir)]) == 0
 
 
-def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_path):
-    run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
-    proc = _gyre_train(run_dir, tasks, "num_steps=3", start_new_session=True)
+def _checkpointed(run_dir: Path, step: int) -> bool:
+    return (run_dir / "events.jsonl").exists() and any(e["step"] == step for e in _events(run_dir, "checkpoint"))
+
+
+def _kill_when(proc: subprocess.Popen, ready) -> None:
+    """SIGKILL the run (started with start_new_session) once `ready()`: the coordinator and every
+    process of its session, as a node failure would."""
     deadline = time.monotonic() + 900
-
-    def checkpointed_with_one_running() -> bool:  # step 0's checkpoint announced, an execution in flight
-        path = run_dir / "events.jsonl"
-        if not (path.exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint"))):
-            return False
-        return any(es[-1].state == "running" for es in read_ledger(run_dir / "ledger.jsonl").history.values())
-
-    while not checkpointed_with_one_running():
+    while not ready():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:]
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed mid-run"
-    os.killpg(proc.pid, signal.SIGKILL)  # the coordinator; its children die with it (PR_SET_PDEATHSIG)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_path):
+    run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
+
+    def checkpointed_with_one_running() -> bool:  # step 0's checkpoint announced, an execution in flight
+        if not _checkpointed(run_dir, 1):
+            return False
+        return any(es[-1].state == "running" for es in read_ledger(run_dir / "ledger.jsonl").history.values())
+
+    _kill_when(_gyre_train(run_dir, tasks, "num_steps=3", start_new_session=True), checkpointed_with_one_running)
     before = read_ledger(run_dir / "ledger.jsonl")
     saved = {e["step"]: e["weights_digest"] for e in _events(run_dir, "checkpoint")}
 
@@ -223,10 +231,16 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
     assert all(view.outcome(eid) is not None for eid in view.history)
     assert summary["num_steps"] == 3
 
-    # Its records replayed by one core cell of two data-parallel ranks train the same weights, bit for bit.
+    # Recovery parity: its records replayed by one core cell of two data-parallel ranks, SIGKILLed
+    # after step 1's checkpoint and again after step 2's and resumed each time, train the same
+    # weights as the run, bit for bit, at every checkpoint.
     replay = tmp_path / "replay"
     records = [f"records={run_dir / 'records'}", "mode=replay", "cluster.num_cells=1", "cluster.ranks_per_cell=2"]
-    replayed = _finish(_gyre_train(replay, tasks, "num_steps=3", *records))
+    for step, resume in ((1, []), (2, ["resume=true"])):
+        proc = _gyre_train(replay, tasks, "num_steps=3", *records, *resume, start_new_session=True)
+        _kill_when(proc, lambda: _checkpointed(replay, step))  # noqa: B023 (called before the loop moves on)
+    replayed = _finish(_gyre_train(replay, tasks, "num_steps=3", *records, "resume=true"))
+    assert [e["start_step"] for e in _events(replay, "run_start")] == [0, 1, 2]
     digests = [{e["step"]: e["weights_digest"] for e in _events(d, "checkpoint")} for d in (run_dir, replay)]
     assert digests[0] == digests[1] and sorted(digests[1]) == [1, 2, 3]
     assert replayed["cell_ranks"] == 2 and set(replayed["rank_train_busy_s"]["0"]) == {"0", "1"}
