@@ -109,7 +109,6 @@ def _sglang_fake(tmp_path: Path) -> list[str]:
         "engine.sglang_fake=true",
         f"engine.model_path={tmp_path / 'tiny'}",
         "engine.load_format=dummy",
-        "engine.host=127.0.0.1",
         "engine.enable_hicache=false",
         "engine.mooncake_master=",
         "engine.startup_timeout_s=120",
