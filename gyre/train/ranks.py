@@ -1,8 +1,9 @@
 """The ranks of one cell: its first rank drives, the others run the same trainer calls in lockstep.
 
     rank 0 (the cell's leader, its control endpoint)        ranks 1..n-1 (`follow`)
-    CellRanks.call(op, *args) ──broadcast (op, args)──────>  OPS[op](trainer, *args)
-    OPS[op](trainer, *args)    <──── collectives of op ────>  (TP all-gathers, DP gradient broadcasts)
+    CellRanks.call(op, *args) ──broadcast (op, args)──────>  OPS[op](state, *args)
+    OPS[op](state, *args)      <──── collectives of op ────>  (TP all-gathers, DP gradient broadcasts)
+    keepalive: ("ping",) when idle KEEPALIVE_S               a follower that exits: `on_lost` on rank 0
 
     python -m gyre.train.ranks --model '{...}' --trainer '{...}' --seed N   (a follower; RANK etc. set)
 
@@ -13,9 +14,12 @@ parallel is not built and was not tried on CPU: the trainer builds its model and
 megatron-core's pipeline schedules, so a cell's layouts are tensor parallel
 (`trainer.tensor_parallel_size`) and data parallel (the remaining ranks).
 
-Not built yet (issue 27, items 2-4): satellites of several ranks, a serving engine per rank, and
-finding a dead rank: a follower waits for the next announcement inside a gloo collective, so a cell
-idle past the group's timeout (torch's default, 30 min) or with a dead rank fails only then.
+A dead rank is found by processes, not by collectives (whose timeout, torch's default 30 min, a
+long micro-step must not hit): followers die with rank 0 (PR_SET_PDEATHSIG), and rank 0 watches its
+followers and calls `on_lost` when one exits (the leader then exits: the cell is lost). A follower
+waits for the next announcement inside a collective, so rank 0 pings an idle cell well within that
+timeout. Not built yet (issue 27): a serving engine per rank, and followers that are not rank 0's
+children (Slurm), which nobody watches yet.
 """
 
 import argparse
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import torch.distributed as dist
 
@@ -146,10 +151,9 @@ class CellRanks:
         self._stopped.set()
 
 
-def follow(trainer: Trainer) -> int:
-    """On ranks 1..n-1: run what rank 0 announces until it stops; returns the operations run
-    (pings included)."""
-    state, done = RankState(trainer), 0
+def follow(trainer: Trainer) -> Counter:
+    """On ranks 1..n-1: run what rank 0 announces until it stops; returns how often each op ran."""
+    state, done = RankState(trainer), Counter()
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -157,7 +161,7 @@ def follow(trainer: Trainer) -> int:
             return done
         op, args = box[0]
         OPS[op](state, *args)
-        done += 1
+        done[op] += 1
 
 
 def start_followers(num_ranks: int, host: str, model: ModelConfig, cfg: TrainerConfig, seed: int, log_dir: str) -> list:

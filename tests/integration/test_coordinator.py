@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gyre.cells.leader import RANK_LOST_EXIT
 from gyre.coordinator.ledger import read_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,21 +187,54 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
     assert report_main([str(run_dir)]) == 0
 
 
-def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_path):
+def _rank1_pid(run_dir: Path, cell: int) -> int:
+    """Rank 1 of local cell `cell` of the run in `run_dir`: the `gyre.train.ranks` child of its leader."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if b"gyre.train.ranks" not in (proc / "cmdline").read_bytes():
+                continue
+            ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            leader = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+            spec = json.loads(leader[leader.index(b"gyre.cells.leader") + 1])
+        except (OSError, ValueError, IndexError):  # not ours, or gone meanwhile
+            continue
+        if spec["index"] == cell and spec["run_dir"] == str(run_dir):
+            return int(proc.name)
+    raise AssertionError(f"no rank 1 of cell {cell} found")
+
+
+def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_losing_or_retraining(tmp_path):
+    """Cells of two ranks: SIGKILL rank 1 of a satellite and that cell is lost while the run trains
+    on; SIGKILL rank 1 of the core and the run stops (its leader exits at once, not after gloo's
+    timeout); the resumed run loses and retrains nothing."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
-    proc = _gyre_train(run_dir, tasks, "num_steps=3", start_new_session=True)
+    proc = _gyre_train(run_dir, tasks, "num_steps=3", "cluster.ranks_per_cell=2", start_new_session=True)
     deadline = time.monotonic() + 900
 
-    def checkpointed() -> bool:  # step 0 trained, its checkpoint complete and announced
+    def checkpointed(step: int) -> bool:  # step - 1 trained, its checkpoint complete and announced
         path = run_dir / "events.jsonl"
-        return path.exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint"))
+        return path.exists() and any(e["step"] == step for e in _events(run_dir, "checkpoint"))
 
-    while not checkpointed():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:]
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed mid-run"
-    os.killpg(proc.pid, signal.SIGKILL)  # the coordinator; its children die with it (PR_SET_PDEATHSIG)
-    proc.wait()
+    def wait_for(cond) -> None:
+        while not cond():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:]
+            time.sleep(0.05)
+
+    try:
+        wait_for(lambda: checkpointed(1))
+        os.kill(_rank1_pid(run_dir, 2), signal.SIGKILL)
+        wait_for(lambda: checkpointed(2))  # the run trained on without cell 2
+        lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
+        assert lost and f"exited with code {RANK_LOST_EXIT}" in lost[0]["message"], lost
+        assert "cell 2: rank 1 exited with code -9" in (run_dir / "logs" / "cell2.log").read_text()
+        assert proc.poll() is None, "the run ended before its core could be killed mid-run"
+        os.kill(_rank1_pid(run_dir, 0), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the coordinator; its children die with it (PR_SET_PDEATHSIG)
+    assert proc.returncode != 0 and f"exited with code {RANK_LOST_EXIT}" in out, out[-4000:]
+    assert "cell 0: rank 1 exited with code -9" in (run_dir / "logs" / "cell0.log").read_text()
     before = read_ledger(run_dir / "ledger.jsonl")
     saved = {e["step"]: e["weights_digest"] for e in _events(run_dir, "checkpoint")}
 
@@ -208,7 +242,7 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
     view = read_ledger(run_dir / "ledger.jsonl")
     start = _events(run_dir, "run_start")[-1]
     assert start["weights_digest"] == saved[start["start_step"]]  # the weights are the checkpoint's
-    assert start["start_step"] >= 1
+    assert start["start_step"] >= 2
     trained = Counter(e.execution_id for es in view.history.values() for e in es if e.state == "trained")
     assert trained and max(trained.values()) == 1  # none trained twice
     steps = {e.step for es in view.history.values() for e in es if e.state == "trained"}

@@ -94,9 +94,9 @@ def main(tp, address_file, out):
     torch.set_num_threads(1)
     tr = Trainer(MODEL, replace(CFG, tensor_parallel_size=int(tp)), seed=3)
     if torch.distributed.get_rank():
-        follow(tr)
+        json.dump(follow(tr), open(out + ".rank1", "w"))
     else:
-        ranks = CellRanks(tr)
+        ranks = CellRanks(tr, keepalive_s=0.5)  # idle until the core's first step is over: pings
         while not os.path.exists(address_file):
             time.sleep(0.05)
         sat = SatelliteCell(tr, TransferEndpoint(), open(address_file).read(), "cell1", ranks=ranks)
@@ -173,6 +173,8 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
     assert first["microsteps_by/core"] == metrics[0]["microsteps_by/core"]
     assert second["microsteps_by/cell1"] == STEPS[1][0] == json.load(open(sat_out))["computed"]
     assert len(json.load(open(sat_out))["pull_s"]) == 1  # one version pulled, all ranks at once
+    follower = json.load(open(sat_out + ".rank1"))
+    assert follower["satellite_pull"] == 1 and follower["satellite_compute"] >= 2 and follower["ping"] >= 1
     for m1, m2 in zip(metrics, got["metrics"]):
         assert [t[0] for t in m2["microsteps"]] == [t[0] for t in m1["microsteps"]]  # ids, in order
     if tp == 1:
