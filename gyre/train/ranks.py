@@ -122,7 +122,8 @@ class CellRanks:
             return fn(self.state, *args)
 
     def _keepalive(self, every_s: float) -> None:
-        while not self._stopped.wait(max(0.0, self._last + every_s - time.monotonic())):
+        # never less than every_s / 10: an operation holding the group for long must not make this spin
+        while not self._stopped.wait(max(every_s / 10, self._last + every_s - time.monotonic())):
             if time.monotonic() - self._last >= every_s and self._order.acquire(blocking=False):
                 try:
                     if not self._stopped.is_set():
