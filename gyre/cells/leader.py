@@ -48,6 +48,8 @@ from gyre.metrics.log import EventLog
 from gyre.scheduler.cells import PHASES, Phase, Role
 
 log = logging.getLogger("gyre.cells.leader")
+RANK_LOST_EXIT = 75
+"""The leader's exit code when one of its cell's other ranks died."""
 
 
 class CellLeader:
@@ -55,6 +57,7 @@ class CellLeader:
         import torch
 
         from gyre.engines.launch import make_engine_process
+        from gyre.train.ranks import CellRanks
         from gyre.train.trainer import Trainer
         from gyre.transfer import TransferEndpoint
 
@@ -74,6 +77,7 @@ class CellLeader:
 
             self.followers = start_followers(spec.ranks, spec.host, spec.model, spec.trainer, spec.seed, spec.run_dir)
         self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
+        self.ranks = CellRanks(self.trainer, self.followers, self._rank_lost)
         self.endpoint = TransferEndpoint(spec.host)
         self.role = Role(spec.role)
         self.engine_id = f"cell{self.index}"
@@ -82,7 +86,7 @@ class CellLeader:
         self.core_address = ""
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
-        self.core = self.satellite = self.publisher = self.ranks = None
+        self.core = self.satellite = self.publisher = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"cell{self.index}-step")
         self._run: tuple[int, float, Future] | None = None
         """The core's open step as this leader drives it: (step, when it opened, run_step's future);
@@ -97,11 +101,8 @@ class CellLeader:
         from gyre.control.transport import listen
         from gyre.train.elastic import CoreServer
         from gyre.train.publish import WeightPublisher
-        from gyre.train.ranks import CellRanks
 
         spec = self.spec
-
-        self.ranks = CellRanks(self.trainer)
         self._load_initial_weights()
         listener = listen(
             spec.control,
@@ -109,7 +110,7 @@ class CellLeader:
             port_file=str(Path(spec.run_dir) / f"core.{os.getpid()}.port"),
             peer_timeout_s=spec.control_peer_timeout_s,
         )
-        self.core = CoreServer(self.trainer, self.endpoint, listener=listener, ranks=self.ranks)
+        self.core = CoreServer(self.trainer, self.endpoint, spec.host, listener=listener, ranks=self.ranks)
         self.publisher = WeightPublisher(
             self.core,
             spec.engine.weight_sync,
@@ -119,6 +120,15 @@ class CellLeader:
             spec.engine.tp_size,
         )
         self.weights = self.publisher.publish()
+
+    def _rank_lost(self, rank: int, code: int) -> None:
+        """A follower rank exited: the cell is lost (a satellite: the run goes on without it; the
+        core: the run stops and resumes from its checkpoint). Exit at once, whatever the leader's
+        threads wait on (a collective with the dead rank may never return): the coordinator sees
+        this process gone, and the other ranks die with it (PR_SET_PDEATHSIG)."""
+        log.error("cell %d: rank %d exited with code %s; the cell is lost", self.index, rank, code)
+        logging.shutdown()
+        os._exit(RANK_LOST_EXIT)
 
     # ---- start ---------------------------------------------------------------------------
     def _load_initial_weights(self) -> None:
@@ -281,6 +291,8 @@ class CellLeader:
                 self.core_address,
                 self.engine_id,
                 peer_timeout_s=self.spec.control_peer_timeout_s,
+                ranks=self.ranks,
+                host=self.spec.host,
             )
         self.satellite.pull_latest()
 
@@ -292,8 +304,7 @@ class CellLeader:
             self.publisher.close()
         if self.core is not None:
             self.core.close()
-        if self.ranks is not None:
-            self.ranks.stop()
+        self.ranks.stop()
         for proc in self.followers:
             try:
                 proc.wait(timeout=30)

@@ -6,9 +6,9 @@ is built and again when it arrives (`check`), so a peer that sends something els
 `ProtocolError` instead of an AttributeError deep inside a server thread.
 
     satellite <-> core (gyre/train/elastic.py)
-      Join(cell, signature) -> Welcome(...) | Refused(reason)
-      Claim(cell) -> Work(index, version, slot_addr, batch, ...) | Wait() | Evicted()
-      Done(index, stats, seconds)             the gradient is in the slot
+      Join(cell, signature, ranks, tp) -> Welcome(...) | Refused(reason)
+      Claim(cell) -> Work(index, version, slot, batch) | Wait() | Evicted()
+      Done(index, stats, seconds, rank, replica)   the gradient is in the slot
       Pull(cell) -> WeightVersion(version)    weights stay at `version` until PullDone(cell)
       Leave(cell)
     coordinator <-> cell leader (gyre/coordinator, gyre/cells)
@@ -92,19 +92,21 @@ coordinator that cuts it to the core that trains it, so nobody else counts a ste
 # ---- satellite <-> core ---------------------------------------------------------------------
 @message
 class Join:
-    """A satellite asks to train with the core; `signature` is its model's parameter names and shapes."""
+    """A satellite asks to train with the core; `signature` is its rank 0's parameter names and
+    shapes, `ranks` and `tp` its layout (the core's must be the same: rank r pulls from rank r)."""
 
     cell: str
     signature: list
+    ranks: int = 1
+    tp: int = 1
 
 
 @message
 class Welcome:
-    """The core accepts: where its weights live (Mooncake session and address) and their version."""
+    """The core accepts: where each of its ranks keeps its weight shard and gradient slots
+    ([(Mooncake session, weights address, slots address)] by rank), and the weights' version."""
 
-    session_id: str
-    weights_addr: int
-    numel: int
+    peers: list
     version: int
 
 
@@ -120,7 +122,8 @@ class Claim:
 
 @message
 class Work:
-    """Micro-step `index` of the step at weight `version`: write its gradient to `slot_addr`.
+    """Micro-step `index` of the step at weight `version`: each rank writes its gradient shard to
+    slot `slot` of its core peer.
 
     The gradient is computed with normaliser 1: the core divides the folded sum by the step's
     total loss weight, which is known only once the step's batches have all arrived.
@@ -128,7 +131,7 @@ class Work:
 
     index: int
     version: int
-    slot_addr: int
+    slot: int
     batch: PackedBatch
 
 
@@ -144,11 +147,14 @@ class Evicted:
 
 @message
 class Done:
-    """Micro-step `index` is written into its slot; `seconds` = forward, backward and the write."""
+    """Micro-step `index` is written into its slot; `seconds` = forward, backward and the write;
+    `rank` computed it (with its tensor-parallel peers), on data-parallel replica `replica`."""
 
     index: int
     stats: dict
     seconds: float
+    rank: int = 0
+    replica: int = 0
 
 
 @message

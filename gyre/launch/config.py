@@ -21,9 +21,8 @@ class ClusterConfig:
     """Nodes per cell (48 on the reference cluster; 1 process group per cell locally)."""
     ranks_per_cell: int = 1
     """backend=local: processes of each cell's trainer, one torch.distributed group (gloo on CPU) laid
-    out by trainer.tensor_parallel_size (the rest data parallel), the same in every cell. > 1 is
-    built for a core that trains alone (num_cells=1: mode=replay or scheduler=colocate); satellites
-    of several ranks and multi-rank Slurm cells are not built and refused."""
+    out by trainer.tensor_parallel_size (the rest data parallel), the same in every cell: satellite
+    rank r pulls from and writes to core rank r. Multi-rank Slurm cells are not built and refused."""
     allocation_nodes: int | None = None
     """Nodes of all cells together, when sized that way: num_cells = allocation_nodes / cell_nodes
     (which must divide it). None: num_cells decides."""

@@ -73,8 +73,11 @@ class SatelliteDoor:
     def _welcome(self, ch: Channel, msg: object) -> str | None:
         if not isinstance(msg, m.Join):
             raise m.ProtocolError(f"expected Join first, got {type(msg).__name__}")
-        if self.ranks.num_ranks > 1:
-            ch.send(m.Refused(f"the core has {self.ranks.num_ranks} ranks; satellites join one-rank cores only"))
+        layout = (self.ranks.num_ranks, self.trainer.cfg.tensor_parallel_size)
+        if (msg.ranks, msg.tp) != layout:
+            ch.send(
+                m.Refused(f"layout (ranks, tensor parallel) {(msg.ranks, msg.tp)} differs from the core's {layout}")
+            )
             return None
         if [tuple(map(tuple, x)) for x in msg.signature] != [
             tuple(map(tuple, x)) for x in self.trainer.flat.signature()
@@ -87,7 +90,7 @@ class SatelliteDoor:
                 return None
             self._cells[msg.cell] = ch
             version = self.trainer.step
-        ch.send(m.Welcome(self.endpoint.session_id, self._weights_addr, self.trainer.flat.weights.numel(), version))
+        ch.send(m.Welcome(self._peers, version))
         return msg.cell
 
     def _release(self, cell: str) -> None:
@@ -106,9 +109,7 @@ class SatelliteDoor:
             if step is None or not self._free or (ms := self._queue.claim(cell, time.monotonic())) is None:
                 return m.Wait()
             step.slot_of[ms.index] = slot = self._free.popleft()
-            return m.Work(
-                ms.index, step.version, self._slots_addr + slot * self.slots.shape[1] * 4, step.batches[ms.index]
-            )
+            return m.Work(ms.index, step.version, slot, step.batches[ms.index])
 
     def _accept_result(self, cell: str, msg: m.Done) -> None:
         with self._cond:
@@ -116,7 +117,8 @@ class SatelliteDoor:
             ms = None if step is None else step.micro.get(msg.index)
             if ms is not None and self._queue.complete(ms, cell):
                 step.stats[msg.index] = msg.stats
-                step.timing[msg.index] = (cell, msg.seconds, time.time())  # its result just arrived
+                step.owner[msg.index] = msg.replica
+                step.timing[msg.index] = (cell, msg.seconds, time.time(), msg.rank)  # its result just arrived
             self._cond.notify_all()
 
     def _start_pull(self, cell: str) -> m.WeightVersion:

@@ -34,7 +34,6 @@ import time
 from collections import Counter, deque
 
 import torch
-import torch.distributed as dist
 
 from gyre.control import messages as m
 from gyre.control.transport import Channel, Listener, listen
@@ -44,6 +43,7 @@ from gyre.train.batch import BatchError
 from gyre.train.core_door import CORE, SatelliteDoor
 from gyre.train.loss import finish_stats, merge_stats
 from gyre.train.ranks import CellRanks
+from gyre.train.shard import core_close
 from gyre.train.trainer import Trainer, prepare_step
 from gyre.trajectory.sample import PackedBatch
 from gyre.transfer import BufferLayout, TransferEndpoint
@@ -53,12 +53,6 @@ logger = logging.getLogger(__name__)
 
 class ElasticError(GyreError):
     """The core and a satellite cannot work together (mismatched model, lost core, misuse of the step API)."""
-
-
-def one_rank_cell() -> None:
-    """Raise unless this cell is one rank (satellites pull and write whole flat buffers)."""
-    if dist.get_world_size() != 1:
-        raise ElasticError("satellites are built for one-rank cells only (per-rank pulls are not built)")
 
 
 class _Step:
@@ -72,8 +66,9 @@ class _Step:
         self.screened: list[m.MicroBatchId] = []  # nothing trainable in them: done as they arrive
         self.micro: dict[int, object] = {}  # index -> the queue's MicroStep
         self.slot_of: dict[int, int] = {}
+        self.owner: dict[int, int] = {}  # index -> the data-parallel replica whose ranks hold its gradient
         self.stats: dict[int, dict] = {}
-        self.timing: dict[int, tuple[str, float, float]] = {}  # index -> (cell, seconds, unix time it ended)
+        self.timing: dict[int, tuple[str, float, float, int]] = {}  # index -> (cell, seconds, ended, rank)
         self.excluded: Counter = Counter()
         self.screened_weight = 0.0
         self.total_weight: float | None = None
@@ -85,11 +80,13 @@ class _Step:
 class CoreServer(SatelliteDoor):
     """The core cell's side: hands out micro-steps as they arrive, folds them, steps once; publishes weights.
 
-    A core of several ranks (`ranks`, driven from rank 0) trains alone: it refuses satellites
-    (per-rank pulls are not built) and computes a step once it has ended, on all its ranks.
+    A core of several ranks (`ranks`, driven from rank 0) computes micro-steps on its data-parallel
+    replicas and folds every rank's slots in index order (gyre/train/shard.py); satellites of the
+    same layout pull from and write to the core rank of their own rank.
 
     Args:
-        host: interface the control listener binds (a routable address when cells are on other nodes).
+        host: interface the control listener and the follower ranks' Mooncake endpoints bind (a
+            routable address when cells are on other nodes).
         listener: a ready listener (e.g. `listen("mpi", port_file=...)`); default TCP on `host`.
         ranks: the cell's ranks (gyre/train/ranks.py); default this one rank.
     """
@@ -104,10 +101,11 @@ class CoreServer(SatelliteDoor):
     ):
         self.ranks = ranks or CellRanks(trainer)
         self.trainer, self.endpoint = trainer, endpoint
-        n = trainer.flat.weights.numel()
-        self.slots = torch.zeros(trainer.cfg.num_grad_slots, n, dtype=torch.float32, device=trainer.flat.weights.device)
-        self._weights_addr = endpoint.register(trainer.flat.weights)
-        self._slots_addr = endpoint.register(self.slots)
+        self.ranks.state.endpoint = endpoint
+        self._peers = self.ranks.call("core_open", host, trainer.cfg.num_grad_slots)
+        """Each rank's (Mooncake session, weights address, slots address), by rank."""
+        self.slots = self.ranks.state.slots
+        self._num_replicas = self.ranks.num_ranks // trainer.cfg.tensor_parallel_size
         self._cond = threading.Condition()
         self._free = deque(range(trainer.cfg.num_grad_slots))
         self._queue = MicroStepQueue(groups_per_step=None, staleness=0)
@@ -235,31 +233,32 @@ class CoreServer(SatelliteDoor):
                 raise ElasticError("run_step: no step is open (call begin_step first) or it is running already")
             step = self._step
             step.running = True
-        if self.ranks.num_ranks > 1:
-            return self._run_on_ranks(step)
-        acc = torch.zeros_like(self.trainer.flat.weights)
         redone_before = self._queue.num_redone
         applied = False
         try:
-            while (job := self._next_core_job(step, acc)) is not None:
-                self._compute_on_core(step, acc, *job)
+            self.ranks.call("core_reset")  # an aborted step may have left a partial sum
+            while (work := self._next_core_work(step)) is not None:
+                self._fold_on_ranks(work[1]) if work[0] == "fold" else self._compute_on_core(step, work[1])
             with self._cond:
                 while self._readers:  # an announced pull or a publish is copying the weights
                     self._evict_hung_pulls()
                     self._cond.wait(timeout=0.05 if self.trainer.cfg.claim_timeout_s else None)
                 self._applying = True
             if not step.batches:
-                self.trainer.skip_step()
+                self.ranks.call("skip_step")
                 applied = True
                 return {"skipped": 1}
-            metrics = self.trainer.apply_gradient(acc, step.total_weight)
+            metrics = self.ranks.call("core_apply", step.total_weight)
             applied = True
         finally:
             self._finish(step, applied)
         stats = {}
         for i in range(len(step.batches)):
             stats = merge_stats(stats, step.stats[i])
-        timing = [(step.ids[i], *step.timing[i], step.batches[i].num_tokens, 0) for i in range(len(step.batches))]
+        timing = []
+        for i in range(len(step.batches)):
+            cell, seconds, ended, rank = step.timing[i]
+            timing.append((step.ids[i], cell, seconds, ended, step.batches[i].num_tokens, rank))
         by_cell = Counter(f"microsteps_by/{t[1]}" for t in timing)
         return (
             finish_stats(stats)
@@ -268,38 +267,6 @@ class CoreServer(SatelliteDoor):
             | metrics
             | {"microsteps_redone": self._queue.num_redone - redone_before, "microsteps": timing}
         )
-
-    def _run_on_ranks(self, step: _Step) -> dict:
-        """run_step of a multi-rank core: once the step has ended, every rank computes it (the
-        micro-steps split over the data-parallel ranks, summed in index order)."""
-        applied = False
-        try:
-            with self._cond:
-                while step.total_weight is None and not step.aborted:
-                    self._cond.wait()
-                if step.aborted:
-                    raise ElasticError(f"step {step.version} was aborted")
-                while self._readers:
-                    self._cond.wait()
-                self._applying = True
-            if not step.batches:
-                self.trainer.skip_step()
-                applied = True
-                return {"skipped": 1}
-            batches = [step.batches[i] for i in range(len(step.batches))]
-            metrics, timing = self.ranks.call("step_screened", batches, step.total_weight)
-            with self._cond:
-                for i, (seconds, ended, _) in enumerate(timing):
-                    self._queue.complete(self._queue.claim(CORE, index=i), CORE)
-                    step.timing[i] = (CORE, seconds, ended)
-            applied = True
-        finally:
-            self._finish(step, applied)
-        microsteps = [
-            (step.ids[i], CORE, seconds, ended, step.batches[i].num_tokens, rank)
-            for i, (seconds, ended, rank) in enumerate(timing)
-        ]
-        return dict(step.excluded) | metrics | {"microsteps_by/core": len(batches), "microsteps": microsteps}
 
     def _finish(self, step: _Step, applied: bool) -> None:
         with self._cond:
@@ -315,28 +282,35 @@ class CoreServer(SatelliteDoor):
                     (self._free if cell == CORE else self._quarantine.setdefault(cell, [])).append(slot)
             self._cond.notify_all()
 
-    def _next_core_job(self, step: _Step, acc: torch.Tensor) -> tuple[object, int | None] | None:
-        """Fold finished slots in order; return a (micro-step, slot) for the core, or None when done.
+    def _next_core_work(self, step: _Step) -> tuple[str, list] | None:
+        """What the core's ranks do next: ("fold", [(slot, owner replica)]) for finished slots in
+        index order, ("compute", [(micro-step, slot)]) one per data-parallel replica, or None when
+        the step is folded whole.
 
         The core also takes the next micro-step to fold when no slot is free (even with
-        core_computes_microsteps off): it adds that one straight into the accumulator, so slots
+        core_computes_microsteps off): it adds that one straight into the sum (slot None), so slots
         held by later results or quarantined by a hung cell can never stall the step.
         """
         cfg = self.trainer.cfg
         with self._cond:
             while True:
-                self._fold(step, acc)
+                if entries := self._foldable(step):
+                    return "fold", entries
                 if step.aborted:
                     raise ElasticError(f"step {step.version} was aborted")
                 if step.total_weight is not None and step.folded == len(step.batches):
                     return None
                 self._evict_overdue(step)
-                now = time.monotonic()
-                if self._free and cfg.core_computes_microsteps and (ms := self._queue.claim(CORE, now)) is not None:
+                now, jobs = time.monotonic(), []
+                while cfg.core_computes_microsteps and len(jobs) < self._num_replicas and self._free:
+                    if (ms := self._queue.claim(CORE, now)) is None:
+                        break
                     step.slot_of[ms.index] = slot = self._free.popleft()
-                    return ms, slot
+                    jobs.append((ms, slot))
+                if jobs:
+                    return "compute", jobs
                 if not self._free and (ms := self._queue.claim(CORE, now, index=step.folded)) is not None:
-                    return ms, None
+                    return "compute", [(ms, None)]
                 self._cond.wait(timeout=0.05 if cfg.claim_timeout_s else 1.0)
 
     def _evict_overdue(self, step: _Step) -> None:
@@ -365,28 +339,33 @@ class CoreServer(SatelliteDoor):
                 self._evicted.add(cell)
                 logger.warning("satellite %s held a weight pull over %.1f s: stepping without it", cell, timeout)
 
-    def _fold(self, step: _Step, acc: torch.Tensor) -> None:
-        done = self._queue.done_by()
+    def _foldable(self, step: _Step) -> list[tuple[int, int]]:
+        """Take the next finished micro-steps in index order: [(slot, owner replica)]."""
+        done, entries = self._queue.done_by(), []
         while step.folded in done and step.folded in step.slot_of:
-            slot = step.slot_of.pop(step.folded)
-            acc.add_(self.slots[slot])
-            self._free.append(slot)
+            entries.append((step.slot_of.pop(step.folded), step.owner.pop(step.folded)))
             step.folded += 1
+        return entries
+
+    def _fold_on_ranks(self, entries: list[tuple[int, int]]) -> None:
+        self.ranks.call("core_fold", entries)
+        with self._cond:
+            self._free.extend(slot for slot, _ in entries)  # free once added, never before
             self._cond.notify_all()
 
-    def _compute_on_core(self, step: _Step, acc: torch.Tensor, ms, slot: int | None) -> None:
-        t0 = time.perf_counter()
-        grad, stats = self.trainer.microstep(step.batches[ms.index])
-        if slot is None:
-            acc.add_(grad)  # ms is the next to fold: every earlier micro-step is in acc already
-        else:
-            self.slots[slot].copy_(grad)
+    def _compute_on_core(self, step: _Step, jobs: list[tuple]) -> None:
+        results = self.ranks.call("core_compute", [(step.batches[ms.index], slot) for ms, slot in jobs])
+        direct = jobs[0][1] is None  # the next micro-step to fold: every earlier one is in the sum already
+        if direct:
+            self.ranks.call("core_fold", [(None, 0)])
         with self._cond:
-            self._queue.complete(ms, CORE)
-            step.stats[ms.index] = stats
-            step.timing[ms.index] = (CORE, time.perf_counter() - t0, time.time())
-            if slot is None:
-                step.folded += 1
+            for replica, (ms, _) in enumerate(jobs):
+                stats, seconds, ended, rank = results[replica]
+                self._queue.complete(ms, CORE)
+                step.stats[ms.index] = stats
+                step.owner[ms.index] = replica
+                step.timing[ms.index] = (CORE, seconds, ended, rank)
+            step.folded += direct
             self._cond.notify_all()
 
     # ---- weights for engines ---------------------------------------------------------------
@@ -435,5 +414,4 @@ class CoreServer(SatelliteDoor):
             t.join(timeout=5)
         for _, _, buffer in self._published:
             self.endpoint.unregister(buffer)
-        self.endpoint.unregister(self.slots)
-        self.endpoint.unregister(self.trainer.flat.weights)
+        core_close(self.ranks.state)  # this rank's; the followers' go with their processes

@@ -1,8 +1,9 @@
 """The ranks of one cell: its first rank drives, the others run the same trainer calls in lockstep.
 
     rank 0 (the cell's leader, its control endpoint)        ranks 1..n-1 (`follow`)
-    CellRanks.call(op, *args) ──broadcast (op, args)──────>  OPS[op](trainer, *args)
-    OPS[op](trainer, *args)    <──── collectives of op ────>  (TP all-gathers, DP gradient broadcasts)
+    CellRanks.call(op, *args) ──broadcast (op, args)──────>  OPS[op](state, *args)
+    OPS[op](state, *args)      <──── collectives of op ────>  (TP all-gathers, DP gradient broadcasts)
+    keepalive: ("ping",) when idle KEEPALIVE_S               a follower that exits: `on_lost` on rank 0
 
     python -m gyre.train.ranks --model '{...}' --trainer '{...}' --seed N   (a follower; RANK etc. set)
 
@@ -13,9 +14,12 @@ parallel is not built and was not tried on CPU: the trainer builds its model and
 megatron-core's pipeline schedules, so a cell's layouts are tensor parallel
 (`trainer.tensor_parallel_size`) and data parallel (the remaining ranks).
 
-Not built yet (issue 27, items 2-4): satellites of several ranks, a serving engine per rank, and
-finding a dead rank: a follower waits for the next announcement inside a gloo collective, so a cell
-idle past the group's timeout (torch's default, 30 min) or with a dead rank fails only then.
+A dead rank is found by processes, not by collectives (whose timeout, torch's default 30 min, a
+long micro-step must not hit): followers die with rank 0 (PR_SET_PDEATHSIG), and rank 0 watches its
+followers and calls `on_lost` when one exits (the leader then exits: the cell is lost). A follower
+waits for the next announcement inside a collective, so rank 0 pings an idle cell well within that
+timeout. Not built yet (issue 27): a serving engine per rank, and followers that are not rank 0's
+children (Slurm), which nobody watches yet.
 """
 
 import argparse
@@ -26,6 +30,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from collections import Counter
 
 import torch.distributed as dist
 
@@ -34,72 +40,129 @@ from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.train.checkpoint import CheckpointManager
 from gyre.train.config import TrainerConfig
+from gyre.train.shard import SHARD_OPS, RankState
 from gyre.train.trainer import Trainer
 
 
-def _save(trainer: Trainer, root: str, keep_last: int, extra: dict | None) -> str:
-    return str(CheckpointManager(root, keep_last).save(trainer, extra))
+def _save(state: RankState, root: str, keep_last: int, extra: dict | None) -> str:
+    return str(CheckpointManager(root, keep_last).save(state.trainer, extra))
 
 
-def _load_latest(trainer: Trainer, root: str, keep_last: int) -> dict | None:
-    return CheckpointManager(root, keep_last).load_latest(trainer)
+def _load_latest(state: RankState, root: str, keep_last: int) -> dict | None:
+    return CheckpointManager(root, keep_last).load_latest(state.trainer)
 
 
-def _load_engine_dir(trainer: Trainer, path: str) -> None:
-    trainer.load_engine_weights(load_checkpoint(path)[1])
+def _load_engine_dir(state: RankState, path: str) -> None:
+    state.trainer.load_engine_weights(load_checkpoint(path)[1])
+
+
+def _ping(state: RankState) -> None:
+    """Nothing: keeps an idle follower's wait for the next announcement short of the group's timeout."""
 
 
 OPS = {
     "load_engine_dir": _load_engine_dir,
-    "logprobs": Trainer.logprobs,
-    "step_screened": Trainer.step_screened,
-    "engine_weights": Trainer.engine_weights,
+    "logprobs": lambda state, batch: state.trainer.logprobs(batch),
+    "engine_weights": lambda state: state.trainer.engine_weights(),
     "save": _save,
     "load_latest": _load_latest,
-}
-"""What rank 0 may ask of every rank: name -> function(trainer, *args)."""
+    "ping": _ping,
+} | SHARD_OPS
+"""What rank 0 may ask of every rank: name -> function(RankState, *args)."""
+
+KEEPALIVE_S = 60.0
+"""An idle cell's rank 0 pings its followers this often: far under the group's timeout (torch's
+default, 30 min), which a follower waiting for the next announcement would otherwise run into."""
 
 
 class CellRanks:
-    """Rank 0's handle on its cell's ranks (with one rank, a plain call)."""
+    """Rank 0's handle on its cell's ranks (with one rank, a plain call).
 
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
+    Args:
+        followers: ranks 1.. as child processes (`start_followers`): watched, and if one exits
+            before `stop`, `on_lost(rank, exit code)` is called (from the watching thread): any rank
+            lost is the cell lost.
+        keepalive_s: ping idle followers this often.
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        followers: list[subprocess.Popen] = (),
+        on_lost=None,
+        keepalive_s: float = KEEPALIVE_S,
+    ):
+        self.state = RankState(trainer)
+        """This rank's trainer, endpoint and buffers (gyre/train/shard.py)."""
         self.num_ranks = dist.get_world_size()
         self._order = threading.Lock()  # the leader's thread and the step's worker: one announcement at a time
+        self._last = time.monotonic()
+        self._stopped = threading.Event()
         if dist.get_rank() != 0:
             raise RuntimeError(f"CellRanks drives from rank 0; rank {dist.get_rank()} must follow()")
+        if self.num_ranks > 1:
+            threading.Thread(target=self._keepalive, args=(keepalive_s,), daemon=True, name="ranks-ping").start()
+        if followers:
+            threading.Thread(target=self._watch, args=(list(followers), on_lost), daemon=True, name="ranks").start()
+
+    @property
+    def trainer(self) -> Trainer:
+        return self.state.trainer
 
     def call(self, op: str, *args):
         """Run OPS[op] on every rank of the cell; returns rank 0's result."""
         fn = OPS[op]
         if self.num_ranks == 1:
-            return fn(self.trainer, *args)
+            return fn(self.state, *args)
         with self._order:
+            if self._stopped.is_set():
+                raise RuntimeError(f"{op}: the cell's ranks were stopped")
+            self._last = time.monotonic()
             dist.broadcast_object_list([(op, args)], src=0)
-            return fn(self.trainer, *args)
+            return fn(self.state, *args)
+
+    def _keepalive(self, every_s: float) -> None:
+        # never less than every_s / 10: an operation holding the group for long must not make this spin
+        while not self._stopped.wait(max(every_s / 10, self._last + every_s - time.monotonic())):
+            if time.monotonic() - self._last >= every_s and self._order.acquire(blocking=False):
+                try:
+                    if not self._stopped.is_set():
+                        self._last = time.monotonic()
+                        dist.broadcast_object_list([("ping", ())], src=0)
+                finally:
+                    self._order.release()
+
+    def _watch(self, followers: list[subprocess.Popen], on_lost) -> None:
+        while not self._stopped.wait(0.2):
+            for rank, proc in enumerate(followers, start=1):
+                if proc.poll() is not None and not self._stopped.is_set():
+                    on_lost(rank, proc.returncode)
+                    return
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Release the followers (their `follow` returns). If an operation still holds the group past
         `timeout_s` (a rank died mid-collective), give up: the followers die with this process."""
         if self.num_ranks > 1 and self._order.acquire(timeout=timeout_s):
             try:
-                dist.broadcast_object_list([None], src=0)
+                if not self._stopped.is_set():
+                    self._stopped.set()
+                    dist.broadcast_object_list([None], src=0)
             finally:
                 self._order.release()
+        self._stopped.set()
 
 
-def follow(trainer: Trainer) -> int:
-    """On ranks 1..n-1: run what rank 0 announces until it stops; returns the operations run."""
-    done = 0
+def follow(trainer: Trainer) -> Counter:
+    """On ranks 1..n-1: run what rank 0 announces until it stops; returns how often each op ran."""
+    state, done = RankState(trainer), Counter()
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             return done
         op, args = box[0]
-        OPS[op](trainer, *args)
-        done += 1
+        OPS[op](state, *args)
+        done[op] += 1
 
 
 def start_followers(num_ranks: int, host: str, model: ModelConfig, cfg: TrainerConfig, seed: int, log_dir: str) -> list:

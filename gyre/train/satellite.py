@@ -20,7 +20,9 @@ from gyre.control import messages as m
 from gyre.control.transport import Channel, ChannelClosed, connect
 from gyre.models.config import ModelConfig
 from gyre.train.config import TrainerConfig
-from gyre.train.elastic import ElasticError, one_rank_cell
+from gyre.train.elastic import ElasticError
+from gyre.train.ranks import CellRanks
+from gyre.train.shard import satellite_close
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 
@@ -29,18 +31,29 @@ class SatelliteCell:
     """A satellite's side: join the core as `cell`, pull weights per version, compute claimed micro-steps.
 
     One channel for the cell's life (rejoined if the core evicted it), so `serve` can run again
-    after a stint in another role, and `pull_latest` works at any time.
+    after a stint in another role, and `pull_latest` works at any time. A cell of several ranks
+    (`ranks`, driven from this rank 0) pulls and writes rank to rank (gyre/train/shard.py): each
+    claim round asks for one micro-step per data-parallel replica.
     """
 
     def __init__(
-        self, trainer: Trainer, endpoint: TransferEndpoint, core_address: str, cell: str, peer_timeout_s: float = 5.0
+        self,
+        trainer: Trainer,
+        endpoint: TransferEndpoint,
+        core_address: str,
+        cell: str,
+        peer_timeout_s: float = 5.0,
+        ranks: CellRanks | None = None,
+        host: str = "127.0.0.1",
     ):
-        """`peer_timeout_s`: an MPI core is declared dead after this silence (gyre.control.transport.connect)."""
-        one_rank_cell()
+        """`peer_timeout_s`: an MPI core is declared dead after this silence (gyre.control.transport.connect);
+        `host`: the interface of the follower ranks' Mooncake endpoints."""
         self.trainer, self.endpoint, self.cell = trainer, endpoint, cell
+        self.ranks = ranks or CellRanks(trainer)
+        self.ranks.state.endpoint = endpoint
+        self.ranks.call("satellite_open", host)
+        self._replicas = self.ranks.num_ranks // trainer.cfg.tensor_parallel_size
         self._address, self._peer_timeout_s = core_address, peer_timeout_s
-        endpoint.register(trainer.flat.weights)
-        endpoint.register(trainer.grad)
         self._ch: Channel | None = None
         self._rpc = threading.Lock()  # one request/reply exchange at a time on the channel
         self._weights = threading.Lock()  # a pull never overwrites weights a micro-step is using
@@ -55,11 +68,15 @@ class SatelliteCell:
     def _join(self) -> Channel:
         if self._ch is None:
             ch = connect(self._address, peer_timeout_s=self._peer_timeout_s)
-            reply = ch.request(m.Join(self.cell, self.trainer.flat.signature()), timeout_s=60)
+            join = m.Join(
+                self.cell, self.trainer.flat.signature(), self.ranks.num_ranks, self.trainer.cfg.tensor_parallel_size
+            )
+            reply = ch.request(join, timeout_s=60)
             if not isinstance(reply, m.Welcome):
                 ch.close()
                 raise ElasticError(f"core refused {self.cell}: {getattr(reply, 'reason', reply)}")
-            self._ch, self._core_session, self._weights_addr = ch, reply.session_id, reply.weights_addr
+            self.ranks.call("satellite_peer", reply.peers)
+            self._ch = ch
         return self._ch
 
     def _drop(self) -> None:
@@ -78,36 +95,45 @@ class SatelliteCell:
         try:
             ch = self._join()
             while not stop.is_set():
-                with self._rpc:
-                    reply = ch.request(m.Claim(self.cell))
-                if isinstance(reply, m.Wait):
-                    stop.wait(self.trainer.cfg.claim_poll_s)
-                    continue
+                works, reply = self._claim(ch)
+                if works:
+                    self._compute(ch, works)
+                    computed += len(works)
                 if isinstance(reply, m.Evicted):
                     self._drop()  # presumed hung: the core redid our work; the next serve rejoins
                     self.version = -1  # and pulls again (a pull cut short by eviction may be torn)
                     return computed
-                if not isinstance(reply, m.Work):
-                    raise m.ProtocolError(f"the core answered a Claim with {type(reply).__name__}")
-                self._compute(ch, reply)
-                computed += 1
+                if not works:
+                    stop.wait(self.trainer.cfg.claim_poll_s)
             ch.send(m.Leave(self.cell))
         except ChannelClosed:
             self._drop()  # the core closed: this cell's training role is over
         return computed
 
-    def _compute(self, ch: Channel, work: m.Work) -> None:
+    def _claim(self, ch: Channel) -> tuple[list[m.Work], object]:
+        """Claim up to one micro-step per replica; returns (the Work granted, the last reply)."""
+        works, reply = [], None
+        with self._rpc:
+            while len(works) < self._replicas:
+                reply = ch.request(m.Claim(self.cell))
+                if not isinstance(reply, m.Work):
+                    break
+                works.append(reply)
+        if reply is not None and not isinstance(reply, (m.Work, m.Wait, m.Evicted)):
+            raise m.ProtocolError(f"the core answered a Claim with {type(reply).__name__}")
+        return works, reply
+
+    def _compute(self, ch: Channel, works: list[m.Work]) -> None:
         with self._weights:
-            if work.version != self.version:
+            if works[0].version != self.version:
                 self._read_weights()  # safe: the core cannot step while we hold a claim
-                self.version = work.version
-            t0 = time.perf_counter()
-            grad, stats = self.trainer.microstep(work.batch)
-            self.endpoint.write(self._core_session, work.slot_addr, grad)
-        seconds = time.perf_counter() - t0
-        self.microstep_seconds.append(seconds)
-        ch.send(m.Done(work.index, stats, seconds))
-        self.num_computed += 1
+                self.version = works[0].version
+            done = self.ranks.call("satellite_compute", [(w.batch, w.slot) for w in works])
+        for replica, work in enumerate(works):
+            stats, seconds, _, rank = done[replica]
+            self.microstep_seconds.append(seconds)
+            ch.send(m.Done(work.index, stats, seconds, rank, replica))
+            self.num_computed += 1
 
     def pull_latest(self) -> tuple[int, float]:
         """Copy the core's newest weights now (any time: the core holds its optimizer step meanwhile).
@@ -130,13 +156,12 @@ class SatelliteCell:
         return reply.version, time.perf_counter() - t0
 
     def _read_weights(self) -> None:
-        t0 = time.perf_counter()
-        self.endpoint.read(self._core_session, self._weights_addr, self.trainer.flat.weights)
-        self.pull_seconds.append(time.perf_counter() - t0)
+        self.pull_seconds.append(self.ranks.call("satellite_pull"))
 
     def close(self) -> None:
         """Leave the core for good (the channel closes; the core releases anything held)."""
         self._drop()
+        satellite_close(self.ranks.state)  # this rank's; the followers' go with their processes
 
 
 def main(argv: list[str] | None = None) -> int:

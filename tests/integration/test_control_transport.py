@@ -67,10 +67,10 @@ def _every_message() -> list:
     )
     return [
         m.Join("cell2", [("w", (2, 3))]),
-        m.Welcome("127.0.0.1:1", 4096, 10, 3),
+        m.Welcome([("127.0.0.1:1", 4096, 8192)], 3),
         m.Refused("no"),
         m.Claim("cell2"),
-        m.Work(index=1, version=2, slot_addr=8192, batch=batch),
+        m.Work(index=1, version=2, slot=1, batch=batch),
         m.Wait(),
         m.Evicted(),
         m.Done(1, {"loss_sum": 0.5}, 0.25),

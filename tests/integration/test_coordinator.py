@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gyre.cells.leader import RANK_LOST_EXIT
 from gyre.coordinator.ledger import read_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,30 +188,68 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
 
 
 def _checkpointed(run_dir: Path, step: int) -> bool:
+    """Step `step` - 1 trained, its checkpoint complete and announced."""
     return (run_dir / "events.jsonl").exists() and any(e["step"] == step for e in _events(run_dir, "checkpoint"))
+
+
+def _one_running(run_dir: Path) -> bool:
+    return any(es[-1].state == "running" for es in read_ledger(run_dir / "ledger.jsonl").history.values())
+
+
+def _wait_for(proc: subprocess.Popen, ready, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:]
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed mid-run"
 
 
 def _kill_when(proc: subprocess.Popen, ready) -> None:
     """SIGKILL the run (started with start_new_session) once `ready()`: the coordinator and every
     process of its session, as a node failure would."""
-    deadline = time.monotonic() + 900
-    while not ready():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-4000:]
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed mid-run"
+    _wait_for(proc, ready)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
-def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_path):
+def _rank1_pid(run_dir: Path, cell: int) -> int:
+    """Rank 1 of local cell `cell` of the run in `run_dir`: the `gyre.train.ranks` child of its leader."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if b"gyre.train.ranks" not in (proc / "cmdline").read_bytes():
+                continue
+            ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            leader = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+            spec = json.loads(leader[leader.index(b"gyre.cells.leader") + 1])
+        except (OSError, ValueError, IndexError):  # not ours, or gone meanwhile
+            continue
+        if spec["index"] == cell and spec["run_dir"] == str(run_dir):
+            return int(proc.name)
+    raise AssertionError(f"no rank 1 of cell {cell} found")
+
+
+def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_losing_or_retraining(tmp_path):
+    """Cells of two ranks: SIGKILL rank 1 of a satellite and that cell is lost while the run trains
+    on; SIGKILL rank 1 of the core with an execution in flight and the run stops (its leader exits
+    at once, not after gloo's timeout); the resumed run re-runs the interrupted execution and loses
+    and retrains nothing. Then recovery parity: the run's records replayed by a two-rank core that
+    is SIGKILLed twice and resumed train the run's weights bit for bit."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
-
-    def checkpointed_with_one_running() -> bool:  # step 0's checkpoint announced, an execution in flight
-        if not _checkpointed(run_dir, 1):
-            return False
-        return any(es[-1].state == "running" for es in read_ledger(run_dir / "ledger.jsonl").history.values())
-
-    _kill_when(_gyre_train(run_dir, tasks, "num_steps=3", start_new_session=True), checkpointed_with_one_running)
+    proc = _gyre_train(run_dir, tasks, "num_steps=3", "cluster.ranks_per_cell=2", start_new_session=True)
+    try:
+        _wait_for(proc, lambda: _checkpointed(run_dir, 1))
+        os.kill(_rank1_pid(run_dir, 2), signal.SIGKILL)
+        _wait_for(proc, lambda: _checkpointed(run_dir, 2) and _one_running(run_dir))  # trained on without cell 2
+        lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
+        assert lost and f"exited with code {RANK_LOST_EXIT}" in lost[0]["message"], lost
+        assert "cell 2: rank 1 exited with code -9" in (run_dir / "logs" / "cell2.log").read_text()
+        os.kill(_rank1_pid(run_dir, 0), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the coordinator; its children die with it (PR_SET_PDEATHSIG)
+    assert proc.returncode != 0 and f"exited with code {RANK_LOST_EXIT}" in out, out[-4000:]
+    assert "cell 0: rank 1 exited with code -9" in (run_dir / "logs" / "cell0.log").read_text()
     before = read_ledger(run_dir / "ledger.jsonl")
     saved = {e["step"]: e["weights_digest"] for e in _events(run_dir, "checkpoint")}
 
@@ -218,7 +257,7 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
     view = read_ledger(run_dir / "ledger.jsonl")
     start = _events(run_dir, "run_start")[-1]
     assert start["weights_digest"] == saved[start["start_step"]]  # the weights are the checkpoint's
-    assert start["start_step"] >= 1
+    assert start["start_step"] >= 2
     trained = Counter(e.execution_id for es in view.history.values() for e in es if e.state == "trained")
     assert trained and max(trained.values()) == 1  # none trained twice
     steps = {e.step for es in view.history.values() for e in es if e.state == "trained"}
@@ -230,9 +269,8 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
     assert all(view.outcome(eid) is not None for eid in view.history)
     assert summary["num_steps"] == 3
 
-    # Recovery parity: its records replayed by one core cell of two data-parallel ranks, SIGKILLed
-    # after step 1's checkpoint and again after step 2's and resumed each time, train the same
-    # weights as the run, bit for bit, at every checkpoint.
+    # Recovery parity: replayed by one core cell of two data-parallel ranks, SIGKILLed after step 1's
+    # checkpoint and again after step 2's and resumed each time, its records train the run's weights.
     replay = tmp_path / "replay"
     records = [f"records={run_dir / 'records'}", "mode=replay", "cluster.num_cells=1", "cluster.ranks_per_cell=2"]
     for step, resume in ((1, []), (2, ["resume=true"])):
@@ -242,7 +280,7 @@ def test_killed_mid_step_resumes_without_losing_or_retraining_an_execution(tmp_p
     assert [e["start_step"] for e in _events(replay, "run_start")] == [0, 1, 2]
     digests = [{e["step"]: e["weights_digest"] for e in _events(d, "checkpoint")} for d in (run_dir, replay)]
     assert digests[0] == digests[1] and sorted(digests[1]) == [1, 2, 3]
-    assert replayed["cell_ranks"] == 2 and set(replayed["rank_train_busy_s"]["0"]) == {"0", "1"}
+    assert replayed["cell_ranks"] == 2 and {e["rank"] for e in _events(replay, "micro_step")} == {0, 1}
 
 
 def _tool_call(name: str, args: dict) -> str:

@@ -12,7 +12,7 @@ from gyre.control.transport import decode, encode
 @pytest.mark.parametrize(
     "build, match",
     [
-        pytest.param(lambda: m.Work(index="0", version=1, slot_addr=0, batch=None), "Work.index", id="str-index"),
+        pytest.param(lambda: m.Work(index="0", version=1, slot=0, batch=None), "Work.index", id="str-index"),
         pytest.param(lambda: m.RoleSwitch("cell2", "train"), "RoleSwitch.cell", id="cell-name-for-index"),
         pytest.param(lambda: m.PhaseDone(2, "pull_weights", True), "PhaseDone.seconds", id="bool-seconds"),
         pytest.param(lambda: m.WeightVersion("3"), "WeightVersion.version", id="str-version"),

@@ -262,6 +262,23 @@ def test_each_micro_step_says_when_it_ended_and_the_cores_never_overlap():
         server.close()
 
 
+def test_a_satellite_of_another_layout_is_refused_naming_both():
+    """Satellite rank r pulls from core rank r: a cell of another (ranks, tensor parallel) layout
+    would read shards of other shapes, so the core refuses it before any byte moves."""
+    from gyre.control import messages as m
+    from gyre.control.transport import connect
+
+    core = Trainer(MODEL, CFG, seed=0)
+    server = CoreServer(core, TransferEndpoint())
+    ch = connect(server.address)
+    try:
+        reply = ch.request(m.Join("cell2", core.flat.signature(), ranks=2, tp=2), timeout_s=30)
+    finally:
+        ch.close()
+        server.close()
+    assert isinstance(reply, m.Refused) and "(2, 2) differs from the core's (1, 1)" in reply.reason
+
+
 def test_step_api_misuse_is_a_clear_error():
     core = Trainer(MODEL, CFG, seed=0)
     server = CoreServer(core, TransferEndpoint())

@@ -1,15 +1,20 @@
 """A core cell of two ranks over gloo (tensor-parallel 2, or data-parallel 2) trains the same
-streamed steps as the one-rank core: rank 0 runs the CoreServer and drives, rank 1 follows. The
-ranks start from the one-rank core's checkpoint (model and Adam state, resharded to TP=2 by
-dist_checkpointing on load) and save theirs, which one rank loads back.
+streamed steps as the one-rank core: rank 0 runs the CoreServer and drives, rank 1 follows. Its
+first step is the core's alone; a satellite cell of the same two-rank layout computes every
+micro-step of its second (rank r pulls from and writes to core rank r over Mooncake), and the core
+ends bit for bit where the same layout training alone (`Trainer.train_step`) ends. The ranks start
+from the one-rank core's checkpoint (model and Adam state, resharded to TP=2 by dist_checkpointing
+on load) and save theirs, which one rank loads back.
 
 Data parallel 2 sums micro-steps in index order (Trainer.fold), so its log-probs, gradient norms
 and weights equal the one-rank core's bit for bit; tensor parallel 2 splits each matmul, so its
 log-probs agree within 1e-6 and its weights after two Adam steps within 1% of one step's move (lr).
 """
 
+import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -41,12 +46,18 @@ import sys, torch
 from dataclasses import replace
 from _train_ref import random_batches
 from test_train_ranks import MODEL, CFG, STEPS, stream_steps
+from gyre.train.checkpoint import CheckpointManager
 from gyre.train.ranks import CellRanks, follow
 from gyre.train.trainer import Trainer
 
 def main(tp, src, dst, out):
     torch.set_num_threads(1)
-    tr = Trainer(MODEL, replace(CFG, tensor_parallel_size=int(tp)), seed=9)
+    cfg = replace(CFG, tensor_parallel_size=int(tp))
+    alone = Trainer(MODEL, cfg, seed=9)  # the same layout training alone: the bitwise reference
+    CheckpointManager(src, 1).load_latest(alone)
+    for n, seed in STEPS:
+        alone.train_step(random_batches(MODEL, n, 3, seed=seed))
+    tr = Trainer(MODEL, cfg, seed=9)
     if torch.distributed.get_rank():
         follow(tr)
     else:
@@ -56,13 +67,16 @@ def main(tp, src, dst, out):
         ranks.call("load_latest", src, 1)
         lp = ranks.call("logprobs", random_batches(MODEL, 1, 3, seed=5)[0])
         server = CoreServer(tr, TransferEndpoint(), ranks=ranks)
-        metrics = stream_steps(server)
+        metrics = stream_steps(server, src + ".core")
         version, _ = server.publish()
         engine = {k: v.clone() for k, v in server.published_tensors(version).items()}
         ranks.call("save", dst, 1, None)
         server.close()
         ranks.stop()
-        torch.save({"logprobs": lp, "metrics": metrics, "engine": engine, "step": tr.step}, out)
+    same = [None, None]
+    torch.distributed.all_gather_object(same, torch.equal(tr.flat.weights, alone.flat.weights))
+    if not torch.distributed.get_rank():
+        torch.save({"logprobs": lp, "metrics": metrics, "engine": engine, "step": tr.step, "same": same}, out)
     torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
@@ -70,10 +84,45 @@ if __name__ == "__main__":
 """
 
 
-def stream_steps(server: CoreServer) -> list[dict]:
-    """STEPS as the leader streams them: open, add each micro-batch with its id, end, run."""
+_SATELLITE_SCRIPT = """
+import json, os, sys, threading, time, torch
+from dataclasses import replace
+from test_train_ranks import MODEL, CFG
+from gyre.train.ranks import CellRanks, follow
+from gyre.train.satellite import SatelliteCell
+from gyre.train.trainer import Trainer
+from gyre.transfer import TransferEndpoint
+
+def main(tp, address_file, out):
+    torch.set_num_threads(1)
+    tr = Trainer(MODEL, replace(CFG, tensor_parallel_size=int(tp)), seed=3)
+    if torch.distributed.get_rank():
+        json.dump(follow(tr), open(out + ".rank1", "w"))
+    else:
+        ranks = CellRanks(tr, keepalive_s=0.5)  # idle until the core's first step is over: pings
+        while not os.path.exists(address_file):
+            time.sleep(0.05)
+        sat = SatelliteCell(tr, TransferEndpoint(), open(address_file).read(), "cell1", ranks=ranks)
+        computed = sat.serve(threading.Event())  # until the core closes
+        sat.close()
+        ranks.stop()
+        json.dump({"computed": computed, "pull_s": sat.pull_seconds}, open(out, "w"))
+    torch.distributed.destroy_process_group()
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+"""
+
+
+def stream_steps(server: CoreServer, address_file: str | None = None) -> list[dict]:
+    """STEPS as the leader streams them: open, add each micro-batch with its id, end, run. With
+    `address_file`, a satellite is told the core's address after the first step, and from then on
+    the core only sums (the satellite computes every micro-step)."""
     out = []
     for n, seed in STEPS:
+        if out and address_file:
+            server.trainer.cfg = replace(server.trainer.cfg, core_computes_microsteps=False)
+            Path(address_file).write_text(server.address)
         step = server.trainer.step
         server.begin_step(step)
         for k, batch in enumerate(random_batches(MODEL, n, 3, seed=seed)):
@@ -83,25 +132,31 @@ def stream_steps(server: CoreServer) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("tp", [pytest.param(2, id="tp2"), pytest.param(1, id="dp2")])
-def test_a_two_rank_core_trains_streamed_steps_like_the_one_rank_core(tmp_path, tp):
+def _start_ranks(script: str, args: list[str], log_prefix: Path) -> list[subprocess.Popen]:
     env = two_rank_env()
-    one = Trainer(MODEL, CFG, seed=0)
-    one.train_step(random_batches(MODEL, 1, 2, seed=4))  # non-zero Adam state to reshard
-    CheckpointManager(tmp_path / "ckpt", keep_last=1).save(one)
-    args = [str(tp), str(tmp_path / "ckpt"), str(tmp_path / "saved"), str(tmp_path / "out.pt")]
-    logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(2)]
-    ranks = [
+    return [
         subprocess.Popen(
-            [sys.executable, "-c", _RANK_SCRIPT, *args],
+            [sys.executable, "-c", script, *args],
             cwd=ROOT,
             env=env | {"RANK": str(r)},
-            stdout=logs[r],
+            stdout=open(f"{log_prefix}{r}.log", "w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         for r in range(2)
     ]
+
+
+@pytest.mark.parametrize("tp", [pytest.param(2, id="tp2"), pytest.param(1, id="dp2")])
+def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_the_one_rank_core(tmp_path, tp):
+    one = Trainer(MODEL, CFG, seed=0)
+    one.train_step(random_batches(MODEL, 1, 2, seed=4))  # non-zero Adam state to reshard
+    CheckpointManager(tmp_path / "ckpt", keep_last=1).save(one)
+    ckpt, sat_out = str(tmp_path / "ckpt"), str(tmp_path / "satellite.json")
+    ranks = _start_ranks(
+        _RANK_SCRIPT, [str(tp), ckpt, str(tmp_path / "saved"), str(tmp_path / "out.pt")], tmp_path / "rank"
+    )
+    ranks += _start_ranks(_SATELLITE_SCRIPT, [str(tp), ckpt + ".core", sat_out], tmp_path / "satellite")
     lp = one.logprobs(random_batches(MODEL, 1, 3, seed=5)[0])
     server = CoreServer(one, TransferEndpoint())
     try:
@@ -114,18 +169,25 @@ def test_a_two_rank_core_trains_streamed_steps_like_the_one_rank_core(tmp_path, 
         for p in ranks:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    assert codes == [0] * 4, "".join((tmp_path / f"{n}0.log").read_text()[-3000:] for n in ("rank", "satellite"))
     got = torch.load(tmp_path / "out.pt", weights_only=False)
     assert got["step"] == one.step == 3
+    assert got["same"] == [True, True]  # each core rank's shard: bit for bit the layout training alone
     expected = one.engine_weights()
     back = Trainer(MODEL, CFG, seed=3)  # the ranks' checkpoint, loaded by one rank
     CheckpointManager(tmp_path / "saved", keep_last=1).load_latest(back)
     assert back.step == 3
+    first, second = got["metrics"]
+    assert first["microsteps_by/core"] == metrics[0]["microsteps_by/core"]
+    assert second["microsteps_by/cell1"] == STEPS[1][0] == json.load(open(sat_out))["computed"]
+    assert len(json.load(open(sat_out))["pull_s"]) == 1  # one version pulled, all ranks at once
+    follower = json.load(open(sat_out + ".rank1"))
+    assert follower["satellite_pull"] == 1 and follower["satellite_compute"] >= 2 and follower["ping"] >= 1
     for m1, m2 in zip(metrics, got["metrics"]):
-        assert m2["microsteps_by/core"] == m1["microsteps_by/core"]
         assert [t[0] for t in m2["microsteps"]] == [t[0] for t in m1["microsteps"]]  # ids, in order
     if tp == 1:
-        assert {t[5] for m in got["metrics"] for t in m["microsteps"]} == {0, 1}  # both ranks computed
+        assert {t[5] for m in got["metrics"] for t in m["microsteps"]} == {0, 1}  # both replicas computed
+        assert {t[5] for t in second["microsteps"]} == {0, 1}  # both of the satellite's, too
         assert torch.equal(got["logprobs"], lp)
         assert [m["grad_norm"] for m in got["metrics"]] == [m["grad_norm"] for m in metrics]
         assert all(torch.equal(t, expected[name]) for name, t in got["engine"].items())

@@ -41,7 +41,7 @@ def _work(kib: int):
         weight_versions=t * 0,
         execution_ids=("e0",),
     )
-    return Work(index=0, version=1, slot_addr=0, batch=batch)
+    return Work(index=0, version=1, slot=0, batch=batch)
 
 
 def _cpu_s() -> float:
