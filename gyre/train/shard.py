@@ -14,6 +14,7 @@ shard to the same core rank, so micro-step i's gradient sits on the core's ranks
 rank adds it in index order: the sum is bit for bit the one `Trainer.fold` makes alone.
 """
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -82,6 +83,21 @@ def _per_replica(results: list) -> dict[int, tuple]:
         if item is not None:
             first.setdefault(item[0], item[1:])
     return first
+
+
+def weights_digest(state: RankState) -> str:
+    """A digest of the cell's whole model: one rank's weights under data parallel (every replica
+    holds the same, so any layout of one tensor-parallel size digests alike), else a digest of the
+    first replica's tensor-parallel shards in order."""
+    from megatron.core import parallel_state
+
+    mine = hashlib.sha256(state.trainer.flat.weights.detach().cpu().numpy().tobytes()).hexdigest()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return mine[:16]
+    key = (_dp()[1], parallel_state.get_tensor_model_parallel_rank())
+    shards = sorted(item for item in _gather((key, mine)) if item[0][0] == 0)
+    return hashlib.sha256("".join(d for _, d in shards).encode()).hexdigest()[:16]
 
 
 # ---- the core's ranks ---------------------------------------------------------------------------
@@ -192,6 +208,7 @@ SHARD_OPS = {
         satellite_pull,
         satellite_compute,
         satellite_close,
+        weights_digest,
     )
 }
 """The ops of this module by name (gyre/train/ranks.py OPS)."""

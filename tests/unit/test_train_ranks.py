@@ -11,6 +11,7 @@ and weights equal the one-rank core's bit for bit; tensor parallel 2 splits each
 log-probs agree within 1e-6 and its weights after two Adam steps within 1% of one step's move (lr).
 """
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -71,12 +72,15 @@ def main(tp, src, dst, out):
         version, _ = server.publish()
         engine = {k: v.clone() for k, v in server.published_tensors(version).items()}
         ranks.call("save", dst, 1, None)
+        digest = ranks.call("weights_digest")
         server.close()
         ranks.stop()
     same = [None, None]
     torch.distributed.all_gather_object(same, torch.equal(tr.flat.weights, alone.flat.weights))
     if not torch.distributed.get_rank():
-        torch.save({"logprobs": lp, "metrics": metrics, "engine": engine, "step": tr.step, "same": same}, out)
+        shard0 = tr.flat.weights.detach().clone()
+        got = dict(logprobs=lp, metrics=metrics, engine=engine, step=tr.step, same=same, digest=digest, shard0=shard0)
+        torch.save(got, out)
     torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
@@ -130,6 +134,10 @@ def stream_steps(server: CoreServer, address_file: str | None = None) -> list[di
         server.end_step()
         out.append(server.run_step())
     return out
+
+
+def _digest(weights: torch.Tensor) -> str:
+    return hashlib.sha256(weights.numpy().tobytes()).hexdigest()[:16]
 
 
 def _start_ranks(script: str, args: list[str], log_prefix: Path) -> list[subprocess.Popen]:
@@ -192,6 +200,7 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
         assert [m["grad_norm"] for m in got["metrics"]] == [m["grad_norm"] for m in metrics]
         assert all(torch.equal(t, expected[name]) for name, t in got["engine"].items())
         assert torch.equal(back.flat.weights, one.flat.weights)
+        assert got["digest"] == _digest(one.flat.weights)  # the one-rank core's digest of the same weights
     else:
         assert (got["logprobs"] - lp).abs().max() <= 1e-6
         for m1, m2 in zip(metrics, got["metrics"]):
@@ -201,3 +210,4 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
         for name, t in got["engine"].items():
             assert (t - expected[name]).abs().max() <= 0.01 * CFG.lr, name
         assert (back.flat.weights - one.flat.weights).abs().max() <= 0.01 * CFG.lr
+        assert got["digest"] != _digest(got["shard0"])  # both shards digested, not rank 0's alone
