@@ -103,7 +103,7 @@ class GyreConfig:
             )
 
     def _check_ranks(self) -> None:
-        """A cell of several ranks: what is built (a local core training alone) and its layout."""
+        """A cell of several ranks: what is built (a core training alone) and its layout."""
         ranks, tp = self.cluster.ranks_per_cell, self.trainer.tensor_parallel_size
         require(
             ranks % tp == 0,
@@ -112,18 +112,14 @@ class GyreConfig:
         )
         if ranks == 1:
             return
-        require(
-            self.cluster.backend == "local",
-            "cluster.ranks_per_cell",
-            f"{ranks} ranks per cell are built for backend=local only (on Slurm a cell would be cell_nodes x "
-            "ranks per node, not built yet); use ranks_per_cell=1",
-        )
+        key = "cluster.cell_nodes" if self.cluster.backend == "slurm" else "cluster.ranks_per_cell"
         require(
             self.cluster.num_cells == 1,
-            "cluster.ranks_per_cell",
+            key,
             f"{ranks} ranks per cell with {self.cluster.num_cells} cells: satellites of several ranks (per-rank "
             f"weight pulls) are not built, so scheduler={self.scheduler.mode} cannot run with them; a multi-rank "
-            "core trains alone (cluster.num_cells=1 with mode=replay or scheduler=colocate), else use ranks_per_cell=1",
+            "core trains alone (cluster.num_cells=1 with mode=replay or scheduler=colocate), else use one rank per "
+            "cell (locally ranks_per_cell=1; on Slurm cell_nodes=1 and ranks_per_node=1)",
         )
 
 

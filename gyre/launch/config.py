@@ -20,10 +20,14 @@ class ClusterConfig:
     cell_nodes: int = 1
     """Nodes per cell (48 on the reference cluster; 1 process group per cell locally)."""
     ranks_per_cell: int = 1
-    """backend=local: processes of each cell's trainer, one torch.distributed group (gloo on CPU) laid
-    out by trainer.tensor_parallel_size (the rest data parallel), the same in every cell. > 1 is
-    built for a core that trains alone (num_cells=1: mode=replay or scheduler=colocate); satellites
-    of several ranks and multi-rank Slurm cells are not built and refused."""
+    """Processes of each cell's trainer, one torch.distributed group (gloo on CPU) laid out by
+    trainer.tensor_parallel_size (the rest data parallel), the same in every cell. backend=local: set
+    it; backend=slurm: derived, cell_nodes x ranks_per_node (one Slurm task per rank). > 1 is built
+    for a core that trains alone (num_cells=1: mode=replay or scheduler=colocate); satellites of
+    several ranks are not built and refused."""
+    ranks_per_node: int = 1
+    """backend=slurm: trainer ranks (Slurm tasks) on each node of a cell (one per GPU on a GPU
+    cluster); the first task of a cell is its leader (rank 0), the others follow it."""
     allocation_nodes: int | None = None
     """Nodes of all cells together, when sized that way: num_cells = allocation_nodes / cell_nodes
     (which must divide it). None: num_cells decides."""
@@ -72,6 +76,22 @@ class ClusterConfig:
             self.num_cells = self.allocation_nodes // self.cell_nodes
             require(self.num_cells >= 1, "allocation_nodes", f"must hold >= 1 cell, got {self.allocation_nodes} nodes")
         require(self.ranks_per_cell >= 1, "ranks_per_cell", f"must be >= 1, got {self.ranks_per_cell}")
+        require(self.ranks_per_node >= 1, "ranks_per_node", f"must be >= 1, got {self.ranks_per_node}")
+        if self.backend == "slurm":
+            ranks = self.cell_nodes * self.ranks_per_node
+            require(
+                self.ranks_per_cell in (1, ranks),
+                "ranks_per_cell",
+                f"on Slurm a cell's ranks are cell_nodes x ranks_per_node = {ranks}; leave ranks_per_cell unset "
+                f"(got {self.ranks_per_cell})",
+            )
+            self.ranks_per_cell = ranks
+        else:
+            require(
+                self.ranks_per_node == 1,
+                "ranks_per_node",
+                f"backend=local places no nodes: set cluster.ranks_per_cell instead (got {self.ranks_per_node})",
+            )
         require(self.gpus_per_node >= 0, "gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
         require(self.cpus_per_node >= 1, "cpus_per_node", f"must be >= 1, got {self.cpus_per_node}")
         require(self.mem_gb_per_node >= 1, "mem_gb_per_node", f"must be >= 1 GiB, got {self.mem_gb_per_node}")
