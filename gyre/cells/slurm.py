@@ -129,10 +129,10 @@ def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | Non
                 f"cell {cell}: its component runs {placement.group_tasks} tasks, its spec has {spec.ranks} ranks "
                 "(cluster.cell_nodes or cluster.ranks_per_node changed after submission?)"
             )
-        host = node_address(placement, bind_host)
         if rank > 0:
             _follow(job_dir, placement, spec, timeout_s)
             return
+        host = node_address(placement, bind_host)
         _run_leader(
             job_dir, placement, dataclasses.replace(spec, host=host, engine=dataclasses.replace(spec.engine, host=host))
         )
