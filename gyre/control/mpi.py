@@ -23,10 +23,12 @@ good before mpi4py's MPI_Finalize, so no daemon thread (heartbeats) is inside MP
 History: with a lock per channel (MPI_THREAD_MULTIPLE) the coordinator once died of a
 segmentation fault while accepting a leader as other threads sent and probed; with one lock but
 Connect and Disconnect outside it (in threads of their own, racing the heartbeats), 5 of 5 runs
-passed; now nothing races. Still open: tools/probe/mpi_stress.py, peers reconnecting every ~50 ms,
-crashes the listener inside MPI_Comm_accept with this code too (and with both earlier ones), so a
-process that connects and disconnects the same peers at that rate is not safe over MPICH 5.0.2;
-with one channel per peer, as Gyre's leaders hold, none of the three crashed in 100 s.
+passed; now nothing races. Still open: with peers that reconnect again and again
+(tools/probe/mpi_stress.py, a channel held 0.05 s or 1 s), MPICH 5.0.2 segfaults in Accept, Connect,
+Isend or Iprobe with this code too (and with both earlier ones; ch4:ucx with shared memory or
+UCX_TLS=tcp,self, and ch4:ofi alike), so it is not a race of ours; with one channel per peer, as
+Gyre's leaders hold, none of the three versions crashed in 100 s. A satellite reconnects to the
+core once per training role, far less often.
 
 Processes started plainly are MPICH singletons; two singletons cannot connect to each other
 (MPICH: "Local and remote groups ... are not disjoint"), so peers run under `mpiexec -n 1` (on
