@@ -103,7 +103,8 @@ class GyreConfig:
             )
 
     def _check_ranks(self) -> None:
-        """A cell of several ranks: what is built (local cells, every one of the same layout) and its layout."""
+        """A cell of several ranks: what is built (local cells, every one of the same layout; on Slurm a
+        core training alone) and its layout."""
         ranks, tp = self.cluster.ranks_per_cell, self.trainer.tensor_parallel_size
         require(
             ranks % tp == 0,
@@ -113,10 +114,12 @@ class GyreConfig:
         if ranks == 1:
             return
         require(
-            self.cluster.backend == "local",
-            "cluster.ranks_per_cell",
-            f"{ranks} ranks per cell are built for backend=local only (on Slurm a cell would be cell_nodes x "
-            "ranks per node, not built yet); use ranks_per_cell=1",
+            self.cluster.backend == "local" or self.cluster.num_cells == 1,
+            "cluster.cell_nodes",
+            f"{ranks} ranks per cell with {self.cluster.num_cells} cells on Slurm: satellites of several ranks "
+            f"are built for backend=local only, so scheduler={self.scheduler.mode} cannot run with them here; a "
+            "multi-rank core trains alone (cluster.num_cells=1 with mode=replay or scheduler=colocate), else use "
+            "one rank per cell (cell_nodes=1 and ranks_per_node=1)",
         )
 
 

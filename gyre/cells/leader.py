@@ -71,7 +71,7 @@ class CellLeader:
         self.engine.start()
         self.followers = []
         """Ranks 1.. of this cell (gyre/train/ranks.py); this process is rank 0, the cell's control endpoint."""
-        if spec.ranks > 1:
+        if spec.ranks > 1 and not spec.followers_placed:
             from gyre.train.ranks import start_followers
 
             self.followers = start_followers(spec.ranks, spec.host, spec.model, spec.trainer, spec.seed, spec.run_dir)

@@ -33,6 +33,8 @@ class SlurmPlacement:
     """The node this task runs on."""
     restart_count: int = 0
     """How often the job was requeued before this run (SLURM_RESTART_COUNT; 0 on the first)."""
+    group_tasks: int = 1
+    """Tasks of this task's component (a cell's ranks: cell_nodes x ranks_per_node, block-placed)."""
 
 
 def parse_placement(env: Mapping[str, str]) -> SlurmPlacement:
@@ -48,13 +50,16 @@ def parse_placement(env: Mapping[str, str]) -> SlurmPlacement:
     node = env.get("SLURMD_NODENAME", env.get("SLURM_TOPOLOGY_ADDR", ""))
     het_size, restarts = int(env.get("SLURM_HET_SIZE", "1")), int(env.get("SLURM_RESTART_COUNT", "0"))
     if het_size == 1:
-        return SlurmPlacement(job_id, rank, ntasks, 0, 1, rank, env.get("SLURM_JOB_NODELIST", ""), node, restarts)
+        nodes = env.get("SLURM_JOB_NODELIST", "")
+        return SlurmPlacement(job_id, rank, ntasks, 0, 1, rank, nodes, node, restarts, group_tasks=ntasks)
     first_rank = 0
     for group in range(het_size):
         group_tasks = int(env[f"SLURM_NTASKS_HET_GROUP_{group}"])
         if rank < first_rank + group_tasks:
             nodes = env[f"SLURM_JOB_NODELIST_HET_GROUP_{group}"]
-            return SlurmPlacement(job_id, rank, ntasks, group, het_size, rank - first_rank, nodes, node, restarts)
+            return SlurmPlacement(
+                job_id, rank, ntasks, group, het_size, rank - first_rank, nodes, node, restarts, group_tasks=group_tasks
+            )
         first_rank += group_tasks
     raise NotInSlurmJob(f"SLURM_PROCID={rank} is beyond the {first_rank} tasks of the step's components")
 

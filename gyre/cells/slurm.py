@@ -2,18 +2,23 @@
 
     gyre-train ─submitit─> het job, one step over every component (gyre.launch.job)
       component 0, rank 0: coordinator ─ listener on its node ─ writes CellSpec k  ─┐
-      component k+1, rank 0: waits for its CellSpec ─ binds its own node ─ CellLeader ─connect─> CellReady
-      component k+1, ranks > 0: return at once (the tiny model's cell is one process)
+      component k+1, rank 0: waits for its CellSpec ─ binds its own node ─ writes the group's rendezvous
+                             ─ CellLeader (trainer rank 0) ─connect─> CellReady
+      component k+1, ranks > 0 (cell_nodes x ranks_per_node tasks in all, srun-placed): wait for the
+                             spec and the rendezvous ─ follow rank 0 (gyre.train.ranks.follow)
 
 The leaders are started by Slurm together with the coordinator, so `SlurmCell.start` hands a
 leader its spec through the job directory (shared file system, like submitit's own pickles): the
 spec carries the listener's address and key, so the file is private to the user. Spec and status
 files are named by the job's restart count, so a requeued job's tasks never read the previous
-run's. A leader that fails leaves its traceback in a `.failed` file, which `check_alive` reports.
+run's. A rank that fails leaves its traceback in a `.failed` file, which `check_alive` reports (any
+rank lost is the cell's loss); a follower that ends leaves `cell<k>.r<restart>.rank<r>.json`.
 """
 
 import dataclasses
+import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -34,8 +39,18 @@ def spec_path(job_dir: Path, cell: int, restart: int) -> Path:
     return job_dir / f"cell{cell}.r{restart}.json"
 
 
-def failed_path(job_dir: Path, cell: int, restart: int) -> Path:
-    return job_dir / f"cell{cell}.r{restart}.failed"
+def failed_path(job_dir: Path, cell: int, restart: int, rank: int = 0) -> Path:
+    return job_dir / (f"cell{cell}.r{restart}.failed" if rank == 0 else f"cell{cell}.r{restart}.rank{rank}.failed")
+
+
+def group_path(job_dir: Path, cell: int, restart: int) -> Path:
+    """The cell's torch.distributed rendezvous (MASTER_ADDR/PORT, WORLD_SIZE), written by its rank 0."""
+    return job_dir / f"cell{cell}.r{restart}.group.json"
+
+
+def rank_path(job_dir: Path, cell: int, restart: int, rank: int) -> Path:
+    """What a follower rank did (node, operations run), written when it ends."""
+    return job_dir / f"cell{cell}.r{restart}.rank{rank}.json"
 
 
 def coordinator_exit_path(job_dir: Path, restart: int) -> Path:
@@ -59,10 +74,9 @@ class SlurmCell(BaseCell):
         write_private_file(spec_path(self.job_dir, self.index, self.restart), self.spec.to_json())
 
     def check_alive(self) -> None:
-        failed = failed_path(self.job_dir, self.index, self.restart)
-        if failed.exists():
+        for failed in sorted(self.job_dir.glob(f"cell{self.index}.r{self.restart}.*failed")):
             raise CellError(
-                f"cell {self.index}'s leader failed (Slurm component {self.index + 1}):\n"
+                f"cell {self.index}'s {failed.name} (Slurm component {self.index + 1}):\n"
                 f"{failed.read_text(errors='replace')[-3000:]}"
             )
 
@@ -88,6 +102,7 @@ class SlurmLauncher:
                 f"cell {state.index} has no component: the job has {self.placement.het_size} "
                 "(cluster.num_cells changed after submission?)"
             )
+        spec = dataclasses.replace(spec, followers_placed=True)  # srun runs a task per rank
         return SlurmCell(spec, state, self.job_dir, self.placement.restart_count)
 
     def describe(self) -> dict:
@@ -96,42 +111,87 @@ class SlurmLauncher:
 
 
 def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | None, timeout_s: float) -> None:
-    """A cell component's first task: runs the cell's leader once the coordinator wrote its spec.
+    """A task of a cell's component: its first runs the cell's leader once the coordinator wrote
+    its spec, the others follow it as ranks 1.. of the cell's trainer.
 
     Raises:
-        CellError: no spec within `timeout_s` (the coordinator failed first, or never started).
+        CellError: no spec (or rendezvous) within `timeout_s` (the coordinator failed first, or never
+            started), or a component whose tasks are not the spec's ranks.
     """
     # Slurm signals every process of the step (scancel -s USR2, --signal before the time limit):
     # only the coordinator acts on it; the leader and its engine ignore it, children inherit that.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    cell, restart = placement.het_group - 1, placement.restart_count
+    cell, restart, rank = placement.het_group - 1, placement.restart_count, placement.group_rank
     try:
-        spec = _wait_for_spec(job_dir, cell, restart, timeout_s)
-        host = node_address(placement, bind_host)
-        spec = dataclasses.replace(spec, host=host, engine=dataclasses.replace(spec.engine, host=host))
-        Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
-        log.warning(
-            "cell %d: leader on %s (%s), restart %d, control %s", cell, placement.node, host, restart, spec.control
-        )
-        if spec.control == "mpi":  # an MPI process of its own, under mpiexec on this node
-            rc = subprocess.run(leader_command(spec)).returncode
-            if rc != 0:
-                raise CellError(f"cell {cell}: its leader under mpiexec exited with code {rc}")
+        spec = CellSpec.from_json(_wait_for("spec", spec_path(job_dir, cell, restart), job_dir, restart, timeout_s))
+        if spec.ranks != placement.group_tasks:
+            raise CellError(
+                f"cell {cell}: its component runs {placement.group_tasks} tasks, its spec has {spec.ranks} ranks "
+                "(cluster.cell_nodes or cluster.ranks_per_node changed after submission?)"
+            )
+        if rank > 0:
+            _follow(job_dir, placement, spec, timeout_s)
             return
-        from gyre.cells.leader import CellLeader
-
-        CellLeader(spec).run()
+        host = node_address(placement, bind_host)
+        _run_leader(
+            job_dir, placement, dataclasses.replace(spec, host=host, engine=dataclasses.replace(spec.engine, host=host))
+        )
     except BaseException:
-        write_private_file(failed_path(job_dir, cell, restart), f"on node {placement.node}:\n{traceback.format_exc()}")
+        write_private_file(
+            failed_path(job_dir, cell, restart, rank),
+            f"rank {rank} on node {placement.node}:\n{traceback.format_exc()}",
+        )
         raise
 
 
-def _wait_for_spec(job_dir: Path, cell: int, restart: int, timeout_s: float) -> CellSpec:
-    path, deadline = spec_path(job_dir, cell, restart), time.monotonic() + timeout_s
+def _run_leader(job_dir: Path, placement: SlurmPlacement, spec: CellSpec) -> None:
+    cell, restart = spec.index, placement.restart_count
+    Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+    log.warning(
+        "cell %d: leader on %s (%s), restart %d, control %s, %d ranks",
+        cell,
+        placement.node,
+        spec.host,
+        restart,
+        spec.control,
+        spec.ranks,
+    )
+    if spec.ranks > 1:  # rank 0 of the cell's group: its followers are this component's other tasks
+        from gyre.engines.launch import free_port
+
+        group = {"WORLD_SIZE": str(spec.ranks), "MASTER_ADDR": spec.host, "MASTER_PORT": str(free_port(spec.host))}
+        os.environ.update(group | {"RANK": "0"})  # the leader (or mpiexec's child) inherits them
+        write_private_file(group_path(job_dir, cell, restart), json.dumps(group))
+    if spec.control == "mpi":  # an MPI process of its own, under mpiexec on this node
+        rc = subprocess.run(leader_command(spec)).returncode
+        if rc != 0:
+            raise CellError(f"cell {cell}: its leader under mpiexec exited with code {rc}")
+        return
+    from gyre.cells.leader import CellLeader
+
+    CellLeader(spec).run()
+
+
+def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, timeout_s: float) -> None:
+    """Rank `group_rank` of the cell: join rank 0's group and run what it announces until it stops."""
+    from gyre.train.ranks import run_follower
+
+    cell, restart, rank = spec.index, placement.restart_count, placement.group_rank
+    group = json.loads(_wait_for("rendezvous", group_path(job_dir, cell, restart), job_dir, restart, timeout_s))
+    os.environ.update(group | {"RANK": str(rank)})
+    log.warning("cell %d: rank %d of %d on %s, restart %d", cell, rank, spec.ranks, placement.node, restart)
+    done = run_follower(spec.model, spec.trainer, spec.seed)
+    record = {"rank": rank, "num_ranks": spec.ranks, "node": placement.node, "num_ops": sum(done.values())}
+    write_private_file(rank_path(job_dir, cell, restart, rank), json.dumps(record))
+
+
+def _wait_for(what: str, path: Path, job_dir: Path, restart: int, timeout_s: float) -> str:
+    """The text of `path` once it exists (written atomically by the coordinator or the cell's rank 0)."""
+    deadline = time.monotonic() + timeout_s
     while not path.exists():
         if coordinator_exit_path(job_dir, restart).exists():
-            raise CellError(f"cell {cell}: the coordinator ended before it started this cell")
+            raise CellError(f"{path.name}: the coordinator ended before it started this cell")
         if time.monotonic() > deadline:
-            raise CellError(f"cell {cell}: no spec at {path} after {timeout_s} s (coordinator.cell_start_timeout_s)")
+            raise CellError(f"no {what} at {path} after {timeout_s} s (coordinator.cell_start_timeout_s)")
         time.sleep(0.2)
-    return CellSpec.from_json(path.read_text())
+    return path.read_text()

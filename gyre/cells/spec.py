@@ -21,6 +21,9 @@ class CellSpec:
     seed: int
     ranks: int = 1
     """Processes of the cell's trainer (cluster.ranks_per_cell); the leader is rank 0."""
+    followers_placed: bool = False
+    """Ranks 1.. were started by the cluster (Slurm: tasks of the cell's component, which join the
+    group themselves: gyre.cells.slurm); False: the leader spawns them (gyre.train.ranks)."""
     host: str
     """Interface its servers bind (the core's satellite listener, Mooncake)."""
     coordinator_address: str

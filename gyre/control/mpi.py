@@ -11,18 +11,31 @@ the receiver; pending sends are completed lazily), sends a heartbeat every `hear
 declares the peer dead (ChannelClosed) after `peer_timeout_s` of silence while it listens (a
 caller busy elsewhere for a while does not count that time). Nothing spans more than
 two processes; close() disconnects from a live peer (both sides do on goodbye) and only frees the
-intercommunicator of a dead one (Disconnect is collective and would wait for it forever).
+intercommunicator of a dead one.
 
-Every MPI call of a process is made under one lock (`_CALLS`), not one per channel: MPICH's
-ch4:ucx under MPI_THREAD_MULTIPLE is the suspect of a segfault seen once while the coordinator
-accepted a leader as other threads sent and probed. The calls that wait on a peer stay outside
-it: Connect (the listener may never answer) and Disconnect (collective with the peer).
+Every MPI call of a process is made under one lock (`_CALLS`), and the process asks MPICH for
+MPI_THREAD_SERIALIZED (checked with MPI.Query_thread()): threads take turns, MPICH never sees two
+calls at once. Each call is short or bounded: Accept only for a peer that announced itself and with
+an MPICH `timeout` (so a peer that died between announcing and connecting costs seconds, not the
+process), Connect with one too, Disconnect only once our sends are complete (MPICH ch4's
+disconnect is then a local free; with sends still pending, a Free). At exit, the lock is taken for
+good before mpi4py's MPI_Finalize, so no daemon thread (heartbeats) is inside MPI when it runs.
+History: with a lock per channel (MPI_THREAD_MULTIPLE) the coordinator once died of a
+segmentation fault while accepting a leader as other threads sent and probed; with one lock but
+Connect and Disconnect outside it (in threads of their own, racing the heartbeats), 5 of 5 runs
+passed; now nothing races. Still open: with peers that reconnect again and again
+(tools/probe/mpi_stress.py, a channel held 0.05 s or 1 s), MPICH 5.0.2 segfaults in Accept, Connect,
+Isend or Iprobe with this code too (and with both earlier ones; ch4:ucx with shared memory or
+UCX_TLS=tcp,self, and ch4:ofi alike), so it is not a race of ours; with one channel per peer, as
+Gyre's leaders hold, none of the three versions crashed in 100 s. A satellite reconnects to the
+core once per training role, far less often.
 
 Processes started plainly are MPICH singletons; two singletons cannot connect to each other
 (MPICH: "Local and remote groups ... are not disjoint"), so peers run under `mpiexec -n 1` (on
 Slurm: their own `srun` step); the listener may be a singleton.
 """
 
+import atexit
 import os
 import queue
 import socket
@@ -31,19 +44,55 @@ import time
 import uuid
 
 from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout, Listener, decode, encode
+from gyre.errors import GyreError
 
 _MSG, _HEARTBEAT, _BYE = 1, 2, 3
 _BYE_SEEN = "the peer closed the channel"
 _POLL_S = (0.00005, 0.005)  # recv polls Iprobe with a backoff from the first to the second
-_CALLS = threading.Lock()  # every MPI call of this process but Connect and Disconnect (see above)
+_CALLS = threading.Lock()  # every MPI call of this process (see above)
+_ACCEPT_TIMEOUT_S = 10  # an announced peer's Connect arrives within ms; longer means it died
+
+
+class MpiThreadLevelError(GyreError):
+    """The MPI library granted a thread level below MPI_THREAD_SERIALIZED."""
 
 
 def _mpi():
+    """mpi4py's MPI module, initialised for serialised calls from several threads (checked once)."""
     # UCX warns at exit about heartbeats nobody received (harmless: a peer's last beats); errors still show
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    import mpi4py
+
+    mpi4py.rc.thread_level = "serialized"  # read at the first import of mpi4py.MPI only
     from mpi4py import MPI
 
+    if not _mpi.checked:
+        with _CALLS:
+            granted = MPI.Query_thread()
+        if granted < MPI.THREAD_SERIALIZED:
+            raise MpiThreadLevelError(
+                f"{MPI.Get_library_version().splitlines()[0]} granted thread level {granted}; the control "
+                f"plane calls MPI from several threads (one at a time) and needs MPI_THREAD_SERIALIZED "
+                f"({MPI.THREAD_SERIALIZED}): use cluster.control=tcp, or an MPI built with thread support"
+            )
+        atexit.register(_quiesce)
+        _mpi.checked = True
     return MPI
+
+
+_mpi.checked = False
+
+
+def _quiesce() -> None:
+    """At exit, before MPI_Finalize: take the lock for good, so no daemon thread is inside MPI then."""
+    _CALLS.acquire(timeout=30)
+
+
+def _timeout_info(MPI, timeout_s: float):
+    """An MPI_Info with MPICH's `timeout` key (whole seconds, at least 1) for Accept and Connect."""
+    info = MPI.Info.Create()
+    info.Set("timeout", str(max(1, round(timeout_s))))
+    return info
 
 
 class MpiChannel(Channel):
@@ -130,9 +179,8 @@ class MpiChannel(Channel):
             pause = min(pause * 2, _POLL_S[1])
 
     def close(self) -> None:
-        """Say goodbye and disconnect (MPI_Finalize waits for connected peers); a peer presumed
-        dead is only freed locally, and a disconnect that a peer never joins is abandoned after
-        `peer_timeout_s` (Disconnect is collective: it would wait forever)."""
+        """Say goodbye and disconnect from a live peer; a peer presumed dead, or sends that never
+        complete, only free the intercommunicator locally (nothing here waits on the peer)."""
         if self._closed:
             return
         alive = self._peer_gone in (None, _BYE_SEEN)
@@ -144,21 +192,16 @@ class MpiChannel(Channel):
         with self._lock:
             self._closed = True
         MPI = _mpi()
-
-        def release() -> None:
+        if alive:
+            self._drain()
+        with self._lock:
             try:
-                if alive:
-                    self._drain()
-                    self._comm.Disconnect()
+                if alive and not self._pending:
+                    self._comm.Disconnect()  # MPICH ch4: a local free once our sends are complete
                 else:
-                    with self._lock:
-                        self._comm.Free()
+                    self._comm.Free()
             except MPI.Exception:
                 pass
-
-        t = threading.Thread(target=release, daemon=True, name=f"mpi-disconnect-{self.peer}")
-        t.start()
-        t.join(self._peer_timeout_s)
 
     def _drain(self, quiet_s: float = 0.05) -> None:
         """Receive what the peer still sent and finish our sends: Disconnect waits for both."""
@@ -178,19 +221,18 @@ class MpiChannel(Channel):
 class MpiListener(Listener):
     """Opens an MPI port and publishes its name in `port_file` (written atomically).
 
-    MPI_Comm_accept cannot be given a timeout or interrupted, and while one thread waits in it
-    MPICH 5.0 (ch4:ucx) makes no progress on the process's other communicators (seen here: a
-    message already sent on an established intercommunicator is never probed while another
-    thread sits in Accept): a listener blocked in Accept would starve every channel it has. So
-    Accept is called only for a peer that announced itself: `mpi_connect` starts its Connect, then
-    drops a file into `<port_file>.join/`; the accept thread polls that folder. A peer that dies
-    between announcing and connecting would leave Accept waiting (a window of milliseconds).
+    MPI_Comm_accept waits for a peer and cannot be interrupted, and it holds the process's one MPI
+    lock: a listener waiting in Accept would starve every channel it has. So Accept is called only
+    for a peer that announced itself: `mpi_connect` drops a file into `<port_file>.join/`, then
+    connects; the accept thread polls that folder. A peer that dies between the two costs at most
+    `_ACCEPT_TIMEOUT_S` (MPICH's `timeout` info key), after which the listener serves the others.
     """
 
     def __init__(self, port_file: str, heartbeat_s: float = 0.5, peer_timeout_s: float = 5.0):
         MPI = _mpi()
         with _CALLS:
             self._port = MPI.Open_port()
+            self._info = _timeout_info(MPI, _ACCEPT_TIMEOUT_S)
         self._port_file, self._join_dir = port_file, f"{port_file}.join"
         os.makedirs(self._join_dir, exist_ok=True)
         tmp = f"{port_file}.tmp{os.getpid()}"
@@ -213,10 +255,10 @@ class MpiListener(Listener):
                     continue  # being written
                 os.unlink(os.path.join(self._join_dir, name))
                 try:
-                    with _CALLS:  # short: the peer announced itself after starting its Connect
-                        comm = MPI.COMM_SELF.Accept(self._port)
+                    with _CALLS:  # short: the peer announced itself just before its Connect
+                        comm = MPI.COMM_SELF.Accept(self._port, self._info)
                 except MPI.Exception:
-                    continue  # a failed handshake: keep serving others
+                    continue  # a failed handshake, or a peer that died after announcing: keep serving others
                 # a channel (heartbeats) at once: the peer must hear us while `accept` is not called yet
                 self._count += 1
                 self._accepted.put(MpiChannel(comm, f"mpi peer {self._count}", self._heartbeat_s, self._peer_timeout_s))
@@ -246,6 +288,7 @@ class MpiListener(Listener):
         self._accepted.put(None)
         with _CALLS:
             _mpi().Close_port(self._port)
+            self._info.Free()
         for path in (self._port_file, *(os.path.join(self._join_dir, n) for n in os.listdir(self._join_dir))):
             try:
                 os.unlink(path)
@@ -261,6 +304,7 @@ def mpi_connect(
 
     Raises:
         ChannelClosed: no port file, or no listener accepted within `timeout_s`.
+        MpiThreadLevelError: the MPI library cannot take calls from several threads.
     """
     MPI = _mpi()
     deadline = time.monotonic() + timeout_s
@@ -270,23 +314,16 @@ def mpi_connect(
         time.sleep(0.05)
     with open(port_file) as f:
         port = f.read().strip()
-    result: list = []
-
-    def attempt() -> None:
-        try:
-            result.append(MPI.COMM_SELF.Connect(port))
-        except MPI.Exception as e:
-            result.append(e)
-
-    t = threading.Thread(target=attempt, daemon=True, name="mpi-connect")
-    t.start()
     request = os.path.join(f"{port_file}.join", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     with open(os.path.join(os.path.dirname(request), "." + os.path.basename(request)), "w") as f:
         f.write(f"{socket.gethostname()} {os.getpid()}\n")
     os.replace(f.name, request)  # announce: the listener calls Accept for us now
-    t.join(max(0.0, deadline - time.monotonic()))
-    if not result:
-        raise ChannelClosed(f"no MPI listener accepted on {port_file} within {timeout_s} s")
-    if isinstance(result[0], Exception):
-        raise ChannelClosed(f"cannot connect to {port_file}: {result[0].Get_error_string()}")
-    return MpiChannel(result[0], f"mpi {port_file}", heartbeat_s, peer_timeout_s)
+    with _CALLS:  # bounded by MPICH's connect timeout: no thread races it
+        info = _timeout_info(MPI, max(1.0, deadline - time.monotonic()))
+        try:
+            comm = MPI.COMM_SELF.Connect(port, info)
+        except MPI.Exception as e:
+            raise ChannelClosed(f"cannot connect to {port_file}: {e.Get_error_string()}") from None
+        finally:
+            info.Free()
+    return MpiChannel(comm, f"mpi {port_file}", heartbeat_s, peer_timeout_s)

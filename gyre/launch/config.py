@@ -20,9 +20,14 @@ class ClusterConfig:
     cell_nodes: int = 1
     """Nodes per cell (48 on the reference cluster; 1 process group per cell locally)."""
     ranks_per_cell: int = 1
-    """backend=local: processes of each cell's trainer, one torch.distributed group (gloo on CPU) laid
-    out by trainer.tensor_parallel_size (the rest data parallel), the same in every cell: satellite
-    rank r pulls from and writes to core rank r. Multi-rank Slurm cells are not built and refused."""
+    """Processes of each cell's trainer, one torch.distributed group (gloo on CPU) laid out by
+    trainer.tensor_parallel_size (the rest data parallel), the same in every cell: satellite rank r
+    pulls from and writes to core rank r. backend=local: set it; backend=slurm: derived, cell_nodes x
+    ranks_per_node (one Slurm task per rank), where > 1 is built for a core that trains alone
+    (num_cells=1: mode=replay or scheduler=colocate) and satellites of several ranks are refused."""
+    ranks_per_node: int = 1
+    """backend=slurm: trainer ranks (Slurm tasks) on each node of a cell (one per GPU on a GPU
+    cluster); the first task of a cell is its leader (rank 0), the others follow it."""
     allocation_nodes: int | None = None
     """Nodes of all cells together, when sized that way: num_cells = allocation_nodes / cell_nodes
     (which must divide it). None: num_cells decides."""
@@ -44,10 +49,11 @@ class ClusterConfig:
     """Slurm: CPU cores of the coordinator's component (coordinator, proxy, harness sandboxes)."""
     coordinator_mem_gb: int = 16
     """Slurm: memory of the coordinator's component, in GiB."""
-    control: str = "tcp"
+    control: str | None = None
     """Transport of the control messages (coordinator <-> cell leaders, core <-> satellites): one of
     CONTROLS. mpi: mpi4py + MPICH, each leader under `mpiexec -n 1`, joined by port files in the run
-    directory (gyre/control/mpi.py)."""
+    directory (gyre/control/mpi.py). None: mpi on Slurm (the design's control plane), tcp locally
+    (no MPI launcher needed, a dead peer seen at once)."""
     control_peer_timeout_s: float = 30.0
     """mpi: silence after which a peer is declared dead (MPICH reports no dead peer; heartbeats
     every 0.5 s). Long enough for a leader busy in a loaded step; a dead cell is found this late."""
@@ -70,10 +76,28 @@ class ClusterConfig:
             self.num_cells = self.allocation_nodes // self.cell_nodes
             require(self.num_cells >= 1, "allocation_nodes", f"must hold >= 1 cell, got {self.allocation_nodes} nodes")
         require(self.ranks_per_cell >= 1, "ranks_per_cell", f"must be >= 1, got {self.ranks_per_cell}")
+        require(self.ranks_per_node >= 1, "ranks_per_node", f"must be >= 1, got {self.ranks_per_node}")
+        if self.backend == "slurm":
+            ranks = self.cell_nodes * self.ranks_per_node
+            require(
+                self.ranks_per_cell in (1, ranks),
+                "ranks_per_cell",
+                f"on Slurm a cell's ranks are cell_nodes x ranks_per_node = {ranks}; leave ranks_per_cell unset "
+                f"(got {self.ranks_per_cell})",
+            )
+            self.ranks_per_cell = ranks
+        else:
+            require(
+                self.ranks_per_node == 1,
+                "ranks_per_node",
+                f"backend=local places no nodes: set cluster.ranks_per_cell instead (got {self.ranks_per_node})",
+            )
         require(self.gpus_per_node >= 0, "gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
         require(self.cpus_per_node >= 1, "cpus_per_node", f"must be >= 1, got {self.cpus_per_node}")
         require(self.mem_gb_per_node >= 1, "mem_gb_per_node", f"must be >= 1 GiB, got {self.mem_gb_per_node}")
         require(self.time_limit_min >= 1, "time_limit_min", f"must be >= 1 minute, got {self.time_limit_min}")
+        if self.control is None:
+            self.control = "mpi" if self.backend == "slurm" else "tcp"
         require(self.control in CONTROLS, "control", f"must be one of {', '.join(CONTROLS)}; got {self.control!r}")
         require(
             self.control_peer_timeout_s > 0,

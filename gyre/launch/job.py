@@ -11,10 +11,9 @@ run is one allocation that Slurm preempts, requeues and restarts as a unit (coor
 sandboxes and every cell together), a restart finds the run directory and resumes, and no
 long-lived process is needed on a login node (gyre-train may go away; the job goes on).
 
-Every node of every cell runs a task (Slurm wants a task per node), most of which have nothing to
-do: what submitit unpickles is therefore only `GyreJob(run_dir)` from this light module; the
-config and task set wait in `slurm/run.pkl` for the tasks that run something (importing torch in
-two dozen idle tasks at once took minutes on the dev cluster's shared cores).
+Every rank of every cell is a task (`cluster.ranks_per_node` on each of a cell's nodes: its first
+the leader, the others its followers); what submitit unpickles is only `GyreJob(run_dir)` from
+this light module, and the config and task set wait in `slurm/run.pkl`.
 """
 
 import faulthandler
@@ -44,8 +43,6 @@ class GyreJob:
     def __call__(self) -> dict | None:
         faulthandler.enable()  # a task that dies in native code (MPI, Mooncake) leaves its Python stack in the log
         placement, job_dir = current_placement(), self.run_dir / "slurm"
-        if placement.group_rank != 0:
-            return None  # a further node of a cell: the tiny model's cell is one process, on its first node
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         with open(job_dir / "run.pkl", "rb") as f:

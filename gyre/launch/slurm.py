@@ -41,9 +41,10 @@ def make_cell_components(cluster: ClusterConfig, tasks_per_node: int = 1) -> lis
 
 
 def make_run_components(cluster: ClusterConfig) -> list[Component]:
-    """The run's het job: the coordinator's component (one node, one task), then one per cell."""
+    """The run's het job: the coordinator's component (one node, one task), then one per cell (a task
+    per rank: `ranks_per_node` on each of its nodes)."""
     coordinator = Component(1, 1, cluster.coordinator_cpus, cluster.coordinator_mem_gb, 0)
-    return [coordinator, *make_cell_components(cluster)]
+    return [coordinator, *make_cell_components(cluster, cluster.ranks_per_node)]
 
 
 def make_hetjob_parameters(cluster: ClusterConfig, components: list[Component]) -> dict[str, Any]:

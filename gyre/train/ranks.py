@@ -195,13 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer", required=True, help="TrainerConfig fields as JSON")
     parser.add_argument("--seed", type=int, required=True)
     args = parser.parse_args(argv)
+    run_follower(ModelConfig(**json.loads(args.model)), TrainerConfig(**json.loads(args.trainer)), args.seed)
+    return 0
+
+
+def run_follower(model: ModelConfig, cfg: TrainerConfig, seed: int) -> Counter:
+    """Be one follower rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT set) until rank 0 stops; returns how
+    often each operation ran. A spawned rank (`main`) and a Slurm task (gyre.cells.slurm) both come here."""
     import torch
 
     torch.set_num_threads(1)
-    trainer = Trainer(ModelConfig(**json.loads(args.model)), TrainerConfig(**json.loads(args.trainer)), args.seed)
-    follow(trainer)
+    done = follow(Trainer(model, cfg, seed))
     dist.destroy_process_group()
-    return 0
+    return done
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from gyre.cells.base import CellError, leader_command
 from gyre.cells.placement import SlurmPlacement
 from gyre.cells.slurm import SlurmCell, SlurmLauncher, coordinator_exit_path, failed_path, run_cell_task, spec_path
 from gyre.cells.spec import CellSpec
+from gyre.common.files import write_private_file
 from gyre.engines.config import EngineConfig
 from gyre.models.config import ModelConfig
 from gyre.scheduler.cells import make_cells
@@ -44,8 +45,9 @@ def _spec(index: int) -> CellSpec:
     )
 
 
-def _placement(het_group: int, restart: int = 0, het_size: int = 3) -> SlurmPlacement:
-    return SlurmPlacement("7", het_group, 3, het_group, het_size, 0, f"n{het_group + 1}", "localhost", restart)
+def _placement(het_group: int, restart: int = 0, het_size: int = 3, rank: int = 0, tasks: int = 1) -> SlurmPlacement:
+    node = f"n{het_group + 1}"
+    return SlurmPlacement("7", het_group, 3, het_group, het_size, rank, node, node, restart, group_tasks=tasks)
 
 
 def test_start_writes_a_private_spec_for_this_restart(tmp_path):
@@ -64,9 +66,20 @@ def test_check_alive_reports_the_leaders_traceback(tmp_path):
         cell.check_alive()
 
 
+def test_a_follower_rank_that_fails_is_the_cells_failure(tmp_path):
+    """A component with other tasks than the spec's ranks (the config changed after submission) fails
+    each rank in its own file, and check_alive reports any of them."""
+    write_private_file(spec_path(tmp_path, 1, 0), dataclasses.replace(_spec(1), ranks=2).to_json())
+    with pytest.raises(CellError, match="runs 3 tasks, its spec has 2 ranks"):
+        run_cell_task(tmp_path, _placement(2, rank=1, tasks=3), "127.0.0.1", timeout_s=5)
+    assert not failed_path(tmp_path, 1, 0).exists() and "rank 1" in failed_path(tmp_path, 1, 0, rank=1).read_text()
+    with pytest.raises(CellError, match="rank1.failed"):
+        SlurmCell(_spec(1), make_cells(2, 1)[1], tmp_path, restart=0).check_alive()
+
+
 def test_launcher_refuses_a_cell_without_a_component(tmp_path):
     launcher = SlurmLauncher(tmp_path, _placement(0, het_size=2), bind_host="127.0.0.1")
-    launcher.make_cell(_spec(0), make_cells(2, 1)[0])
+    assert launcher.make_cell(_spec(0), make_cells(2, 1)[0]).spec.followers_placed  # srun runs every rank
     with pytest.raises(CellError, match="no component"):
         launcher.make_cell(_spec(1), make_cells(2, 1)[1])
 

@@ -45,7 +45,7 @@ HET_STEP = {
                 "SLURM_JOB_NODELIST": "n[4-5]",
                 "SLURMD_NODENAME": "n5",
             },
-            dict(het_group=0, het_size=1, group_rank=1, group_nodes="n[4-5]", node="n5"),
+            dict(het_group=0, het_size=1, group_rank=1, group_nodes="n[4-5]", node="n5", group_tasks=2),
             id="plain-job",
         ),
         pytest.param(
@@ -55,12 +55,12 @@ HET_STEP = {
         ),
         pytest.param(
             {**HET_STEP, "SLURM_PROCID": "1", "SLURMD_NODENAME": "n2"},
-            dict(het_group=0, het_size=2, group_rank=1, group_nodes="n[1-2]", node="n2"),
+            dict(het_group=0, het_size=2, group_rank=1, group_nodes="n[1-2]", node="n2", group_tasks=2),
             id="het-first-rank1",
         ),
         pytest.param(
             {**HET_STEP, "SLURM_PROCID": "2", "SLURMD_NODENAME": "n3"},
-            dict(het_group=1, het_size=2, group_rank=0, group_nodes="n3", node="n3"),
+            dict(het_group=1, het_size=2, group_rank=0, group_nodes="n3", node="n3", group_tasks=1),
             id="het-second",
         ),
     ],
@@ -138,6 +138,24 @@ def test_run_components_put_the_coordinator_first():
     params = make_hetjob_parameters(cluster, [first, *cells])
     assert params["slurm_srun_args"] == ["--het-group=0,1,2,3"] and "gpus_per_node" not in params
     assert params["slurm_setup"].count("#SBATCH hetjob") == 3
+
+
+def test_a_slurm_cell_runs_a_task_per_rank_on_each_of_its_nodes():
+    cluster = ClusterConfig(backend="slurm", num_cells=1, cell_nodes=2, ranks_per_node=4, cpus_per_node=8)
+    assert cluster.ranks_per_cell == 8  # cell_nodes x ranks_per_node
+    _, cell = make_run_components(cluster)
+    assert (cell.nodes, cell.tasks_per_node, cell.cpus_per_task) == (2, 4, 2)
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig(backend="slurm", cell_nodes=2, ranks_per_cell=3)
+    assert e.value.key == "ranks_per_cell" and "cell_nodes x ranks_per_node = 2" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig(ranks_per_node=2)  # local cells place no nodes
+    assert e.value.key == "ranks_per_node"
+
+
+def test_the_control_plane_is_mpi_on_slurm_and_tcp_locally_unless_chosen():
+    assert ClusterConfig().control == "tcp" and ClusterConfig(backend="slurm").control == "mpi"
+    assert ClusterConfig(backend="slurm", control="tcp").control == "tcp"
 
 
 @pytest.mark.parametrize(
