@@ -103,7 +103,8 @@ def main(tp, address_file, out):
     if torch.distributed.get_rank():
         json.dump(follow(tr), open(out + ".rank1", "w"))
     else:
-        ranks = CellRanks(tr, keepalive_s=0.5)  # idle until the core's first step is over: pings
+        ranks = CellRanks(tr, keepalive_s=0.1)
+        time.sleep(1.0)  # idle: rank 1 waits in a collective, pinged
         while not os.path.exists(address_file):
             time.sleep(0.05)
         sat = SatelliteCell(tr, TransferEndpoint(), open(address_file).read(), "cell1", ranks=ranks)
