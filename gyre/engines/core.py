@@ -6,9 +6,10 @@
                                                        -> run_step(prefill chunks + decodes) -> sample
     Request.emit(snapshot, final) <────────────────────  per step; final on stop/length/abort
 
-Everything mutable (queues, KV, prefix cache, weights) is touched only on the engine thread;
-control operations (abort, pause, weight update, flush, KV export/import) run there between steps
-as commands, so they never race a forward pass.
+Everything mutable (queues, KV, weights) is touched only on the engine thread; control operations
+(abort, pause, weight update, flush, memory) run there between steps as commands, so they never
+race a forward pass. The prefix cache is the exception: it locks itself, so KV export/import (a
+session's hand-off) runs on the caller's thread and never waits for a step.
 """
 
 import concurrent.futures
@@ -291,11 +292,12 @@ class EngineCore:
             raise EngineRequestError(f"unknown memory tags {bad}; valid: {list(MEMORY_TAGS)}")
         if self.running:
             raise EngineRequestError(f"cannot release memory: {len(self.running)} requests are running")
-        if "kv_cache" in tags:
-            self.cache.clear()
-        if "weights" in tags:
-            self.weights = None
-        self.released |= set(tags)
+        with self.cache.lock:  # an import on another thread sees the release or is cleared by it
+            if "kv_cache" in tags:
+                self.cache.clear()
+            if "weights" in tags:
+                self.weights = None
+            self.released |= set(tags)
 
     def resume_memory(self, tags: list[str], weights: dict[str, torch.Tensor] | None) -> None:
         bad = [t for t in tags if t not in MEMORY_TAGS]
@@ -306,23 +308,27 @@ class EngineCore:
         self.released -= set(tags)
 
     def export_kv(self, input_ids: list[int], extra_key: str | None) -> tuple[int, list[torch.Tensor], int]:
-        """The cached KV pages of the longest page-aligned prefix of `input_ids` (read-only: pages
-        are never written in place, so they may be copied off the engine thread).
+        """The cached KV pages of the longest page-aligned prefix of `input_ids` (any thread: the
+        cache locks itself, and pages are never written in place, so they may be copied after).
 
         Returns: (num_tokens, pages [L,2,page,nKV,hd], the weight version that computed them).
         """
-        pages = self.cache.match((self.weight_version, extra_key), input_ids)
-        return sum(p.shape[2] for p in pages), pages, self.weight_version
+        version = self.weight_version
+        pages = self.cache.match((version, extra_key), input_ids)
+        return sum(p.shape[2] for p in pages), pages, version
 
     def import_kv(self, tokens: list[int], kv: torch.Tensor, version: int, extra_key: str | None) -> int:
-        if version != self.weight_version:
-            raise EngineRequestError(
-                f"KV was computed with weight_version {version}, this engine has {self.weight_version}"
-            )
-        if "kv_cache" in self.released:
-            raise EngineRequestError("KV cache memory is released; resume it first")
-        try:  # pinned until the session's next call uses it
-            self.cache.insert((version, extra_key), tokens, kv, pin=True, copy=False)
-        except CacheFull as e:
-            raise EngineRequestError(str(e)) from None
+        """Insert imported KV pages, pinned (any thread; under the cache's lock, so memory released
+        meanwhile is either seen here or clears the pages after)."""
+        with self.cache.lock:
+            if version != self.weight_version:
+                raise EngineRequestError(
+                    f"KV was computed with weight_version {version}, this engine has {self.weight_version}"
+                )
+            if "kv_cache" in self.released:
+                raise EngineRequestError("KV cache memory is released; resume it first")
+            try:  # pinned until the session's next call uses it
+                self.cache.insert((version, extra_key), tokens, kv, pin=True, copy=False)
+            except CacheFull as e:
+                raise EngineRequestError(str(e)) from None
         return len(tokens) // self.cache.page_size * self.cache.page_size

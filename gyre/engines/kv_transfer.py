@@ -77,4 +77,4 @@ async def import_kv_pages(server, body: dict) -> int:
     if len(ids) < n or any(not 0 <= t < cfg.vocab_size for t in ids[:n]):
         raise EngineRequestError(f"input_ids must hold the {n} exported tokens, all inside the vocabulary")
     version, extra_key = parse_weight_version(body.get("weight_version")), body.get("extra_key")
-    return await asyncio.wrap_future(server.core.call(lambda: server.core.import_kv(ids[:n], kv, version, extra_key)))
+    return await asyncio.to_thread(server.core.import_kv, ids[:n], kv, version, extra_key)  # no step wait

@@ -7,8 +7,11 @@ Eviction is LRU; a chain is touched leaf-first so ancestors stay newer than desc
 Imported pages (a session's KV moved here on a hand-off) are pinned until that session's next call
 matches them: eviction skips them, and an import that does not fit beside the pinned pages is
 refused (CacheFull) rather than evicting KV another moved session is about to use.
+The cache is shared by the engine thread (admission, caching a prefill) and KV export/import
+(HTTP handlers' threads, so a move never waits for a forward pass): every method holds `lock`.
 """
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -34,13 +37,18 @@ class PrefixCache:
         self.capacity_pages = capacity_tokens // page_size
         self._pages: dict[int, Page] = {}
         self._clock = 0
+        self._num_pinned = 0
+        self.lock = threading.RLock()
+        """Held by every method; hold it to make a check and a change one step (EngineCore.import_kv)."""
 
     @property
     def num_tokens(self) -> int:
         return len(self._pages) * self.page_size
 
     def clear(self) -> None:
-        self._pages.clear()
+        with self.lock:
+            self._pages.clear()
+            self._num_pinned = 0
 
     def _walk(self, namespace: tuple, tokens: list[int]) -> list[tuple[int, tuple[int, ...]]]:
         keys, parent, ps = [], None, self.page_size
@@ -53,8 +61,13 @@ class PrefixCache:
 
     def match(self, namespace: tuple, tokens: list[int]) -> list[torch.Tensor]:
         """KV pages of the longest cached page-aligned prefix of `tokens` (possibly empty)."""
+        walk = self._walk(namespace, tokens)
+        with self.lock:
+            return self._match(walk)
+
+    def _match(self, walk: list[tuple[int, tuple[int, ...]]]) -> list[torch.Tensor]:
         found, parent = [], None
-        for key, chunk in self._walk(namespace, tokens):
+        for key, chunk in walk:
             page = self._pages.get(key)
             if page is None or page.tokens != chunk or page.parent != parent:
                 break
@@ -63,6 +76,7 @@ class PrefixCache:
         for _key, page in reversed(found):
             self._clock += 1
             page.last_used = self._clock
+            self._num_pinned -= page.pinned
             page.pinned = False
         return [p.kv for _, p in found]
 
@@ -77,10 +91,14 @@ class PrefixCache:
         Raises:
             CacheFull: with `pin`, when the pages do not fit beside the pages already pinned.
         """
-        added, ps = 0, self.page_size
         walk = self._walk(namespace, tokens)
+        with self.lock:
+            return self._insert(walk, kv, pin, copy)
+
+    def _insert(self, walk: list[tuple[int, tuple[int, ...]]], kv: torch.Tensor, pin: bool, copy: bool) -> int:
+        added, ps = 0, self.page_size
         if pin:
-            pinned = sum(p.pinned for p in self._pages.values())
+            pinned = self._num_pinned
             want = sum(not (k in self._pages and self._pages[k].pinned) for k, _ in walk)
             if pinned + want > self.capacity_pages:
                 raise CacheFull(
@@ -93,14 +111,18 @@ class PrefixCache:
         for i, (key, chunk) in enumerate(walk):
             page = self._pages.get(key)
             if page is None or page.tokens != chunk or page.parent != parent:
+                self._num_pinned -= page is not None and page.pinned  # a hash collision replaces it
                 page_kv = kv[:, :, i * ps : (i + 1) * ps]
                 self._pages[key] = Page(parent, chunk, page_kv.clone() if copy else page_kv)
                 added += 1
             parent = key
         for key, _ in reversed(walk):
             self._clock += 1
-            self._pages[key].last_used = self._clock
-            self._pages[key].pinned |= pin
+            page = self._pages[key]
+            page.last_used = self._clock
+            if pin and not page.pinned:
+                page.pinned = True
+                self._num_pinned += 1
         self._evict()
         return added
 

@@ -153,7 +153,7 @@ class EnginePool:
         been given up, so the engine's memory may be released after it."""
         self.table.set_status(engine_id, "draining")
         moves, busy = self.table.reassign(engine_id), self.table.busy_sessions(engine_id)
-        aborted = await self._abort_streaming(engine_id)  # first: exports wait for the engine's step
+        aborted = await self._abort_streaming(engine_id)  # first: A's calls stop decoding, its CPU serves the moves
         for session, dst in moves.items():
             if session not in busy:
                 self._start_move(session, engine_id, dst)

@@ -11,8 +11,11 @@ memory. Figures, side by side in one run:
   kv_bytes               bytes of KV the hand-off moved or gave up (tokens x bytes per token)
   kv_migrated_tokens     tokens whose KV moved (proxy counter); kv_reprefill_tokens: did not
   handoff_s              the drain call's wall time (abort, reassign, every KV move)
-  transfer_floor_s       raw Mooncake reads of the same bytes in S pieces, one after the other,
-                         between two endpoints of this process (no copies, no HTTP)
+  transfer_floor_s       raw Mooncake reads of the same bytes (S x L tokens of KV) in S pieces, one
+                         after the other, between two endpoints of this process (no copies, no
+                         HTTP): the mean of transfer_floor_s_before and _after, measured just before
+                         and just after the hand-off, so a load that changes meanwhile shows as
+                         a spread between them
   first_call_s_migrated  median latency of an idle session's first call after the hand-off (on B,
                          its KV moved), once the resumed calls are done
   first_call_s_reprefill the same through a second proxy with migrate_kv=false (B recomputes the
@@ -243,11 +246,13 @@ def run(sessions: int, tokens: int, reprefill_max: int) -> dict:
         b = Bench(sessions, tokens, tmp)
         try:
             b.start()
+            token_bytes = torch.Size(_kv_shape(b.model, 1)).numel() * 4
+            before = b.floor_s(sessions * tokens * token_bytes)
             out = {"sessions": sessions, "tokens": tokens, **asyncio.run(migrated(b))}
-            out["kv_bytes"] = (
-                (out["kv_migrated_tokens"] + out["kv_reprefill_tokens"]) * torch.Size(_kv_shape(b.model, 1)).numel() * 4
-            )
-            out["transfer_floor_s"] = b.floor_s(out["kv_bytes"])
+            after = b.floor_s(sessions * tokens * token_bytes)
+            out["kv_bytes"] = (out["kv_migrated_tokens"] + out["kv_reprefill_tokens"]) * token_bytes
+            out["transfer_floor_s_before"], out["transfer_floor_s_after"] = before, after
+            out["transfer_floor_s"] = (before + after) / 2
             out["first_call_s_reprefill"] = out["first_call_max_cached_tokens_reprefill"] = None
             if tokens <= reprefill_max:
                 out["first_call_s_reprefill"], out["first_call_max_cached_tokens_reprefill"] = asyncio.run(reprefill(b))
@@ -277,7 +282,8 @@ def main() -> None:
         print(
             f"{s} x {n} tokens: kv {r['kv_bytes'] / 2**20:.0f} MiB, migrated {r['kv_migrated_tokens']} tokens, "
             f"re-prefill {r['kv_reprefill_tokens']}; hand-off {r['handoff_s']:.3f} s (raw Mooncake "
-            f"{r['transfer_floor_s']:.3f} s); first call after: {r['first_call_s_migrated']:.3f} s migrated, "
+            f"{r['transfer_floor_s_before']:.3f} s before, {r['transfer_floor_s_after']:.3f} s after); "
+            f"first call after: {r['first_call_s_migrated']:.3f} s migrated, "
             f"{re if re is None else round(re, 3)} s re-prefilled; targets {r['targets']}; "
             f"load {os.getloadavg()[0]:.1f}",
             flush=True,
