@@ -225,11 +225,11 @@ def _task_pids(job_id: str, rank: int) -> list[int]:
 
 
 @pytest.mark.timeout(1200)
-def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells_over_mpi_control(tmp_path):
-    """The control plane on MPI, Slurm's default (MPICH reports no dead peer): the coordinator finds
-    the cell dead by its silence or by its engine refusing the next weight push, never hangs."""
+def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells(tmp_path):
+    """Over TCP control, the default (MPI's Accept still crashes MPICH now and then: docs/slurm.md):
+    the coordinator finds the cell dead by its channel or by its engine refusing the next weight push."""
     run_dir = tmp_path / "run"
-    proc = _gyre_train(run_dir, _taskset(tmp_path), "num_steps=3", "cluster.control_peer_timeout_s=15", *DEV)
+    proc = _gyre_train(run_dir, _taskset(tmp_path), "num_steps=3", *DEV)
     _wait_for(
         "step-1 checkpoint",
         proc,
@@ -239,16 +239,15 @@ def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells_over
     job_id = json.loads((run_dir / "slurm" / "job.json").read_text())["job_id"]
     rank = 1 + 2 * 1  # cell 2's leader: the first task of component 3 (1 coordinator task, 1 per cell)
     pids = _task_pids(job_id, rank)
-    assert len(pids) >= 4, "the task, mpiexec (and its proxy), the leader and its engine"
+    assert len(pids) >= 2, "the leader and its engine"
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
 
     summary = _finish(proc, timeout_s=1100)
     assert summary["num_steps"] == 3
     lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
-    assert len(lost) == 1 and "lost" in lost[0]["message"]  # by its channel's silence, or its engine's weight push
+    assert len(lost) == 1 and "lost" in lost[0]["message"]  # by its channel's EOF, or its engine's weight push
     assert not [e for e in _events(run_dir, "failure") if e["component"] != "cell2"]
-    assert json.loads((run_dir / "slurm" / "cell0.r0.json").read_text())["coordinator_address"].startswith("mpi:")
     _check_ledger(run_dir, 3)
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
 
