@@ -127,7 +127,7 @@ def test_garbage_then_a_kill_drop_only_that_peer_and_the_next_peer_round_trips_e
     for msg in sent:
         back = ch.request(msg, timeout_s=30)
         if isinstance(msg, m.Work):
-            assert (back.index, back.version, back.slot_addr) == (msg.index, msg.version, msg.slot_addr)
+            assert (back.index, back.version, back.slot) == (msg.index, msg.version, msg.slot)
             assert all(
                 torch.equal(getattr(back.batch, f), getattr(msg.batch, f))
                 for f in ("tokens", "advantages", "cu_seqlens")
