@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -172,10 +171,9 @@ def start_followers(num_ranks: int, host: str, model: ModelConfig, cfg: TrainerC
     Returns:
         The followers' Popen objects (their output in `log_dir`/rank<r>.<pid>.log).
     """
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    group = {"WORLD_SIZE": str(num_ranks), "MASTER_ADDR": host, "MASTER_PORT": str(port)}
+    from gyre.engines.launch import free_port
+
+    group = {"WORLD_SIZE": str(num_ranks), "MASTER_ADDR": host, "MASTER_PORT": str(free_port(host))}
     os.environ.update(group | {"RANK": "0"})
     cmd = [sys.executable, "-m", "gyre.train.ranks", "--model", json.dumps(dataclasses.asdict(model))]
     cmd += ["--trainer", json.dumps(dataclasses.asdict(cfg)), "--seed", str(seed)]
