@@ -92,14 +92,17 @@ class CheckpointManager:
         if not (path / _STATE_FILE).is_file():
             raise CheckpointError(f"{path} is not a complete checkpoint (no {_STATE_FILE})")
         state = json.loads((path / _STATE_FILE).read_text())
-        _init_optimizer_state(trainer.optimizer)
+        local = trainer.local_optimizer
+        _init_optimizer_state(local)
         loaded = dist_checkpointing.load(self._sharded_state(trainer), str(path))
         trainer.model.load_state_dict(loaded["model"], strict=False)
         optim = loaded["optimizer"]
         step_t = torch.tensor(float(loaded["optimizer_step"]))
         for pid in optim["state"]:
             optim["state"][pid]["step"] = step_t.clone()
-        trainer.optimizer.load_state_dict(optim)
+        # the groups (hyper-parameters, parameter ids) are common state, saved by rank 0: this rank's own
+        optim["param_groups"] = local.state_dict()["param_groups"]
+        local.load_state_dict(optim)
         torch.set_rng_state(loaded["rng"])
         trainer.step = int(state["step"])
         return state["extra"]
@@ -112,11 +115,17 @@ class CheckpointManager:
         )
 
         model_sd = trainer.model.sharded_state_dict(prefix="")
-        _init_optimizer_state(trainer.optimizer)
-        optim_sd = trainer.optimizer.state_dict()
+        local = trainer.local_optimizer
+        _init_optimizer_state(local)
+        optim_sd = local.state_dict()
         steps = {float(s["step"]) for s in optim_sd["state"].values()}
-        id_map = get_param_id_to_sharded_param_map(model_sd, trainer.flat.params)
+        owned = [p for group in local.param_groups for p in group["params"]]
+        id_map = get_param_id_to_sharded_param_map(model_sd, owned)
         optim_state_to_sharding_state(optim_sd, id_map, exclude_keys=("step",))
+        if local is not trainer.optimizer:  # sharded over data parallel: the owner's moments are the main replica
+            for state in optim_sd["state"].values():
+                for tensor in state.values():
+                    tensor.replica_id = (*tensor.replica_id[:-1], 0)
         return {
             "model": model_sd,
             "optimizer": optim_sd,

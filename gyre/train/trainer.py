@@ -41,15 +41,13 @@ class Trainer:
             self.model.cuda()
         self.flat = FlatParams.adopt(self.model)
         self.grad = torch.zeros_like(self.flat.weights)
-        self.optimizer = torch.optim.AdamW(
-            self.flat.params,
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-            foreach=False,  # per-parameter loop: the same arithmetic on every cell, bit for bit
-        )
+        self.optimizer = _make_optimizer(self.flat.params, cfg)
         self.step = 0
+
+    @property
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The AdamW holding this rank's optimizer state (its share of the parameters, under data parallel)."""
+        return getattr(self.optimizer, "optim", self.optimizer)
 
     # ---- forward -------------------------------------------------------------------------
     def _forward(self, batch: PackedBatch, need_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -241,6 +239,27 @@ class Trainer:
     def load_engine_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite the weights from full engine-named tensors, each TP rank its shard."""
         load_full_weights(self.model, self.model_cfg, tensors)
+
+
+def _make_optimizer(params: tuple[torch.nn.Parameter, ...], cfg: TrainerConfig) -> torch.optim.Optimizer:
+    """AdamW; under data parallel its state is sharded over the replicas (ZeRO stage 1): whole
+    parameters are dealt out by size, each replica steps its own and broadcasts them after the
+    step. Each parameter's update is the same per-parameter arithmetic as unsharded, so the
+    weights stay bit for bit those of one rank, and each rank holds ~1/DP of Adam's moments."""
+    from megatron.core import parallel_state
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    kwargs = dict(
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,  # per-parameter loop: the same arithmetic on every cell, bit for bit
+    )
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return torch.optim.AdamW(params, **kwargs)
+    group = parallel_state.get_data_parallel_group()
+    return ZeroRedundancyOptimizer(params, torch.optim.AdamW, process_group=group, **kwargs)
 
 
 def prepare_step(batches: list[PackedBatch], vocab_size: int) -> tuple[list[PackedBatch], float, dict[str, float]]:

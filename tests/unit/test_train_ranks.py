@@ -9,6 +9,7 @@ on load) and save theirs, which one rank loads back.
 Data parallel 2 sums micro-steps in index order (Trainer.fold), so its log-probs, gradient norms
 and weights equal the one-rank core's bit for bit; tensor parallel 2 splits each matmul, so its
 log-probs agree within 1e-6 and its weights after two Adam steps within 1% of one step's move (lr).
+Under data parallel, Adam's state is sharded over the replicas (ZeRO stage 1) and still bit for bit.
 """
 
 import hashlib
@@ -75,11 +76,14 @@ def main(tp, src, dst, out):
         digest = ranks.call("weights_digest")
         server.close()
         ranks.stop()
-    same = [None, None]
+    same, owned = [None, None], [None, None]
     torch.distributed.all_gather_object(same, torch.equal(tr.flat.weights, alone.flat.weights))
+    moments = [p for g in tr.local_optimizer.param_groups for p in g["params"]]
+    torch.distributed.all_gather_object(owned, (sum(p.numel() for p in moments), tr.flat.weights.numel()))
     if not torch.distributed.get_rank():
         shard0 = tr.flat.weights.detach().clone()
-        got = dict(logprobs=lp, metrics=metrics, engine=engine, step=tr.step, same=same, digest=digest, shard0=shard0)
+        got = dict(logprobs=lp, metrics=metrics, engine=engine, step=tr.step, same=same, digest=digest, shard0=shard0,
+                   owned=owned)
         torch.save(got, out)
     torch.distributed.destroy_process_group()
 
@@ -202,6 +206,13 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
         assert all(torch.equal(t, expected[name]) for name, t in got["engine"].items())
         assert torch.equal(back.flat.weights, one.flat.weights)
         assert got["digest"] == _digest(one.flat.weights)  # the one-rank core's digest of the same weights
+        # Adam's state is sharded over the two replicas (each holds some, together all), and their
+        # checkpoint holds every moment: loaded by one rank, the one-rank core's bit for bit
+        (mine, total), (theirs, _) = got["owned"]
+        assert 0 < mine < total and mine + theirs == total
+        for pa, pb in zip(one.flat.params, back.flat.params):
+            a, b = one.optimizer.state[pa], back.optimizer.state[pb]
+            assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
     else:
         assert (got["logprobs"] - lp).abs().max() <= 1e-6
         for m1, m2 in zip(metrics, got["metrics"]):
