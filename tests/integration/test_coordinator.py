@@ -208,6 +208,12 @@ def _kill_when(proc: subprocess.Popen, ready) -> None:
     proc.wait()
 
 
+def _running(ledger: Path) -> list[str]:
+    """Executions whose latest ledger state is `running` (started, no outcome yet)."""
+    view = read_ledger(ledger) if ledger.exists() else None
+    return [eid for eid, e in view.entries.items() if e.state == "running"] if view else []
+
+
 def _rank1_pid(run_dir: Path, cell: int) -> int:
     """Rank 1 of local cell `cell` of the run in `run_dir`: the `gyre.train.ranks` child of its leader."""
     for proc in Path("/proc").iterdir():
@@ -231,7 +237,7 @@ def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_l
     Then recovery parity: the run's records replayed by a two-rank core that is SIGKILLed twice and
     resumed train the run's weights bit for bit."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
-    proc = _gyre_train(run_dir, tasks, "num_steps=3", "cluster.ranks_per_cell=2", start_new_session=True)
+    proc = _gyre_train(run_dir, tasks, "num_steps=4", "cluster.ranks_per_cell=2", start_new_session=True)
     try:
         _wait_for(proc, lambda: _checkpointed(run_dir, 1))
         os.kill(_rank1_pid(run_dir, 2), signal.SIGKILL)
@@ -239,6 +245,8 @@ def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_l
         lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
         assert lost and f"exited with code {RANK_LOST_EXIT}" in lost[0]["message"], lost
         assert "cell 2: rank 1 exited with code -9" in (run_dir / "logs" / "cell2.log").read_text()
+        # Step 3's executions are admitted once step 1 is applied (staleness 1): kill while one runs.
+        _wait_for(proc, lambda: _running(run_dir / "ledger.jsonl"))
         os.kill(_rank1_pid(run_dir, 0), signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -249,7 +257,10 @@ def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_l
     before = read_ledger(run_dir / "ledger.jsonl")
     saved = {e["step"]: e["weights_digest"] for e in _events(run_dir, "checkpoint")}
 
-    summary = _finish(_gyre_train(run_dir, tasks, "num_steps=3", "resume=true"))
+    in_flight = _running(run_dir / "ledger.jsonl")
+    assert in_flight  # at least one execution was running when the core died
+
+    summary = _finish(_gyre_train(run_dir, tasks, "num_steps=4", "resume=true"))
     view = read_ledger(run_dir / "ledger.jsonl")
     start = _events(run_dir, "run_start")[-1]
     assert start["weights_digest"] == saved[start["start_step"]]  # the weights are the checkpoint's
@@ -257,13 +268,12 @@ def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_l
     trained = Counter(e.execution_id for es in view.history.values() for e in es if e.state == "trained")
     assert trained and max(trained.values()) == 1  # none trained twice
     steps = {e.step for es in view.history.values() for e in es if e.state == "trained"}
-    assert steps == {0, 1, 2}
-    # Every execution queued before the kill reached an outcome, or was interrupted and re-run. (On an
-    # idle box the run's step-2 executions may all have ended by its step-2 checkpoint: none in flight.)
-    interrupted = [eid for eid in before.history if view.outcome(eid).reason == "interrupted"]
-    assert all(view.outcome(f"{eid}.r1") is not None for eid in interrupted)
+    assert steps == {0, 1, 2, 3}
+    # What ran at the kill was interrupted and re-run; every execution queued before it reached an outcome.
+    assert all(view.outcome(eid).reason == "interrupted" for eid in in_flight)
+    assert all(view.outcome(f"{eid}.r1") is not None for eid in in_flight)
     assert all(view.outcome(eid) is not None for eid in view.history)
-    assert summary["num_steps"] == 3
+    assert before.history.keys() <= view.history.keys() and summary["num_steps"] == 4
 
     # Recovery parity: replayed by one core cell of two data-parallel ranks, SIGKILLed after step 1's
     # checkpoint and again after step 2's and resumed each time, its records train the run's weights.
@@ -275,8 +285,9 @@ def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_l
     replayed = _finish(_gyre_train(replay, tasks, "num_steps=3", *records, "resume=true"))
     assert [e["start_step"] for e in _events(replay, "run_start")] == [0, 1, 2]
     digests = [{e["step"]: e["weights_digest"] for e in _events(d, "checkpoint")} for d in (run_dir, replay)]
-    assert digests[0] == digests[1] and sorted(digests[1]) == [1, 2, 3]
-    assert replayed["cell_ranks"] == 2 and {e["rank"] for e in _events(replay, "micro_step")} == {0, 1}
+    assert {s: digests[0][s] for s in (1, 2, 3)} == digests[1] and sorted(digests[1]) == [1, 2, 3]
+    # (which replica computes a micro-step depends on how the micro-batches arrive: asserted in test_train_ranks)
+    assert replayed["cell_ranks"] == 2 and {e["rank"] for e in _events(replay, "micro_step")} <= {0, 1}
 
 
 def _tool_call(name: str, args: dict) -> str:
