@@ -38,7 +38,8 @@ class TcpChannel(Channel):
             if timeout_s is not None and not self._conn.poll(timeout_s):
                 raise ChannelTimeout(f"{self.peer}: nothing within {timeout_s} s")
             data = self._conn.recv_bytes()
-        except (OSError, EOFError, ValueError) as e:
+        # TypeError: closed by another thread between recv_bytes' closed check and its read (handle None)
+        except (OSError, EOFError, ValueError, TypeError) as e:
             raise ChannelClosed(f"{self.peer}: closed ({type(e).__name__})") from None
         return decode(data)
 
