@@ -23,12 +23,13 @@ good before mpi4py's MPI_Finalize, so no daemon thread (heartbeats) is inside MP
 History: with a lock per channel (MPI_THREAD_MULTIPLE) the coordinator once died of a
 segmentation fault while accepting a leader as other threads sent and probed; with one lock but
 Connect and Disconnect outside it (in threads of their own, racing the heartbeats), 5 of 5 runs
-passed; now nothing races. Still open: with peers that reconnect again and again
-(tools/probe/mpi_stress.py, a channel held 0.05 s or 1 s), MPICH 5.0.2 segfaults in Accept, Connect,
-Isend or Iprobe with this code too (and with both earlier ones; ch4:ucx with shared memory or
-UCX_TLS=tcp,self, and ch4:ofi alike), so it is not a race of ours; with one channel per peer, as
-Gyre's leaders hold, none of the three versions crashed in 100 s. A satellite reconnects to the
-core once per training role, far less often.
+passed; now nothing races. With peers that reconnect again and again (tools/probe/mpi_stress.py
+--peers 3 --seconds 30 --hold-s 0.05), MPICH 5.0.2's default netmod, ch4:ucx, still segfaults in
+Accept (6 of 6 probe runs on 2026-12-04), so it is not a race of ours; ch4:ofi over libfabric's tcp
+provider ran 12 such probes with no crash (90-1400 accepts each; in one, a Connect timed out,
+reported as ChannelClosed), so that is what this process asks
+MPICH for (MPIR_CVAR_CH4_NETMOD=ofi, FI_PROVIDER=tcp, unless the environment sets them): the
+control plane's messages are small, so a fast fabric buys it nothing.
 
 Processes started plainly are MPICH singletons; two singletons cannot connect to each other
 (MPICH: "Local and remote groups ... are not disjoint"), so peers run under `mpiexec -n 1` (on
@@ -59,8 +60,11 @@ class MpiThreadLevelError(GyreError):
 
 def _mpi():
     """mpi4py's MPI module, initialised for serialised calls from several threads (checked once)."""
-    # UCX warns at exit about heartbeats nobody received (harmless: a peer's last beats); errors still show
-    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    # MPICH's ch4:ucx segfaults in Accept when peers come and go (tools/probe/mpi_stress.py); ch4:ofi
+    # over libfabric's tcp provider does not, and the control plane's messages are small (a site's
+    # own settings win)
+    os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
+    os.environ.setdefault("FI_PROVIDER", "tcp")
     import mpi4py
 
     mpi4py.rc.thread_level = "serialized"  # read at the first import of mpi4py.MPI only
