@@ -66,6 +66,11 @@ class EngineConfig:
     extra_args: list[str] = field(default_factory=list)
     """Extra sglang.launch_server flags, passed through verbatim."""
 
+    @property
+    def on_gpu(self) -> bool:
+        """Serves from GPUs (SGLang itself), so a cell runs an engine per tp_size ranks, not per node."""
+        return self.backend == "sglang" and not self.sglang_fake
+
     def __post_init__(self):
         require(self.backend in BACKENDS, "backend", f"must be one of {list(BACKENDS)}, got {self.backend!r}")
         require(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")

@@ -208,11 +208,12 @@ def _kill_when(proc: subprocess.Popen, ready) -> None:
     proc.wait()
 
 
-def _rank1_pid(run_dir: Path, cell: int) -> int:
-    """Rank 1 of local cell `cell` of the run in `run_dir`: the `gyre.train.ranks` child of its leader."""
+def _children(run_dir: Path, cell: int, module: bytes) -> list[int]:
+    """The `python -m module` children of local cell `cell`'s leader in the run in `run_dir`."""
+    pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if b"gyre.train.ranks" not in (proc / "cmdline").read_bytes():
+            if module not in (proc / "cmdline").read_bytes():
                 continue
             ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
             leader = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
@@ -220,20 +221,29 @@ def _rank1_pid(run_dir: Path, cell: int) -> int:
         except (OSError, ValueError, IndexError):  # not ours, or gone meanwhile
             continue
         if spec["index"] == cell and spec["run_dir"] == str(run_dir):
-            return int(proc.name)
-    raise AssertionError(f"no rank 1 of cell {cell} found")
+            pids.append(int(proc.name))
+    return pids
 
 
-def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_losing_or_retraining(tmp_path):
-    """Cells of two ranks: SIGKILL rank 1 of a satellite and that cell is lost while the run trains
-    on; SIGKILL rank 1 of the core and the run stops (its leader exits at once, not after gloo's
-    timeout); the resumed run re-runs any interrupted execution and loses and retrains nothing.
-    Then recovery parity: the run's records replayed by a two-rank core that is SIGKILLed twice and
-    resumed train the run's weights bit for bit."""
+def _rank1_pid(run_dir: Path, cell: int) -> int:
+    """Rank 1 of local cell `cell`: the `gyre.train.ranks` child of its leader."""
+    (pid,) = _children(run_dir, cell, b"gyre.train.ranks")
+    return pid
+
+
+def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_satellite_then_stop_the_run(tmp_path):
+    """Cells of two ranks on two emulated nodes serve through an engine per node: a satellite's switch
+    drains, releases, reloads and announces both, and records each rank's phase times. SIGKILL rank 1
+    of a satellite and that cell is lost while the run trains on; SIGKILL rank 1 of the core and the
+    run stops (its leader exits at once, not after gloo's timeout); the resumed run re-runs any
+    interrupted execution and loses and retrains nothing. Then recovery parity: the run's records
+    replayed by a two-rank core that is SIGKILLed twice and resumed train the run's weights bit for bit."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
-    proc = _gyre_train(run_dir, tasks, "num_steps=3", "cluster.ranks_per_cell=2", start_new_session=True)
+    cells = ("cluster.ranks_per_cell=2", "cluster.cell_nodes=2")
+    proc = _gyre_train(run_dir, tasks, "num_steps=3", *cells, start_new_session=True)
     try:
         _wait_for(proc, lambda: _checkpointed(run_dir, 1))
+        assert all(len(_children(run_dir, k, b"gyre.engines.server")) == 2 for k in range(3))  # one per node
         os.kill(_rank1_pid(run_dir, 2), signal.SIGKILL)
         _wait_for(proc, lambda: _checkpointed(run_dir, 2))  # trained on without cell 2
         lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
@@ -246,6 +256,8 @@ def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_l
             os.killpg(proc.pid, signal.SIGKILL)  # the coordinator; its children die with it (PR_SET_PDEATHSIG)
     assert proc.returncode != 0 and f"exited with code {RANK_LOST_EXIT}" in out, out[-4000:]
     assert "cell 0: rank 1 exited with code -9" in (run_dir / "logs" / "cell0.log").read_text()
+    _assert_switches_drained_both_engines(run_dir)
+    assert not [e for e in _events(run_dir, "failure") if e["component"] == "cell1"]  # took each step's weights
     before = read_ledger(run_dir / "ledger.jsonl")
     saved = {e["step"]: e["weights_digest"] for e in _events(run_dir, "checkpoint")}
 
@@ -277,6 +289,23 @@ def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_l
     digests = [{e["step"]: e["weights_digest"] for e in _events(d, "checkpoint")} for d in (run_dir, replay)]
     assert digests[0] == digests[1] and sorted(digests[1]) == [1, 2, 3]
     assert replayed["cell_ranks"] == 2 and {e["rank"] for e in _events(replay, "micro_step")} == {0, 1}
+
+
+def _assert_switches_drained_both_engines(run_dir: Path) -> None:
+    """Each satellite's switch to train went through both its engines (a phase time per rank, the
+    cell's its slowest rank's), and neither engine took a call after its drain."""
+    switches = sorted((e for e in _events(run_dir, "role_switch") if e["cell"] != 0), key=lambda e: e["t"])
+    assert any(e["to_role"] == "train" for e in switches), switches
+    calls = _events(run_dir, "model_call")
+    for e in switches:
+        assert list(e["rank_phases"]) == list(e["phases"])
+        assert all(len(v) == 2 and max(v) == e["phases"][p] for p, v in e["rank_phases"].items()), e
+        if e["to_role"] == "train":
+            back = [x["t_start"] for x in switches if x["cell"] == e["cell"] and x["t"] > e["t"]]
+            mine = [c for c in calls if c["cell"] == e["cell"] and e["t"] < c["t"] - c["latency_s"]]
+            assert not [c for c in mine if c["t"] < min(back, default=float("inf"))], e
+    served = {c["engine_id"] for c in calls}
+    assert served <= {"cell1", "cell1.e1", "cell2", "cell2.e1"} and "cell1" in served, served
 
 
 def _tool_call(name: str, args: dict) -> str:
