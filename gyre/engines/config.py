@@ -36,7 +36,8 @@ class EngineConfig:
     request_timeout_s: float = 3600.0
     """Client-side timeout of one HTTP call to the engine."""
     tp_size: int = 1
-    """SGLang tensor parallelism (GPUs per server)."""
+    """SGLang tensor parallelism (GPUs per server): on GPU a cell runs one server per tp_size of its
+    ranks on a node, which tp_size must divide (gyre.cells.serving)."""
     mem_fraction_static: float = 0.85
     """SGLang: GPU memory fraction for weights + KV pool."""
     enable_memory_saver: bool = True

@@ -71,7 +71,7 @@ def summarize(state: RunState) -> dict:
             if lane.rank_train_s
         },
         "rank_switch_phase_s": {
-            str(i): {p: [round(fmean(r), 3) for r in zip(*runs)] for p, runs in lane.rank_phase_s.items()}
+            str(i): {p: _mean_by_rank(runs) for p, runs in lane.rank_phase_s.items()}
             for i, lane in sorted(state.cells.items())
             if any(len(runs[0]) > 1 for runs in lane.rank_phase_s.values())
         },
@@ -95,6 +95,12 @@ def summarize(state: RunState) -> dict:
         "num_checkpoints": len(state.checkpoints),
         "failures": dict(sorted(state.failures.items())),
     }
+
+
+def _mean_by_rank(runs: list[list[float]]) -> list[float]:
+    """Each rank's mean over the times it ran (a resumed run may have other ranks per cell)."""
+    ranks = range(max(map(len, runs)))
+    return [round(fmean(run[r] for run in runs if r < len(run)), 3) for r in ranks]
 
 
 def held_out_summary(held_out: dict[int, list[float]]) -> dict:
