@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Protocol
 
+from gyre.cells.serving import engine_id
 from gyre.cells.spec import CellSpec
 from gyre.control.messages import PhaseDone, RoleSwitch
 from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout
@@ -39,17 +40,19 @@ class BaseCell(ABC):
     def __init__(self, spec: CellSpec, state: Cell):
         self.spec, self.state = spec, state
         self.channel: Channel | None = None
-        self.engine_url = ""
+        self.engine_urls: list[str] = []
+        """Its engines' (CellReady's order; gyre.cells.serving)."""
         self.engine_version = -1
-        """Weight version its engine serves (after the last load or push)."""
+        """Weight version its engines serve (after the last load or push)."""
 
     @property
     def index(self) -> int:
         return self.spec.index
 
     @property
-    def engine_id(self) -> str:
-        return f"cell{self.index}"
+    def engine_ids(self) -> list[str]:
+        """The proxy's names of its engines, all registered under its index."""
+        return [engine_id(self.index, j) for j in range(len(self.engine_urls))]
 
     @abstractmethod
     def start(self) -> None:

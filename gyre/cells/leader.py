@@ -4,11 +4,13 @@
                 MicroBatches ──> core leader: add_micro_batch (run_step runs in a worker thread)
                      EndStep ──> ... ──StepProgress... ──> publish ──> StepDone
 
-A local cell is this process (the trainer: the core's owns optimizer and weights; a satellite's
-pulls weights and pushes gradients over Mooncake) plus one engine child (`engine.backend`; what
-differs between backends in a switch is the engine process's `release`/`resume`). Both stay warm:
-a switch moves work, not processes, and each of its phases (gyre.scheduler.cells.PHASES) is timed
-and reported. The leader exits when its coordinator's channel closes, stopping its engine.
+A local cell is this process (the trainer's rank 0: the core's owns optimizer and weights; a
+satellite's pulls weights and pushes gradients over Mooncake), its other ranks, and its engine
+children, one per node or per engine.tp_size ranks (gyre.cells.serving; `engine.backend`: what
+differs between backends in a switch is the engine process's `release`/`resume`). All stay warm: a
+switch moves work, not processes. Each of its phases (gyre.scheduler.cells.PHASES) runs on every
+engine at once and is timed per rank and reported. The leader exits when its coordinator's channel
+closes, stopping its engines.
 
     python -m gyre.cells.leader SPEC_JSON        (gyre.cells.spec.CellSpec as JSON)
 """
@@ -24,6 +26,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from gyre.cells.serving import cell_phase_s, engine_id, plan_engines, ranks_from_engines, ranks_from_work
 from gyre.cells.spec import CellSpec
 from gyre.control.messages import (
     CellReady,
@@ -49,13 +52,20 @@ from gyre.scheduler.cells import PHASES, Phase, Role
 log = logging.getLogger("gyre.cells.leader")
 RANK_LOST_EXIT = 75
 """The leader's exit code when one of its cell's other ranks died."""
+ENGINE_PHASES = (
+    Phase.STOP_ADMISSION,
+    Phase.HAND_OFF_SESSIONS,
+    Phase.RELEASE_ENGINE_MEMORY,
+    Phase.LOAD_WEIGHTS,
+    Phase.ANNOUNCE_TO_PROXY,
+)
+"""The phases every engine of the cell goes through (side by side); the others are the trainer's."""
 
 
 class CellLeader:
     def __init__(self, spec: CellSpec):
         import torch
 
-        from gyre.engines.launch import make_engine_process
         from gyre.train.ranks import CellRanks
         from gyre.train.trainer import Trainer
         from gyre.transfer import TransferEndpoint
@@ -67,8 +77,11 @@ class CellLeader:
         """Connected once the cell is built (`run`): the coordinator accepts leaders one handshake at a time,
         so connecting first would make every cell wait for the previous one to be built."""
         self.events = EventLog(spec.run_dir)
-        self.engine = make_engine_process(spec.engine, spec.model)
-        self.engine.start()
+        self.slots = plan_engines(spec.ranks, spec.nodes, spec.engine.tp_size, spec.engine.on_gpu)
+        if spec.followers_placed:  # Slurm: another node's engines would be its own tasks' to start (not built)
+            self.slots = [slot for slot in self.slots if slot.node == 0]
+        self.engines = _start_engines(spec, self.slots)
+        self.engine_ids = [engine_id(self.index, slot.index) for slot in self.slots]
         self.followers = []
         """Ranks 1.. of this cell (gyre/train/ranks.py); this process is rank 0, the cell's control endpoint."""
         if spec.ranks > 1 and not spec.followers_placed:
@@ -79,9 +92,8 @@ class CellLeader:
         self.ranks = CellRanks(self.trainer, self.followers, self._rank_lost)
         self.endpoint = TransferEndpoint(spec.host)
         self.role = Role(spec.role)
-        self.engine_id = f"cell{self.index}"
         self.weights: PublishedWeights | None = None
-        """The newest weights this cell's engine should serve."""
+        """The newest weights this cell's engines should serve."""
         self.core_address = ""
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
@@ -142,11 +154,10 @@ class CellLeader:
         return self.ranks.call("weights_digest")
 
     def ready(self) -> CellReady:
+        urls = [engine.url for engine in self.engines]
         if not self.is_core:
-            return CellReady(self.index, self.engine.url)
-        return CellReady(
-            self.index, self.engine.url, self.core.address, self.weights, self.trainer.step, self.weights_digest()
-        )
+            return CellReady(self.index, urls)
+        return CellReady(self.index, urls, self.core.address, self.weights, self.trainer.step, self.weights_digest())
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -243,42 +254,58 @@ class CellLeader:
         self.weights = weights or self.weights
         self.core_address = core_address or self.core_address
         state = Role.TO_TRAIN if target == Role.TRAIN else Role.TO_ROLLOUT
-        t_start, phases = time.time(), {}
+        t_start, phases, rank_phases = time.time(), {}, {}
         for phase in PHASES[state]:
             t0 = time.monotonic()
-            asyncio.run(self._phase(phase))
-            phases[phase.value] = time.monotonic() - t0
-            self.channel.send(PhaseDone(self.index, phase.value, phases[phase.value]))
+            rank_s = asyncio.run(self._phase(phase))
+            rank_s = rank_s or [time.monotonic() - t0] * self.spec.ranks  # every rank took the whole phase
+            phases[phase.value], rank_phases[phase.value] = cell_phase_s(rank_s), rank_s
+            self.channel.send(PhaseDone(self.index, phase.value, phases[phase.value], rank_s))
         self.role = target
-        self.channel.send(RoleDone(self.index, target.value, t_start, phases))
+        self.channel.send(RoleDone(self.index, target.value, t_start, phases, rank_phases))
 
-    async def _phase(self, phase: Phase) -> None:
+    async def _phase(self, phase: Phase) -> list[float] | None:
+        """Run `phase`; returns each rank's seconds in it where they differ (None: all took the whole phase)."""
         from gyre.proxy.admin import ProxyAdmin
 
         s = self.spec
-        async with ProxyAdmin(s.proxy_url, s.proxy_admin_token) as proxy, self.engine.client() as engine:
+        if phase in ENGINE_PHASES:
+            async with ProxyAdmin(s.proxy_url, s.proxy_admin_token) as proxy:
+                jobs = (self._engine_phase(phase, proxy, j) for j in range(len(self.engines)))
+                return ranks_from_engines(self.slots, await asyncio.gather(*jobs), s.ranks)
+        if self.is_core:
+            return None
+        if phase == Phase.PULL_WEIGHTS:
+            t0 = time.monotonic()
+            await asyncio.to_thread(self._pull)
+            return ranks_from_work(time.monotonic() - t0, self.satellite.rank_pull_seconds)
+        if phase == Phase.JOIN_STEP:
+            self._stop.clear()
+            self._worker = threading.Thread(target=self.satellite.serve, args=(self._stop,), daemon=True)
+            self._worker.start()
+        elif phase == Phase.FINISH_MICROSTEP:
+            self._stop.set()  # the satellite finishes the micro-step in hand, then leaves
+            await asyncio.to_thread(self._worker.join)
+            self._worker = None
+        return None
+
+    async def _engine_phase(self, phase: Phase, proxy, j: int) -> float:
+        """`phase` on engine j of the cell; returns its seconds."""
+        t0, engine, eid = time.monotonic(), self.engines[j], self.engine_ids[j]
+        async with engine.client() as client:
             if phase == Phase.STOP_ADMISSION:
-                await proxy.engine_op(self.engine_id, "stop_admission")
+                await proxy.engine_op(eid, "stop_admission")
             elif phase == Phase.HAND_OFF_SESSIONS:
-                await proxy.engine_op(self.engine_id, "drain")
+                await proxy.engine_op(eid, "drain")
             elif phase == Phase.RELEASE_ENGINE_MEMORY:
-                await self.engine.release(engine)
-            elif phase == Phase.PULL_WEIGHTS and not self.is_core:
-                await asyncio.to_thread(self._pull)
-            elif phase == Phase.JOIN_STEP and not self.is_core:
-                self._stop.clear()
-                self._worker = threading.Thread(target=self.satellite.serve, args=(self._stop,), daemon=True)
-                self._worker.start()
-            elif phase == Phase.FINISH_MICROSTEP and not self.is_core:
-                self._stop.set()  # the satellite finishes the micro-step in hand, then leaves
-                await asyncio.to_thread(self._worker.join)
-                self._worker = None
+                await engine.release(client)
             elif phase == Phase.LOAD_WEIGHTS:
-                await self.engine.resume(engine)
-                await load_weights(engine, self.weights)
-                await proxy.set_weight_version(self.engine_id, self.weights.version)
+                await engine.resume(client)
+                await load_weights(client, self.weights)
+                await proxy.set_weight_version(eid, self.weights.version)
             elif phase == Phase.ANNOUNCE_TO_PROXY:
-                await proxy.engine_op(self.engine_id, "activate")
+                await proxy.engine_op(eid, "activate")
+        return time.monotonic() - t0
 
     def _pull(self) -> None:
         from gyre.train.satellite import SatelliteCell
@@ -288,7 +315,7 @@ class CellLeader:
                 self.trainer,
                 self.endpoint,
                 self.core_address,
-                self.engine_id,
+                f"cell{self.index}",
                 peer_timeout_s=self.spec.control_peer_timeout_s,
                 ranks=self.ranks,
                 host=self.spec.host,
@@ -310,10 +337,22 @@ class CellLeader:
             except subprocess.TimeoutExpired:  # stuck in a collective rank 0 left: nothing to save there
                 proc.kill()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.engine.stop()
+        for engine in self.engines:
+            engine.stop()
         if self.channel is not None:
             self.channel.close()
         self.events.close()
+
+
+def _start_engines(spec: CellSpec, slots: list) -> list:
+    """Start the engines of `slots`, one after another from this thread: a child dies with the thread
+    that spawned it (PR_SET_PDEATHSIG), so a pool's threads would take the engines with them."""
+    from gyre.engines.launch import make_engine_process
+
+    engines = [make_engine_process(spec.engine, spec.model, slot.base_gpu_id) for slot in slots]
+    for engine in engines:
+        engine.start()
+    return engines
 
 
 def main(argv: list[str] | None = None) -> int:

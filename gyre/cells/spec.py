@@ -21,6 +21,8 @@ class CellSpec:
     seed: int
     ranks: int = 1
     """Processes of the cell's trainer (cluster.ranks_per_cell); the leader is rank 0."""
+    nodes: int = 1
+    """Nodes of the cell (cluster.cell_nodes; locally emulated): one engine each on CPU (gyre.cells.serving)."""
     followers_placed: bool = False
     """Ranks 1.. were started by the cluster (Slurm: tasks of the cell's component, which join the
     group themselves: gyre.cells.slurm); False: the leader spawns them (gyre.train.ranks)."""

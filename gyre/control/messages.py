@@ -12,7 +12,7 @@ is built and again when it arrives (`check`), so a peer that sends something els
       Pull(cell) -> WeightVersion(version)    weights stay at `version` until PullDone(cell)
       Leave(cell)
     coordinator <-> cell leader (gyre/coordinator, gyre/cells)
-      CellReady(cell, engine_url, ...)        once the leader's trainer and engine are up
+      CellReady(cell, engine_urls, ...)       once the leader's trainer and engines are up
       RoleSwitch(cell, target, ...) -> PhaseDone(cell, phase, seconds)... -> RoleDone(cell, role, ...)
       MicroBatches(step, group, batches)... EndStep(step) -> StepProgress(step, done)... -> StepDone(...)
     A micro-batch is known everywhere by its MicroBatchId (step, group, k): the coordinator names
@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gyre.engines.published import PublishedWeights
 from gyre.errors import GyreError
@@ -179,11 +179,11 @@ class Leave:
 # ---- coordinator <-> cell leaders -----------------------------------------------------------
 @message
 class CellReady:
-    """A cell leader built its trainer and engine. The core adds where satellites join it, its
-    weights as published, its step and a digest of its weights."""
+    """A cell leader built its trainer and engines (`engine_urls`, gyre.cells.serving's order). The
+    core adds where satellites join it, its weights as published, its step and a digest of its weights."""
 
     cell: int
-    engine_url: str
+    engine_urls: list
     core_address: str = ""
     weights: PublishedWeights | None = None
     step: int = 0
@@ -204,21 +204,25 @@ class RoleSwitch:
 
 @message
 class PhaseDone:
-    """A phase of a role switch finished in `seconds` (see gyre/scheduler/cells.py)."""
+    """A phase of a role switch finished: `rank_seconds[r]` until rank r had done its part, `seconds`
+    the cell's (its slowest rank's; see gyre/cells/serving.py and gyre/scheduler/cells.py)."""
 
     cell: int
     phase: str
     seconds: float
+    rank_seconds: list = field(default_factory=list)
 
 
 @message
 class RoleDone:
-    """The switch is over: the cell holds `role`; `phases` maps each phase to its seconds, in order."""
+    """The switch is over: the cell holds `role`; `phases` maps each phase to the cell's seconds, in
+    order, and `rank_phases` each phase to its seconds by rank."""
 
     cell: int
     role: str
     t_start: float
     phases: dict
+    rank_phases: dict = field(default_factory=dict)
 
 
 @message

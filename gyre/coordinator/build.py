@@ -1,6 +1,6 @@
 """Building and closing a run's processes: the proxy, the cell leaders (each with its engine), tokens.
 
-    build: proxy ─> cell listener ─> cell leaders (quota'd) ─> CellReady ─> engines registered,
+    build: proxy ─> cell listener ─> cell leaders (quota'd) ─> CellReady ─> engines registered (each under its cell),
            version-0 weights (or the checkpoint's) pushed from the core to every engine
     close: sandboxes killed ─> leaders stopped (their engines with them) ─> proxy stopped
 
@@ -122,6 +122,7 @@ async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
             engine=cfg.engine,
             seed=cfg.seed,
             ranks=cfg.cluster.ranks_per_cell,
+            nodes=cfg.cluster.cell_nodes,
             host=parts.launcher.host,
             coordinator_address=address,
             control=k.control,
@@ -158,23 +159,25 @@ def _accept_cells(parts: Parts, timeout_s: float) -> None:
         if not isinstance(ready, CellReady):
             raise CellError(f"a cell leader said {type(ready).__name__} before CellReady")
         cell = parts.cells[ready.cell]
-        cell.channel, cell.engine_url = channel, ready.engine_url
+        cell.channel, cell.engine_urls = channel, ready.engine_urls
         if ready.cell == 0:
             parts.core_address, parts.initial = ready.core_address, ready
         pending -= 1
 
 
 async def _register_engines(parts: Parts) -> None:
-    """Every engine in the proxy (serving ones active, the others closed) at the core's weights."""
+    """Every engine of every cell in the proxy, under its cell (serving ones active, the others
+    closed), at the core's weights."""
     for cell in parts.cells:
-        await load_weights_at(cell.engine_url, parts.initial.weights)
+        for eid, url in zip(cell.engine_ids, cell.engine_urls, strict=True):
+            await load_weights_at(url, parts.initial.weights)
+            if cell.state.role != Role.ROLLOUT:
+                async with EngineClient(url) as engine:
+                    await engine.release_memory()
+            await parts.admin.add_engine(eid, url, str(cell.index))
+            if cell.state.role != Role.ROLLOUT:
+                await parts.admin.engine_op(eid, "stop_admission")
         cell.engine_version = parts.initial.weights.version
-        if cell.state.role != Role.ROLLOUT:
-            async with EngineClient(cell.engine_url) as engine:
-                await engine.release_memory()
-        await parts.admin.add_engine(cell.engine_id, cell.engine_url, str(cell.index))
-        if cell.state.role != Role.ROLLOUT:
-            await parts.admin.engine_op(cell.engine_id, "stop_admission")
 
 
 def _start_role(role: Role, is_core: bool) -> Role:

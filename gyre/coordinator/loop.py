@@ -143,7 +143,7 @@ async def observe(
     queued, ahead, running = source.counts(train.version)
     engines = (await parts.admin.metrics())["engines"]
     c = cfg.coordinator
-    loads = measure_cells(now, [x.engine_id for x in parts.cells], engines, parts.decode, c.sessions_per_cell)
+    loads = measure_cells(now, [x.engine_ids for x in parts.cells], engines, parts.decode, c.sessions_per_cell)
     obs = make_observation(
         now,
         [x.state for x in parts.cells],
@@ -242,12 +242,22 @@ async def _load_serving(cells: list, weights: PublishedWeights, parts: Parts, ev
 
 
 async def _load_newest(cell, weights: PublishedWeights, parts: Parts) -> None:
-    """Have a serving cell's engine load the newest published weights. The proxy holds the engine's
-    calls meanwhile and then keys them by the version it serves now (SGLang's `extra_key`), so no
-    call carries a version the engine no longer serves; a failed load keeps the old one."""
-    await parts.admin.hold_calls(cell.engine_id)
+    """Have every engine of a serving cell load the newest published weights, side by side."""
+    engines = zip(cell.engine_ids, cell.engine_urls, strict=True)
+    loads = (_load_engine(eid, url, cell.engine_version, weights, parts) for eid, url in engines)
+    for result in await asyncio.gather(*loads, return_exceptions=True):
+        if isinstance(result, BaseException):
+            raise result
+    cell.engine_version = weights.version
+
+
+async def _load_engine(eid: str, url: str, serving: int, weights: PublishedWeights, parts: Parts) -> None:
+    """One engine loads `weights`. The proxy holds the engine's calls meanwhile and then keys them by
+    the version it serves now (SGLang's `extra_key`), so no call carries a version the engine no
+    longer serves; a failed load keeps the old one (`serving`)."""
+    await parts.admin.hold_calls(eid)
     try:
-        await load_weights_at(cell.engine_url, weights)
-        cell.engine_version = weights.version
+        await load_weights_at(url, weights)
+        serving = weights.version
     finally:
-        await parts.admin.set_weight_version(cell.engine_id, cell.engine_version)
+        await parts.admin.set_weight_version(eid, serving)

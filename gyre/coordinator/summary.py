@@ -100,6 +100,7 @@ class RunEvents:
                 to_role=msg.role,
                 t_start=msg.t_start,
                 phases=msg.phases,
+                rank_phases=msg.rank_phases,
             )
         )
         self._roles[msg.cell] = msg.role

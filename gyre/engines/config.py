@@ -36,7 +36,8 @@ class EngineConfig:
     request_timeout_s: float = 3600.0
     """Client-side timeout of one HTTP call to the engine."""
     tp_size: int = 1
-    """SGLang tensor parallelism (GPUs per server)."""
+    """SGLang tensor parallelism (GPUs per server): on GPU a cell runs one server per tp_size of its
+    ranks on a node, which tp_size must divide (gyre.cells.serving)."""
     mem_fraction_static: float = 0.85
     """SGLang: GPU memory fraction for weights + KV pool."""
     enable_memory_saver: bool = True
@@ -65,6 +66,11 @@ class EngineConfig:
     the emitted tokens for matching prompts; log-probs stay the model's."""
     extra_args: list[str] = field(default_factory=list)
     """Extra sglang.launch_server flags, passed through verbatim."""
+
+    @property
+    def on_gpu(self) -> bool:
+        """Serves from GPUs (SGLang itself), so a cell runs an engine per tp_size ranks, not per node."""
+        return self.backend == "sglang" and not self.sglang_fake
 
     def __post_init__(self):
         require(self.backend in BACKENDS, "backend", f"must be one of {list(BACKENDS)}, got {self.backend!r}")

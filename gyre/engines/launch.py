@@ -190,8 +190,8 @@ class SGLangProcess(BaseEngineProcess):
         await client.resume()  # /continue_generation: undo the pause of `release`
 
 
-def make_engine_process(cfg: EngineConfig, model_cfg: ModelConfig) -> BaseEngineProcess:
+def make_engine_process(cfg: EngineConfig, model_cfg: ModelConfig, base_gpu_id: int = 0) -> BaseEngineProcess:
     """The one factory of engine servers: `engine.backend` picks the process (cell leaders and
-    `gyre-engine` start theirs here). A one-rank cell runs one server from GPU 0; a cell of more
-    ranks will run one per `engine.tp_size` of them (SGLangProcess's `base_gpu_id`)."""
-    return SGLangProcess(cfg) if cfg.backend == "sglang" else BuiltinEngineProcess(cfg, model_cfg)
+    `gyre-engine` start theirs here). A cell runs one per node on CPU and one per `engine.tp_size`
+    ranks on GPU, each from its first GPU `base_gpu_id` (gyre.cells.serving.plan_engines)."""
+    return SGLangProcess(cfg, base_gpu_id) if cfg.backend == "sglang" else BuiltinEngineProcess(cfg, model_cfg)

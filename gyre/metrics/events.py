@@ -121,7 +121,10 @@ class RoleSwitch(Event):
     t_start: float
     """When the switch began, unix seconds (t is when it ended)."""
     phases: dict[str, float]
-    """Phase name (`gyre.scheduler.cells.Phase` values) -> seconds, in the order they ran."""
+    """Phase name (`gyre.scheduler.cells.Phase` values) -> the cell's seconds (its slowest rank's),
+    in the order they ran."""
+    rank_phases: dict[str, list[float]] = field(default_factory=dict)
+    """Phase name -> each rank's seconds until it had done its part (gyre.cells.serving)."""
 
 
 @dataclass(frozen=True, kw_only=True)

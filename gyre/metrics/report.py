@@ -70,6 +70,11 @@ def summarize(state: RunState) -> dict:
             for i, lane in sorted(state.cells.items())
             if lane.rank_train_s
         },
+        "rank_switch_phase_s": {
+            str(i): {p: _mean_by_rank(runs) for p, runs in lane.rank_phase_s.items()}
+            for i, lane in sorted(state.cells.items())
+            if any(len(runs[0]) > 1 for runs in lane.rank_phase_s.values())
+        },
         "cell_utilisation": {
             str(i): {k: round(v, 4) for k, v in parts.items()} for i, parts in utilisation(state).items()
         },
@@ -90,6 +95,12 @@ def summarize(state: RunState) -> dict:
         "num_checkpoints": len(state.checkpoints),
         "failures": dict(sorted(state.failures.items())),
     }
+
+
+def _mean_by_rank(runs: list[list[float]]) -> list[float]:
+    """Each rank's mean over the times it ran (a resumed run may have other ranks per cell)."""
+    ranks = range(max(map(len, runs)))
+    return [round(fmean(run[r] for run in runs if r < len(run)), 3) for r in ranks]
 
 
 def held_out_summary(held_out: dict[int, list[float]]) -> dict:
@@ -163,6 +174,11 @@ def format_summary(name: str, s: dict, stats: ReadStats) -> str:
         )
     if s["switch_phase_s"]:
         lines.append("  switch phases (mean s)  " + "  ".join(f"{p} {v:.2f}" for p, v in s["switch_phase_s"].items()))
+    for cell, phases in s["rank_switch_phase_s"].items():
+        lines.append(
+            f"  cell {cell:<4} phases by rank (s)  "
+            + "  ".join(f"{p} " + "/".join(f"{v:.2f}" for v in by_rank) for p, by_rank in phases.items())
+        )
     if s["exclusions"]:
         lines.append("  exclusions              " + "  ".join(f"{r} {n}" for r, n in s["exclusions"].items()))
     lines.append(

@@ -107,6 +107,8 @@ class CellLane:
     num_micro_steps: int = 0
     rank_train_s: dict[int, float] = field(default_factory=dict)
     """Rank -> seconds it computed micro-steps (one rank's micro-steps never overlap)."""
+    rank_phase_s: dict[str, list[list[float]]] = field(default_factory=dict)
+    """Switch phase -> each time it ran, its seconds by rank."""
 
     def close(self, t: float) -> None:
         if t > self.since:
@@ -198,6 +200,8 @@ class RunState:
                 lane.spans.append(Span(t, min(t + seconds, e.t), switching, phase))
             t = min(t + seconds, e.t)
             self.phase_s.setdefault(phase, []).append(seconds)
+        for phase, by_rank in e.rank_phases.items():
+            lane.rank_phase_s.setdefault(phase, []).append(by_rank)
         if e.t > t:
             lane.spans.append(Span(t, e.t, switching))
         lane.role, lane.since = e.to_role, e.t

@@ -89,17 +89,24 @@ class DecodeMeter:
 
 
 def measure_cells(
-    now: float, engine_ids: Sequence[str], engines: Sequence[Mapping], meter: DecodeMeter, sessions_per_cell: int
+    now: float,
+    engine_ids: Sequence[Sequence[str]],
+    engines: Sequence[Mapping],
+    meter: DecodeMeter,
+    sessions_per_cell: int,
 ) -> EngineLoads:
-    """Each cell's sessions, session capacity and decode capacity, and the decode demand, from
-    the proxy's `engines` (/admin/metrics) and the cells' engine ids (index order)."""
+    """Each cell's sessions, session capacity and decode capacity (its engines' summed; its sessions
+    within `sessions_per_cell`), and the decode demand, from the proxy's `engines` (/admin/metrics)
+    and each cell's engine ids (index order)."""
     by_id = {e["engine_id"]: e for e in engines}
     calls = meter.update(now, engines)
-    cells = [by_id.get(eid, {}) for eid in engine_ids]
-    max_sessions = [session_capacity(sessions_per_cell, e) for e in cells]
+    cells = [[by_id.get(eid, {}) for eid in ids] for ids in engine_ids]
+    per_engine = [[session_capacity(sessions_per_cell, e) for e in cell] for cell in cells]
+    max_sessions = [min(sessions_per_cell, sum(m)) for m in per_engine]
     if not meter.session_tok_s:
         gen_tok_s, demand = None, 0.0
     else:
-        gen_tok_s = [meter.capacity(eid, m) for eid, m in zip(engine_ids, max_sessions)]
+        gen_tok_s = [sum(map(meter.capacity, ids, m)) for ids, m in zip(engine_ids, per_engine)]
         demand = sum(calls.values()) * meter.session_tok_s
-    return EngineLoads([e.get("num_sessions", 0) for e in cells], max_sessions, gen_tok_s, demand)
+    sessions = [sum(e.get("num_sessions", 0) for e in cell) for cell in cells]
+    return EngineLoads(sessions, max_sessions, gen_tok_s, demand)

@@ -18,8 +18,8 @@ A dead rank is found by processes, not by collectives (whose timeout, torch's de
 long micro-step must not hit): followers die with rank 0 (PR_SET_PDEATHSIG), and rank 0 watches its
 followers and calls `on_lost` when one exits (the leader then exits: the cell is lost). A follower
 waits for the next announcement inside a collective, so rank 0 pings an idle cell well within that
-timeout. Not built yet (issue 27): a serving engine per rank, and followers that are not rank 0's
-children (Slurm), which nobody watches yet.
+timeout. Not built yet (issue 27): followers that are not rank 0's children (Slurm), which nobody
+watches yet, and engines on a Slurm cell's other nodes (gyre.cells.serving).
 """
 
 import argparse

@@ -61,6 +61,9 @@ class SatelliteCell:
         """Weight version held now (-1: never pulled)."""
         self.num_computed = 0
         self.pull_seconds: list[float] = []
+        """Per pull: its slowest rank's read."""
+        self.rank_pull_seconds: list[float] = []
+        """The last pull's read by rank."""
         self.microstep_seconds: list[float] = []
         """Per micro-step: forward, backward and the gradient write to the core."""
         self._join()
@@ -156,7 +159,8 @@ class SatelliteCell:
         return reply.version, time.perf_counter() - t0
 
     def _read_weights(self) -> None:
-        self.pull_seconds.append(self.ranks.call("satellite_pull"))
+        self.rank_pull_seconds = self.ranks.call("satellite_pull")
+        self.pull_seconds.append(max(self.rank_pull_seconds))
 
     def close(self) -> None:
         """Leave the core for good (the channel closes; the core releases anything held)."""

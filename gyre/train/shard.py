@@ -167,13 +167,13 @@ def satellite_peer(state: RankState, peers: list[tuple[str, int, int]]) -> None:
     state.peer = tuple(peers[dist.get_rank()])
 
 
-def satellite_pull(state: RankState) -> float:
-    """Read this rank's weight shard from its core peer, every rank at once. Returns the slowest
-    rank's seconds (the pull is over once every shard is in)."""
+def satellite_pull(state: RankState) -> list[float]:
+    """Read this rank's weight shard from its core peer, every rank at once. Returns each rank's
+    seconds, by rank (the pull is over once every shard is in: the slowest rank's)."""
     t0 = time.perf_counter()
     session, weights_addr, _ = state.peer
     state.endpoint.read(session, weights_addr, state.trainer.flat.weights)
-    return max(_gather(time.perf_counter() - t0))
+    return _gather(time.perf_counter() - t0)
 
 
 def satellite_compute(state: RankState, jobs: list) -> dict[int, tuple]:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -208,17 +209,12 @@ def _kill_when(proc: subprocess.Popen, ready) -> None:
     proc.wait()
 
 
-def _running(ledger: Path) -> list[str]:
-    """Executions whose latest ledger state is `running` (started, no outcome yet)."""
-    view = read_ledger(ledger) if ledger.exists() else None
-    return [eid for eid, e in view.entries.items() if e.state == "running"] if view else []
-
-
-def _rank1_pid(run_dir: Path, cell: int) -> int:
-    """Rank 1 of local cell `cell` of the run in `run_dir`: the `gyre.train.ranks` child of its leader."""
+def _children(run_dir: Path, cell: int, module: bytes) -> list[int]:
+    """The `python -m module` children of local cell `cell`'s leader in the run in `run_dir`."""
+    pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if b"gyre.train.ranks" not in (proc / "cmdline").read_bytes():
+            if module not in (proc / "cmdline").read_bytes():
                 continue
             ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
             leader = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
@@ -226,25 +222,48 @@ def _rank1_pid(run_dir: Path, cell: int) -> int:
         except (OSError, ValueError, IndexError):  # not ours, or gone meanwhile
             continue
         if spec["index"] == cell and spec["run_dir"] == str(run_dir):
-            return int(proc.name)
-    raise AssertionError(f"no rank 1 of cell {cell} found")
+            pids.append(int(proc.name))
+    return pids
 
 
-def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_losing_or_retraining(tmp_path):
-    """Cells of two ranks: SIGKILL rank 1 of a satellite and that cell is lost while the run trains
-    on; SIGKILL rank 1 of the core and the run stops (its leader exits at once, not after gloo's
-    timeout); the resumed run re-runs any interrupted execution and loses and retrains nothing.
-    Then recovery parity: the run's records replayed by a two-rank core that is SIGKILLed twice and
-    resumed train the run's weights bit for bit."""
+def _running(ledger: Path) -> list[str]:
+    """Executions whose latest ledger state is `running` (started, no outcome yet)."""
+    view = read_ledger(ledger) if ledger.exists() else None
+    return [eid for eid, e in view.entries.items() if e.state == "running"] if view else []
+
+
+def _rank1_pid(run_dir: Path, cell: int) -> int:
+    """Rank 1 of local cell `cell`: the `gyre.train.ranks` child of its leader."""
+    (pid,) = _children(run_dir, cell, b"gyre.train.ranks")
+    return pid
+
+
+def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_satellite_then_stop_the_run(tmp_path):
+    """Cells of two ranks on two emulated nodes serve through an engine per node. SIGKILL rank 1 of
+    the serving satellite and that cell is lost while the run trains on: the training satellite comes
+    back to serve, its switches having drained, released, reloaded and announced both its engines,
+    each rank's phase times recorded. SIGKILL rank 1 of the core while an execution runs and the run
+    stops (its leader exits at once, not after gloo's timeout); the resumed run re-runs the
+    interrupted executions and loses and retrains nothing. Then recovery parity: the run's records
+    replayed by a two-rank core that is SIGKILLed twice and resumed train the run's weights bit for bit."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
-    proc = _gyre_train(run_dir, tasks, "num_steps=4", "cluster.ranks_per_cell=2", start_new_session=True)
+    cells = ("cluster.ranks_per_cell=2", "cluster.cell_nodes=2")
+    proc = _gyre_train(run_dir, tasks, "num_steps=4", *cells, start_new_session=True)
     try:
-        _wait_for(proc, lambda: _checkpointed(run_dir, 1))
-        os.kill(_rank1_pid(run_dir, 2), signal.SIGKILL)
-        _wait_for(proc, lambda: _checkpointed(run_dir, 2))  # trained on without cell 2
-        lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
+        _wait_for(proc, lambda: _checkpointed(run_dir, 1) and _satellite_roles(run_dir) == ["rollout", "train"])
+        assert all(len(_children(run_dir, k, b"gyre.engines.server")) == 2 for k in range(3))  # one per node
+        roles = _events(run_dir, "observation")[-1]["roles"]
+        serving, training = roles.index("rollout"), roles.index("train", 1)
+        os.kill(_rank1_pid(run_dir, serving), signal.SIGKILL)
+        _wait_for(proc, lambda: _checkpointed(run_dir, 2))  # trained on without it
+        engines = {e["engine_id"]: e for e in _proxy_engines(run_dir)}
+        back = [engines[f"cell{training}"], engines[f"cell{training}.e1"]]  # the cell's engines, under it
+        assert all(e["status"] == "active" and e["weight_version"] >= 2 for e in back), back  # reloaded, announced
+        assert {e["cell_id"] for e in back} == {str(training)}
+        lost = [e for e in _events(run_dir, "failure") if e["component"] == f"cell{serving}"]
         assert lost and f"exited with code {RANK_LOST_EXIT}" in lost[0]["message"], lost
-        assert "cell 2: rank 1 exited with code -9" in (run_dir / "logs" / "cell2.log").read_text()
+        log = (run_dir / "logs" / f"cell{serving}.log").read_text()
+        assert f"cell {serving}: rank 1 exited with code -9" in log
         # Step 3's executions are admitted once step 1 is applied (staleness 1): kill while one runs.
         _wait_for(proc, lambda: _running(run_dir / "ledger.jsonl"))
         os.kill(_rank1_pid(run_dir, 0), signal.SIGKILL)
@@ -254,13 +273,14 @@ def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_l
             os.killpg(proc.pid, signal.SIGKILL)  # the coordinator; its children die with it (PR_SET_PDEATHSIG)
     assert proc.returncode != 0 and f"exited with code {RANK_LOST_EXIT}" in out, out[-4000:]
     assert "cell 0: rank 1 exited with code -9" in (run_dir / "logs" / "cell0.log").read_text()
+    _assert_both_engines_switched(run_dir, training)
     before = read_ledger(run_dir / "ledger.jsonl")
     saved = {e["step"]: e["weights_digest"] for e in _events(run_dir, "checkpoint")}
 
     in_flight = _running(run_dir / "ledger.jsonl")
     assert in_flight  # at least one execution was running when the core died
 
-    summary = _finish(_gyre_train(run_dir, tasks, "num_steps=4", "resume=true"))
+    summary = _finish(_gyre_train(run_dir, tasks, "num_steps=4", *cells, "resume=true"))
     view = read_ledger(run_dir / "ledger.jsonl")
     start = _events(run_dir, "run_start")[-1]
     assert start["weights_digest"] == saved[start["start_step"]]  # the weights are the checkpoint's
@@ -274,6 +294,8 @@ def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_l
     assert all(view.outcome(f"{eid}.r1") is not None for eid in in_flight)
     assert all(view.outcome(eid) is not None for eid in view.history)
     assert before.history.keys() <= view.history.keys() and summary["num_steps"] == 4
+    assert summary["cell_ranks"] == 2  # resumed with the same cells: the 2-rank checkpoint (Adam sharded) loaded
+    assert all(len(v) == 2 for v in summary["rank_switch_phase_s"][str(training)].values())  # both runs' events
 
     # Recovery parity: replayed by one core cell of two data-parallel ranks, SIGKILLed after step 1's
     # checkpoint and again after step 2's and resumed each time, its records train the run's weights.
@@ -286,8 +308,44 @@ def test_killed_ranks_lose_a_satellite_then_stop_the_run_which_resumes_without_l
     assert [e["start_step"] for e in _events(replay, "run_start")] == [0, 1, 2]
     digests = [{e["step"]: e["weights_digest"] for e in _events(d, "checkpoint")} for d in (run_dir, replay)]
     assert {s: digests[0][s] for s in (1, 2, 3)} == digests[1] and sorted(digests[1]) == [1, 2, 3]
-    # (which replica computes a micro-step depends on how the micro-batches arrive: asserted in test_train_ranks)
+    # Which replica computes a micro-step depends on whether the step's micro-batches reach the core
+    # together (each group's come in a message of their own): the digests above show the two ranks' work.
     assert replayed["cell_ranks"] == 2 and {e["rank"] for e in _events(replay, "micro_step")} <= {0, 1}
+
+
+def _satellite_roles(run_dir: Path) -> list[str]:
+    observations = _events(run_dir, "observation")
+    return sorted(observations[-1]["roles"][1:]) if observations else []
+
+
+def _assert_both_engines_switched(run_dir: Path, cell: int) -> None:
+    """Satellite `cell` switched to train and back through both its engines (a phase time per rank,
+    the cell's its slowest rank's), and neither engine took a call between its drain and its return."""
+    switches = sorted((e for e in _events(run_dir, "role_switch") if e["cell"] == cell), key=lambda e: e["t"])
+    assert [e["to_role"] for e in switches[:2]] == ["train", "rollout"], switches
+    for e in switches:
+        assert list(e["rank_phases"]) == list(e["phases"])
+        assert all(len(v) == 2 and max(v) == e["phases"][p] for p, v in e["rank_phases"].items()), e
+    drained, back = switches[:2]
+    calls = [c for c in _events(run_dir, "model_call") if c["cell"] == cell]
+    assert not [c for c in calls if drained["t"] < c["t"] - c["latency_s"] and c["t"] < back["t_start"]]
+
+
+def _proxy_engines(run_dir: Path) -> list[dict]:
+    """The engines the proxy of the run in `run_dir` routes to (/admin/metrics), found through a
+    cell leader's spec (its proxy's address and admin token)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            spec = json.loads(args[args.index(b"gyre.cells.leader") + 1])
+        except (OSError, ValueError, IndexError):  # not a leader, or gone meanwhile
+            continue
+        if spec["run_dir"] == str(run_dir):
+            auth = {"Authorization": f"Bearer {spec['proxy_admin_token']}"}
+            request = urllib.request.Request(spec["proxy_url"] + "/admin/metrics", headers=auth)
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return json.load(reply)["engines"]
+    raise AssertionError(f"no cell leader of {run_dir} found")
 
 
 def _tool_call(name: str, args: dict) -> str:

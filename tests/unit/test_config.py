@@ -74,6 +74,7 @@ def test_bad_values_name_their_key(override, key):
         pytest.param(("cluster.ranks_per_node=2",), "cluster.ranks_per_node", id="ranks-per-node-locally"),
         pytest.param(("trainer.tensor_parallel_size=2",), "trainer.tensor_parallel_size", id="tp-over-one-rank"),
         pytest.param(("cluster.ranks_per_cell=0",), "cluster.ranks_per_cell", id="no-ranks"),
+        pytest.param(("cluster.cell_nodes=2",), "cluster.cell_nodes", id="local-nodes-without-their-ranks"),
     ],
 )
 def test_cells_of_several_ranks_are_refused_where_they_are_not_built(overrides, key):
@@ -83,6 +84,7 @@ def test_cells_of_several_ranks_are_refused_where_they_are_not_built(overrides, 
     alone = ("cluster.num_cells=1", "scheduler=colocate", "cluster.ranks_per_cell=2", "trainer.tensor_parallel_size=2")
     assert validate(compose(*alone)).cluster.ranks_per_cell == 2  # a core training alone is built
     assert validate(compose("cluster.ranks_per_cell=2")).cluster.num_cells >= 2  # and local satellites of 2 ranks
+    assert validate(compose("cluster.ranks_per_cell=2", "cluster.cell_nodes=2")).cluster.cell_nodes == 2  # 2 engines
     slurm = ("cluster=slurm", "cluster.num_cells=1", "scheduler=colocate", "cluster.cell_nodes=2")
     assert validate(compose(*slurm, "cluster.ranks_per_node=2")).cluster.ranks_per_cell == 4  # and on Slurm
 

@@ -111,8 +111,8 @@ def test_quota_uses_cgroup_v2_then_v1_then_pins_cores(tmp_path):
 
 class _Cell:
     def __init__(self, index: int, engine_url: str):
-        self.index, self.engine_url, self.engine_version = index, engine_url, 2
-        self.engine_id = f"cell{index}"
+        self.index, self.engine_urls, self.engine_version = index, [engine_url], 2
+        self.engine_ids = [f"cell{index}"]
         self.state, self.stopped = make_cells(3, 1)[index], threading.Event()
 
     def stop(self) -> None:

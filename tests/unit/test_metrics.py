@@ -280,16 +280,35 @@ def test_summary_of_the_fixture_run(run_events):
     assert s["eval_reward_per_version"] == {0: 0.3, 4: pytest.approx(0.8)}
 
 
-def test_the_summary_gives_ranks_per_cell_and_each_ranks_train_busy_time():
+def test_the_summary_gives_ranks_per_cell_each_ranks_train_busy_time_and_its_mean_switch_phase_times():
     from gyre.metrics.report import format_summary
     from gyre.records.io import ReadStats
 
     events = [RunStart(t=T0, mode="colocate", num_steps=1, num_cells=1, cell_ranks=2)]
     for k, (rank, seconds) in enumerate([(0, 2.0), (1, 3.0), (0, 1.5)]):
         events.append(MicroStep(t=T0 + 10 + k, step=0, index=k, cell=0, rank=rank, tokens=100, seconds=seconds))
+    for k, pull in enumerate(([0.5, 1.0], [1.5, 0.5], [2.5])):  # cell 1 switches to train 3 times, then of 1 rank
+        rank_phases = {"release_engine_memory": [0.25] * len(pull), "pull_weights": pull}
+        phases = {p: max(by_rank) for p, by_rank in rank_phases.items()}
+        events.append(
+            RoleSwitch(
+                t=T0 + 20 + 10 * k,
+                cell=1,
+                from_role="rollout",
+                to_role="train",
+                t_start=T0 + 18 + 10 * k,
+                phases=phases,
+                rank_phases=rank_phases,
+            )
+        )
     s = summarize(fold(events))
     assert s["cell_ranks"] == 2 and s["rank_train_busy_s"] == {"0": {"0": 3.5, "1": 3.0}}
-    assert "cell 0    train busy by rank  rank 0 3.5 s  rank 1 3.0 s" in format_summary("r", s, ReadStats())
+    assert s["switch_phase_s"]["pull_weights"] == 1.667  # the cell's: its slowest rank's, 1.0, 1.5 then 2.5
+    by_rank = {"release_engine_memory": [0.25, 0.25], "pull_weights": [1.5, 0.75]}  # rank 1 ran twice
+    assert s["rank_switch_phase_s"] == {"1": by_rank}
+    out = format_summary("r", s, ReadStats())
+    assert "cell 0    train busy by rank  rank 0 3.5 s  rank 1 3.0 s" in out
+    assert "cell 1    phases by rank (s)  release_engine_memory 0.25/0.25  pull_weights 1.50/0.75" in out
 
 
 # --- live views -------------------------------------------------------------------------------

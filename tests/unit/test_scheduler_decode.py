@@ -9,7 +9,7 @@ import pytest
 from gyre.coordinator.loop import observe
 from gyre.scheduler.cells import Cell, Role
 from gyre.scheduler.config import SchedulerConfig
-from gyre.scheduler.decode import DecodeMeter, session_capacity
+from gyre.scheduler.decode import DecodeMeter, measure_cells, session_capacity
 from gyre.scheduler.policy import ElasticPolicy
 from gyre.scheduler.streaming import MicroStepQueue
 
@@ -90,6 +90,16 @@ def test_an_engine_not_measured_gets_the_mean_cap_of_the_others_else_its_session
     assert meter.capacity("e2", max_sessions=32) == pytest.approx(480.0)
 
 
+def test_a_cell_of_two_engines_is_one_cell_with_its_engines_sessions_and_decode_capacity_summed():
+    meter = DecodeMeter(window_s=10.0)
+    feed(meter, [(0.0, [engine("a"), engine("b"), engine("c")])])
+    # a: one call alone at 60 tokens/s; b: 16 calls at 30 tokens/s each (its cap, 480 tokens/s, binds)
+    now = [engine("a", 600, 10.0, 10.0, sessions=3), engine("b", 4800, 160.0, 10.0, sessions=16), engine("c")]
+    loads = measure_cells(10.0, [["a", "b"], ["c"]], now, meter, sessions_per_cell=32)
+    assert loads.sessions == [19, 0] and loads.max_sessions == [32, 32]  # within sessions_per_cell
+    assert loads.gen_tok_s == [pytest.approx(480.0 + 480.0), pytest.approx(480.0)]  # a, c: the mean cap
+
+
 CAPACITY_CASES = [
     ("no-kv-reported: configured", engine("e", sessions=4, context=40_000), 32),
     ("no-context-yet: configured", engine("e", kv=100_000), 32),
@@ -119,9 +129,9 @@ def _observations():
     a satellite idles in training: each tick's observation as the coordinator's loop builds it
     (gyre.coordinator.loop.observe) from the proxy's counters."""
     cells = [
-        SimpleNamespace(state=Cell(0, 1, is_core=True, role=Role.TRAIN, since_s=-100.0), engine_id="e0"),
-        SimpleNamespace(state=Cell(1, 1, role=Role.ROLLOUT, since_s=-100.0), engine_id="e1"),
-        SimpleNamespace(state=Cell(2, 1, role=Role.TRAIN, since_s=-100.0), engine_id="e2"),
+        SimpleNamespace(state=Cell(0, 1, is_core=True, role=Role.TRAIN, since_s=-100.0), engine_ids=["e0"]),
+        SimpleNamespace(state=Cell(1, 1, role=Role.ROLLOUT, since_s=-100.0), engine_ids=["e1"]),
+        SimpleNamespace(state=Cell(2, 1, role=Role.TRAIN, since_s=-100.0), engine_ids=["e2"]),
     ]
     parts = SimpleNamespace(cells=cells, admin=_Admin(), decode=DecodeMeter(window_s=10.0))
     train = SimpleNamespace(

@@ -115,7 +115,8 @@ def main(tp, address_file, out):
         computed = sat.serve(threading.Event())  # until the core closes
         sat.close()
         ranks.stop()
-        json.dump({"computed": computed, "pull_s": sat.pull_seconds}, open(out, "w"))
+        pulls = {"pull_s": sat.pull_seconds, "rank_pull_s": sat.rank_pull_seconds}
+        json.dump({"computed": computed, **pulls}, open(out, "w"))
     torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
@@ -193,7 +194,9 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
     first, second = got["metrics"]
     assert first["microsteps_by/core"] == metrics[0]["microsteps_by/core"]
     assert second["microsteps_by/cell1"] == STEPS[1][0] == json.load(open(sat_out))["computed"]
-    assert len(json.load(open(sat_out))["pull_s"]) == 1  # one version pulled, all ranks at once
+    pulled = json.load(open(sat_out))
+    assert len(pulled["pull_s"]) == 1  # one version pulled, all ranks at once, as slow as its slowest rank
+    assert len(pulled["rank_pull_s"]) == 2 and max(pulled["rank_pull_s"]) == pulled["pull_s"][0]
     follower = json.load(open(sat_out + ".rank1"))
     assert follower["satellite_pull"] == 1 and follower["satellite_compute"] >= 2 and follower["ping"] >= 1
     for m1, m2 in zip(metrics, got["metrics"]):

@@ -1,0 +1,96 @@
+"""Which engines serve a cell, and each rank's share of a role switch's phases (pure).
+
+A cell of `ranks` trainer ranks on `nodes` nodes (ranks block-placed: node n holds ranks
+n*per_node .. (n+1)*per_node - 1) serves through one engine per
+
+    CPU (the builtin engine, SGLang's contract fake): node, serving that node's ranks
+    GPU (SGLang):                                      engine.tp_size ranks of one node (their GPUs)
+
+Locally a cell's ranks share one machine, and `cluster.cell_nodes` > 1 emulates nodes: the ranks
+split into cell_nodes groups of consecutive ranks with one engine each, as on Slurm. Every engine
+registers with the proxy under its cell's index, so the scheduler still sees one cell whose
+sessions and decode capacity are its engines' summed (gyre.scheduler.decode.measure_cells). On
+Slurm the leader starts its own node's engines only (another node's would be that node's tasks' to
+start, not built yet), so there a cell of several nodes serves from its first node.
+
+A switch's phase is over when every rank has done its part of it. Rank r's phase time is the time
+from the phase's start until r's part was done: its engine's operation (engine phases), its own
+weight shard's read (pull_weights), or the whole phase (join_step, finish_microstep: all ranks in
+lockstep). The cell's phase time is its slowest rank's.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gyre.errors import require
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """One engine of a cell: where it runs and which trainer ranks' devices it serves from."""
+
+    index: int
+    """Its place among the cell's engines (0 is started by the leader's own node)."""
+    node: int
+    """The cell's node it runs on."""
+    ranks: tuple[int, ...]
+    base_gpu_id: int
+    """Its first GPU on its node (SGLang's --base-gpu-id); 0 on CPU."""
+
+
+def plan_engines(ranks: int, nodes: int, tp_size: int, on_gpu: bool) -> list[EngineSlot]:
+    """The engines of a cell of `ranks` ranks on `nodes` nodes (see the module doc).
+
+    Raises:
+        ConfigError: naming `cluster.cell_nodes` when the ranks do not split evenly over the nodes,
+            or `engine.tp_size` when a node's ranks do not split into engines of tp_size GPUs.
+    """
+    require(
+        ranks % nodes == 0,
+        "cluster.cell_nodes",
+        f"{nodes} nodes per cell do not split its {ranks} ranks evenly (locally a cell emulates "
+        "cell_nodes nodes, one engine each: set cluster.ranks_per_cell to a multiple of cell_nodes)",
+    )
+    per_node = ranks // nodes
+    width = tp_size if on_gpu and per_node > 1 else per_node
+    require(
+        per_node % width == 0,
+        "engine.tp_size",
+        f"{tp_size} GPUs per engine do not divide the {per_node} ranks (GPUs) of a node of the cell; "
+        "an engine serves tp_size ranks of one node",
+    )
+    slots = []
+    for node in range(nodes):
+        for k in range(per_node // width):
+            first = node * per_node + k * width
+            gpu = k * width if on_gpu else 0
+            slots.append(EngineSlot(len(slots), node, tuple(range(first, first + width)), gpu))
+    return slots
+
+
+def engine_id(cell: int, index: int) -> str:
+    """The proxy's name for engine `index` of `cell`: the first keeps the cell's name (`cell3`), so a
+    one-engine cell is named as it always was; the others are `cell3.e1`, ..."""
+    return f"cell{cell}" if index == 0 else f"cell{cell}.e{index}"
+
+
+def ranks_from_engines(slots: Sequence[EngineSlot], engine_s: Sequence[float], num_ranks: int) -> list[float]:
+    """Each rank's time in an engine phase: its engine's (a rank no engine serves: 0)."""
+    out = [0.0] * num_ranks
+    for slot, seconds in zip(slots, engine_s, strict=True):
+        for r in slot.ranks:
+            out[r] = seconds
+    return out
+
+
+def ranks_from_work(phase_s: float, work_s: Sequence[float]) -> list[float]:
+    """Each rank's time in a phase whose ranks start their own work together and which ends with the
+    slowest of them (pull_weights: each rank reads its shard): a rank was done as much earlier as its
+    work was shorter than the slowest rank's."""
+    slowest = max(work_s)
+    return [max(0.0, phase_s - (slowest - w)) for w in work_s]
+
+
+def cell_phase_s(rank_s: Sequence[float]) -> float:
+    """The cell's phase time: its slowest rank's (the phase ends when every rank has done it)."""
+    return max(rank_s)

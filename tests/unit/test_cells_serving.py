@@ -1,0 +1,53 @@
+"""A cell's engines (one per node on CPU, per engine.tp_size ranks on GPU) and each rank's share of a switch phase."""
+
+import pytest
+
+from gyre.cells.serving import (
+    EngineSlot,
+    cell_phase_s,
+    engine_id,
+    plan_engines,
+    ranks_from_engines,
+    ranks_from_work,
+)
+from gyre.errors import ConfigError
+
+
+def test_a_cell_runs_an_engine_per_node_on_cpu_and_per_tp_size_ranks_of_a_node_on_gpu():
+    assert plan_engines(1, 1, 4, on_gpu=False) == [EngineSlot(0, 0, (0,), 0)]
+    assert plan_engines(4, 2, 1, on_gpu=False) == [EngineSlot(0, 0, (0, 1), 0), EngineSlot(1, 1, (2, 3), 0)]
+    gpu = plan_engines(8, 2, 2, on_gpu=True)
+    assert [(s.node, s.ranks, s.base_gpu_id) for s in gpu] == [
+        (0, (0, 1), 0),
+        (0, (2, 3), 2),
+        (1, (4, 5), 0),
+        (1, (6, 7), 2),
+    ]
+    # one trainer rank per node: its engine spans tp_size GPUs of that node, as before cells had ranks
+    assert plan_engines(2, 2, 4, on_gpu=True) == [EngineSlot(0, 0, (0,), 0), EngineSlot(1, 1, (1,), 0)]
+    assert [engine_id(3, s.index) for s in gpu] == ["cell3", "cell3.e1", "cell3.e2", "cell3.e3"]
+
+
+@pytest.mark.parametrize(
+    "ranks, nodes, tp, key",
+    [
+        pytest.param(3, 2, 1, "cluster.cell_nodes", id="ranks-not-split-over-nodes"),
+        pytest.param(1, 2, 1, "cluster.cell_nodes", id="fewer-ranks-than-nodes"),
+        pytest.param(6, 1, 4, "engine.tp_size", id="tp-not-dividing-a-nodes-gpus"),
+    ],
+)
+def test_a_cell_whose_engines_cannot_be_laid_out_is_refused_naming_the_key(ranks, nodes, tp, key):
+    with pytest.raises(ConfigError) as err:
+        plan_engines(ranks, nodes, tp, on_gpu=True)
+    assert err.value.key == key
+
+
+def test_each_rank_gets_its_engines_or_its_own_works_time_and_the_cell_its_slowest_ranks():
+    slots = plan_engines(4, 2, 1, on_gpu=False)
+    by_rank = ranks_from_engines(slots, [0.5, 0.75], 4)
+    assert by_rank == [0.5, 0.5, 0.75, 0.75] and cell_phase_s(by_rank) == 0.75
+    # a 1.0 s pull whose ranks read their shards in 0.25 and 0.5 s: rank 0 was done 0.25 s earlier
+    by_rank = ranks_from_work(1.0, [0.25, 0.5])
+    assert by_rank == [0.75, 1.0] and cell_phase_s(by_rank) == 1.0
+    with pytest.raises(ValueError):  # one time per engine, no more and no fewer
+        ranks_from_engines(slots, [0.5], 4)
