@@ -25,11 +25,13 @@ segmentation fault while accepting a leader as other threads sent and probed; wi
 Connect and Disconnect outside it (in threads of their own, racing the heartbeats), 5 of 5 runs
 passed; now nothing races. With peers that reconnect again and again (tools/probe/mpi_stress.py
 --peers 3 --seconds 30 --hold-s 0.05), MPICH 5.0.2's default netmod, ch4:ucx, still segfaults in
-Accept (6 of 6 probe runs on 2026-12-04), so it is not a race of ours; ch4:ofi over libfabric's tcp
-provider ran 12 such probes with no crash (90-1400 accepts each; in one, a Connect timed out,
-reported as ChannelClosed), so that is what this process asks
-MPICH for (MPIR_CVAR_CH4_NETMOD=ofi, FI_PROVIDER=tcp, unless the environment sets them): the
-control plane's messages are small, so a fast fabric buys it nothing.
+Accept (6 of 6 probe runs on 2026-12-04), so it is not a race of ours; with one channel per peer, as
+Gyre's leaders hold, it did not crash in 100 s. ch4:ofi over libfabric's tcp provider
+(MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp) ran 12 such probes with no crash, but in the Slurm
+killed-satellite run it blocked inside Isend (a socket connect to the killed leader) while holding
+the lock above, so every heartbeat stopped and the live cells presumed the coordinator dead: a dead
+peer must never block a send, so ch4:ucx stays. A satellite reconnects to the core once per training
+role, far less often than the probe.
 
 Processes started plainly are MPICH singletons; two singletons cannot connect to each other
 (MPICH: "Local and remote groups ... are not disjoint"), so peers run under `mpiexec -n 1` (on
@@ -60,11 +62,8 @@ class MpiThreadLevelError(GyreError):
 
 def _mpi():
     """mpi4py's MPI module, initialised for serialised calls from several threads (checked once)."""
-    # MPICH's ch4:ucx segfaults in Accept when peers come and go (tools/probe/mpi_stress.py); ch4:ofi
-    # over libfabric's tcp provider does not, and the control plane's messages are small (a site's
-    # own settings win)
-    os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
-    os.environ.setdefault("FI_PROVIDER", "tcp")
+    # UCX warns at exit about heartbeats nobody received (harmless: a peer's last beats); errors still show
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
     import mpi4py
 
     mpi4py.rc.thread_level = "serialized"  # read at the first import of mpi4py.MPI only
