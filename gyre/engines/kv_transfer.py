@@ -39,7 +39,7 @@ class KVExporter:
             return self._endpoint
 
     def publish(self, pages: list[torch.Tensor]) -> dict:
-        """Concatenate KV pages [L, 2, page, nKV, hd] straight into a new registered buffer (one copy)."""
+        """Concatenate KV pieces [L, 2, n, nKV, hd] straight into a new registered buffer (one copy)."""
         first = pages[0]
         shape = (*first.shape[:2], sum(p.shape[2] for p in pages), *first.shape[3:])
         layout = BufferLayout.for_tensors({"kv": torch.empty(shape, dtype=first.dtype, device="meta")})
