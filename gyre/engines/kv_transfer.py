@@ -74,7 +74,7 @@ async def import_kv_pages(server, body: dict) -> int:
         raise EngineRequestError(
             f"imported KV has shape {None if kv is None else tuple(kv.shape)}, this model needs {want} float32"
         )
-    if len(ids) < n or any(not 0 <= t < cfg.vocab_size for t in ids[:n]):
+    if len(ids) < n or (n and (min(ids[:n]) < 0 or max(ids[:n]) >= cfg.vocab_size)):
         raise EngineRequestError(f"input_ids must hold the {n} exported tokens, all inside the vocabulary")
     version, extra_key = parse_weight_version(body.get("weight_version")), body.get("extra_key")
     return await asyncio.to_thread(server.core.import_kv, ids[:n], kv, version, extra_key)  # no step wait
