@@ -125,24 +125,23 @@ class PrefixCache:
                 )
         if self.capacity_pages == 0:
             return 0
-        parent = None
+        parent, newest = None, self._clock + len(walk)
         for i, (key, chunk) in enumerate(walk):
             page = self._pages.get(key)
             if page is None or page.tokens != chunk or page.parent != parent:
                 self._num_pinned -= page is not None and page.pinned  # a hash collision replaces it
                 if copy:
-                    self._pages[key] = Page(parent, chunk, kv[:, :, i * ps : (i + 1) * ps].clone(), 0)
+                    page = Page(parent, chunk, kv[:, :, i * ps : (i + 1) * ps].clone(), 0)
                 else:
-                    self._pages[key] = Page(parent, chunk, kv, i * ps)
+                    page = Page(parent, chunk, kv, i * ps)
+                self._pages[key] = page
                 added += 1
-            parent = key
-        for key, _ in reversed(walk):
-            self._clock += 1
-            page = self._pages[key]
-            page.last_used = self._clock
+            page.last_used = newest - i  # one pass: the leaf gets the oldest mark, the root the newest
             if pin and not page.pinned:
                 page.pinned = True
                 self._num_pinned += 1
+            parent = key
+        self._clock = newest
         self._evict()
         return added
 
