@@ -3,7 +3,7 @@
 Export: the source engine copies a cached prefix's KV pages into one registered buffer (off the
 engine thread: cached pages are never written) and publishes (session_id, address, layout).
 Import: the destination reads those bytes with one Mooncake read into a new buffer, checks shapes
-and weight version, and inserts the pages into its prefix cache as views of that buffer (no copy),
+and weight version, and inserts the pages into its prefix cache as slots of that buffer (no copy),
 so a moved session's next /generate reports them as cached_tokens instead of recomputing them.
 """
 
