@@ -292,6 +292,8 @@ class EngineClient:
         return await self.post("/gyre/export_kv", {"input_ids": list(input_ids), "extra_key": extra_key})
 
     async def import_kv(self, export: dict, extra_key: str | None = None) -> dict:
+        """`export`: an export_kv answer plus the `input_ids` of its `num_tokens` (the caller has
+        them; the exporter does not send 16K ids back)."""
         return await self.post("/gyre/import_kv", {**export, "extra_key": extra_key})
 
     async def release_kv_export(self, export_id: str) -> dict:
@@ -313,7 +315,7 @@ async def migrate_prefix(
     held, n, refused = int(export.get("num_tokens", 0)), 0, None
     if held > 0:
         try:
-            n = (await dst.import_kv(export, extra_key))["transferred_tokens"]
+            n = (await dst.import_kv({**export, "input_ids": list(input_ids[:held])}, extra_key))["transferred_tokens"]
         except EngineHTTPError as e:
             if e.status >= 500:
                 raise

@@ -308,10 +308,11 @@ class EngineCore:
         self.released -= set(tags)
 
     def export_kv(self, input_ids: list[int], extra_key: str | None) -> tuple[int, list[torch.Tensor], int]:
-        """The cached KV pages of the longest page-aligned prefix of `input_ids` (any thread: the
-        cache locks itself, and pages are never written in place, so they may be copied after).
+        """The cached KV of the longest page-aligned prefix of `input_ids` (any thread: the cache
+        locks itself, and pages are never written in place, so they may be copied after).
 
-        Returns: (num_tokens, pages [L,2,page,nKV,hd], the weight version that computed them).
+        Returns: (num_tokens, its pieces [L,2,n,nKV,hd] (PrefixCache.match), the weight version
+        that computed them).
         """
         version = self.weight_version
         pages = self.cache.match((version, extra_key), input_ids)

@@ -3,7 +3,7 @@
 Export: the source engine copies a cached prefix's KV pages into one registered buffer (off the
 engine thread: cached pages are never written) and publishes (session_id, address, layout).
 Import: the destination reads those bytes with one Mooncake read into a new buffer, checks shapes
-and weight version, and inserts the pages into its prefix cache as views of that buffer (no copy),
+and weight version, and inserts the pages into its prefix cache as slots of that buffer (no copy),
 so a moved session's next /generate reports them as cached_tokens instead of recomputing them.
 """
 
@@ -39,7 +39,7 @@ class KVExporter:
             return self._endpoint
 
     def publish(self, pages: list[torch.Tensor]) -> dict:
-        """Concatenate KV pages [L, 2, page, nKV, hd] straight into a new registered buffer (one copy)."""
+        """Concatenate KV pieces [L, 2, n, nKV, hd] straight into a new registered buffer (one copy)."""
         first = pages[0]
         shape = (*first.shape[:2], sum(p.shape[2] for p in pages), *first.shape[3:])
         layout = BufferLayout.for_tensors({"kv": torch.empty(shape, dtype=first.dtype, device="meta")})
@@ -74,7 +74,7 @@ async def import_kv_pages(server, body: dict) -> int:
         raise EngineRequestError(
             f"imported KV has shape {None if kv is None else tuple(kv.shape)}, this model needs {want} float32"
         )
-    if len(ids) < n or any(not 0 <= t < cfg.vocab_size for t in ids[:n]):
+    if len(ids) < n or (n and (min(ids[:n]) < 0 or max(ids[:n]) >= cfg.vocab_size)):
         raise EngineRequestError(f"input_ids must hold the {n} exported tokens, all inside the vocabulary")
     version, extra_key = parse_weight_version(body.get("weight_version")), body.get("extra_key")
     return await asyncio.to_thread(server.core.import_kv, ids[:n], kv, version, extra_key)  # no step wait

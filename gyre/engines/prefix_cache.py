@@ -4,6 +4,9 @@ A page's key hashes (namespace, parent key, its tokens); the namespace holds the
 (and SGLang's `extra_key`), so KV computed with old weights is never matched after an update.
 Lookups verify tokens and parents, so a hash collision can only miss, never return wrong KV.
 Eviction is LRU; a chain is touched leaf-first so ancestors stay newer than descendants.
+A page is a slot (its token offset) of a KV buffer: an imported buffer is shared by all its pages
+and a match returns one view per run of adjacent slots, so a 16K-token import or export handles
+one tensor, not a thousand page views (each costs microseconds of Python).
 Imported pages (a session's KV moved here on a hand-off) are pinned until that session's next call
 matches them: eviction skips them, and an import that does not fit beside the pinned pages is
 refused (CacheFull) rather than evicting KV another moved session is about to use.
@@ -21,10 +24,24 @@ import torch
 class Page:
     parent: int | None
     tokens: tuple[int, ...]
-    kv: torch.Tensor
-    """[num_layers, 2, page_size, num_kv_heads, head_dim]"""
+    buffer: torch.Tensor
+    """[num_layers, 2, tokens, num_kv_heads, head_dim]: an import's whole buffer (shared by its
+    pages) or a copied page's own."""
+    start: int
+    """Token offset of this page's KV in `buffer`."""
     last_used: int = 0
     pinned: bool = False
+
+
+def _runs(pages: list[Page], page_size: int) -> list[torch.Tensor]:
+    """The pages' KV, in order, as one view per run of adjacent slots of one buffer."""
+    runs: list[list] = []  # [buffer, start, end]
+    for p in pages:
+        if runs and runs[-1][0] is p.buffer and runs[-1][2] == p.start:
+            runs[-1][2] += page_size
+        else:
+            runs.append([p.buffer, p.start, p.start + page_size])
+    return [b if (a, e) == (0, b.shape[2]) else b[:, :, a:e] for b, a, e in runs]
 
 
 class CacheFull(ValueError):
@@ -60,7 +77,8 @@ class PrefixCache:
         return keys
 
     def match(self, namespace: tuple, tokens: list[int]) -> list[torch.Tensor]:
-        """KV pages of the longest cached page-aligned prefix of `tokens` (possibly empty)."""
+        """KV of the longest cached page-aligned prefix of `tokens`, in pieces [L, 2, n, nKV, hd]
+        to concatenate along dim 2 (empty: nothing cached)."""
         walk = self._walk(namespace, tokens)
         with self.lock:
             return self._match(walk)
@@ -78,14 +96,14 @@ class PrefixCache:
             page.last_used = self._clock
             self._num_pinned -= page.pinned
             page.pinned = False
-        return [p.kv for _, p in found]
+        return _runs([p for _, p in found], self.page_size)
 
     def insert(
         self, namespace: tuple, tokens: list[int], kv: torch.Tensor, pin: bool = False, copy: bool = True
     ) -> int:
         """Cache the full pages of `tokens` whose KV is `kv` [L, 2, >=len(tokens), nKV, hd]; returns pages added.
 
-        `copy=False` keeps views of `kv` (an imported buffer nobody else writes): no copy, and the
+        `copy=False` keeps `kv` itself (an imported buffer nobody else writes): no copy, and the
         buffer's memory is freed once its last page is evicted.
 
         Raises:
@@ -107,22 +125,23 @@ class PrefixCache:
                 )
         if self.capacity_pages == 0:
             return 0
-        parent = None
+        parent, newest = None, self._clock + len(walk)
         for i, (key, chunk) in enumerate(walk):
             page = self._pages.get(key)
             if page is None or page.tokens != chunk or page.parent != parent:
                 self._num_pinned -= page is not None and page.pinned  # a hash collision replaces it
-                page_kv = kv[:, :, i * ps : (i + 1) * ps]
-                self._pages[key] = Page(parent, chunk, page_kv.clone() if copy else page_kv)
+                if copy:
+                    page = Page(parent, chunk, kv[:, :, i * ps : (i + 1) * ps].clone(), 0)
+                else:
+                    page = Page(parent, chunk, kv, i * ps)
+                self._pages[key] = page
                 added += 1
-            parent = key
-        for key, _ in reversed(walk):
-            self._clock += 1
-            page = self._pages[key]
-            page.last_used = self._clock
+            page.last_used = newest - i  # one pass: the leaf gets the oldest mark, the root the newest
             if pin and not page.pinned:
                 page.pinned = True
                 self._num_pinned += 1
+            parent = key
+        self._clock = newest
         self._evict()
         return added
 

@@ -28,11 +28,12 @@ class SeqKV:
             self.data = grown
 
     def load_pages(self, pages: list[torch.Tensor]) -> None:
-        """Start the cache from cached prefix pages (each [L, 2, page, nKV, hd])."""
+        """Start the cache from a cached prefix (pieces [L, 2, n, nKV, hd], PrefixCache.match),
+        copied once, straight into place."""
         n = sum(p.shape[2] for p in pages)
         self.reserve(n)
         if pages:
-            self.data[:, :, :n] = torch.cat(pages, dim=2)
+            torch.cat(pages, dim=2, out=self.data[:, :, :n])
         self.length = n
 
 

@@ -366,7 +366,7 @@ class BuiltinEngineServer:
         if n == 0:
             return web.json_response({"num_tokens": 0, "weight_version": version})
         published = await asyncio.to_thread(self.exporter.publish, pages)
-        return web.json_response({**published, "num_tokens": n, "input_ids": ids[:n], "weight_version": version})
+        return web.json_response({**published, "num_tokens": n, "weight_version": version})
 
     async def release_kv_export(self, request: web.Request) -> web.Response:
         self.exporter.release(str((await _json(request)).get("export_id")))

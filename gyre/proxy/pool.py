@@ -153,11 +153,14 @@ class EnginePool:
         been given up, so the engine's memory may be released after it."""
         self.table.set_status(engine_id, "draining")
         moves, busy = self.table.reassign(engine_id), self.table.busy_sessions(engine_id)
-        aborted = await self._abort_streaming(engine_id)  # first: A's calls stop decoding, its CPU serves the moves
+        # The aborts wait for the engine's current step to end; the idle sessions' exports do not
+        # (they run beside the engine thread), so they start at once instead of after that step.
+        abort = asyncio.create_task(self._abort_streaming(engine_id))
         for session, dst in moves.items():
             if session not in busy:
                 self._start_move(session, engine_id, dst)
         self._count_stranded(engine_id, busy)
+        aborted = await abort
         self._wake()
         deadline = time.monotonic() + self.cfg.kv_move_timeout_s
         while self._holds(engine_id) and time.monotonic() < deadline:

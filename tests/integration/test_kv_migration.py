@@ -54,7 +54,7 @@ def test_kv_from_other_weights_is_refused(engines):
             await ca.generate(prefix, {"max_new_tokens": 1})
             export = await ca.export_kv(prefix)
             try:
-                await cb.import_kv({**export, "weight_version": export["weight_version"] + 1})
+                await cb.import_kv({**export, "input_ids": prefix, "weight_version": export["weight_version"] + 1})
             except EngineHTTPError as e:
                 return export, e
             finally:

@@ -26,6 +26,10 @@ def test_prefix_cache_matches_page_aligned_prefixes_per_namespace():
     assert cache.match(("v1", None), toks) == []  # other weights: never reused
     assert cache.match(("v0", "other-key"), toks) == []
     assert cache.insert(("v0", None), toks, _kv(10)) == 0  # already there
+    imported = _kv(10)
+    cache.insert(("v2", None), toks, imported, copy=False)  # one buffer's slots: one piece, a view of it
+    (piece,) = cache.match(("v2", None), toks)
+    assert piece.data_ptr() == imported.data_ptr() and torch.equal(piece, imported[:, :, :8])
 
 
 def test_prefix_cache_evicts_least_recently_used_leaves_first():

@@ -16,6 +16,10 @@ memory. Figures, side by side in one run:
                          HTTP): the mean of transfer_floor_s_before and _after, measured just before
                          and just after the hand-off, so a load that changes meanwhile shows as
                          a spread between them
+  handoff_cpu_s          CPU-seconds engines A and B and the proxy used during the drain call (also
+                         per process: handoff_cpu_s_by_process), and transfer_floor_cpu_s the
+                         floor's (this process: both endpoints of its reads): on a loaded box these
+                         move less than wall times do
   first_call_s_migrated  median latency of an idle session's first call after the hand-off (on B,
                          its KV moved), once the resumed calls are done
   first_call_s_reprefill the same through a second proxy with migrate_kv=false (B recomputes the
@@ -38,6 +42,7 @@ import tempfile
 import time
 
 import aiohttp
+import psutil
 import torch
 
 from gyre.engines.client import EngineClient
@@ -126,21 +131,26 @@ class Bench:
         finally:
             self.endpoint.unregister(buf)
 
-    def floor_s(self, total_bytes: int) -> float:
-        """Raw Mooncake reads of `total_bytes` in `sessions` pieces, one after the other."""
+    def floor_s(self, total_bytes: int) -> tuple[float, float]:
+        """Raw Mooncake reads of `total_bytes` in `sessions` pieces, one after the other: (wall
+        seconds, CPU-seconds)."""
         piece = -(-total_bytes // self.sessions)
         reader = TransferEndpoint()
         src, dst = torch.ones(piece, dtype=torch.uint8), torch.empty(piece, dtype=torch.uint8)
         addr = self.endpoint.register(src)
         reader.register(dst)
         try:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(self.sessions):
                 reader.read(self.endpoint.session_id, addr, dst)
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
         finally:
             reader.close()
             self.endpoint.unregister(src)
+
+
+def _cpu_s(pids: list[int]) -> list[float]:
+    return [sum(psutil.Process(p).cpu_times()[:2]) for p in pids]
 
 
 async def _admin(s: aiohttp.ClientSession, proxy: ProxyProcess, method: str, path: str, body=None) -> dict:
@@ -203,9 +213,10 @@ async def migrated(b: Bench) -> dict:
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # they are decoding
             await _admin(s, proxy, "POST", "/admin/engines/e0/stop_admission")
-            t0 = time.perf_counter()
+            pids = [e.proc.pid for e in b.engines] + [proxy.proc.pid]
+            t0, c0 = time.perf_counter(), _cpu_s(pids)
             drained = await _admin(s, proxy, "POST", "/admin/engines/e0/drain")
-            handoff_s = time.perf_counter() - t0
+            handoff_s, cpu = time.perf_counter() - t0, [c - c0 for c, c0 in zip(_cpu_s(pids), c0)]
             async with EngineClient(b.engines[0].url) as a:
                 await a.release_memory()  # refused (400) if a call still ran on A
                 outs = await asyncio.gather(*flying)
@@ -219,6 +230,8 @@ async def migrated(b: Bench) -> dict:
     return {
         "num_aborted": drained["result"]["num_aborted"],
         "handoff_s": handoff_s,
+        "handoff_cpu_s": sum(cpu),
+        "handoff_cpu_s_by_process": dict(zip(("A", "B", "proxy"), cpu)),
         "kv_migrated_tokens": m["kv_migrated_tokens"],
         "kv_reprefill_tokens": m["kv_reprefill_tokens"],
         "first_call_s_migrated": statistics.median(first),
@@ -251,8 +264,9 @@ def run(sessions: int, tokens: int, reprefill_max: int) -> dict:
             out = {"sessions": sessions, "tokens": tokens, **asyncio.run(migrated(b))}
             after = b.floor_s(sessions * tokens * token_bytes)
             out["kv_bytes"] = (out["kv_migrated_tokens"] + out["kv_reprefill_tokens"]) * token_bytes
-            out["transfer_floor_s_before"], out["transfer_floor_s_after"] = before, after
-            out["transfer_floor_s"] = (before + after) / 2
+            out["transfer_floor_s_before"], out["transfer_floor_s_after"] = before[0], after[0]
+            out["transfer_floor_s"] = (before[0] + after[0]) / 2
+            out["transfer_floor_cpu_s"] = (before[1] + after[1]) / 2
             out["first_call_s_reprefill"] = out["first_call_max_cached_tokens_reprefill"] = None
             if tokens <= reprefill_max:
                 out["first_call_s_reprefill"], out["first_call_max_cached_tokens_reprefill"] = asyncio.run(reprefill(b))
@@ -279,10 +293,13 @@ def main() -> None:
         r = run(s, n, a.reprefill_max_tokens)
         runs.append(r)
         re = r["first_call_s_reprefill"]
+        by_process = ", ".join(f"{k} {v:.2f}" for k, v in r["handoff_cpu_s_by_process"].items())
         print(
             f"{s} x {n} tokens: kv {r['kv_bytes'] / 2**20:.0f} MiB, migrated {r['kv_migrated_tokens']} tokens, "
             f"re-prefill {r['kv_reprefill_tokens']}; hand-off {r['handoff_s']:.3f} s (raw Mooncake "
             f"{r['transfer_floor_s_before']:.3f} s before, {r['transfer_floor_s_after']:.3f} s after); "
+            f"CPU-s: hand-off {r['handoff_cpu_s']:.2f} ({by_process}), "
+            f"raw Mooncake {r['transfer_floor_cpu_s']:.2f}; "
             f"first call after: {r['first_call_s_migrated']:.3f} s migrated, "
             f"{re if re is None else round(re, 3)} s re-prefilled; targets {r['targets']}; "
             f"load {os.getloadavg()[0]:.1f}",
