@@ -103,6 +103,18 @@ default, 30 min), which a follower waiting for the next announcement would other
 
 LINK_TIMEOUT_S = 60.0
 """How long rank 0 waits for its followers' links (they connect as soon as the announcement reaches them)."""
+LINK_HELLO_S = 10.0
+"""A follower names its rank as soon as it connects."""
+
+
+def _hello(sock: socket.socket) -> int:
+    """The rank a new link names (-1: none within LINK_HELLO_S)."""
+    sock.settimeout(LINK_HELLO_S)
+    try:
+        with sock.makefile("rb") as hello:
+            return int(hello.readline())
+    except (OSError, ValueError):
+        return -1
 
 
 class FollowerLink:
@@ -198,16 +210,20 @@ class CellRanks:
                     self._order.release()
 
     def _accept_links(self, host: str) -> dict[int, FollowerLink]:
-        """Announce `link` and take every follower's link: {rank: FollowerLink}."""
+        """Announce `link` and take every follower's link: {rank: FollowerLink}. A connection that
+        does not name a follower rank at once (something else that found the port) is dropped."""
         with socket.create_server((host, 0)) as server:
             server.settimeout(LINK_TIMEOUT_S)
             self.call("link", host, server.getsockname()[1])
             links = {}
             while len(links) < self.num_ranks - 1:
-                sock, _ = server.accept()
-                sock.settimeout(LINK_TIMEOUT_S)
-                with sock.makefile("rb") as hello:
-                    links[int(hello.readline())] = FollowerLink(sock)
+                sock, peer = server.accept()
+                rank = _hello(sock)
+                if rank in links or not 0 < rank < self.num_ranks:
+                    logging.getLogger(__name__).warning("link from %s dropped: rank %d is no follower's", peer, rank)
+                    sock.close()
+                    continue
+                links[rank] = FollowerLink(sock)
         return links
 
     def _watch(self, on_lost) -> None:

@@ -15,6 +15,7 @@ rank adds it in index order: the sum is bit for bit the one `Trainer.fold` makes
 """
 
 import hashlib
+import socket
 import time
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ class RankState:
     """[N_r] the core's sum of the open step's folded micro-steps on this rank."""
     peer: tuple[str, int, int] | None = None
     """A satellite rank's core peer: (Mooncake session, weights address, slots address)."""
-    link: object = None
+    link: socket.socket | None = None
     """A follower's TCP link to rank 0 (gyre/train/ranks.py `_link`), open while this process lives."""
 
 

@@ -28,7 +28,7 @@ from gyre.models.config import ModelConfig
 from gyre.train.checkpoint import CheckpointManager
 from gyre.train.config import TrainerConfig
 from gyre.train.elastic import CoreServer
-from gyre.train.ranks import FollowerLink
+from gyre.train.ranks import FollowerLink, _hello
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 
@@ -142,8 +142,15 @@ def stream_steps(server: CoreServer, address_file: str | None = None) -> list[di
 
 
 def test_a_follower_link_tells_a_dead_follower_from_a_live_one():
-    """The kernel closes a dead process's sockets (SIGKILL too): closing the far end stands for that."""
+    """The kernel closes a dead process's sockets (SIGKILL too): closing the far end stands for that.
+    A link names its rank first; a connection that names none is told apart (rank 0 drops it)."""
     with socket.create_server(("127.0.0.1", 0)) as server:
+        for says, rank in ((b"1\n", 1), (b"", -1)):
+            with socket.create_connection(server.getsockname()) as far:
+                far.sendall(says)
+                far.shutdown(socket.SHUT_WR)
+                with server.accept()[0] as near:
+                    assert _hello(near) == rank
         for far_end_ends in (lambda far: far.close(), lambda far: far.shutdown(socket.SHUT_WR)):
             far = socket.create_connection(server.getsockname())
             link = FollowerLink(server.accept()[0])
