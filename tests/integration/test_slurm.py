@@ -260,14 +260,15 @@ def test_bad_cluster_config_fails_before_submitting(tmp_path, small_partition, o
 
 
 def _task_pids(job_id: str, rank: int) -> list[int]:
-    """Processes of one task of a job step: those whose environment says this job and this rank."""
+    """Processes of one task of a job step: those whose environment says this job and this rank, and
+    a step (the batch script and its srun say SLURM_PROCID=0 too, but no step)."""
     want, pids = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}, []
     for proc in Path("/proc").iterdir():
         try:
             env = set((proc / "environ").read_bytes().split(b"\0"))
         except (OSError, ValueError):
             continue
-        if proc.name.isdigit() and want <= env:
+        if proc.name.isdigit() and want <= env and any(v.startswith(b"SLURM_STEP_ID=") for v in env):
             pids.append(int(proc.name))
     return pids
 
