@@ -5,7 +5,8 @@
       component k+1, rank 0: waits for its CellSpec ─ binds its own node ─ writes the group's rendezvous
                              ─ CellLeader (trainer rank 0) ─connect─> CellReady
       component k+1, ranks > 0 (cell_nodes x ranks_per_node tasks in all, srun-placed): wait for the
-                             spec and the rendezvous ─ follow rank 0 (gyre.train.ranks.follow)
+                             spec and the rendezvous ─ bind their own node ─ follow rank 0
+                             (gyre.train.ranks.follow), each linked to it: either one's death ends the cell
 
 The leaders are started by Slurm together with the coordinator, so `SlurmCell.start` hands a
 leader its spec through the job directory (shared file system, like submitit's own pickles): the
@@ -129,10 +130,10 @@ def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | Non
                 f"cell {cell}: its component runs {placement.group_tasks} tasks, its spec has {spec.ranks} ranks "
                 "(cluster.cell_nodes or cluster.ranks_per_node changed after submission?)"
             )
+        host = node_address(placement, bind_host)  # this task's node: every rank binds its own
         if rank > 0:
-            _follow(job_dir, placement, spec, node_address(placement, bind_host), timeout_s)
+            _follow(job_dir, placement, spec, host, timeout_s)
             return
-        host = node_address(placement, bind_host)
         _run_leader(
             job_dir, placement, dataclasses.replace(spec, host=host, engine=dataclasses.replace(spec.engine, host=host))
         )
