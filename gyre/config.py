@@ -106,23 +106,12 @@ class GyreConfig:
             )
 
     def _check_ranks(self) -> None:
-        """A cell of several ranks: what is built (local cells, every one of the same layout; on Slurm a
-        core training alone) and its layout."""
+        """A cell of several ranks: every cell has the same layout, tensor parallel then data parallel."""
         ranks, tp = self.cluster.ranks_per_cell, self.trainer.tensor_parallel_size
         require(
             ranks % tp == 0,
             "trainer.tensor_parallel_size",
             f"{tp} does not divide cluster.ranks_per_cell={ranks} (the rest of the ranks are data parallel)",
-        )
-        if ranks == 1:
-            return
-        require(
-            self.cluster.backend == "local" or self.cluster.num_cells == 1,
-            "cluster.cell_nodes",
-            f"{ranks} ranks per cell with {self.cluster.num_cells} cells on Slurm: satellites of several ranks "
-            f"are built for backend=local only, so scheduler={self.scheduler.mode} cannot run with them here; a "
-            "multi-rank core trains alone (cluster.num_cells=1 with mode=replay or scheduler=colocate), else use "
-            "one rank per cell (cell_nodes=1 and ranks_per_node=1)",
         )
 
 

@@ -89,7 +89,8 @@ class CellLeader:
 
             self.followers = start_followers(spec.ranks, spec.host, spec.model, spec.trainer, spec.seed, spec.run_dir)
         self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
-        self.ranks = CellRanks(self.trainer, self.followers, self._rank_lost)
+        link_host = spec.host if spec.followers_placed else None  # srun's tasks: not this process's children
+        self.ranks = CellRanks(self.trainer, self.followers, self._rank_lost, link_host=link_host)
         self.endpoint = TransferEndpoint(spec.host)
         self.role = Role(spec.role)
         self.weights: PublishedWeights | None = None

@@ -5,7 +5,8 @@
       component k+1, rank 0: waits for its CellSpec ─ binds its own node ─ writes the group's rendezvous
                              ─ CellLeader (trainer rank 0) ─connect─> CellReady
       component k+1, ranks > 0 (cell_nodes x ranks_per_node tasks in all, srun-placed): wait for the
-                             spec and the rendezvous ─ follow rank 0 (gyre.train.ranks.follow)
+                             spec and the rendezvous ─ bind their own node ─ follow rank 0
+                             (gyre.train.ranks.follow), each linked to it: either one's death ends the cell
 
 The leaders are started by Slurm together with the coordinator, so `SlurmCell.start` hands a
 leader its spec through the job directory (shared file system, like submitit's own pickles): the
@@ -129,10 +130,10 @@ def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | Non
                 f"cell {cell}: its component runs {placement.group_tasks} tasks, its spec has {spec.ranks} ranks "
                 "(cluster.cell_nodes or cluster.ranks_per_node changed after submission?)"
             )
+        host = node_address(placement, bind_host)  # this task's node: every rank binds its own
         if rank > 0:
-            _follow(job_dir, placement, spec, timeout_s)
+            _follow(job_dir, placement, spec, host, timeout_s)
             return
-        host = node_address(placement, bind_host)
         _run_leader(
             job_dir, placement, dataclasses.replace(spec, host=host, engine=dataclasses.replace(spec.engine, host=host))
         )
@@ -172,16 +173,18 @@ def _run_leader(job_dir: Path, placement: SlurmPlacement, spec: CellSpec) -> Non
     CellLeader(spec).run()
 
 
-def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, timeout_s: float) -> None:
-    """Rank `group_rank` of the cell: join rank 0's group and run what it announces until it stops."""
+def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, host: str, timeout_s: float) -> None:
+    """Rank `group_rank` of the cell: join rank 0's group and run what it announces until it stops;
+    its Mooncake endpoint binds `host`, its own node's address (rank 0 may be on another node)."""
     from gyre.train.ranks import run_follower
 
     cell, restart, rank = spec.index, placement.restart_count, placement.group_rank
     group = json.loads(_wait_for("rendezvous", group_path(job_dir, cell, restart), job_dir, restart, timeout_s))
     os.environ.update(group | {"RANK": str(rank)})
-    log.warning("cell %d: rank %d of %d on %s, restart %d", cell, rank, spec.ranks, placement.node, restart)
-    done = run_follower(spec.model, spec.trainer, spec.seed)
-    record = {"rank": rank, "num_ranks": spec.ranks, "node": placement.node, "num_ops": sum(done.values())}
+    log.warning("cell %d: rank %d of %d on %s (%s), restart %d", cell, rank, spec.ranks, placement.node, host, restart)
+    done = run_follower(spec.model, spec.trainer, spec.seed, host)
+    record = {"rank": rank, "num_ranks": spec.ranks, "node": placement.node, "host": host}
+    record |= {"ops": dict(done), "num_ops": sum(done.values())}
     write_private_file(rank_path(job_dir, cell, restart, rank), json.dumps(record))
 
 

@@ -15,17 +15,22 @@ megatron-core's pipeline schedules, so a cell's layouts are tensor parallel
 (`trainer.tensor_parallel_size`) and data parallel (the remaining ranks).
 
 A dead rank is found by processes, not by collectives (whose timeout, torch's default 30 min, a
-long micro-step must not hit): followers die with rank 0 (PR_SET_PDEATHSIG), and rank 0 watches its
-followers and calls `on_lost` when one exits (the leader then exits: the cell is lost). A follower
+long micro-step must not hit): rank 0 watches its followers and calls `on_lost` when one exits (the
+leader then exits: the cell is lost). Spawned followers are rank 0's children: it polls them, and
+they die with it (PR_SET_PDEATHSIG). Followers that srun placed (on other nodes) are nobody's
+children, so each opens a TCP link to rank 0 once the group is up (`link_host`): the kernel closes
+it when either process dies, SIGKILL included, and TCP keepalive ends it when a node goes away, so
+either side learns of the other's death within a poll, not at the next collective. A follower
 waits for the next announcement inside a collective, so rank 0 pings an idle cell well within that
-timeout. Not built yet (issue 27): followers that are not rank 0's children (Slurm), which nobody
-watches yet, and engines on a Slurm cell's other nodes (gyre.cells.serving).
+timeout. Not built yet (issue 27): engines on a Slurm cell's other nodes (gyre.cells.serving).
 """
 
 import argparse
 import dataclasses
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -59,6 +64,28 @@ def _ping(state: RankState) -> None:
     """Nothing: keeps an idle follower's wait for the next announcement short of the group's timeout."""
 
 
+def _link(state: RankState, host: str, port: int) -> None:
+    """A follower opens its link to rank 0 (`CellRanks(link_host=...)`, which accepts instead) and
+    exits if rank 0 dies (the link closes without rank 0's goodbye)."""
+    if dist.get_rank() == 0:
+        return
+    state.link = socket.create_connection((host, port), timeout=LINK_TIMEOUT_S)
+    state.link.sendall(f"{dist.get_rank()}\n".encode())
+    state.link.settimeout(None)
+    threading.Thread(target=_exit_with_rank0, args=(state.link,), daemon=True, name="rank0-link").start()
+
+
+def _exit_with_rank0(link: socket.socket) -> None:
+    try:
+        goodbye = link.recv(1)
+    except OSError:
+        goodbye = b""
+    if not goodbye:
+        logging.getLogger(__name__).error("rank %d: rank 0's link closed; it died, so does this rank", dist.get_rank())
+        logging.shutdown()
+        os._exit(1)
+
+
 OPS = {
     "load_engine_dir": _load_engine_dir,
     "logprobs": lambda state, batch: state.trainer.logprobs(batch),
@@ -66,12 +93,57 @@ OPS = {
     "save": _save,
     "load_latest": _load_latest,
     "ping": _ping,
+    "link": _link,
 } | SHARD_OPS
 """What rank 0 may ask of every rank: name -> function(RankState, *args)."""
 
 KEEPALIVE_S = 60.0
 """An idle cell's rank 0 pings its followers this often: far under the group's timeout (torch's
 default, 30 min), which a follower waiting for the next announcement would otherwise run into."""
+
+LINK_TIMEOUT_S = 60.0
+"""How long rank 0 waits for its followers' links (they connect as soon as the announcement reaches them)."""
+LINK_HELLO_S = 10.0
+"""A follower names its rank as soon as it connects."""
+
+
+def _hello(sock: socket.socket) -> int:
+    """The rank a new link names (-1: none within LINK_HELLO_S)."""
+    sock.settimeout(LINK_HELLO_S)
+    try:
+        with sock.makefile("rb") as hello:
+            return int(hello.readline())
+    except (OSError, ValueError):
+        return -1
+
+
+class FollowerLink:
+    """A follower that is not this process's child, seen through the TCP link it opened to rank 0.
+    `poll` mirrors `Popen.poll`: None while the follower lives, else why it is taken for dead."""
+
+    def __init__(self, sock: socket.socket):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a node gone: ~11 s (5 + 3 x 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setblocking(False)
+        self.sock = sock
+
+    def poll(self) -> str | None:
+        try:
+            alive = self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            return f"unknown (its link to rank 0 failed: {e})"
+        return None if alive else "unknown (its link to rank 0 closed)"
+
+    def goodbye(self) -> None:
+        """Rank 0 is done with the follower: its link closing from now on is no death."""
+        try:
+            self.sock.send(b".")  # one byte into an idle socket's empty buffer: never blocks
+        except OSError:
+            pass  # the follower is gone already
 
 
 class CellRanks:
@@ -81,6 +153,8 @@ class CellRanks:
         followers: ranks 1.. as child processes (`start_followers`): watched, and if one exits
             before `stop`, `on_lost(rank, exit code)` is called (from the watching thread): any rank
             lost is the cell lost.
+        link_host: followers that are not children (srun-placed): each links to rank 0 on this
+            address (`FollowerLink`), and is watched through it like a child.
         keepalive_s: ping idle followers this often.
     """
 
@@ -90,6 +164,7 @@ class CellRanks:
         followers: list[subprocess.Popen] = (),
         on_lost=None,
         keepalive_s: float = KEEPALIVE_S,
+        link_host: str | None = None,
     ):
         self.state = RankState(trainer)
         """This rank's trainer, endpoint and buffers (gyre/train/shard.py)."""
@@ -99,10 +174,13 @@ class CellRanks:
         self._stopped = threading.Event()
         if dist.get_rank() != 0:
             raise RuntimeError(f"CellRanks drives from rank 0; rank {dist.get_rank()} must follow()")
+        linked = link_host is not None and self.num_ranks > 1
+        self._links = self._accept_links(link_host) if linked else {}
+        self._watched = dict(enumerate(followers, start=1)) | self._links
         if self.num_ranks > 1:
             threading.Thread(target=self._keepalive, args=(keepalive_s,), daemon=True, name="ranks-ping").start()
-        if followers:
-            threading.Thread(target=self._watch, args=(list(followers), on_lost), daemon=True, name="ranks").start()
+        if self._watched:
+            threading.Thread(target=self._watch, args=(on_lost,), daemon=True, name="ranks").start()
 
     @property
     def trainer(self) -> Trainer:
@@ -131,11 +209,29 @@ class CellRanks:
                 finally:
                     self._order.release()
 
-    def _watch(self, followers: list[subprocess.Popen], on_lost) -> None:
+    def _accept_links(self, host: str) -> dict[int, FollowerLink]:
+        """Announce `link` and take every follower's link: {rank: FollowerLink}. A connection that
+        does not name a follower rank at once (something else that found the port) is dropped."""
+        with socket.create_server((host, 0)) as server:
+            server.settimeout(LINK_TIMEOUT_S)
+            self.call("link", host, server.getsockname()[1])
+            links = {}
+            while len(links) < self.num_ranks - 1:
+                sock, peer = server.accept()
+                rank = _hello(sock)
+                if rank in links or not 0 < rank < self.num_ranks:
+                    logging.getLogger(__name__).warning("link from %s dropped: rank %d is no follower's", peer, rank)
+                    sock.close()
+                    continue
+                links[rank] = FollowerLink(sock)
+        return links
+
+    def _watch(self, on_lost) -> None:
         while not self._stopped.wait(0.2):
-            for rank, proc in enumerate(followers, start=1):
-                if proc.poll() is not None and not self._stopped.is_set():
-                    on_lost(rank, proc.returncode)
+            for rank, follower in self._watched.items():
+                code = follower.poll()
+                if code is not None and not self._stopped.is_set():
+                    on_lost(rank, code)
                     return
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -146,14 +242,17 @@ class CellRanks:
                 if not self._stopped.is_set():
                     self._stopped.set()
                     dist.broadcast_object_list([None], src=0)
+                    for link in self._links.values():
+                        link.goodbye()
             finally:
                 self._order.release()
         self._stopped.set()
 
 
-def follow(trainer: Trainer) -> Counter:
-    """On ranks 1..n-1: run what rank 0 announces until it stops; returns how often each op ran."""
-    state, done = RankState(trainer), Counter()
+def follow(trainer: Trainer, host: str | None = None) -> Counter:
+    """On ranks 1..n-1: run what rank 0 announces until it stops; returns how often each op ran.
+    `host`: this rank's own address for its Mooncake endpoint (None: rank 0's, the same machine)."""
+    state, done = RankState(trainer, host), Counter()
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -197,13 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_follower(model: ModelConfig, cfg: TrainerConfig, seed: int) -> Counter:
+def run_follower(model: ModelConfig, cfg: TrainerConfig, seed: int, host: str | None = None) -> Counter:
     """Be one follower rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT set) until rank 0 stops; returns how
-    often each operation ran. A spawned rank (`main`) and a Slurm task (gyre.cells.slurm) both come here."""
+    often each operation ran. A spawned rank (`main`) and a Slurm task (gyre.cells.slurm, with its
+    node's `host`) both come here."""
     import torch
 
     torch.set_num_threads(1)
-    done = follow(Trainer(model, cfg, seed))
+    done = follow(Trainer(model, cfg, seed), host)
     dist.destroy_process_group()
     return done
 

@@ -15,6 +15,7 @@ rank adds it in index order: the sum is bit for bit the one `Trainer.fold` makes
 """
 
 import hashlib
+import socket
 import time
 from dataclasses import dataclass
 
@@ -30,6 +31,9 @@ class RankState:
     """What one rank of a cell holds besides its trainer (filled in by the ops below)."""
 
     trainer: Trainer
+    host: str | None = None
+    """This rank's own address for its Mooncake endpoint (a follower on a node of its own, placed by
+    Slurm); None: the address rank 0 announces with the op (a follower on rank 0's machine)."""
     endpoint: TransferEndpoint | None = None
     slots: torch.Tensor | None = None
     """[K, N_r] the core's gradient slots on this rank."""
@@ -37,6 +41,8 @@ class RankState:
     """[N_r] the core's sum of the open step's folded micro-steps on this rank."""
     peer: tuple[str, int, int] | None = None
     """A satellite rank's core peer: (Mooncake session, weights address, slots address)."""
+    link: socket.socket | None = None
+    """A follower's TCP link to rank 0 (gyre/train/ranks.py `_link`), open while this process lives."""
 
 
 def _dp() -> tuple[int, int, object]:
@@ -57,8 +63,9 @@ def _gather(item) -> list:
 
 
 def _endpoint(state: RankState, host: str) -> TransferEndpoint:
+    """This rank's endpoint, bound to its own node's address (`state.host`), else to rank 0's `host`."""
     if state.endpoint is None:
-        state.endpoint = TransferEndpoint(host)
+        state.endpoint = TransferEndpoint(state.host or host)
     return state.endpoint
 
 

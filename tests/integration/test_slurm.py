@@ -13,15 +13,24 @@ import pytest
 import submitit
 
 from gyre.cells.placement import current_placement
+from gyre.cells.slurm import rank_path
 from gyre.coordinator.ledger import read_ledger
 from gyre.launch.config import ClusterConfig
 from gyre.launch.slurm import make_cell_components, make_hetjob_executor
-from tests.integration.test_coordinator import OVERRIDES, ROOT, _events, _finish, _gyre_train, _taskset
+from tests.integration.test_coordinator import (
+    OVERRIDES,
+    ROOT,
+    _checkpointed,
+    _events,
+    _finish,
+    _gyre_train,
+    _taskset,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 
-# On the dev cluster: a coordinator node + 3 cells of one fake node (satellites of several ranks
-# are not built), each node asking for little, so CI jobs of the main checkout can share the cluster.
+# On the dev cluster: a coordinator node + 3 cells of one fake node, each node asking for little, so
+# CI jobs of the main checkout can share the cluster.
 DEV = [
     "cluster.backend=slurm",
     "cluster.num_cells=3",
@@ -105,12 +114,50 @@ def _check_ledger(run_dir: Path, num_steps: int) -> Counter:
     return trained
 
 
-def _wait_for(what: str, proc: subprocess.Popen, condition, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+def _wait_for(what: str, proc: subprocess.Popen, run_dir: Path, condition, timeout_s: float) -> None:
+    deadline, coordinator = time.monotonic() + timeout_s, _CoordinatorWatch(run_dir)
     while not condition():
         assert proc.poll() is None, f"gyre-train ended waiting for {what}: {proc.stdout.read()[-4000:]}"
         assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        coordinator.check()
         time.sleep(0.1)
+
+
+def _finish_watching(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> dict:
+    """`_finish`, failing fast if the run's coordinator dies first (see `_CoordinatorWatch`)."""
+    deadline, coordinator = time.monotonic() + timeout_s, _CoordinatorWatch(run_dir)
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, f"the run did not end within {timeout_s} s"
+        coordinator.check()
+        time.sleep(0.5)
+    return _finish(proc, timeout_s=10)
+
+
+class _CoordinatorWatch:
+    """A coordinator that dies (a segfault) leaves its cells' tasks waiting, so the job, and
+    gyre-train with it, would run on to the job's time limit: once the coordinator's task (the
+    step's task 0, seen running before) has been gone for `grace_s` while gyre-train still waits,
+    cancel the job and fail with the coordinator's log. Looks every `every_s` (it reads /proc)."""
+
+    def __init__(self, run_dir: Path, grace_s: float = 120.0, every_s: float = 2.0):
+        self.job_file, self.grace_s, self.every_s = run_dir / "slurm" / "job.json", grace_s, every_s
+        self.seen, self.gone_since, self.next_t = False, None, 0.0
+
+    def check(self) -> None:
+        if time.monotonic() < self.next_t or not self.job_file.exists():
+            return
+        self.next_t = time.monotonic() + self.every_s
+        job_id = json.loads(self.job_file.read_text())["job_id"]
+        if _task_pids(job_id, 0):
+            self.seen, self.gone_since = True, None
+            return
+        if not self.seen:  # the job is still pending
+            return
+        self.gone_since = self.gone_since or time.monotonic()
+        if time.monotonic() - self.gone_since > self.grace_s:
+            subprocess.run(["scancel", job_id], check=False)
+            logs = "".join(p.read_text()[-3000:] for p in sorted(self.job_file.parent.glob(f"{job_id}_0_log.*")))
+            pytest.fail(f"job {job_id}'s coordinator task ended {self.grace_s:.0f} s ago, its cells still run:\n{logs}")
 
 
 @pytest.mark.timeout(1500)
@@ -124,6 +171,7 @@ def test_usr2_mid_step_checkpoints_requeues_and_resumes_a_core_of_two_ranks_to_t
     _wait_for(
         "step-1 checkpoint",
         proc,
+        run_dir,
         lambda: (run_dir / "events.jsonl").exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint")),
         900,
     )
@@ -212,44 +260,108 @@ def test_bad_cluster_config_fails_before_submitting(tmp_path, small_partition, o
 
 
 def _task_pids(job_id: str, rank: int) -> list[int]:
-    """Processes of one task of a job step: those whose environment says this job and this rank."""
+    """Processes of one task of a job step: those whose environment says this job and this rank, and
+    a step (the batch script and its srun say SLURM_PROCID=0 too, but no step)."""
     want, pids = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={rank}".encode()}, []
     for proc in Path("/proc").iterdir():
         try:
             env = set((proc / "environ").read_bytes().split(b"\0"))
         except (OSError, ValueError):
             continue
-        if proc.name.isdigit() and want <= env:
+        if proc.name.isdigit() and want <= env and any(v.startswith(b"SLURM_STEP_ID=") for v in env):
             pids.append(int(proc.name))
     return pids
 
 
-@pytest.mark.timeout(1200)
-def test_a_killed_satellite_is_lost_and_the_run_finishes_on_the_other_cells(tmp_path):
-    """Over TCP control, the default (MPI's Accept still crashes MPICH now and then: docs/slurm.md):
-    the coordinator finds the cell dead by its channel or by its engine refusing the next weight push."""
-    run_dir = tmp_path / "run"
-    proc = _gyre_train(run_dir, _taskset(tmp_path), "num_steps=3", *DEV)
+BOTH_SATELLITES_TRAIN = [
+    "coordinator.groups_per_step=6",  # a micro-step per group: work for every data-parallel rank
+    "scheduler.staleness=0",  # nothing to serve once a step's batch is ready: both satellites may leave
+    "scheduler.gain_factor=1",
+    "scheduler.rollout_to_train_s=1",
+    "scheduler.train_to_rollout_s=1",
+    "scheduler.min_dwell_s=0",
+]
+"""Elastic, but every satellite may leave rollout once a step's batch is ready (the default keeps one
+serving). Not certain: in 3 of 5 runs at load 12-29 one satellite left first and trained on while
+the other served, so only one satellite computed (the Done-when's every cell is not met then)."""
+
+
+def _ranks_computing(run_dir: Path, cell: int) -> set[int]:
+    """The ranks of `cell` whose micro-steps are in the run's events."""
+    return {e["rank"] for e in _events(run_dir, "micro_step") if e["cell"] == cell}
+
+
+@pytest.mark.timeout(1500)
+def test_three_cells_of_two_nodes_train_on_every_rank_of_the_core_and_a_satellite_lose_it_and_replay_alike(tmp_path):
+    """Cells of several ranks on Slurm (issue 27): 3 cells x 2 nodes, a task (a rank) per node,
+    elastic, TCP control (the default: MPI's Accept still crashes MPICH now and then,
+    docs/slurm.md). Every rank of the core and of the first satellite that trains computes
+    micro-steps. SIGKILL of that satellite's rank 1 (an srun task on its second node, nobody's
+    child) loses the cell within seconds, through its link to rank 0, and the run finishes on the
+    others. Its records, replayed locally by one core of 2 ranks, train weights within 1e-6."""
+    run_dir, tasks = tmp_path / "run", _taskset(tmp_path, ("apple", "river"))
+    proc = _gyre_train(run_dir, tasks, "num_steps=3", *DEV, "cluster.cell_nodes=2", *BOTH_SATELLITES_TRAIN)
     _wait_for(
-        "step-1 checkpoint",
+        "the step-1 checkpoint and micro-steps of both ranks of a satellite",
         proc,
-        lambda: (run_dir / "events.jsonl").exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint")),
-        900,
+        run_dir,
+        lambda: _checkpointed(run_dir, 1) and any(_ranks_computing(run_dir, c) == {0, 1} for c in (1, 2)),
+        1200,
     )
+    victim = next(c for c in (1, 2) if _ranks_computing(run_dir, c) == {0, 1})
     job_id = json.loads((run_dir / "slurm" / "job.json").read_text())["job_id"]
-    rank = 1 + 2 * 1  # cell 2's leader: the first task of component 3 (1 coordinator task, 1 per cell)
-    pids = _task_pids(job_id, rank)
-    assert len(pids) >= 2, "the leader and its engine"
+    pids = _task_pids(job_id, 2 * victim + 2)  # its rank 1 (1 coordinator task, then 2 tasks per cell)
+    assert pids, f"cell {victim}'s rank 1"
+    killed_t = time.time()
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
 
-    summary = _finish(proc, timeout_s=1100)
-    assert summary["num_steps"] == 3
-    lost = [e for e in _events(run_dir, "failure") if e["component"] == "cell2"]
-    assert len(lost) == 1 and "lost" in lost[0]["message"]  # by its channel's EOF, or its engine's weight push
-    assert not [e for e in _events(run_dir, "failure") if e["component"] != "cell2"]
+    summary = _finish_watching(proc, run_dir, timeout_s=1100)
+    assert summary["num_steps"] == 3 and summary["cell_ranks"] == 2
+    lost = [e for e in _events(run_dir, "failure") if e["component"] == f"cell{victim}"]
+    assert len(lost) == 1 and "lost" in lost[0]["message"], lost
+    assert lost[0]["t"] - killed_t < 30, "found by its link, not at the next collective"
+    assert not [e for e in _events(run_dir, "failure") if e["component"] != f"cell{victim}"]
     _check_ledger(run_dir, 3)
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
+    assert _ranks_computing(run_dir, 0) == {0, 1}
+    assert victim in {e["cell"] for e in _events(run_dir, "role_switch") if e["to_role"] == "train"}
+    other = 3 - victim  # the surviving satellite: its rank 1 followed to the end, on a node of its own
+    core, satellite = (json.loads(rank_path(run_dir / "slurm", cell, 0, 1).read_text()) for cell in (0, other))
+    assert core["ops"]["core_apply"] == 3 and core["host"] == "127.0.0.1"  # the dev cluster's nodes' address
+    assert satellite["ops"]["link"] == 1 and core["node"] != satellite["node"]
+    print(f"satellite rank SIGKILLed to its cell lost: {lost[0]['t'] - killed_t:.1f} s")
+
+    # Replayed locally (cheaper than a second het job) by one core of 2 data-parallel ranks.
+    replay = tmp_path / "replay"
+    records = [f"records={run_dir / 'records'}", "mode=replay", "cluster.num_cells=1", "cluster.ranks_per_cell=2"]
+    replayed = _finish(_gyre_train(replay, tasks, "num_steps=3", *records, *BOTH_SATELLITES_TRAIN))
+    assert replayed["cell_ranks"] == 2
+    gaps = _weight_gaps(run_dir, replay)
+    print(f"run against its replay, largest weight difference per checkpoint: {gaps}")
+    assert sorted(gaps) == [1, 2, 3] and max(gaps.values()) <= 1e-6
+
+
+def _weight_gaps(run_a: Path, run_b: Path) -> dict[int, float]:
+    """Step -> the largest difference of any weight between the two runs' checkpoints of it (the
+    fold adds micro-steps in index order, but a live step indexes them as they come: the sums may
+    round apart)."""
+    from omegaconf import OmegaConf
+
+    from gyre.config import GyreConfig, validate
+    from gyre.train.checkpoint import CheckpointManager, list_checkpoints
+    from gyre.train.trainer import Trainer
+
+    saved = OmegaConf.load(run_b / ".hydra" / "config.yaml")  # the run's model and trainer, run locally
+    cfg = validate(OmegaConf.merge(OmegaConf.structured(GyreConfig), saved))
+    trainer = Trainer(cfg.model, cfg.trainer)
+
+    def weights(path: Path):
+        CheckpointManager(path.parent, keep_last=1).load(trainer, path)
+        return trainer.flat.weights.detach().clone()
+
+    a, b = dict(list_checkpoints(run_a / "checkpoints")), dict(list_checkpoints(run_b / "checkpoints"))
+    return {step: float((weights(a[step]) - weights(b[step])).abs().max()) for step in sorted(a.keys() & b.keys())}
 
 
 def _check_het_job(run_dir: Path, summary: dict) -> None:

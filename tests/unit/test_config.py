@@ -25,7 +25,7 @@ def compose(*overrides: str):
     "overrides",
     [
         pytest.param((), id="defaults"),
-        pytest.param(("cluster=slurm", "cluster.cell_nodes=1"), id="slurm-cluster-of-one-node-cells"),
+        pytest.param(("cluster=slurm",), id="slurm-preset-of-48-node-cells"),
         pytest.param(("scheduler=async",), id="async"),
         pytest.param(("scheduler=colocate", "scheduler.staleness=0"), id="colocate-on-policy"),
         pytest.param(("+experiment=smoke",), id="smoke-preset"),
@@ -70,7 +70,6 @@ def test_bad_values_name_their_key(override, key):
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        pytest.param(("cluster=slurm",), "cluster.cell_nodes", id="slurm-satellites-of-48-ranks"),
         pytest.param(("cluster.ranks_per_node=2",), "cluster.ranks_per_node", id="ranks-per-node-locally"),
         pytest.param(("trainer.tensor_parallel_size=2",), "trainer.tensor_parallel_size", id="tp-over-one-rank"),
         pytest.param(("cluster.ranks_per_cell=0",), "cluster.ranks_per_cell", id="no-ranks"),
@@ -85,8 +84,8 @@ def test_cells_of_several_ranks_are_refused_where_they_are_not_built(overrides, 
     assert validate(compose(*alone)).cluster.ranks_per_cell == 2  # a core training alone is built
     assert validate(compose("cluster.ranks_per_cell=2")).cluster.num_cells >= 2  # and local satellites of 2 ranks
     assert validate(compose("cluster.ranks_per_cell=2", "cluster.cell_nodes=2")).cluster.cell_nodes == 2  # 2 engines
-    slurm = ("cluster=slurm", "cluster.num_cells=1", "scheduler=colocate", "cluster.cell_nodes=2")
-    assert validate(compose(*slurm, "cluster.ranks_per_node=2")).cluster.ranks_per_cell == 4  # and on Slurm
+    slurm = validate(compose("cluster=slurm", "cluster.cell_nodes=2", "cluster.ranks_per_node=2"))
+    assert slurm.cluster.ranks_per_cell == 4 and slurm.cluster.num_cells == 4  # and satellites of 4 ranks on Slurm
 
 
 def test_local_cells_leave_cpu_to_the_processes_outside_them():

@@ -14,8 +14,10 @@ Under data parallel, Adam's state is sharded over the replicas (ZeRO stage 1) an
 
 import hashlib
 import json
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from gyre.models.config import ModelConfig
 from gyre.train.checkpoint import CheckpointManager
 from gyre.train.config import TrainerConfig
 from gyre.train.elastic import CoreServer
+from gyre.train.ranks import FollowerLink, _hello
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 
@@ -105,9 +108,10 @@ def main(tp, address_file, out):
     torch.set_num_threads(1)
     tr = Trainer(MODEL, replace(CFG, tensor_parallel_size=int(tp)), seed=3)
     if torch.distributed.get_rank():
-        json.dump(follow(tr), open(out + ".rank1", "w"))
+        json.dump(follow(tr, "127.0.0.1"), open(out + ".rank1", "w"))  # its own endpoint's address
     else:
-        ranks = CellRanks(tr, keepalive_s=0.1)
+        lost = []  # rank 1 is not this process's child (as on Slurm): watched through its link
+        ranks = CellRanks(tr, on_lost=lambda *why: lost.append(why), keepalive_s=0.1, link_host="127.0.0.1")
         time.sleep(1.0)  # idle: rank 1 waits in a collective, pinged
         while not os.path.exists(address_file):
             time.sleep(0.05)
@@ -116,7 +120,7 @@ def main(tp, address_file, out):
         sat.close()
         ranks.stop()
         pulls = {"pull_s": sat.pull_seconds, "rank_pull_s": sat.rank_pull_seconds}
-        json.dump({"computed": computed, **pulls}, open(out, "w"))
+        json.dump({"computed": computed, **pulls, "lost": lost}, open(out, "w"))
     torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
@@ -140,6 +144,27 @@ def stream_steps(server: CoreServer, address_file: str | None = None) -> list[di
         server.end_step()
         out.append(server.run_step())
     return out
+
+
+def test_a_follower_link_tells_a_dead_follower_from_a_live_one():
+    """The kernel closes a dead process's sockets (SIGKILL too): closing the far end stands for that.
+    A link names its rank first; a connection that names none is told apart (rank 0 drops it)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        for says, rank in ((b"1\n", 1), (b"", -1)):
+            with socket.create_connection(server.getsockname()) as far:
+                far.sendall(says)
+                far.shutdown(socket.SHUT_WR)
+                with server.accept()[0] as near:
+                    assert _hello(near) == rank
+        for far_end_ends in (lambda far: far.close(), lambda far: far.shutdown(socket.SHUT_WR)):
+            far = socket.create_connection(server.getsockname())
+            link = FollowerLink(server.accept()[0])
+            assert link.poll() is None  # alive: nothing to read, no EOF
+            far_end_ends(far)
+            time.sleep(0.1)  # the FIN crosses loopback
+            assert link.poll() == "unknown (its link to rank 0 closed)"
+            link.sock.close()
+            far.close()
 
 
 def _digest(weights: torch.Tensor) -> str:
@@ -197,8 +222,10 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
     pulled = json.load(open(sat_out))
     assert len(pulled["pull_s"]) == 1  # one version pulled, all ranks at once, as slow as its slowest rank
     assert len(pulled["rank_pull_s"]) == 2 and max(pulled["rank_pull_s"]) == pulled["pull_s"][0]
+    assert pulled["lost"] == []  # its link closing after `stop` is no loss
     follower = json.load(open(sat_out + ".rank1"))
     assert follower["satellite_pull"] == 1 and follower["satellite_compute"] >= 2 and follower["ping"] >= 1
+    assert follower["link"] == 1
     for m1, m2 in zip(metrics, got["metrics"]):
         assert [t[0] for t in m2["microsteps"]] == [t[0] for t in m1["microsteps"]]  # ids, in order
     if tp == 1:
