@@ -53,6 +53,7 @@ class CheckpointManager:
         """
         from megatron.core import dist_checkpointing
 
+        _writer_queue_dies_with_us()
         rank0 = dist.get_rank() == 0
         final = self.root / f"step_{trainer.step:08d}"
         tmp = self.root / f".tmp-{final.name}"
@@ -132,6 +133,23 @@ class CheckpointManager:
             "optimizer_step": steps.pop() if steps else 0.0,
             "rng": torch.get_rng_state(),
         }
+
+
+def _writer_queue_dies_with_us() -> None:
+    """megatron's checkpoint writer keeps its results queue in a spawned Manager process for the life
+    of the saving process, and nothing stops that Manager when the process dies at once (SIGKILL, a
+    lost rank's os._exit): each such death left one orphan of ~300 MB. Start it here, bound to us."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from gyre.common.serve import die_with_parent
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=die_with_parent)
+        filesystem_async._results_queue = manager.Queue()
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -232,6 +232,23 @@ def _running(ledger: Path) -> list[str]:
     return [eid for eid, e in view.entries.items() if e.state == "running"] if view else []
 
 
+def _assert_nothing_left(run_dir: Path, timeout_s: float = 30) -> None:
+    """No process of the run (one writing a log of `run_dir`) outlives it by more than `timeout_s`."""
+    logs, deadline = str(run_dir / "logs"), time.monotonic() + timeout_s
+    while True:
+        left = []
+        for fd in Path("/proc").glob("[0-9]*/fd/[12]"):
+            try:
+                if os.readlink(fd).startswith(logs):
+                    left.append((fd.parts[2], (fd.parent.parent / "cmdline").read_bytes()[:200]))
+            except OSError:  # gone meanwhile
+                continue
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, left
+
+
 def _rank1_pid(run_dir: Path, cell: int) -> int:
     """Rank 1 of local cell `cell`: the `gyre.train.ranks` child of its leader."""
     (pid,) = _children(run_dir, cell, b"gyre.train.ranks")
@@ -273,6 +290,7 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
             os.killpg(proc.pid, signal.SIGKILL)  # the coordinator; its children die with it (PR_SET_PDEATHSIG)
     assert proc.returncode != 0 and f"exited with code {RANK_LOST_EXIT}" in out, out[-4000:]
     assert "cell 0: rank 1 exited with code -9" in (run_dir / "logs" / "cell0.log").read_text()
+    _assert_nothing_left(run_dir)  # engines, ranks, megatron's checkpoint queue: gone with their leaders
     _assert_both_engines_switched(run_dir, training)
     before = read_ledger(run_dir / "ledger.jsonl")
     saved = {e["step"]: e["weights_digest"] for e in _events(run_dir, "checkpoint")}
