@@ -2,7 +2,10 @@
 
 The earlier run's ledger says which executions each group had and how each was scored; its
 records directory holds their calls. Groups keep their numbering, so step k trains what step k
-of the earlier run would have. Useful to debug training alone, or to train on collected data.
+of the earlier run would have, and a step's groups are batched in the order the earlier run
+batched them (the order of their `trained` entries), so its micro-steps are summed in the same
+order and the replay's weights equal the run's bit for bit. Useful to debug training alone, or to
+train on collected data.
 """
 
 from pathlib import Path
@@ -29,7 +32,13 @@ class ReplaySource(GroupBook):
             raise ReplayError(f"replay needs the run's ledger beside its records: {ledger_path} does not exist")
         view = read_ledger(ledger_path)
         super().__init__(groups_per_step, cfg.num_steps, ledger, events)
+        self._batched_at: dict[int, float] = {}
+        """group -> when the earlier run recorded it trained (its steps' groups were batched in
+        that order); groups never trained go last, by number."""
         for eid, entries in sorted(view.history.items()):
+            for e in entries:
+                if e.state == "trained":
+                    self._batched_at[e.group] = min(e.t, self._batched_at.get(e.group, e.t))
             done = view.outcome(eid)
             if done is None or done.reason == "interrupted":
                 continue
@@ -50,6 +59,11 @@ class ReplaySource(GroupBook):
         self.groups = {i: g for i, g in self.groups.items() if g.step < complete}
         self.next_group = max(self.groups) + 1
         self.num_steps = min(cfg.num_steps, complete)
+
+    def ready_groups(self) -> list[Group]:
+        """The ready groups in the earlier run's batching order."""
+        inf = float("inf")
+        return sorted(super().ready_groups(), key=lambda g: (g.step, self._batched_at.get(g.index, inf), g.index))
 
     def attach(self, proxy: ProxyAdmin, proxy_url: str) -> None:
         pass
