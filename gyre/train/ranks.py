@@ -9,10 +9,13 @@
 
 A cell's trainer ranks form one torch.distributed group with megatron-core's tensor- and
 data-parallel groups (gyre/train/model.py); every collective must be entered by every rank in the
-same order, so rank 0 announces each operation that contains one before entering it. Pipeline
-parallel is not built and was not tried on CPU: the trainer builds its model and step without
-megatron-core's pipeline schedules, so a cell's layouts are tensor parallel
-(`trainer.tensor_parallel_size`) and data parallel (the remaining ranks).
+same order, so rank 0 announces each operation that contains one before entering it. A cell's
+layouts are tensor parallel (`trainer.tensor_parallel_size`) and data parallel (the remaining
+ranks). Pipeline parallel is not built: the trainer builds its model and step without
+megatron-core's pipeline schedules. On CPU those schedules (megatron-core 0.16.1) fail at a counter
+allocated on the literal device "cuda", which the CPU shim cannot redirect; with that one allocation
+on the CPU, the 1F1B schedule over 2 gloo stages gives the unpipelined model's loss and gradients
+bit for bit (`tools/probe/pp_cpu.py [--patch]`), so CPU is no obstacle to building it.
 
 A dead rank is found by processes, not by collectives (whose timeout, torch's default 30 min, a
 long micro-step must not hit): rank 0 watches its followers and calls `on_lost` when one exits (the
