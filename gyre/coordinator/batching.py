@@ -69,9 +69,15 @@ def mask_stale(sample: TrainingSample, step: int, staleness: int) -> tuple[Train
 
 
 def make_group_batch(
-    executions: list[tuple[Path, Evaluation]], step: int, staleness: int, cfg: TrajectoryConfig, max_tokens: int
+    executions: list[tuple[Path, Evaluation]],
+    step: int,
+    staleness: int,
+    cfg: TrajectoryConfig,
+    max_tokens: int,
+    min_micro_batches: int = 1,
 ) -> GroupBatch:
-    """Process one group's executions (records file, evaluation) for training at `step`."""
+    """Process one group's executions (records file, evaluation) for training at `step`, packed
+    into micro-batches of at most `max_tokens`, at least `min_micro_batches` where it has the samples."""
     pairs, excluded = [], []
     for path, evaluation in executions:
         try:
@@ -96,7 +102,7 @@ def make_group_batch(
     excluded += [(eid, "stale") for eid in dropped if eid not in alive]
     versions = [int(s.path.versions[s.path.target_mask].min()) for s in samples]
     return GroupBatch(
-        micro_batches=make_micro_batches(samples, max_tokens) if samples else [],
+        micro_batches=make_micro_batches(samples, max_tokens, min_micro_batches) if samples else [],
         total_weight=float(sum(s.loss_weights.sum() for s in samples)),
         rewards={eid: r for eid, r in result.rewards.items()},
         excluded=excluded,

@@ -106,6 +106,7 @@ def _training(cfg: GyreConfig, parts: Parts) -> Training:
         version=parts.initial.step,
         train_tok_s=c.train_tok_s,
         weights=parts.initial.weights,
+        replicas=cfg.cluster.ranks_per_cell // cfg.trainer.tensor_parallel_size,
     )
 
 

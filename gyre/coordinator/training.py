@@ -53,10 +53,13 @@ class Training:
         version: int,
         train_tok_s: float,
         weights: PublishedWeights | None = None,
+        replicas: int = 1,
     ):
         self.queue = MicroStepQueue(groups_per_step, staleness)
         self.queue.version = version
         self.staleness, self.trajectory, self.max_tokens = staleness, trajectory, max_tokens
+        self.replicas = replicas
+        """A training cell's data-parallel replicas: each group makes at least this many micro-batches."""
         self.steps: dict[int, StepRecord] = {}
         self.train_tok_s = train_tok_s
         """Training throughput of one cell, tokens/s: the configured guess until a step measures it."""
@@ -85,6 +88,7 @@ class Training:
             self.staleness,
             self.trajectory,
             self.max_tokens,
+            self.replicas,
         )
         group.batched = True
         rec = self._record(group.step)

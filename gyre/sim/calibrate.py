@@ -299,7 +299,8 @@ def make_overrides(run: LiveRun) -> list[str]:
     live coordinator packs a group into as few near-equal micro-batches of at most
     max_micro_batch_tokens as fit (gyre.trajectory.pack), which the simulator's
     `microstep_tokens` models as equal parts of at most that many tokens (whole paths can need a
-    row more).
+    row more; a cell of several data-parallel replicas gets a row per replica at least, which the
+    simulator does not model).
     """
     cfg = run.config
     cells, nodes = cfg["cluster"]["num_cells"], cfg["cluster"]["cell_nodes"]

@@ -38,11 +38,14 @@ def pack(samples: list[TrainingSample]) -> PackedBatch:
     )
 
 
-def make_micro_batches(samples: list[TrainingSample], max_tokens: int) -> list[PackedBatch]:
+def make_micro_batches(samples: list[TrainingSample], max_tokens: int, min_rows: int = 1) -> list[PackedBatch]:
     """Pack samples into rows of at most max_tokens tokens: as few as first fit decreasing needs,
-    filled evenly. Each row is a micro-step that a training cell claims, and a step lasts as long
-    as its busiest cell, so even rows finish together: a toy group of four ~2.4k-token paths under
-    8192 made rows of 7.4k and 2.4k when filled in order, and makes two of 4.9k.
+    but at least `min_rows` where there are that many samples, filled evenly. Each row is a
+    micro-step that a training cell claims, and a step lasts as long as its busiest cell, so even
+    rows finish together: a toy group of four ~2.4k-token paths under 8192 made rows of 7.4k and
+    2.4k when filled in order, and makes two of 4.9k. `min_rows` is a training cell's
+    data-parallel replicas: each computes a micro-step of its own, so a group that arrives alone
+    busies every replica instead of one.
 
     Longest first into the emptiest row; should that overflow a row, the first-fit rows stand.
     Samples keep their order within a row, and rows the order of their first sample.
@@ -58,7 +61,8 @@ def make_micro_batches(samples: list[TrainingSample], max_tokens: int) -> list[P
             )
     longest_first = sorted(range(len(samples)), key=lambda i: -sizes[i])
     rows = _fill(longest_first, sizes, max_tokens, None)
-    rows = _fill(longest_first, sizes, max_tokens, len(rows)) or rows
+    num_rows = max(len(rows), min(min_rows, len(samples)))
+    rows = _fill(longest_first, sizes, max_tokens, num_rows) or rows
     return [pack([samples[i] for i in sorted(r)]) for r in sorted(rows, key=min)]
 
 

@@ -180,9 +180,10 @@ def test_micro_batches_respect_the_token_limit():
         pack([])
 
 
-def test_micro_batches_are_as_few_as_fit_and_even():
+def test_micro_batches_are_as_few_as_fit_and_even_and_one_per_replica_at_least():
     """Four paths of one size under a limit of three: first fit in order makes rows of 3 and 1,
-    which leaves one training cell with three quarters of the group; balanced rows are 2 and 2."""
+    which leaves one training cell with three quarters of the group; balanced rows are 2 and 2.
+    With four data-parallel replicas per cell, a row each."""
 
     def main_only(execution_id):
         ex = SyntheticExecution(execution_id)
@@ -198,6 +199,10 @@ def test_micro_batches_are_as_few_as_fit_and_even():
     assert [b.num_tokens for b in batches] == [2 * sizes[0]] * 2
     assert [b.execution_ids for b in batches] == [("a", "c"), ("b", "d")]  # in order within a row
     assert sum(float(b.loss_weights.sum()) for b in batches) == pytest.approx(4 * 5.0)  # 4 one-path executions
+    # A cell of four data-parallel replicas: a row each, though two rows would fit.
+    batches = make_micro_batches(group.samples, 3 * sizes[0], min_rows=4)
+    assert [b.execution_ids for b in batches] == [("a",), ("b",), ("c",), ("d",)]
+    assert len(make_micro_batches(group.samples, 3 * sizes[0], min_rows=8)) == 4  # a row needs a path
 
 
 @pytest.mark.parametrize(
