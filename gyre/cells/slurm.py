@@ -216,14 +216,22 @@ def _start_node_engines(spec: CellSpec, rank: int, host: str) -> list:
 def _exit_with_engines(engines: list, stopping: threading.Event, failed: Path) -> None:
     """An engine of this node that exits takes this rank with it, and so the cell (rank 0 sees the
     rank's link close; `check_alive` reads why in its `.failed` file), as a rank's death does."""
-    while not stopping.wait(0.5):
+    engine = first_exited(engines, stopping)
+    if engine is not None:
+        code = engine.proc.returncode
+        write_private_file(failed, f"{engine.url} exited with code {code}; log tail:\n{engine.log_tail()}")
+        log.error("%s, this node's engine, exited with code %s: this rank exits", engine.url, code)
+        logging.shutdown()
+        os._exit(1)
+
+
+def first_exited(engines: list, stopping: threading.Event, every_s: float = 0.5):
+    """The first of `engines` seen exited, looking every `every_s`; None once `stopping` is set."""
+    while not stopping.wait(every_s):
         for engine in engines:
-            code = engine.proc.poll()
-            if code is not None and not stopping.is_set():
-                write_private_file(failed, f"{engine.url} exited with code {code}; log tail:\n{engine.log_tail()}")
-                log.error("%s, this node's engine, exited with code %s: this rank exits", engine.url, code)
-                logging.shutdown()
-                os._exit(1)
+            if engine.proc.poll() is not None and not stopping.is_set():
+                return engine
+    return None
 
 
 def _wait_for(what: str, path: Path, job_dir: Path, restart: int, timeout_s: float) -> str:
