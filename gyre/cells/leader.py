@@ -7,7 +7,9 @@
 A local cell is this process (the trainer's rank 0: the core's owns optimizer and weights; a
 satellite's pulls weights and pushes gradients over Mooncake), its other ranks, and its engine
 children, one per node or per engine.tp_size ranks (gyre.cells.serving; `engine.backend`: what
-differs between backends in a switch is the engine process's `release`/`resume`). All stay warm: a
+differs between backends in a switch is the engine process's `release`/`resume`). On Slurm the
+engines of the cell's other nodes are their first ranks' children; the leader drives them by URL
+like its own. All stay warm: a
 switch moves work, not processes. Each of its phases (gyre.scheduler.cells.PHASES) runs on every
 engine at once and is timed per rank and reported. The leader exits when its coordinator's channel
 closes, stopping its engines.
@@ -26,7 +28,15 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from gyre.cells.serving import cell_phase_s, engine_id, plan_engines, ranks_from_engines, ranks_from_work
+from gyre.cells.base import CellError
+from gyre.cells.serving import (
+    cell_phase_s,
+    engine_id,
+    plan_engines,
+    ranks_from_engines,
+    ranks_from_work,
+    started_by,
+)
 from gyre.cells.spec import CellSpec
 from gyre.control.messages import (
     CellReady,
@@ -78,9 +88,8 @@ class CellLeader:
         so connecting first would make every cell wait for the previous one to be built."""
         self.events = EventLog(spec.run_dir)
         self.slots = plan_engines(spec.ranks, spec.nodes, spec.engine.tp_size, spec.engine.on_gpu)
-        if spec.followers_placed:  # Slurm: another node's engines would be its own tasks' to start (not built)
-            self.slots = [slot for slot in self.slots if slot.node == 0]
-        self.engines = _start_engines(spec, self.slots)
+        # Slurm: this node's engines; the other nodes' first ranks start theirs (`_attach_engines`)
+        self.engines = _start_engines(spec, started_by(self.slots, 0) if spec.followers_placed else self.slots)
         self.engine_ids = [engine_id(self.index, slot.index) for slot in self.slots]
         self.followers = []
         """Ranks 1.. of this cell (gyre/train/ranks.py); this process is rank 0, the cell's control endpoint."""
@@ -91,6 +100,8 @@ class CellLeader:
         self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
         link_host = spec.host if spec.followers_placed else None  # srun's tasks: not this process's children
         self.ranks = CellRanks(self.trainer, self.followers, self._rank_lost, link_host=link_host)
+        if len(self.engines) < len(self.slots):
+            self._attach_engines()
         self.endpoint = TransferEndpoint(spec.host)
         self.role = Role(spec.role)
         self.weights: PublishedWeights | None = None
@@ -143,6 +154,17 @@ class CellLeader:
         os._exit(RANK_LOST_EXIT)
 
     # ---- start ---------------------------------------------------------------------------
+    def _attach_engines(self) -> None:
+        """Add the engines the followers started (Slurm: each node's first rank, its node's), in
+        slot order: the nodes' first ranks come in the slots' node order."""
+        from gyre.engines.launch import attach_engine
+
+        urls = [url for rank_urls in self.ranks.call("engine_urls")[1:] for url in rank_urls]
+        expected = len(self.slots) - len(self.engines)
+        if len(urls) != expected:
+            raise CellError(f"cell {self.index}: its other nodes started {len(urls)} engines, not {expected}")
+        self.engines += [attach_engine(self.spec.engine, self.spec.model, url) for url in urls]
+
     def _load_initial_weights(self) -> None:
         """The latest checkpoint (resume), else the initial model directory, else the seeded init."""
         keep = self.spec.trainer.checkpoint_keep_last

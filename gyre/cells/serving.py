@@ -10,8 +10,9 @@ Locally a cell's ranks share one machine, and `cluster.cell_nodes` > 1 emulates 
 split into cell_nodes groups of consecutive ranks with one engine each, as on Slurm. Every engine
 registers with the proxy under its cell's index, so the scheduler still sees one cell whose
 sessions and decode capacity are its engines' summed (gyre.scheduler.decode.measure_cells). On
-Slurm the leader starts its own node's engines only (another node's would be that node's tasks' to
-start, not built yet), so there a cell of several nodes serves from its first node.
+Slurm each node's first rank starts that node's engines, bound to its node's address (`started_by`:
+rank 0, the leader, its own node's; a follower, the others'), and the leader drives them all through
+their HTTP APIs as it drives its own.
 
 A switch's phase is over when every rank has done its part of it. Rank r's phase time is the time
 from the phase's start until r's part was done: its engine's operation (engine phases), its own
@@ -66,6 +67,15 @@ def plan_engines(ranks: int, nodes: int, tp_size: int, on_gpu: bool) -> list[Eng
             gpu = k * width if on_gpu else 0
             slots.append(EngineSlot(len(slots), node, tuple(range(first, first + width)), gpu))
     return slots
+
+
+def started_by(slots: Sequence[EngineSlot], rank: int) -> list[EngineSlot]:
+    """The engines rank `rank` starts on Slurm: its node's, if it is that node's first rank (a
+    process's children run on its own node)."""
+    first_rank = {}
+    for slot in slots:
+        first_rank.setdefault(slot.node, slot.ranks[0])
+    return [slot for slot in slots if first_rank[slot.node] == rank]
 
 
 def engine_id(cell: int, index: int) -> str:

@@ -5,8 +5,9 @@
       component k+1, rank 0: waits for its CellSpec ─ binds its own node ─ writes the group's rendezvous
                              ─ CellLeader (trainer rank 0) ─connect─> CellReady
       component k+1, ranks > 0 (cell_nodes x ranks_per_node tasks in all, srun-placed): wait for the
-                             spec and the rendezvous ─ bind their own node ─ follow rank 0
-                             (gyre.train.ranks.follow), each linked to it: either one's death ends the cell
+                             spec and the rendezvous ─ bind their own node ─ a node's first rank starts
+                             its node's engines ─ follow rank 0 (gyre.train.ranks.follow), each linked
+                             to it: either one's death ends the cell, and so does an engine's exit
 
 The leaders are started by Slurm together with the coordinator, so `SlurmCell.start` hands a
 leader its spec through the job directory (shared file system, like submitit's own pickles): the
@@ -23,12 +24,14 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import traceback
 from pathlib import Path
 
 from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.placement import SlurmPlacement
+from gyre.cells.serving import plan_engines, started_by
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
 from gyre.scheduler.cells import Cell
@@ -182,10 +185,53 @@ def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, host: str,
     group = json.loads(_wait_for("rendezvous", group_path(job_dir, cell, restart), job_dir, restart, timeout_s))
     os.environ.update(group | {"RANK": str(rank)})
     log.warning("cell %d: rank %d of %d on %s (%s), restart %d", cell, rank, spec.ranks, placement.node, host, restart)
-    done = run_follower(spec.model, spec.trainer, spec.seed, host)
-    record = {"rank": rank, "num_ranks": spec.ranks, "node": placement.node, "host": host}
-    record |= {"ops": dict(done), "num_ops": sum(done.values())}
-    write_private_file(rank_path(job_dir, cell, restart, rank), json.dumps(record))
+    engines, stopping = _start_node_engines(spec, rank, host), threading.Event()
+    failed = failed_path(job_dir, cell, restart, rank)
+    threading.Thread(target=_exit_with_engines, args=(engines, stopping, failed), daemon=True).start()
+    urls = [engine.url for engine in engines]
+    try:
+        done = run_follower(spec.model, spec.trainer, spec.seed, host, urls)
+        record = {"rank": rank, "num_ranks": spec.ranks, "node": placement.node, "host": host, "engine_urls": urls}
+        record |= {"ops": dict(done), "num_ops": sum(done.values())}
+        write_private_file(rank_path(job_dir, cell, restart, rank), json.dumps(record))
+    finally:  # after the record: the run may be checked as soon as rank 0 is done
+        stopping.set()
+        for engine in engines:
+            engine.stop()
+
+
+def _start_node_engines(spec: CellSpec, rank: int, host: str) -> list:
+    """The engines this rank starts (its node's if it is the node's first: gyre.cells.serving), bound
+    to its node's address; from this thread, as they die with the thread that spawned them."""
+    from gyre.engines.launch import make_engine_process
+
+    slots = started_by(plan_engines(spec.ranks, spec.nodes, spec.engine.tp_size, spec.engine.on_gpu), rank)
+    cfg = dataclasses.replace(spec.engine, host=host)
+    engines = [make_engine_process(cfg, spec.model, slot.base_gpu_id) for slot in slots]
+    for engine in engines:
+        engine.start()
+    return engines
+
+
+def _exit_with_engines(engines: list, stopping: threading.Event, failed: Path) -> None:
+    """An engine of this node that exits takes this rank with it, and so the cell (rank 0 sees the
+    rank's link close; `check_alive` reads why in its `.failed` file), as a rank's death does."""
+    engine = first_exited(engines, stopping)
+    if engine is not None:
+        code = engine.proc.returncode
+        write_private_file(failed, f"{engine.url} exited with code {code}; log tail:\n{engine.log_tail()}")
+        log.error("%s, this node's engine, exited with code %s: this rank exits", engine.url, code)
+        logging.shutdown()
+        os._exit(1)
+
+
+def first_exited(engines: list, stopping: threading.Event, every_s: float = 0.5):
+    """The first of `engines` seen exited, looking every `every_s`; None once `stopping` is set."""
+    while not stopping.wait(every_s):
+        for engine in engines:
+            if engine.proc.poll() is not None and not stopping.is_set():
+                return engine
+    return None
 
 
 def _wait_for(what: str, path: Path, job_dir: Path, restart: int, timeout_s: float) -> str:

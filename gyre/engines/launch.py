@@ -195,3 +195,11 @@ def make_engine_process(cfg: EngineConfig, model_cfg: ModelConfig, base_gpu_id: 
     `gyre-engine` start theirs here). A cell runs one per node on CPU and one per `engine.tp_size`
     ranks on GPU, each from its first GPU `base_gpu_id` (gyre.cells.serving.plan_engines)."""
     return SGLangProcess(cfg, base_gpu_id) if cfg.backend == "sglang" else BuiltinEngineProcess(cfg, model_cfg)
+
+
+def attach_engine(cfg: EngineConfig, model_cfg: ModelConfig, url: str) -> BaseEngineProcess:
+    """A handle on an engine another process started and stops (a Slurm cell's other node,
+    gyre.cells.serving): its backend's client and switch verbs at `url`; `stop` only drops its unused log."""
+    engine = make_engine_process(cfg, model_cfg)
+    engine.url = url
+    return engine

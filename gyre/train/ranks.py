@@ -25,7 +25,8 @@ children, so each opens a TCP link to rank 0 once the group is up (`link_host`):
 it when either process dies, SIGKILL included, and TCP keepalive ends it when a node goes away, so
 either side learns of the other's death within a poll, not at the next collective. A follower
 waits for the next announcement inside a collective, so rank 0 pings an idle cell well within that
-timeout. Not built yet (issue 27): engines on a Slurm cell's other nodes (gyre.cells.serving).
+timeout. On Slurm a follower that is its node's first rank serves its node's engines too: it starts
+them, `engine_urls` hands their URLs to rank 0, and their exit ends the follower (gyre.cells.slurm).
 """
 
 import argparse
@@ -39,6 +40,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
@@ -89,6 +91,13 @@ def _exit_with_rank0(link: socket.socket) -> None:
         os._exit(1)
 
 
+def _engine_urls(state: RankState) -> list[list[str]]:
+    """Each rank's engines' URLs, by rank: rank 0 drives the engines its followers started."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, state.engine_urls)
+    return out
+
+
 OPS = {
     "load_engine_dir": _load_engine_dir,
     "logprobs": lambda state, batch: state.trainer.logprobs(batch),
@@ -97,6 +106,7 @@ OPS = {
     "load_latest": _load_latest,
     "ping": _ping,
     "link": _link,
+    "engine_urls": _engine_urls,
 } | SHARD_OPS
 """What rank 0 may ask of every rank: name -> function(RankState, *args)."""
 
@@ -252,10 +262,11 @@ class CellRanks:
         self._stopped.set()
 
 
-def follow(trainer: Trainer, host: str | None = None) -> Counter:
+def follow(trainer: Trainer, host: str | None = None, engine_urls: Sequence[str] = ()) -> Counter:
     """On ranks 1..n-1: run what rank 0 announces until it stops; returns how often each op ran.
-    `host`: this rank's own address for its Mooncake endpoint (None: rank 0's, the same machine)."""
-    state, done = RankState(trainer, host), Counter()
+    `host`: this rank's own address for its Mooncake endpoint (None: rank 0's, the same machine);
+    `engine_urls`: the engines it started (its node's, on Slurm)."""
+    state, done = RankState(trainer, host, engine_urls=list(engine_urls)), Counter()
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -299,14 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_follower(model: ModelConfig, cfg: TrainerConfig, seed: int, host: str | None = None) -> Counter:
+def run_follower(
+    model: ModelConfig, cfg: TrainerConfig, seed: int, host: str | None = None, engine_urls: Sequence[str] = ()
+) -> Counter:
     """Be one follower rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT set) until rank 0 stops; returns how
     often each operation ran. A spawned rank (`main`) and a Slurm task (gyre.cells.slurm, with its
-    node's `host`) both come here."""
+    node's `host` and the engines it started there) both come here."""
     import torch
 
     torch.set_num_threads(1)
-    done = follow(Trainer(model, cfg, seed), host)
+    done = follow(Trainer(model, cfg, seed), host, engine_urls)
     dist.destroy_process_group()
     return done
 

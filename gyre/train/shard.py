@@ -17,7 +17,7 @@ rank adds it in index order: the sum is bit for bit the one `Trainer.fold` makes
 import hashlib
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,8 @@ class RankState:
     """A satellite rank's core peer: (Mooncake session, weights address, slots address)."""
     link: socket.socket | None = None
     """A follower's TCP link to rank 0 (gyre/train/ranks.py `_link`), open while this process lives."""
+    engine_urls: list[str] = field(default_factory=list)
+    """The engines this rank started (on Slurm, a node's first rank starts its node's: gyre.cells.serving)."""
 
 
 def _dp() -> tuple[int, int, object]:

@@ -305,10 +305,14 @@ def _ranks_computing(run_dir: Path, cell: int) -> set[int]:
 
 
 @pytest.mark.timeout(1500)
-def test_three_cells_of_two_nodes_compute_on_every_satellite_rank_lose_a_training_one_and_replay_bitwise(tmp_path):
+def test_three_cells_of_two_nodes_serve_and_compute_on_every_satellite_rank_lose_a_training_one_and_replay_bitwise(
+    tmp_path,
+):
     """Cells of several ranks on Slurm (issue 27): 3 cells x 2 nodes, a task (a rank) per node,
     elastic, TCP control (the default: MPI's Accept still crashes MPICH now and then,
-    docs/slurm.md). Both satellites switch and every rank of each computes micro-steps; the core's
+    docs/slurm.md). A satellite serves through an engine on each of its nodes (the second one
+    started by that node's rank), and each switches them all, every rank timing its engine's phases. Both
+    satellites switch and every rank of each computes micro-steps; the core's
     ranks sum them and step. SIGKILL of a training satellite's rank 1 (an srun task on its second
     node, nobody's child) loses the cell within seconds, through its link to rank 0, and the run
     finishes on the others. Its records, replayed locally by one core of 2 ranks in the run's
@@ -349,6 +353,8 @@ def test_three_cells_of_two_nodes_compute_on_every_satellite_rank_lose_a_trainin
         core["ops"]["core_fold"] >= 3 and core["ops"]["core_apply"] == 3 and core["host"] == "127.0.0.1"
     )  # the dev cluster's nodes' address
     assert satellite["ops"]["link"] == 1 and core["node"] != satellite["node"]
+    assert len(satellite["engine_urls"]) == 1 and satellite["ops"]["engine_urls"] == 1  # its node's, handed to rank 0
+    _assert_served_and_switched_on_both_nodes(run_dir, (1, 2))
     print(f"satellite rank SIGKILLed to its cell lost: {lost[0]['t'] - killed_t:.1f} s")
 
     # Replayed locally (cheaper than a second het job) by one core of 2 data-parallel ranks.
@@ -359,6 +365,20 @@ def test_three_cells_of_two_nodes_compute_on_every_satellite_rank_lose_a_trainin
     gaps = _weight_gaps(run_dir, replay)
     print(f"run against its replay, largest weight difference per checkpoint: {gaps}")
     assert sorted(gaps) == [1, 2, 3] and set(gaps.values()) == {0.0}
+
+
+def _assert_served_and_switched_on_both_nodes(run_dir: Path, satellites: tuple[int, ...]) -> None:
+    """Each satellite switched its engines on both its nodes, both ranks timing every engine phase
+    (the proxy's verbs on each engine's id: both registered under the cell), and a satellite's
+    engines on both nodes served calls (not each satellite's: one may leave to train after a call)."""
+    from gyre.cells.leader import ENGINE_PHASES
+
+    for cell in satellites:
+        switches = [e for e in _events(run_dir, "role_switch") if e["cell"] == cell]
+        timed = [e["rank_phases"][p.value] for e in switches for p in ENGINE_PHASES if p.value in e["rank_phases"]]
+        assert switches and timed and all(len(t) == 2 and min(t) > 0 for t in timed), switches
+    served = [{c["engine_id"] for c in _events(run_dir, "model_call") if c["cell"] == cell} for cell in satellites]
+    assert any(engines == {f"cell{cell}", f"cell{cell}.e1"} for cell, engines in zip(satellites, served)), served
 
 
 def _weight_gaps(run_a: Path, run_b: Path) -> dict[int, float]:

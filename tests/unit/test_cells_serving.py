@@ -9,11 +9,12 @@ from gyre.cells.serving import (
     plan_engines,
     ranks_from_engines,
     ranks_from_work,
+    started_by,
 )
 from gyre.errors import ConfigError
 
 
-def test_a_cell_runs_an_engine_per_node_on_cpu_and_per_tp_size_ranks_of_a_node_on_gpu():
+def test_a_cell_runs_an_engine_per_node_on_cpu_and_per_tp_size_ranks_of_a_node_on_gpu_started_by_its_first_rank():
     assert plan_engines(1, 1, 4, on_gpu=False) == [EngineSlot(0, 0, (0,), 0)]
     assert plan_engines(4, 2, 1, on_gpu=False) == [EngineSlot(0, 0, (0, 1), 0), EngineSlot(1, 1, (2, 3), 0)]
     gpu = plan_engines(8, 2, 2, on_gpu=True)
@@ -26,6 +27,8 @@ def test_a_cell_runs_an_engine_per_node_on_cpu_and_per_tp_size_ranks_of_a_node_o
     # one trainer rank per node: its engine spans tp_size GPUs of that node, as before cells had ranks
     assert plan_engines(2, 2, 4, on_gpu=True) == [EngineSlot(0, 0, (0,), 0), EngineSlot(1, 1, (1,), 0)]
     assert [engine_id(3, s.index) for s in gpu] == ["cell3", "cell3.e1", "cell3.e2", "cell3.e3"]
+    # on Slurm each node's first rank starts its node's engines: ranks 0 and 4 here, no other rank
+    assert [started_by(gpu, r) for r in range(8)] == [gpu[:2], [], [], [], gpu[2:], [], [], []]
 
 
 @pytest.mark.parametrize(

@@ -4,14 +4,24 @@ spec files are private and per restart, failures and an ended coordinator are re
 import dataclasses
 import signal
 import stat
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from gyre.cells.base import CellError, leader_command
 from gyre.cells.placement import SlurmPlacement
-from gyre.cells.slurm import SlurmCell, SlurmLauncher, coordinator_exit_path, failed_path, run_cell_task, spec_path
+from gyre.cells.slurm import (
+    SlurmCell,
+    SlurmLauncher,
+    coordinator_exit_path,
+    failed_path,
+    first_exited,
+    run_cell_task,
+    spec_path,
+)
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
 from gyre.engines.config import EngineConfig
@@ -75,6 +85,20 @@ def test_a_follower_rank_that_fails_is_the_cells_failure(tmp_path):
     assert not failed_path(tmp_path, 1, 0).exists() and "rank 1" in failed_path(tmp_path, 1, 0, rank=1).read_text()
     with pytest.raises(CellError, match="rank1.failed"):
         SlurmCell(_spec(1), make_cells(2, 1)[1], tmp_path, restart=0).check_alive()
+
+
+def test_a_follower_watches_its_nodes_engines_until_one_exits_or_it_stops():
+    """A follower node's engine that exits is found (its rank then exits: the cell is lost); once the
+    rank is stopping, its engines' exit (their stop) is no loss."""
+
+    def engine(codes):
+        return SimpleNamespace(proc=SimpleNamespace(poll=lambda: next(codes)))
+
+    alive, dies = engine(iter(lambda: None, 0)), engine(iter([None, None, -9]))
+    assert first_exited([alive, dies], threading.Event(), every_s=0.001) is dies
+    stopping = threading.Event()
+    stopping.set()
+    assert first_exited([alive, engine(iter(lambda: -15, 0))], stopping, every_s=0.001) is None
 
 
 def test_launcher_refuses_a_cell_without_a_component(tmp_path):
