@@ -117,6 +117,8 @@ async def _tick(
     now = time.time()
     for cell in parts.cells:
         for msg in _poll(cell, parts, events, now):
+            if cell.state.role == Role.LOST:  # by an earlier message of this batch
+                break
             await _on_message(msg, cell, parts, train, source, events, cfg, now, preempting)
     if preempting and not train.uncheckpointed:
         raise Preempted(f"preempted at weight version {train.version}, its checkpoint complete")
@@ -224,8 +226,10 @@ async def _on_message(
         for rec in train.on_checkpoint_done(msg):
             for group, batch in rec.groups:
                 source.mark_trained(group, {eid for mb in batch.micro_batches for eid in mb.execution_ids}, rec.step)
-    elif isinstance(msg, Failure):
-        raise RunFailed(f"cell {msg.cell}: {msg.reason}")
+    elif isinstance(msg, Failure):  # a satellite's is its loss (as its death is); the core's ends the run
+        if cell is parts.core:
+            raise RunFailed(f"cell {msg.cell}: {msg.reason}")
+        _lose(cell, events, now, f"failed: {msg.reason}")
 
 
 async def _load_serving(cells: list, weights: PublishedWeights, parts: Parts, events: RunEvents, now: float) -> None:

@@ -14,7 +14,8 @@ import pytest
 from gyre.cells.quota import PERIOD_US, SHARES_V1, WEIGHT_V2, make_quota, quota_us
 from gyre.coordinator.batching import mask_stale
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
-from gyre.coordinator.loop import _load_serving
+from gyre.control.messages import Failure
+from gyre.coordinator.loop import RunFailed, _load_serving, _on_message
 from gyre.engines.published import PublishedWeights
 from gyre.scheduler.cells import Role, make_cells
 from gyre.trajectory.paths import PathSample
@@ -157,6 +158,23 @@ def test_a_satellite_whose_engine_cannot_take_new_weights_is_lost_but_an_unreach
     assert parts.admin.calls == [("cell2", "hold"), ("cell2", 2)] and satellite.engine_version == 2
     with pytest.raises(aiohttp.ClientConnectionError):
         asyncio.run(_load_serving([core], weights, parts, events, now=5.0))
+
+
+def test_a_satellite_that_reports_a_failure_is_lost_but_the_cores_failure_ends_the_run():
+    """A leader reports what went wrong in a switch or a step (an engine that died, say) and keeps
+    serving: for a satellite that is its loss, as its death would be, not the run's end."""
+    core, satellite, events = _Cell(0, _closed_port_url()), _Cell(2, _closed_port_url()), _Events()
+    parts = SimpleNamespace(core=core)
+
+    def report(cell):
+        msg = Failure(cell.index, "RoleSwitch: EngineError('engine exited')")
+        asyncio.run(_on_message(msg, cell, parts, None, None, events, None, 5.0, False))
+
+    report(satellite)
+    assert satellite.state.role == Role.LOST and satellite.stopped.wait(10)
+    assert events.failures == [("cell2", "lost: failed: RoleSwitch: EngineError('engine exited')")]
+    with pytest.raises(RunFailed, match="cell 0: RoleSwitch"):
+        report(core)
 
 
 def test_satellites_async_starts_in_training_switch_in_so_they_join_the_cores_step():
