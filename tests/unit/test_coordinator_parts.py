@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from gyre.cells.quota import PERIOD_US, SHARES_V1, WEIGHT_V2, make_quota, quota_us
+from gyre.control.messages import Failure
 from gyre.coordinator.batching import mask_stale
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
-from gyre.control.messages import Failure
 from gyre.coordinator.loop import RunFailed, _load_serving, _on_message
 from gyre.engines.published import PublishedWeights
 from gyre.scheduler.cells import Role, make_cells
