@@ -1,5 +1,5 @@
 """The coordinator's pure parts: the execution ledger, the live staleness mask, CPU quotas, losing a
-cell whose engine cannot be reached."""
+satellite whose engine cannot be reached or that reports a failure."""
 
 import asyncio
 import os
