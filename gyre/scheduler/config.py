@@ -79,8 +79,9 @@ class SchedulerConfig:
     loaded serving cells until loads are even (proxy reroute + KV migration through the offload
     tier), instead of waiting for new sessions to fill it. The default: it runs live (the proxy's
     pool moves the sessions with their KV), and in the simulator it brings elastic closer to its own
-    bound (NL2Repo, 48 steps, 24 / 32 / 192 nodes: 1.089 / 1.060 / 1.102x against 1.116 / 1.084 /
-    1.102x without it; tools/bench/sim_defaults.py)."""
+    bound (NL2Repo, 48 steps, 24 / 32 / 192 nodes: 1.089 / 1.060 / 1.094x against 1.116 / 1.084 /
+    1.114x without it; tools/bench/sim_defaults.py [scheduler.rebalance_on_return=false]): a cell
+    that returns to relieve decode serves at once."""
     microstep_tokens: int = 0
     """Token bound of one micro-step (0 = one group per micro-step): a group's training splits
     into micro-steps of at most this many tokens, so every training cell shares the burst of

@@ -7,7 +7,8 @@ elastic: the core trains; satellites roll out unless the waterlevel W = queued +
     fewer rollout cells and ready training work pays for the round trip (gain >= gain_factor x
     switch costs). They return when the queue outgrows the serving cells, or when decode demand
     stayed above the serving cells' throughput for a whole window while training ran out of
-    ready work (with an offload tier overload shows as slowed sessions, not as a queue). With `critical_path`,
+    ready work (with an offload tier overload shows as slowed sessions, not as a queue; a later
+    step's ready groups count only once none of its executions is live). With `critical_path`,
     executions queued for later steps (prefetch) neither keep a satellite from leaving nor pull
     it off ready training work of the current step; they call cells back once that work runs
     out. Live sessions always keep a serving cell with room for them; when none serves (the
@@ -238,6 +239,13 @@ class ElasticPolicy(BasePolicy):
         that overload lasted the whole trailing window (`demand_tok_s` is its minimum), training
         has too little ready work to keep its cells busy for a round trip, and the decode the cell
         adds over its minimum dwell pays for the round trip.
+
+        Ready work of later steps is claimable only after the current step's optimizer step.
+        While executions of a later step are live, it is that step's early groups only: training
+        would idle through the optimizer step now and run dry again after them, waiting for the
+        rest of the batch, so the idle satellite serves instead (on NL2Repo at 192 nodes the one
+        serving cell is KV-bound: fewer budget hits, elastic 1.102 -> 1.094x its own bound;
+        tools/bench/sim_defaults.py). Once none is live, that work is what training does next.
         """
         serving = [c for c in obs.cells if c.role in (Role.ROLLOUT, Role.TO_ROLLOUT)]
         per_cell = max(c.gen_tok_s for c in obs.cells)
@@ -246,7 +254,8 @@ class ElasticPolicy(BasePolicy):
         deficit_cells = (demand_tok_s - _capacity(serving)[1]) / per_cell
         cost_s = self.cfg.gain_factor * self.cfg.round_trip_s
         n_train = sum(c.role in (Role.TRAIN, Role.TO_TRAIN) for c in obs.cells)
-        backlog_s = (obs.ready_train_s + obs.ready_ahead_train_s) / max(1, n_train)
+        later_live = obs.running_ahead + obs.queued_ahead
+        backlog_s = (obs.ready_train_s + (0.0 if later_live else obs.ready_ahead_train_s)) / max(1, n_train)
         if deficit_cells <= 0 or backlog_s >= cost_s or min(1.0, deficit_cells) * self.cfg.min_dwell_s < cost_s:
             return ()
         idle = [

@@ -166,8 +166,35 @@ RELIEVE_CASES = [
     ),
     ("training-has-a-backlog: stays", obs(cells(T, T, R, R), running=100, demand=3000.0, ready_s=1000.0), Decision()),
     (
-        "work-ready-for-the-next-step-counts-as-backlog: stays",
+        "next-step-batch-complete: its ready work counts as backlog: stays",
         obs(cells(T, T, R, R), running=100, demand=3000.0, ready_ahead_train_s=1000.0),
+        Decision(),
+    ),
+    # The current step's batch is trained (its optimizer step runs), the next step's early groups are
+    # ready, but its other executions still run: training would run dry after those groups anyway.
+    (
+        "next-step-executions-still-running: its early groups hold no idle satellite: returns",
+        obs(
+            cells(T, T, R, R),
+            running=100,
+            running_ahead=100,
+            demand=3000.0,
+            ready_ahead_train_s=1000.0,
+            batch_ready=True,
+            step_open=True,
+        ),
+        Decision(to_rollout=(1,)),
+    ),
+    (
+        "next-step-executions-still-queued: returns",
+        obs(cells(T, T, R, R), running=100, queued=20, queued_ahead=20, demand=3000.0, ready_ahead_train_s=1000.0),
+        Decision(to_rollout=(1,)),
+    ),
+    (
+        "next-step-executions-live-but-current-step-work-ready: stays",
+        obs(
+            cells(T, T, R, R), running=100, running_ahead=100, demand=3000.0, ready_s=1000.0, ready_ahead_train_s=1000.0
+        ),
         Decision(),
     ),
     ("satellite-in-a-micro-step: stays", obs(cells(T, T, R, R, in_step=(1,)), running=100, demand=3000.0), Decision()),
