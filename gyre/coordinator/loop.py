@@ -143,7 +143,7 @@ async def observe(
 ) -> tuple[Observation, EngineLoads]:
     """What the policy sees now: the source's queue, the proxy's sessions and decode counters per
     cell (measured over coordinator.decode_window_s), the trainer's ready work."""
-    queued, ahead, running = source.counts(train.version)
+    queued, queued_ahead, running, running_ahead = source.counts(train.version)
     engines = (await parts.admin.metrics())["engines"]
     c = cfg.coordinator
     loads = measure_cells(now, [x.engine_ids for x in parts.cells], engines, parts.decode, c.sessions_per_cell)
@@ -154,8 +154,9 @@ async def observe(
         loads.max_sessions,
         loads.gen_tok_s,
         queued=queued,
-        queued_ahead=ahead,
+        queued_ahead=queued_ahead,
         running=running,
+        running_ahead=running_ahead,
         queue=train.queue,
         train_tok_s=train.train_tok_s,
         optimizing=train.optimizing,

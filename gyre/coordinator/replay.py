@@ -75,8 +75,8 @@ class ReplaySource(GroupBook):
     async def advance(self, version: int, free_slots: int) -> None:
         pass
 
-    def counts(self, version: int) -> tuple[int, int, int]:
-        return 0, 0, 0
+    def counts(self, version: int) -> tuple[int, int, int, int]:
+        return 0, 0, 0, 0
 
     def close(self) -> None:
         pass

@@ -190,10 +190,13 @@ class Rollouts(GroupBook):
             reason = "no_score" if ev.outcome in HARNESS_OUTCOMES else ev.outcome
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
 
-    def counts(self, version: int) -> tuple[int, int, int]:
-        """(queued, queued for later steps than `version`, running)."""
-        ahead = sum(1 for ex in self.queue if ex.held_out is None and self.groups[ex.group].step > version)
-        return len(self.queue), ahead, len(self.running)
+    def counts(self, version: int) -> tuple[int, int, int, int]:
+        """(queued, of those for later steps than `version`, running, of those for later steps)."""
+
+        def ahead(executions: list[Execution]) -> int:
+            return sum(1 for ex in executions if ex.held_out is None and self.groups[ex.group].step > version)
+
+        return len(self.queue), ahead(self.queue), len(self.running), ahead(self.running)
 
     def close(self) -> None:
         for ex in self.running:

@@ -62,8 +62,8 @@ class Source(Protocol):
     def restore(self, view: LedgerView, version: int) -> None:
         """Resume: rebuild the groups not trained under weight version `version` from the ledger."""
 
-    def counts(self, version: int) -> tuple[int, int, int]:
-        """(queued, queued for later steps than `version`, running) executions."""
+    def counts(self, version: int) -> tuple[int, int, int, int]:
+        """(queued, of those for later steps than `version`, running, of those for later steps)."""
 
     async def advance(self, version: int, free_slots: int) -> None:
         """Admit, start into `free_slots` session slots and evaluate what the staleness bound allows."""

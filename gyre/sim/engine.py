@@ -29,7 +29,6 @@ the rollout side (admission to ready group) is `gyre.sim.rollout.RolloutSide`.
 
 import heapq
 import itertools
-from dataclasses import replace
 
 from gyre.scheduler.cells import PHASE_SHARES, Phase, Role, make_cells
 from gyre.scheduler.config import SchedulerConfig
@@ -201,7 +200,7 @@ class Simulation(RolloutSide):
     def _observe(self) -> Observation:
         cells, current = self.cells, self.queue.current_step
         demand = sum(sc.eng.generating(self.now) for sc in cells) * self.preset.session_tok_s
-        obs = make_observation(
+        return make_observation(
             self.now,
             [sc.cell for sc in cells],
             [len(sc.members) for sc in cells],
@@ -210,18 +209,12 @@ class Simulation(RolloutSide):
             queued=len(self.waiting),
             running=self.running,
             queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > current),
+            running_ahead=sum(n for step, n in self.running_by_step.items() if step > current),
             queue=self.queue,
             train_tok_s=self.sat_train_tok_s,
             optimizing=self.optimizing,
             gen_demand_tok_s=demand,
             pooled_sessions=self.pooled_sessions,
-        )
-        running_ahead = sum(n for step, n in self.running_by_step.items() if step > current)
-        # estimated pro rata: executions of later steps draw as much decode per session as the rest
-        return replace(
-            obs,
-            running_ahead=running_ahead,
-            gen_demand_ahead_tok_s=demand * running_ahead / self.running if self.running else 0.0,
         )
 
     def _consult(self):

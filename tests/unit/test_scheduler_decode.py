@@ -124,10 +124,11 @@ class _Admin:
         return {"engines": self.engines}
 
 
-def _observations():
-    """A run where one serving cell's 16 calls run at half speed, training has no ready work and
-    a satellite idles in training: each tick's observation as the coordinator's loop builds it
-    (gyre.coordinator.loop.observe) from the proxy's counters."""
+def _observations(running_ahead: int = 0):
+    """A run where one serving cell's 16 calls run at half speed (`running_ahead` of them for a
+    later step), training has no ready work and a satellite idles in training: each tick's
+    observation as the coordinator's loop builds it (gyre.coordinator.loop.observe) from the
+    proxy's counters."""
     cells = [
         SimpleNamespace(state=Cell(0, 1, is_core=True, role=Role.TRAIN, since_s=-100.0), engine_ids=["e0"]),
         SimpleNamespace(state=Cell(1, 1, role=Role.ROLLOUT, since_s=-100.0), engine_ids=["e1"]),
@@ -137,7 +138,7 @@ def _observations():
     train = SimpleNamespace(
         version=0, queue=MicroStepQueue(groups_per_step=1, staleness=1), train_tok_s=2000.0, optimizing=False
     )
-    source = SimpleNamespace(counts=lambda version: (0, 0, 16))
+    source = SimpleNamespace(counts=lambda version: (0, 0, 16, running_ahead))
     cfg = SimpleNamespace(coordinator=SimpleNamespace(sessions_per_cell=32))
     out = []
     for t in range(0, 60, 10):
@@ -146,6 +147,17 @@ def _observations():
         parts.admin.engines = [engine("e1", tokens, call_s, float(t), sessions=16), engine("e2")]
         out.append(asyncio.run(observe(cfg, parts, train, source, float(t)))[0])
     return out
+
+
+def test_a_later_steps_running_executions_reach_the_policy_with_their_share_of_the_demand():
+    """What the simulator has always shown the policy, the live loop now shows too: executions of a
+    later step running, and their decode demand (pro rata: 4 of 16 calls draw 240 of 960 tokens/s)."""
+    o = _observations(running_ahead=4)[-1]
+    assert o.running == 16 and o.running_ahead == 4
+    assert o.gen_demand_ahead_tok_s == pytest.approx(o.gen_demand_tok_s / 4) and o.gen_demand_tok_s == pytest.approx(
+        960
+    )
+    assert _observations()[-1].gen_demand_ahead_tok_s == 0.0
 
 
 def test_no_measured_decode_capacity_brings_no_satellite_back():
