@@ -38,9 +38,7 @@ def make_observation(
         queue: the micro-step queue (ready training work, batch state of the current step).
         train_tok_s: training throughput of one satellite cell, tokens/s (measured or configured).
         optimizing: the core is applying the current step's optimizer step.
-        queued_ahead, running_ahead: of `queued` and `running`, executions of later steps than
-            the current one (admitted early, as the staleness bound allows); their decode demand
-            is estimated pro rata (a later step's session draws as much as any other).
+        queued_ahead, running_ahead: of those, executions of later steps (demand: pro rata).
     """
     if gen_tok_s is None:
         if gen_demand_tok_s:
@@ -68,7 +66,7 @@ def make_observation(
         running_ahead=running_ahead,
         pooled_sessions=pooled_sessions,
         gen_demand_tok_s=gen_demand_tok_s,
-        gen_demand_ahead_tok_s=gen_demand_tok_s * running_ahead / running if running else 0.0,
+        gen_demand_ahead_tok_s=gen_demand_tok_s * running_ahead / max(running, 1),
         ready_train_s=queue.ready_tokens() / train_tok_s,
         ready_ahead_train_s=queue.ready_tokens_ahead() / train_tok_s,
         batch_ready=queue.batch_ready(),
