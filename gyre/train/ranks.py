@@ -254,7 +254,11 @@ class CellRanks:
             try:
                 if not self._stopped.is_set():
                     self._stopped.set()
-                    dist.broadcast_object_list([None], src=0)
+                    try:
+                        dist.broadcast_object_list([None], src=0)
+                    except RuntimeError as e:  # a rank is gone (the cell is lost): the rest go with us
+                        logging.getLogger(__name__).warning("stopping the cell's ranks: a rank is gone: %s", e)
+                        return
                     for link in self._links.values():
                         link.goodbye()
             finally:
