@@ -382,9 +382,8 @@ def _assert_served_and_switched_on_both_nodes(run_dir: Path, satellites: tuple[i
 
 
 def _weight_gaps(run_a: Path, run_b: Path) -> dict[int, float]:
-    """Step -> the largest difference of any weight between the two runs' checkpoints of it (the
-    fold adds micro-steps in index order, but a live step indexes them as they come: the sums may
-    round apart)."""
+    """Step -> the largest difference of any weight between the two runs' checkpoints of it (0.0:
+    bit for bit; a difference says where the runs parted, which a digest would not)."""
     from omegaconf import OmegaConf
 
     from gyre.config import GyreConfig, validate
