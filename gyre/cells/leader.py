@@ -62,6 +62,8 @@ from gyre.scheduler.cells import PHASES, Phase, Role
 log = logging.getLogger("gyre.cells.leader")
 RANK_LOST_EXIT = 75
 """The leader's exit code when one of its cell's other ranks died."""
+ENGINE_LOST_EXIT = 76
+"""The leader's exit code when an engine it started exited."""
 ENGINE_PHASES = (
     Phase.STOP_ADMISSION,
     Phase.HAND_OFF_SESSIONS,
@@ -91,6 +93,8 @@ class CellLeader:
         # Slurm: this node's engines; the other nodes' first ranks start theirs (`_attach_engines`)
         self.engines = _start_engines(spec, started_by(self.slots, 0) if spec.followers_placed else self.slots)
         self.engine_ids = [engine_id(self.index, slot.index) for slot in self.slots]
+        self._closing = threading.Event()
+        threading.Thread(target=self._watch_engines, args=(list(self.engines),), daemon=True).start()
         self.followers = []
         """Ranks 1.. of this cell (gyre/train/ranks.py); this process is rank 0, the cell's control endpoint."""
         if spec.ranks > 1 and not spec.followers_placed:
@@ -152,6 +156,24 @@ class CellLeader:
         log.error("cell %d: rank %d exited with code %s; the cell is lost", self.index, rank, code)
         logging.shutdown()
         os._exit(RANK_LOST_EXIT)
+
+    def _watch_engines(self, engines: list) -> None:
+        """An engine this process started that exits loses the cell, as a rank's death does (a
+        follower watches its node's the same way, gyre.cells.slurm); found within half a second,
+        not at the next switch or weight load that would fail on it."""
+        from gyre.common.serve import first_exited
+
+        if (engine := first_exited(engines, self._closing)) is not None:
+            code, tail = engine.proc.returncode, engine.log_tail(1000)
+            log.error(
+                "cell %d: its engine %s exited with code %s; the cell is lost. Its log's tail:\n%s",
+                self.index,
+                engine.url,
+                code,
+                tail,
+            )
+            logging.shutdown()
+            os._exit(ENGINE_LOST_EXIT)
 
     # ---- start ---------------------------------------------------------------------------
     def _attach_engines(self) -> None:
@@ -347,6 +369,7 @@ class CellLeader:
 
     def close(self) -> None:
         self._stop.set()
+        self._closing.set()
         if self.satellite is not None:
             self.satellite.close()
         if self.publisher is not None:

@@ -34,6 +34,7 @@ from gyre.cells.placement import SlurmPlacement
 from gyre.cells.serving import plan_engines, started_by
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
+from gyre.common.serve import first_exited
 from gyre.scheduler.cells import Cell
 
 log = logging.getLogger(__name__)
@@ -223,15 +224,6 @@ def _exit_with_engines(engines: list, stopping: threading.Event, failed: Path) -
         log.error("%s, this node's engine, exited with code %s: this rank exits", engine.url, code)
         logging.shutdown()
         os._exit(1)
-
-
-def first_exited(engines: list, stopping: threading.Event, every_s: float = 0.5):
-    """The first of `engines` seen exited, looking every `every_s`; None once `stopping` is set."""
-    while not stopping.wait(every_s):
-        for engine in engines:
-            if engine.proc.poll() is not None and not stopping.is_set():
-                return engine
-    return None
 
 
 def _wait_for(what: str, path: Path, job_dir: Path, restart: int, timeout_s: float) -> str:

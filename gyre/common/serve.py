@@ -5,9 +5,11 @@ tells the parent its port through a file and serves until SIGINT/SIGTERM; the pa
 import asyncio
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -61,20 +63,30 @@ class ChildServerError(GyreError):
 
 
 class ChildServer:
-    """The parent's side of `serve_app`: spawn the server in its own process group with its output in
-    a temporary log, wait for the port file, stop it (TERM, then KILL) with everything it started."""
+    """The parent's side of `serve_app`: spawn the server in its own process group, its files (its
+    output's log, the port file, its TMPDIR: an engine's scratch) in a private directory, wait for
+    the port file, stop it (TERM, then KILL) with everything it started, and remove the directory:
+    files the child left (killed before its cleanup ran) go with it."""
 
     error: type[ChildServerError] = ChildServerError
 
-    def __init__(self, name: str, keep_log: bool = False):
-        self.name, self.keep_log = name, keep_log
+    def __init__(self, name: str):
+        self.name = name
         self.proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix=f"{name}-", suffix=".log", delete=False)
+        self.dir: Path | None = None
+        """The child's files, from `spawn` until `stop`."""
+
+    def _files(self) -> Path:
+        if self.dir is None:
+            self.dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+        return self.dir
 
     def spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
-        )
+        env = (os.environ if env is None else env) | {"TMPDIR": str(self._files())}
+        with open(self.dir / "log", "wb") as log:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+            )
 
     def spawn_and_wait_port(self, cmd: list[str], timeout_s: float, env: dict[str, str] | None = None) -> list[str]:
         """Run `cmd --port-file F` and return the fields `serve_app` wrote to F (the port first).
@@ -82,23 +94,21 @@ class ChildServer:
         Raises:
             ChildServerError (or the subclass's `error`): the child exited or wrote nothing in time.
         """
-        port_file = self._log.name + ".port"
-        self.spawn([*cmd, "--port-file", port_file], env)
+        port_file = self._files() / "port"
+        self.spawn([*cmd, "--port-file", str(port_file)], env)
         deadline = time.monotonic() + timeout_s
-        while not os.path.exists(port_file):
+        while not port_file.exists():
             self.check_alive()
             if time.monotonic() > deadline:
                 tail = self.log_tail()
                 self.stop()
                 raise self.error(f"{self.name}: no port reported after {timeout_s} s; log tail:\n{tail}")
             time.sleep(0.05)
-        fields = Path(port_file).read_text().split()
-        os.unlink(port_file)
-        return fields
+        return port_file.read_text().split()
 
     def log_tail(self, n: int = 3000) -> str:
-        path = Path(self._log.name)
-        return path.read_text(errors="replace")[-n:] if path.exists() else "(log removed)"
+        path = self.dir / "log" if self.dir else None
+        return path.read_text(errors="replace")[-n:] if path and path.exists() else "(no log)"
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
@@ -113,16 +123,16 @@ class ChildServer:
             self.proc.wait()
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM the process group (SIGKILL after `timeout_s`); drop the log unless keep_log."""
+        """SIGTERM the process group (SIGKILL after `timeout_s`), then remove its files."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
-        self._log.close()
-        if not self.keep_log and os.path.exists(self._log.name):
-            os.unlink(self._log.name)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
 
     def start(self) -> "ChildServer":
         raise NotImplementedError
@@ -132,3 +142,12 @@ class ChildServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def first_exited(children: list["ChildServer"], stopping: threading.Event, every_s: float = 0.5):
+    """The first of `children` seen exited, looking every `every_s`; None once `stopping` is set."""
+    while not stopping.wait(every_s):
+        for child in children:
+            if child.proc.poll() is not None and not stopping.is_set():
+                return child
+    return None

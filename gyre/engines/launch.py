@@ -99,8 +99,8 @@ class BaseEngineProcess(ChildServer, ABC):
 
     error = EngineLaunchError
 
-    def __init__(self, cfg: EngineConfig, keep_log: bool = False):
-        super().__init__("gyre-engine", keep_log)
+    def __init__(self, cfg: EngineConfig):
+        super().__init__("gyre-engine")
         self.cfg = cfg
         self.url = ""
 
@@ -199,7 +199,7 @@ def make_engine_process(cfg: EngineConfig, model_cfg: ModelConfig, base_gpu_id: 
 
 def attach_engine(cfg: EngineConfig, model_cfg: ModelConfig, url: str) -> BaseEngineProcess:
     """A handle on an engine another process started and stops (a Slurm cell's other node,
-    gyre.cells.serving): its backend's client and switch verbs at `url`; `stop` only drops its unused log."""
+    gyre.cells.serving): its backend's client and switch verbs at `url`; `stop` does nothing."""
     engine = make_engine_process(cfg, model_cfg)
     engine.url = url
     return engine

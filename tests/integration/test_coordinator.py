@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre.cells.leader import RANK_LOST_EXIT
+from gyre.cells.leader import ENGINE_LOST_EXIT, RANK_LOST_EXIT
 from gyre.coordinator.ledger import read_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -256,8 +256,9 @@ def _rank1_pid(run_dir: Path, cell: int) -> int:
 
 
 def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_satellite_then_stop_the_run(tmp_path):
-    """Cells of two ranks on two emulated nodes serve through an engine per node. SIGKILL rank 1 of
-    the serving satellite and that cell is lost while the run trains on: the training satellite comes
+    """Cells of two ranks on two emulated nodes serve through an engine per node. SIGKILL an engine of
+    the serving satellite and that cell is lost at once (its leader watches the engines it started;
+    a follower rank's on Slurm, test_slurm.py) while the run trains on: the training satellite comes
     back to serve, its switches having drained, released, reloaded and announced both its engines,
     each rank's phase times recorded. SIGKILL rank 1 of the core while an execution runs and the run
     stops (its leader exits at once, not after gloo's timeout); the resumed run re-runs the
@@ -271,16 +272,18 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
         assert all(len(_children(run_dir, k, b"gyre.engines.server")) == 2 for k in range(3))  # one per node
         roles = _events(run_dir, "observation")[-1]["roles"]
         serving, training = roles.index("rollout"), roles.index("train", 1)
-        os.kill(_rank1_pid(run_dir, serving), signal.SIGKILL)
+        killed_t = time.time()
+        os.kill(_children(run_dir, serving, b"gyre.engines.server")[-1], signal.SIGKILL)
         _wait_for(proc, lambda: _checkpointed(run_dir, 2))  # trained on without it
         engines = {e["engine_id"]: e for e in _proxy_engines(run_dir)}
         back = [engines[f"cell{training}"], engines[f"cell{training}.e1"]]  # the cell's engines, under it
         assert all(e["status"] == "active" and e["weight_version"] >= 2 for e in back), back  # reloaded, announced
         assert {e["cell_id"] for e in back} == {str(training)}
         lost = [e for e in _events(run_dir, "failure") if e["component"] == f"cell{serving}"]
-        assert lost and f"exited with code {RANK_LOST_EXIT}" in lost[0]["message"], lost
+        assert lost and f"exited with code {ENGINE_LOST_EXIT}" in lost[0]["message"], lost
+        assert lost[0]["t"] - killed_t < 15, "found by its leader's watch, not at the next switch"
         log = (run_dir / "logs" / f"cell{serving}.log").read_text()
-        assert f"cell {serving}: rank 1 exited with code -9" in log
+        assert f"cell {serving}: its engine http://" in log and "exited with code -9; the cell is lost" in log
         # Step 3's executions are admitted once step 1 is applied (staleness 1): kill while one runs.
         _wait_for(proc, lambda: _running(run_dir / "ledger.jsonl"))
         os.kill(_rank1_pid(run_dir, 0), signal.SIGKILL)

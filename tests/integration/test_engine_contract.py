@@ -381,3 +381,19 @@ def test_nccl_weight_updates_point_to_the_mooncake_path(server):
 
     err = run(body, server.url)
     assert err.status == 400 and "gyre_transfer" in err.body
+
+
+def test_an_engine_killed_before_its_cleanup_leaves_no_files_once_stopped():
+    """An engine's files (log, port file, its TMPDIR: the weights a release spills) are its parent's
+    private directory, removed at `stop` even when the engine died by SIGKILL and cleaned nothing."""
+    proc = start_builtin()
+    try:
+        run(lambda c: c.release_memory(), proc.url)  # spills its in-memory weights to its scratch
+        files = proc.dir
+        spilled = [p for p in files.rglob("*") if p.is_file() and p.name != "log"]
+        assert spilled and all(files in p.parents for p in spilled)
+        proc.kill()
+        assert files.is_dir()
+    finally:
+        proc.stop()
+    assert not files.exists() and proc.log_tail() == "(no log)"

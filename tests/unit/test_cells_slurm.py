@@ -18,7 +18,6 @@ from gyre.cells.slurm import (
     SlurmLauncher,
     coordinator_exit_path,
     failed_path,
-    first_exited,
     run_cell_task,
     spec_path,
 )
@@ -87,9 +86,11 @@ def test_a_follower_rank_that_fails_is_the_cells_failure(tmp_path):
         SlurmCell(_spec(1), make_cells(2, 1)[1], tmp_path, restart=0).check_alive()
 
 
-def test_a_follower_watches_its_nodes_engines_until_one_exits_or_it_stops():
-    """A follower node's engine that exits is found (its rank then exits: the cell is lost); once the
-    rank is stopping, its engines' exit (their stop) is no loss."""
+def test_a_rank_watches_the_engines_it_started_until_one_exits_or_it_stops():
+    """An engine a rank started that exits is found (the rank then exits: the cell is lost, for a
+    follower on Slurm and for rank 0 anywhere); once the rank is stopping, its engines' exit (their
+    stop) is no loss."""
+    from gyre.common.serve import first_exited
 
     def engine(codes):
         return SimpleNamespace(proc=SimpleNamespace(poll=lambda: next(codes)))
