@@ -62,28 +62,32 @@ class RunMonitor:
 
     def update(self, now: float | None = None) -> None:
         """Fold the events appended since the last call into every view; never raises."""
+        now = self._fold(now)
+        interval = self.cfg.plots_interval_s
+        if self._plots_at is None:  # the first figures once there is a run to draw, not its empty start
+            self._plots_at = now
+        elif interval and now - self._plots_at >= interval:
+            self._plots_at = now
+            self._draw()
+
+    def close(self, now: float | None = None) -> dict:
+        """Read the last events, draw the figures, close the sinks; returns the run's summary."""
+        now = self._fold(now)
+        self._draw()
+        self._guard("progress", lambda: self._progress.close(self.state, now))
+        for name, sink in self._sinks.items():
+            self._guard(name, sink.close)
+        self._sinks.clear()
+        return summarize(self.state) | {"view_errors": dict(self.view_errors)}
+
+    def _fold(self, now: float | None) -> float:
         now = time.time() if now is None else now
         events: list[Event] = []
         self._guard("events", lambda: events.extend(self._tail.read_new()))
         for e in events:
             self._guard("fold", lambda e=e: self._add(e))
         self._guard("progress", lambda: self._progress.update(self.state, now))
-        interval = self.cfg.plots_interval_s
-        if interval and (self._plots_at is None or now - self._plots_at >= interval):
-            self._plots_at = now
-            self._draw()
-
-    def close(self, now: float | None = None) -> dict:
-        """Read the last events, draw the figures, close the sinks; returns the run's summary."""
-        self._plots_at = None
-        self.update(now)
-        if not self.cfg.plots_interval_s:
-            self._draw()
-        self._guard("progress", lambda: self._progress.close(self.state, now))
-        for name, sink in self._sinks.items():
-            self._guard(name, sink.close)
-        self._sinks.clear()
-        return summarize(self.state) | {"view_errors": dict(self.view_errors)}
+        return now
 
     def _add(self, e: Event) -> None:
         self.state.add(e)
