@@ -408,13 +408,16 @@ def test_real_harnesses_roll_out_through_the_coordinator(tmp_path, harness):
     rules = tmp_path / "rules.json"
     rules.write_text(json.dumps({"rules": HARNESS_RULES[harness]}))
     run_dir = tmp_path / "run"
-    # Real harness prompts are long (byte tokenizer): a rollout-only job with a longer context.
+    # Real harness prompts are long (byte tokenizer; codex's is 25K tokens): a rollout-only job with a
+    # longer context, its two executions on two cells of 0.75 CPU each (the default 0.5: 2 x 25 s prefills)
     summary = _finish(
         _gyre_train(
             run_dir,
             _taskset(tmp_path, ("apple",)),
             "num_steps=1",
             "mode=rollout",
+            "cluster.num_cells=2",
+            "coordinator.cpus_per_cell=0.75",
             f"harness={harness}",
             "coordinator.groups_per_step=1",
             "model.max_seq_len=65536",
