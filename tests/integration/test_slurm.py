@@ -316,7 +316,7 @@ def test_three_cells_of_two_nodes_serve_and_compute_on_every_satellite_rank_lose
     ranks sum them and step. SIGKILL of a training satellite's rank 1 (an srun task on its second
     node, nobody's child) loses the cell within seconds, through its link to rank 0, and the run
     finishes on the others. Its records, replayed locally by one core of 2 ranks in the run's
-    batching order, train the same weights bit for bit."""
+    batching order (both ranks computing micro-steps), train the same weights bit for bit."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path, ("apple", "river"))
     proc = _gyre_train(run_dir, tasks, "num_steps=3", *DEV, "cluster.cell_nodes=2", *SATELLITES_COMPUTE)
     _wait_for(
@@ -361,7 +361,7 @@ def test_three_cells_of_two_nodes_serve_and_compute_on_every_satellite_rank_lose
     replay = tmp_path / "replay"
     records = [f"records={run_dir / 'records'}", "mode=replay", "cluster.num_cells=1", "cluster.ranks_per_cell=2"]
     replayed = _finish(_gyre_train(replay, tasks, "num_steps=3", *records, *STEP_OF_SIX))
-    assert replayed["cell_ranks"] == 2
+    assert replayed["cell_ranks"] == 2 and _ranks_computing(replay, 0) == {0, 1}  # the core computes there
     gaps = _weight_gaps(run_dir, replay)
     print(f"run against its replay, largest weight difference per checkpoint: {gaps}")
     assert sorted(gaps) == [1, 2, 3] and set(gaps.values()) == {0.0}
