@@ -64,9 +64,9 @@ class ChildServerError(GyreError):
 
 class ChildServer:
     """The parent's side of `serve_app`: spawn the server in its own process group, its files (its
-    output's log, the port file, its TMPDIR: an engine's scratch) in a private directory, wait for
-    the port file, stop it (TERM, then KILL) with everything it started, and remove the directory:
-    files the child left (killed before its cleanup ran) go with it."""
+    output's log, the port file; the builtin engine's TMPDIR, its scratch) in a private directory,
+    wait for the port file, stop it (TERM, then KILL) with everything it started, and remove the
+    directory: files the child left (killed before its cleanup ran) go with it."""
 
     error: type[ChildServerError] = ChildServerError
 
@@ -76,14 +76,14 @@ class ChildServer:
         self.dir: Path | None = None
         """The child's files, from `spawn` until `stop`."""
 
-    def _files(self) -> Path:
+    def files(self) -> Path:
+        """The child's private directory (made on first use)."""
         if self.dir is None:
             self.dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
         return self.dir
 
     def spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        env = (os.environ if env is None else env) | {"TMPDIR": str(self._files())}
-        with open(self.dir / "log", "wb") as log:
+        with open(self.files() / "log", "wb") as log:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
             )
@@ -94,7 +94,7 @@ class ChildServer:
         Raises:
             ChildServerError (or the subclass's `error`): the child exited or wrote nothing in time.
         """
-        port_file = self._files() / "port"
+        port_file = self.files() / "port"
         self.spawn([*cmd, "--port-file", str(port_file)], env)
         deadline = time.monotonic() + timeout_s
         while not port_file.exists():

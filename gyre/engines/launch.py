@@ -155,7 +155,7 @@ class BuiltinEngineProcess(BaseEngineProcess):
             "--model-json",
             json.dumps(dataclasses.asdict(self.model_cfg)),
         ]
-        env = os.environ | {"OMP_NUM_THREADS": str(self.threads)}
+        env = os.environ | {"OMP_NUM_THREADS": str(self.threads), "TMPDIR": str(self.files())}  # its scratch
         (port,) = self.spawn_and_wait_port(cmd, self.cfg.startup_timeout_s, env)
         self.url = f"http://{self.cfg.host}:{port}"
         asyncio.run(self.wait_healthy())
