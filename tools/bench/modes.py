@@ -64,7 +64,7 @@ def oracle_train_cells(sim) -> int:
     return next(r for label, r in baselines(sim) if label.startswith("async oracle")).async_train_cells
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -74,10 +74,17 @@ def main() -> None:
     p.add_argument("--out", default=None, help="run directories go here (default: a temporary directory)")
     p.add_argument("overrides", nargs="*", help="gyre-train overrides for every mode (after --)")
     a = p.parse_args()
-    modes = a.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or modes[0] == "async-tuned":
+    a.modes = a.modes.split(",")
+    unknown = [m for m in a.modes if m not in MODES]
+    if unknown or a.modes[0] == "async-tuned":
         sys.exit(f"modes: {a.modes!r}; valid: {', '.join(MODES)}, the first calibrates the simulator (not async-tuned)")
+    return a
+
+
+def run_all(a: argparse.Namespace) -> tuple[dict, dict, dict, object, int | None]:
+    """Every mode's run: (summaries, live seconds, each's own simulated seconds, the simulator
+    calibrated on the first run, async-tuned's training pool)."""
+    modes = a.modes
     with tempfile.TemporaryDirectory(prefix="gyre-modes-") as tmp:
         out = Path(a.out or tmp)
         results, live, own, sim, tuned = {}, {}, {}, None, None
@@ -95,15 +102,10 @@ def main() -> None:
             else:
                 (own_run,) = run_modes(compose_sim(overrides, [run.config["scheduler"]["mode"]]))
                 own[m] = own_run.total_s
-    simulated = run_modes(sim)
-    bound_s = tighter_bound_s(simulated)
-    simulated = {r.mode: r.total_s for r in simulated}
-    predicted = {m: simulated[m] for m in modes if m != "async-tuned"}
-    if tuned is not None:
-        (r,) = run_modes(replace(sim, scheduler=replace(sim.scheduler, async_train_cells=tuned)), modes=["async"])
-        predicted["async-tuned"] = r.total_s
-    own[modes[0]] = predicted[modes[0]]
+    return results, live, own, sim, tuned
 
+
+def print_runs(results: dict) -> None:
     print(
         f"{'mode':<12} {'wall_s':>7} {'cpu_s':>7} {'steps':>5} {'trained':>7} {'reward first3':>13} "
         f"{'last3':>6} {'switches':>8}  "
@@ -120,21 +122,39 @@ def main() -> None:
             f"{r.get('reward_first3') or 0:>13.3f} "
             f"{r.get('reward_last3') or 0:>6.3f} {r.get('num_role_switches', 0):>8}  {busy}"
         )
-    keys = (
-        "scheduler",
-        "wall_s",
-        "cpu_s",
-        "num_steps",
-        "reward_first3",
-        "reward_last3",
-        "reward_per_step",
-        "executions",
-        "num_role_switches",
-        "switch_phase_s",
-        "cell_role_share",
-        "cell_utilisation",
-    )
-    report = {m: {k: r.get(k) for k in keys} for m, r in results.items()}
+
+
+REPORT_KEYS = (
+    "scheduler",
+    "wall_s",
+    "cpu_s",
+    "num_steps",
+    "reward_first3",
+    "reward_last3",
+    "reward_per_step",
+    "executions",
+    "num_role_switches",
+    "switch_phase_s",
+    "cell_role_share",
+    "cell_utilisation",
+)
+
+
+def main() -> None:
+    a = parse_args()
+    modes = a.modes
+    results, live, own, sim, tuned = run_all(a)
+    simulated = run_modes(sim)
+    bound_s = tighter_bound_s(simulated)
+    simulated = {r.mode: r.total_s for r in simulated}
+    predicted = {m: simulated[m] for m in modes if m != "async-tuned"}
+    if tuned is not None:
+        (r,) = run_modes(replace(sim, scheduler=replace(sim.scheduler, async_train_cells=tuned)), modes=["async"])
+        predicted["async-tuned"] = r.total_s
+    own[modes[0]] = predicted[modes[0]]
+
+    print_runs(results)
+    report = {m: {k: r.get(k) for k in REPORT_KEYS} for m, r in results.items()}
     print(
         f"simulator calibrated on the {modes[0]} run (its lower bound max(work/capacity, critical path, startup): "
         f"{bound_s:.1f} s), and on each mode's own run (the work it trained, its cells' rates)"
@@ -154,21 +174,28 @@ def main() -> None:
         )
     report["bound_s"] = round(bound_s, 1)
     if "elastic" in results:
+        report |= compare(results, live, predicted, bound_s, modes)
         report["elastic_over_bound"] = report["elastic"]["over_bound"]
-        for m in (x for x in modes if x != "elastic"):
-            key = m.replace("-", "_")
-            report[f"speedup_vs_{key}"] = live_x = round(live[m] / live["elastic"], 3)
-            # live runs train different work (uniform groups are not trained); the simulated ones do not
-            report[f"equal_work_speedup_vs_{key}"] = equal_x = round(predicted[m] / predicted["elastic"], 3)
-            # no schedule beats the bound: the most any could gain over this baseline's live run
-            report[f"ceiling_vs_{key}"] = ceiling = round(live[m] / bound_s, 3)
-            print(
-                f"elastic vs {m}: {live_x}x faster (first execution to last optimizer step; "
-                f"whole job {results[m]['wall_s'] / results['elastic']['wall_s']:.3f}x); "
-                f"at equal work (simulated on the {modes[0]} run's workload) {equal_x}x; "
-                f"a schedule at the bound: {ceiling}x"
-            )
     print(json.dumps(report))
+
+
+def compare(results: dict, live: dict, predicted: dict, bound_s: float, modes: list[str]) -> dict:
+    """Elastic against each other mode: live, at equal work, and the most a schedule could gain."""
+    out = {}
+    for m in (x for x in modes if x != "elastic"):
+        key = m.replace("-", "_")
+        out[f"speedup_vs_{key}"] = live_x = round(live[m] / live["elastic"], 3)
+        # live runs train different work (uniform groups are not trained); the simulated ones do not
+        out[f"equal_work_speedup_vs_{key}"] = equal_x = round(predicted[m] / predicted["elastic"], 3)
+        # no schedule beats the bound: the most any could gain over this baseline's live run
+        out[f"ceiling_vs_{key}"] = ceiling = round(live[m] / bound_s, 3)
+        print(
+            f"elastic vs {m}: {live_x}x faster (first execution to last optimizer step; "
+            f"whole job {results[m]['wall_s'] / results['elastic']['wall_s']:.3f}x); "
+            f"at equal work (simulated on the {modes[0]} run's workload) {equal_x}x; "
+            f"a schedule at the bound: {ceiling}x"
+        )
+    return out
 
 
 if __name__ == "__main__":
