@@ -138,7 +138,8 @@ class CheckpointManager:
 def _writer_queue_dies_with_us() -> None:
     """megatron's checkpoint writer keeps its results queue in a spawned Manager process for the life
     of the saving process, and nothing stops that Manager when the process dies at once (SIGKILL, a
-    lost rank's os._exit): each such death left one orphan of ~300 MB. Start it here, bound to us."""
+    lost rank's os._exit): each such death left one orphan of ~300 MB. Start it here, bound to us,
+    listening on an abstract socket (Linux): no socket file for such a death to leave behind."""
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
@@ -147,7 +148,8 @@ def _writer_queue_dies_with_us() -> None:
     from gyre.common.serve import die_with_parent
 
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        address = f"\0gyre-checkpoint-writer-{os.getpid()}-{os.urandom(4).hex()}"
+        manager = SyncManager(address, ctx=multiprocessing.get_context("spawn"))
         manager.start(initializer=die_with_parent)
         filesystem_async._results_queue = manager.Queue()
 
