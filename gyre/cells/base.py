@@ -7,6 +7,7 @@ channel and the role protocol are the same for all.
 """
 
 import sys
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Protocol
@@ -86,8 +87,18 @@ class BaseCell(ABC):
             except ChannelTimeout:
                 return out
             except ChannelClosed as e:
-                self.check_alive()  # a backend that knows why says so
+                self._explain_gone()
                 raise CellError(f"cell {self.index}'s leader is gone: {e}") from None
+
+    def _explain_gone(self, within_s: float = 3.0) -> None:
+        """A backend that knows why the leader went raises that (its exit code, its `.failed` file):
+        asked for `within_s`, as the channel closes before a dying process can be reaped."""
+        deadline = time.monotonic() + within_s
+        while True:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     def on_phase(self, msg: PhaseDone, now_s: float) -> None:
         """A phase of the switch is over: the state machine moves to the next (or to the new role)."""

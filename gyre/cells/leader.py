@@ -152,10 +152,16 @@ class CellLeader:
         """A follower rank exited: the cell is lost (a satellite: the run goes on without it; the
         core: the run stops and resumes from its checkpoint). Exit at once, whatever the leader's
         threads wait on (a collective with the dead rank may never return): the coordinator sees
-        this process gone, and the other ranks die with it (PR_SET_PDEATHSIG)."""
+        this process gone, and the other ranks and engines die with it (PR_SET_PDEATHSIG)."""
         log.error("cell %d: rank %d exited with code %s; the cell is lost", self.index, rank, code)
+        self._exit_lost(RANK_LOST_EXIT)
+
+    def _exit_lost(self, code: int) -> None:
+        """Exit at once with `code`; the engines' files go first (they die after us, unstopped)."""
+        for engine in self.engines:
+            engine.remove_files()
         logging.shutdown()
-        os._exit(RANK_LOST_EXIT)
+        os._exit(code)
 
     def _watch_engines(self, engines: list) -> None:
         """An engine this process started that exits loses the cell, as a rank's death does (a
@@ -172,8 +178,7 @@ class CellLeader:
                 code,
                 tail,
             )
-            logging.shutdown()
-            os._exit(ENGINE_LOST_EXIT)
+            self._exit_lost(ENGINE_LOST_EXIT)
 
     # ---- start ---------------------------------------------------------------------------
     def _attach_engines(self) -> None:

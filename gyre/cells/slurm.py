@@ -222,6 +222,8 @@ def _exit_with_engines(engines: list, stopping: threading.Event, failed: Path) -
         code = engine.proc.returncode
         write_private_file(failed, f"{engine.url} exited with code {code}; log tail:\n{engine.log_tail()}")
         log.error("%s, this node's engine, exited with code %s: this rank exits", engine.url, code)
+        for each in engines:  # they die after us (PR_SET_PDEATHSIG), unstopped
+            each.remove_files()
         logging.shutdown()
         os._exit(1)
 

@@ -130,6 +130,10 @@ class ChildServer:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self.remove_files()
+
+    def remove_files(self) -> None:
+        """Remove the child's directory (a running child's open files stay valid until it exits)."""
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
