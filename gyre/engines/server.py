@@ -96,7 +96,7 @@ class BuiltinEngineServer:
             page_size=engine_cfg.page_size,
             prefix_cache_tokens=engine_cfg.prefix_cache_tokens,
         )
-        self.exporter = KVExporter()
+        self.exporter = KVExporter(engine_cfg.kv_arena_mib << 20)
         self.policy = None
         if engine_cfg.scripted_policy:
             if self.tokenizer is None:
@@ -148,6 +148,8 @@ class BuiltinEngineServer:
 
     async def _start(self) -> None:
         self.core.start()
+        if self.cfg.kv_arena_mib:
+            await asyncio.to_thread(self.exporter.open)  # its memory is touched now, not in a hand-off
 
     async def _close(self) -> None:
         await asyncio.to_thread(self.core.stop)
