@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 
+import orjson
 import torch
 from aiohttp import web
 from aiohttp_sse import sse_response
@@ -52,8 +53,8 @@ async def _json(request: web.Request) -> dict:
     if not request.can_read_body:
         return {}
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = orjson.loads(await request.read())  # a 131K-token prompt: ~5x faster than json
+    except orjson.JSONDecodeError as e:
         raise BadRequest(f"malformed JSON body: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
