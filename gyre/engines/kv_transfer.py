@@ -5,9 +5,9 @@ engine thread: cached pages are never written) and publishes (session_id, addres
 Import: the destination reads those bytes with one Mooncake read into a buffer, checks shapes
 and weight version, and inserts the pages into its prefix cache as slots of that buffer (no copy),
 so a moved session's next /generate reports them as cached_tokens instead of recomputing them.
-Both buffers come from the engine's transfer arena (`engine.kv_arena_mib`, touched and registered
-at start) while it has room, else from new memory: an imported buffer stays in the arena until the
-cache evicts its last page.
+Both buffers come from the engine's transfer arena (`engine.kv_arena_mib`, touched at start,
+registered when the endpoint opens) while it has room, else from new memory: an imported buffer
+stays in the arena until the cache evicts its last page.
 """
 
 import asyncio
@@ -27,7 +27,8 @@ MAX_EXPORTS = 8
 
 class KVExporter:
     """Holds published buffers (at most MAX_EXPORTS; the oldest is withdrawn first), the engine's
-    transfer endpoint and its arena of `arena_bytes` (both opened on first use or by `open`)."""
+    transfer endpoint (opened on first use) and its arena of `arena_bytes` (touched by `open`, or
+    on first use)."""
 
     def __init__(self, arena_bytes: int = 0):
         self._arena_bytes = arena_bytes
@@ -39,33 +40,37 @@ class KVExporter:
         self._lock = threading.Lock()
 
     def open(self) -> None:
-        """Open the endpoint and touch the arena now (at start, not during the first hand-off)."""
-        _ = self.endpoint
-
-    @property
-    def endpoint(self) -> TransferEndpoint:
-        with self._lock:
-            if self._endpoint is None:
-                self._endpoint = TransferEndpoint()
-                self._arena = TransferArena(self._endpoint, self._arena_bytes)
-            return self._endpoint
+        """Touch the arena now (at start, not during the first hand-off); an engine that never
+        moves KV or weights over Mooncake never opens an endpoint."""
+        _ = self.arena
 
     @property
     def arena(self) -> TransferArena:
-        self.open()
-        return self._arena
+        with self._lock:
+            if self._arena is None:
+                self._arena = TransferArena(self._arena_bytes)
+            return self._arena
+
+    @property
+    def endpoint(self) -> TransferEndpoint:
+        arena = self.arena
+        with self._lock:
+            if self._endpoint is None:
+                self._endpoint = TransferEndpoint()
+                arena.register(self._endpoint)
+            return self._endpoint
 
     def publish(self, pages: list[torch.Tensor]) -> dict:
         """Concatenate KV pieces [L, 2, n, nKV, hd] straight into a registered buffer (one copy)."""
         first = pages[0]
         shape = (*first.shape[:2], sum(p.shape[2] for p in pages), *first.shape[3:])
         layout = BufferLayout.for_tensors({"kv": torch.empty(shape, dtype=first.dtype, device="meta")})
-        buf = self.arena.take(layout.nbytes)
+        endpoint, buf = self.endpoint, self.arena.take(layout.nbytes)
         own = buf is None
         if own:
-            descriptor, buf = self.endpoint.allocate(layout)
+            descriptor, buf = endpoint.allocate(layout)
         else:
-            descriptor = self.endpoint.describe(buf, layout)
+            descriptor = endpoint.describe(buf, layout)
         torch.cat(pages, dim=2, out=layout.unpack(buf)["kv"])
         export_id = str(next(self._ids))
         with self._lock:
@@ -77,7 +82,8 @@ class KVExporter:
     def fetch(self, descriptor: dict) -> dict[str, torch.Tensor]:
         """Read a peer's published tensors into the arena (a new buffer when it has no room)."""
         nbytes = BufferLayout.from_json(descriptor["layout"]).nbytes
-        return self.endpoint.fetch_tensors(descriptor, self.arena.take(nbytes))
+        endpoint = self.endpoint  # registers the arena before anything is read into it
+        return endpoint.fetch_tensors(descriptor, self.arena.take(nbytes))
 
     def release(self, export_id: str) -> None:
         with self._lock:

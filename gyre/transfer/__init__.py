@@ -2,7 +2,7 @@
 
 `layout` is the pure part (how named tensors pack into one flat buffer); `engine` is the I/O edge
 (a Mooncake endpoint that registers buffers and reads/writes a peer's registered memory); `arena`
-is memory touched and registered once that transfer buffers are carved from.
+is memory touched once and registered once that transfer buffers are carved from.
 """
 
 from gyre.transfer.arena import TransferArena

@@ -56,16 +56,21 @@ class RangeAllocator:
 
 
 class TransferArena:
-    """`nbytes` of memory, touched now and registered with `endpoint` as one region."""
+    """`nbytes` of memory, touched now; `register` makes it one region of an endpoint (buffers are
+    transferred only after that)."""
 
-    def __init__(self, endpoint, nbytes: int):
+    def __init__(self, nbytes: int):
         self._memory = np.empty(nbytes, dtype=np.uint8)
         self._memory.fill(0)  # every page faulted in now, not during a hand-off
         self._ranges = RangeAllocator(nbytes)
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
         """Ranges whose last reference died (finalizers run on any thread, so they only append)."""
         self._lock = threading.Lock()
-        self.address = endpoint.register(torch.from_numpy(self._memory)) if nbytes else 0
+        self.address = self._memory.ctypes.data
+
+    def register(self, endpoint) -> None:
+        if self._memory.size:
+            endpoint.register(torch.from_numpy(self._memory))
 
     @property
     def free_bytes(self) -> int:

@@ -79,7 +79,7 @@ class FakeEndpoint:
 
 
 def test_an_imported_buffer_returns_to_the_arena_once_its_last_page_is_evicted():
-    arena = TransferArena(FakeEndpoint(), 2 * 4096)
+    arena = TransferArena(2 * 4096)
     layout = BufferLayout.for_tensors({"kv": _kv(8)})
     kv = layout.unpack(arena.take(layout.nbytes))["kv"]  # what import_kv_pages reads into
     cache = PrefixCache(page_size=2, capacity_tokens=8)

@@ -59,7 +59,8 @@ def test_publish_and_fetch_named_tensors_into_new_memory_or_an_arena():
     descriptor, buf = a.publish_tensors(ts)
     got = b.fetch_tensors(descriptor)
     assert set(got) == set(ts) and all(torch.equal(got[n], ts[n]) for n in ts)
-    arena = TransferArena(b, 4096)
+    arena = TransferArena(4096)
+    arena.register(b)
     into = arena.take(BufferLayout.from_json(descriptor["layout"]).nbytes)
     got = b.fetch_tensors(descriptor, into)  # no registration of its own: the arena's covers it
     assert all(torch.equal(got[n], ts[n]) for n in ts) and got["a"].data_ptr() == arena.address
@@ -70,7 +71,7 @@ def test_publish_and_fetch_named_tensors_into_new_memory_or_an_arena():
 
 def test_an_arena_buffer_is_reused_only_once_nothing_references_it():
     """A buffer whose bytes a prefix-cache page (a view) still holds is never handed out again."""
-    arena = TransferArena(_NoEndpoint(), 3 * 4096)
+    arena = TransferArena(3 * 4096)
     first = arena.take(5000)  # two pages
     page = first.view(torch.float32)[:16]  # what a cache page keeps of an import
     assert arena.take(8192) is None and arena.free_bytes == 4096
@@ -79,13 +80,6 @@ def test_an_arena_buffer_is_reused_only_once_nothing_references_it():
     del page
     again = arena.take(8192)
     assert again is not None and again.data_ptr() == arena.address and arena.free_bytes == 4096
-
-
-class _NoEndpoint:
-    """Registers nothing (an endpoint costs a second to tear down; this test moves no bytes)."""
-
-    def register(self, tensor: torch.Tensor) -> int:
-        return tensor.data_ptr()
 
 
 def test_an_endpoint_makes_one_transfer_at_a_time():

@@ -4,8 +4,8 @@ Two builtin engines A and B (tiny model, scripted policy) behind one proxy. Each
 (L tokens) is on A: its KV is planted on A over Mooncake (random values: a 16K-token prefill per
 session would take minutes on CPU; moving and serving KV costs the same whatever its values), then
 one call through the proxy pins the session to A and tells the proxy its context. Each engine's
-transfer arena (engine.kv_arena_mib: memory touched and registered at start that exports are copied
-into and imports read into) holds twice the sessions' KV: on A the planted KV and its exports at
+transfer arena (engine.kv_arena_mib: memory touched at start, registered with Mooncake once, that
+exports are copied into and imports read into) holds twice the sessions' KV: on A the planted KV and its exports at
 once, as an engine's KV memory is sized for what it serves. Half the sessions
 then start a long call (in flight), and A is switched to training the way a cell does it:
 stop_admission, drain (answers once every session's KV has moved or been given up), release A's
