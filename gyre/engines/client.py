@@ -75,7 +75,7 @@ class EngineClient:
     async def _request(self, method: str, path: str, body: dict | None = None, raw: bytes | None = None):
         if self._session is None:
             raise GyreError("EngineClient used outside `async with`")
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        data = raw if raw is not None else (None if body is None else orjson.dumps(body))  # 131K ids: ~6x faster
         headers = {"Content-Type": "application/json"} if data is not None else None
         async with self._session.request(method, self.base_url + path, data=data, headers=headers) as r:
             text = await r.text()

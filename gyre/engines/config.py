@@ -31,6 +31,11 @@ class EngineConfig:
     """Prefix-cache granularity in tokens (SGLang's --page-size)."""
     prefix_cache_tokens: int = 262144
     """Builtin prefix-cache capacity in tokens (LRU eviction beyond it)."""
+    kv_arena_mib: int = 32
+    """Builtin: MiB of memory touched at start (registered with Mooncake when the engine's endpoint
+    opens) that KV hand-offs copy exports into and read imports into (an import stays there as
+    prefix-cache pages until evicted); beyond it they use new memory, whose page faults double
+    each copy's cost. Kept across release_memory (only the cache's pages in it are freed). 0: none."""
     startup_timeout_s: float = 600.0
     """Launchers give up if /health does not answer 200 within this time."""
     request_timeout_s: float = 3600.0
@@ -86,6 +91,7 @@ class EngineConfig:
         require(self.max_prefill_tokens >= 1, "max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
         require(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
         require(self.prefix_cache_tokens >= 0, "prefix_cache_tokens", f"must be >= 0, got {self.prefix_cache_tokens}")
+        require(self.kv_arena_mib >= 0, "kv_arena_mib", f"must be >= 0 (0: no arena), got {self.kv_arena_mib}")
         require(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
         require(
             0 < self.mem_fraction_static < 1,

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 
+import orjson
 import torch
 from aiohttp import web
 from aiohttp_sse import sse_response
@@ -52,8 +53,8 @@ async def _json(request: web.Request) -> dict:
     if not request.can_read_body:
         return {}
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = orjson.loads(await request.read())  # a 131K-token prompt: ~5x faster than json
+    except orjson.JSONDecodeError as e:
         raise BadRequest(f"malformed JSON body: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -96,7 +97,7 @@ class BuiltinEngineServer:
             page_size=engine_cfg.page_size,
             prefix_cache_tokens=engine_cfg.prefix_cache_tokens,
         )
-        self.exporter = KVExporter()
+        self.exporter = KVExporter(engine_cfg.kv_arena_mib << 20)
         self.policy = None
         if engine_cfg.scripted_policy:
             if self.tokenizer is None:
@@ -148,6 +149,8 @@ class BuiltinEngineServer:
 
     async def _start(self) -> None:
         self.core.start()
+        if self.cfg.kv_arena_mib:
+            await asyncio.to_thread(self.exporter.open)  # its memory is touched now, not in a hand-off
 
     async def _close(self) -> None:
         await asyncio.to_thread(self.core.stop)

@@ -77,13 +77,21 @@ class TransferEndpoint:
         nbytes = size if nbytes is None else nbytes
         if nbytes > size:
             raise TransferError(f"{op} of {nbytes} bytes overruns the local tensor ({size} bytes)")
-        if local.data_ptr() not in self._registered:
+        if not self._covers(local.data_ptr(), nbytes):
             raise TransferError(f"{op}: the local tensor is not registered; call register() first")
         fn = self._engine.transfer_sync_read if op == "read" else self._engine.transfer_sync_write
         with self._transfer_lock:
             rc = fn(peer, local.data_ptr(), peer_addr, nbytes)
         if rc != 0:
             raise TransferError(f"transfer_sync_{op}(peer={peer!r}, addr={peer_addr:#x}, {nbytes} B) returned {rc}")
+
+    def _covers(self, addr: int, nbytes: int) -> bool:
+        """Whether [addr, addr + nbytes) lies inside one registered region (a tensor, or an arena
+        that buffers are carved from)."""
+        with self._lock:
+            return any(
+                a <= addr and addr + nbytes <= a + t.numel() * t.element_size() for a, t in self._registered.items()
+            )
 
     def publish_tensors(self, tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
         """Pack named tensors into one new registered buffer for peers to read.
@@ -100,13 +108,21 @@ class TransferEndpoint:
         """A new registered buffer for `layout` and its descriptor (as `publish_tensors`); the
         caller fills the slots (`layout.unpack(buffer)`) before handing the descriptor to a peer."""
         buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
-        addr = self.register(buf)
-        return {"session_id": self.session_id, "address": addr, "layout": layout.to_json()}, buf
+        self.register(buf)
+        return self.describe(buf, layout), buf
 
-    def fetch_tensors(self, descriptor: dict) -> dict[str, torch.Tensor]:
-        """Read the tensors a peer published (its `publish_tensors` descriptor); returns views of
-        one new buffer that nothing else holds (no copy: a KV import keeps them as its pages)."""
+    def describe(self, buffer: torch.Tensor, layout: BufferLayout) -> dict:
+        """The descriptor of a registered buffer (one of `allocate`'s, or carved from an arena)."""
+        return {"session_id": self.session_id, "address": buffer.data_ptr(), "layout": layout.to_json()}
+
+    def fetch_tensors(self, descriptor: dict, into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Read the tensors a peer published (its `publish_tensors` descriptor) into `into` (a
+        registered uint8 buffer of at least the layout's size) or else a new buffer that nothing
+        else holds; returns views of it (no copy: a KV import keeps them as its pages)."""
         layout = BufferLayout.from_json(descriptor["layout"])
+        if into is not None:
+            self.read(descriptor["session_id"], int(descriptor["address"]), into, layout.nbytes)
+            return layout.unpack(into)
         buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
         self.register(buf)
         try:

@@ -1,15 +1,17 @@
-"""Engine pure parts: the paged prefix cache, /generate parsing, weight-version spans, the SGLang
-command line (golden), and EngineConfig validation."""
+"""Engine pure parts: the paged prefix cache and the transfer arena its imports live in, /generate
+parsing, weight-version spans, the SGLang command line (golden), and EngineConfig validation."""
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from gyre.engines import kv_transfer
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import make_sglang_command, make_sglang_env
 from gyre.engines.prefix_cache import CacheFull, PrefixCache
 from gyre.engines.protocol import BadRequest, parse_generate
 from gyre.errors import ConfigError
+from gyre.transfer import BufferLayout, TransferArena
 
 
 def _kv(n: int) -> torch.Tensor:
@@ -52,6 +54,54 @@ def test_moved_kv_is_pinned_until_its_session_uses_it_and_a_full_cache_refuses_m
     assert len(cache.match(("v",), [1, 2, 3, 4])) == 2  # the session's next call: unpinned from now on
     cache.insert(("v",), [21, 22, 23, 24], _kv(4))
     assert cache.match(("v",), [1, 2]) == [] and len(cache.match(("v",), [11, 12, 13, 14])) == 2
+
+
+class FakeEndpoint:
+    """Registers without Mooncake (an endpoint takes a second to tear down; these tests move no bytes)."""
+
+    def __init__(self):
+        self.registered: list[int] = []
+
+    def register(self, tensor: torch.Tensor) -> int:
+        self.registered.append(tensor.data_ptr())
+        return tensor.data_ptr()
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        self.registered.remove(tensor.data_ptr())
+
+    def allocate(self, layout: BufferLayout) -> tuple[dict, torch.Tensor]:
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+        self.register(buf)
+        return self.describe(buf, layout), buf
+
+    def describe(self, buffer: torch.Tensor, layout: BufferLayout) -> dict:
+        return {"address": buffer.data_ptr()}
+
+
+def test_an_imported_buffer_returns_to_the_arena_once_its_last_page_is_evicted():
+    arena = TransferArena(2 * 4096)
+    layout = BufferLayout.for_tensors({"kv": _kv(8)})
+    kv = layout.unpack(arena.take(layout.nbytes))["kv"]  # what import_kv_pages reads into
+    cache = PrefixCache(page_size=2, capacity_tokens=8)
+    cache.insert(("v",), list(range(8)), kv, copy=False)
+    del kv
+    held = cache.match(("v",), [0, 1])  # a match's view (an export copying it) holds the buffer too
+    cache.insert(("v",), list(range(10, 18)), _kv(8))  # evicts every page of the import
+    assert cache.match(("v",), [0, 1]) == [] and arena.free_bytes == 4096
+    del held
+    assert arena.free_bytes == 2 * 4096
+
+
+def test_exports_go_into_the_arena_while_it_has_room_and_else_into_new_registered_memory(monkeypatch):
+    endpoint = FakeEndpoint()
+    monkeypatch.setattr(kv_transfer, "TransferEndpoint", lambda: endpoint)
+    exporter = kv_transfer.KVExporter(arena_bytes=4096)
+    in_arena, beyond = exporter.publish([_kv(4), _kv(4)]), exporter.publish([_kv(8)])
+    assert in_arena["address"] == exporter.arena.address and beyond["address"] not in (0, exporter.arena.address)
+    assert exporter.arena.free_bytes == 0 and len(endpoint.registered) == 2
+    exporter.release(beyond["export_id"])
+    exporter.release(in_arena["export_id"])
+    assert endpoint.registered == [exporter.arena.address] and exporter.arena.free_bytes == 4096
 
 
 OK = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
@@ -184,6 +234,7 @@ def test_the_sglang_fake_takes_the_command_line_gyre_gives_sglang():
             id="hicache-needs-store",
         ),
         pytest.param({"max_running_requests": 0}, "max_running_requests", id="no-batch"),
+        pytest.param({"kv_arena_mib": -1}, "kv_arena_mib", id="negative-arena"),
         pytest.param({"mem_fraction_static": 1.5}, "mem_fraction_static", id="mem-fraction"),
         pytest.param({"weight_sync": "rsync"}, "weight_sync", id="unknown-weight-sync"),
         pytest.param(

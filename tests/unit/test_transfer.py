@@ -1,4 +1,5 @@
-"""gyre.transfer: layouts round-trip named tensors; two endpoints move bytes over Mooncake TCP."""
+"""gyre.transfer: layouts round-trip named tensors; two endpoints move bytes over Mooncake TCP; an
+arena hands out registered buffers and takes them back once nothing references them."""
 
 import threading
 import time
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from gyre.errors import GyreError
-from gyre.transfer import BufferLayout, TransferEndpoint, TransferError
+from gyre.transfer import BufferLayout, TransferArena, TransferEndpoint, TransferError
+from gyre.transfer.arena import RangeAllocator
 
 
 def _tensors():
@@ -51,14 +53,33 @@ def test_endpoints_read_and_write_each_other():
     assert dst_addr == dst.data_ptr()
 
 
-def test_publish_and_fetch_named_tensors():
+def test_publish_and_fetch_named_tensors_into_new_memory_or_an_arena():
     a, b = TransferEndpoint(), TransferEndpoint()
     ts = _tensors()
     descriptor, buf = a.publish_tensors(ts)
     got = b.fetch_tensors(descriptor)
     assert set(got) == set(ts) and all(torch.equal(got[n], ts[n]) for n in ts)
+    arena = TransferArena(4096)
+    arena.register(b)
+    into = arena.take(BufferLayout.from_json(descriptor["layout"]).nbytes)
+    got = b.fetch_tensors(descriptor, into)  # no registration of its own: the arena's covers it
+    assert all(torch.equal(got[n], ts[n]) for n in ts) and got["a"].data_ptr() == arena.address
+    assert arena.take(1) is None  # full while `got` lives (a KV import then reads into new memory)
     a.unregister(buf)
     a.close(), b.close()
+
+
+def test_an_arena_buffer_is_reused_only_once_nothing_references_it():
+    """A buffer whose bytes a prefix-cache page (a view) still holds is never handed out again."""
+    arena = TransferArena(3 * 4096)
+    first = arena.take(5000)  # two pages
+    page = first.view(torch.float32)[:16]  # what a cache page keeps of an import
+    assert arena.take(8192) is None and arena.free_bytes == 4096
+    del first
+    assert arena.take(8192) is None  # the view still holds the buffer
+    del page
+    again = arena.take(8192)
+    assert again is not None and again.data_ptr() == arena.address and arena.free_bytes == 4096
 
 
 def test_an_endpoint_makes_one_transfer_at_a_time():
@@ -90,3 +111,15 @@ def test_an_endpoint_makes_one_transfer_at_a_time():
         ep._engine = real
         ep.close()
     assert peak[0] == 1
+
+
+def test_range_allocator_takes_the_best_fit_and_merges_freed_neighbours():
+    ranges = RangeAllocator(100)
+    a, b, c = ranges.take(30), ranges.take(30), ranges.take(30)
+    assert (a, b, c, ranges.take(20)) == (0, 30, 60, None)
+    ranges.give(a, 30)
+    ranges.give(c, 30)  # free: [0, 30) and [60, 100)
+    assert ranges.take(25) == 0  # the 30-byte hole fits better than the 40-byte one
+    ranges.give(0, 25)
+    ranges.give(b, 30)  # [0, 100) again, in one piece
+    assert ranges.free_bytes == 100 and ranges.take(100) == 0

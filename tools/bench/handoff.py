@@ -3,7 +3,10 @@
 Two builtin engines A and B (tiny model, scripted policy) behind one proxy. Each session's context
 (L tokens) is on A: its KV is planted on A over Mooncake (random values: a 16K-token prefill per
 session would take minutes on CPU; moving and serving KV costs the same whatever its values), then
-one call through the proxy pins the session to A and tells the proxy its context. Half the sessions
+one call through the proxy pins the session to A and tells the proxy its context. Each engine's
+transfer arena (engine.kv_arena_mib: memory touched at start, registered with Mooncake once, that
+exports are copied into and imports read into) holds twice the sessions' KV: on A the planted KV and its exports at
+once, as an engine's KV memory is sized for what it serves. Half the sessions
 then start a long call (in flight), and A is switched to training the way a cell does it:
 stop_admission, drain (answers once every session's KV has moved or been given up), release A's
 memory. Figures, side by side in one run:
@@ -87,10 +90,12 @@ class Bench:
         policy = os.path.join(tmp, "policy.json")
         with open(policy, "w") as f:
             json.dump({"rules": RULES}, f)
+        kv_mib = sessions * (tokens + 4096) * torch.Size(_kv_shape(self.model, 1)).numel() * 4 / 2**20
         cfg = EngineConfig(
             init_seed=0,
             scripted_policy=policy,
             prefix_cache_tokens=(sessions + 2) * (tokens + 4096),
+            kv_arena_mib=int(2 * kv_mib) + 1,  # A: the planted imports and their exports at once
             max_running_requests=sessions + 4,
             startup_timeout_s=300,
         )
