@@ -516,6 +516,5 @@ def test_figures_are_redrawn_during_the_run_at_most_every_plots_interval(tmp_pat
     write_run(tmp_path, run_events[written:])
     now = 240
     monitor.close(now=now)
-    # first an interval after the start, refreshed, not on every update; always at the end
-    assert [t for t, _ in drawn] == [100, 230, 240]
+    assert [t for t, _ in drawn] == [100, 230, 240]  # an interval in, not on every update; always at the end
     assert [n for _, n in drawn] == [sum(e.t <= T0 + 100 for e in steps), sum(e.t <= T0 + 230 for e in steps), 4]
