@@ -22,7 +22,7 @@ def make_observation(
     queued: int,
     queued_ahead: int,
     running: int,
-    running_ahead: int = 0,
+    running_ahead: int,
     queue: MicroStepQueue,
     train_tok_s: float,
     optimizing: bool,

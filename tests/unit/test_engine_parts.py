@@ -1,5 +1,6 @@
-"""Engine pure parts: the paged prefix cache and the transfer arena its imports live in, /generate
-parsing, weight-version spans, the SGLang command line (golden), and EngineConfig validation."""
+"""Engine parts: the paged prefix cache and the transfer arena its imports live in, the KV exporter
+(over real Mooncake endpoints), /generate parsing, weight-version spans, the SGLang command line
+(golden), and EngineConfig validation."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from gyre.engines.launch import make_sglang_command, make_sglang_env
 from gyre.engines.prefix_cache import CacheFull, PrefixCache
 from gyre.engines.protocol import BadRequest, parse_generate
 from gyre.errors import ConfigError
-from gyre.transfer import BufferLayout, TransferArena
+from gyre.transfer import BufferLayout, TransferArena, TransferEndpoint
 
 
 def _kv(n: int) -> torch.Tensor:
@@ -56,28 +57,6 @@ def test_moved_kv_is_pinned_until_its_session_uses_it_and_a_full_cache_refuses_m
     assert cache.match(("v",), [1, 2]) == [] and len(cache.match(("v",), [11, 12, 13, 14])) == 2
 
 
-class FakeEndpoint:
-    """Registers without Mooncake (an endpoint takes a second to tear down; these tests move no bytes)."""
-
-    def __init__(self):
-        self.registered: list[int] = []
-
-    def register(self, tensor: torch.Tensor) -> int:
-        self.registered.append(tensor.data_ptr())
-        return tensor.data_ptr()
-
-    def unregister(self, tensor: torch.Tensor) -> None:
-        self.registered.remove(tensor.data_ptr())
-
-    def allocate(self, layout: BufferLayout) -> tuple[dict, torch.Tensor]:
-        buf = torch.empty(layout.nbytes, dtype=torch.uint8)
-        self.register(buf)
-        return self.describe(buf, layout), buf
-
-    def describe(self, buffer: torch.Tensor, layout: BufferLayout) -> dict:
-        return {"address": buffer.data_ptr()}
-
-
 def test_an_imported_buffer_returns_to_the_arena_once_its_last_page_is_evicted():
     arena = TransferArena(2 * 4096)
     layout = BufferLayout.for_tensors({"kv": _kv(8)})
@@ -93,15 +72,23 @@ def test_an_imported_buffer_returns_to_the_arena_once_its_last_page_is_evicted()
 
 
 def test_exports_go_into_the_arena_while_it_has_room_and_else_into_new_registered_memory(monkeypatch):
-    endpoint = FakeEndpoint()
+    """Over real Mooncake endpoints: a peer reads both exports; releasing them unregisters only the
+    exporter's own buffer and gives the arena's range back."""
+    endpoint, peer = TransferEndpoint(), TransferEndpoint()
     monkeypatch.setattr(kv_transfer, "TransferEndpoint", lambda: endpoint)
-    exporter = kv_transfer.KVExporter(arena_bytes=4096)
-    in_arena, beyond = exporter.publish([_kv(4), _kv(4)]), exporter.publish([_kv(8)])
-    assert in_arena["address"] == exporter.arena.address and beyond["address"] not in (0, exporter.arena.address)
-    assert exporter.arena.free_bytes == 0 and len(endpoint.registered) == 2
-    exporter.release(beyond["export_id"])
-    exporter.release(in_arena["export_id"])
-    assert endpoint.registered == [exporter.arena.address] and exporter.arena.free_bytes == 4096
+    try:
+        exporter = kv_transfer.KVExporter(arena_bytes=4096)
+        small, large = [_kv(4), _kv(4)], [_kv(8)]
+        in_arena, beyond = exporter.publish(small), exporter.publish(large)
+        assert in_arena["address"] == exporter.arena.address != beyond["address"]
+        assert exporter.arena.free_bytes == 0 and len(endpoint._registered) == 2  # the arena, the own buffer
+        assert torch.equal(peer.fetch_tensors(in_arena)["kv"], torch.cat(small, dim=2))
+        assert torch.equal(peer.fetch_tensors(beyond)["kv"], large[0])
+        exporter.release(beyond["export_id"])
+        exporter.release(in_arena["export_id"])
+        assert list(endpoint._registered) == [exporter.arena.address] and exporter.arena.free_bytes == 4096
+    finally:
+        endpoint.close(), peer.close()
 
 
 OK = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
