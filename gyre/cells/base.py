@@ -59,6 +59,10 @@ class BaseCell(ABC):
     def start(self) -> None:
         """Have the leader started; it connects to `spec.coordinator_address` and says CellReady."""
 
+    def ready(self, channel: Channel, engine_urls: list[str]) -> None:
+        """The leader said CellReady on `channel`: the cell runs from here."""
+        self.channel, self.engine_urls = channel, engine_urls
+
     @abstractmethod
     def check_alive(self) -> None:
         """Raise CellError if the leader is known to have died."""

@@ -27,6 +27,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 from gyre.cells.base import CellError
 from gyre.cells.serving import (
@@ -38,6 +39,7 @@ from gyre.cells.serving import (
     started_by,
 )
 from gyre.cells.spec import CellSpec
+from gyre.common.serve import exit_at_once, first_exited
 from gyre.control.messages import (
     CellReady,
     CheckpointDone,
@@ -160,15 +162,12 @@ class CellLeader:
         """Exit at once with `code`; the engines' files go first (they die after us, unstopped)."""
         for engine in self.engines:
             engine.remove_files()
-        logging.shutdown()
-        os._exit(code)
+        exit_at_once(code)
 
     def _watch_engines(self, engines: list) -> None:
         """An engine this process started that exits loses the cell, as a rank's death does (a
         follower watches its node's the same way, gyre.cells.slurm); found within half a second,
         not at the next switch or weight load that would fail on it."""
-        from gyre.common.serve import first_exited
-
         if (engine := first_exited(engines, self._closing)) is not None:
             code, tail = engine.proc.returncode, engine.log_tail(1000)
             log.error(
@@ -375,6 +374,8 @@ class CellLeader:
     def close(self) -> None:
         self._stop.set()
         self._closing.set()
+        for engine in self.engines:  # they stop while the ranks do
+            engine.terminate()
         if self.satellite is not None:
             self.satellite.close()
         if self.publisher is not None:
@@ -406,15 +407,15 @@ def _start_engines(spec: CellSpec, slots: list) -> list:
     return engines
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm's preemption warning is the coordinator's to act on
     spec = CellSpec.from_json(argv[0])
     Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
     CellLeader(spec).run()
-    return 0
+    exit_at_once(0)  # closed: everything it started has stopped
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

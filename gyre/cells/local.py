@@ -35,6 +35,10 @@ class LocalCell(BaseCell):
         die_with_parent()
         self.quota.add(os.getpid())
 
+    def ready(self, channel, engine_urls: list[str]) -> None:
+        super().ready(channel, engine_urls)
+        self.quota.cap()  # its start ran uncapped (gyre.cells.quota)
+
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             tail = self.log_path.read_text(errors="replace")[-3000:]
@@ -66,7 +70,7 @@ class LocalLauncher:
         return configured
 
     def make_cell(self, spec: CellSpec, state: Cell) -> LocalCell:
-        quota = make_quota(f"gyre-{os.getpid()}-cell{state.index}", self.cpus_per_cell, state.index)
+        quota = make_quota(f"gyre-{os.getpid()}-cell{state.index}", self.cpus_per_cell, state.index, capped=False)
         self.mechanism = quota.mechanism
         return LocalCell(spec, state, self.run_dir / "logs" / f"cell{state.index}.log", quota)
 

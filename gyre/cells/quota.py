@@ -11,6 +11,10 @@ as little as 358 tokens/s per cell against ~900 in colocate (`micro_step` events
 writable cgroup exists (not root, a read-only hierarchy) the cell is pinned with
 `sched_setaffinity` to its own cores instead — coarser (whole cores), and said once in the run's
 summary.
+
+A cell's cap holds from the moment its leader is ready (`cap`, once it said CellReady): its start
+(imports, the model's build, the engines' start) is no part of what the cap models, and under it a
+one-cell run took ~30 s to start instead of ~10 s.
 """
 
 import logging
@@ -45,6 +49,13 @@ class CpuQuota:
         elif self.mechanism == "affinity":
             os.sched_setaffinity(pid, {int(c) for c in self.path.split(",")})
 
+    def cap(self) -> None:
+        """Hold the processes to `cpus` CPUs from now (cgroups; pinned cores hold from `add`)."""
+        if self.mechanism == "cgroup_v2":
+            Path(self.path, "cpu.max").write_text(f"{quota_us(self.cpus)} {PERIOD_US}")
+        elif self.mechanism == "cgroup_v1":
+            Path(self.path, "cpu.cfs_quota_us").write_text(str(quota_us(self.cpus)))
+
     def remove(self, timeout_s: float = 10.0) -> None:
         """Delete the cgroup once its processes have exited (a child may take a moment to go)."""
         if not self.mechanism.startswith("cgroup"):
@@ -68,17 +79,22 @@ def quota_us(cpus: float) -> int:
     return max(1000, round(cpus * PERIOD_US))
 
 
-def make_quota(name: str, cpus: float, index: int, root: Path = CGROUP_ROOT, top_weight: bool = True) -> CpuQuota:
+def make_quota(
+    name: str, cpus: float, index: int, root: Path = CGROUP_ROOT, top_weight: bool = True, capped: bool = True
+) -> CpuQuota:
     """A quota of `cpus` CPUs named `name` (the `index`-th cell picks its cores for the fallback);
-    `top_weight=False` keeps the kernel's default weight (a harness sandbox must not outweigh the cells)."""
+    `top_weight=False` keeps the kernel's default weight (a harness sandbox must not outweigh the
+    cells); `capped=False` leaves the cgroup uncapped until `cap`."""
     if (root / "cgroup.controllers").exists():  # v2: one unified hierarchy
         path = root / name
         try:
             path.mkdir(exist_ok=True)
-            (path / "cpu.max").write_text(f"{quota_us(cpus)} {PERIOD_US}")
             if top_weight:
                 (path / "cpu.weight").write_text(str(WEIGHT_V2))
-            return CpuQuota(name, cpus, "cgroup_v2", str(path))
+            quota = CpuQuota(name, cpus, "cgroup_v2", str(path))
+            if capped:
+                quota.cap()
+            return quota
         except OSError as e:
             log.warning("cgroup v2 quota for %s failed (%s)", name, e)
     elif (root / "cpu" / "cpu.cfs_quota_us").exists():
@@ -86,10 +102,12 @@ def make_quota(name: str, cpus: float, index: int, root: Path = CGROUP_ROOT, top
         try:
             path.mkdir(exist_ok=True)
             (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-            (path / "cpu.cfs_quota_us").write_text(str(quota_us(cpus)))
             if top_weight:
                 (path / "cpu.shares").write_text(str(SHARES_V1))
-            return CpuQuota(name, cpus, "cgroup_v1", str(path))
+            quota = CpuQuota(name, cpus, "cgroup_v1", str(path))
+            if capped:
+                quota.cap()
+            return quota
         except OSError as e:
             log.warning("cgroup v1 quota for %s failed (%s)", name, e)
     cores = sorted(os.sched_getaffinity(0))

@@ -34,7 +34,7 @@ from gyre.cells.placement import SlurmPlacement
 from gyre.cells.serving import plan_engines, started_by
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
-from gyre.common.serve import first_exited
+from gyre.common.serve import exit_at_once, first_exited
 from gyre.scheduler.cells import Cell
 
 log = logging.getLogger(__name__)
@@ -224,8 +224,7 @@ def _exit_with_engines(engines: list, stopping: threading.Event, failed: Path) -
         log.error("%s, this node's engine, exited with code %s: this rank exits", engine.url, code)
         for each in engines:  # they die after us (PR_SET_PDEATHSIG), unstopped
             each.remove_files()
-        logging.shutdown()
-        os._exit(1)
+        exit_at_once(1)
 
 
 def _wait_for(what: str, path: Path, job_dir: Path, restart: int, timeout_s: float) -> str:

@@ -159,7 +159,7 @@ def _accept_cells(parts: Parts, timeout_s: float) -> None:
         if not isinstance(ready, CellReady):
             raise CellError(f"a cell leader said {type(ready).__name__} before CellReady")
         cell = parts.cells[ready.cell]
-        cell.channel, cell.engine_urls = channel, ready.engine_urls
+        cell.ready(channel, ready.engine_urls)
         if ready.cell == 0:
             parts.core_address, parts.initial = ready.core_address, ready
         pending -= 1

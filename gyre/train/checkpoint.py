@@ -12,6 +12,7 @@ point leaves the previous complete checkpoint untouched and loadable.
 
 import json
 import os
+import queue
 import re
 import shutil
 from pathlib import Path
@@ -53,7 +54,7 @@ class CheckpointManager:
         """
         from megatron.core import dist_checkpointing
 
-        _writer_queue_dies_with_us()
+        _writer_results_in_process()
         rank0 = dist.get_rank() == 0
         final = self.root / f"step_{trainer.step:08d}"
         tmp = self.root / f".tmp-{final.name}"
@@ -135,23 +136,16 @@ class CheckpointManager:
         }
 
 
-def _writer_queue_dies_with_us() -> None:
-    """megatron's checkpoint writer keeps its results queue in a spawned Manager process for the life
-    of the saving process, and nothing stops that Manager when the process dies at once (SIGKILL, a
-    lost rank's os._exit): each such death left one orphan of ~300 MB. Start it here, bound to us,
-    listening on an abstract socket (Linux): no socket file for such a death to leave behind."""
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
+def _writer_results_in_process() -> None:
+    """megatron's checkpoint writer hands its results over a queue it would keep in a spawned Manager
+    process, for saves run in the background by another process. Gyre saves synchronously: the
+    writer runs in this process, so an in-process queue carries them. No Manager to start (it
+    re-imports this process's main module: ~7 s of CPU at the first save here) and none to orphan
+    when the saving process dies at once (SIGKILL, a lost rank's os._exit)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from gyre.common.serve import die_with_parent
-
     if filesystem_async._results_queue is None:
-        address = f"\0gyre-checkpoint-writer-{os.getpid()}-{os.urandom(4).hex()}"
-        manager = SyncManager(address, ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=die_with_parent)
-        filesystem_async._results_queue = manager.Queue()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -37,10 +37,10 @@ def init_distributed(tensor_parallel_size: int, seed: int) -> None:
     Raises:
         ParallelError: the world size is not a multiple of the tensor-parallel size.
     """
+    cpu = apply_cpu_shim()  # first: it imports megatron-core for CPU
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    cpu = apply_cpu_shim()
     if not dist.is_initialized():
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         if not cpu:

@@ -41,10 +41,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch.distributed as dist
 
-from gyre.common.serve import die_with_parent
+from gyre.common.serve import die_with_parent, exit_at_once
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.train.checkpoint import CheckpointManager
@@ -87,8 +88,7 @@ def _exit_with_rank0(link: socket.socket) -> None:
         goodbye = b""
     if not goodbye:
         logging.getLogger(__name__).error("rank %d: rank 0's link closed; it died, so does this rank", dist.get_rank())
-        logging.shutdown()
-        os._exit(1)
+        exit_at_once(1)
 
 
 def _engine_urls(state: RankState) -> list[list[str]]:
@@ -304,14 +304,14 @@ def start_followers(num_ranks: int, host: str, model: ModelConfig, cfg: TrainerC
     return procs
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser(description="a follower rank of a multi-rank cell")
     parser.add_argument("--model", required=True, help="ModelConfig fields as JSON")
     parser.add_argument("--trainer", required=True, help="TrainerConfig fields as JSON")
     parser.add_argument("--seed", type=int, required=True)
     args = parser.parse_args(argv)
     run_follower(ModelConfig(**json.loads(args.model)), TrainerConfig(**json.loads(args.trainer)), args.seed)
-    return 0
+    exit_at_once(0)  # rank 0 stopped it; its process group is destroyed
 
 
 def run_follower(
@@ -329,4 +329,4 @@ def run_follower(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

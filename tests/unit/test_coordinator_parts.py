@@ -11,6 +11,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from gyre.cells.local import LocalCell
 from gyre.cells.quota import PERIOD_US, SHARES_V1, WEIGHT_V2, make_quota, quota_us
 from gyre.control.messages import Failure
 from gyre.coordinator.batching import mask_stale
@@ -90,7 +91,7 @@ def test_stale_targets_are_masked_by_the_per_span_rule(versions, step, staleness
     assert (kept.path.logprobs[~on] == 0).all() and not kept.path.unique_mask[~on].any()
 
 
-def test_quota_uses_cgroup_v2_then_v1_then_pins_cores(tmp_path):
+def test_quota_uses_cgroup_v2_then_v1_then_pins_cores_and_caps_when_asked(tmp_path):
     v2 = tmp_path / "v2"
     v2.mkdir()
     (v2 / "cgroup.controllers").write_text("cpu\n")
@@ -105,9 +106,27 @@ def test_quota_uses_cgroup_v2_then_v1_then_pins_cores(tmp_path):
     assert q.mechanism == "cgroup_v1" and (v1 / "cpu" / "cellB" / "cpu.cfs_quota_us").read_text() == "150000"
     assert (v1 / "cpu" / "cellB" / "cpu.shares").read_text() == str(SHARES_V1)
 
+    q = make_quota("cellD", 0.5, 0, root=v2, capped=False)  # a cell's: capped once its leader is ready
+    assert q.mechanism == "cgroup_v2" and not (v2 / "cellD" / "cpu.max").exists()  # the kernel's: no cap
+    q.cap()
+    assert (v2 / "cellD" / "cpu.max").read_text() == f"{quota_us(0.5)} {PERIOD_US}"
+    q = make_quota("cellE", 1.5, 0, root=v1, capped=False)
+    assert not (v1 / "cpu" / "cellE" / "cpu.cfs_quota_us").exists()
+    q.cap()
+    assert (v1 / "cpu" / "cellE" / "cpu.cfs_quota_us").read_text() == "150000"
+
     q = make_quota("cellC", 1, 1, root=tmp_path / "none")
     assert q.mechanism == "affinity" and {int(c) for c in q.path.split(",")} <= os.sched_getaffinity(0)
     assert quota_us(0.001) == 1000  # the kernel's minimum
+
+
+def test_a_local_cell_is_capped_once_its_leader_is_ready(tmp_path):
+    capped = []
+    quota = SimpleNamespace(cap=lambda: capped.append(True))
+    cell = LocalCell(SimpleNamespace(index=0), make_cells(1, 1)[0], tmp_path / "cell0.log", quota)
+    assert not capped  # its start runs uncapped
+    cell.ready("channel", ["http://127.0.0.1:1"])
+    assert capped and cell.channel == "channel" and cell.engine_urls == ["http://127.0.0.1:1"]
 
 
 class _Cell:

@@ -117,9 +117,12 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path):
         )
         try:
             rc = proc.wait(timeout=180)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child's own session: its orphaned helpers
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
     assert rc == -signal.SIGKILL, log.read_text()[-2000:]
+    with pytest.raises(ProcessLookupError):  # the child's session is empty: no checkpoint helper outlived it
+        os.killpg(proc.pid, 0)
     assert (tmp_path / "ck" / ".tmp-step_00000002").is_dir()  # the interrupted save
     assert [s for s, _ in list_checkpoints(tmp_path / "ck")] == [1]
     tr = Trainer(MODEL, CFG, seed=3)
