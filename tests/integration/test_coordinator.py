@@ -91,7 +91,9 @@ def _finish(proc: subprocess.Popen, timeout_s: float = 900) -> dict:
 
 
 def _events(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    """The run's events of `kind` so far; a line still being written waits for the next read."""
+    text = (run_dir / "events.jsonl").read_text()
+    lines = text.splitlines()[: text.count("\n")]
     return [e for e in map(json.loads, lines) if e["kind"] == kind]
 
 
