@@ -22,14 +22,14 @@ from gyre.models.hf import source_dtype, write_hf_dir
 
 def load_trainer_weights(checkpoint: str | os.PathLike, model_cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Engine-named full weights from a trainer checkpoint directory (gyre/train/checkpoint.py)."""
-    from megatron.core import dist_checkpointing
-
     from gyre.train.config import TrainerConfig
     from gyre.train.model import build_gpt_model, init_distributed
 
     if not (Path(checkpoint) / "gyre_state.json").is_file():
         raise GyreError(f"{checkpoint} is not a complete trainer checkpoint (no gyre_state.json)")
-    init_distributed(1, seed=0)
+    init_distributed(1, seed=0)  # first: on CPU it imports megatron-core (gyre.train.cpu_shim)
+    from megatron.core import dist_checkpointing
+
     bare = ModelConfig(**{f: getattr(model_cfg, f) for f in model_cfg.__dataclass_fields__ if f != "path"})
     model = build_gpt_model(bare, TrainerConfig())  # random init: every tensor is overwritten below
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="")}, str(checkpoint))
