@@ -14,7 +14,7 @@ summary.
 
 A cell's cap holds from the moment its leader is ready (`cap`, once it said CellReady): its start
 (imports, the model's build, the engines' start) is no part of what the cap models, and under it a
-replay on one cell of 2 ranks took 29.5 s to its first step instead of 13.2 s.
+replay on one cell of 2 ranks took 29.5 s to start (`run_start`) instead of 13.2 s.
 """
 
 import logging
