@@ -1,12 +1,15 @@
-"""KV prefix migration between two builtin engines over the Mooncake Transfer Engine (TCP)."""
+"""KV prefix migration between two builtin engines over the Mooncake Transfer Engine (TCP), and the
+KV exporter's arena over real endpoints."""
 
 import asyncio
 
 import pytest
 import torch
 
+from gyre.engines import kv_transfer
 from gyre.engines.client import EngineClient, EngineHTTPError, migrate_prefix
 from gyre.models.transformer import init_weights, sequence_logprobs
+from gyre.transfer import TransferEndpoint
 from tests.integration.engine_fixtures import MODEL, SEED, run, start_builtin
 
 
@@ -72,3 +75,27 @@ def test_nothing_cached_means_nothing_transferred(engines):
     a, b = engines
     moved = run(lambda ca: migrate_prefix(ca, ca, [9] * 40), a.url)
     assert moved == {"exported_tokens": 0, "transferred_tokens": 0, "recomputed_tokens": 40, "refused": None}
+
+
+def _kv(n: int) -> torch.Tensor:
+    return torch.arange(2 * 2 * n * 3, dtype=torch.float32).view(1, 2, n, 3, 2)
+
+
+def test_exports_go_into_the_arena_while_it_has_room_and_else_into_new_registered_memory(monkeypatch):
+    """Over real Mooncake endpoints: a peer reads both exports; releasing them unregisters only the
+    exporter's own buffer and gives the arena's range back."""
+    endpoint, peer = TransferEndpoint(), TransferEndpoint()
+    monkeypatch.setattr(kv_transfer, "TransferEndpoint", lambda: endpoint)
+    try:
+        exporter = kv_transfer.KVExporter(arena_bytes=4096)
+        small, large = [_kv(4), _kv(4)], [_kv(8)]
+        in_arena, beyond = exporter.publish(small), exporter.publish(large)
+        assert in_arena["address"] == exporter.arena.address != beyond["address"]
+        assert exporter.arena.free_bytes == 0 and len(endpoint._registered) == 2  # the arena, the own buffer
+        assert torch.equal(peer.fetch_tensors(in_arena)["kv"], torch.cat(small, dim=2))
+        assert torch.equal(peer.fetch_tensors(beyond)["kv"], large[0])
+        exporter.release(beyond["export_id"])
+        exporter.release(in_arena["export_id"])
+        assert list(endpoint._registered) == [exporter.arena.address] and exporter.arena.free_bytes == 4096
+    finally:
+        endpoint.close(), peer.close()

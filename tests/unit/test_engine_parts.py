@@ -1,18 +1,16 @@
-"""Engine parts: the paged prefix cache and the transfer arena its imports live in, the KV exporter
-(over real Mooncake endpoints), /generate parsing, weight-version spans, the SGLang command line
-(golden), and EngineConfig validation."""
+"""Engine pure parts: the paged prefix cache and the transfer arena its imports live in, /generate
+parsing, weight-version spans, the SGLang command line (golden), and EngineConfig validation."""
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from gyre.engines import kv_transfer
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import make_sglang_command, make_sglang_env
 from gyre.engines.prefix_cache import CacheFull, PrefixCache
 from gyre.engines.protocol import BadRequest, parse_generate
 from gyre.errors import ConfigError
-from gyre.transfer import BufferLayout, TransferArena, TransferEndpoint
+from gyre.transfer import BufferLayout, TransferArena
 
 
 def _kv(n: int) -> torch.Tensor:
@@ -69,26 +67,6 @@ def test_an_imported_buffer_returns_to_the_arena_once_its_last_page_is_evicted()
     assert cache.match(("v",), [0, 1]) == [] and arena.free_bytes == 4096
     del held
     assert arena.free_bytes == 2 * 4096
-
-
-def test_exports_go_into_the_arena_while_it_has_room_and_else_into_new_registered_memory(monkeypatch):
-    """Over real Mooncake endpoints: a peer reads both exports; releasing them unregisters only the
-    exporter's own buffer and gives the arena's range back."""
-    endpoint, peer = TransferEndpoint(), TransferEndpoint()
-    monkeypatch.setattr(kv_transfer, "TransferEndpoint", lambda: endpoint)
-    try:
-        exporter = kv_transfer.KVExporter(arena_bytes=4096)
-        small, large = [_kv(4), _kv(4)], [_kv(8)]
-        in_arena, beyond = exporter.publish(small), exporter.publish(large)
-        assert in_arena["address"] == exporter.arena.address != beyond["address"]
-        assert exporter.arena.free_bytes == 0 and len(endpoint._registered) == 2  # the arena, the own buffer
-        assert torch.equal(peer.fetch_tensors(in_arena)["kv"], torch.cat(small, dim=2))
-        assert torch.equal(peer.fetch_tensors(beyond)["kv"], large[0])
-        exporter.release(beyond["export_id"])
-        exporter.release(in_arena["export_id"])
-        assert list(endpoint._registered) == [exporter.arena.address] and exporter.arena.free_bytes == 4096
-    finally:
-        endpoint.close(), peer.close()
 
 
 OK = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
