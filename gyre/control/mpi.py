@@ -4,8 +4,8 @@
     peer:     reads PORT_FILE -> COMM_SELF.Connect(port)          one intercommunicator per peer
 
 MPI's failure model is the risk: a process that dies is not reported by MPICH on an
-intercommunicator (Iprobe and Isend on it keep returning as if it were alive, verified with
-MPICH 5.0 ch4:ucx), and a collective or a blocking send to it would hang. So every channel:
+intercommunicator (Iprobe on it keeps returning as if it were alive, verified with MPICH 5.0), and
+a collective or a blocking send to it would hang. So every channel:
 runs with MPI_ERRORS_RETURN, uses only nonblocking point-to-point calls (a send never waits for
 the receiver; pending sends are completed lazily), sends a heartbeat every `heartbeat_s`, and
 declares the peer dead (ChannelClosed) after `peer_timeout_s` of silence while it listens (a
@@ -20,18 +20,18 @@ an MPICH `timeout` (so a peer that died between announcing and connecting costs 
 process), Connect with one too, Disconnect only once our sends are complete (MPICH ch4's
 disconnect is then a local free; with sends still pending, a Free). At exit, the lock is taken for
 good before mpi4py's MPI_Finalize, so no daemon thread (heartbeats) is inside MPI when it runs.
-History: with a lock per channel (MPI_THREAD_MULTIPLE) the coordinator once died of a
-segmentation fault while accepting a leader as other threads sent and probed; with one lock but
-Connect and Disconnect outside it (in threads of their own, racing the heartbeats), 5 of 5 runs
-passed; now nothing races. With peers that reconnect again and again (tools/probe/mpi_stress.py
---peers 3 --seconds 30 --hold-s 0.05), MPICH 5.0.2's default netmod, ch4:ucx, still segfaults in
-Accept (6 of 6 probe runs on 2026-12-04), so it is not a race of ours; with one channel per peer, as
-Gyre's leaders hold, it did not crash in 100 s. ch4:ofi over libfabric's tcp provider
-(MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp) ran 12 such probes with no crash, but in the Slurm
-killed-satellite run it blocked inside Isend (a socket connect to the killed leader) while holding
-the lock above, so every heartbeat stopped and the live cells presumed the coordinator dead: a dead
-peer must never block a send, so ch4:ucx stays. A satellite reconnects to the core once per training
-role, far less often than the probe.
+The network module is ch4:ofi over libfabric's tcp provider, chosen at MPI_Init (`_NETMOD_ENV`;
+a variable the user set wins). MPICH 5.0.2's default, ch4:ucx, dies of SIGSEGV or SIGBUS inside
+MPI_Comm_accept when peers reconnect again and again (tools/probe/mpi_stress.py --peers 3 --seconds
+20 --hold-s 0.05: 9 of 9 runs on 2026-12-05, every call serialised, also with UCX_TLS=tcp,self or
+sm,self or MPIR_CVAR_NOLOCAL=1), and the coordinator of a Slurm run died so once (2026-12-03).
+ch4:ofi/tcp does not crash there (8 of 8 runs clean), but MPICH retries a send the provider cannot take (its queue to a
+killed peer is full) without end: Isend blocked under the lock and starved every other channel. So
+each intercommunicator carries the `MPI_OFI_set_eagain` hint and MPICH gives up after
+`_EAGAIN_RETRIES` retries (~2 s on an idle core), the Isend returns MPIX_ERR_EAGAIN and the
+channel declares its peer dead: well inside `peer_timeout_s` of the other channels' peers
+(tools/probe/mpi_kill.py). History: with a lock per channel the coordinator once died of a
+segmentation fault while accepting a leader as other threads sent and probed.
 
 Processes started plainly are MPICH singletons; two singletons cannot connect to each other
 (MPICH: "Local and remote groups ... are not disjoint"), so peers run under `mpiexec -n 1` (on
@@ -42,6 +42,7 @@ import atexit
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -54,6 +55,12 @@ _BYE_SEEN = "the peer closed the channel"
 _POLL_S = (0.00005, 0.005)  # recv polls Iprobe with a backoff from the first to the second
 _CALLS = threading.Lock()  # every MPI call of this process (see above)
 _ACCEPT_TIMEOUT_S = 10  # an announced peer's Connect arrives within ms; longer means it died
+_EAGAIN_RETRIES = 100_000  # a send the provider cannot take for this long: its peer is presumed dead
+_NETMOD_ENV = {
+    "MPIR_CVAR_CH4_NETMOD": "ofi",
+    "FI_PROVIDER": "tcp",
+    "MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY": str(_EAGAIN_RETRIES),
+}
 
 
 class MpiThreadLevelError(GyreError):
@@ -62,11 +69,17 @@ class MpiThreadLevelError(GyreError):
 
 def _mpi():
     """mpi4py's MPI module, initialised for serialised calls from several threads (checked once)."""
-    # UCX warns at exit about heartbeats nobody received (harmless: a peer's last beats); errors still show
-    os.environ.setdefault("UCX_LOG_LEVEL", "error")
     import mpi4py
 
     mpi4py.rc.thread_level = "serialized"  # read at the first import of mpi4py.MPI only
+    if "mpi4py.MPI" not in sys.modules:  # MPI_Init reads these; children (engines) must not inherit them
+        chosen = {k: v for k, v in _NETMOD_ENV.items() if k not in os.environ}
+        os.environ.update(chosen)
+        try:
+            from mpi4py import MPI
+        finally:
+            for key in chosen:
+                del os.environ[key]
     from mpi4py import MPI
 
     if not _mpi.checked:
@@ -103,6 +116,10 @@ class MpiChannel(Channel):
         MPI = _mpi()
         with _CALLS:
             comm.Set_errhandler(MPI.ERRORS_RETURN)
+            hint = MPI.Info.Create()
+            hint.Set("MPI_OFI_set_eagain", "true")  # a send bounded by _EAGAIN_RETRIES, never blocking
+            comm.Set_info(hint)
+            hint.Free()
         self._comm, self.peer = comm, peer
         self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
         self._lock = _CALLS  # also guards this channel's state (pending sends, closed)
@@ -121,8 +138,9 @@ class MpiChannel(Channel):
             try:
                 self._pending.append((self._comm.Isend([data, MPI.BYTE], dest=0, tag=tag), data))
                 self._pending = [(r, b) for r, b in self._pending if not r.Test()]
-            except MPI.Exception as e:
-                raise ChannelClosed(f"{self.peer}: send failed ({e.Get_error_string()})") from None
+            except MPI.Exception as e:  # MPIX_ERR_EAGAIN: the provider took nothing to it for seconds
+                self._peer_gone = f"send failed ({e.Get_error_string().split(', error stack')[0]}): presumed dead"
+                raise ChannelClosed(f"{self.peer}: {self._peer_gone}") from None
 
     def send(self, msg: object) -> None:
         self._send_bytes(encode(msg))

@@ -49,12 +49,11 @@ class ClusterConfig:
     """Slurm: CPU cores of the coordinator's component (coordinator, proxy, harness sandboxes)."""
     coordinator_mem_gb: int = 16
     """Slurm: memory of the coordinator's component, in GiB."""
-    control: str = "tcp"
+    control: str | None = None
     """Transport of the control messages (coordinator <-> cell leaders, core <-> satellites): one of
-    CONTROLS. mpi: mpi4py + MPICH, each leader under `mpiexec -n 1`, joined by port files in the run
-    directory (gyre/control/mpi.py). tcp is the default everywhere: MPICH still segfaults inside
-    MPI_Comm_accept now and then (the Slurm killed-satellite test, 2026-12-03, with every MPI call
-    serialised), which a run cannot survive."""
+    CONTROLS. mpi: mpi4py + MPICH (ch4:ofi over TCP), each leader under `mpiexec -n 1`, joined by
+    port files in the run directory (gyre/control/mpi.py). None: mpi on Slurm (the design's control
+    plane), tcp locally (no MPI launcher needed, a dead peer seen at once)."""
     control_peer_timeout_s: float = 30.0
     """mpi: silence after which a peer is declared dead (MPICH reports no dead peer; heartbeats
     every 0.5 s). Long enough for a leader busy in a loaded step; a dead cell is found this late."""
@@ -97,6 +96,8 @@ class ClusterConfig:
         require(self.cpus_per_node >= 1, "cpus_per_node", f"must be >= 1, got {self.cpus_per_node}")
         require(self.mem_gb_per_node >= 1, "mem_gb_per_node", f"must be >= 1 GiB, got {self.mem_gb_per_node}")
         require(self.time_limit_min >= 1, "time_limit_min", f"must be >= 1 minute, got {self.time_limit_min}")
+        if self.control is None:
+            self.control = "mpi" if self.backend == "slurm" else "tcp"
         require(self.control in CONTROLS, "control", f"must be one of {', '.join(CONTROLS)}; got {self.control!r}")
         require(
             self.control_peer_timeout_s > 0,

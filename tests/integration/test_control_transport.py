@@ -35,14 +35,13 @@ def listener(request, tmp_path):
 def peers(tmp_path):
     started = []
 
-    def start(address: str, mode: str) -> subprocess.Popen:
+    def start(address: str, mode: str, *args: str) -> subprocess.Popen:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         log = open(tmp_path / f"peer{len(started)}.log", "w")
         # MPI peers get their own MPI world (two singletons cannot connect: see gyre/control/mpi.py)
         launcher = [str(Path(sys.executable).with_name("mpiexec")), "-n", "1"] if address.startswith("mpi:") else []
-        started.append(
-            subprocess.Popen([*launcher, sys.executable, str(PEER), address, mode], env=env, stdout=log, stderr=log)
-        )
+        cmd = [*launcher, sys.executable, str(PEER), address, mode, *args]
+        started.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
         return started[-1]
 
     yield start
@@ -168,4 +167,34 @@ def test_an_mpi_peer_the_listener_has_not_handed_out_yet_still_hears_it(peers, t
     assert ch.request(m.WeightVersion(3), timeout_s=30) == m.WeightVersion(3)
     ch.send(m.Leave("x"))
     ch.close()
+    listener.close()
+
+
+@pytest.mark.timeout(300)
+def test_sends_to_a_killed_mpi_peer_fail_and_the_listeners_other_peer_keeps_its_channel(peers, tmp_path):
+    """MPICH retries a send its network cannot take without end, and every MPI call of a process
+    holds one lock: a send to a SIGKILLed peer that had been talking once blocked the coordinator
+    and starved its other channels. Bounded by MPI_OFI_set_eagain, the send fails instead and the
+    channel declares its peer dead, long before the silence timeout (600 s here), and a peer with
+    Slurm's 30 s timeout still round-trips afterwards."""
+    pytest.importorskip("mpi4py")
+    listener = listen("mpi", port_file=str(tmp_path / "control.port"), peer_timeout_s=600)
+    peers(listener.address, "chatter")
+    victim = listener.accept(timeout_s=60)
+    pid = victim.recv(timeout_s=30).cell
+    peers(listener.address, "echo", "30")
+    survivor = listener.accept(timeout_s=60)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120  # a fifth of the silence timeout
+    with pytest.raises(ChannelClosed, match="send failed"):
+        while time.monotonic() < deadline:  # as the coordinator does: sends, and reads what comes
+            victim.send(m.WeightVersion(0))
+            try:
+                victim.recv(timeout_s=0.02)
+            except ChannelTimeout:
+                pass
+    assert survivor.request(m.WeightVersion(3), timeout_s=30) == m.WeightVersion(3)
+    victim.close()
+    survivor.send(m.Leave("x"))
+    survivor.close()
     listener.close()

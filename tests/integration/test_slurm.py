@@ -309,12 +309,11 @@ def test_three_cells_of_two_nodes_serve_and_compute_on_every_satellite_rank_lose
     tmp_path,
 ):
     """Cells of several ranks on Slurm (issue 27): 3 cells x 2 nodes, a task (a rank) per node,
-    elastic, TCP control (the default: MPI's Accept still crashes MPICH now and then,
-    docs/slurm.md). A satellite serves through an engine on each of its nodes (the second one
-    started by that node's rank), and each switches them all, every rank timing its engine's phases. Both
-    satellites switch and every rank of each computes micro-steps; the core's
-    ranks sum them and step. SIGKILL of a training satellite's rank 1 (an srun task on its second
-    node, nobody's child) loses the cell within seconds, through its link to rank 0, and the run
+    elastic, MPI control (Slurm's default). A satellite serves through an engine on each of its
+    nodes (the second one started by that node's rank), and each switches them all, every rank
+    timing its engine's phases. Both satellites switch and every rank of each computes
+    micro-steps; the core's ranks sum them and step. SIGKILL of a training satellite's rank 1 (an
+    srun task on its second node, nobody's child) loses the cell within seconds, through its link to rank 0, and the run
     finishes on the others. Its records, replayed locally by one core of 2 ranks in the run's
     batching order (both ranks computing micro-steps), train the same weights bit for bit."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path, ("apple", "river"))
@@ -344,6 +343,7 @@ def test_three_cells_of_two_nodes_serve_and_compute_on_every_satellite_rank_lose
     assert len(lost) == 1 and "lost" in lost[0]["message"], lost
     assert lost[0]["t"] - killed_t < 30, "found by its link, not at the next collective"
     assert not [e for e in _events(run_dir, "failure") if e["component"] != f"cell{victim}"]
+    assert json.loads((run_dir / "slurm" / "cell0.r0.json").read_text())["coordinator_address"].startswith("mpi:")
     _check_ledger(run_dir, 3)
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
     assert victim in {e["cell"] for e in _events(run_dir, "role_switch") if e["to_role"] == "train"}

@@ -153,9 +153,9 @@ def test_a_slurm_cell_runs_a_task_per_rank_on_each_of_its_nodes():
     assert e.value.key == "ranks_per_node"
 
 
-def test_the_control_plane_is_tcp_unless_mpi_is_chosen():
-    assert ClusterConfig().control == "tcp" and ClusterConfig(backend="slurm").control == "tcp"
-    assert ClusterConfig(backend="slurm", control="mpi").control == "mpi"
+def test_the_control_plane_is_mpi_on_slurm_and_tcp_locally_unless_chosen():
+    assert ClusterConfig().control == "tcp" and ClusterConfig(backend="slurm").control == "mpi"
+    assert ClusterConfig(backend="slurm", control="tcp").control == "tcp"
 
 
 @pytest.mark.parametrize(
