@@ -211,7 +211,10 @@ class CellLeader:
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
         try:
-            self.channel = connect(self.spec.coordinator_address, peer_timeout_s=self.spec.control_peer_timeout_s)
+            try:
+                self.channel = connect(self.spec.coordinator_address, peer_timeout_s=self.spec.control_peer_timeout_s)
+            except ChannelClosed as e:  # never connected: this cell failed, the coordinator did not stop it
+                raise CellError(f"cell {self.index}: cannot reach the coordinator: {e}") from None
             self.channel.send(self.ready())
             while True:
                 if self.is_core:

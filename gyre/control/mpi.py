@@ -323,6 +323,10 @@ def mpi_connect(
 ) -> Channel:
     """Connect to the listener whose port name is in `port_file` (waits for the file up to `timeout_s`).
 
+    A handshake that fails is announced and tried again until `timeout_s`: under load the network
+    may not take a handshake message within `_EAGAIN_RETRIES` (MPIX_ERR_EAGAIN), which the first
+    Slurm run that met it took for a coordinator gone.
+
     Raises:
         ChannelClosed: no port file, or no listener accepted within `timeout_s`.
         MpiThreadLevelError: the MPI library cannot take calls from several threads.
@@ -335,16 +339,26 @@ def mpi_connect(
         time.sleep(0.05)
     with open(port_file) as f:
         port = f.read().strip()
+    while True:
+        _announce(port_file)  # the listener calls Accept for us now
+        with _CALLS:  # bounded by MPICH's connect timeout: no thread races it
+            info = _timeout_info(MPI, max(1.0, deadline - time.monotonic()))
+            try:
+                comm = MPI.COMM_SELF.Connect(port, info)
+            except MPI.Exception as e:
+                comm, error = None, e.Get_error_string().split(", error stack")[0]
+            finally:
+                info.Free()
+        if comm is not None:
+            return MpiChannel(comm, f"mpi {port_file}", heartbeat_s, peer_timeout_s)
+        if time.monotonic() >= deadline:
+            raise ChannelClosed(f"cannot connect to {port_file} within {timeout_s} s: {error}")
+        time.sleep(0.1)
+
+
+def _announce(port_file: str) -> None:
+    """Drop a file into the listener's join folder (written aside, then renamed into place)."""
     request = os.path.join(f"{port_file}.join", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     with open(os.path.join(os.path.dirname(request), "." + os.path.basename(request)), "w") as f:
         f.write(f"{socket.gethostname()} {os.getpid()}\n")
-    os.replace(f.name, request)  # announce: the listener calls Accept for us now
-    with _CALLS:  # bounded by MPICH's connect timeout: no thread races it
-        info = _timeout_info(MPI, max(1.0, deadline - time.monotonic()))
-        try:
-            comm = MPI.COMM_SELF.Connect(port, info)
-        except MPI.Exception as e:
-            raise ChannelClosed(f"cannot connect to {port_file}: {e.Get_error_string()}") from None
-        finally:
-            info.Free()
-    return MpiChannel(comm, f"mpi {port_file}", heartbeat_s, peer_timeout_s)
+    os.replace(f.name, request)

@@ -162,8 +162,9 @@ class _CoordinatorWatch:
 
 @pytest.mark.timeout(1500)
 def test_usr2_mid_step_checkpoints_requeues_and_resumes_a_core_of_two_ranks_to_the_same_step_count(tmp_path):
-    """A core cell of 2 nodes training alone (colocate): one srun task per rank, rank 0 its leader,
-    rank 1 on the second node its follower; USR2 checkpoints, requeues, and the restart resumes."""
+    """A core cell of 2 nodes training alone (colocate), over MPI control (Slurm's default): one
+    srun task per rank, rank 0 its leader, rank 1 on the second node its follower, both computing
+    micro-steps; USR2 checkpoints, requeues, and the restart resumes."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
     core = {**dict(o.split("=") for o in DEV), "cluster.num_cells": "1", "cluster.cell_nodes": "2"}
     proc = _gyre_train(run_dir, tasks, "num_steps=3", "scheduler=colocate", *(f"{k}={v}" for k, v in core.items()))
@@ -186,7 +187,7 @@ def test_usr2_mid_step_checkpoints_requeues_and_resumes_a_core_of_two_ranks_to_t
     summary = _finish(proc, timeout_s=1300)
     assert summary["num_steps"] == 3
     assert summary["cpu_quota"] == {"mechanism": "slurm", "job_id": job_id, "restart_count": 1}
-    assert summary["cell_ranks"] == 2
+    assert summary["cell_ranks"] == 2 and _ranks_computing(run_dir, 0) == {0, 1}  # the core's ranks compute
     follower = json.loads((run_dir / "slurm" / "cell0.r1.rank1.json").read_text())  # after the restart
     assert follower["num_ranks"] == 2 and follower["num_ops"] >= 1, follower  # it trained in lockstep
     nodes = subprocess.run(
