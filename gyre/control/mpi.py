@@ -17,8 +17,9 @@ Every MPI call of a process is made under one lock (`_CALLS`), and the process a
 MPI_THREAD_SERIALIZED (checked with MPI.Query_thread()): threads take turns, MPICH never sees two
 calls at once. Each call is short or bounded: Accept only for a peer that announced itself and with
 an MPICH `timeout` (so a peer that died between announcing and connecting costs seconds, not the
-process), Connect with one too, Disconnect only once our sends are complete (MPICH ch4's
-disconnect is then a local free; with sends still pending, a Free). At exit, the lock is taken for
+process), Connect with one too (a handshake that fails is announced and tried again until the
+connect timeout), Disconnect only once our sends are complete (MPICH ch4's disconnect is then a
+local free; with sends still pending, a Free). At exit, the lock is taken for
 good before mpi4py's MPI_Finalize, so no daemon thread (heartbeats) is inside MPI when it runs.
 The network module is ch4:ofi over libfabric's tcp provider, chosen at MPI_Init (`_NETMOD_ENV`;
 a variable the user set wins). MPICH 5.0.2's default, ch4:ucx, dies of SIGSEGV or SIGBUS inside

@@ -12,6 +12,7 @@ both hand out cells with one interface (gyre.cells.base.BaseCell).
 
 import asyncio
 import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from gyre.cells.local import LocalLauncher
 from gyre.cells.spec import CellSpec
 from gyre.config import GyreConfig
 from gyre.control.messages import CellReady
-from gyre.control.transport import ChannelTimeout, Listener, listen
+from gyre.control.transport import ChannelClosed, ChannelTimeout, Listener, listen
 from gyre.engines.client import EngineClient
 from gyre.engines.weights import load_weights_at
 from gyre.proxy.admin import ProxyAdmin
@@ -30,6 +31,8 @@ from gyre.proxy.main import ProxyProcess
 from gyre.scheduler.cells import Role, make_cells
 from gyre.scheduler.decode import DecodeMeter
 from gyre.scheduler.policy import BasePolicy, Decision, make_policy
+
+log = logging.getLogger(__name__)
 
 
 class RolloutOnlyPolicy(BasePolicy):
@@ -155,7 +158,12 @@ def _accept_cells(parts: Parts, timeout_s: float) -> None:
             channel = parts.listener.accept(timeout_s=1.0)
         except ChannelTimeout:
             continue
-        ready = channel.recv(timeout_s=timeout_s)
+        try:
+            ready = channel.recv(timeout_s=timeout_s)
+        except ChannelClosed as e:  # a handshake its leader gave up on (MPI: it connects again)
+            log.warning("a leader's channel closed before its CellReady (%s); waiting for the others", e)
+            channel.close()
+            continue
         if not isinstance(ready, CellReady):
             raise CellError(f"a cell leader said {type(ready).__name__} before CellReady")
         cell = parts.cells[ready.cell]

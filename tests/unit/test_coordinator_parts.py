@@ -13,8 +13,10 @@ import pytest
 
 from gyre.cells.local import LocalCell
 from gyre.cells.quota import PERIOD_US, SHARES_V1, WEIGHT_V2, make_quota, quota_us
-from gyre.control.messages import Failure
+from gyre.control.messages import CellReady, Failure
+from gyre.control.transport import ChannelClosed
 from gyre.coordinator.batching import mask_stale
+from gyre.coordinator.build import _accept_cells
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
 from gyre.coordinator.loop import RunFailed, _load_serving, _on_message
 from gyre.engines.published import PublishedWeights
@@ -289,3 +291,30 @@ def test_held_out_tasks_run_at_the_first_and_last_weights_never_in_the_ledger(tm
     r.queue.clear()
     assert r.done(train)
     ledger.close()
+
+
+class _Channel:
+    def __init__(self, first):
+        self.first, self.closed = first, False
+
+    def recv(self, timeout_s=None):
+        if isinstance(self.first, Exception):
+            raise self.first
+        return self.first
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_leader_channel_that_closes_before_its_cell_ready_is_dropped_and_the_others_accepted():
+    """An MPI leader whose handshake failed half way connects again; the channel the listener
+    accepted for the failed attempt closes without a CellReady and must not end the run."""
+    gone, core, satellite = _Channel(ChannelClosed("silent")), _Channel(CellReady(0, [])), _Channel(CellReady(1, []))
+    channels = iter([gone, satellite, core])
+    listener = SimpleNamespace(accept=lambda timeout_s: next(channels))
+    cells = [SimpleNamespace(check_alive=lambda: None) for _ in range(2)]
+    for cell in cells:
+        cell.ready = lambda channel, urls, cell=cell: setattr(cell, "got", channel)
+    parts = SimpleNamespace(cells=cells, listener=listener, core_address="", initial=None)
+    _accept_cells(parts, timeout_s=60)
+    assert gone.closed and (cells[0].got, cells[1].got) == (core, satellite) and parts.initial == core.first
