@@ -19,20 +19,22 @@ calls at once. Each call is short or bounded: Accept only for a peer that announ
 an MPICH `timeout` (so a peer that died between announcing and connecting costs seconds, not the
 process), Connect with one too (a handshake that fails is announced and tried again until the
 connect timeout), Disconnect only once our sends are complete (MPICH ch4's disconnect is then a
-local free; with sends still pending, a Free). At exit, the lock is taken for
-good before mpi4py's MPI_Finalize, so no daemon thread (heartbeats) is inside MPI when it runs.
+local free; with sends still pending, a Free). At exit, the lock is taken for good before
+mpi4py's MPI_Finalize, so no daemon thread (heartbeats) is inside MPI when it runs.
+
 The network module is ch4:ofi over libfabric's tcp provider, chosen at MPI_Init (`_NETMOD_ENV`;
 a variable the user set wins). MPICH 5.0.2's default, ch4:ucx, dies of SIGSEGV or SIGBUS inside
 MPI_Comm_accept when peers reconnect again and again (tools/probe/mpi_stress.py --peers 3 --seconds
 20 --hold-s 0.05: 9 of 9 runs on 2026-12-05, every call serialised, also with UCX_TLS=tcp,self or
 sm,self or MPIR_CVAR_NOLOCAL=1), and the coordinator of a Slurm run died so once (2026-12-03).
-ch4:ofi/tcp does not crash there (8 of 8 runs clean), but MPICH retries a send the provider cannot take (its queue to a
-killed peer is full) without end: Isend blocked under the lock and starved every other channel. So
-each intercommunicator carries the `MPI_OFI_set_eagain` hint and MPICH gives up after
-`_EAGAIN_RETRIES` retries (~2 s on an idle core), the Isend returns MPIX_ERR_EAGAIN and the
-channel declares its peer dead: well inside `peer_timeout_s` of the other channels' peers
-(tools/probe/mpi_kill.py). History: with a lock per channel the coordinator once died of a
-segmentation fault while accepting a leader as other threads sent and probed.
+ch4:ofi/tcp does not crash there (8 of 8 runs), but MPICH retries a send the provider cannot take
+(its queue to a killed peer that had been talking) without end: Isend blocked under the lock and
+starved every other channel. So each intercommunicator carries the `MPI_OFI_set_eagain` hint, and
+MPICH gives up after `_EAGAIN_RETRIES` retries (~2 s on an idle core): the Isend returns
+MPIX_ERR_EAGAIN and the channel declares its peer dead, well inside the other peers'
+`peer_timeout_s` (tools/probe/mpi_kill.py). A killed peer that had been quiet is found by its
+silence. History: with a lock per channel the coordinator once died of a segmentation fault while
+accepting a leader as other threads sent and probed.
 
 Processes started plainly are MPICH singletons; two singletons cannot connect to each other
 (MPICH: "Local and remote groups ... are not disjoint"), so peers run under `mpiexec -n 1` (on
