@@ -75,15 +75,15 @@ def _mpi():
     import mpi4py
 
     mpi4py.rc.thread_level = "serialized"  # read at the first import of mpi4py.MPI only
-    if "mpi4py.MPI" not in sys.modules:  # MPI_Init reads these; children (engines) must not inherit them
-        chosen = {k: v for k, v in _NETMOD_ENV.items() if k not in os.environ}
-        os.environ.update(chosen)
-        try:
-            from mpi4py import MPI
-        finally:
-            for key in chosen:
-                del os.environ[key]
-    from mpi4py import MPI
+    # MPI_Init (the first import of mpi4py.MPI) reads these; children (engines) must not inherit them
+    initialised = "mpi4py.MPI" in sys.modules
+    chosen = {} if initialised else {k: v for k, v in _NETMOD_ENV.items() if k not in os.environ}
+    os.environ.update(chosen)
+    try:
+        from mpi4py import MPI
+    finally:
+        for key in chosen:
+            del os.environ[key]
 
     if not _mpi.checked:
         with _CALLS:
