@@ -16,6 +16,7 @@ from gyre.cells.serving import engine_id
 from gyre.cells.spec import CellSpec
 from gyre.control.messages import PhaseDone, RoleSwitch
 from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout
+from gyre.engines.launch import BaseEngineProcess, attach_engine
 from gyre.engines.published import PublishedWeights
 from gyre.errors import GyreError
 from gyre.scheduler.cells import Cell, Role
@@ -41,10 +42,9 @@ class BaseCell(ABC):
     def __init__(self, spec: CellSpec, state: Cell):
         self.spec, self.state = spec, state
         self.channel: Channel | None = None
-        self.engine_urls: list[str] = []
-        """Its engines' (CellReady's order; gyre.cells.serving)."""
-        self.engine_version = -1
-        """Weight version its engines serve (after the last load or push)."""
+        self.engines: list[BaseEngineProcess] = []
+        """Handles on its engines (CellReady's order; gyre.cells.serving): their backend's verbs at
+        their URLs (gyre.engines.launch.attach_engine); the leader runs them."""
 
     @property
     def index(self) -> int:
@@ -53,7 +53,11 @@ class BaseCell(ABC):
     @property
     def engine_ids(self) -> list[str]:
         """The proxy's names of its engines, all registered under its index."""
-        return [engine_id(self.index, j) for j in range(len(self.engine_urls))]
+        return [engine_id(self.index, j) for j in range(len(self.engines))]
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [engine.url for engine in self.engines]
 
     @abstractmethod
     def start(self) -> None:
@@ -61,7 +65,8 @@ class BaseCell(ABC):
 
     def ready(self, channel: Channel, engine_urls: list[str]) -> None:
         """The leader said CellReady on `channel`: the cell runs from here."""
-        self.channel, self.engine_urls = channel, engine_urls
+        self.channel = channel
+        self.engines = [attach_engine(self.spec.engine, self.spec.model, url) for url in engine_urls]
 
     @abstractmethod
     def check_alive(self) -> None:
@@ -74,8 +79,6 @@ class BaseCell(ABC):
     def begin_switch(self, target: Role, now_s: float, weights: PublishedWeights | None, core_address: str) -> None:
         """Start a role switch: the state machine first (it refuses what is not allowed), then the leader."""
         self.state.begin_switch(target, now_s)
-        if target == Role.ROLLOUT and weights is not None:
-            self.engine_version = weights.version  # what its engine loads in the switch's load_weights phase
         self.channel.send(RoleSwitch(self.index, target.value, weights, core_address))
 
     def messages(self) -> list:

@@ -56,7 +56,7 @@ from gyre.control.messages import (
 )
 from gyre.control.transport import ChannelClosed, ChannelTimeout, connect
 from gyre.engines.published import PublishedWeights
-from gyre.engines.weights import load_weights
+from gyre.engines.weights import serve_weights
 from gyre.metrics.events import MicroStep
 from gyre.metrics.log import EventLog
 from gyre.scheduler.cells import PHASES, Phase, Role
@@ -111,7 +111,8 @@ class CellLeader:
         self.endpoint = TransferEndpoint(spec.host)
         self.role = Role(spec.role)
         self.weights: PublishedWeights | None = None
-        """The newest weights this cell's engines should serve."""
+        """The newest published weights: what its engines load when the cell next serves (the
+        version they serve is the proxy's to keep, gyre.engines.weights.serve_weights)."""
         self.core_address = ""
         self._worker: threading.Thread | None = None
         self._stop = threading.Event()
@@ -353,8 +354,7 @@ class CellLeader:
                 await engine.release(client)
             elif phase == Phase.LOAD_WEIGHTS:
                 await engine.resume(client)
-                await load_weights(client, self.weights)
-                await proxy.set_weight_version(eid, self.weights.version)
+                await serve_weights(engine, eid, proxy, self.weights)
             elif phase == Phase.ANNOUNCE_TO_PROXY:
                 await proxy.engine_op(eid, "activate")
         return time.monotonic() - t0

@@ -24,8 +24,7 @@ from gyre.cells.spec import CellSpec
 from gyre.config import GyreConfig
 from gyre.control.messages import CellReady
 from gyre.control.transport import ChannelClosed, ChannelTimeout, Listener, listen
-from gyre.engines.client import EngineClient
-from gyre.engines.weights import load_weights_at
+from gyre.engines.weights import serve_weights
 from gyre.proxy.admin import ProxyAdmin
 from gyre.proxy.main import ProxyProcess
 from gyre.scheduler.cells import Role, make_cells
@@ -177,15 +176,13 @@ async def _register_engines(parts: Parts) -> None:
     """Every engine of every cell in the proxy, under its cell (serving ones active, the others
     closed), at the core's weights."""
     for cell in parts.cells:
-        for eid, url in zip(cell.engine_ids, cell.engine_urls, strict=True):
-            await load_weights_at(url, parts.initial.weights)
-            if cell.state.role != Role.ROLLOUT:
-                async with EngineClient(url) as engine:
-                    await engine.release_memory()
-            await parts.admin.add_engine(eid, url, str(cell.index))
+        for eid, engine in zip(cell.engine_ids, cell.engines, strict=True):
+            await parts.admin.add_engine(eid, engine.url, str(cell.index))
+            await serve_weights(engine, eid, parts.admin, parts.initial.weights)
             if cell.state.role != Role.ROLLOUT:
                 await parts.admin.engine_op(eid, "stop_admission")
-        cell.engine_version = parts.initial.weights.version
+                async with engine.client() as client:
+                    await engine.release(client)
 
 
 def _start_role(role: Role, is_core: bool) -> Role:

@@ -29,7 +29,7 @@ from gyre.coordinator.source import Source
 from gyre.coordinator.summary import RunEvents
 from gyre.coordinator.training import Training
 from gyre.engines.published import PublishedWeights
-from gyre.engines.weights import load_weights_at
+from gyre.engines.weights import serve_weights
 from gyre.errors import GyreError
 from gyre.scheduler.cells import Role
 from gyre.scheduler.decode import EngineLoads, measure_cells
@@ -205,7 +205,7 @@ async def _on_message(
         cell.on_phase(msg, now)
     elif isinstance(msg, RoleDone):
         events.role_switch(msg)
-        if msg.role == Role.ROLLOUT.value and cell.engine_version < train.version:
+        if msg.role == Role.ROLLOUT.value and await _behind(cell, train.version, parts):
             await _load_serving([cell], train.weights, parts, events, now)  # published while the cell was switching
     elif isinstance(msg, StepProgress):
         train.on_progress(msg)
@@ -248,22 +248,14 @@ async def _load_serving(cells: list, weights: PublishedWeights, parts: Parts, ev
 
 
 async def _load_newest(cell, weights: PublishedWeights, parts: Parts) -> None:
-    """Have every engine of a serving cell load the newest published weights, side by side."""
-    engines = zip(cell.engine_ids, cell.engine_urls, strict=True)
-    loads = (_load_engine(eid, url, cell.engine_version, weights, parts) for eid, url in engines)
-    for result in await asyncio.gather(*loads, return_exceptions=True):
+    """Have every engine of a serving cell serve the newest published weights, side by side."""
+    serving = (serve_weights(e, eid, parts.admin, weights) for e, eid in zip(cell.engines, cell.engine_ids))
+    for result in await asyncio.gather(*serving, return_exceptions=True):
         if isinstance(result, BaseException):
             raise result
-    cell.engine_version = weights.version
 
 
-async def _load_engine(eid: str, url: str, serving: int, weights: PublishedWeights, parts: Parts) -> None:
-    """One engine loads `weights`. The proxy holds the engine's calls meanwhile and then keys them by
-    the version it serves now (SGLang's `extra_key`), so no call carries a version the engine no
-    longer serves; a failed load keeps the old one (`serving`)."""
-    await parts.admin.hold_calls(eid)
-    try:
-        await load_weights_at(url, weights)
-        serving = weights.version
-    finally:
-        await parts.admin.set_weight_version(eid, serving)
+async def _behind(cell, version: int, parts: Parts) -> bool:
+    """Whether an engine of `cell` serves a version older than `version` (the proxy keeps what each serves)."""
+    served = await parts.admin.served_versions()
+    return any(served.get(eid) is None or served[eid] < version for eid in cell.engine_ids)

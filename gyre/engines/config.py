@@ -6,6 +6,8 @@ from gyre.engines.published import WEIGHT_SYNCS
 from gyre.errors import require
 
 BACKENDS = ("builtin", "sglang")
+PAUSE_MODES = ("in_place", "retract", "abort")
+"""SGLang 0.5.x /pause_generation modes (srt/managers/io_struct.py PauseGenerationReqInput)."""
 
 
 @dataclass(kw_only=True)
@@ -63,6 +65,11 @@ class EngineConfig:
     """How engines load each published version (gyre.engines.published.WEIGHT_SYNCS): `mooncake`
     (builtin only), `distributed` (SGLang's update_weights_from_distributed: NCCL, gloo on CPU) or
     `disk` (update_weights_from_disk of an HF directory under the run directory's `weights/`)."""
+    pause_mode: str = "in_place"
+    """SGLang: how generation pauses around a weight update (/pause_generation `mode`): `in_place`
+    keeps the calls in flight with their KV, and they go on under the new weights with a version
+    span each, as on the builtin engine; `retract` keeps them but drops their KV (re-prefilled after);
+    `abort` ends them (the harness retries)."""
     sglang_fake: bool = False
     """Tests on CPU: launch gyre.engines.sglang_fake, the SGLang contract fake, on SGLang's command
     line instead of sglang.launch_server (engine.backend=sglang only)."""
@@ -108,6 +115,11 @@ class EngineConfig:
             "weight_sync",
             "SGLang cannot read Gyre's Mooncake buffers (load_format=gyre_transfer is Gyre's own): "
             "use distributed or disk",
+        )
+        require(
+            self.pause_mode in PAUSE_MODES,
+            "pause_mode",
+            f"must be one of {list(PAUSE_MODES)}, got {self.pause_mode!r}",
         )
         require(
             not self.sglang_fake or self.backend == "sglang",

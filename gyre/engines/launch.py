@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 from gyre.common.serve import ChildServer, ChildServerError
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
+from gyre.engines.published import PublishedWeights
+from gyre.engines.weights import load_weights
 from gyre.models.config import ModelConfig
 
 
@@ -129,6 +131,10 @@ class BaseEngineProcess(ChildServer, ABC):
         """A client for this engine (use as `async with`)."""
         return EngineClient(self.url, timeout_s or self.cfg.request_timeout_s)
 
+    async def load(self, client: EngineClient, weights: PublishedWeights) -> None:
+        """Load `weights` (gyre.engines.weights.serve_weights is the one caller that serves them)."""
+        await load_weights(client, weights)
+
     async def release(self, client: EngineClient) -> None:
         """Free the engine's memory for training (the proxy has drained its calls already)."""
         await client.release_memory()
@@ -179,6 +185,16 @@ class SGLangProcess(BaseEngineProcess):
 
     def client(self, timeout_s: float | None = None) -> EngineClient:
         return EngineClient(self.url, timeout_s or self.cfg.request_timeout_s, key_by_weight_version=True)
+
+    async def load(self, client: EngineClient, weights: PublishedWeights) -> None:
+        """SGLang's update takes a write lock that waits for every /generate in flight: pause first
+        (`engine.pause_mode`; in_place keeps the calls and their KV, which go on under the new
+        weights with a span per version, as on the builtin engine), then continue."""
+        await client.pause(self.cfg.pause_mode)
+        try:
+            await load_weights(client, weights)
+        finally:
+            await client.resume()
 
     async def release(self, client: EngineClient) -> None:
         # SGLang releases only an idle engine: abort what is left (a straggler the proxy's drain missed)

@@ -5,12 +5,48 @@
     distributed  core's sender ──/send──> engine's /init_weights_update_group (once) and
                  /update_weights_from_distributed, while the core's trainer broadcasts (NCCL; gloo on CPU)
 
-Callers (the coordinator after a step, a cell leader returning to rollout) need only the engine's
-URL and the message that carried the weights.
+`serve_weights` is the one way an engine comes to serve a version (the coordinator after a step and
+at start, a cell leader returning to rollout): the proxy holds the engine's calls, the engine's
+process object loads (its backend pauses generation around the update where the server needs it),
+and the proxy, which keeps the version each engine serves, is told the outcome in a `finally`.
 """
+
+from typing import TYPE_CHECKING, Protocol
 
 from gyre.engines.client import EngineClient
 from gyre.engines.published import PublishedWeights
+
+if TYPE_CHECKING:
+    from gyre.engines.launch import BaseEngineProcess
+
+
+class VersionBoard(Protocol):
+    """Where the version each engine serves is kept (the proxy's admin API, gyre.proxy.admin)."""
+
+    async def hold_calls(self, engine_id: str) -> dict: ...
+
+    async def set_weight_version(self, engine_id: str, version: int | None) -> dict: ...
+
+
+async def serve_weights(
+    engine: "BaseEngineProcess", engine_id: str, board: VersionBoard, weights: PublishedWeights
+) -> None:
+    """Have `engine` (registered on `board` as `engine_id`) serve `weights`.
+
+    Its calls wait from before the load until the board knows its outcome, so none leaves keyed by a
+    version the engine no longer serves; a failed load leaves the engine at the version it served.
+
+    Raises:
+        EngineHTTPError: the engine (or the core's sender) refused or failed the update.
+    """
+    await board.hold_calls(engine_id)
+    served = None
+    try:
+        async with engine.client() as client:
+            await engine.load(client, weights)
+        served = weights.version
+    finally:
+        await board.set_weight_version(engine_id, served)
 
 
 async def load_weights(client: EngineClient, weights: PublishedWeights) -> dict:
@@ -34,6 +70,6 @@ async def load_weights(client: EngineClient, weights: PublishedWeights) -> dict:
 
 
 async def load_weights_at(engine_url: str, weights: PublishedWeights, timeout_s: float = 600.0) -> dict:
-    """`load_weights` through a client of its own."""
+    """`load_weights` through a client of its own (no proxy: benchmarks, contract tests)."""
     async with EngineClient(engine_url, timeout_s) as client:
         return await load_weights(client, weights)

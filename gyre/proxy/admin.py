@@ -47,13 +47,19 @@ class ProxyAdmin:
         """`op` one of drain, activate, stop_admission."""
         return await self._call("POST", f"/admin/engines/{engine_id}/{op}")
 
-    async def set_weight_version(self, engine_id: str, version: int) -> dict:
-        """Tell the proxy the version `engine_id` serves now (SGLang calls carry it as `extra_key`)."""
-        return await self._call("POST", f"/admin/engines/{engine_id}/weight_version", {"weight_version": version})
+    async def set_weight_version(self, engine_id: str, version: int | None) -> dict:
+        """A load of `engine_id` ended: it serves `version` now (SGLang calls carry it as `extra_key`);
+        None: the load failed, it serves what it served before. Its held calls go on."""
+        body = {"loading": False} if version is None else {"weight_version": version}
+        return await self._call("POST", f"/admin/engines/{engine_id}/weight_version", body)
 
     async def hold_calls(self, engine_id: str) -> dict:
         """A weight load of `engine_id` starts: its calls wait until `set_weight_version`."""
         return await self._call("POST", f"/admin/engines/{engine_id}/weight_version", {"loading": True})
+
+    async def served_versions(self) -> dict[str, int | None]:
+        """Engine id -> the weight version it serves (the proxy keeps it: the one place it lives)."""
+        return {e["engine_id"]: e["weight_version"] for e in (await self.metrics())["engines"]}
 
     async def metrics(self) -> dict:
         return await self._call("GET", "/admin/metrics")

@@ -190,15 +190,16 @@ class EnginePool:
         await asyncio.gather(*(client.abort(rid) for rid in rids), return_exceptions=True)
         return len(rids)
 
-    async def set_weight_version(self, engine_id: str, version: int | None) -> None:
-        """`version`: what `engine_id` serves now (its owner loaded it), SGLang calls' `extra_key` from
-        here on; None: a load is starting, its calls wait until the version it brings is set."""
+    async def set_weight_version(self, engine_id: str, version: int | None, loading: bool = False) -> None:
+        """`loading`: a load is starting, the engine's calls wait until it ends. Otherwise the load
+        ended: `version` is what `engine_id` serves now (SGLang calls' `extra_key` from here on),
+        None: it failed and the engine serves what it served before; either way its calls go on."""
         self.table.get(engine_id)  # RoutingError (404) for an unknown engine
         client = self.clients[engine_id]
-        if version is None:
+        if loading:
             client.hold_calls()
         else:
-            client.serve_version(version)
+            client.serve_version(client.weight_version if version is None else version)
 
     async def activate(self, engine_id: str) -> dict:
         """The engine serves (again); with `rebalance_on_return`, idle sessions of the most loaded

@@ -10,7 +10,8 @@ Admin side (`Authorization: Bearer <admin token>`):
     (phase 2: hand every session off with its KV; answers once every move has ended) | /activate
     (with rebalance_on_return, takes idle sessions from the most loaded engines);
     POST /admin/engines/{id}/weight_version {weight_version} (the version it serves now: SGLang's
-    extra_key) | {loading: true} (a load starts: its calls wait for the version it brings);
+    extra_key; a load ended) | {loading: true} (a load starts: its calls wait until it ends) | {loading:
+    false} (the load failed: the engine serves what it served before);
     GET /admin/metrics (counters, each engine's and each execution's load)
 Every error answers in the API's own format; a bad request never takes the proxy down.
 """
@@ -276,12 +277,12 @@ class ProxyServer:
         self._admin(request)
         body = await request.json()
         body = body if isinstance(body, dict) else {}
-        version = None if body.get("loading") is True else body.get("weight_version")
+        loading, version = body.get("loading"), body.get("weight_version")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
             return self._bad(f"weight_version must be an integer >= 0, got {version!r}")
-        if version is None and body.get("loading") is not True:
-            return self._bad("give weight_version (an integer >= 0) or loading: true")
-        return await self._engine_op(request, lambda eid: self.pool.set_weight_version(eid, version))
+        if (version is None) == (loading is None) or loading not in (None, True, False):
+            return self._bad("give one of weight_version (an integer >= 0), loading: true, loading: false")
+        return await self._engine_op(request, lambda eid: self.pool.set_weight_version(eid, version, loading is True))
 
     async def stop_admission(self, request: web.Request) -> web.Response:
         return await self._engine_op(request, self.pool.stop_admission)

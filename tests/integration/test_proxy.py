@@ -344,7 +344,10 @@ def test_stop_admission_keeps_old_sessions_and_metrics_show_load(engines, tmp_pa
         url = f"{proxy.url}/admin/engines/{first}/weight_version"
         status, out = http(url, "POST", {"weight_version": 3}, token=proxy.admin_token)
         assert status == 200 and {e["engine_id"]: e["weight_version"] for e in out["engines"]}[first] == 3
-        for bad in ({"weight_version": -1}, {"weight_version": "3"}, {}):
+        for body in ({"loading": True}, {"loading": False}):  # a load starts, then fails: still 3
+            status, out = http(url, "POST", body, token=proxy.admin_token)
+            assert status == 200 and {e["engine_id"]: e["weight_version"] for e in out["engines"]}[first] == 3
+        for bad in ({"weight_version": -1}, {"weight_version": "3"}, {}, {"loading": True, "weight_version": 4}):
             status, out = http(url, "POST", bad, token=proxy.admin_token)
             assert status == 400 and "weight_version" in json.dumps(out), (bad, out)
         zz = proxy.url + "/admin/engines/zz/weight_version"

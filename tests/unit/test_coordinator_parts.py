@@ -19,6 +19,8 @@ from gyre.coordinator.batching import mask_stale
 from gyre.coordinator.build import _accept_cells
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
 from gyre.coordinator.loop import RunFailed, _load_serving, _on_message
+from gyre.engines.config import EngineConfig
+from gyre.engines.launch import attach_engine
 from gyre.engines.published import PublishedWeights
 from gyre.scheduler.cells import Role, make_cells
 from gyre.trajectory.paths import PathSample
@@ -125,7 +127,8 @@ def test_quota_uses_cgroup_v2_then_v1_then_pins_cores_and_caps_when_asked(tmp_pa
 def test_a_local_cell_is_capped_once_its_leader_is_ready(tmp_path):
     capped = []
     quota = SimpleNamespace(cap=lambda: capped.append(True))
-    cell = LocalCell(SimpleNamespace(index=0), make_cells(1, 1)[0], tmp_path / "cell0.log", quota)
+    spec = SimpleNamespace(index=0, engine=EngineConfig(), model=None)
+    cell = LocalCell(spec, make_cells(1, 1)[0], tmp_path / "cell0.log", quota)
     assert not capped  # its start runs uncapped
     cell.ready("channel", ["http://127.0.0.1:1"])
     assert capped and cell.channel == "channel" and cell.engine_urls == ["http://127.0.0.1:1"]
@@ -133,7 +136,7 @@ def test_a_local_cell_is_capped_once_its_leader_is_ready(tmp_path):
 
 class _Cell:
     def __init__(self, index: int, engine_url: str):
-        self.index, self.engine_urls, self.engine_version = index, [engine_url], 2
+        self.index, self.engines = index, [attach_engine(EngineConfig(), None, engine_url)]
         self.engine_ids = [f"cell{index}"]
         self.state, self.stopped = make_cells(3, 1)[index], threading.Event()
 
@@ -156,7 +159,7 @@ class _Admin:
     async def hold_calls(self, engine_id: str) -> None:
         self.calls.append((engine_id, "hold"))
 
-    async def set_weight_version(self, engine_id: str, version: int) -> None:
+    async def set_weight_version(self, engine_id: str, version: int | None) -> None:
         self.calls.append((engine_id, version))
 
 
@@ -169,14 +172,15 @@ def _closed_port_url() -> str:
 def test_a_satellite_whose_engine_cannot_take_new_weights_is_lost_but_an_unreachable_core_ends_the_run():
     """A leader can be dead before its channel says so (MPI knows a dead peer only by silence): the
     weight push after a step is where the coordinator finds out; it must not end the run. The proxy
-    held the engine's calls during the load and keys them by the version it still serves after."""
+    held the engine's calls during the load and was told after it that the load failed (the engine
+    serves the version it served before)."""
     core, satellite, events = _Cell(0, _closed_port_url()), _Cell(2, _closed_port_url()), _Events()
     parts = SimpleNamespace(core=core, admin=_Admin())
     weights = PublishedWeights(3, "disk", {"path": "/nonexistent"})
     asyncio.run(_load_serving([satellite], weights, parts, events, now=5.0))
     assert satellite.state.role == Role.LOST and satellite.stopped.wait(10)
     assert events.failures[0][0] == "cell2" and "weight version 3" in events.failures[0][1]
-    assert parts.admin.calls == [("cell2", "hold"), ("cell2", 2)] and satellite.engine_version == 2
+    assert parts.admin.calls == [("cell2", "hold"), ("cell2", None)]
     with pytest.raises(aiohttp.ClientConnectionError):
         asyncio.run(_load_serving([core], weights, parts, events, now=5.0))
 
