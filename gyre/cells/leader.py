@@ -185,8 +185,9 @@ class CellLeader:
         """Add the engines the followers started (Slurm: each node's first rank, its node's), in
         slot order: the nodes' first ranks come in the slots' node order."""
         from gyre.engines.launch import attach_engine
+        from gyre.train.ranks import engine_urls
 
-        urls = [url for rank_urls in self.ranks.call("engine_urls")[1:] for url in rank_urls]
+        urls = [url for rank_urls in self.ranks.run(engine_urls)[1:] for url in rank_urls]
         expected = len(self.slots) - len(self.engines)
         if len(urls) != expected:
             raise CellError(f"cell {self.index}: its other nodes started {len(urls)} engines, not {expected}")
@@ -194,14 +195,18 @@ class CellLeader:
 
     def _load_initial_weights(self) -> None:
         """The latest checkpoint (resume), else the initial model directory, else the seeded init."""
+        from gyre.train.ranks import load_engine_dir, load_latest
+
         keep = self.spec.trainer.checkpoint_keep_last
-        if self.spec.resume and self.ranks.call("load_latest", self.spec.checkpoint_dir, keep) is not None:
+        if self.spec.resume and self.ranks.run(load_latest, self.spec.checkpoint_dir, keep) is not None:
             return
         if self.spec.init_weights:
-            self.ranks.call("load_engine_dir", self.spec.init_weights)
+            self.ranks.run(load_engine_dir, self.spec.init_weights)
 
     def weights_digest(self) -> str:
-        return self.ranks.call("weights_digest")
+        from gyre.train import shard
+
+        return self.ranks.run(shard.weights_digest)
 
     def ready(self) -> CellReady:
         urls = [engine.url for engine in self.engines]
@@ -241,10 +246,10 @@ class CellLeader:
             elif isinstance(msg, EndStep):
                 self._end_step(msg.step)
             elif isinstance(msg, SaveCheckpoint):
+                from gyre.train.ranks import save
+
                 t0 = time.monotonic()
-                path = self.ranks.call(
-                    "save", self.spec.checkpoint_dir, self.spec.trainer.checkpoint_keep_last, msg.extra
-                )
+                path = self.ranks.run(save, self.spec.checkpoint_dir, self.spec.trainer.checkpoint_keep_last, msg.extra)
                 self.channel.send(CheckpointDone(msg.step, path, time.monotonic() - t0, self.weights_digest()))
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")

@@ -42,8 +42,8 @@ from gyre.scheduler.streaming import MicroStepQueue
 from gyre.train.batch import BatchError
 from gyre.train.core_door import CORE, SatelliteDoor
 from gyre.train.loss import finish_stats, merge_stats
-from gyre.train.ranks import CellRanks
-from gyre.train.shard import core_close
+from gyre.train.ranks import CellRanks, engine_weights
+from gyre.train.shard import core_apply, core_close, core_compute, core_fold, core_open, core_reset, skip_step
 from gyre.train.trainer import Trainer, prepare_step
 from gyre.trajectory.sample import PackedBatch
 from gyre.transfer import BufferLayout, TransferEndpoint
@@ -102,7 +102,7 @@ class CoreServer(SatelliteDoor):
         self.ranks = ranks or CellRanks(trainer)
         self.trainer, self.endpoint = trainer, endpoint
         self.ranks.state.endpoint = endpoint
-        self._peers = self.ranks.call("core_open", host, trainer.cfg.num_grad_slots)
+        self._peers = self.ranks.run(core_open, host, trainer.cfg.num_grad_slots)
         """Each rank's (Mooncake session, weights address, slots address), by rank."""
         self.slots = self.ranks.state.slots
         self._num_replicas = self.ranks.num_ranks // trainer.cfg.tensor_parallel_size
@@ -236,7 +236,7 @@ class CoreServer(SatelliteDoor):
         redone_before = self._queue.num_redone
         applied = False
         try:
-            self.ranks.call("core_reset")  # an aborted step may have left a partial sum
+            self.ranks.run(core_reset)  # an aborted step may have left a partial sum
             while (work := self._next_core_work(step)) is not None:
                 self._fold_on_ranks(work[1]) if work[0] == "fold" else self._compute_on_core(step, work[1])
             with self._cond:
@@ -245,10 +245,10 @@ class CoreServer(SatelliteDoor):
                     self._cond.wait(timeout=0.05 if self.trainer.cfg.claim_timeout_s else None)
                 self._applying = True
             if not step.batches:
-                self.ranks.call("skip_step")
+                self.ranks.run(skip_step)
                 applied = True
                 return {"skipped": 1}
-            metrics = self.ranks.call("core_apply", step.total_weight)
+            metrics = self.ranks.run(core_apply, step.total_weight)
             applied = True
         finally:
             self._finish(step, applied)
@@ -348,16 +348,16 @@ class CoreServer(SatelliteDoor):
         return entries
 
     def _fold_on_ranks(self, entries: list[tuple[int, int]]) -> None:
-        self.ranks.call("core_fold", entries)
+        self.ranks.run(core_fold, entries)
         with self._cond:
             self._free.extend(slot for slot, _ in entries)  # free once added, never before
             self._cond.notify_all()
 
     def _compute_on_core(self, step: _Step, jobs: list[tuple]) -> None:
-        results = self.ranks.call("core_compute", [(step.batches[ms.index], slot) for ms, slot in jobs])
+        results = self.ranks.run(core_compute, [(step.batches[ms.index], slot) for ms, slot in jobs])
         direct = jobs[0][1] is None  # the next micro-step to fold: every earlier one is in the sum already
         if direct:
-            self.ranks.call("core_fold", [(None, 0)])
+            self.ranks.run(core_fold, [(None, 0)])
         with self._cond:
             for replica, (ms, _) in enumerate(jobs):
                 stats, seconds, ended, rank = results[replica]
@@ -381,7 +381,7 @@ class CoreServer(SatelliteDoor):
                 return version, self._published[-1][1]
             self._readers["publish"] += 1
         try:
-            descriptor, buffer = self.endpoint.publish_tensors(self.ranks.call("engine_weights"))
+            descriptor, buffer = self.endpoint.publish_tensors(self.ranks.run(engine_weights))
         finally:
             with self._cond:
                 self._readers["publish"] -= 1

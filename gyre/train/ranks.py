@@ -1,8 +1,8 @@
 """The ranks of one cell: its first rank drives, the others run the same trainer calls in lockstep.
 
     rank 0 (the cell's leader, its control endpoint)        ranks 1..n-1 (`follow`)
-    CellRanks.call(op, *args) ──broadcast (op, args)──────>  OPS[op](state, *args)
-    OPS[op](state, *args)      <──── collectives of op ────>  (TP all-gathers, DP gradient broadcasts)
+    CellRanks.run(op, *args)  ──broadcast (op, args)──────>  op(state, *args)
+    op(state, *args)          <──── collectives of op ────>  (TP all-gathers, DP gradient broadcasts)
     keepalive: ("ping",) when idle KEEPALIVE_S               a follower that exits: `on_lost` on rank 0
 
     python -m gyre.train.ranks --model '{...}' --trainer '{...}' --seed N   (a follower; RANK etc. set)
@@ -40,8 +40,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -53,24 +53,26 @@ from gyre.train.config import TrainerConfig
 from gyre.train.shard import SHARD_OPS, RankState
 from gyre.train.trainer import Trainer
 
+T = TypeVar("T")
 
-def _save(state: RankState, root: str, keep_last: int, extra: dict | None) -> str:
+
+def save(state: RankState, root: str, keep_last: int, extra: dict | None) -> str:
     return str(CheckpointManager(root, keep_last).save(state.trainer, extra))
 
 
-def _load_latest(state: RankState, root: str, keep_last: int) -> dict | None:
+def load_latest(state: RankState, root: str, keep_last: int) -> dict | None:
     return CheckpointManager(root, keep_last).load_latest(state.trainer)
 
 
-def _load_engine_dir(state: RankState, path: str) -> None:
+def load_engine_dir(state: RankState, path: str) -> None:
     state.trainer.load_engine_weights(load_checkpoint(path)[1])
 
 
-def _ping(state: RankState) -> None:
+def ping(state: RankState) -> None:
     """Nothing: keeps an idle follower's wait for the next announcement short of the group's timeout."""
 
 
-def _link(state: RankState, host: str, port: int) -> None:
+def link(state: RankState, host: str, port: int) -> None:
     """A follower opens its link to rank 0 (`CellRanks(link_host=...)`, which accepts instead) and
     exits if rank 0 dies (the link closes without rank 0's goodbye)."""
     if dist.get_rank() == 0:
@@ -91,24 +93,26 @@ def _exit_with_rank0(link: socket.socket) -> None:
         exit_at_once(1)
 
 
-def _engine_urls(state: RankState) -> list[list[str]]:
+def engine_urls(state: RankState) -> list[list[str]]:
     """Each rank's engines' URLs, by rank: rank 0 drives the engines its followers started."""
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, state.engine_urls)
     return out
 
 
-OPS = {
-    "load_engine_dir": _load_engine_dir,
-    "logprobs": lambda state, batch: state.trainer.logprobs(batch),
-    "engine_weights": lambda state: state.trainer.engine_weights(),
-    "save": _save,
-    "load_latest": _load_latest,
-    "ping": _ping,
-    "link": _link,
-    "engine_urls": _engine_urls,
-} | SHARD_OPS
-"""What rank 0 may ask of every rank: name -> function(RankState, *args)."""
+def logprobs(state: RankState, batch):
+    return state.trainer.logprobs(batch)
+
+
+def engine_weights(state: RankState):
+    return state.trainer.engine_weights()
+
+
+RANK_OPS = (
+    frozenset({load_engine_dir, logprobs, engine_weights, save, load_latest, ping, link, engine_urls}) | SHARD_OPS
+)
+"""What rank 0 may ask of every rank: functions (RankState, *args), announced by reference (pickle
+names their module and name), so a reader or a tool can follow each call to its definition."""
 
 KEEPALIVE_S = 60.0
 """An idle cell's rank 0 pings its followers this often: far under the group's timeout (torch's
@@ -199,17 +203,18 @@ class CellRanks:
     def trainer(self) -> Trainer:
         return self.state.trainer
 
-    def call(self, op: str, *args):
-        """Run OPS[op] on every rank of the cell; returns rank 0's result."""
-        fn = OPS[op]
+    def run(self, op: Callable[..., T], *args) -> T:
+        """Run `op` (one of RANK_OPS) on every rank of the cell; returns rank 0's result."""
+        if op not in RANK_OPS:
+            raise ValueError(f"{op.__qualname__} is not a rank operation (gyre.train.ranks.RANK_OPS)")
         if self.num_ranks == 1:
-            return fn(self.state, *args)
+            return op(self.state, *args)
         with self._order:
             if self._stopped.is_set():
-                raise RuntimeError(f"{op}: the cell's ranks were stopped")
+                raise RuntimeError(f"{op.__name__}: the cell's ranks were stopped")
             self._last = time.monotonic()
             dist.broadcast_object_list([(op, args)], src=0)
-            return fn(self.state, *args)
+            return op(self.state, *args)
 
     def _keepalive(self, every_s: float) -> None:
         # never less than every_s / 10: an operation holding the group for long must not make this spin
@@ -218,7 +223,7 @@ class CellRanks:
                 try:
                     if not self._stopped.is_set():
                         self._last = time.monotonic()
-                        dist.broadcast_object_list([("ping", ())], src=0)
+                        dist.broadcast_object_list([(ping, ())], src=0)
                 finally:
                     self._order.release()
 
@@ -227,7 +232,7 @@ class CellRanks:
         does not name a follower rank at once (something else that found the port) is dropped."""
         with socket.create_server((host, 0)) as server:
             server.settimeout(LINK_TIMEOUT_S)
-            self.call("link", host, server.getsockname()[1])
+            self.run(link, host, server.getsockname()[1])
             links = {}
             while len(links) < self.num_ranks - 1:
                 sock, peer = server.accept()
@@ -259,8 +264,8 @@ class CellRanks:
                     except RuntimeError as e:  # a rank is gone (the cell is lost): the rest go with us
                         logging.getLogger(__name__).warning("stopping the cell's ranks: a rank is gone: %s", e)
                         return
-                    for link in self._links.values():
-                        link.goodbye()
+                    for follower in self._links.values():
+                        follower.goodbye()
             finally:
                 self._order.release()
         self._stopped.set()
@@ -277,8 +282,10 @@ def follow(trainer: Trainer, host: str | None = None, engine_urls: Sequence[str]
         if box[0] is None:
             return done
         op, args = box[0]
-        OPS[op](state, *args)
-        done[op] += 1
+        if op not in RANK_OPS:
+            raise RuntimeError(f"rank 0 announced {op!r}, not a rank operation")
+        op(state, *args)
+        done[op.__name__] += 1
 
 
 def start_followers(num_ranks: int, host: str, model: ModelConfig, cfg: TrainerConfig, seed: int, log_dir: str) -> list:

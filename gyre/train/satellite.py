@@ -22,7 +22,7 @@ from gyre.models.config import ModelConfig
 from gyre.train.config import TrainerConfig
 from gyre.train.elastic import ElasticError
 from gyre.train.ranks import CellRanks
-from gyre.train.shard import satellite_close
+from gyre.train.shard import satellite_close, satellite_compute, satellite_open, satellite_peer, satellite_pull
 from gyre.train.trainer import Trainer
 from gyre.transfer import TransferEndpoint
 
@@ -51,7 +51,7 @@ class SatelliteCell:
         self.trainer, self.endpoint, self.cell = trainer, endpoint, cell
         self.ranks = ranks or CellRanks(trainer)
         self.ranks.state.endpoint = endpoint
-        self.ranks.call("satellite_open", host)
+        self.ranks.run(satellite_open, host)
         self._replicas = self.ranks.num_ranks // trainer.cfg.tensor_parallel_size
         self._address, self._peer_timeout_s = core_address, peer_timeout_s
         self._ch: Channel | None = None
@@ -78,7 +78,7 @@ class SatelliteCell:
             if not isinstance(reply, m.Welcome):
                 ch.close()
                 raise ElasticError(f"core refused {self.cell}: {getattr(reply, 'reason', reply)}")
-            self.ranks.call("satellite_peer", reply.peers)
+            self.ranks.run(satellite_peer, reply.peers)
             self._ch = ch
         return self._ch
 
@@ -131,7 +131,7 @@ class SatelliteCell:
             if works[0].version != self.version:
                 self._read_weights()  # safe: the core cannot step while we hold a claim
                 self.version = works[0].version
-            done = self.ranks.call("satellite_compute", [(w.batch, w.slot) for w in works])
+            done = self.ranks.run(satellite_compute, [(w.batch, w.slot) for w in works])
         for replica, work in enumerate(works):
             stats, seconds, _, rank = done[replica]
             self.microstep_seconds.append(seconds)
@@ -159,7 +159,7 @@ class SatelliteCell:
         return reply.version, time.perf_counter() - t0
 
     def _read_weights(self) -> None:
-        self.rank_pull_seconds = self.ranks.call("satellite_pull")
+        self.rank_pull_seconds = self.ranks.run(satellite_pull)
         self.pull_seconds.append(max(self.rank_pull_seconds))
 
     def close(self) -> None:

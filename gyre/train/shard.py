@@ -1,5 +1,5 @@
 """Each rank's part of elastic training: its Mooncake endpoint, its weight shard and gradient slots,
-and the operations rank 0 announces for them (gyre/train/ranks.py `OPS`).
+and the operations rank 0 announces for them (gyre/train/ranks.py `RANK_OPS`).
 
     core rank r                                          satellite rank r (same layout, same r)
     weights shard [N_r], registered  <── Mooncake read ──  core_pull: its shard, all ranks at once
@@ -202,9 +202,8 @@ def satellite_close(state: RankState) -> None:
     state.endpoint.unregister(state.trainer.flat.weights)
 
 
-SHARD_OPS = {
-    f.__name__: f
-    for f in (
+SHARD_OPS = frozenset(
+    {
         core_open,
         core_close,
         core_compute,
@@ -218,6 +217,6 @@ SHARD_OPS = {
         satellite_compute,
         satellite_close,
         weights_digest,
-    )
-}
-"""The ops of this module by name (gyre/train/ranks.py OPS)."""
+    }
+)
+"""The rank operations of this module (gyre/train/ranks.py RANK_OPS)."""

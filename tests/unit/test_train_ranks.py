@@ -52,7 +52,8 @@ from dataclasses import replace
 from _train_ref import random_batches
 from test_train_ranks import MODEL, CFG, STEPS, stream_steps
 from gyre.train.checkpoint import CheckpointManager
-from gyre.train.ranks import CellRanks, follow
+from gyre.train.ranks import CellRanks, follow, load_latest, logprobs, save
+from gyre.train.shard import weights_digest
 from gyre.train.trainer import Trainer
 
 def main(tp, src, dst, out):
@@ -69,14 +70,14 @@ def main(tp, src, dst, out):
         from gyre.train.elastic import CoreServer
         from gyre.transfer import TransferEndpoint
         ranks = CellRanks(tr)
-        ranks.call("load_latest", src, 1)
-        lp = ranks.call("logprobs", random_batches(MODEL, 1, 3, seed=5)[0])
+        ranks.run(load_latest, src, 1)
+        lp = ranks.run(logprobs, random_batches(MODEL, 1, 3, seed=5)[0])
         server = CoreServer(tr, TransferEndpoint(), ranks=ranks)
         metrics = stream_steps(server, src + ".core")
         version, _ = server.publish()
         engine = {k: v.clone() for k, v in server.published_tensors(version).items()}
-        ranks.call("save", dst, 1, None)
-        digest = ranks.call("weights_digest")
+        ranks.run(save, dst, 1, None)
+        digest = ranks.run(weights_digest)
         server.close()
         ranks.stop()
     same, owned = [None, None], [None, None]
