@@ -57,7 +57,7 @@ from gyre.control.messages import (
 from gyre.control.transport import ChannelClosed, ChannelTimeout, connect
 from gyre.engines.published import PublishedWeights
 from gyre.engines.weights import serve_weights
-from gyre.metrics.events import MicroStep
+from gyre.metrics.events import MicroStepEvent
 from gyre.metrics.log import EventLog
 from gyre.scheduler.cells import PHASES, Phase, Role
 
@@ -121,8 +121,8 @@ class CellLeader:
         self._run: tuple[int, float, Future] | None = None
         """The core's open step as this leader drives it: (step, when it opened, run_step's future);
         the step's micro-batches are the core's to track (CoreServer.done_ids)."""
-        self._reported: list = []
-        """The micro-batch ids last reported in StepProgress."""
+        self._num_reported = 0
+        """How many of the open step's ids (CoreServer.done_ids) StepProgress has reported."""
         if self.is_core:
             self._start_core()
 
@@ -265,7 +265,7 @@ class CellLeader:
         if self._run is None:
             self.core.begin_step(step)
             self._run = (step, time.monotonic(), self._pool.submit(self.core.run_step))
-            self._reported = []
+            self._num_reported = 0
 
     def _add_batches(self, msg: MicroBatches) -> None:
         from gyre.train.batch import BatchError
@@ -287,8 +287,8 @@ class CellLeader:
             return
         step, t0, run = self._run
         done = self.core.done_ids()
-        if len(done) > len(self._reported):
-            self._reported = done
+        if len(done) > self._num_reported:
+            self._num_reported = len(done)
             self.channel.send(StepProgress(step, done))
         if not run.done():
             return
@@ -300,7 +300,9 @@ class CellLeader:
         for k, (_, cell, seconds, ended, tokens, rank) in enumerate(metrics.pop("microsteps", [])):
             by = 0 if cell == "core" else int(str(cell).removeprefix("cell"))
             # t is when it ended, not now: a cell's busy time is [t - seconds, t] (gyre.metrics.state)
-            self.events.emit(MicroStep(t=ended, step=step, index=k, cell=by, rank=rank, tokens=tokens, seconds=seconds))
+            self.events.emit(
+                MicroStepEvent(t=ended, step=step, index=k, cell=by, rank=rank, tokens=tokens, seconds=seconds)
+            )
         self._done(step, metrics, time.monotonic() - t0)
 
     def _done(self, step: int, metrics: dict, seconds: float) -> None:

@@ -30,8 +30,6 @@ class GroupBatch:
     """One group's contribution to its step."""
 
     micro_batches: list[PackedBatch]
-    total_weight: float
-    """Summed loss weight of its targets (the step's normaliser is the sum over its groups)."""
     rewards: dict[str, float]
     excluded: list[tuple[str, str]] = field(default_factory=list)
     """(execution id, reason) of every execution left out."""
@@ -103,7 +101,6 @@ def make_group_batch(
     versions = [int(s.path.versions[s.path.target_mask].min()) for s in samples]
     return GroupBatch(
         micro_batches=make_micro_batches(samples, max_tokens, min_micro_batches) if samples else [],
-        total_weight=float(sum(s.loss_weights.sum() for s in samples)),
         rewards={eid: r for eid, r in result.rewards.items()},
         excluded=excluded,
         counts=result.counts,

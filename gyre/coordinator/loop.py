@@ -157,7 +157,7 @@ async def observe(
         queued_ahead=queued_ahead,
         running=running,
         running_ahead=running_ahead,
-        queue=train.queue,
+        work=train,
         train_tok_s=train.train_tok_s,
         optimizing=train.optimizing,
         gen_demand_tok_s=loads.gen_demand_tok_s,

@@ -12,11 +12,11 @@ from gyre.metrics.events import (
     Checkpoint,
     Exclusion,
     ExecutionState,
-    Failure,
+    FailureEvent,
     HeldOutResult,
-    Observation,
+    ObservationEvent,
     OptimizerStep,
-    RoleSwitch,
+    RoleSwitchEvent,
     RunStart,
     WeightPublish,
 )
@@ -82,7 +82,7 @@ class RunEvents:
             return
         self._observed_at = obs.now_s
         self.log.emit(
-            Observation(
+            ObservationEvent(
                 queued=obs.queued,
                 running=obs.running,
                 roles=[c.role.value for c in obs.cells],
@@ -94,7 +94,7 @@ class RunEvents:
 
     def role_switch(self, msg: RoleDone) -> None:
         self.log.emit(
-            RoleSwitch(
+            RoleSwitchEvent(
                 cell=msg.cell,
                 from_role=self._roles.get(msg.cell, ""),
                 to_role=msg.role,
@@ -137,7 +137,7 @@ class RunEvents:
         self.log.emit(Checkpoint(step=msg.step, path=msg.path, seconds=msg.seconds, weights_digest=msg.weights_digest))
 
     def failure(self, component: str, message: str) -> None:
-        self.log.emit(Failure(component=component, message=message))
+        self.log.emit(FailureEvent(component=component, message=message))
 
     def update(self) -> None:
         self.monitor.update()

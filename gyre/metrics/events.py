@@ -111,7 +111,7 @@ class HeldOutResult(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RoleSwitch(Event):
+class RoleSwitchEvent(Event):
     """A cell finished switching roles: from_role until t_start, then `phases` in order, then to_role."""
 
     kind: ClassVar[str] = "role_switch"
@@ -128,7 +128,7 @@ class RoleSwitch(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class MicroStep(Event):
+class MicroStepEvent(Event):
     """A training micro-step computed by a cell (t = when it ended)."""
 
     kind: ClassVar[str] = "micro_step"
@@ -204,7 +204,7 @@ class Exclusion(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Failure(Event):
+class FailureEvent(Event):
     """A component failed (engine crash, lost cell, harness error); the run went on or stopped."""
 
     kind: ClassVar[str] = "failure"
@@ -213,7 +213,7 @@ class Failure(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Observation(Event):
+class ObservationEvent(Event):
     """The coordinator's sample of the cluster (about every second)."""
 
     kind: ClassVar[str] = "observation"
@@ -240,14 +240,14 @@ EVENT_TYPES: dict[str, type[Event]] = {
         ModelCall,
         ExecutionState,
         HeldOutResult,
-        RoleSwitch,
-        MicroStep,
+        RoleSwitchEvent,
+        MicroStepEvent,
         OptimizerStep,
         WeightPublish,
         Checkpoint,
         Exclusion,
-        Failure,
-        Observation,
+        FailureEvent,
+        ObservationEvent,
     )
 }
 _FIELDS = {k: frozenset(f.name for f in fields(c)) for k, c in EVENT_TYPES.items()}

@@ -17,10 +17,10 @@ from gyre.metrics.events import (
     Checkpoint,
     Event,
     HeldOutResult,
-    MicroStep,
-    Observation,
+    MicroStepEvent,
+    ObservationEvent,
     OptimizerStep,
-    RoleSwitch,
+    RoleSwitchEvent,
     WeightPublish,
 )
 from gyre.metrics.state import RunState
@@ -63,7 +63,7 @@ def make_scalars(e: Event, state: RunState) -> Scalars | None:
         values["tokens/saved_by_dedup"] = 1 - e.targets_dedup / e.targets_capped if e.targets_capped else 0.0
         values |= {"train/step_s": e.seconds, "reward/mean": e.reward_mean, "reward/std": e.reward_std}
         return Scalars("step", e.step, values)
-    if isinstance(e, Observation):
+    if isinstance(e, ObservationEvent):
         calls_s, tokens_s = state.rates()
         values = {
             "cluster/queued": e.queued,
@@ -78,7 +78,7 @@ def make_scalars(e: Event, state: RunState) -> Scalars | None:
         values |= {f"executions/{k}": n for k, n in state.outcomes().items()}
         values |= {f"exclusions/{k}": n for k, n in state.exclusions.items()}
         return Scalars("elapsed_s", int(e.t - state.t_first), values)
-    if isinstance(e, RoleSwitch):
+    if isinstance(e, RoleSwitchEvent):
         values = {f"switch/{p}_s": s for p, s in e.phases.items()} | {"switch/total_s": e.t - e.t_start}
         return Scalars("switch", state.num_switches, values)
     if isinstance(e, WeightPublish):
@@ -88,7 +88,7 @@ def make_scalars(e: Event, state: RunState) -> Scalars | None:
     if isinstance(e, HeldOutResult) and e.reward is not None:  # the running mean at this version
         rewards = state.held_out[e.version]
         return Scalars("version", e.version, {"eval/reward_mean": sum(rewards) / len(rewards)})
-    if isinstance(e, MicroStep):
+    if isinstance(e, MicroStepEvent):
         return Scalars(
             "micro_step",
             state.num_micro_steps,

@@ -3,9 +3,9 @@
 TensorBoard, the live progress, the figures and the report all fold the same events.jsonl, so
 what a report says of a finished run is what the progress showed while it ran.
 
-Cell lanes: a cell holds the role of its first Observation (or its first switch's from_role) from
-its first sight; a RoleSwitch closes the old role at t_start, lays its phases end to end (any
-remainder up to t stays the bare switching state), and opens to_role at t. An Observation that
+Cell lanes: a cell holds the role of its first ObservationEvent (or its first switch's from_role) from
+its first sight; a RoleSwitchEvent closes the old role at t_start, lays its phases end to end (any
+remainder up to t stays the bare switching state), and opens to_role at t. An ObservationEvent that
 shows a cell lost ends its lane there. Busy time: a model call occupies its cell over
 [t - latency_s, t], a micro-step over [t - seconds, t]; overlaps count once.
 """
@@ -21,13 +21,13 @@ from gyre.metrics.events import (
     Event,
     Exclusion,
     ExecutionState,
-    Failure,
+    FailureEvent,
     HeldOutResult,
-    MicroStep,
+    MicroStepEvent,
     ModelCall,
-    Observation,
+    ObservationEvent,
     OptimizerStep,
-    RoleSwitch,
+    RoleSwitchEvent,
     RunStart,
     WeightPublish,
 )
@@ -131,7 +131,7 @@ class RunState:
     cells: dict[int, CellLane] = field(default_factory=dict)
     levels: list[tuple[float, int]] = field(default_factory=list)
     """(t, waterlevel) at each change (and the latest sample)."""
-    last_observation: Observation | None = None
+    last_observation: ObservationEvent | None = None
     steps: dict[int, OptimizerStep] = field(default_factory=dict)
     executions: dict[str, ExecutionState] = field(default_factory=dict)
     """Each execution's latest state."""
@@ -142,7 +142,7 @@ class RunState:
     exclusions: Counter = field(default_factory=Counter)
     failures: Counter = field(default_factory=Counter)
     """By component."""
-    last_failure: Failure | None = None
+    last_failure: FailureEvent | None = None
     num_calls: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -191,7 +191,7 @@ class RunState:
         if e.reward is not None:
             self.held_out.setdefault(e.version, []).append(e.reward)
 
-    def _role_switch(self, e: RoleSwitch) -> None:
+    def _role_switch(self, e: RoleSwitchEvent) -> None:
         lane = self._lane(e.cell, e.from_role, e.t_start)
         lane.close(e.t_start)
         t, switching = e.t_start, SWITCHING.get(e.to_role, f"to_{e.to_role}")
@@ -208,7 +208,7 @@ class RunState:
         self.num_switches += 1
         self.switch_s.setdefault(switching, []).append(e.t - e.t_start)
 
-    def _micro_step(self, e: MicroStep) -> None:
+    def _micro_step(self, e: MicroStepEvent) -> None:
         lane = self._lane(e.cell, "train", e.t - e.seconds)
         lane.num_micro_steps += 1
         lane.busy["train"].add(e.t - e.seconds, e.t)
@@ -227,11 +227,11 @@ class RunState:
     def _exclusion(self, e: Exclusion) -> None:
         self.exclusions[e.reason] += 1
 
-    def _failure(self, e: Failure) -> None:
+    def _failure(self, e: FailureEvent) -> None:
         self.failures[e.component] += 1
         self.last_failure = e
 
-    def _observation(self, e: Observation) -> None:
+    def _observation(self, e: ObservationEvent) -> None:
         self.last_observation = e
         if not self.levels or self.levels[-1][1] != e.waterlevel:
             self.levels.append((e.t, e.waterlevel))
@@ -296,14 +296,14 @@ _HANDLERS = {
     ModelCall: RunState._model_call,
     ExecutionState: RunState._execution_state,
     HeldOutResult: RunState._held_out,
-    RoleSwitch: RunState._role_switch,
-    MicroStep: RunState._micro_step,
+    RoleSwitchEvent: RunState._role_switch,
+    MicroStepEvent: RunState._micro_step,
     OptimizerStep: RunState._optimizer_step,
     WeightPublish: RunState._weight_publish,
     Checkpoint: RunState._checkpoint,
     Exclusion: RunState._exclusion,
-    Failure: RunState._failure,
-    Observation: RunState._observation,
+    FailureEvent: RunState._failure,
+    ObservationEvent: RunState._observation,
 }
 
 

@@ -21,7 +21,7 @@ from gyre.metrics.log import EventLog
 from gyre.models.tokenizer import BaseTokenizer, ChatTemplateError
 from gyre.proxy.chat import ApiError, ChatRequest, Resume, invalid, json_text
 from gyre.proxy.config import ProxyConfig
-from gyre.proxy.conversation import Snapshot
+from gyre.proxy.conversation import RequestSnapshot
 from gyre.proxy.executions import ProxyExecution
 from gyre.proxy.generation import Generation
 from gyre.proxy.hints import CallHints
@@ -98,7 +98,7 @@ class CallRunner:
         )
         if keep and request is not None:
             ex.conversations.store(
-                Snapshot(request, chat, rendered),
+                RequestSnapshot(request, chat, rendered),
                 snap if snap is not None and num == len(snap.request.messages) else None,
             )
         return chat, hints, rendered, is_retry

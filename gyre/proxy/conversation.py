@@ -1,7 +1,7 @@
 """Each execution's recent conversations as the proxy last saw them, so a call costs what it adds (pure).
 
 A harness re-sends its whole conversation on every call. The proxy keeps, per execution, the last
-few requests' message lists as they came off the wire (a `Snapshot`: the parsed JSON, its
+few requests' message lists as they came off the wire (a `RequestSnapshot`: the parsed JSON, its
 conversion to template messages, and its rendered prompt with checkpoints), and a new call first
 finds the snapshot sharing the longest run of leading messages with it (same head: system prompt
 and tools). Where the new body's bytes start with the snapshot's up to the end of its last message
@@ -36,7 +36,7 @@ class WireRequest:
 
 
 @dataclass(frozen=True, eq=False)
-class Snapshot:
+class RequestSnapshot:
     request: WireRequest
     chat: ChatRequest
     rendered: RenderResult
@@ -78,9 +78,9 @@ class ConversationCache:
 
     def __init__(self, max_snapshots: int = 4):
         self.max_snapshots = max_snapshots
-        self._snapshots: list[Snapshot] = []
+        self._snapshots: list[RequestSnapshot] = []
 
-    def match(self, request: WireRequest) -> tuple[Snapshot | None, int]:
+    def match(self, request: WireRequest) -> tuple[RequestSnapshot | None, int]:
         """The snapshot with the same head sharing the most leading messages, and how many."""
         best, best_n = None, 0
         for snap in self._snapshots:
@@ -92,7 +92,7 @@ class ConversationCache:
         return best, best_n
 
     @staticmethod
-    def is_retry(snap: Snapshot | None, num: int, request: WireRequest) -> bool:
+    def is_retry(snap: RequestSnapshot | None, num: int, request: WireRequest) -> bool:
         """Whether `request` repeats `snap` (as matched, sharing `num` messages) but for `stream`."""
         return (
             snap is not None
@@ -100,7 +100,7 @@ class ConversationCache:
             and snap.request.rest == request.rest
         )
 
-    def store(self, snap: Snapshot, replaces: Snapshot | None) -> None:
+    def store(self, snap: RequestSnapshot, replaces: RequestSnapshot | None) -> None:
         """Keep `snap` first; `replaces` (the snapshot it continues, if any) goes."""
         self._snapshots = [snap] + [s for s in self._snapshots if s is not replaces][: self.max_snapshots - 1]
 

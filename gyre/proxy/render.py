@@ -106,7 +106,7 @@ _ANCHOR = ({"role": "system", "content": "anchor"},)
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class RenderCheckpoint:
     """A point of a rendered prompt where the next call of the conversation may start."""
 
     num_messages: int
@@ -154,7 +154,7 @@ class PromptIds:
     field) as a list of byte pieces, starting from an earlier prompt's prefix without encoding or
     copying it again (the pieces are joined once, into the request to the engine)."""
 
-    def __init__(self, base: "RenderResult | None" = None, at: Checkpoint | None = None):
+    def __init__(self, base: "RenderResult | None" = None, at: RenderCheckpoint | None = None):
         self.buffer = base.ids_buffer if base is not None else IdBuffer()
         self._json: list = list(base.input_json[: at.num_json]) if base is not None else [b"["]
         self.num_ids = at.num_ids if base is not None else 0
@@ -191,7 +191,7 @@ class RenderResult:
     """Assistant turns whose ids came from memory."""
     num_retokenized: int
     """Assistant turns rendered from text (memory miss: edited history or another proxy)."""
-    checkpoints: tuple[Checkpoint, ...] = ()
+    checkpoints: tuple[RenderCheckpoint, ...] = ()
     num_rendered_messages: int = 0
     """Messages this call rendered itself (the rest came from an earlier call's checkpoint)."""
     tools: list | None = field(default=None, repr=False)
@@ -200,7 +200,7 @@ class RenderResult:
 
     def resume_from(
         self, messages: list[dict], num_shared: int, memory: "TurnMemory", agent_id: str
-    ) -> Checkpoint | None:
+    ) -> RenderCheckpoint | None:
         """The last checkpoint within the first `num_shared` messages (equal to this render's) that
         holds for `messages`; None if there is none."""
         for c in reversed(self.checkpoints):
@@ -331,7 +331,7 @@ class Renderer:
         ids = PromptIds()
         ids.add(head[0])
         first = len(messages) - len(head[1])
-        return ids, first, 0, 0, [Checkpoint(first, ids.num_ids, ids.num_json, 0, 0, True)], 0
+        return ids, first, 0, 0, [RenderCheckpoint(first, ids.num_ids, ids.num_json, 0, 0, True)], 0
 
     def _piecewise(
         self,
@@ -363,7 +363,7 @@ class Renderer:
                 ids.add(alone)
                 run = []
                 if m is None:  # the last run: the next call may start here if it closes the run alike
-                    checkpoints.append(Checkpoint(j, ids.num_ids, ids.num_json, reused, retokenized, False))
+                    checkpoints.append(RenderCheckpoint(j, ids.num_ids, ids.num_json, reused, retokenized, False))
             if out is not None:
                 ids.add(
                     self.gen_prompt
@@ -372,7 +372,7 @@ class Renderer:
                     + self.separator
                 )
                 reused += 1
-                checkpoints.append(Checkpoint(j + 1, ids.num_ids, ids.num_json, reused, retokenized, True))
+                checkpoints.append(RenderCheckpoint(j + 1, ids.num_ids, ids.num_json, reused, retokenized, True))
         ids.add(self.gen_prompt)
         return RenderResult(
             *ids.finish(), reused, retokenized, tuple(checkpoints), len(messages) - num_kept, tools, ids.buffer

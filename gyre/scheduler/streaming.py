@@ -24,12 +24,8 @@ exhausted with nothing evaluable, evaluator crash) is excluded and counted, neve
     TRAIN cells ──claim()──> micro-step of the current step (faster cells claim more often)
     all groups of the step trained ──> core applies ONE optimizer step ──> version + 1
 
-The queue also tracks who holds each claim (`claim(cell, now)`), so the core of a real run
-(gyre/train/elastic.py) uses it per micro-batch: a cell that leaves or dies gives its claims back
-(`release`, counted in `num_redone`), one that holds a claim too long is found by `overdue`, and a
-result from a cell that no longer holds the claim is refused (`complete` returns False), so each
-micro-step counts exactly once. There a step's size is not known up front (`groups_per_step=None`):
-`close_step` says that no more micro-steps come.
+The live run keeps the same rule per group (gyre.coordinator.training) and per micro-batch on the
+core (gyre.train.core_state); this queue is the simulator's.
 """
 
 from collections import deque
@@ -100,29 +96,24 @@ class _StepState:
     in_flight: int = 0
     done: int = 0  # micro-steps completed
     num_micro: int = 0  # micro-steps created
-    closed: bool = False  # no more micro-steps come (open-ended steps)
-    claims: dict = field(default_factory=dict)  # index -> (MicroStep, cell, claimed at)
-    done_by: dict = field(default_factory=dict)  # index -> cell whose result was accepted
 
 
 class MicroStepQueue:
     """Micro-steps per step; only the current step (= current weight version) can be claimed.
 
     Args:
-        groups_per_step: groups that make one RL step's batch; None: open-ended, see `close_step`.
+        groups_per_step: groups that make one RL step's batch.
         staleness: the bound s, checked again at every claim.
     """
 
-    def __init__(self, groups_per_step: int | None, staleness: int):
-        if groups_per_step is not None and groups_per_step < 1:
+    def __init__(self, groups_per_step: int, staleness: int):
+        if groups_per_step < 1:
             raise SchedulerError(f"groups_per_step must be >= 1, got {groups_per_step}")
         self.groups_per_step = groups_per_step
         self.staleness = staleness
         self.version = 0
         self.max_lag = 0
         """Largest step - start_version ever claimed (never above `staleness`)."""
-        self.num_redone = 0
-        """Claims given back by cells that left, died or timed out before finishing."""
         self._steps: dict[int, _StepState] = {}
 
     @property
@@ -136,10 +127,8 @@ class MicroStepQueue:
         return self._steps.setdefault(step, _StepState())
 
     def _account(self, st: _StepState, step: int) -> None:
-        if st.closed:
-            raise SchedulerError(f"step {step} is closed: no more micro-steps may join it")
         st.accounted += 1
-        if self.groups_per_step is not None and st.accounted > self.groups_per_step:
+        if st.accounted > self.groups_per_step:
             raise SchedulerError(f"step {step} got more than {self.groups_per_step} groups")
 
     def open_step(self) -> int:
@@ -151,7 +140,7 @@ class MicroStepQueue:
         return step
 
     def _full(self, st: _StepState) -> bool:
-        return st.closed or (self.groups_per_step is not None and st.accounted >= self.groups_per_step)
+        return st.accounted >= self.groups_per_step
 
     def add_ready(
         self, step: int, group_id: int, start_version: int, tokens: int, max_tokens: int = 0
@@ -172,17 +161,12 @@ class MicroStepQueue:
             st.num_micro += 1
         return ms
 
-    def close_step(self, step: int) -> None:
-        """No more micro-steps come for `step` (open-ended steps: the batch is whatever arrived)."""
-        self._state(step).closed = True
-
     def exclude(self, step: int, group_id: int) -> None:
         """A group of `step` has no trainable execution; it counts as accounted for."""
         self._account(self._state(step), step)
 
-    def claim(self, cell: str = "", now: float = 0.0, index: int | None = None) -> MicroStep | None:
-        """The next ready micro-step of the current step, now held by `cell` (claimed at `now`,
-        the caller's clock); with `index`, that micro-step only. None: nothing (such) is ready.
+    def claim(self) -> MicroStep | None:
+        """The next ready micro-step of the current step; None: nothing is ready.
 
         Raises:
             StalenessError: it would exceed the bound (never happens if admission used may_admit).
@@ -190,73 +174,28 @@ class MicroStepQueue:
         st = self._steps.get(self.version)
         if st is None or not st.ready:
             return None
-        if index is None:
-            ms = st.ready.popleft()
-        else:
-            ms = next((m for m in st.ready if m.index == index), None)
-            if ms is None:
-                return None
-            st.ready.remove(ms)
+        ms = st.ready.popleft()
         check_staleness(ms.start_version, ms.step, self.staleness)
         self.max_lag = max(self.max_lag, ms.step - ms.start_version)
         st.in_flight += 1
-        st.claims[ms.index] = (ms, cell, now)
         return ms
 
     def hand_back(self, ms: MicroStep) -> None:
         """A cell leaving training returns an unfinished micro-step; it is claimed first next."""
         st = self._steps[ms.step]
         st.in_flight -= 1
-        st.claims.pop(ms.index, None)
         st.ready.appendleft(ms)
 
-    def complete(self, ms: MicroStep, cell: str | None = None) -> bool:
-        """A micro-step's gradients are accumulated. With `cell`: only if `cell` still holds the
-        claim; False (ignore the result) otherwise, e.g. it was presumed dead and the work redone."""
-        st = self._steps.get(ms.step) if cell is not None else self._steps[ms.step]
-        held = None if st is None else st.claims.get(ms.index)
-        if cell is not None and (held is None or held[0] != ms or held[1] != cell):
-            return False
-        st.claims.pop(ms.index, None)
+    def complete(self, ms: MicroStep) -> None:
+        """A micro-step's gradients are accumulated."""
+        st = self._steps[ms.step]
         st.in_flight -= 1
         st.done += 1
-        st.done_by[ms.index] = held[1] if held else ""
-        return True
-
-    def release(self, cell: str) -> list[MicroStep]:
-        """Give back every claim `cell` holds in the current step (it left, died or timed out);
-        they are claimed first next, in index order. Returns them."""
-        st = self._steps.get(self.version)
-        lost = [] if st is None else sorted((ms for ms, c, _ in st.claims.values() if c == cell), key=lambda m: m.index)
-        for ms in reversed(lost):
-            self.hand_back(ms)
-        self.num_redone += len(lost)
-        return lost
-
-    def overdue(self, now: float, timeout_s: float) -> set[str]:
-        """Cells holding a claim of the current step for longer than `timeout_s`."""
-        st = self._steps.get(self.version)
-        return set() if st is None else {c for _, c, t in st.claims.values() if now - t > timeout_s}
-
-    def claims(self) -> dict[int, str]:
-        """Micro-step index -> cell computing it, in the current step."""
-        st = self._steps.get(self.version)
-        return {} if st is None else {i: c for i, (_, c, _) in st.claims.items()}
-
-    def done_by(self) -> dict[int, str]:
-        """Micro-step index -> cell whose result was accepted, in the current step."""
-        st = self._steps.get(self.version)
-        return {} if st is None else dict(st.done_by)
-
-    def num_microsteps(self, step: int | None = None) -> int:
-        """Micro-steps created so far for `step` (default: current)."""
-        st = self._steps.get(self.version if step is None else step)
-        return 0 if st is None else st.num_micro
 
     def batch_ready(self, step: int | None = None) -> bool:
         """Whether every group of `step` (default: current) is ready or excluded."""
         st = self._steps.get(self.version if step is None else step)
-        return st is not None and (st.closed or st.accounted == self.groups_per_step)
+        return st is not None and st.accounted == self.groups_per_step
 
     def step_complete(self) -> bool:
         """Whether the current step's micro-steps are all trained, so the optimizer step may run."""

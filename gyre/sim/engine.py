@@ -210,7 +210,7 @@ class Simulation(RolloutSide):
             running=self.running,
             queued_ahead=sum(n for step, n in self.waiting_by_step.items() if step > current),
             running_ahead=sum(n for step, n in self.running_by_step.items() if step > current),
-            queue=self.queue,
+            work=self.queue,
             train_tok_s=self.sat_train_tok_s,
             optimizing=self.optimizing,
             gen_demand_tok_s=demand,

@@ -44,7 +44,7 @@ class Session:
         self.kvs = 0.0  # KV token-seconds its calls held at least (context x unloaded decode time)
 
 
-class Group:
+class SimGroup:
     __slots__ = ("gid", "step", "version", "remaining", "execs")
 
     def __init__(self, gid, step, version, size):

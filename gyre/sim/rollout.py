@@ -14,7 +14,7 @@ from collections import deque
 from gyre.scheduler.policy import rebalance
 from gyre.scheduler.streaming import may_admit, trained_spans
 from gyre.sim.kv import GPU
-from gyre.sim.parts import EXEC_END, SEG_END, WAKE, Group, Session
+from gyre.sim.parts import EXEC_END, SEG_END, WAKE, Session, SimGroup
 from gyre.sim.workload import draw_batch, train_tokens
 
 
@@ -61,7 +61,7 @@ class RolloutSide:
             self.group_longest_s.append(b.group_longest_s)
             g_size = self.profile.group_size
             for g in range(self.profile.groups_per_step):
-                group = Group(g, step, self.queue.version, g_size)
+                group = SimGroup(g, step, self.queue.version, g_size)
                 for e in range(g * g_size, (g + 1) * g_size):
                     self.waiting.append(Session(group, b.segments[e], b.offsets[e], b.excluded[e], b))
             self.waiting_by_step[step] = self.profile.executions_per_step

@@ -4,35 +4,61 @@
     accept ─> Join ─> Welcome | Refused      Claim ─> Work | Wait | Evicted      Done ─> the slot is folded
     Pull ─> WeightVersion ... PullDone       Leave / a closed channel ─> its claims go back to the queue
 
-`SatelliteDoor` is CoreServer's protocol side (gyre/train/elastic.py): it reads and changes the
-open step, the claim queue and the slots under the server's condition variable, which owns them.
+The door only speaks the protocol: what a message changes (claims, slots, readers of the weights)
+is the core's state's to do (gyre.train.core_state.CoreState).
 """
 
 import logging
 import threading
-import time
-from collections import Counter
 
 from gyre.control import messages as m
-from gyre.control.transport import Channel, ChannelClosed
+from gyre.control.transport import Channel, ChannelClosed, Listener
+from gyre.train.core_state import CoreState
 
-CORE = "core"
 logger = logging.getLogger("gyre.train.elastic")
 
 
 class SatelliteDoor:
-    """Accepts satellites and answers their messages; mixed into CoreServer, whose state it shares."""
+    """Accepts satellites on `listener` and answers their messages from `state`.
+
+    Args:
+        peers: what a joining satellite needs to reach the core's ranks (Welcome.peers).
+        layout: the core's (ranks, tensor parallel size); a satellite must match it.
+        signature: the core's parameter names and shapes; a satellite must match it.
+    """
+
+    def __init__(self, state: CoreState, listener: Listener, peers: list, layout: tuple[int, int], signature: list):
+        self.state, self.listener, self.peers = state, listener, peers
+        self.layout, self.signature = layout, [tuple(map(tuple, x)) for x in signature]
+        self._lock = threading.Lock()
+        self._channels: set[Channel] = set()
+        self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="core-accept")]
+        self._threads[0].start()
+
+    @property
+    def address(self) -> str:
+        return self.listener.address
+
+    def close(self) -> None:
+        """Stop serving: satellites see their channel close and leave their loop."""
+        self.listener.close()
+        with self._lock:
+            channels = list(self._channels)
+        for ch in channels:
+            ch.close()
+        for t in list(self._threads):
+            t.join(timeout=5)
 
     def _accept_loop(self) -> None:
         while True:
             try:
-                ch = self._listener.accept()
+                ch = self.listener.accept()
             except ChannelClosed:
                 return
-            with self._cond:
-                self._channels.add(ch)
             t = threading.Thread(target=self._serve, args=(ch,), daemon=True, name=f"core-{ch.peer}")
-            self._threads.append(t)
+            with self._lock:
+                self._channels.add(ch)
+                self._threads.append(t)
             t.start()
 
     def _serve(self, ch: Channel) -> None:
@@ -40,98 +66,48 @@ class SatelliteDoor:
         try:
             cell = self._welcome(ch, ch.recv(timeout_s=60))
             while cell is not None:
-                msg = ch.recv()
-                if isinstance(msg, m.Claim):
-                    ch.send(self._grant(cell))
-                elif isinstance(msg, m.Done):
-                    self._accept_result(cell, msg)
-                elif isinstance(msg, m.Pull):
-                    ch.send(self._start_pull(cell))
-                elif isinstance(msg, m.PullDone):
-                    self._end_pull(cell)
-                elif isinstance(msg, m.Leave):
-                    self._release(cell)  # it finished its micro-step first; nothing should be held
-                elif not isinstance(msg, m.Heartbeat):
-                    raise m.ProtocolError(f"a satellite may not send {type(msg).__name__} to the core")
+                self._answer(cell, ch, ch.recv())
         except m.ProtocolError as e:
             logger.error("dropping %s (%s): %s", cell or "a peer", ch.peer, e)
         except ChannelClosed:
-            pass  # the satellite died or the core is closing: release below
+            pass  # the satellite died or the core is closing: its claims go back below
         finally:
             ch.close()
-            with self._cond:
+            with self._lock:
                 self._channels.discard(ch)
             if cell is not None:
-                with self._cond:
-                    if self._cells.get(cell) is ch:
-                        del self._cells[cell]
-                    self._evicted.discard(cell)
-                    self._free.extend(self._quarantine.pop(cell, []))  # the process is gone now
-                    self._cond.notify_all()
-                self._release(cell)
+                self.state.gone(cell, ch)
+
+    def _answer(self, cell: str, ch: Channel, msg: object) -> None:
+        if isinstance(msg, m.Claim):
+            ch.send(self.state.grant(cell))
+        elif isinstance(msg, m.Done):
+            self.state.accept(cell, msg)
+        elif isinstance(msg, m.Pull):
+            ch.send(m.WeightVersion(self.state.start_pull(cell)))
+        elif isinstance(msg, m.PullDone):
+            self.state.end_pull(cell)
+        elif isinstance(msg, m.Leave):
+            self.state.release(cell)  # it finished its micro-step first; nothing should be held
+        elif not isinstance(msg, m.Heartbeat):
+            raise m.ProtocolError(f"a satellite may not send {type(msg).__name__} to the core")
 
     def _welcome(self, ch: Channel, msg: object) -> str | None:
         if not isinstance(msg, m.Join):
             raise m.ProtocolError(f"expected Join first, got {type(msg).__name__}")
-        layout = (self.ranks.num_ranks, self.trainer.cfg.tensor_parallel_size)
-        if (msg.ranks, msg.tp) != layout:
+        if (msg.ranks, msg.tp) != self.layout:
             ch.send(
-                m.Refused(f"layout (ranks, tensor parallel) {(msg.ranks, msg.tp)} differs from the core's {layout}")
+                m.Refused(
+                    f"layout (ranks, tensor parallel) {(msg.ranks, msg.tp)} differs from the core's {self.layout}"
+                )
             )
             return None
-        if [tuple(map(tuple, x)) for x in msg.signature] != [
-            tuple(map(tuple, x)) for x in self.trainer.flat.signature()
-        ]:
+        if [tuple(map(tuple, x)) for x in msg.signature] != self.signature:
             ch.send(m.Refused("model parameters differ from the core's (names, shapes)"))
             return None
-        with self._cond:
-            if msg.cell in self._cells or msg.cell == CORE:
-                ch.send(m.Refused(f"cell name {msg.cell!r} is in use"))
-                return None
-            self._cells[msg.cell] = ch
-            version = self.trainer.step
-        ch.send(m.Welcome(self._peers, version))
+        version = self.state.join(msg.cell, ch)
+        if version is None:
+            ch.send(m.Refused(f"cell name {msg.cell!r} is in use"))
+            return None
+        ch.send(m.Welcome(self.peers, version))
         return msg.cell
-
-    def _release(self, cell: str) -> None:
-        with self._cond:
-            step = self._step
-            for ms in self._queue.release(cell) if step is not None else []:
-                self._free.append(step.slot_of.pop(ms.index))
-            self._end_pull(cell, all_of_them=True)
-            self._cond.notify_all()
-
-    def _grant(self, cell: str) -> object:
-        with self._cond:
-            step = self._step
-            if cell in self._evicted:
-                return m.Evicted()
-            if step is None or not self._free or (ms := self._queue.claim(cell, time.monotonic())) is None:
-                return m.Wait()
-            step.slot_of[ms.index] = slot = self._free.popleft()
-            return m.Work(ms.index, step.version, slot, step.batches[ms.index])
-
-    def _accept_result(self, cell: str, msg: m.Done) -> None:
-        with self._cond:
-            step = self._step
-            ms = None if step is None else step.micro.get(msg.index)
-            if ms is not None and self._queue.complete(ms, cell):
-                step.stats[msg.index] = msg.stats
-                step.owner[msg.index] = msg.replica
-                step.timing[msg.index] = (cell, msg.seconds, time.time(), msg.rank)  # its result just arrived
-            self._cond.notify_all()
-
-    def _start_pull(self, cell: str) -> m.WeightVersion:
-        with self._cond:
-            while self._applying:
-                self._cond.wait()
-            self._readers[cell] += 1
-            self._pull_started[cell] = time.monotonic()
-            return m.WeightVersion(self.trainer.step)
-
-    def _end_pull(self, cell: str, all_of_them: bool = False) -> None:
-        with self._cond:
-            if self._readers[cell] > 0:
-                self._readers[cell] = 0 if all_of_them else self._readers[cell] - 1
-            self._readers += Counter()
-            self._cond.notify_all()

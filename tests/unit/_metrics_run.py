@@ -15,13 +15,13 @@ from gyre.metrics.events import (
     Event,
     Exclusion,
     ExecutionState,
-    Failure,
+    FailureEvent,
     HeldOutResult,
-    MicroStep,
+    MicroStepEvent,
     ModelCall,
-    Observation,
+    ObservationEvent,
     OptimizerStep,
-    RoleSwitch,
+    RoleSwitchEvent,
     RunStart,
     WeightPublish,
 )
@@ -84,7 +84,7 @@ def make_run_events(
             )
             spans.append((t_run, t_end, eid))
         events.append(
-            RoleSwitch(
+            RoleSwitchEvent(
                 t=t_switch + TO_TRAIN_S,
                 cell=2,
                 from_role="rollout",
@@ -96,7 +96,7 @@ def make_run_events(
         switches.append((t_switch, t_switch + TO_TRAIN_S, "to_train"))
         t = _train_step(rng, events, step, execs, t_ready=ends[-1] + 0.5, cell2_from=t_switch + TO_TRAIN_S)
         events.append(
-            RoleSwitch(
+            RoleSwitchEvent(
                 t=t + TO_ROLLOUT_S,
                 cell=2,
                 from_role="train",
@@ -111,7 +111,7 @@ def make_run_events(
             events.append(Checkpoint(t=t + 2.0, step=step, path=f"checkpoints/step_{step}", seconds=2.0))
         if step == 1:
             events.append(
-                Failure(t=t - 5.0, component="engine e1", message="engine exited (code -9); 2 calls rerouted")
+                FailureEvent(t=t - 5.0, component="engine e1", message="engine exited (code -9); 2 calls rerouted")
             )
         t += TO_ROLLOUT_S
     events += _observations(t0, t, spans, queued, switches)
@@ -171,7 +171,9 @@ def _train_step(rng: Random, events: list, step: int, execs: list, t_ready: floa
         seconds = rng.uniform(3.0, 5.0)
         free[cell] += seconds
         events.append(
-            MicroStep(t=free[cell], step=step, index=index, cell=cell, tokens=rng.randint(3000, 6000), seconds=seconds)
+            MicroStepEvent(
+                t=free[cell], step=step, index=index, cell=cell, tokens=rng.randint(3000, 6000), seconds=seconds
+            )
         )
     t_applied = max(free.values()) + 0.8
     rewards = [e.reward for e in events if isinstance(e, ExecutionState) and e.step == step and e.reward is not None]
@@ -223,7 +225,7 @@ def _train_step(rng: Random, events: list, step: int, execs: list, t_ready: floa
     return t_applied
 
 
-def _observations(t0: float, t1: float, spans, queued, switches) -> list[Observation]:
+def _observations(t0: float, t1: float, spans, queued, switches) -> list[ObservationEvent]:
     out, t = [], t0
     while t <= t1:
         running = sum(a <= t < b for a, b, _ in spans)
@@ -233,7 +235,7 @@ def _observations(t0: float, t1: float, spans, queued, switches) -> list[Observa
             role2 = "train" if last and last[-1] == "to_train" else "rollout"
         sessions = [0, running - running // 2, running // 2] if role2 == "rollout" else [0, running, 0]
         out.append(
-            Observation(
+            ObservationEvent(
                 t=t,
                 queued=sum(a <= t < b for a, b in queued),
                 running=running,

@@ -322,3 +322,54 @@ def test_a_leader_channel_that_closes_before_its_cell_ready_is_dropped_and_the_o
     parts = SimpleNamespace(cells=cells, listener=listener, core_address="", initial=None)
     _accept_cells(parts, timeout_s=60)
     assert gone.closed and (cells[0].got, cells[1].got) == (core, satellite) and parts.initial == core.first
+
+
+def test_the_coordinators_steps_are_plain_maps_of_groups_whose_ready_work_the_policy_sees(monkeypatch):
+    """A group is ready work (its tokens) until the core reports every id of it trained; an excluded
+    group counts toward the batch; a step takes at most G groups; the staleness bound is checked
+    again when a group is sent; the step ends once every group of it is accounted for."""
+    from gyre.control.messages import EndStep, MicroBatches, StepDone, StepProgress
+    from gyre.coordinator import training
+    from gyre.coordinator.batching import GroupBatch
+    from gyre.coordinator.source import Group
+    from gyre.scheduler.cells import SchedulerError
+    from gyre.scheduler.streaming import StalenessError
+    from gyre.trajectory.config import TrajectoryConfig
+
+    sizes = {0: [3, 4], 1: [], 2: [5], 3: [6]}  # group -> its micro-batches' tokens (1: excluded)
+    versions = {0: 0, 1: None, 2: 0, 3: 0}
+
+    def batch(executions, step, *args):
+        gi = int(executions[0][0])
+        mbs = [SimpleNamespace(num_tokens=n) for n in sizes[gi]]
+        return GroupBatch(micro_batches=mbs, rewards={}, min_version=versions[gi] if mbs else None)
+
+    monkeypatch.setattr(training, "make_group_batch", batch)
+    train = training.Training(
+        groups_per_step=2, staleness=0, trajectory=TrajectoryConfig(), max_tokens=0, version=0, train_tok_s=1.0
+    )
+
+    def group(gi, step):
+        ex = SimpleNamespace(records_path=str(gi), evaluation=None)
+        return Group(index=gi, step=step, task=None, executions=[ex])
+
+    train.add_group(group(0, 0))
+    train.add_group(group(2, 1))  # placed ahead
+    assert (train.ready_tokens(), train.ready_tokens_ahead(), train.batch_ready()) == (7, 5, False)
+    msgs = train.to_send()
+    assert [type(m) for m in msgs] == [MicroBatches] and msgs[0].group == 0
+    train.add_group(group(1, 0))  # excluded: accounted, nothing to train
+    assert train.batch_ready() and [type(m) for m in train.to_send()] == [EndStep] and train.optimizing
+    with pytest.raises(SchedulerError, match="more than 2 groups"):
+        train.add_group(group(3, 0))
+    train.on_progress(StepProgress(0, [(0, 0, 0)]))
+    assert train.ready_tokens() == 7 and not train.step_started()
+    train.on_progress(StepProgress(0, [(0, 0, 0), (0, 0, 1)]))
+    assert train.ready_tokens() == 0 and train.step_started()
+    done = StepDone(0, 1, {"num_tokens": 7}, PublishedWeights(1, "disk", {"path": "v1"}), 1.0)
+    rec = train.on_step_done(done, num_train_cells=1)
+    assert train.version == 1 and len(rec.groups) == 2 and train.ready_tokens() == 5
+    versions[3] = -1  # sampled under a version the bound no longer allows at step 1
+    train.add_group(group(3, 1))
+    with pytest.raises(StalenessError):
+        train.to_send()

@@ -20,13 +20,13 @@ from gyre.errors import ConfigError
 from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import (
     EventError,
-    Failure,
+    FailureEvent,
     HeldOutResult,
-    MicroStep,
+    MicroStepEvent,
     ModelCall,
-    Observation,
+    ObservationEvent,
     OptimizerStep,
-    RoleSwitch,
+    RoleSwitchEvent,
     RunStart,
     decode_event,
     encode_event,
@@ -108,7 +108,7 @@ def test_two_writers_appending_to_one_file_never_interleave_lines(tmp_path):
     def write(tag: str) -> None:
         with EventLog(tmp_path) as log:
             for i in range(per_writer):
-                log.emit(Failure(component=f"{tag}{i}", message=payload))
+                log.emit(FailureEvent(component=f"{tag}{i}", message=payload))
 
     threads = [threading.Thread(target=write, args=(tag,)) for tag in "ab"]
     for th in threads:
@@ -157,7 +157,7 @@ def test_full_disk_never_raises_out_of_emit_and_is_counted_and_logged_once(tmp_p
     log = EventLog(tmp_path)
     with caplog.at_level(logging.WARNING, logger="gyre.metrics.log"):
         for i in range(5):
-            log.emit(Failure(component="c", message=str(i)))
+            log.emit(FailureEvent(component="c", message=str(i)))
     assert (log.num_written, log.num_dropped) == (0, 5)
     assert len([r for r in caplog.records if "dropping events" in r.message]) == 1
     log.close()
@@ -167,7 +167,7 @@ def test_unusable_run_directory_never_raises_out_of_emit(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     log = EventLog(not_a_dir)
-    log.emit(Failure(component="c", message="m"))
+    log.emit(FailureEvent(component="c", message="m"))
     log.emit(object())  # not even an event: counted, not raised
     assert log.num_dropped == 2
     log.close()
@@ -205,7 +205,7 @@ def test_bad_config_names_the_key(kwargs, key):
 # --- the fold and the summary -----------------------------------------------------------------
 def test_fold_lays_each_switch_phase_end_to_end_in_the_cell_lane(run_events):
     state = fold(run_events)
-    first = next(e for e in run_events if isinstance(e, RoleSwitch))
+    first = next(e for e in run_events if isinstance(e, RoleSwitchEvent))
     spans = [s for s in state.cells[2].spans if first.t_start <= s.t0 < first.t]
     assert [s.phase for s in spans] == ["hand_off_sessions", "release_engine_memory", "pull_weights", "join_step"]
     assert spans[0].t0 == first.t_start and all(a.t1 == pytest.approx(b.t0) for a, b in zip(spans, spans[1:]))
@@ -220,8 +220,10 @@ def test_a_cell_seen_lost_ends_its_lane_there(run_events):
     state = fold(
         [
             *run_events,
-            Observation(t=t_lost, queued=0, running=0, roles=["train", "lost", "rollout"], sessions=[0, 0, 0]),
-            Observation(t=t_lost + 20, queued=0, running=0, roles=["train", "lost", "rollout"], sessions=[0, 0, 0]),
+            ObservationEvent(t=t_lost, queued=0, running=0, roles=["train", "lost", "rollout"], sessions=[0, 0, 0]),
+            ObservationEvent(
+                t=t_lost + 20, queued=0, running=0, roles=["train", "lost", "rollout"], sessions=[0, 0, 0]
+            ),
         ]
     )
     last = state.cells[1].spans_until(state.t_last)[-2:]
@@ -286,12 +288,12 @@ def test_the_summary_gives_ranks_per_cell_each_ranks_train_busy_time_and_its_mea
 
     events = [RunStart(t=T0, mode="colocate", num_steps=1, num_cells=1, cell_ranks=2)]
     for k, (rank, seconds) in enumerate([(0, 2.0), (1, 3.0), (0, 1.5)]):
-        events.append(MicroStep(t=T0 + 10 + k, step=0, index=k, cell=0, rank=rank, tokens=100, seconds=seconds))
+        events.append(MicroStepEvent(t=T0 + 10 + k, step=0, index=k, cell=0, rank=rank, tokens=100, seconds=seconds))
     for k, pull in enumerate(([0.5, 1.0], [1.5, 0.5], [2.5])):  # cell 1 switches to train 3 times, then of 1 rank
         rank_phases = {"release_engine_memory": [0.25] * len(pull), "pull_weights": pull}
         phases = {p: max(by_rank) for p, by_rank in rank_phases.items()}
         events.append(
-            RoleSwitch(
+            RoleSwitchEvent(
                 t=T0 + 20 + 10 * k,
                 cell=1,
                 from_role="rollout",
@@ -344,7 +346,7 @@ def test_tensorboard_scalars_are_readable_with_event_accumulator(tmp_path, run_e
     dedup = acc.Scalars("tokens/saved_by_dedup")
     assert [s.value for s in dedup] == [pytest.approx(1 - e.targets_dedup / e.targets_capped) for e in steps]
     waterlevel = acc.Scalars("cluster/waterlevel")  # sampled every sample_interval_s (10 s) of events
-    observations = [e for e in run_events if isinstance(e, Observation)]
+    observations = [e for e in run_events if isinstance(e, ObservationEvent)]
     assert len(waterlevel) == pytest.approx(len(observations) / 10, abs=1)
     assert all(b.step - a.step >= 10 for a, b in zip(waterlevel, waterlevel[1:]))
     assert {s.value for s in waterlevel} <= {e.waterlevel for e in observations} and max(
@@ -362,9 +364,9 @@ def test_a_raising_sink_never_stops_the_monitor_and_is_counted(tmp_path, run_eve
     with caplog.at_level(logging.WARNING, logger="gyre.metrics.monitor"):
         monitor.update()
     summary = monitor.close()
-    with_scalars = sum(isinstance(e, (RoleSwitch, OptimizerStep)) for e in run_events[:50])
+    with_scalars = sum(isinstance(e, (RoleSwitchEvent, OptimizerStep)) for e in run_events[:50])
     with_scalars += sum(isinstance(e, HeldOutResult) and e.reward is not None for e in run_events[:50])
-    observed = [e.t for e in run_events[:50] if isinstance(e, Observation)]
+    observed = [e.t for e in run_events[:50] if isinstance(e, ObservationEvent)]
     with_scalars += len({int((t - observed[0]) // 10) for t in observed})  # one cluster sample per 10 s
     assert summary["view_errors"] == {"tensorboard": with_scalars} and with_scalars > 0
     assert len([r for r in caplog.records if "tensorboard failed" in r.message]) == 1
@@ -479,7 +481,7 @@ def test_each_optimizer_step_reports_the_targets_the_path_cap_and_dedup_saved(tm
     groups = []
     for max_paths, eid in ((5, "a"), (1, "b")):
         counts = process_execution(hand_built(eid), TrajectoryConfig(max_paths=max_paths)).counts
-        groups.append((None, GroupBatch(micro_batches=[], total_weight=0.0, rewards={eid: 0.5}, counts=counts)))
+        groups.append((None, GroupBatch(micro_batches=[], rewards={eid: 0.5}, counts=counts)))
     run = RunEvents(tmp_path, SimpleNamespace(metrics=QUIET, num_steps=1, scheduler=SimpleNamespace(mode="elastic")))
     run.step(StepRecord(step=0, groups=groups, metrics={"loss": 0.1, "grad_norm": 1.0}, seconds=2.0))
     run.close()

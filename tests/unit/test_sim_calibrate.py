@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry
-from gyre.metrics.events import Checkpoint, MicroStep, OptimizerStep, RoleSwitch, RunStart, WeightPublish
+from gyre.metrics.events import Checkpoint, MicroStepEvent, OptimizerStep, RoleSwitchEvent, RunStart, WeightPublish
 from gyre.metrics.log import EventLog
 from gyre.records.io import RecordWriter
 from gyre.records.record import CallRecord
@@ -116,7 +116,7 @@ def write_run(d, num_steps: int = 1):
     with EventLog(d) as log:
         log.emit(RunStart(t=T0 - 1, mode="elastic", num_steps=num_steps, num_cells=3))
         log.emit(
-            RoleSwitch(
+            RoleSwitchEvent(
                 t=T0 + 20,
                 cell=1,
                 from_role="rollout",
@@ -126,7 +126,7 @@ def write_run(d, num_steps: int = 1):
             )
         )
         log.emit(
-            RoleSwitch(
+            RoleSwitchEvent(
                 t=T0 + 25,
                 cell=1,
                 from_role="train",
@@ -135,8 +135,8 @@ def write_run(d, num_steps: int = 1):
                 phases={"finish_microstep": 3.0, "stop_admission": 0.4, "load_weights": 0.6},
             )
         )
-        log.emit(MicroStep(t=T0 + LAST_STEP_AT, step=0, index=0, cell=0, tokens=600, seconds=2.0))
-        log.emit(MicroStep(t=T0 + LAST_STEP_AT, step=0, index=1, cell=1, tokens=400, seconds=1.0))
+        log.emit(MicroStepEvent(t=T0 + LAST_STEP_AT, step=0, index=0, cell=0, tokens=600, seconds=2.0))
+        log.emit(MicroStepEvent(t=T0 + LAST_STEP_AT, step=0, index=1, cell=1, tokens=400, seconds=1.0))
         log.emit(_optimizer_step())
         log.emit(WeightPublish(t=T0 + LAST_STEP_AT, version=1, seconds=0.5, num_engines=1))
         log.emit(Checkpoint(t=T0 + LAST_STEP_AT + 1.5, step=1, path="ckpt", seconds=1.5))

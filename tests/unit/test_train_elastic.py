@@ -151,7 +151,7 @@ def test_satellites_joining_mid_step_and_one_dying_equal_the_core_alone(start_sa
         satellites[1].expect("joined")
         for b in steps[0][3:]:
             server.add_micro_batch(b)
-        server.end_step(sum(float(b.loss_weights[b.target_mask].sum()) for b in steps[0]))
+        server.end_step()
         thread.join(timeout=120)
         assert first["microsteps_by/satellite1"] >= 1 and first["microsteps_by/satellite2"] >= 1
         assert [c for _, c, _, _, _, _ in first["microsteps"]].count("satellite1") == first["microsteps_by/satellite1"]
@@ -298,8 +298,6 @@ def test_step_api_misuse_is_a_clear_error():
         assert server.run_step() == {"skipped": 1} and core.step == 1 and torch.equal(core.flat.weights, weights)
         server.begin_step()
         server.add_micro_batch(random_batches(MODEL, 1, 2, seed=1)[0])
-        with pytest.raises(ElasticError, match="must be > 0"):
-            server.end_step(0.0)
         server.end_step()
         with pytest.raises(ElasticError, match="already ended"):
             server.add_micro_batch(random_batches(MODEL, 1, 2, seed=2)[0])
@@ -334,12 +332,12 @@ def test_over_the_mpi_control_transport_a_satellite_trains_the_same_step(start_s
     assert torch.equal(core.flat.weights, ref.flat.weights)
 
 
-def test_micro_batches_keep_their_ids_from_the_core_to_the_coordinators_queue():
+def test_micro_batches_keep_their_ids_from_the_core_to_the_coordinators_steps():
     """The core reports (step, group, k) ids: a screened-out one at once, trained ones as they are
-    folded; the coordinator's queue retires a group only once all its ids are reported."""
+    folded; the coordinator retires a group from the ready work only once all its ids are reported."""
     from gyre.control.messages import StepProgress
-    from gyre.scheduler.streaming import MicroStepQueue
     from gyre.train.batch import BatchError
+    from gyre.trajectory.config import TrajectoryConfig
 
     core = Trainer(MODEL, CFG, seed=0)
     server = CoreServer(core, TransferEndpoint())
@@ -360,13 +358,11 @@ def test_micro_batches_keep_their_ids_from_the_core_to_the_coordinators_queue():
     assert [t[0] for t in out["microsteps"]] == [(0, 4, 0), (0, 7, 0), (0, 7, 1)]
     assert [t[4] for t in out["microsteps"]] == [b.num_tokens for b in good]
 
-    queue = MicroStepQueue(groups_per_step=2, staleness=0)
-    rec = StepRecord(0)
-    for gi, n in ((4, 2), (7, 2)):
-        rec.micro[gi] = (queue.add_ready(0, gi, 0, 10), n)
-    train = Training.__new__(Training)
-    train.queue, train.steps = queue, {0: rec}
+    train = Training(
+        groups_per_step=2, staleness=0, trajectory=TrajectoryConfig(), max_tokens=0, version=0, train_tok_s=1.0
+    )
+    rec = train.steps[0] = StepRecord(0, untrained={gi: {(0, gi, 0), (0, gi, 1)} for gi in (4, 7)})
     train.on_progress(StepProgress(0, [(0, 4, 1), (0, 7, 0)]))
-    assert set(rec.micro) == {4, 7}  # neither group has all its ids yet
+    assert set(rec.untrained) == {4, 7}  # neither group has all its ids yet
     train.on_progress(StepProgress(0, [(0, 4, 1), (0, 7, 0), (0, 4, 0)]))
-    assert set(rec.micro) == {7} and queue.done_by() == {0: "core"}
+    assert set(rec.untrained) == {7}

@@ -1,5 +1,5 @@
 """Event emission benchmark: what `EventLog.emit` costs on the hot path (the proxy emits one
-ModelCall per model call; the coordinator an Observation a second).
+ModelCall per model call; the coordinator an ObservationEvent a second).
 
 Side by side in one run, rounds alternating so both see the same machine load: the caller's hot
 path, building each event and handing it to `EventLog.emit` (encode + one O_APPEND os.write), and
@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from gyre.metrics.events import Event, ModelCall, Observation
+from gyre.metrics.events import Event, ModelCall, ObservationEvent
 from gyre.metrics.log import EventLog
 
 BUDGET_US = 20.0
@@ -62,7 +62,7 @@ BUILDERS: dict[str, Callable[[int], Event]] = {
         cached_tokens=119_000,
         latency_s=2.5,
     ),
-    "observation": lambda i: Observation(queued=40, running=980, roles=ROLES, sessions=SESSIONS),
+    "observation": lambda i: ObservationEvent(queued=40, running=980, roles=ROLES, sessions=SESSIONS),
 }
 
 
