@@ -1,16 +1,57 @@
-"""Files other processes read while we write them: owner-only, atomic."""
+"""Files other processes read while we write them: every file or folder Gyre writes for a reader
+appears whole under its name in one rename (here, the one place that renames), never half written.
+
+    with atomic_path(path) as tmp: write tmp (a file or a folder)   ─> renamed onto `path` at the end
+    publish(tmp, final)                                              ─> the rename itself (fsync first)
+"""
 
 import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def publish(tmp: str | os.PathLike, final: str | os.PathLike, fsync: bool = False) -> None:
+    """Make fully written `tmp` (a file or a folder) visible as `final` in one rename (over a file
+    already there; a folder must not exist). With `fsync` its content is on disk first."""
+    if fsync:
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.replace(tmp, final)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, fsync: bool = False) -> Iterator[Path]:
+    """A hidden, unique sibling of `path` to write a file or a folder into; published onto `path`
+    when the block ends without an error, removed when it raises."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield tmp
+        publish(tmp, path, fsync)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes, fsync: bool = False, mode: int = 0o644) -> None:
+    """Write `data` to `path` atomically (a reader never sees half a file), with permissions `mode`."""
+    with atomic_path(path, fsync) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
 
 
 def write_private_file(path: str | os.PathLike, data: str | bytes, fsync: bool = False) -> None:
-    """Write `data` owner-only, atomically (a reader never sees half a file): it may carry a token.
-    With `fsync` the content is on disk before the rename (the directory entry is the caller's)."""
-    tmp = f"{os.fspath(path)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """`write_atomic`, owner-only: it may carry a token."""
+    write_atomic(path, data, fsync, mode=0o600)

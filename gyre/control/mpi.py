@@ -50,6 +50,7 @@ import threading
 import time
 import uuid
 
+from gyre.common.files import write_atomic
 from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout, Listener, decode, encode
 from gyre.errors import GyreError
 
@@ -259,10 +260,7 @@ class MpiListener(Listener):
             self._info = _timeout_info(MPI, _ACCEPT_TIMEOUT_S)
         self._port_file, self._join_dir = port_file, f"{port_file}.join"
         os.makedirs(self._join_dir, exist_ok=True)
-        tmp = f"{port_file}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(self._port)
-        os.replace(tmp, port_file)
+        write_atomic(port_file, self._port)
         self.address = f"mpi:{port_file}"
         self._heartbeat_s, self._peer_timeout_s = heartbeat_s, peer_timeout_s
         self._accepted: queue.Queue = queue.Queue()
@@ -362,6 +360,4 @@ def mpi_connect(
 def _announce(port_file: str) -> None:
     """Drop a file into the listener's join folder (written aside, then renamed into place)."""
     request = os.path.join(f"{port_file}.join", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(os.path.join(os.path.dirname(request), "." + os.path.basename(request)), "w") as f:
-        f.write(f"{socket.gethostname()} {os.getpid()}\n")
-    os.replace(f.name, request)
+    write_atomic(request, f"{socket.gethostname()} {os.getpid()}\n")

@@ -15,6 +15,7 @@ from matplotlib import colormaps, patheffects
 from matplotlib.patches import Patch
 from matplotlib.ticker import PercentFormatter
 
+from gyre.common.files import atomic_path
 from gyre.metrics.state import RunState, Span, TimelinePanel
 
 ROLE_COLOURS = {
@@ -37,11 +38,9 @@ MIN_MARK_PX = 3
 
 def save(fig, path: str | os.PathLike) -> None:
     """Write the figure beside `path`, then rename it there: a viewer never opens half a PNG."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=DPI, format="png")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=DPI, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def span_colour(span: Span) -> str | tuple:

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from gyre.common.files import atomic_path, write_atomic
 from gyre.errors import ConfigError
 from gyre.models.config import ModelConfig
 
@@ -169,16 +170,15 @@ def write_hf_dir(
     out.mkdir(parents=True, exist_ok=True)
     torch_dtype = _DTYPES[dtype]
     tensors = {hf_name(n): t.detach().to(torch_dtype).contiguous().cpu() for n, t in weights.items()}
-    tmp = out / ".model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     if source is None:
-        _write_text(out / "config.json", json.dumps(hf_config_of(cfg, dtype), indent=1))
+        write_atomic(out / "config.json", json.dumps(hf_config_of(cfg, dtype), indent=1))
         return
     for f in sorted(Path(source).iterdir()):
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copyfile(f, out / f".{f.name}.tmp")
-            os.replace(out / f".{f.name}.tmp", out / f.name)
+            with atomic_path(out / f.name) as tmp:
+                shutil.copyfile(f, tmp)
 
 
 def source_dtype(path: str | os.PathLike) -> str:
@@ -186,9 +186,3 @@ def source_dtype(path: str | os.PathLike) -> str:
     raw = json.loads((Path(path) / "config.json").read_text())
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     return dtype if dtype in _DTYPES else "float32"
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gyre.common.files import publish
 from gyre.errors import GyreError
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -71,7 +72,7 @@ class CheckpointManager:
             _write_synced(tmp / _STATE_FILE, json.dumps(state).encode())
             if final.exists():  # re-saving a step (after a resume): replace it
                 shutil.rmtree(final)
-            publish_dir(tmp, final)
+            publish(tmp, final, fsync=True)
             for _, old in list_checkpoints(self.root)[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
@@ -165,13 +166,3 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Make a fully written directory visible under its final name in one atomic rename."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, final)

@@ -336,4 +336,6 @@ def run_follower(
 
 
 if __name__ == "__main__":
-    main()
+    from gyre.train import ranks  # the importable module: rank 0 announces its functions, not __main__'s
+
+    ranks.main()
