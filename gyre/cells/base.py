@@ -26,12 +26,13 @@ class CellError(GyreError):
     """A cell leader died or failed to start; carries what its backend knows (a log tail, a job's state)."""
 
 
-def leader_command(spec: CellSpec) -> list[str]:
-    """The command line of a cell leader. Under the mpi control transport it runs under MPICH's
-    `mpiexec -n 1` (two MPICH singletons cannot connect; the fork launcher keeps it on this node
-    even inside a Slurm step, where hydra would otherwise launch through srun)."""
-    cmd = [sys.executable, "-m", "gyre.cells.leader", spec.to_json()]
-    if spec.control == "mpi":
+def leader_command(spec_file: str | Path, control: str) -> list[str]:
+    """The command line of a cell leader, its CellSpec in `spec_file` (a private file: the spec holds
+    the proxy's admin token). Under the mpi control transport it runs under MPICH's `mpiexec -n 1`
+    (two MPICH singletons cannot connect; the fork launcher keeps it on this node even inside a
+    Slurm step, where hydra would otherwise launch through srun)."""
+    cmd = [sys.executable, "-m", "gyre.cells.leader", str(spec_file)]
+    if control == "mpi":
         return [str(Path(sys.executable).with_name("mpiexec")), "-launcher", "fork", "-n", "1", *cmd]
     return cmd
 

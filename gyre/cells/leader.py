@@ -14,7 +14,7 @@ switch moves work, not processes. Each of its phases (gyre.scheduler.cells.PHASE
 engine at once and is timed per rank and reported. The leader exits when its coordinator's channel
 closes, stopping its engines.
 
-    python -m gyre.cells.leader SPEC_JSON        (gyre.cells.spec.CellSpec as JSON)
+    python -m gyre.cells.leader SPEC_FILE        (gyre.cells.spec.CellSpec as JSON, a private file)
 """
 
 import asyncio
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # Slurm's preemption warning is the coordinator's to act on
-    spec = CellSpec.from_json(argv[0])
+    spec = CellSpec.from_json(Path(argv[0]).read_text())
     Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
     CellLeader(spec).run()
     exit_at_once(0)  # closed: everything it started has stopped

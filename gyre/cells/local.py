@@ -8,6 +8,7 @@ from pathlib import Path
 from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.quota import CpuQuota, make_quota
 from gyre.cells.spec import CellSpec
+from gyre.common.files import write_private_file
 from gyre.common.serve import die_with_parent
 from gyre.scheduler.cells import Cell
 
@@ -25,9 +26,15 @@ class LocalCell(BaseCell):
 
     def start(self) -> None:
         env = os.environ | {"OMP_NUM_THREADS": "1"}
+        spec_file = self.log_path.with_name(f"{self.log_path.stem}.spec.json")
+        write_private_file(spec_file, self.spec.to_json())
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                leader_command(self.spec), env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=self._in_quota
+                leader_command(spec_file, self.spec.control),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=self._in_quota,
             )
 
     def _in_quota(self) -> None:

@@ -168,7 +168,7 @@ def _run_leader(job_dir: Path, placement: SlurmPlacement, spec: CellSpec) -> Non
         os.environ.update(group | {"RANK": "0"})  # the leader (or mpiexec's child) inherits them
         write_private_file(group_path(job_dir, cell, restart), json.dumps(group))
     if spec.control == "mpi":  # an MPI process of its own, under mpiexec on this node
-        rc = subprocess.run(leader_command(spec)).returncode
+        rc = subprocess.run(leader_command(spec_path(job_dir, cell, restart), spec.control)).returncode
         if rc != 0:
             raise CellError(f"cell {cell}: its leader under mpiexec exited with code {rc}")
         return

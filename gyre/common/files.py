@@ -5,6 +5,7 @@ appears whole under its name in one rename (here, the one place that renames), n
     publish(tmp, final)                                              ─> the rename itself (fsync first)
 """
 
+import json
 import os
 import shutil
 import uuid
@@ -55,3 +56,16 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, fsync: bool = False
 def write_private_file(path: str | os.PathLike, data: str | bytes, fsync: bool = False) -> None:
     """`write_atomic`, owner-only: it may carry a token."""
     write_atomic(path, data, fsync, mode=0o600)
+
+
+def write_child_config(path: str | os.PathLike, config: dict) -> str:
+    """Hand a child process its config as a private JSON file at `path` and return the path, which
+    goes on its command line instead of the config: argv is world-readable (`ps`, /proc/PID/cmdline)
+    on a shared node, and a config may carry a token."""
+    write_private_file(path, json.dumps(config))
+    return os.fspath(path)
+
+
+def read_child_config(path: str | os.PathLike) -> dict:
+    """The config `write_child_config` wrote (the child's side)."""
+    return json.loads(Path(path).read_text())

@@ -7,13 +7,13 @@ needs a GPU node with sglang 0.5.x installed (marked `gpu` in tests), or `engine
 
 import asyncio
 import dataclasses
-import json
 import os
 import socket
 import sys
 import time
 from abc import ABC, abstractmethod
 
+from gyre.common.files import write_child_config
 from gyre.common.serve import ChildServer, ChildServerError
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
@@ -156,10 +156,11 @@ class BuiltinEngineProcess(BaseEngineProcess):
             sys.executable,
             "-m",
             "gyre.engines.server",
-            "--engine-json",
-            json.dumps(dataclasses.asdict(self.cfg)),
-            "--model-json",
-            json.dumps(dataclasses.asdict(self.model_cfg)),
+            "--config",
+            write_child_config(
+                self.files() / "config.json",
+                {"engine": dataclasses.asdict(self.cfg), "model": dataclasses.asdict(self.model_cfg)},
+            ),
         ]
         env = os.environ | {"OMP_NUM_THREADS": str(self.threads), "TMPDIR": str(self.files())}  # its scratch
         (port,) = self.spawn_and_wait_port(cmd, self.cfg.startup_timeout_s, env)

@@ -24,6 +24,7 @@ from aiohttp import web
 from aiohttp_sse import sse_response
 from safetensors.torch import load as load_safetensors
 
+from gyre.common.files import read_child_config
 from gyre.common.serve import serve_app
 from gyre.engines.config import EngineConfig
 from gyre.engines.core import EngineCore, EngineRequestError, Request
@@ -409,16 +410,17 @@ def serve(engine_cfg: EngineConfig, model_cfg: ModelConfig, port_file: str | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m gyre.engines.server --engine-json '{...}' --model-json '{...}' [--port-file F]`."""
+    """`python -m gyre.engines.server --config FILE [--port-file F]` (FILE: {"engine": EngineConfig
+    fields, "model": ModelConfig fields (ignored with model_path)} as JSON)."""
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--engine-json", default="{}", help="EngineConfig fields as JSON")
-    p.add_argument("--model-json", default="{}", help="ModelConfig fields as JSON (ignored with model_path)")
+    p.add_argument("--config", required=True, help="a JSON file (gyre.common.files.write_child_config)")
     p.add_argument("--port-file", default=None)
     a = p.parse_args(argv)
     try:
-        engine_cfg = EngineConfig(**json.loads(a.engine_json))
-        model_cfg = ModelConfig(**json.loads(a.model_json))
-    except (TypeError, ValueError) as e:
+        config = read_child_config(a.config)
+        engine_cfg = EngineConfig(**config.get("engine", {}))
+        model_cfg = ModelConfig(**config.get("model", {}))
+    except (OSError, TypeError, ValueError) as e:
         sys.exit(f"gyre-engine: invalid config: {e}")
     serve(engine_cfg, model_cfg, a.port_file)
 

@@ -142,10 +142,9 @@ def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:
     }
 
 
-def make_mini_swe_command(
-    binary: str, task: str, *, proxy_url: str, api_key: str, model: str, output: str
-) -> list[str]:
-    """`mini` in yolo mode, exiting when the agent submits; litellm's OpenAI route to the proxy."""
+def make_mini_swe_command(binary: str, task: str, *, proxy_url: str, model: str, output: str) -> list[str]:
+    """`mini` in yolo mode, exiting when the agent submits; litellm's OpenAI route to the proxy. The
+    execution's key goes by the environment (OPENAI_API_KEY), never argv, which `ps` shows to all."""
     return [
         binary,
         "-y",
@@ -160,8 +159,6 @@ def make_mini_swe_command(
         "mini.yaml",
         "-c",
         f"model.model_kwargs.api_base={proxy_url}/v1",
-        "-c",
-        f"model.model_kwargs.api_key={api_key}",
         "-c",
         "agent.cost_limit=0",
     ]

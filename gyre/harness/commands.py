@@ -100,6 +100,6 @@ def make_harness_command(
     if binary is None:
         raise HarnessNotFound("mini-swe-agent is not installed (pip install -e '.[harness]')")
     argv = agents.make_mini_swe_command(
-        binary, instruction, proxy_url=proxy_url, api_key=api_key, model=model, output=str(home / "trajectory.json")
+        binary, instruction, proxy_url=proxy_url, model=model, output=str(home / "trajectory.json")
     )
     return argv, agents.make_mini_swe_env(env, str(home))

@@ -6,8 +6,7 @@ import gc
 import logging
 import sys
 
-import orjson
-
+from gyre.common.files import read_child_config, write_child_config
 from gyre.common.serve import ChildServer, serve_app
 from gyre.models.tokenizer import load_tokenizer
 from gyre.proxy.config import ProxyConfig
@@ -43,15 +42,18 @@ def serve(cfg: ProxyConfig, port_file: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`gyre-proxy --config-json '{...}' [--port-file F]` (ProxyConfig fields as JSON)."""
+    """`gyre-proxy [--config FILE] [--port-file F]` (FILE: ProxyConfig fields as JSON, a private file:
+    they may hold the admin token)."""
     p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--config-json", default="{}", help="ProxyConfig fields as JSON")
+    p.add_argument(
+        "--config", default=None, help="a JSON file of ProxyConfig fields (gyre.common.files.write_child_config)"
+    )
     p.add_argument("--port-file", default=None, help="written with '<port> <admin token>' once listening")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = ProxyConfig(**orjson.loads(a.config_json))
-    except (TypeError, ValueError) as e:
+        cfg = ProxyConfig(**(read_child_config(a.config) if a.config else {}))
+    except (OSError, TypeError, ValueError) as e:
         sys.exit(f"gyre-proxy: invalid config: {e}")
     serve(cfg, a.port_file)
 
@@ -69,8 +71,8 @@ class ProxyProcess(ChildServer):
             sys.executable,
             "-m",
             "gyre.proxy.main",
-            "--config-json",
-            orjson.dumps(dataclasses.asdict(self.cfg)).decode(),
+            "--config",
+            write_child_config(self.files() / "config.json", dataclasses.asdict(self.cfg)),
         ]
         port, self.admin_token = self.spawn_and_wait_port(cmd, self.startup_timeout_s)
         self.url = f"http://{self.cfg.host}:{port}"

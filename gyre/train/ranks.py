@@ -5,7 +5,7 @@
     op(state, *args)          <──── collectives of op ────>  (TP all-gathers, DP gradient broadcasts)
     keepalive: ("ping",) when idle KEEPALIVE_S               a follower that exits: `on_lost` on rank 0
 
-    python -m gyre.train.ranks --model '{...}' --trainer '{...}' --seed N   (a follower; RANK etc. set)
+    python -m gyre.train.ranks --config FILE   (a follower; FILE: {model, trainer, seed}; RANK etc. set)
 
 A cell's trainer ranks form one torch.distributed group with megatron-core's tensor- and
 data-parallel groups (gyre/train/model.py); every collective must be entered by every rank in the
@@ -31,7 +31,6 @@ them, `engine_urls` hands their URLs to rank 0, and their exit ends the follower
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -45,6 +44,7 @@ from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
+from gyre.common.files import read_child_config, write_child_config
 from gyre.common.serve import die_with_parent, exit_at_once
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
@@ -299,8 +299,9 @@ def start_followers(num_ranks: int, host: str, model: ModelConfig, cfg: TrainerC
 
     group = {"WORLD_SIZE": str(num_ranks), "MASTER_ADDR": host, "MASTER_PORT": str(free_port(host))}
     os.environ.update(group | {"RANK": "0"})
-    cmd = [sys.executable, "-m", "gyre.train.ranks", "--model", json.dumps(dataclasses.asdict(model))]
-    cmd += ["--trainer", json.dumps(dataclasses.asdict(cfg)), "--seed", str(seed)]
+    config = {"model": dataclasses.asdict(model), "trainer": dataclasses.asdict(cfg), "seed": seed}
+    path = write_child_config(os.path.join(log_dir, f"ranks.{os.getpid()}.config.json"), config)
+    cmd = [sys.executable, "-m", "gyre.train.ranks", "--config", path]
     procs = []
     for rank in range(1, num_ranks):
         with open(os.path.join(log_dir, f"rank{rank}.{os.getpid()}.log"), "w") as log:
@@ -313,11 +314,9 @@ def start_followers(num_ranks: int, host: str, model: ModelConfig, cfg: TrainerC
 
 def main(argv: list[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser(description="a follower rank of a multi-rank cell")
-    parser.add_argument("--model", required=True, help="ModelConfig fields as JSON")
-    parser.add_argument("--trainer", required=True, help="TrainerConfig fields as JSON")
-    parser.add_argument("--seed", type=int, required=True)
-    args = parser.parse_args(argv)
-    run_follower(ModelConfig(**json.loads(args.model)), TrainerConfig(**json.loads(args.trainer)), args.seed)
+    parser.add_argument("--config", required=True, help="a JSON file {model, trainer, seed} (start_followers)")
+    config = read_child_config(parser.parse_args(argv).config)
+    run_follower(ModelConfig(**config["model"]), TrainerConfig(**config["trainer"]), config["seed"])
     exit_at_once(0)  # rank 0 stopped it; its process group is destroyed
 
 

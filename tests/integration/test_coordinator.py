@@ -7,6 +7,7 @@ crashes, which must exclude its executions, never score them.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,7 +221,7 @@ def _children(run_dir: Path, cell: int, module: bytes) -> list[int]:
                 continue
             ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
             leader = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
-            spec = json.loads(leader[leader.index(b"gyre.cells.leader") + 1])
+            spec = json.loads(Path(leader[leader.index(b"gyre.cells.leader") + 1].decode()).read_text())
         except (OSError, ValueError, IndexError):  # not ours, or gone meanwhile
             continue
         if spec["index"] == cell and spec["run_dir"] == str(run_dir):
@@ -251,6 +252,41 @@ def _assert_nothing_left(run_dir: Path, timeout_s: float = 30) -> None:
     assert not left, left
 
 
+def _descendants(pid: int) -> set[int]:
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+    out, grew = {pid}, True
+    while grew:
+        new = {p for p, pp in parent.items() if pp in out} - out
+        out, grew = out | new, bool(new)
+    return out - {pid}
+
+
+def _assert_no_secret_on_argv(run_dir: Path, coordinator: int, timeout_s: float = 120) -> None:
+    """No process of the run carries the proxy's admin token or an execution's key on its command
+    line (world-readable on a shared node): its cell leaders, proxy workers and harnesses, each
+    seen running at least once."""
+    token = json.loads((run_dir / "logs" / "cell0.spec.json").read_text())["proxy_admin_token"].encode()
+    kinds = {b"gyre.cells.leader": "leader", b"gyre.proxy.main": "proxy worker", b"gyre.harness.toy_agent": "harness"}
+    seen, deadline = set(), time.monotonic() + timeout_s
+    while len(seen) < len(kinds):
+        assert time.monotonic() < deadline, f"saw only {seen} running"
+        for pid in _descendants(coordinator):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            kind = next((k for m, k in kinds.items() if m in argv), None)
+            if kind is not None:
+                assert token not in argv and not re.search(rb"gyre-[\w-]{32}", argv), (kind, argv[:400])  # a key
+                seen.add(kind)
+        time.sleep(0.1)
+
+
 def _rank1_pid(run_dir: Path, cell: int) -> int:
     """Rank 1 of local cell `cell`: the `gyre.train.ranks` child of its leader."""
     (pid,) = _children(run_dir, cell, b"gyre.train.ranks")
@@ -272,6 +308,7 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
     try:
         _wait_for(proc, lambda: _checkpointed(run_dir, 1) and _satellite_roles(run_dir) == ["rollout", "train"])
         assert all(len(_children(run_dir, k, b"gyre.engines.server")) == 2 for k in range(3))  # one per node
+        _assert_no_secret_on_argv(run_dir, proc.pid)
         roles = _events(run_dir, "observation")[-1]["roles"]
         serving, training = roles.index("rollout"), roles.index("train", 1)
         killed_t = time.time()

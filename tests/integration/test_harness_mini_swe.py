@@ -45,11 +45,11 @@ def test_mini_swe_agent_completes_a_task(tmp_path):
             binary,
             "Write the word fixed into answer.txt.",
             proxy_url=proxy.url,
-            api_key=key,
             model="gyre",
             output=str(tmp_path / "traj.json"),
         )
-        done = run_harness(cmd, make_mini_swe_env(dict(os.environ), str(tmp_path / "home")), str(tmp_path / "ws"), 300)
+        env = make_mini_swe_env(os.environ | {"OPENAI_API_KEY": key}, str(tmp_path / "home"))  # the key: never argv
+        done = run_harness(cmd, env, str(tmp_path / "ws"), 300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     finally:
         proxy.stop()
