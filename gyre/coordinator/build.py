@@ -21,9 +21,9 @@ from pathlib import Path
 from gyre.cells.base import BaseCell, CellError, CellLauncher
 from gyre.cells.local import LocalLauncher
 from gyre.cells.spec import CellSpec
-from gyre.config import GyreConfig
 from gyre.control.messages import CellReady
 from gyre.control.transport import ChannelClosed, ChannelTimeout, Listener, listen
+from gyre.coordinator.config import GyreConfig
 from gyre.engines.weights import serve_weights
 from gyre.proxy.admin import ProxyAdmin
 from gyre.proxy.main import ProxyProcess

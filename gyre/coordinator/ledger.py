@@ -12,14 +12,10 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
 
 from gyre.records.io import fsync_dir
-from gyre.trajectory.rewards import HARNESS_OUTCOMES
+from gyre.trajectory.rewards import HARNESS_OUTCOMES, LEDGER_STATES
 
-State = Literal["queued", "running", "finished", "timed_out", "excluded", "trained"]
-"""An execution's ledger states, in the order a normal life goes through them."""
-STATES: tuple[State, ...] = get_args(State)
 ENDS = (*HARNESS_OUTCOMES, "excluded")
 """The states that end a rollout; an execution's first one is its outcome."""
 
@@ -86,8 +82,8 @@ class ExecutionLedger:
             fsync_dir(self.path.parent)
 
     def append(self, entry: LedgerEntry) -> None:
-        if entry.state not in STATES:
-            raise ValueError(f"ledger state {entry.state!r} is not one of {', '.join(STATES)}")
+        if entry.state not in LEDGER_STATES:
+            raise ValueError(f"ledger state {entry.state!r} is not one of {', '.join(LEDGER_STATES)}")
         line = json.dumps({k: v for k, v in asdict(entry).items() if v not in (None, "", -1)}) + "\n"
         os.write(self._fd, line.encode())
         os.fsync(self._fd)

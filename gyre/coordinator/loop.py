@@ -19,9 +19,9 @@ from pathlib import Path
 import aiohttp
 
 from gyre.cells.base import CellError
-from gyre.config import GyreConfig
 from gyre.control.messages import CheckpointDone, Failure, PhaseDone, RoleDone, StepDone, StepProgress
 from gyre.coordinator.build import Parts, build, close
+from gyre.coordinator.config import GyreConfig
 from gyre.coordinator.ledger import ExecutionLedger, read_ledger
 from gyre.coordinator.replay import ReplaySource
 from gyre.coordinator.rollouts import Rollouts, RolloutsOnly

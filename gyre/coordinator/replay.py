@@ -10,7 +10,7 @@ train on collected data.
 
 from pathlib import Path
 
-from gyre.config import GyreConfig
+from gyre.coordinator.config import GyreConfig
 from gyre.coordinator.ledger import ExecutionLedger, LedgerView, read_ledger
 from gyre.coordinator.source import Group, GroupBook, recorded
 from gyre.errors import GyreError

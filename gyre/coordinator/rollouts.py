@@ -14,7 +14,7 @@ import logging
 import time
 from pathlib import Path
 
-from gyre.config import GyreConfig
+from gyre.coordinator.config import GyreConfig
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, LedgerView
 from gyre.coordinator.source import Execution, Group, GroupBook, recorded
 from gyre.errors import GyreError

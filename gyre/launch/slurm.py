@@ -18,8 +18,8 @@ from typing import Any
 
 import submitit
 
+from gyre.cells.config import ClusterConfig
 from gyre.errors import ConfigError
-from gyre.launch.config import ClusterConfig
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gyre.common import CONF_DIR
 from gyre.common.files import write_private_file
-from gyre.config import GyreConfig, register_configs, validate
+from gyre.config import register_configs, validate
+from gyre.coordinator.config import GyreConfig
 from gyre.errors import ConfigError, GyreError
 from gyre.tasks.taskset import TaskSet, TaskSource, toy_taskset
 

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from gyre.coordinator.ledger import STATES, State
 from gyre.scheduler.cells import Role
+from gyre.trajectory.rewards import LEDGER_STATES, LedgerState
 
 ROLES = tuple(r.value for r in Role)
 """`gyre.scheduler.cells.Role` values (cells report them as strings)."""
@@ -82,7 +82,7 @@ class ExecutionState(Event):
     group_id: str
     step: int
     """The RL step whose batch the execution belongs to."""
-    state: State
+    state: LedgerState
     reason: str | None = None
     """Why it was excluded or timed out (e.g. missing_call, uniform_group)."""
     reward: float | None = None
@@ -91,8 +91,8 @@ class ExecutionState(Event):
     """Harness wall time (finished / timed_out)."""
 
     def __post_init__(self):
-        if self.state not in STATES:
-            raise EventError(f"execution state must be one of {', '.join(STATES)}; got {self.state!r}")
+        if self.state not in LEDGER_STATES:
+            raise EventError(f"execution state must be one of {', '.join(LEDGER_STATES)}; got {self.state!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,13 +12,12 @@ cross-entropy on the assistant turns (the engine's functional model, engine-name
 the result is a model directory in engine format (`save_checkpoint`), cached under a content
 hash of the conversations, the settings and this module's code: a second run with the same inputs reuses it.
 
-    python -m gyre.tasks.warmstart --out DIR [--steps N --lr X --taskset PATH] [OVERRIDES]   # last line: JSON report
+    python -m gyre.launch.warmstart --out DIR [--steps N --lr X --taskset PATH] [OVERRIDES]   # last line: JSON report
 
 The command line makes what gyre-train makes with the same Hydra overrides (conf/model/tiny.yaml by
 default), so it can fill the cache ahead of a run.
 """
 
-import argparse
 import hashlib
 import json
 import random
@@ -375,32 +374,3 @@ def warm_start(
     finally:
         torch.set_num_threads(threads)
     return out, {**report, "reused": False}
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The warm start gyre-train makes for the same overrides (its model and the toy's clear_chars)."""
-    import hydra
-
-    from gyre.common import CONF_DIR
-    from gyre.config import register_configs, validate
-
-    p = argparse.ArgumentParser(prog="python -m gyre.tasks.warmstart", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="cache directory; the model goes to OUT/warmstart-<hash>")
-    p.add_argument("--taskset", default=None)
-    p.add_argument("--steps", type=int, default=WarmStartConfig.steps)
-    p.add_argument("--lr", type=float, default=WarmStartConfig.lr)
-    p.add_argument("--samples-per-task", type=int, default=1)
-    p.add_argument("overrides", nargs="*", help="gyre-train's Hydra overrides (e.g. model.hidden_size=256)")
-    a = p.parse_args(argv)
-    register_configs()
-    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = validate(hydra.compose(config_name="config", overrides=a.overrides))
-    torch.set_num_threads(1)
-    taskset = TaskSet.load(a.taskset) if a.taskset else None
-    ws = WarmStartConfig(steps=a.steps, lr=a.lr, clear_chars=cfg.harness.toy.clear_chars)
-    out, report = warm_start(Path(a.out), taskset, cfg.model, ws, samples_per_task=a.samples_per_task)
-    print(json.dumps(report))
-
-
-if __name__ == "__main__":
-    main()

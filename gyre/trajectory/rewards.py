@@ -7,6 +7,7 @@ overall time budget without a valid reward is discarded.
 """
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -14,6 +15,10 @@ from gyre.trajectory.config import TrajectoryConfig
 
 HARNESS_OUTCOMES = ("finished", "timed_out")
 """How a harness run can end; the evaluator scores the workspace of either."""
+LedgerState = Literal["queued", "running", "finished", "timed_out", "excluded", "trained"]
+"""An execution's ledger states (gyre.coordinator.ledger; its ExecutionState events), in the order a
+normal life goes through them."""
+LEDGER_STATES: tuple[LedgerState, ...] = get_args(LedgerState)
 OUTCOMES = (*HARNESS_OUTCOMES, "evaluator_error", "budget_exhausted")
 """finished: the harness exited; timed_out: its time budget ended it (workspace preserved);
 evaluator_error: the evaluator crashed or its infrastructure failed; budget_exhausted: the overall

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import submitit
 
+from gyre.cells.config import ClusterConfig
 from gyre.cells.placement import current_placement
 from gyre.cells.slurm import rank_path
 from gyre.coordinator.ledger import read_ledger
-from gyre.launch.config import ClusterConfig
 from gyre.launch.slurm import make_cell_components, make_hetjob_executor
 from tests.integration.test_coordinator import (
     OVERRIDES,
@@ -387,7 +387,8 @@ def _weight_gaps(run_a: Path, run_b: Path) -> dict[int, float]:
     bit for bit; a difference says where the runs parted, which a digest would not)."""
     from omegaconf import OmegaConf
 
-    from gyre.config import GyreConfig, validate
+    from gyre.config import validate
+    from gyre.coordinator.config import GyreConfig
     from gyre.train.checkpoint import CheckpointManager, list_checkpoints
     from gyre.train.trainer import Trainer
 

@@ -10,7 +10,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from gyre.common import CONF_DIR
-from gyre.config import LOCAL_RESERVE_CPUS, GyreConfig, register_configs, validate
+from gyre.config import register_configs, validate
+from gyre.coordinator.config import LOCAL_RESERVE_CPUS, GyreConfig
 from gyre.errors import ConfigError
 
 register_configs()

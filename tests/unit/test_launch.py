@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
+from gyre.cells.config import ClusterConfig
 from gyre.cells.placement import NotInSlurmJob, forget_enclosing_job, parse_placement
 from gyre.errors import ConfigError
-from gyre.launch.config import ClusterConfig
 from gyre.launch.slurm import (
     PartitionLimits,
     check_fits,

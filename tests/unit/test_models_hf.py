@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from gyre.errors import ConfigError
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
-from gyre.models.export import export
 from gyre.models.hf import hf_config_fields
 from gyre.models.tokenizer import HFTokenizer
 from gyre.models.transformer import sequence_logprobs
@@ -28,6 +27,7 @@ from gyre.proxy.executions import ExecutionRegistry
 from gyre.proxy.render import Renderer, TurnMemory, assistant_key
 from gyre.train.checkpoint import CheckpointManager
 from gyre.train.config import TrainerConfig
+from gyre.train.export import export
 from gyre.train.trainer import Trainer
 from gyre.trajectory.pack import pack
 
@@ -292,7 +292,7 @@ def test_hf_conversation_call_tokenizes_only_its_new_messages(tmp_path):
 
 
 def test_hf_check_prints_parity_and_roundtrip(qwen3, capsys):
-    from gyre.models.hf_check import main
+    from gyre.train.hf_check import main
 
     main([str(qwen3), "--tokens", "24"])
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

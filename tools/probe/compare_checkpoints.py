@@ -11,7 +11,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from gyre.config import GyreConfig, validate
+from gyre.config import validate
+from gyre.coordinator.config import GyreConfig
 from gyre.train.checkpoint import CheckpointManager, list_checkpoints
 from gyre.train.trainer import Trainer
 

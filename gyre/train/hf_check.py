@@ -1,4 +1,4 @@
-"""`python -m gyre.models.hf_check DIR`: parity of Gyre's two forwards with `transformers` on an HF checkpoint.
+"""`python -m gyre.train.hf_check DIR`: parity of Gyre's two forwards with `transformers` on an HF checkpoint.
 
 Loads DIR three ways — `transformers` (the reference), the builtin engine's loader and the megatron
 trainer (TP 1) — runs each on the same random ids in fp32, then writes the trainer's weights back
