@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from gyre.cells.serving import plan_engines
+from gyre.cells.serving import plan_cell
 from gyre.coordinator.config import RUN_MODES, CoordinatorConfig
 from gyre.engines.config import EngineConfig
 from gyre.errors import ConfigError, require
@@ -84,8 +84,8 @@ class GyreConfig:
             f"{self.proxy.context_len} exceeds the model's max_seq_len {self.model.max_seq_len}",
         )
         self._check_ranks()
-        c = self.cluster  # a cell's engines: one per node (CPU) or per engine.tp_size ranks (GPU)
-        plan_engines(c.ranks_per_cell, c.cell_nodes, self.engine.tp_size, self.engine.on_gpu)
+        c = self.cluster  # one rank per GPU; engines: one per node (CPU) or per engine.tp_size GPUs
+        plan_cell(c.ranks_per_cell, c.cell_nodes, c.gpus_per_node, self.engine.tp_size, self.engine.on_gpu)
         require(
             self.cluster.num_cells >= 2 or self.mode != "train" or self.scheduler.mode == "colocate",
             "cluster.num_cells",
