@@ -20,6 +20,7 @@ from gyre.common import CONF_DIR
 from gyre.common.files import write_private_file
 from gyre.config import GyreConfig, register_configs, validate
 from gyre.errors import ConfigError, GyreError
+from gyre.launch.plan import check_gpu_plan
 from gyre.tasks.taskset import TaskSet, TaskSource, toy_taskset
 
 register_configs()
@@ -29,6 +30,7 @@ register_configs()
 def run(cfg: DictConfig) -> None:
     try:
         gyre_cfg = validate(cfg)
+        check_gpu_plan(gyre_cfg)  # a GPU cluster's placement and memory, before anything starts
     except ConfigError as e:
         sys.exit(f"gyre-train: invalid config: {e}")
     from hydra.core.hydra_config import HydraConfig
