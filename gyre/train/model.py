@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from gyre.errors import GyreError
 from gyre.models.config import ModelConfig
-from gyre.models.convert import engine_to_megatron
+from gyre.models.convert import engine_to_megatron, local_spec_name
 from gyre.train.config import TrainerConfig
 from gyre.train.cpu_shim import apply_cpu_shim
 
@@ -75,6 +75,14 @@ def local_device(rank: int) -> int:
             "(CUDA_VISIBLE_DEVICES): every task of a node must see all of the node's GPUs (cluster.gpus_per_node)"
         )
     return device
+
+
+def use_device(device: torch.device) -> None:
+    """Make a rank's CUDA `device` current in the calling thread, which starts on device 0 whatever
+    the main thread set: megatron-core and torch's object collectives allocate on the current device,
+    and NCCL binds a communicator to it. A thread that drives the trainer calls this first."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def build_gpt_model(model_cfg: ModelConfig, cfg: TrainerConfig):
@@ -174,13 +182,14 @@ def load_full_weights(model: torch.nn.Module, model_cfg: ModelConfig, engine_wei
     """
     from megatron.core import parallel_state
 
-    state = engine_to_megatron(engine_weights, model_cfg)
+    state = engine_to_megatron(engine_weights, model_cfg)  # local-spec names; a TE model's are mapped to them
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name not in state:
+            full = state.get(local_spec_name(name))
+            if full is None:
                 raise ParallelError(f"the converted checkpoint has no tensor for model parameter {name!r}")
-            param.copy_(shard_for_rank(name, state[name], param, tp, rank))
+            param.copy_(shard_for_rank(name, full, param, tp, rank))
 
 
 @dataclass
