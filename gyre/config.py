@@ -9,7 +9,7 @@ directory is Hydra's (`hydra.run.dir`), not a Gyre key.
 
 import importlib.util
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
@@ -28,6 +28,7 @@ from gyre.scheduler.config import SchedulerConfig
 from gyre.tasks.config import TasksConfig
 from gyre.train.config import TrainerConfig
 from gyre.trajectory.config import TrajectoryConfig
+from gyre.transfer.config import TransferConfig
 
 T = TypeVar("T")
 
@@ -50,6 +51,8 @@ class GyreConfig:
     harness: HarnessConfig = MISSING
     tasks: TasksConfig = MISSING
     metrics: MetricsConfig = MISSING
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    """The site's fabric for Mooncake (no config group: `transfer.protocol=rdma transfer.device=mlx5_0`)."""
     seed: int = 0
     """Seed for every random generator of the run."""
     num_steps: int = 2
@@ -73,6 +76,12 @@ class GyreConfig:
         if not all(isinstance(getattr(self, f.name), f.type) for f in fields(self) if f.type in _SECTIONS):
             return  # a section left unset (partial configs in tests); cross-section checks need all
         self._check_across()
+
+    def site_env(self) -> dict[str, str]:
+        """The variables every process of the run gets before it starts anything (Mooncake's fabric,
+        MPI's libfabric provider): exported by gyre-train locally and by each Slurm task (gyre.launch.job)."""
+        provider = self.cluster.mpi_provider
+        return self.transfer.env() | ({"FI_PROVIDER": provider} if provider else {})
 
     def _check_across(self) -> None:
         """Checks that span sections, each naming the key to change."""
@@ -135,6 +144,7 @@ _SECTIONS = (
     HarnessConfig,
     TasksConfig,
     MetricsConfig,
+    TransferConfig,
 )
 
 

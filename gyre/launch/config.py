@@ -59,6 +59,10 @@ class ClusterConfig:
     CONTROLS. mpi: mpi4py + MPICH (ch4:ofi over TCP), each leader under `mpiexec -n 1`, joined by
     port files in the run directory (gyre/control/mpi.py). None: mpi on Slurm (the design's control
     plane), tcp locally (no MPI launcher needed, a dead peer seen at once)."""
+    mpi_provider: str | None = None
+    """control=mpi: the libfabric provider MPICH's ch4:ofi uses (FI_PROVIDER: `tcp`, `verbs;ofi_rxm`,
+    `efa`, `cxi`, ...), exported to every process of the run. None: the environment's FI_PROVIDER,
+    else tcp (gyre/control/mpi.py)."""
     control_peer_timeout_s: float = 30.0
     """mpi: silence after which a peer is declared dead (MPICH reports no dead peer; heartbeats
     every 0.5 s). Long enough for a leader busy in a loaded step; a dead cell is found this late."""
@@ -107,6 +111,11 @@ class ClusterConfig:
         if self.control is None:
             self.control = "mpi" if self.backend == "slurm" else "tcp"
         require(self.control in CONTROLS, "control", f"must be one of {', '.join(CONTROLS)}; got {self.control!r}")
+        require(
+            self.mpi_provider is None or bool(self.mpi_provider.strip()) and " " not in self.mpi_provider,
+            "mpi_provider",
+            f"must be a libfabric provider name (FI_PROVIDER, e.g. tcp, verbs;ofi_rxm, efa), got {self.mpi_provider!r}",
+        )
         require(
             self.control_peer_timeout_s > 0,
             "control_peer_timeout_s",

@@ -7,6 +7,7 @@ written to RUN_DIR/summary.json.
 import asyncio
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def run(cfg: DictConfig) -> None:
     except GyreError as e:
         sys.exit(f"gyre-train: {e}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    os.environ.update(gyre_cfg.site_env())  # local cells are this process's children; Slurm tasks set their own
     if gyre_cfg.cluster.backend == "slurm":
         summary = run_on_slurm(gyre_cfg, taskset, run_dir)
     else:
