@@ -22,7 +22,7 @@ take turns as the cell's role changes. The plan counts what Gyre's own code allo
 A role fits when its holder and what the other keeps fit the GPU: training holds the trainer and a
 released engine's runtime; serving holds the engine and an offloaded trainer's context (the
 trainer's state leaves the GPU while the cell serves: DESIGN "A cell's GPU belongs to its role").
-docs/training.md compares these formulas with megatron-core's and SGLang's own.
+docs/slurm.md ("GPU cells") compares these formulas with megatron-core's and SGLang's own.
 """
 
 import json
