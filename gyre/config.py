@@ -93,8 +93,8 @@ class GyreConfig:
             f"{self.proxy.context_len} exceeds the model's max_seq_len {self.model.max_seq_len}",
         )
         self._check_ranks()
-        c = self.cluster  # one rank per GPU; engines: one per node (CPU) or per engine.tp_size GPUs
-        plan_cell(c.ranks_per_cell, c.cell_nodes, c.gpus_per_node, self.engine.tp_size, self.engine.on_gpu)
+        c, tp = self.cluster, self.trainer.tensor_parallel_size  # one rank per GPU, engines tiling the GPUs
+        plan_cell(c.ranks_per_cell, c.cell_nodes, c.gpus_per_node, self.engine.tp_size, self.engine.on_gpu, tp)
         require(
             self.cluster.num_cells >= 2 or self.mode != "train" or self.scheduler.mode == "colocate",
             "cluster.num_cells",

@@ -90,6 +90,10 @@ class RankSlot:
     """Its CUDA device on its node (= local_rank); None where the cluster declares no GPUs."""
     engine: int
     """The index of the engine whose GPUs include this rank's (the two take turns on it)."""
+    tp_rank: int = 0
+    """Its place in its tensor-parallel group (megatron-core's order: TP groups are consecutive ranks)."""
+    dp_rank: int = 0
+    """Its data-parallel replica."""
 
     def exports(self) -> dict[str, str]:
         """What the rank's process exports before torch.distributed starts (gyre.train.model reads it)."""
@@ -108,15 +112,20 @@ class CellLayout:
         return [r.device for r in self.ranks if r.node == node]
 
 
-def plan_cell(ranks: int, nodes: int, gpus_per_node: int, tp_size: int, on_gpu: bool) -> CellLayout:
-    """Every rank's node, local rank and device, and the cell's engines (see the module doc).
+def plan_cell(
+    ranks: int, nodes: int, gpus_per_node: int, tp_size: int, on_gpu: bool, trainer_tp: int = 1
+) -> CellLayout:
+    """Every rank's node, local rank, device and TP/DP place, and the cell's engines (see the module doc).
 
     Args:
         gpus_per_node: the cluster's (0: no GPUs declared; only the engines are planned, as before).
+        tp_size: GPUs of one engine (engine.tp_size).
         on_gpu: engines serve from GPUs (SGLang), one per tp_size GPUs of a node.
+        trainer_tp: trainer.tensor_parallel_size; the cell's other ranks are data parallel.
     Raises:
         ConfigError: naming `cluster.ranks_per_node` when a node's ranks are not one per GPU,
-            `engine.tp_size` when engines do not tile a node's GPUs, or what `plan_engines` names.
+            `engine.tp_size` when engines do not tile a node's GPUs, `trainer.tensor_parallel_size`
+            when a TP group would not be GPUs of one node, or what `plan_engines` names.
     """
     engines = plan_engines(ranks, nodes, tp_size, on_gpu)
     per_node = ranks // nodes
@@ -133,9 +142,23 @@ def plan_cell(ranks: int, nodes: int, gpus_per_node: int, tp_size: int, on_gpu: 
             "engine.tp_size",
             f"engines of {tp_size} GPUs do not tile a node's {gpus_per_node} GPUs (an engine spans one node)",
         )
+        require(
+            gpus_per_node % trainer_tp == 0,
+            "trainer.tensor_parallel_size",
+            f"TP groups of {trainer_tp} ranks do not tile a node's {gpus_per_node} GPUs (a TP group stays "
+            "on one node's NVLink)",
+        )
     engine_of = {r: slot.index for slot in engines for r in slot.ranks}
     slots = tuple(
-        RankSlot(r, r // per_node, r % per_node, r % per_node if gpus_per_node else None, engine_of[r])
+        RankSlot(
+            r,
+            r // per_node,
+            r % per_node,
+            r % per_node if gpus_per_node else None,
+            engine_of[r],
+            tp_rank=r % trainer_tp,
+            dp_rank=r // trainer_tp,
+        )
         for r in range(ranks)
     )
     return CellLayout(slots, tuple(engines))

@@ -39,7 +39,8 @@ def gpu_shape(cfg: GyreConfig) -> GpuShape:
 def plan_run(cfg: GyreConfig) -> tuple[CellLayout, MemoryPlan]:
     """A cell's layout and its core GPU's memory plan (pure)."""
     c = cfg.cluster
-    layout = plan_cell(c.ranks_per_cell, c.cell_nodes, c.gpus_per_node, cfg.engine.tp_size, cfg.engine.on_gpu)
+    tp = cfg.trainer.tensor_parallel_size
+    layout = plan_cell(c.ranks_per_cell, c.cell_nodes, c.gpus_per_node, cfg.engine.tp_size, cfg.engine.on_gpu, tp)
     return layout, plan_memory(gpu_shape(cfg))
 
 

@@ -68,7 +68,7 @@ def test_each_rank_gets_its_engines_or_its_own_works_time_and_the_cell_its_slowe
     ],
 )
 def test_a_gpu_cell_puts_one_rank_on_each_gpu_and_each_gpu_in_exactly_one_engine(gpus, nodes, tp):
-    layout = plan_cell(gpus * nodes, nodes, gpus, tp, on_gpu=True)
+    layout = plan_cell(gpus * nodes, nodes, gpus, tp, on_gpu=True, trainer_tp=tp)
     assert [(r.node, r.local_rank, r.device) for r in layout.ranks] == [
         (n, g, g) for n in range(nodes) for g in range(gpus)
     ]
@@ -79,6 +79,9 @@ def test_a_gpu_cell_puts_one_rank_on_each_gpu_and_each_gpu_in_exactly_one_engine
         used = [gpu for e in layout.engines if e.node == node for gpu in range(e.base_gpu_id, e.base_gpu_id + tp)]
         assert sorted(used) == list(range(gpus))
     assert len(layout.engines) == gpus * nodes // tp
+    # TP groups are consecutive ranks of one node, data parallel the rest (megatron-core's order)
+    assert [(r.tp_rank, r.dp_rank) for r in layout.ranks] == [(r % tp, r // tp) for r in range(gpus * nodes)]
+    assert all(len({r.node for r in layout.ranks if r.dp_rank == d}) == 1 for d in range(gpus * nodes // tp))
     for r in layout.ranks:  # a rank's GPU belongs to its engine: the two take turns on it
         engine = layout.engines[r.engine]
         assert engine.node == r.node and engine.base_gpu_id <= r.device < engine.base_gpu_id + tp
@@ -101,9 +104,10 @@ def test_a_cpu_cell_plans_ranks_without_devices_and_an_engine_per_node():
         pytest.param(4, 1, 2, 1, "cluster.ranks_per_node", id="two-ranks-a-gpu"),
         pytest.param(2, 1, 2, 4, "engine.tp_size", id="engine-wider-than-a-node"),
         pytest.param(8, 1, 8, 3, "engine.tp_size", id="engines-not-tiling-a-node"),
+        pytest.param(4, 2, 2, 1, "trainer.tensor_parallel_size", id="trainer-tp-across-nodes"),
     ],
 )
 def test_a_gpu_layout_that_idles_or_shares_a_gpu_is_refused_naming_the_key(ranks, nodes, gpus, tp, key):
     with pytest.raises(ConfigError) as err:
-        plan_cell(ranks, nodes, gpus, tp, on_gpu=True)
+        plan_cell(ranks, nodes, gpus, tp, on_gpu=True, trainer_tp=4 if key.startswith("trainer") else tp)
     assert err.value.key == key
