@@ -54,9 +54,8 @@ def check_gpu_plan(cfg: GyreConfig) -> None:
         return
     _, plan = plan_run(cfg)
     if not plan.fits:
-        raise ConfigError(
-            plan.keys[0], "; ".join(plan.problems) + f" (or change {', '.join(plan.keys[1:])}; gyre-plan)"
-        )
+        others = f"; or change {', '.join(plan.keys[1:])}" if len(plan.keys) > 1 else ""
+        raise ConfigError(plan.keys[0], "; ".join(plan.problems) + f"{others} (gyre-plan shows the plan)")
 
 
 def main(argv: list[str] | None = None) -> int:
