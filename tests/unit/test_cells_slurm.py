@@ -96,6 +96,13 @@ def test_a_rank_exports_its_planned_local_rank_and_is_refused_where_srun_placed_
     spec = dataclasses.replace(_spec(1), ranks=4, nodes=2)
     slurm._export_rank_place(spec, dataclasses.replace(_placement(2, rank=1, tasks=4), local_id=1))
     assert os.environ["LOCAL_RANK"] == "1"
+    from gyre.train import model
+
+    monkeypatch.setattr(model.torch.cuda, "device_count", lambda: 2)
+    assert model.local_device(rank=1) == 1  # the trainer's CUDA device is the planned one
+    monkeypatch.setattr(model.torch.cuda, "device_count", lambda: 1)  # a site binding one GPU per task
+    with pytest.raises(model.ParallelError, match="all of the node's GPUs"):
+        model.local_device(rank=1)
     with pytest.raises(CellError, match="distribution=block"):
         slurm._export_rank_place(spec, dataclasses.replace(_placement(2, rank=1, tasks=4), local_id=0))
 
