@@ -27,14 +27,15 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="gyre_schema", node=GyreConfig)
 
 
-def validate(cfg: DictConfig, schema: type[T] = GyreConfig) -> T:
+def validate(cfg: DictConfig, schema: type[T] = GyreConfig, runs_engines: bool = True) -> T:
     """Turn a composed config into typed objects of `schema` (GyreConfig, or gyre-sim's SimConfig),
-    running every component's value checks.
+    running every component's value checks; `runs_engines=False` (gyre-plan, which only plans them)
+    skips the check that the engine asked for is installed here.
 
     Raises:
         ConfigError: naming the full dotted key of the first value that cannot run.
     """
-    if schema is GyreConfig:
+    if schema is GyreConfig and runs_engines:
         _refuse_missing_sglang(cfg.engine)
     sections: dict[str, Any] = {}
     for f in fields(schema):

@@ -9,6 +9,11 @@ Checks, printed as one JSON line (`ok` is their conjunction):
   one RL step: the trainer's step changes the weights; they are handed to the engine (the same
         `EngineCore.update_weights` the HTTP update endpoints call) and the engine's log-probs
         follow the trainer's again within the bf16 tolerance.
+  plan: gyre-plan's bytes (gyre.launch.memory) against `torch.cuda.memory_allocated` for the same
+        shape: the trainer's weights and its gradient buffer after it is built, Adam's moments
+        after the step (each within 5%: they are exact counts), and what the step added at its peak
+        against the plan's activations, step-time gradient buffers and moments (reported, not
+        checked: the activations are an estimate; `plan_peak_ratio`).
 Run by tools/gpu_check.sh; never run on the CPU machines (no CUDA there).
 """
 
@@ -23,6 +28,41 @@ import torch
 
 def _lp(logits, ids):
     return torch.log_softmax(logits.float(), -1).gather(1, ids[1:, None]).squeeze(1)
+
+
+def plan_vs_measured(out: dict, model_cfg, tokens: int, built: int, after_step: int, peak: int) -> list[bool]:
+    """The memory plan of this one-GPU trainer (no engine on the GPU, no satellites) against what
+    CUDA allocated: `built` after Trainer(), `after_step` after one step, `peak` during it, all
+    above the allocation before the trainer was built."""
+    from gyre.launch.memory import GpuShape, plan_memory
+
+    plan = plan_memory(
+        GpuShape(
+            model=model_cfg,
+            trainer_tp=1,
+            data_parallel=1,
+            core_slots=0,
+            micro_batch_tokens=tokens,
+            engine_tp=1,
+            engine_on_gpu=False,
+            mem_fraction_static=0.85,
+            context_len=tokens,
+            capacity_bytes=torch.cuda.get_device_properties(0).total_memory,
+        )
+    ).trainer
+    weights_and_grad = plan["weights"] * 2  # FlatParams and Trainer.grad, both allocated at build
+    # what a step adds at its worst: activations, each parameter's .grad and fold's sum, Adam's moments
+    step_extra = plan["activations"] + plan["gradients"] - plan["weights"] + plan["optimizer"]
+    out |= {
+        "plan_weights_and_grad_mb": weights_and_grad >> 20,
+        "measured_weights_and_grad_mb": built >> 20,
+        "plan_optimizer_mb": plan["optimizer"] >> 20,
+        "measured_optimizer_mb": (after_step - built) >> 20,
+        "plan_step_peak_mb": step_extra >> 20,
+        "measured_step_peak_mb": (peak - built) >> 20,
+        "plan_peak_ratio": round((peak - built) / step_extra, 3),
+    }
+    return [abs(built / weights_and_grad - 1) <= 0.05, abs((after_step - built) / plan["optimizer"] - 1) <= 0.05]
 
 
 def main() -> None:
@@ -69,7 +109,10 @@ def main() -> None:
     eng32 = engine_lp(weights, torch.float32)
     out["fp32_engine_vs_transformers_max"] = float((eng32 - ref32).abs().max())
 
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
     trainer = Trainer(ModelConfig(name="gpu-check", path=d), TrainerConfig(bf16=True, lr=1e-4))
+    built = torch.cuda.memory_allocated() - base
     n = len(ids)
     mask = torch.arange(n) > 0
 
@@ -100,7 +143,12 @@ def main() -> None:
         compare("bf16_engine_vs_transformers", eng16, ref16),
     ]
     before = trainer.flat.weights.clone()
+    torch.cuda.reset_peak_memory_stats()
+    pre_step = torch.cuda.memory_allocated()
     metrics = trainer.train_step([batch(1.0)])
+    after = torch.cuda.memory_allocated() - pre_step + built  # less `before` and the log-prob tensors
+    peak = torch.cuda.max_memory_allocated() - pre_step + built
+    ok += plan_vs_measured(out, trainer.model_cfg, n, built, after, peak)
     out["rl_step_grad_norm"] = float(metrics["grad_norm"])
     out["rl_step_weight_change_max"] = float((trainer.flat.weights - before).abs().max())
     pushed = trainer.engine_weights()  # what publish.py sends to engines

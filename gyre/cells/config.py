@@ -25,14 +25,19 @@ class ClusterConfig:
     pulls from and writes to core rank r. backend=local: set it; backend=slurm: derived, cell_nodes x
     ranks_per_node (one Slurm task per rank), where > 1 is built for a core that trains alone
     (num_cells=1: mode=replay or scheduler=colocate) and satellites of several ranks are refused."""
-    ranks_per_node: int = 1
-    """backend=slurm: trainer ranks (Slurm tasks) on each node of a cell (one per GPU on a GPU
-    cluster); the first task of a cell is its leader (rank 0), the others follow it."""
+    ranks_per_node: int | None = None
+    """backend=slurm: trainer ranks (Slurm tasks) on each node of a cell; the first task of a cell is
+    its leader (rank 0), the others follow it. None: one per GPU (gpus_per_node), or 1 on a CPU
+    cluster; on a GPU cluster any other value is refused (idle GPUs, or two ranks on one:
+    gyre.cells.serving.plan_cell). backend=local: 1."""
     allocation_nodes: int | None = None
     """Nodes of all cells together, when sized that way: num_cells = allocation_nodes / cell_nodes
     (which must divide it). None: num_cells decides."""
     gpus_per_node: int = 0
     """GPUs each node contributes (0 = CPU only)."""
+    gpu_mem_gb: float = 80.0
+    """Memory of one GPU, in GB (1e9 bytes): the capacity `gyre-plan` and gyre-train's start check
+    fit each GPU's trainer and engine into (gyre.launch.memory)."""
     cpus_per_node: int = 2
     """CPU cores requested per node."""
     mem_gb_per_node: int = 8
@@ -54,6 +59,10 @@ class ClusterConfig:
     CONTROLS. mpi: mpi4py + MPICH (ch4:ofi over TCP), each leader under `mpiexec -n 1`, joined by
     port files in the run directory (gyre/control/mpi.py). None: mpi on Slurm (the design's control
     plane), tcp locally (no MPI launcher needed, a dead peer seen at once)."""
+    mpi_provider: str | None = None
+    """control=mpi: the libfabric provider MPICH's ch4:ofi uses (FI_PROVIDER: `tcp`, `verbs;ofi_rxm`,
+    `efa`, `cxi`, ...), exported to every process of the run. None: the environment's FI_PROVIDER,
+    else tcp (gyre/control/mpi.py)."""
     control_peer_timeout_s: float = 30.0
     """mpi: silence after which a peer is declared dead (MPICH reports no dead peer; heartbeats
     every 0.5 s). Long enough for a leader busy in a loaded step; a dead cell is found this late."""
@@ -76,6 +85,9 @@ class ClusterConfig:
             self.num_cells = self.allocation_nodes // self.cell_nodes
             require(self.num_cells >= 1, "allocation_nodes", f"must hold >= 1 cell, got {self.allocation_nodes} nodes")
         require(self.ranks_per_cell >= 1, "ranks_per_cell", f"must be >= 1, got {self.ranks_per_cell}")
+        require(self.gpus_per_node >= 0, "gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
+        if self.ranks_per_node is None:
+            self.ranks_per_node = self.gpus_per_node if self.backend == "slurm" and self.gpus_per_node else 1
         require(self.ranks_per_node >= 1, "ranks_per_node", f"must be >= 1, got {self.ranks_per_node}")
         if self.backend == "slurm":
             ranks = self.cell_nodes * self.ranks_per_node
@@ -92,13 +104,18 @@ class ClusterConfig:
                 "ranks_per_node",
                 f"backend=local places no nodes: set cluster.ranks_per_cell instead (got {self.ranks_per_node})",
             )
-        require(self.gpus_per_node >= 0, "gpus_per_node", f"must be >= 0, got {self.gpus_per_node}")
+        require(self.gpu_mem_gb > 0, "gpu_mem_gb", f"must be > 0 GB, got {self.gpu_mem_gb}")
         require(self.cpus_per_node >= 1, "cpus_per_node", f"must be >= 1, got {self.cpus_per_node}")
         require(self.mem_gb_per_node >= 1, "mem_gb_per_node", f"must be >= 1 GiB, got {self.mem_gb_per_node}")
         require(self.time_limit_min >= 1, "time_limit_min", f"must be >= 1 minute, got {self.time_limit_min}")
         if self.control is None:
             self.control = "mpi" if self.backend == "slurm" else "tcp"
         require(self.control in CONTROLS, "control", f"must be one of {', '.join(CONTROLS)}; got {self.control!r}")
+        require(
+            self.mpi_provider is None or bool(self.mpi_provider.strip()) and " " not in self.mpi_provider,
+            "mpi_provider",
+            f"must be a libfabric provider name (FI_PROVIDER, e.g. tcp, verbs;ofi_rxm, efa), got {self.mpi_provider!r}",
+        )
         require(
             self.control_peer_timeout_s > 0,
             "control_peer_timeout_s",

@@ -35,6 +35,9 @@ class SlurmPlacement:
     """How often the job was requeued before this run (SLURM_RESTART_COUNT; 0 on the first)."""
     group_tasks: int = 1
     """Tasks of this task's component (a cell's ranks: cell_nodes x ranks_per_node, block-placed)."""
+    local_id: int = 0
+    """This task's place among its step's tasks on its node (SLURM_LOCALID): a cell rank's local rank
+    and CUDA device, checked against the cell's plan (gyre.cells.serving.plan_cell)."""
 
 
 def parse_placement(env: Mapping[str, str]) -> SlurmPlacement:
@@ -49,16 +52,29 @@ def parse_placement(env: Mapping[str, str]) -> SlurmPlacement:
         raise NotInSlurmJob(f"{e.args[0]} is not set: not inside a Slurm job step") from None
     node = env.get("SLURMD_NODENAME", env.get("SLURM_TOPOLOGY_ADDR", ""))
     het_size, restarts = int(env.get("SLURM_HET_SIZE", "1")), int(env.get("SLURM_RESTART_COUNT", "0"))
+    local_id = int(env.get("SLURM_LOCALID", "0"))
     if het_size == 1:
         nodes = env.get("SLURM_JOB_NODELIST", "")
-        return SlurmPlacement(job_id, rank, ntasks, 0, 1, rank, nodes, node, restarts, group_tasks=ntasks)
+        return SlurmPlacement(
+            job_id, rank, ntasks, 0, 1, rank, nodes, node, restarts, group_tasks=ntasks, local_id=local_id
+        )
     first_rank = 0
     for group in range(het_size):
         group_tasks = int(env[f"SLURM_NTASKS_HET_GROUP_{group}"])
         if rank < first_rank + group_tasks:
             nodes = env[f"SLURM_JOB_NODELIST_HET_GROUP_{group}"]
             return SlurmPlacement(
-                job_id, rank, ntasks, group, het_size, rank - first_rank, nodes, node, restarts, group_tasks=group_tasks
+                job_id,
+                rank,
+                ntasks,
+                group,
+                het_size,
+                rank - first_rank,
+                nodes,
+                node,
+                restarts,
+                group_tasks=group_tasks,
+                local_id=local_id,
             )
         first_rank += group_tasks
     raise NotInSlurmJob(f"SLURM_PROCID={rank} is beyond the {first_rank} tasks of the step's components")

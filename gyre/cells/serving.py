@@ -18,6 +18,15 @@ A switch's phase is over when every rank has done its part of it. Rank r's phase
 from the phase's start until r's part was done: its engine's operation (engine phases), its own
 weight shard's read (pull_weights), or the whole phase (join_step, finish_microstep: all ranks in
 lockstep). The cell's phase time is its slowest rank's.
+
+On a GPU cluster (`cluster.gpus_per_node` > 0) `plan_cell` lays the whole cell out before anything
+starts: one trainer rank per GPU (rank r of a node on GPU r, CUDA device = its local rank, which
+Slurm gives as SLURM_LOCALID), and each GPU also belongs to exactly one engine (engine.tp_size GPUs
+of one node); the trainer and the engine take turns on it as the cell's role changes. A layout that
+leaves a GPU idle, or puts two ranks or two engines on one, is refused naming the key. Every task
+of a node sees all of the node's GPUs (the job asks `--gpus-per-node`, no per-task binding), so a
+rank exports only LOCAL_RANK and an engine takes `--base-gpu-id` (torchtitan plans its mesh the
+same way up front: torchtitan/distributed/parallel_dims.py).
 """
 
 from collections.abc import Sequence
@@ -67,6 +76,92 @@ def plan_engines(ranks: int, nodes: int, tp_size: int, on_gpu: bool) -> list[Eng
             gpu = k * width if on_gpu else 0
             slots.append(EngineSlot(len(slots), node, tuple(range(first, first + width)), gpu))
     return slots
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """One trainer rank of a cell: where it runs and the GPU it shares with its engine."""
+
+    rank: int
+    node: int
+    local_rank: int
+    """Its place among its node's ranks (Slurm's SLURM_LOCALID under block distribution)."""
+    device: int | None
+    """Its CUDA device on its node (= local_rank); None where the cluster declares no GPUs."""
+    engine: int
+    """The index of the engine whose GPUs include this rank's (the two take turns on it)."""
+    tp_rank: int = 0
+    """Its place in its tensor-parallel group (megatron-core's order: TP groups are consecutive ranks)."""
+    dp_rank: int = 0
+    """Its data-parallel replica."""
+
+    def exports(self) -> dict[str, str]:
+        """What the rank's process exports before torch.distributed starts (gyre.train.model reads it)."""
+        return {"LOCAL_RANK": str(self.local_rank)}
+
+
+@dataclass(frozen=True)
+class CellLayout:
+    """Where every rank and engine of a cell runs (the same in every cell)."""
+
+    ranks: tuple[RankSlot, ...]
+    engines: tuple[EngineSlot, ...]
+
+    def node_devices(self, node: int = 0) -> list[int | None]:
+        """The CUDA devices of `node`'s ranks, in rank order."""
+        return [r.device for r in self.ranks if r.node == node]
+
+
+def plan_cell(
+    ranks: int, nodes: int, gpus_per_node: int, tp_size: int, on_gpu: bool, trainer_tp: int = 1
+) -> CellLayout:
+    """Every rank's node, local rank, device and TP/DP place, and the cell's engines (see the module doc).
+
+    Args:
+        gpus_per_node: the cluster's (0: no GPUs declared; only the engines are planned, as before).
+        tp_size: GPUs of one engine (engine.tp_size).
+        on_gpu: engines serve from GPUs (SGLang), one per tp_size GPUs of a node.
+        trainer_tp: trainer.tensor_parallel_size; the cell's other ranks are data parallel.
+    Raises:
+        ConfigError: naming `cluster.ranks_per_node` when a node's ranks are not one per GPU,
+            `engine.tp_size` when engines do not tile a node's GPUs, `trainer.tensor_parallel_size`
+            when a TP group would not be GPUs of one node, or what `plan_engines` names.
+    """
+    engines = plan_engines(ranks, nodes, tp_size, on_gpu)
+    per_node = ranks // nodes
+    if gpus_per_node:
+        require(
+            per_node == gpus_per_node,
+            "cluster.ranks_per_node",
+            f"{per_node} trainer ranks on a node of {gpus_per_node} GPUs (cluster.gpus_per_node): "
+            + ("GPUs would stay idle" if per_node < gpus_per_node else "two ranks would share a GPU")
+            + "; one rank per GPU (leave cluster.ranks_per_node unset)",
+        )
+        require(
+            not on_gpu or gpus_per_node % tp_size == 0,
+            "engine.tp_size",
+            f"engines of {tp_size} GPUs do not tile a node's {gpus_per_node} GPUs (an engine spans one node)",
+        )
+        require(
+            gpus_per_node % trainer_tp == 0,
+            "trainer.tensor_parallel_size",
+            f"TP groups of {trainer_tp} ranks do not tile a node's {gpus_per_node} GPUs (a TP group stays "
+            "on one node's NVLink)",
+        )
+    engine_of = {r: slot.index for slot in engines for r in slot.ranks}
+    slots = tuple(
+        RankSlot(
+            r,
+            r // per_node,
+            r % per_node,
+            r % per_node if gpus_per_node else None,
+            engine_of[r],
+            tp_rank=r % trainer_tp,
+            dp_rank=r // trainer_tp,
+        )
+        for r in range(ranks)
+    )
+    return CellLayout(slots, tuple(engines))
 
 
 def started_by(slots: Sequence[EngineSlot], rank: int) -> list[EngineSlot]:

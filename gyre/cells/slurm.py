@@ -31,7 +31,7 @@ from pathlib import Path
 
 from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.placement import SlurmPlacement
-from gyre.cells.serving import plan_engines, started_by
+from gyre.cells.serving import plan_cell, plan_engines, started_by
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
 from gyre.common.serve import exit_at_once, first_exited
@@ -134,6 +134,7 @@ def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | Non
                 f"cell {cell}: its component runs {placement.group_tasks} tasks, its spec has {spec.ranks} ranks "
                 "(cluster.cell_nodes or cluster.ranks_per_node changed after submission?)"
             )
+        _export_rank_place(spec, placement)
         host = node_address(placement, bind_host)  # this task's node: every rank binds its own
         if rank > 0:
             _follow(job_dir, placement, spec, host, timeout_s)
@@ -147,6 +148,24 @@ def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | Non
             f"rank {rank} on node {placement.node}:\n{traceback.format_exc()}",
         )
         raise
+
+
+def _export_rank_place(spec: CellSpec, placement: SlurmPlacement) -> None:
+    """Export this rank's planned LOCAL_RANK (its CUDA device: gyre.train.model), after checking
+    that srun put the task where the plan has it (block distribution: SLURM_LOCALID = local rank).
+
+    Raises:
+        CellError: srun placed the task elsewhere (a cyclic or arbitrary distribution).
+    """
+    layout = plan_cell(spec.ranks, spec.nodes, 0, spec.engine.tp_size, spec.engine.on_gpu)
+    slot = layout.ranks[placement.group_rank]
+    if slot.local_rank != placement.local_id:
+        raise CellError(
+            f"cell {spec.index}: rank {slot.rank} runs as task {placement.local_id} of its node (SLURM_LOCALID), "
+            f"the plan has it as task {slot.local_rank} of node {slot.node}: the step must place tasks in blocks "
+            "(srun --distribution=block, Slurm's default)"
+        )
+    os.environ.update(slot.exports())
 
 
 def _run_leader(job_dir: Path, placement: SlurmPlacement, spec: CellSpec) -> None:

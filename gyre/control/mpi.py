@@ -23,7 +23,8 @@ local free; with sends still pending, a Free). At exit, the lock is taken for go
 mpi4py's MPI_Finalize, so no daemon thread (heartbeats) is inside MPI when it runs.
 
 The network module is ch4:ofi over libfabric's tcp provider, chosen at MPI_Init (`_NETMOD_ENV`;
-a variable the user set wins). MPICH 5.0.2's default, ch4:ucx, dies of SIGSEGV or SIGBUS inside
+a variable already set wins: `cluster.mpi_provider` exports FI_PROVIDER to every process of the run,
+so a site picks verbs, efa or cxi). MPICH 5.0.2's default, ch4:ucx, dies of SIGSEGV or SIGBUS inside
 MPI_Comm_accept when peers reconnect again and again (tools/probe/mpi_stress.py --peers 3 --seconds
 20 --hold-s 0.05: 9 of 9 runs on 2026-12-05, every call serialised, also with UCX_TLS=tcp,self or
 sm,self or MPIR_CVAR_NOLOCAL=1), and the coordinator of a Slurm run died so once (2026-12-03).

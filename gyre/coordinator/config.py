@@ -1,12 +1,12 @@
 """The coordinator's own settings: batch shape, admission, micro-batching, checkpoints, local cells."""
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from omegaconf import MISSING
 
 from gyre.cells.config import ClusterConfig
-from gyre.cells.serving import plan_engines
+from gyre.cells.serving import plan_cell
 from gyre.engines.config import EngineConfig
 from gyre.errors import require
 from gyre.harness.config import HarnessConfig
@@ -17,6 +17,7 @@ from gyre.scheduler.config import SchedulerConfig
 from gyre.tasks.config import TasksConfig
 from gyre.train.config import TrainerConfig
 from gyre.trajectory.config import TrajectoryConfig
+from gyre.transfer.config import TransferConfig
 
 RUN_MODES = ("train", "replay", "rollout")
 """train: roll out and train (the product); replay: train from a records directory and its ledger,
@@ -93,6 +94,8 @@ class GyreConfig:
     harness: HarnessConfig = MISSING
     tasks: TasksConfig = MISSING
     metrics: MetricsConfig = MISSING
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    """The site's fabric for Mooncake (no config group: `transfer.protocol=rdma transfer.device=mlx5_0`)."""
     seed: int = 0
     """Seed for every random generator of the run."""
     num_steps: int = 2
@@ -117,6 +120,12 @@ class GyreConfig:
             return  # a section left unset (partial configs in tests); cross-section checks need all
         self._check_across()
 
+    def site_env(self) -> dict[str, str]:
+        """The variables every process of the run gets before it starts anything (Mooncake's fabric,
+        MPI's libfabric provider): exported by gyre-train locally and by each Slurm task (gyre.launch.job)."""
+        provider = self.cluster.mpi_provider
+        return self.transfer.env() | ({"FI_PROVIDER": provider} if provider else {})
+
     def _check_across(self) -> None:
         """Checks that span sections, each naming the key to change."""
         if self.proxy.context_len == 0:
@@ -127,8 +136,8 @@ class GyreConfig:
             f"{self.proxy.context_len} exceeds the model's max_seq_len {self.model.max_seq_len}",
         )
         self._check_ranks()
-        c = self.cluster  # a cell's engines: one per node (CPU) or per engine.tp_size ranks (GPU)
-        plan_engines(c.ranks_per_cell, c.cell_nodes, self.engine.tp_size, self.engine.on_gpu)
+        c, tp = self.cluster, self.trainer.tensor_parallel_size  # one rank per GPU, engines tiling the GPUs
+        plan_cell(c.ranks_per_cell, c.cell_nodes, c.gpus_per_node, self.engine.tp_size, self.engine.on_gpu, tp)
         require(
             self.cluster.num_cells >= 2 or self.mode != "train" or self.scheduler.mode == "colocate",
             "cluster.num_cells",
@@ -178,4 +187,5 @@ _SECTIONS = (
     HarnessConfig,
     TasksConfig,
     MetricsConfig,
+    TransferConfig,
 )

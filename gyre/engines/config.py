@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from gyre.engines.published import WEIGHT_SYNCS
 from gyre.errors import require
+from gyre.transfer.config import PROTOCOLS
 
 BACKENDS = ("builtin", "sglang")
 PAUSE_MODES = ("in_place", "retract", "abort")
@@ -57,8 +58,9 @@ class EngineConfig:
     """SGLang: host KV pool size as a multiple of the GPU pool."""
     mooncake_master: str = ""
     """host:port of the shared mooncake_master (the L3 store all servers see); required with HiCache."""
-    mooncake_protocol: str = "tcp"
-    """Mooncake transport: `tcp` here, `rdma` on InfiniBand clusters."""
+    mooncake_protocol: str | None = None
+    """Mooncake transport of the HiCache store (`tcp` or `rdma`). None: the run's transfer.protocol,
+    as every other Mooncake endpoint (gyre.transfer.config)."""
     load_format: str = "auto"
     """SGLang --load-format (`dummy` for random weights in tests)."""
     weight_sync: str = "mooncake"
@@ -125,6 +127,11 @@ class EngineConfig:
             not self.sglang_fake or self.backend == "sglang",
             "sglang_fake",
             "the SGLang contract fake stands in for SGLang: set engine.backend=sglang (engine=sglang)",
+        )
+        require(
+            self.mooncake_protocol in (None, *PROTOCOLS),
+            "mooncake_protocol",
+            f"must be one of {list(PROTOCOLS)} or null (transfer.protocol), got {self.mooncake_protocol!r}",
         )
         require(self.startup_timeout_s > 0, "startup_timeout_s", f"must be > 0, got {self.startup_timeout_s}")
         require(

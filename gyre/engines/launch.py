@@ -20,6 +20,7 @@ from gyre.engines.config import EngineConfig
 from gyre.engines.published import PublishedWeights
 from gyre.engines.weights import load_weights
 from gyre.models.config import ModelConfig
+from gyre.transfer.config import TransferConfig
 
 
 class EngineLaunchError(ChildServerError):
@@ -77,9 +78,11 @@ def make_sglang_env(cfg: EngineConfig, base: dict[str, str]) -> dict[str, str]:
     """Environment for the SGLang child: the shared Mooncake store that HiCache uses as L3."""
     env = dict(base)
     if cfg.enable_hicache and cfg.hicache_storage_backend == "mooncake":
+        fabric = TransferConfig.from_env(base)  # the run's transfer.* (gyre.transfer.config)
         env |= {
             "MOONCAKE_MASTER": cfg.mooncake_master,
-            "MOONCAKE_PROTOCOL": cfg.mooncake_protocol,
+            "MOONCAKE_PROTOCOL": cfg.mooncake_protocol or fabric.protocol,
+            "MOONCAKE_DEVICE": fabric.device,
             "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
         }
     return env

@@ -47,6 +47,7 @@ class GyreJob:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         with open(job_dir / "run.pkl", "rb") as f:
             cfg, taskset = pickle.load(f)
+        os.environ.update(cfg.site_env())  # the fabric, for this task and what it starts (leaders, engines)
         if placement.het_group > 0:
             from gyre.cells.slurm import run_cell_task
 

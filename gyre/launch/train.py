@@ -7,6 +7,7 @@ written to RUN_DIR/summary.json.
 import asyncio
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from gyre.common.files import write_private_file
 from gyre.config import register_configs, validate
 from gyre.coordinator.config import GyreConfig
 from gyre.errors import ConfigError, GyreError
+from gyre.launch.plan import check_gpu_plan
 from gyre.tasks.taskset import TaskSet, TaskSource, toy_taskset
 
 register_configs()
@@ -30,6 +32,7 @@ register_configs()
 def run(cfg: DictConfig) -> None:
     try:
         gyre_cfg = validate(cfg)
+        check_gpu_plan(gyre_cfg)  # a GPU cluster's placement and memory, before anything starts
     except ConfigError as e:
         sys.exit(f"gyre-train: invalid config: {e}")
     from hydra.core.hydra_config import HydraConfig
@@ -42,6 +45,7 @@ def run(cfg: DictConfig) -> None:
     except GyreError as e:
         sys.exit(f"gyre-train: {e}")
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    os.environ.update(gyre_cfg.site_env())  # local cells are this process's children; Slurm tasks set their own
     if gyre_cfg.cluster.backend == "slurm":
         summary = run_on_slurm(gyre_cfg, taskset, run_dir)
     else:

@@ -15,14 +15,17 @@ from gyre.models.hf import read_hf_config, read_hf_weights, write_hf_dir
 from gyre.models.transformer import check_weights
 
 
-def save_checkpoint(path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Write the directory (fp32) atomically per file (temp file, then rename), so readers never see halves.
+def save_checkpoint(
+    path: str | os.PathLike, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str = "float32"
+) -> None:
+    """Write the directory (its tensors in `dtype`) atomically per file (temp file, then rename), so
+    readers never see halves.
 
     A model loaded from an HF directory (`cfg.path`) keeps that directory's config.json and
     tokenizer files, so SGLang serves the published weights exactly as it served the original.
     """
     check_weights(cfg, weights)
-    write_hf_dir(path, cfg, weights, source=cfg.path)
+    write_hf_dir(path, cfg, weights, dtype=dtype, source=cfg.path)
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -6,6 +6,13 @@ SwiGLU gate and up projections in `linear_fc1` ([gate; up]). Engines use separat
 `self_attn.{q,k}_norm` are Megatron's `self_attention.{q,k}_layernorm`. Both directions are
 pure functions on full (un-sharded) state dicts; gyre/models/checkpoint.py writes the result to disk
 for engines, gyre/train/publish.py pushes it to them over Mooncake.
+
+megatron-core names a layer's norms after its layer spec. The local spec (CPU) has modules
+`input_layernorm` and `pre_mlp_layernorm`; the TransformerEngine spec (CUDA with TE,
+megatron/core/models/gpt/gpt_layer_specs.py `get_gpt_layer_with_transformer_engine_spec`) makes
+both IdentityOp and fuses each norm into the linear layer after it (TELayerNormColumnParallelLinear:
+`linear_qkv.layer_norm_weight`, `mlp.linear_fc1.layer_norm_weight`). Both are read here, and
+`engine_to_megatron(..., te=True)` writes the TE names.
 """
 
 import torch
@@ -17,6 +24,28 @@ _QK_NORMS = (
     ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
     ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
 )  # (megatron, engine)
+
+
+_TE_NORMS = (
+    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+)  # (local spec, TE spec), under decoder.layers.<i>.
+
+
+def local_spec_name(name: str) -> str:
+    """A megatron-core parameter name under the local layer spec (TE spec names mapped; others kept)."""
+    for local, te in _TE_NORMS:
+        if name.endswith("." + te):
+            return name.removesuffix(te) + local
+    return name
+
+
+def te_spec_name(name: str) -> str:
+    """A local-spec parameter name under the TransformerEngine layer spec (the inverse of `local_spec_name`)."""
+    for local, te in _TE_NORMS:
+        if name.startswith("decoder.layers.") and name.endswith("." + local):
+            return name.removesuffix(local) + te
+    return name
 
 
 class ConversionError(GyreError):
@@ -39,12 +68,13 @@ def _qkv_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
 
 
 def megatron_to_engine(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map a full GPTModel state dict to engine names (copies; `_extra_state` entries are ignored).
+    """Map a full GPTModel state dict, of either layer spec, to engine names (copies; `_extra_state`
+    entries are ignored).
 
     Raises:
         ConversionError: a tensor is missing or has the wrong shape for `cfg`.
     """
-    get = _getter(state, "megatron")
+    get = _getter({local_spec_name(n): t for n, t in state.items()}, "megatron")
     out = {"embed_tokens.weight": get("embedding.word_embeddings.weight", (cfg.vocab_size, cfg.hidden_size))}
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim
@@ -75,8 +105,9 @@ def megatron_to_engine(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     return {name: t.detach().clone().contiguous() for name, t in out.items()}
 
 
-def engine_to_megatron(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map engine-named weights to a full GPTModel state dict (the inverse of `megatron_to_engine`).
+def engine_to_megatron(state: dict[str, torch.Tensor], cfg: ModelConfig, te: bool = False) -> dict[str, torch.Tensor]:
+    """Map engine-named weights to a full GPTModel state dict (the inverse of `megatron_to_engine`),
+    under the local layer spec's names or, with `te`, the TransformerEngine spec's.
 
     Raises:
         ConversionError: a tensor is missing or has the wrong shape for `cfg`.
@@ -108,7 +139,8 @@ def engine_to_megatron(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     out["decoder.final_layernorm.weight"] = get("norm.weight", (h,))
     if not cfg.tie_embeddings:
         out["output_layer.weight"] = get("lm_head.weight", (cfg.vocab_size, h))
-    return {name: t.detach().clone().contiguous() for name, t in out.items()}
+    rename = te_spec_name if te else str
+    return {rename(name): t.detach().clone().contiguous() for name, t in out.items()}
 
 
 def _getter(state: dict[str, torch.Tensor], side: str):

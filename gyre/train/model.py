@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from gyre.errors import GyreError
 from gyre.models.config import ModelConfig
-from gyre.models.convert import engine_to_megatron
+from gyre.models.convert import engine_to_megatron, local_spec_name
 from gyre.train.config import TrainerConfig
 from gyre.train.cpu_shim import apply_cpu_shim
 
@@ -44,7 +44,7 @@ def init_distributed(tensor_parallel_size: int, seed: int) -> None:
     if not dist.is_initialized():
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         if not cpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+            torch.cuda.set_device(local_device(rank))
         backend = "gloo" if cpu else "nccl"
         if world == 1:  # a one-rank cell needs no rendezvous port (and must not inherit its parent's)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -58,6 +58,31 @@ def init_distributed(tensor_parallel_size: int, seed: int) -> None:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu, force_reset_rng=True)
+
+
+def local_device(rank: int) -> int:
+    """This rank's CUDA device: LOCAL_RANK, which a Slurm task exports from its cell's plan
+    (gyre.cells.serving.plan_cell, checked against SLURM_LOCALID); unset, the ranks share one
+    machine (spawned by gyre.train.ranks) and the rank is its local rank.
+
+    Raises:
+        ParallelError: the device is not one this process sees (a site binding GPUs per task).
+    """
+    device = int(os.environ.get("LOCAL_RANK", rank))
+    if device >= torch.cuda.device_count():
+        raise ParallelError(
+            f"rank {rank} is planned on CUDA device {device}, and this process sees {torch.cuda.device_count()} "
+            "(CUDA_VISIBLE_DEVICES): every task of a node must see all of the node's GPUs (cluster.gpus_per_node)"
+        )
+    return device
+
+
+def use_device(device: torch.device) -> None:
+    """Make a rank's CUDA `device` current in the calling thread, which starts on device 0 whatever
+    the main thread set: megatron-core and torch's object collectives allocate on the current device,
+    and NCCL binds a communicator to it. A thread that drives the trainer calls this first."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def build_gpt_model(model_cfg: ModelConfig, cfg: TrainerConfig):
@@ -157,13 +182,14 @@ def load_full_weights(model: torch.nn.Module, model_cfg: ModelConfig, engine_wei
     """
     from megatron.core import parallel_state
 
-    state = engine_to_megatron(engine_weights, model_cfg)
+    state = engine_to_megatron(engine_weights, model_cfg)  # local-spec names; a TE model's are mapped to them
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name not in state:
+            full = state.get(local_spec_name(name))
+            if full is None:
                 raise ParallelError(f"the converted checkpoint has no tensor for model parameter {name!r}")
-            param.copy_(shard_for_rank(name, state[name], param, tp, rank))
+            param.copy_(shard_for_rank(name, full, param, tp, rank))
 
 
 @dataclass

@@ -11,6 +11,9 @@ gyre.engines.weights.load_weights.
                      receives them
 
 The snapshot, not the live weights, is what every way sends, so a load may race the next step.
+Engines get it in the served dtype (`served_dtype`: bf16 on CUDA, as SGLang serves the model; fp32
+on CPU, where the builtin engine computes), cast as it is sent, not the trainer's fp32 masters.
+The sender's threads set the trainer rank's CUDA device themselves: a thread starts on device 0.
 """
 
 import asyncio
@@ -35,15 +38,32 @@ KEEP_DIRS = 2
 """Weight directories kept on disk (`disk`): an engine told of the previous version still finds it."""
 
 
+def served_dtype(cuda: bool) -> torch.dtype:
+    """The dtype engines load: bf16 on CUDA (SGLang's, and the HF checkpoints' own), fp32 on CPU."""
+    return torch.bfloat16 if cuda else torch.float32
+
+
 class WeightSender:
     """The core's `/send {engine_url, version}`: broadcast published `version` to that engine over its
     weight group (formed on the first send), while the engine receives through SGLang's routes.
     Serves on its own thread and event loop, so a send never blocks the leader's control loop."""
 
-    def __init__(self, tensors_of, host: str, tp_size: int, backend: str | None = None, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        tensors_of,
+        host: str,
+        tp_size: int,
+        backend: str | None = None,
+        timeout_s: float = 600.0,
+        dtype: torch.dtype | None = None,
+    ):
         self._tensors_of, self.host, self.tp_size = tensors_of, host, tp_size
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s
+        cuda = self.backend == "nccl"
+        self.dtype = dtype or served_dtype(cuda)
+        # the constructing thread's device, the trainer rank's (gyre.train.model.local_device)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self._groups: dict[str, tuple[str, dist.ProcessGroup]] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._names = itertools.count()
@@ -86,31 +106,42 @@ class WeightSender:
         from gyre.engines.launch import free_port
 
         name, port, world = f"gyre-weights-{next(self._names)}", free_port(self.host), 1 + self.tp_size
+
+        def join() -> dist.ProcessGroup:  # NCCL binds a communicator to the thread's current device
+            self._use_device()
+            return join_weight_group(self.host, port, 0, world, name, self.backend, self.timeout_s)
+
         group, _ = await asyncio.gather(
-            asyncio.to_thread(join_weight_group, self.host, port, 0, world, name, self.backend, self.timeout_s),
+            asyncio.to_thread(join),
             engine.init_weights_update_group(self.host, port, 1, world, name, self.backend),
         )
         self._groups[url] = (name, group)
         return name, group
 
     async def _broadcast(self, engine: EngineClient, name: str, group, tensors: dict, version: int) -> dict:
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        device = self.device
 
         def send() -> None:
-            sent = [t.to(device).contiguous() for t in tensors.values()]
+            self._use_device()
+            sent = [t.to(device=device, dtype=self.dtype).contiguous() for t in tensors.values()]
             for work in [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in sent]:
                 work.wait()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
         names = [hf_name(n) for n in tensors]
-        dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors.values()]
+        dtypes = [str(self.dtype).removeprefix("torch.")] * len(tensors)
         shapes = [list(t.shape) for t in tensors.values()]
         _, reply = await asyncio.gather(
             asyncio.to_thread(send),
             engine.update_weights_from_distributed(names, dtypes, shapes, weight_version=version, group_name=name),
         )
         return reply
+
+    def _use_device(self) -> None:
+        """Make the trainer rank's device current in this (worker) thread."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def _drop(self, url: str) -> None:
         _, group = self._groups.pop(url, (None, None))
@@ -137,11 +168,23 @@ class WeightPublisher:
         root: where `disk` writes `version_<v>` directories.
         host: the address the distributed sender binds (engines connect to it).
         tp_size: each engine's TP ranks (the size of its weight group, less the trainer's rank 0).
+        dtype: what engines load (`distributed`, `disk`); None: `served_dtype` here.
     """
 
-    def __init__(self, core, sync: str, model_cfg: ModelConfig, root: str, host: str, tp_size: int = 1):
+    def __init__(
+        self,
+        core,
+        sync: str,
+        model_cfg: ModelConfig,
+        root: str,
+        host: str,
+        tp_size: int = 1,
+        dtype: torch.dtype | None = None,
+    ):
         self.core, self.sync, self.model_cfg, self.root = core, sync, model_cfg, Path(root)
-        self.sender = WeightSender(core.published_tensors, host, tp_size) if sync == "distributed" else None
+        self.dtype = dtype or served_dtype(torch.cuda.is_available())
+        distributed = sync == "distributed"
+        self.sender = WeightSender(core.published_tensors, host, tp_size, dtype=self.dtype) if distributed else None
 
     def publish(self) -> PublishedWeights:
         version, descriptor = self.core.publish()
@@ -151,7 +194,8 @@ class WeightPublisher:
             return PublishedWeights(version, "distributed", {"sender": self.sender.url})
         path = self.root / f"version_{version:08d}"
         if not path.is_dir():
-            save_checkpoint(path, self.model_cfg, self.core.published_tensors(version))
+            dtype = str(self.dtype).removeprefix("torch.")
+            save_checkpoint(path, self.model_cfg, self.core.published_tensors(version), dtype=dtype)
         for old in sorted(self.root.glob("version_*"))[:-KEEP_DIRS]:
             shutil.rmtree(old, ignore_errors=True)
         return PublishedWeights(version, "disk", {"path": str(path)})

@@ -50,6 +50,7 @@ from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.train.checkpoint import CheckpointManager
 from gyre.train.config import TrainerConfig
+from gyre.train.model import use_device
 from gyre.train.shard import SHARD_OPS, RankState
 from gyre.train.trainer import Trainer
 
@@ -207,6 +208,7 @@ class CellRanks:
         """Run `op` (one of RANK_OPS) on every rank of the cell; returns rank 0's result."""
         if op not in RANK_OPS:
             raise ValueError(f"{op.__qualname__} is not a rank operation (gyre.train.ranks.RANK_OPS)")
+        use_device(self.trainer.flat.weights.device)  # callers' threads (the step's worker) start on GPU 0
         if self.num_ranks == 1:
             return op(self.state, *args)
         with self._order:
@@ -217,6 +219,7 @@ class CellRanks:
             return op(self.state, *args)
 
     def _keepalive(self, every_s: float) -> None:
+        use_device(self.trainer.flat.weights.device)  # broadcast_object_list stages on the current device
         # never less than every_s / 10: an operation holding the group for long must not make this spin
         while not self._stopped.wait(max(every_s / 10, self._last + every_s - time.monotonic())):
             if time.monotonic() - self._last >= every_s and self._order.acquire(blocking=False):
@@ -259,6 +262,7 @@ class CellRanks:
             try:
                 if not self._stopped.is_set():
                     self._stopped.set()
+                    use_device(self.trainer.flat.weights.device)
                     try:
                         dist.broadcast_object_list([None], src=0)
                     except RuntimeError as e:  # a rank is gone (the cell is lost): the rest go with us

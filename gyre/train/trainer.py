@@ -149,10 +149,11 @@ class Trainer:
         """Global L2 norm: TP-sharded parameters summed over the TP group, replicated ones once."""
         from megatron.core import parallel_state
 
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
+        device = self.flat.weights.device  # the TP group's (NCCL reduces only CUDA tensors)
+        sharded = torch.zeros((), dtype=torch.float64, device=device)
+        replicated = torch.zeros((), dtype=torch.float64, device=device)
         for p in self.flat.params:
-            sq = p.grad.double().pow(2).sum().cpu()
+            sq = p.grad.double().pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:

@@ -5,11 +5,13 @@ server) is what peers pass to reach it. Addresses are plain integers (tensor.dat
 peer's address must come to you out of band (an HTTP reply, an MPI message).
 """
 
+import os
 import threading
 
 import torch
 
 from gyre.errors import GyreError
+from gyre.transfer.config import TransferConfig
 from gyre.transfer.layout import BufferLayout
 
 
@@ -29,9 +31,17 @@ def _import_engine():
 
 
 class TransferEndpoint:
-    """One process's transfer endpoint (TCP by default; "rdma" on clusters)."""
+    """One process's transfer endpoint, on the site's fabric (`transfer.protocol`, `transfer.device`:
+    gyre.transfer.config) unless `fabric` names another."""
 
-    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
+    def __init__(self, host: str = "127.0.0.1", fabric: TransferConfig | None = None):
+        fabric = fabric or TransferConfig.from_env(os.environ)
+        protocol, device = fabric.protocol, fabric.device
+        if protocol == "tcp":  # read by Mooncake at initialize: without it, HCAs found mean RDMA
+            os.environ["MC_FORCE_TCP"] = "1"
+        else:
+            os.environ.pop("MC_FORCE_TCP", None)
+        self.protocol = protocol
         self._engine = _import_engine()()
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:

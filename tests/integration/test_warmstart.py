@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 
 import gyre.tasks
+from gyre.launch.warmstart import main
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from gyre.tasks.taskset import TaskSet, toy_taskset
-from gyre.launch.warmstart import main
 from gyre.tasks.warmstart import WarmStartConfig, reference_transcript, warm_start
 
 

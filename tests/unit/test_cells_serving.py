@@ -6,6 +6,7 @@ from gyre.cells.serving import (
     EngineSlot,
     cell_phase_s,
     engine_id,
+    plan_cell,
     plan_engines,
     ranks_from_engines,
     ranks_from_work,
@@ -54,3 +55,59 @@ def test_each_rank_gets_its_engines_or_its_own_works_time_and_the_cell_its_slowe
     assert by_rank == [0.75, 1.0] and cell_phase_s(by_rank) == 1.0
     with pytest.raises(ValueError):  # one time per engine, no more and no fewer
         ranks_from_engines(slots, [0.5], 4)
+
+
+@pytest.mark.parametrize(
+    "gpus, nodes, tp",
+    [
+        pytest.param(g, n, tp, id=f"{g}gpus-{n}nodes-tp{tp}")
+        for g in (1, 2, 8)
+        for n in (1, 2)
+        for tp in (1, 2, 4, 8)
+        if tp <= g
+    ],
+)
+def test_a_gpu_cell_puts_one_rank_on_each_gpu_and_each_gpu_in_exactly_one_engine(gpus, nodes, tp):
+    layout = plan_cell(gpus * nodes, nodes, gpus, tp, on_gpu=True, trainer_tp=tp)
+    assert [(r.node, r.local_rank, r.device) for r in layout.ranks] == [
+        (n, g, g) for n in range(nodes) for g in range(gpus)
+    ]
+    assert layout.node_devices(0) == list(range(gpus))
+    assert all(r.exports() == {"LOCAL_RANK": str(r.local_rank)} for r in layout.ranks)
+    # engines tile each node's GPUs: tp_size each, never two on one GPU; data parallel is the rest
+    for node in range(nodes):
+        used = [gpu for e in layout.engines if e.node == node for gpu in range(e.base_gpu_id, e.base_gpu_id + tp)]
+        assert sorted(used) == list(range(gpus))
+    assert len(layout.engines) == gpus * nodes // tp
+    # TP groups are consecutive ranks of one node, data parallel the rest (megatron-core's order)
+    assert [(r.tp_rank, r.dp_rank) for r in layout.ranks] == [(r % tp, r // tp) for r in range(gpus * nodes)]
+    assert all(len({r.node for r in layout.ranks if r.dp_rank == d}) == 1 for d in range(gpus * nodes // tp))
+    for r in layout.ranks:  # a rank's GPU belongs to its engine: the two take turns on it
+        engine = layout.engines[r.engine]
+        assert engine.node == r.node and engine.base_gpu_id <= r.device < engine.base_gpu_id + tp
+
+
+def test_a_cpu_cell_plans_ranks_without_devices_and_an_engine_per_node():
+    layout = plan_cell(4, 2, 0, 1, on_gpu=False)
+    assert [(r.node, r.local_rank, r.device, r.engine) for r in layout.ranks] == [
+        (0, 0, None, 0),
+        (0, 1, None, 0),
+        (1, 0, None, 1),
+        (1, 1, None, 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    "ranks, nodes, gpus, tp, key",
+    [
+        pytest.param(1, 1, 8, 1, "cluster.ranks_per_node", id="one-rank-on-8-gpus-leaves-7-idle"),
+        pytest.param(4, 1, 2, 1, "cluster.ranks_per_node", id="two-ranks-a-gpu"),
+        pytest.param(2, 1, 2, 4, "engine.tp_size", id="engine-wider-than-a-node"),
+        pytest.param(8, 1, 8, 3, "engine.tp_size", id="engines-not-tiling-a-node"),
+        pytest.param(4, 2, 2, 1, "trainer.tensor_parallel_size", id="trainer-tp-across-nodes"),
+    ],
+)
+def test_a_gpu_layout_that_idles_or_shares_a_gpu_is_refused_naming_the_key(ranks, nodes, gpus, tp, key):
+    with pytest.raises(ConfigError) as err:
+        plan_cell(ranks, nodes, gpus, tp, on_gpu=True, trainer_tp=4 if key.startswith("trainer") else tp)
+    assert err.value.key == key

@@ -2,6 +2,7 @@
 spec files are private and per restart, failures and an ended coordinator are reported, not waited out."""
 
 import dataclasses
+import os
 import signal
 import stat
 import threading
@@ -84,6 +85,26 @@ def test_a_follower_rank_that_fails_is_the_cells_failure(tmp_path):
     assert not failed_path(tmp_path, 1, 0).exists() and "rank 1" in failed_path(tmp_path, 1, 0, rank=1).read_text()
     with pytest.raises(CellError, match="rank1.failed"):
         SlurmCell(_spec(1), make_cells(2, 1)[1], tmp_path, restart=0).check_alive()
+
+
+def test_a_rank_exports_its_planned_local_rank_and_is_refused_where_srun_placed_it_elsewhere(tmp_path, monkeypatch):
+    """Rank 1 of a cell of 2 nodes x 2 ranks is task 1 of node 0 (block placement): LOCAL_RANK=1 is its
+    CUDA device; srun's cyclic distribution would make it task 0 of node 1, which is refused."""
+    from gyre.cells import slurm
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    spec = dataclasses.replace(_spec(1), ranks=4, nodes=2)
+    slurm._export_rank_place(spec, dataclasses.replace(_placement(2, rank=1, tasks=4), local_id=1))
+    assert os.environ["LOCAL_RANK"] == "1"
+    from gyre.train import model
+
+    monkeypatch.setattr(model.torch.cuda, "device_count", lambda: 2)
+    assert model.local_device(rank=1) == 1  # the trainer's CUDA device is the planned one
+    monkeypatch.setattr(model.torch.cuda, "device_count", lambda: 1)  # a site binding one GPU per task
+    with pytest.raises(model.ParallelError, match="all of the node's GPUs"):
+        model.local_device(rank=1)
+    with pytest.raises(CellError, match="distribution=block"):
+        slurm._export_rank_place(spec, dataclasses.replace(_placement(2, rank=1, tasks=4), local_id=0))
 
 
 def test_a_rank_watches_the_engines_it_started_until_one_exits_or_it_stops():

@@ -75,6 +75,8 @@ def test_bad_values_name_their_key(override, key):
         pytest.param(("trainer.tensor_parallel_size=2",), "trainer.tensor_parallel_size", id="tp-over-one-rank"),
         pytest.param(("cluster.ranks_per_cell=0",), "cluster.ranks_per_cell", id="no-ranks"),
         pytest.param(("cluster.cell_nodes=2",), "cluster.cell_nodes", id="local-nodes-without-their-ranks"),
+        pytest.param(("cluster=slurm", "cluster.ranks_per_node=1"), "cluster.ranks_per_node", id="idle-gpus"),
+        pytest.param(("cluster=slurm", "cluster.ranks_per_node=16"), "cluster.ranks_per_node", id="two-ranks-a-gpu"),
     ],
 )
 def test_cells_of_several_ranks_are_refused_where_they_are_not_built(overrides, key):
@@ -85,8 +87,11 @@ def test_cells_of_several_ranks_are_refused_where_they_are_not_built(overrides, 
     assert validate(compose(*alone)).cluster.ranks_per_cell == 2  # a core training alone is built
     assert validate(compose("cluster.ranks_per_cell=2")).cluster.num_cells >= 2  # and local satellites of 2 ranks
     assert validate(compose("cluster.ranks_per_cell=2", "cluster.cell_nodes=2")).cluster.cell_nodes == 2  # 2 engines
-    slurm = validate(compose("cluster=slurm", "cluster.cell_nodes=2", "cluster.ranks_per_node=2"))
+    slurm = validate(compose("cluster=slurm", "cluster.cell_nodes=2", "cluster.gpus_per_node=2"))
     assert slurm.cluster.ranks_per_cell == 4 and slurm.cluster.num_cells == 4  # and satellites of 4 ranks on Slurm
+    assert validate(compose("cluster=slurm")).cluster.ranks_per_node == 8  # one rank per GPU by default
+    cpu = validate(compose("cluster=slurm", "cluster.gpus_per_node=0", "cluster.ranks_per_node=2"))
+    assert cpu.cluster.ranks_per_cell == 96  # a CPU cluster's ranks per node are the user's choice
 
 
 def test_local_cells_leave_cpu_to_the_processes_outside_them():

@@ -164,6 +164,10 @@ def test_sglang_command_golden():
     ]
     env = make_sglang_env(cfg, {"PATH": "/bin"})
     assert env["MOONCAKE_MASTER"] == "10.0.0.1:50051" and env["PATH"] == "/bin"
+    assert env["MOONCAKE_PROTOCOL"] == "tcp" and env["MOONCAKE_DEVICE"] == ""  # transfer.* defaults
+    site = {"GYRE_TRANSFER_PROTOCOL": "rdma", "GYRE_TRANSFER_DEVICE": "mlx5_0,mlx5_1"}  # the run's transfer.*
+    env = make_sglang_env(cfg, site)
+    assert env["MOONCAKE_PROTOCOL"] == "rdma" and env["MOONCAKE_DEVICE"] == "mlx5_0,mlx5_1"
     plain = EngineConfig(
         backend="sglang", model_path="/m", enable_hicache=False, weight_sync="disk", extra_args=["--disable-cuda-graph"]
     )

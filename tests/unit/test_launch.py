@@ -44,8 +44,9 @@ HET_STEP = {
                 "SLURM_NTASKS": "2",
                 "SLURM_JOB_NODELIST": "n[4-5]",
                 "SLURMD_NODENAME": "n5",
+                "SLURM_LOCALID": "0",
             },
-            dict(het_group=0, het_size=1, group_rank=1, group_nodes="n[4-5]", node="n5", group_tasks=2),
+            dict(het_group=0, het_size=1, group_rank=1, group_nodes="n[4-5]", node="n5", group_tasks=2, local_id=0),
             id="plain-job",
         ),
         pytest.param(
@@ -54,8 +55,8 @@ HET_STEP = {
             id="het-first",
         ),
         pytest.param(
-            {**HET_STEP, "SLURM_PROCID": "1", "SLURMD_NODENAME": "n2"},
-            dict(het_group=0, het_size=2, group_rank=1, group_nodes="n[1-2]", node="n2", group_tasks=2),
+            {**HET_STEP, "SLURM_PROCID": "1", "SLURMD_NODENAME": "n2", "SLURM_LOCALID": "3"},
+            dict(het_group=0, het_size=2, group_rank=1, group_nodes="n[1-2]", node="n2", group_tasks=2, local_id=3),
             id="het-first-rank1",
         ),
         pytest.param(
