@@ -1,25 +1,47 @@
-"""The SGLang contract fake: SGLang 0.5.x's HTTP server as Gyre calls it, on CPU, for tests where
-SGLang cannot run (no GPU). It computes with the builtin engine's model code (EngineCore) and answers
-every route Gyre calls with SGLang's field names, status codes and error shapes, as
-`python/sglang/srt/entrypoints/http_server.py` (sgl-project/sglang) serves them:
+"""The SGLang contract fake: SGLang 0.5.21's HTTP server as Gyre calls it, on CPU, for tests where
+SGLang cannot run (no GPU). It computes with the builtin engine's model code (EngineCore) and
+behaves as SGLang does where Gyre depends on it, each behaviour read from the sglang 0.5.21 wheel
+(sgl-project/sglang, `python/sglang/srt/...`; paths below are under `srt/`):
 
-    /generate                         meta_info without Gyre's weight_version_spans; weight_version a
-                                      string; a bad body -> 400 {"error": {"message"}}
-    /abort_request                    200, empty body
-    /pause_generation, /continue_generation   {"message": ..., "status": "ok"}
-    /init_weights_update_group        {"success", "message"}, 400 when it fails
-    /update_weights_from_distributed  receives one broadcast per announced tensor from rank 0 of the
-                                      weight group (`model_runner.update_weights_from_distributed`)
-    /update_weights_from_disk         {"success", "message", "num_paused_requests"}
-    /update_weights_from_tensor       SGLang's pickled tensors only: `load_format=gyre_transfer` and
-                                      bodies without serialized_named_tensors are refused as SGLang does
-    /flush_cache                      text, 200 or 400 while requests run
-    /release_memory_occupation, /resume_memory_occupation   200 null; 400 {"error": {"message"}}
-    /health, /health_generate         200 / 503, empty bodies
-    /get_model_info                   {model_path, tokenizer_path, is_generation,
-                                      preferred_sampling_params, weight_version}
-    /v1/loads                         {loads: [{dp_rank, num_running_reqs, num_waiting_reqs, ...}]}
-                                      (`python/sglang/srt/entrypoints/v1_loads.py`'s fields Gyre reads)
+    /generate              holds the model-update read lock for its lifetime, after waiting while
+                           generation is paused (managers/tokenizer_manager.py `generate_request`);
+                           meta_info has `weight_version` (the server's, a string) and, on the final
+                           answer, `weight_versions` [{version, start, end}] (utils/weight_versions.py
+                           `add_weight_versions_to_meta_info`); no Gyre `weight_version_spans`. A
+                           refused call: 400 {"error": {"message"}}, or, streamed, HTTP 200 with
+                           `data: {"error": {message, type, code, retryable}}` then `data: [DONE]`
+                           (entrypoints/http_server.py `generate_request`)
+    /abort_request         200, empty body; a rid that is no live request is dropped, a live one aborts
+                           every request whose rid starts with it (tokenizer_manager.py
+                           `abort_request`, managers/scheduler.py `abort_request`)
+    /pause_generation      {mode: abort | retract | in_place}: new calls wait; abort aborts every call
+                           and returns once none holds the read lock; retract puts running calls back
+                           in the queue without their KV (recomputed on continue, under the weights
+                           then served); in_place keeps them and their KV (scheduler.py
+                           `pause_generation`); /continue_generation {torch_empty_cache} resumes
+    /begin_weight_update, /end_weight_update   the session that /update_weights_from_distributed and
+                           /update_weights_from_tensor must run in, else 400 (scheduler_components/
+                           weight_updater.py)
+    /update_weights_from_distributed | _from_tensor | _from_disk, begin/end   take the write lock
+                           unless paused (managers/tokenizer_control_mixin.py, tokenizer_manager.py
+                           `update_weights_from_disk`): not paused, an update waits for every call in
+                           flight and every new call waits for it; `flush_cache` (default true) with
+                           calls still running (an in_place pause) fails SGLang's assertion and the
+                           server dies (weight_updater.py `flush_cache_after_weight_update`)
+    /release_memory_occupation   asserts the server is idle (running calls, or queued ones unless
+                           paused by retract or in_place): otherwise the scheduler's AssertionError
+                           kills the server (weight_updater.py, scheduler.py `run_scheduler_process`)
+    /health, /health_generate   a one-token generation through the same gate and lock; 200 once the
+                           engine produced anything (checked each second), 503 after
+                           SGLANG_HEALTH_CHECK_TIMEOUT (20 s): slow during a load, failing while
+                           paused or released. `/health` answers 200 at once with
+                           SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (environ.py, http_server.py)
+    /ready                 200 unless paused (tokenizer_manager.py `is_ready`)
+    /get_model_info, /model_info   http_server.py `model_info`'s fields: no page size, no capacity
+    /init_weights_update_group   {"success", "message"}, 400 when it fails
+    /flush_cache           text, 200 or 400 while requests run
+    /v1/loads              {loads: [{dp_rank, num_running_reqs, num_waiting_reqs, ...}]}
+                           (`python/sglang/srt/entrypoints/v1_loads.py`'s fields Gyre reads)
     anything else (Gyre's /gyre/* KV routes among them)   404 {"detail": "Not Found"} (FastAPI's)
 
 It takes `sglang.launch_server`'s command line (gyre.engines.launch.make_sglang_command), so a run
@@ -34,21 +56,33 @@ import argparse
 import asyncio
 import json
 import os
+import sys
+import uuid
 
+import orjson
 import torch
 from aiohttp import web
 
 from gyre.common.serve import serve_app
 from gyre.common.weight_group import join_weight_group
 from gyre.engines.config import EngineConfig
-from gyre.engines.core import EngineRequestError
-from gyre.engines.protocol import BadRequest
+from gyre.engines.core import PAUSE_MODES, EngineRequestError, Request
+from gyre.engines.protocol import BadRequest, parse_generate
 from gyre.engines.server import BuiltinEngineServer, _json
+from gyre.engines.sglang_fake_parts import PauseGate, RWLock, env_bool, label_spans
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.hf import engine_name, read_hf_config
 
-_SUCCESS_SHAPED = ("/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed")
+_SUCCESS_SHAPED = (
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/update_weights_from_distributed",
+    "/begin_weight_update",
+    "/end_weight_update",
+)
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+"""srt/constants.py: the rid prefix of /health's one-token generation."""
 
 
 @web.middleware
@@ -64,53 +98,184 @@ async def _sglang_errors(request: web.Request, handler):
         return web.json_response({"error": {"message": str(e)}}, status=400)
 
 
-class SGLangFakeServer(BuiltinEngineServer):
-    """The builtin engine's core behind SGLang's routes and answers (see the module docstring)."""
+def _reply(success: bool, message: str, **extra) -> web.Response:
+    """A weight route's answer: 200 or 400 with {"success", "message"} (http_server.py)."""
+    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
 
-    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, model_path: str, weight_version: str):
+
+def _scheduler_crash(message: str) -> None:
+    """An assertion in SGLang's scheduler process: it logs, SIGQUITs the server, and every process
+    of the server exits (scheduler.py `run_scheduler_process`); the request gets no answer."""
+    print(f"Scheduler hit an exception: AssertionError: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+async def _stream_error(request: web.Request, message: str) -> web.StreamResponse:
+    """A streamed call's error as SGLang sends it: HTTP 200, one error chunk, then [DONE]."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
+    await response.write(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+class SGLangFakeServer(BuiltinEngineServer):
+    """The builtin engine's core behind SGLang's routes, answers and waits (see the module docstring)."""
+
+    def __init__(self, engine_cfg: EngineConfig, model_cfg: ModelConfig, model_path: str, args: argparse.Namespace):
         super().__init__(engine_cfg, model_cfg)
-        self.served_path, self.version_label = model_path, weight_version
+        self.served_path, self.version_label, self.load_format = model_path, args.weight_version, args.load_format
+        self.labels = {self.core.weight_version: self.version_label}
+        """The core's integer version -> the label the update carried (SGLang versions are strings)."""
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self.audit = os.environ.get("GYRE_SGLANG_FAKE_AUDIT")
+        self.lock, self.gate = RWLock(), PauseGate()
+        self.scheduler_paused = False
+        """The scheduler's `_engine_paused`: set by retract and in_place pauses, not by abort."""
+        self.session_open = False
+        self.live_rids: set[str] = set()
+        self.health_generates = env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True)
+        self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
 
     def app(self) -> web.Application:
         return self.make_app([_sglang_errors], self.routes())  # SGLang's routes only: no gyre_routes
 
+    def routes(self) -> list[web.RouteDef]:
+        post, get = web.post, web.get
+        return super().routes() + [
+            post("/begin_weight_update", self.begin_weight_update),
+            post("/end_weight_update", self.end_weight_update),
+            get("/ready", self.ready),
+            get("/model_info", self.model_info),
+        ]
+
     def answer(self, snap: dict) -> dict:
         meta = {k: v for k, v in snap["meta_info"].items() if k != "weight_version_spans"}
-        return {**snap, "meta_info": {**meta, "weight_version": self.version_label}}
+        meta["weight_version"] = self.version_label
+        if meta.get("finish_reason"):
+            spans = label_spans(snap["meta_info"]["weight_version_spans"], self.labels, self.version_label)
+            meta |= {"weight_versions": spans, "weight_version": spans[-1]["version"]}
+        return {**snap, "meta_info": meta}
 
+    def _idle(self) -> bool:
+        """The scheduler's `is_fully_idle(ignore_waiting=_engine_paused)` (engine thread)."""
+        loads = self.core.loads()
+        return loads["num_running_reqs"] == 0 and (self.scheduler_paused or loads["num_waiting_reqs"] == 0)
+
+    # --- generation ---------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
         if self.audit:
             line = {"rid": body.get("rid"), "extra_key": body.get("extra_key"), "weight_version": self.version_label}
             with open(self.audit, "a") as f:
                 f.write(json.dumps(line) + "\n")
-        return await self.serve_generate(request, body)
+        rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+        if rid:
+            self.live_rids.add(rid)
+        try:
+            await self.gate.wait_unpaused()
+            async with self.lock.reader():
+                try:
+                    return await self.serve_generate(request, body)
+                except BadRequest as e:
+                    if not body.get("stream"):
+                        raise
+                    return await _stream_error(request, str(e))
+        finally:
+            self.live_rids.discard(rid)
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _json(request)
-        await self._call(lambda: self.core.abort(body.get("rid"), bool(body.get("abort_all", False))))
+        rid, abort_all = str(body.get("rid") or ""), bool(body.get("abort_all", False))
+        if abort_all or rid in self.live_rids:  # the tokenizer manager drops a rid it does not know
+            await self._call(lambda: self.core.abort(rid, abort_all, prefix=True))
         return web.Response(status=200)
 
     async def pause(self, request: web.Request) -> web.Response:
         mode = (await _json(request)).get("mode", "abort")
-        await self._call(lambda: self.core.pause(mode))
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"mode {mode!r} is not one of {list(PAUSE_MODES)}")
+        async with self.gate.cond:
+            self.gate.is_pause = True
+            if mode != "abort":
+                await self._call(lambda: self.core.pause(mode))
+                self.scheduler_paused = True
+            else:  # abort until no call holds the read lock (upstream re-checks each second)
+                while True:
+                    await self._call(lambda: self.core.abort(abort_all=True))
+                    if not self.lock.locked:
+                        break
+                    await self.lock.wait_unlocked(1.0)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await self._call(self.core.resume)
+        await _json(request)  # {torch_empty_cache}: nothing to empty on CPU
+        async with self.gate.cond:
+            self.gate.is_pause = False
+            await self._call(self.core.resume)
+            self.scheduler_paused = False
+            self.gate.cond.notify_all()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     # --- weights ------------------------------------------------------------------------------
-    async def _load(self, body: dict, weights: dict[str, torch.Tensor], message: str) -> web.Response:
-        version = body.get("weight_version")
-        flush = bool(body.get("flush_cache", True))
-        await self._call(lambda: self.core.update_weights(weights, self.core.weight_version + 1, flush))
+    async def _exclusive(self, fn, hold_pause: bool = True) -> web.Response:
+        """Run `fn` as SGLang runs an update: at once when paused (holding the pause condition, so
+        nobody continues meanwhile, except from disk), else under the write lock."""
+        async with self.gate.cond:
+            paused = self.gate.is_pause
+            if paused and hold_pause:
+                return await fn()
+        if paused:
+            return await fn()
+        async with self.lock.writer():
+            return await fn()
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await _json(request)
+
+        async def begin() -> web.Response:
+            if self.session_open:
+                return _reply(False, "a weight-update session is already open; call end_weight_update() first")
+            self.session_open = True
+            return _reply(True, "Success")
+
+        return await self._exclusive(begin)
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await _json(request)
+
+        async def end() -> web.Response:
+            if not self.session_open:
+                return _reply(False, "no weight-update session is open; call begin_weight_update() first")
+            self.session_open = False
+            return _reply(True, "Success")
+
+        return await self._exclusive(end)
+
+    def _no_session(self, route: str) -> web.Response | None:
+        if self.session_open:
+            return None
+        return _reply(False, f"{route} must run between begin_weight_update() and end_weight_update()")
+
+    async def _load(self, body: dict, weights: dict[str, torch.Tensor], message: str, **extra) -> web.Response:
+        version, flush = body.get("weight_version"), bool(body.get("flush_cache", True))
+        label = self.version_label if version is None else str(version)
+        new = self.core.weight_version + 1
+        self.labels[new] = label
+
+        def update() -> bool:
+            idle = self._idle()
+            self.core.update_weights(weights, new, flush and idle)
+            return idle or not flush
+
+        if not await self._call(update):
+            _scheduler_crash("Cache flush failed after updating weights")
+        self.version_label = label
         if version is not None:
-            self.version_label = str(version)
             message += f" Weight version updated to {version}."
-        return web.json_response({"success": True, "message": message})
+        return _reply(True, message, **extra)
 
     async def init_group(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -119,23 +284,31 @@ class SGLangFakeServer(BuiltinEngineServer):
         try:
             self.groups[name] = await asyncio.to_thread(join_weight_group, *args, name, body.get("backend", "nccl"))
         except (RuntimeError, ValueError) as e:
-            msg = f"Failed to initialize custom process group: {e}."
-            return web.json_response({"success": False, "message": msg}, status=400)
-        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+            return _reply(False, f"Failed to initialize custom process group: {e}.")
+        return _reply(True, "Succeeded to initialize custom process group.")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         body = await _json(request)
+        if body.get("abort_all_requests"):
+            await self._call(lambda: self.core.abort(abort_all=True))
+        return await self._exclusive(lambda: self._receive(body))
+
+    async def _receive(self, body: dict) -> web.Response:
+        """One broadcast per announced tensor from rank 0 of the weight group, then the load."""
+        refused = self._no_session("update_weights_from_distributed")
+        if refused is not None:
+            return refused
         name = body.get("group_name", "weight_update_group")
         if name not in self.groups:
-            msg = f"Group {name} not in {list(self.groups)}. Please call `init_weights_update_group` first."
-            return web.json_response({"success": False, "message": msg}, status=400)
+            return _reply(
+                False, f"Group {name} not in {list(self.groups)}. Please call `init_weights_update_group` first."
+            )
         shapes = zip(body["names"], body["dtypes"], body["shapes"], strict=True)
         received = {n: torch.empty(s, dtype=getattr(torch, d)) for n, d, s in shapes}
 
         def receive() -> None:
-            for work in [
-                torch.distributed.broadcast(t, src=0, group=self.groups[name], async_op=True) for t in received.values()
-            ]:
+            group = self.groups[name]
+            for work in [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for t in received.values()]:
                 work.wait()
 
         await asyncio.to_thread(receive)
@@ -144,13 +317,19 @@ class SGLangFakeServer(BuiltinEngineServer):
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body = await _json(request)
-        path = body["model_path"]
-        cfg, weights = await asyncio.to_thread(load_checkpoint, path)
-        if not cfg.same_architecture(self.model_cfg):
-            raise ValueError(f"{path}/config.json describes a different architecture than the served model")
-        response = await self._load(body, weights, "Succeeded to update model weights.")
-        self._source = path
-        return response
+        if body.get("abort_all_requests"):
+            await self._call(lambda: self.core.abort(abort_all=True))
+
+        async def load() -> web.Response:
+            path = body["model_path"]
+            cfg, weights = await asyncio.to_thread(load_checkpoint, path)
+            if not cfg.same_architecture(self.model_cfg):
+                raise ValueError(f"{path}/config.json describes a different architecture than the served model")
+            response = await self._load(body, weights, "Succeeded to update model weights.", num_paused_requests=0)
+            self._source = path
+            return response
+
+        return await self._exclusive(load, hold_pause=False)
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -159,11 +338,18 @@ class SGLangFakeServer(BuiltinEngineServer):
             return web.json_response(
                 {"object": "error", "message": msg, "type": "Bad Request", "param": None, "code": 400}, status=400
             )
-        fmt = body.get("load_format")
-        if fmt not in (None, "direct", "flattened_bucket"):
-            return web.json_response({"success": False, "message": f"Unknown load_format={fmt}"}, status=400)
-        msg = "sglang_fake: SGLang's pickled (MultiprocessingSerializer) tensors cannot be read here"
-        return web.json_response({"success": False, "message": msg}, status=400)
+        if body.get("abort_all_requests"):
+            await self._call(lambda: self.core.abort(abort_all=True))
+
+        async def load() -> web.Response:
+            refused = self._no_session("update_weights_from_tensor")
+            fmt = body.get("load_format")
+            if refused is None and fmt not in (None, "direct", "flattened_bucket"):
+                refused = _reply(False, f"Unknown load_format={fmt}")
+            msg = "sglang_fake: SGLang's pickled (MultiprocessingSerializer) tensors cannot be read here"
+            return refused or _reply(False, msg)
+
+        return await self._exclusive(load)
 
     # --- memory, cache, status ----------------------------------------------------------------
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -178,6 +364,8 @@ class SGLangFakeServer(BuiltinEngineServer):
         return web.Response(text=text)
 
     async def release_memory(self, request: web.Request) -> web.Response:
+        if not await self._call(self._idle):
+            _scheduler_crash("release_memory_occupation should be called only when server is idle.")
         await super().release_memory(request)
         return web.json_response(None)
 
@@ -186,20 +374,60 @@ class SGLangFakeServer(BuiltinEngineServer):
         return web.json_response(None)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.core.alive else 503)
+        if request.path == "/health" and not self.health_generates:
+            return web.Response(status=200)
+        loop = asyncio.get_running_loop()
+        steps, deadline = self.core.num_steps, loop.time() + self.health_timeout_s
+        probe = asyncio.create_task(self._health_probe())
+        try:
+            while loop.time() < deadline:
+                await asyncio.sleep(1.0)  # http_server.py `health_generate` looks once a second
+                if self.core.num_steps > steps:  # anything the engine produced since (busy or the probe)
+                    return web.Response(status=200)
+            return web.Response(status=503)
+        finally:
+            probe.cancel()
 
-    async def health_generate(self, request: web.Request) -> web.Response:
-        response = await super().health_generate(request)
-        return web.Response(status=response.status)
+    health_generate = health
+
+    async def _health_probe(self) -> None:
+        """The one-token generation of /health, through the pause gate and the read lock."""
+        await self.gate.wait_unpaused()
+        async with self.lock.reader():
+            loop, done = asyncio.get_running_loop(), asyncio.Event()
+            rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
+            params = parse_generate({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}, 1, 2).params
+            self.core.submit(Request(rid, [0], params, lambda _r, final: final and loop.call_soon_threadsafe(done.set)))
+            try:
+                await done.wait()
+            except asyncio.CancelledError:
+                self.core.call(lambda: self.core.abort(rid))
+                raise
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.gate.is_pause else 200)
 
     async def model_info(self, request: web.Request) -> web.Response:
+        hf = {}
+        if os.path.exists(os.path.join(self.served_path, "config.json")):
+            with open(os.path.join(self.served_path, "config.json")) as f:
+                hf = json.load(f)
         return web.json_response(
             {
                 "model_path": self.served_path,
+                "served_model_name": self.served_path,
                 "tokenizer_path": self.served_path,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.version_label,
+                "load_format": self.load_format,
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": hf.get("model_type"),
+                "architectures": hf.get("architectures"),
             }
         )
 
@@ -237,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         model_cfg = ModelConfig(name=os.path.basename(a.model_path), **read_hf_config(a.model_path))
     else:
         model_cfg = ModelConfig(path=a.model_path)
-    server = SGLangFakeServer(cfg, model_cfg, a.model_path, a.weight_version)
+    server = SGLangFakeServer(cfg, model_cfg, a.model_path, a)
     serve_app(server.app(), a.host, a.port, "sglang-fake")
 
 
