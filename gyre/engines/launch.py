@@ -72,8 +72,16 @@ def make_sglang_command(
 
 
 def make_sglang_env(cfg: EngineConfig, base: dict[str, str]) -> dict[str, str]:
-    """Environment for the SGLang child: the shared Mooncake store that HiCache uses as L3."""
-    env = dict(base)
+    """Environment for the SGLang child: `/health` without a generation, and the shared Mooncake
+    store that HiCache uses as L3.
+
+    SGLang 0.5.21's `/health` runs a one-token generation unless
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (`srt/entrypoints/http_server.py`): it waits while
+    generation is paused and behind a weight load, and fails while memory is released, so the
+    proxy's probes would mark an engine dead in every switch. (`/ready` answers 503 while paused:
+    a readiness route, not the liveness the probes ask.) `/health_generate` still generates.
+    """
+    env = dict(base) | {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
     if cfg.enable_hicache and cfg.hicache_storage_backend == "mooncake":
         env |= {
             "MOONCAKE_MASTER": cfg.mooncake_master,

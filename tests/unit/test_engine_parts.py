@@ -164,6 +164,7 @@ def test_sglang_command_golden():
     ]
     env = make_sglang_env(cfg, {"PATH": "/bin"})
     assert env["MOONCAKE_MASTER"] == "10.0.0.1:50051" and env["PATH"] == "/bin"
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"  # the proxy's probes never generate
     plain = EngineConfig(
         backend="sglang", model_path="/m", enable_hicache=False, weight_sync="disk", extra_args=["--disable-cuda-graph"]
     )
