@@ -63,7 +63,7 @@ import orjson
 import torch
 from aiohttp import web
 
-from gyre.common.serve import serve_app
+from gyre.common.serve import exit_at_once, serve_app
 from gyre.common.weight_group import join_weight_group
 from gyre.engines.config import EngineConfig
 from gyre.engines.core import PAUSE_MODES, EngineRequestError, Request
@@ -106,8 +106,8 @@ def _reply(success: bool, message: str, **extra) -> web.Response:
 def _scheduler_crash(message: str) -> None:
     """An assertion in SGLang's scheduler process: it logs, SIGQUITs the server, and every process
     of the server exits (scheduler.py `run_scheduler_process`); the request gets no answer."""
-    print(f"Scheduler hit an exception: AssertionError: {message}", file=sys.stderr, flush=True)
-    os._exit(1)
+    print(f"Scheduler hit an exception: AssertionError: {message}", file=sys.stderr)
+    exit_at_once(1)
 
 
 async def _stream_error(request: web.Request, message: str) -> web.StreamResponse:
