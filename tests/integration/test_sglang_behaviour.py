@@ -7,8 +7,10 @@ The fake runs with SGLANG_HEALTH_CHECK_TIMEOUT=2 (SGLang's default is 20 s), lau
 launches SGLang (gyre.engines.launch: `/health` without a generation)."""
 
 import asyncio
+import json
 
 import aiohttp
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +23,10 @@ from gyre.models.checkpoint import save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.hf import hf_name
 from gyre.models.transformer import init_weights
+from gyre.proxy.config import ProxyConfig
+from gyre.proxy.generation import Generation
+from gyre.proxy.pool import EnginePool
+from gyre.records.record import CallRecord
 
 MODEL = ModelConfig(
     num_layers=2,
@@ -327,3 +333,54 @@ def test_sglangs_scheduler_assertions_kill_a_server_with_calls_running(dirs, wha
         assert want in proc.log_tail()
     finally:
         proc.stop()
+
+
+async def _decoding(c: EngineClient) -> None:
+    """Return once the engine's one call has decoded output tokens (its KV outgrew the prompt)."""
+    while (await c.loads())["loads"][0]["num_used_tokens"] <= len(PROMPT):
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("incremental", [True, False], ids=["streamed", "whole"])
+def test_a_proxied_call_spanning_an_update_is_recorded_with_both_versions(fake, dirs, tmp_path, incremental):
+    """The proxy's generation reads SGLang's final `weight_versions` into the call's versions: a
+    call held by an in_place pause across an update is recorded with a span of each version,
+    streamed or answered whole (whose `weight_version` names only the last)."""
+
+    async def go():
+        pool = EnginePool(ProxyConfig(records_dir=str(tmp_path)))
+        await pool.register("e0", fake.url)
+        prompt = np.asarray(PROMPT, np.int32)
+        gen = Generation(pool, "s", "span-1", prompt, (json.dumps(PROMPT).encode(),), LONG, incremental=incremental)
+
+        async def call() -> None:
+            async for _ in gen.stream():
+                pass
+
+        task = asyncio.create_task(call())
+        async with EngineClient(fake.url, timeout_s=120) as c:
+            await _decoding(c)
+            v = await _next_version(c)
+            await c.pause("in_place")
+            await c.update_weights_from_disk(str(dirs[1]), weight_version=v, flush_cache=False)
+            await c.resume()
+        await task
+        await pool.close()
+        return v, gen
+
+    v, gen = asyncio.run(go())
+    record = CallRecord.build(
+        input_ids=PROMPT,
+        output_ids=gen.output_ids,
+        logprobs=gen.logprobs,
+        versions=gen.versions,
+        execution_id="x",
+        call_id="c0",
+        seq=0,
+        agent_id="main",
+        parent_agent_id=None,
+        kind_hint="main",
+        finish_reason=gen.finish,
+    )
+    (old, new) = record.version_spans
+    assert (old.version, new.version) == (v - 1, v) and 0 < old.end == new.start < new.end == NUM_LONG
