@@ -40,6 +40,11 @@ behaves as SGLang does where Gyre depends on it, each behaviour read from the sg
     /get_model_info, /model_info   http_server.py `model_info`'s fields: no page size, no capacity
     /init_weights_update_group   {"success", "message"}, 400 when it fails
     /flush_cache           text, 200 or 400 while requests run
+    HiCache's L3 store     with --enable-hierarchical-cache --hicache-storage-backend mooncake and
+                           GYRE_SGLANG_FAKE_L3_DIR (the fake's stand-in for the Mooncake store its
+                           servers share): a call's pages are written through when it ends, and a
+                           call's prompt pages found there count in its `cached_tokens`
+                           (mem_cache/hicache_storage.py, mem_cache/utils.py; keys seeded by `extra_key`)
     /v1/loads              {loads: [{dp_rank, num_running_reqs, num_waiting_reqs, ...}]}
                            (`python/sglang/srt/entrypoints/v1_loads.py`'s fields Gyre reads)
     anything else (Gyre's /gyre/* KV routes among them)   404 {"detail": "Not Found"} (FastAPI's)
@@ -56,20 +61,28 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import uuid
 
-import orjson
 import torch
 from aiohttp import web
 
-from gyre.common.serve import exit_at_once, serve_app
+from gyre.common.serve import serve_app
 from gyre.common.weight_group import join_weight_group
 from gyre.engines.config import EngineConfig
 from gyre.engines.core import PAUSE_MODES, EngineRequestError, Request
 from gyre.engines.protocol import BadRequest, parse_generate
 from gyre.engines.server import BuiltinEngineServer, _json
-from gyre.engines.sglang_fake_parts import PauseGate, RWLock, env_bool, label_spans
+from gyre.engines.sglang_fake_parts import (
+    HEALTH_CHECK_RID_PREFIX,
+    L3Store,
+    PauseGate,
+    RWLock,
+    env_bool,
+    label_spans,
+    reply,
+    scheduler_crash,
+    stream_error,
+)
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.hf import engine_name, read_hf_config
@@ -81,8 +94,6 @@ _SUCCESS_SHAPED = (
     "/begin_weight_update",
     "/end_weight_update",
 )
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
-"""srt/constants.py: the rid prefix of /health's one-token generation."""
 
 
 @web.middleware
@@ -96,29 +107,6 @@ async def _sglang_errors(request: web.Request, handler):
         if request.path in _SUCCESS_SHAPED:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         return web.json_response({"error": {"message": str(e)}}, status=400)
-
-
-def _reply(success: bool, message: str, **extra) -> web.Response:
-    """A weight route's answer: 200 or 400 with {"success", "message"} (http_server.py)."""
-    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
-
-
-def _scheduler_crash(message: str) -> None:
-    """An assertion in SGLang's scheduler process: it logs, SIGQUITs the server, and every process
-    of the server exits (scheduler.py `run_scheduler_process`); the request gets no answer."""
-    print(f"Scheduler hit an exception: AssertionError: {message}", file=sys.stderr)
-    exit_at_once(1)
-
-
-async def _stream_error(request: web.Request, message: str) -> web.StreamResponse:
-    """A streamed call's error as SGLang sends it: HTTP 200, one error chunk, then [DONE]."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
-    await response.write(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
 
 
 class SGLangFakeServer(BuiltinEngineServer):
@@ -138,6 +126,11 @@ class SGLangFakeServer(BuiltinEngineServer):
         self.live_rids: set[str] = set()
         self.health_generates = env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True)
         self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+        l3_dir = os.environ.get("GYRE_SGLANG_FAKE_L3_DIR")
+        hicache = args.enable_hierarchical_cache and args.hicache_storage_backend == "mooncake"
+        self.l3 = L3Store(l3_dir, engine_cfg.page_size) if hicache and l3_dir else None
+        self.l3_calls: dict[str, tuple[list[int], str | None]] = {}
+        """rid -> (input_ids, extra_key) of the calls whose pages are written through when they end."""
 
     def app(self) -> web.Application:
         return self.make_app([_sglang_errors], self.routes())  # SGLang's routes only: no gyre_routes
@@ -157,7 +150,34 @@ class SGLangFakeServer(BuiltinEngineServer):
         if meta.get("finish_reason"):
             spans = label_spans(snap["meta_info"]["weight_version_spans"], self.labels, self.version_label)
             meta |= {"weight_versions": spans, "weight_version": spans[-1]["version"]}
+            self._write_through(meta["id"], snap["output_ids"])
         return {**snap, "meta_info": meta}
+
+    def _write_through(self, rid: str, output_ids: list[int]) -> None:
+        """A call ended (engine thread; its KV is in the prefix cache now): its pages go to L3
+        (`--hicache-write-policy write_through`), for any server of the store to read."""
+        ids, extra_key = self.l3_calls.pop(rid, (None, None))
+        if ids is not None:
+            tokens = ids + output_ids
+            n, pages, _ = self.core.export_kv(tokens, extra_key)
+            if n:
+                self.l3.save(tokens[:n], torch.cat(pages, dim=2), extra_key)
+
+    def _prefetch(self, body: dict) -> None:
+        """Before a call runs: the pages of its prompt that L3 holds beyond the local cache come into
+        it, so they count in its `cached_tokens` as HiCache's storage hits do."""
+        ids, extra_key = body.get("input_ids"), body.get("extra_key")
+        if not isinstance(ids, list) or not ids or not isinstance(body.get("rid"), str):
+            return
+        extra_key = None if extra_key is None else str(extra_key)
+        self.l3_calls[body["rid"]] = (list(ids), extra_key)
+        local = self.core.export_kv(ids[:-1], extra_key)[0]
+        n, kv = self.l3.load(ids[:-1], extra_key)
+        if n > local:
+            try:
+                self.core.import_kv(ids[:n], kv, self.core.weight_version, extra_key)
+            except EngineRequestError:  # no room, or memory released: the call computes them
+                pass
 
     def _idle(self) -> bool:
         """The scheduler's `is_fully_idle(ignore_waiting=_engine_paused)` (engine thread)."""
@@ -177,12 +197,14 @@ class SGLangFakeServer(BuiltinEngineServer):
         try:
             await self.gate.wait_unpaused()
             async with self.lock.reader():
+                if self.l3 is not None:
+                    await asyncio.to_thread(self._prefetch, body)
                 try:
                     return await self.serve_generate(request, body)
                 except BadRequest as e:
                     if not body.get("stream"):
                         raise
-                    return await _stream_error(request, str(e))
+                    return await stream_error(request, str(e))
         finally:
             self.live_rids.discard(rid)
 
@@ -237,9 +259,9 @@ class SGLangFakeServer(BuiltinEngineServer):
 
         async def begin() -> web.Response:
             if self.session_open:
-                return _reply(False, "a weight-update session is already open; call end_weight_update() first")
+                return reply(False, "a weight-update session is already open; call end_weight_update() first")
             self.session_open = True
-            return _reply(True, "Success")
+            return reply(True, "Success")
 
         return await self._exclusive(begin)
 
@@ -248,16 +270,16 @@ class SGLangFakeServer(BuiltinEngineServer):
 
         async def end() -> web.Response:
             if not self.session_open:
-                return _reply(False, "no weight-update session is open; call begin_weight_update() first")
+                return reply(False, "no weight-update session is open; call begin_weight_update() first")
             self.session_open = False
-            return _reply(True, "Success")
+            return reply(True, "Success")
 
         return await self._exclusive(end)
 
     def _no_session(self, route: str) -> web.Response | None:
         if self.session_open:
             return None
-        return _reply(False, f"{route} must run between begin_weight_update() and end_weight_update()")
+        return reply(False, f"{route} must run between begin_weight_update() and end_weight_update()")
 
     async def _load(self, body: dict, weights: dict[str, torch.Tensor], message: str, **extra) -> web.Response:
         version, flush = body.get("weight_version"), bool(body.get("flush_cache", True))
@@ -271,11 +293,11 @@ class SGLangFakeServer(BuiltinEngineServer):
             return idle or not flush
 
         if not await self._call(update):
-            _scheduler_crash("Cache flush failed after updating weights")
+            scheduler_crash("Cache flush failed after updating weights")
         self.version_label = label
         if version is not None:
             message += f" Weight version updated to {version}."
-        return _reply(True, message, **extra)
+        return reply(True, message, **extra)
 
     async def init_group(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -284,8 +306,8 @@ class SGLangFakeServer(BuiltinEngineServer):
         try:
             self.groups[name] = await asyncio.to_thread(join_weight_group, *args, name, body.get("backend", "nccl"))
         except (RuntimeError, ValueError) as e:
-            return _reply(False, f"Failed to initialize custom process group: {e}.")
-        return _reply(True, "Succeeded to initialize custom process group.")
+            return reply(False, f"Failed to initialize custom process group: {e}.")
+        return reply(True, "Succeeded to initialize custom process group.")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -300,7 +322,7 @@ class SGLangFakeServer(BuiltinEngineServer):
             return refused
         name = body.get("group_name", "weight_update_group")
         if name not in self.groups:
-            return _reply(
+            return reply(
                 False, f"Group {name} not in {list(self.groups)}. Please call `init_weights_update_group` first."
             )
         shapes = zip(body["names"], body["dtypes"], body["shapes"], strict=True)
@@ -345,9 +367,9 @@ class SGLangFakeServer(BuiltinEngineServer):
             refused = self._no_session("update_weights_from_tensor")
             fmt = body.get("load_format")
             if refused is None and fmt not in (None, "direct", "flattened_bucket"):
-                refused = _reply(False, f"Unknown load_format={fmt}")
+                refused = reply(False, f"Unknown load_format={fmt}")
             msg = "sglang_fake: SGLang's pickled (MultiprocessingSerializer) tensors cannot be read here"
-            return refused or _reply(False, msg)
+            return refused or reply(False, msg)
 
         return await self._exclusive(load)
 
@@ -365,7 +387,7 @@ class SGLangFakeServer(BuiltinEngineServer):
 
     async def release_memory(self, request: web.Request) -> web.Response:
         if not await self._call(self._idle):
-            _scheduler_crash("release_memory_occupation should be called only when server is idle.")
+            scheduler_crash("release_memory_occupation should be called only when server is idle.")
         await super().release_memory(request)
         return web.json_response(None)
 

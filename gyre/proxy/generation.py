@@ -122,6 +122,7 @@ class Generation:
                 seen += len(new)
                 self.pool.count_output(eid, len(new))
                 self.cached_tokens = max(self.cached_tokens, int(meta.get("cached_tokens", 0)))
+                self.pool.count_cached(self.session, int(meta.get("cached_tokens", 0)))
                 if new:
                     yield new
                 if meta.get("finish_reason"):
