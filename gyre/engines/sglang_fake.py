@@ -207,6 +207,7 @@ class SGLangFakeServer(BuiltinEngineServer):
                     return await stream_error(request, str(e))
         finally:
             self.live_rids.discard(rid)
+            self.l3_calls.pop(rid, None)  # written through at its end, or refused
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -369,7 +370,7 @@ class SGLangFakeServer(BuiltinEngineServer):
             if refused is None and fmt not in (None, "direct", "flattened_bucket"):
                 refused = reply(False, f"Unknown load_format={fmt}")
             msg = "sglang_fake: SGLang's pickled (MultiprocessingSerializer) tensors cannot be read here"
-            return refused or reply(False, msg)
+            return refused if refused is not None else reply(False, msg)
 
         return await self._exclusive(load)
 
