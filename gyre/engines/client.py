@@ -272,8 +272,13 @@ class EngineClient:
         shapes: list[list[int]],
         weight_version: int | None = None,
         group_name: str = "gyre",
+        flush_cache: bool = True,
     ) -> dict:
-        """SGLang only: receive these tensors by NCCL broadcast from the trainer's rank 0."""
+        """SGLang only: receive these tensors by NCCL broadcast from the trainer's rank 0.
+
+        flush_cache: False while an in_place pause holds calls: SGLang's server dies flushing a
+        cache that running calls use (0.5.21 `weight_updater.py` asserts the flush succeeded).
+        """
         out = await self.post(
             "/update_weights_from_distributed",
             {
@@ -282,7 +287,7 @@ class EngineClient:
                 "shapes": shapes,
                 "group_name": group_name,
                 "weight_version": _wire(weight_version),
-                "flush_cache": True,
+                "flush_cache": flush_cache,
             },
         )
         self.weight_version = self.weight_version if weight_version is None else weight_version
