@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 
 from gyre.errors import GyreError
-from gyre.records.versions import parse_weight_version
+from gyre.records.versions import VersionSpan, parse_weight_version
 
 KEEPALIVE_S = 4.0
 """How long an idle pooled connection is kept: under the 5 s after which uvicorn (SGLang's server)
@@ -32,6 +32,17 @@ class EngineHTTPError(GyreError):
     def __init__(self, status: int, path: str, body: str):
         self.status, self.path, self.body = status, path, body
         super().__init__(f"{path} -> HTTP {status}: {body[:500]}")
+
+
+class EngineStreamError(EngineHTTPError):
+    """An error the engine reported inside a /generate stream it answered with HTTP 200 (SGLang
+    0.5.21, `srt/entrypoints/http_server.py` `generate_request`: `data: {"error": {"message",
+    "code", ...}}` then `data: [DONE]`): the HTTP error it stands for, `status` its `code`."""
+
+    def __init__(self, error: dict):
+        code = error.get("code")
+        status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        super().__init__(status, "/generate", str(error.get("message", error)))
 
 
 class EngineClient:
@@ -154,7 +165,8 @@ class EngineClient:
         extra_key=None,
         input_ids_json: bytes | tuple[bytes, ...] | None = None,
     ) -> AsyncIterator[dict]:
-        """Yield each SSE chunk (cumulative output, SGLang's default) until `data: [DONE]`.
+        """Yield each SSE chunk (cumulative output, SGLang's default) until `data: [DONE]`; an error
+        chunk raises EngineStreamError.
 
         The chunk with a `finish_reason` is the last one (SGLang's and the builtin engine's): the
         rest of the body (`data: [DONE]`) is read before it is yielded, so a caller that stops there
@@ -178,6 +190,8 @@ class EngineClient:
                 if payload == b"[DONE]":
                     return
                 chunk = orjson.loads(payload)
+                if "error" in chunk:
+                    raise EngineStreamError(chunk["error"] if isinstance(chunk["error"], dict) else {})
                 meta = chunk.get("meta_info", {})
                 self._saw(meta)
                 if meta.get("finish_reason"):
@@ -196,10 +210,15 @@ class EngineClient:
         return await self.post("/abort_request", {"rid": rid or "", "abort_all": abort_all})
 
     async def pause(self, mode: str = "abort") -> dict:
+        """/pause_generation {mode} (SGLang 0.5.21 `PauseGenerationReqInput`): abort ends every call
+        (finish abort, partial output); retract and in_place keep them for /continue_generation,
+        retract without their KV (recomputed then), in_place with it (an update must then not flush
+        the cache: SGLang's server dies on it). New calls wait until `resume`."""
         return await self.post("/pause_generation", {"mode": mode})
 
-    async def resume(self) -> dict:
-        return await self.post("/continue_generation", {})
+    async def resume(self, torch_empty_cache: bool = True) -> dict:
+        """/continue_generation {torch_empty_cache} (SGLang 0.5.21 `ContinueGenerationReqInput`)."""
+        return await self.post("/continue_generation", {"torch_empty_cache": torch_empty_cache})
 
     # --- weights, memory, cache ---------------------------------------------------------------
     async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None, **extra) -> dict:
@@ -236,6 +255,16 @@ class EngineClient:
             },
         )
 
+    async def begin_weight_update(self, selector: str = "all") -> dict:
+        """SGLang 0.5.21: open the weight-update session that /update_weights_from_distributed and
+        /update_weights_from_tensor must run in (`BeginWeightUpdateReqInput`); like them it waits
+        for every call in flight unless generation is paused."""
+        return await self.post("/begin_weight_update", {"selector": selector})
+
+    async def end_weight_update(self) -> dict:
+        """SGLang 0.5.21: close the session `begin_weight_update` opened."""
+        return await self.post("/end_weight_update", {})
+
     async def update_weights_from_distributed(
         self,
         names: list[str],
@@ -243,8 +272,13 @@ class EngineClient:
         shapes: list[list[int]],
         weight_version: int | None = None,
         group_name: str = "gyre",
+        flush_cache: bool = True,
     ) -> dict:
-        """SGLang only: receive these tensors by NCCL broadcast from the trainer's rank 0."""
+        """SGLang only: receive these tensors by NCCL broadcast from the trainer's rank 0.
+
+        flush_cache: False while an in_place pause holds calls: SGLang's server dies flushing a
+        cache that running calls use (0.5.21 `weight_updater.py` asserts the flush succeeded).
+        """
         out = await self.post(
             "/update_weights_from_distributed",
             {
@@ -253,7 +287,7 @@ class EngineClient:
                 "shapes": shapes,
                 "group_name": group_name,
                 "weight_version": _wire(weight_version),
-                "flush_cache": True,
+                "flush_cache": flush_cache,
             },
         )
         self.weight_version = self.weight_version if weight_version is None else weight_version
@@ -328,6 +362,27 @@ async def migrate_prefix(
         "recomputed_tokens": len(input_ids) - n,
         "refused": refused,
     }
+
+
+def parse_version_spans(meta: dict) -> list[VersionSpan] | None:
+    """The weight versions over a /generate answer's output tokens, where it says: the builtin
+    engine's `weight_version_spans` ({weight_version, start, end}, every chunk) or SGLang's
+    `weight_versions` ({version, start, end}, the final chunk; SGLang 0.5.21
+    `srt/utils/weight_versions.py`); None where it has neither. SGLang's empty span (a call with no
+    output) is dropped.
+
+    Raises:
+        WeightVersionError, KeyError, TypeError, ValueError: a malformed span.
+    """
+    if meta.get("weight_version_spans"):
+        return [VersionSpan.from_wire(s) for s in meta["weight_version_spans"]]
+    if meta.get("weight_versions"):
+        spans = [
+            VersionSpan(int(s["start"]), int(s["end"]), parse_weight_version(s["version"]))
+            for s in meta["weight_versions"]
+        ]
+        return [s for s in spans if s.end > s.start]
+    return None
 
 
 def _wire(version: int | None) -> str | None:

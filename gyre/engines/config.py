@@ -67,11 +67,12 @@ class EngineConfig:
     """How engines load each published version (gyre.engines.published.WEIGHT_SYNCS): `mooncake`
     (builtin only), `distributed` (SGLang's update_weights_from_distributed: NCCL, gloo on CPU) or
     `disk` (update_weights_from_disk of an HF directory under the run directory's `weights/`)."""
-    pause_mode: str = "in_place"
-    """SGLang: how generation pauses around a weight update (/pause_generation `mode`): `in_place`
-    keeps the calls in flight with their KV, and they go on under the new weights with a version
-    span each, as on the builtin engine; `retract` keeps them but drops their KV (re-prefilled after);
-    `abort` ends them (the harness retries)."""
+    pause_mode: str = "retract"
+    """SGLang: how generation pauses around a weight update (/pause_generation `mode`). `retract`
+    keeps the calls in flight and re-prefills them under the new weights, so they go on across the
+    update with a version span each, as on the builtin engine (whose tokens after an update are the
+    new weights' too); `in_place` keeps their KV (the update then does not flush SGLang's cache:
+    0.5.21 exits flushing a cache that running calls hold); `abort` ends them (the harness retries)."""
     sglang_fake: bool = False
     """Tests on CPU: launch gyre.engines.sglang_fake, the SGLang contract fake, on SGLang's command
     line instead of sglang.launch_server (engine.backend=sglang only)."""

@@ -239,10 +239,18 @@ class EngineCore:
         req.emit(req, True)
 
     # --- commands (run on the engine thread via call()) ----------------------------------------
-    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
-        """Finish matching requests with finish type abort; their partial output is returned."""
+    def abort(self, rid: str | None = None, abort_all: bool = False, prefix: bool = False) -> int:
+        """Finish matching requests with finish type abort; their partial output is returned.
+
+        Args:
+            prefix: match every rid that starts with `rid` (SGLang's scheduler does; the fake uses it).
+        """
         self.waiting += self._take_incoming()
-        victims = [r for r in self.running + self.waiting if abort_all or r.rid == rid]
+        victims = [
+            r
+            for r in self.running + self.waiting
+            if abort_all or r.rid == rid or (prefix and rid and r.rid.startswith(rid))
+        ]
         for r in victims:
             self._finish(r, {"type": "abort", "message": "aborted by request"})
         return len(victims)

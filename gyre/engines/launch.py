@@ -75,8 +75,16 @@ def make_sglang_command(
 
 
 def make_sglang_env(cfg: EngineConfig, base: dict[str, str]) -> dict[str, str]:
-    """Environment for the SGLang child: the shared Mooncake store that HiCache uses as L3."""
-    env = dict(base)
+    """Environment for the SGLang child: `/health` without a generation, and the shared Mooncake
+    store that HiCache uses as L3.
+
+    SGLang 0.5.21's `/health` runs a one-token generation unless
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (`srt/entrypoints/http_server.py`): it waits while
+    generation is paused and behind a weight load, and fails while memory is released, so the
+    proxy's probes would mark an engine dead in every switch. (`/ready` answers 503 while paused:
+    a readiness route, not the liveness the probes ask.) `/health_generate` still generates.
+    """
+    env = dict(base) | {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
     if cfg.enable_hicache and cfg.hicache_storage_backend == "mooncake":
         fabric = TransferConfig.from_env(base)  # the run's transfer.* (gyre.transfer.config)
         env |= {
@@ -192,11 +200,19 @@ class SGLangProcess(BaseEngineProcess):
 
     async def load(self, client: EngineClient, weights: PublishedWeights) -> None:
         """SGLang's update takes a write lock that waits for every /generate in flight: pause first
-        (`engine.pause_mode`; in_place keeps the calls and their KV, which go on under the new
-        weights with a span per version, as on the builtin engine), then continue."""
+        (`engine.pause_mode`), then continue. A distributed or tensor load must run inside a weight
+        update session (0.5.21 refuses it otherwise: srt/managers/scheduler_components/weight_updater.py);
+        one from disk needs none."""
         await client.pause(self.cfg.pause_mode)
         try:
-            await load_weights(client, weights)
+            if weights.sync == "disk":
+                await load_weights(client, weights)
+                return
+            await client.begin_weight_update()
+            try:
+                await load_weights(client, weights, flush_cache=self.cfg.pause_mode != "in_place")
+            finally:
+                await client.end_weight_update()
         finally:
             await client.resume()
 

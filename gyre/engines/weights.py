@@ -49,8 +49,9 @@ async def serve_weights(
         await board.set_weight_version(engine_id, served)
 
 
-async def load_weights(client: EngineClient, weights: PublishedWeights) -> dict:
-    """Have the engine behind `client` serve `weights`.
+async def load_weights(client: EngineClient, weights: PublishedWeights, flush_cache: bool = True) -> dict:
+    """Have the engine behind `client` serve `weights` (`flush_cache`: distributed only, False while
+    an in_place pause holds calls whose KV SGLang must keep).
 
     Returns:
         The engine's reply (for distributed: as the core's sender relays it).
@@ -64,7 +65,8 @@ async def load_weights(client: EngineClient, weights: PublishedWeights) -> dict:
     if weights.sync == "disk":
         return await client.update_weights_from_disk(weights.source["path"], weight_version=weights.version)
     async with EngineClient(weights.source["sender"], client.timeout.total or 600.0) as sender:
-        reply = await sender.post("/send", {"engine_url": client.base_url, "version": weights.version})
+        body = {"engine_url": client.base_url, "version": weights.version, "flush_cache": flush_cache}
+        reply = await sender.post("/send", body)
     client.weight_version = weights.version
     return reply
 

@@ -5,7 +5,8 @@
                                          └────> CallRecord ─> the execution's records file
 
 A call is numbered (seq, started_at) when it first gets an engine, so refusals (bad input,
-unknown model, too long, overloaded) leave no gaps; a call that fails after it started leaves a
+unknown model, too long, overloaded) leave no gaps; a call that fails after its engine produced
+output is recorded with it (finish abort, the error in its hints), one that fails before leaves a
 seq gap that the trajectory processor reports.
 """
 
@@ -146,7 +147,8 @@ class CallRunner:
         key = assistant_key(text, [{"name": c.name, "arguments": c.arguments} for _, c in calls])
         call.ex.turns.remember(key, call.gen.output_ids, call.hints.agent_id)
 
-    def make_record(self, call: Call) -> CallRecord:
+    def make_record(self, call: Call, error: ApiError | None = None) -> CallRecord:
+        """The call's record; `error`: why it failed after its output began (kept in its hints)."""
         g = call.gen
         hints = {
             **call.hints.raw,
@@ -160,6 +162,8 @@ class CallRunner:
             "retokenized_turns": call.rendered.num_retokenized,
             "rendered_messages": call.rendered.num_rendered_messages,
         }
+        if error is not None:
+            hints["error"] = {"kind": error.kind, "message": error.message}
         return CallRecord.build(
             input_ids=call.rendered.input_ids,
             output_ids=g.output_ids,
@@ -183,9 +187,9 @@ class CallRunner:
             hints=hints,
         )
 
-    async def _record(self, call: Call) -> None:
+    async def _record(self, call: Call, error: ApiError | None = None) -> None:
         """Append the call's record (before the answer completes) and its ModelCall event."""
-        record = self.make_record(call)
+        record = self.make_record(call, error)
         await call.ex.append(record)
         if self.events is not None:
             self.events.emit(
@@ -218,10 +222,17 @@ class CallRunner:
             first = await stream.__anext__()  # errors before any byte is sent are plain HTTP errors
         except StopAsyncIteration:
             first = []
+        except ApiError as e:
+            await self._record_failed(call, e)
+            raise
         if call.chat.stream:
             return await self._stream(request, call, wire, stream, first)
-        async for _ in stream:
-            pass
+        try:
+            async for _ in stream:
+                pass
+        except ApiError as e:
+            await self._record_failed(call, e)
+            raise
         parsed = self.tok.parse_assistant(call.gen.output_ids)
         text, calls = parsed.content, [(wire.new_call_id(), c) for c in parsed.tool_calls]
         self._remember(call, text, calls)
@@ -229,8 +240,15 @@ class CallRunner:
         answer = wire.response(call.chat, text, calls, call.gen.finish, _usage(call))
         return web.json_response(answer, dumps=json_text)
 
+    async def _record_failed(self, call: Call, error: ApiError) -> None:
+        """A call that fails (the harness gets `error`) after its engine produced output keeps it: its
+        record holds that output, finish abort, and the error in its hints, so the execution loses
+        no call (a gap would exclude it); one that produced nothing leaves its seq gap."""
+        if call.seq >= 0 and call.gen.output_ids:
+            await self._record(call, error)
+
     async def _stream(self, request, call: Call, wire: BaseWire, stream, first: list[int]) -> web.StreamResponse:
-        """SSE answer; a call failing after the stream began ends with an error event and no record."""
+        """SSE answer; a call failing after the stream began ends with its record and one error event."""
         events = wire.stream(call.chat, _usage(call))  # the first chunk has arrived: cached tokens known
         out = OutputStream(events, self.tok.decode, wire.new_call_id)
         async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
@@ -244,6 +262,7 @@ class CallRunner:
             except StopAsyncIteration:
                 pass
             except ApiError as e:
+                await self._record_failed(call, e)
                 await _send(sse, wire.stream_error(e))
                 return sse
             text, calls = out.result(call.gen.output_ids)

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from gyre.engines.client import EngineHTTPError
+from gyre.engines.client import EngineHTTPError, parse_version_spans
 from gyre.proxy.chat import ApiError
 from gyre.proxy.pool import ENGINE_DOWN, EnginePool
-from gyre.records.versions import VersionSpan, WeightVersionError, parse_weight_version, versions_between
+from gyre.records.versions import WeightVersionError, parse_weight_version, versions_between
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class Generation:
                 seen += len(new)
                 self.pool.count_output(eid, len(new))
                 self.cached_tokens = max(self.cached_tokens, int(meta.get("cached_tokens", 0)))
+                self.pool.count_cached(self.session, int(meta.get("cached_tokens", 0)))
                 if new:
                     yield new
                 if meta.get("finish_reason"):
@@ -142,16 +143,21 @@ class Generation:
     def _extend(self, new: list[int], lps: list[float], meta: dict, seen: int) -> None:
         if len(lps) != len(new):
             raise ApiError("api_error", f"engine returned {len(lps)} log-probs for {len(new)} tokens")
+        earlier = None  # this attempt's earlier tokens, where the spans say (SGLang's final chunk)
         try:
-            if meta.get("weight_version_spans"):  # the versions of output positions [seen, seen + len(new))
-                spans = [VersionSpan.from_wire(s) for s in meta["weight_version_spans"]]
+            spans = parse_version_spans(meta)
+            if spans is not None:  # the versions of output positions [seen, seen + len(new))
                 versions = versions_between(spans, seen, seen + len(new))
+                earlier = versions_between(spans, 0, seen)
             else:
                 versions = [parse_weight_version(meta.get("weight_version", 0))] * len(new)
         except (WeightVersionError, KeyError, TypeError, ValueError) as e:
             raise ApiError("api_error", f"engine returned bad weight versions: {e}") from None
         if len(versions) != len(new):
             raise ApiError("api_error", f"engine's version spans cover {len(versions)} of {len(new)} new tokens")
+        if earlier is not None and seen and len(earlier) == seen:
+            # SGLang tells only the server's version until its final chunk, whose spans settle them
+            self.versions[len(self.versions) - seen :] = earlier
         self.output_ids += new
         self.logprobs += lps
         self.versions += versions

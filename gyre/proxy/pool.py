@@ -86,6 +86,9 @@ class EnginePool:
         """session -> (input ids, output ids) of its last finished call: the KV its engine holds."""
         self._moves: dict[str, tuple[str, asyncio.Task]] = {}
         """session -> (engine it leaves, the task moving its KV)."""
+        self._through_store: dict[str, int] = {}
+        """session -> KV tokens its SGLang engine held when the session left it: HiCache's shared
+        store moves them, and the session's next call says how many arrived (`cached_tokens`)."""
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._decode: dict[str, DecodeCounters] = {}
         self._kv_tokens: dict[str, int] = {}
@@ -343,7 +346,13 @@ class EnginePool:
     # --- KV moves ---------------------------------------------------------------------------
     def _start_move(self, session: str, src: str, dst: str) -> None:
         context = self._contexts.get(session)
-        if context is not None and session not in self._moves:
+        entry = self.table.engines.get(src)
+        if context is not None and entry is not None and not entry.supports_kv_export:
+            # SGLang: no KV route; HiCache's store (L3) holds the pages written through, all but
+            # the last token's (never computed), and the session's next call reads them
+            ps = self._page_size.get(src, 1)
+            self._through_store[session] = (len(context[0]) + len(context[1]) - 1) // ps * ps
+        elif context is not None and session not in self._moves:
             tokens = np.concatenate((context[0], np.asarray(context[1], np.int32))).tolist()
             self._moves[session] = (src, asyncio.create_task(self._move_session(session, src, dst, tokens)))
 
@@ -362,6 +371,15 @@ class EnginePool:
         finally:
             self._moves.pop(session, None)
             self._wake()
+
+    def count_cached(self, session: str, cached_tokens: int) -> None:
+        """The first answer of a session's call reports `cached_tokens`: after a hand-off through
+        HiCache's store, those of the KV the session left behind arrived, the rest is recomputed."""
+        held = self._through_store.pop(session, None)
+        if held is not None:
+            moved = min(cached_tokens, held)
+            self.metrics.kv_migrated_tokens += moved
+            self.metrics.kv_reprefill_tokens += held - moved
 
     async def move_kv(self, src: str, dst: str, tokens: list[int]) -> int:
         """Move the KV `src` holds for a prefix of `tokens` to `dst` over Mooncake (builtin engines),

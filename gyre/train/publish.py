@@ -17,6 +17,7 @@ The sender's threads set the trainer rank's CUDA device themselves: a thread sta
 """
 
 import asyncio
+import contextlib
 import itertools
 import shutil
 import threading
@@ -88,7 +89,7 @@ class WeightSender:
 
     async def _send(self, request: web.Request) -> web.Response:
         body = await request.json()
-        url, version = str(body["engine_url"]), int(body["version"])
+        url, version, flush = str(body["engine_url"]), int(body["version"]), bool(body.get("flush_cache", True))
         async with self._locks[url], EngineClient(url, self.timeout_s) as engine:
             try:
                 tensors = self._tensors_of(version)
@@ -96,7 +97,7 @@ class WeightSender:
                 return web.json_response({"success": False, "message": str(e)}, status=400)
             try:
                 name, group = self._groups.get(url) or await self._connect(url, engine)
-                reply = await self._broadcast(engine, name, group, tensors, version)
+                reply = await self._broadcast(engine, name, group, tensors, version, flush)
             except EngineHTTPError as e:
                 self._drop(url)
                 return web.json_response({"success": False, "message": str(e)}, status=e.status)
@@ -118,23 +119,33 @@ class WeightSender:
         self._groups[url] = (name, group)
         return name, group
 
-    async def _broadcast(self, engine: EngineClient, name: str, group, tensors: dict, version: int) -> dict:
+    async def _broadcast(
+        self, engine: EngineClient, name: str, group, tensors: dict, version: int, flush_cache: bool
+    ) -> dict:
+        """Broadcast while the engine receives. Its caller opened SGLang's weight update session
+        first (gyre.engines.launch.SGLangProcess.load), so the engine takes the update at once; the
+        copies and the broadcast run in a worker thread on a stream of their own, so the trainer's
+        work never queues behind a transfer."""
         device = self.device
 
         def send() -> None:
             self._use_device()
-            sent = [t.to(device=device, dtype=self.dtype).contiguous() for t in tensors.values()]
-            for work in [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in sent]:
-                work.wait()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                sent = [t.to(device=device, dtype=self.dtype).contiguous() for t in tensors.values()]
+                for work in [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in sent]:
+                    work.wait()
+            if stream is not None:
+                stream.synchronize()
 
         names = [hf_name(n) for n in tensors]
         dtypes = [str(self.dtype).removeprefix("torch.")] * len(tensors)
         shapes = [list(t.shape) for t in tensors.values()]
         _, reply = await asyncio.gather(
             asyncio.to_thread(send),
-            engine.update_weights_from_distributed(names, dtypes, shapes, weight_version=version, group_name=name),
+            engine.update_weights_from_distributed(
+                names, dtypes, shapes, weight_version=version, group_name=name, flush_cache=flush_cache
+            ),
         )
         return reply
 

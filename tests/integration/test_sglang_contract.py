@@ -13,7 +13,7 @@ import torch
 from gyre.engines.client import EngineClient, EngineHTTPError
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import SGLangProcess
-from gyre.engines.weights import load_weights_at
+from gyre.engines.weights import load_weights
 from gyre.models.checkpoint import save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.transformer import init_weights
@@ -68,6 +68,7 @@ def _run(coro_fn, url):
 def test_the_fake_answers_in_sglangs_shapes_and_refuses_gyres_own_routes(fake):
     async def probe(c: EngineClient) -> dict:
         out = {"gen": await c.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0.0})}
+        out["begin"] = await c.begin_weight_update()  # the session SGLang 0.5.21 loads tensors in
         for path, body in [
             ("/gyre/export_kv", {"input_ids": PROMPT}),
             ("/update_weights_from_tensor", {"load_format": "gyre_transfer", "session_id": "x", "address": 1}),
@@ -78,6 +79,7 @@ def test_the_fake_answers_in_sglangs_shapes_and_refuses_gyres_own_routes(fake):
             with pytest.raises(EngineHTTPError) as e:
                 await c.post(path, body)
             out[path + str(len(out))] = (e.value.status, e.value.body)
+        out["end"] = await c.end_weight_update()
         out["abort"] = await c.abort(abort_all=True)
         out["pause"], out["continue"] = await c.pause("abort"), await c.resume()
         out["flush"] = await c.flush_cache()
@@ -95,6 +97,7 @@ def test_the_fake_answers_in_sglangs_shapes_and_refuses_gyres_own_routes(fake):
     assert statuses[2] == (400, '{"success": false, "message": "Unknown load_format=gyre_transfer"}')
     assert statuses[3][0] == 400 and statuses[3][1].startswith('{"error": {"message": "input_ids')
     assert statuses[4][0] == 400 and "init_weights_update_group" in statuses[4][1]
+    assert out["begin"] == {"success": True, "message": "Success"} == out["end"]
     assert out["abort"] == "" and out["pause"]["status"] == "ok" == out["continue"]["status"]
     assert out["flush"].startswith("Cache flushed.") and out["release"] is None and out["resume"] is None
     assert out["info"]["weight_version"] == "0" and out["info"]["is_generation"] is True
@@ -106,10 +109,24 @@ def _gap(trainer: Trainer, answer: dict) -> float:
     return float((trainer.logprobs(batch) - batch.behaviour_logprobs)[batch.target_mask].abs().max())
 
 
+def _in_session(url: str, weights) -> dict:
+    """Load `weights` inside the weight-update session SGLang 0.5.21 requires (begin, load, end)."""
+
+    async def go(c: EngineClient) -> dict:
+        await c.begin_weight_update()
+        try:
+            return await load_weights(c, weights)
+        finally:
+            await c.end_weight_update()
+
+    return _run(go, url)
+
+
 def test_the_core_publishes_to_sglang_by_update_weights_from_distributed(fake):
     """weight_sync=distributed: the first load forms the weight group (init_weights_update_group),
     later ones reuse it; each makes the fake serve the core's published version exactly, the second
-    after a round trip through training (SGLangProcess.release: pause, release memory; .resume)."""
+    after a round trip through training (SGLangProcess.release: pause, release memory; .resume).
+    Each load runs in the session SGLang 0.5.21 requires (/begin_weight_update, /end_weight_update)."""
     torch.set_num_threads(1)
     trainer = Trainer(MODEL, TrainerConfig(lr=1e-2), seed=3)
     endpoint = TransferEndpoint()
@@ -118,7 +135,7 @@ def test_the_core_publishes_to_sglang_by_update_weights_from_distributed(fake):
     generate = lambda c: c.generate(PROMPT, {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 1})  # noqa: E731
     try:
         v0 = publisher.publish()
-        reply0 = asyncio.run(load_weights_at(fake.url, v0))
+        reply0 = _in_session(fake.url, v0)
         out0 = _run(generate, fake.url)
         gap0 = _gap(trainer, out0)
         lps = [lp for lp, _, _ in out0["meta_info"]["output_token_logprobs"]]
@@ -132,7 +149,7 @@ def test_the_core_publishes_to_sglang_by_update_weights_from_distributed(fake):
         v1 = publisher.publish()
         _run(fake.release, fake.url)
         _run(fake.resume, fake.url)
-        reply1 = asyncio.run(load_weights_at(fake.url, v1))
+        reply1 = _in_session(fake.url, v1)
         out1 = _run(generate, fake.url)
     finally:
         publisher.close()
@@ -156,7 +173,7 @@ def test_sglang_receives_the_cores_weights_over_nccl():
     core = CoreServer(trainer, endpoint)
     publisher = WeightPublisher(core, "distributed", trainer.model_cfg, "", "127.0.0.1")
     try:
-        reply = asyncio.run(load_weights_at(proc.url, publisher.publish()))
+        reply = _in_session(proc.url, publisher.publish())
         embed = _run(
             lambda c: c.post("/get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 4}),
             proc.url,

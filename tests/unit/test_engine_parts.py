@@ -164,6 +164,7 @@ def test_sglang_command_golden():
     ]
     env = make_sglang_env(cfg, {"PATH": "/bin"})
     assert env["MOONCAKE_MASTER"] == "10.0.0.1:50051" and env["PATH"] == "/bin"
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"  # the proxy's probes never generate
     assert env["MOONCAKE_PROTOCOL"] == "tcp" and env["MOONCAKE_DEVICE"] == ""  # transfer.* defaults
     site = {"GYRE_TRANSFER_PROTOCOL": "rdma", "GYRE_TRANSFER_DEVICE": "mlx5_0,mlx5_1"}  # the run's transfer.*
     env = make_sglang_env(cfg, site)
