@@ -52,7 +52,8 @@ behaves as SGLang does where Gyre depends on it, each behaviour read from the sg
 It takes `sglang.launch_server`'s command line (gyre.engines.launch.make_sglang_command), so a run
 with `engine.sglang_fake=true` starts it exactly as it would start SGLang. With
 GYRE_SGLANG_FAKE_AUDIT=FILE it appends {rid, extra_key, weight_version} per /generate as received
-(what the engine served then), for tests to check the proxy's `extra_key`.
+(what the engine served then), for tests to check the proxy's `extra_key`, and {exclusive, paused}
+per update or session call (whether generation was paused, or the call waited for the write lock).
 
     python -m gyre.engines.sglang_fake --model-path DIR --port N [sglang.launch_server flags]
 """
@@ -187,10 +188,7 @@ class SGLangFakeServer(BuiltinEngineServer):
     # --- generation ---------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
-        if self.audit:
-            line = {"rid": body.get("rid"), "extra_key": body.get("extra_key"), "weight_version": self.version_label}
-            with open(self.audit, "a") as f:
-                f.write(json.dumps(line) + "\n")
+        self._audit({"rid": body.get("rid"), "extra_key": body.get("extra_key"), "weight_version": self.version_label})
         rid = body.get("rid") if isinstance(body.get("rid"), str) else None
         if rid:
             self.live_rids.add(rid)
@@ -242,12 +240,18 @@ class SGLangFakeServer(BuiltinEngineServer):
             self.gate.cond.notify_all()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
+    def _audit(self, line: dict) -> None:
+        if self.audit:
+            with open(self.audit, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
     # --- weights ------------------------------------------------------------------------------
-    async def _exclusive(self, fn, hold_pause: bool = True) -> web.Response:
+    async def _exclusive(self, route: str, fn, hold_pause: bool = True) -> web.Response:
         """Run `fn` as SGLang runs an update: at once when paused (holding the pause condition, so
         nobody continues meanwhile, except from disk), else under the write lock."""
         async with self.gate.cond:
             paused = self.gate.is_pause
+            self._audit({"exclusive": route, "paused": paused})
             if paused and hold_pause:
                 return await fn()
         if paused:
@@ -264,7 +268,7 @@ class SGLangFakeServer(BuiltinEngineServer):
             self.session_open = True
             return reply(True, "Success")
 
-        return await self._exclusive(begin)
+        return await self._exclusive("begin_weight_update", begin)
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         await _json(request)
@@ -275,7 +279,7 @@ class SGLangFakeServer(BuiltinEngineServer):
             self.session_open = False
             return reply(True, "Success")
 
-        return await self._exclusive(end)
+        return await self._exclusive("end_weight_update", end)
 
     def _no_session(self, route: str) -> web.Response | None:
         if self.session_open:
@@ -314,7 +318,7 @@ class SGLangFakeServer(BuiltinEngineServer):
         body = await _json(request)
         if body.get("abort_all_requests"):
             await self._call(lambda: self.core.abort(abort_all=True))
-        return await self._exclusive(lambda: self._receive(body))
+        return await self._exclusive("update_weights_from_distributed", lambda: self._receive(body))
 
     async def _receive(self, body: dict) -> web.Response:
         """One broadcast per announced tensor from rank 0 of the weight group, then the load."""
@@ -352,7 +356,7 @@ class SGLangFakeServer(BuiltinEngineServer):
             self._source = path
             return response
 
-        return await self._exclusive(load, hold_pause=False)
+        return await self._exclusive("update_weights_from_disk", load, hold_pause=False)
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         body = await _json(request)
@@ -372,7 +376,7 @@ class SGLangFakeServer(BuiltinEngineServer):
             msg = "sglang_fake: SGLang's pickled (MultiprocessingSerializer) tensors cannot be read here"
             return refused if refused is not None else reply(False, msg)
 
-        return await self._exclusive(load)
+        return await self._exclusive("update_weights_from_tensor", load)
 
     # --- memory, cache, status ----------------------------------------------------------------
     async def flush_cache(self, request: web.Request) -> web.Response:

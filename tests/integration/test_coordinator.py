@@ -114,8 +114,9 @@ def _sglang_fake(tmp_path: Path) -> list[str]:
         "engine.sglang_fake=true",
         f"engine.model_path={tmp_path / 'tiny'}",
         "engine.load_format=dummy",
-        "engine.enable_hicache=false",
-        "engine.mooncake_master=",
+        "engine.enable_hicache=true",  # the fake's L3 store (GYRE_SGLANG_FAKE_L3_DIR) carries KV across hand-offs
+        "engine.mooncake_master=127.0.0.1:1",
+        "engine.page_size=1",  # SGLang's /get_model_info does not say its page size: the proxy assumes 1
         "engine.startup_timeout_s=120",
     ]
 
@@ -133,11 +134,14 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
             "num_steps=2",
             "scheduler.staleness=0",  # step 1's executions start under version 1: calls after an update
             *_sglang_fake(tmp_path),
-            env=_env(GYRE_SGLANG_FAKE_AUDIT=str(audit)),
+            env=_env(GYRE_SGLANG_FAKE_AUDIT=str(audit), GYRE_SGLANG_FAKE_L3_DIR=str(tmp_path / "l3")),
         )
     )
-    calls = [json.loads(line) for line in audit.read_text().splitlines()]
+    audited = [json.loads(line) for line in audit.read_text().splitlines()]
+    calls = [a for a in audited if "rid" in a]
     assert calls and all(c["extra_key"] == c["weight_version"] for c in calls), calls
+    updates = [a for a in audited if a.get("exclusive") == "update_weights_from_distributed"]
+    assert updates and all(u["paused"] for u in updates), audited  # generation paused first: no wait on calls
     # Version-1 calls: a serving engine loaded the update in place, held and re-keyed by the proxy
     # (at the publish, or on its return from training: which one depends on timing, so not asserted).
     assert {"0", "1"} <= {c["weight_version"] for c in calls}
