@@ -43,6 +43,9 @@ class Trainer:
         self.grad = torch.zeros_like(self.flat.weights)
         self.optimizer = _make_optimizer(self.flat.params, cfg)
         self.step = 0
+        self._host: list[tuple[torch.UntypedStorage, torch.Tensor]] | None = None
+        """While offloaded: each moved storage with its host copy."""
+        self._grad_nbytes = 0
 
     @property
     def local_optimizer(self) -> torch.optim.Optimizer:
@@ -140,6 +143,38 @@ class Trainer:
             p.grad = None
         self.step += 1
         return {"grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"]}
+
+    # ---- the device belongs to the cell's role ----------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return self._host is not None
+
+    def _resident(self) -> list[torch.UntypedStorage]:
+        """The storages the trainer keeps between steps: its flat weights and its optimizer state."""
+        state = [t for s in self.local_optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        storages = {id(t.untyped_storage()): t.untyped_storage() for t in [self.flat.weights, *state]}
+        return [s for s in storages.values() if s.nbytes()]
+
+    def offload(self) -> None:
+        """Give the device to the engine while the cell serves: the weights and the optimizer state
+        move to host memory (pinned on CUDA), the gradient buffer (scratch between micro-steps) is
+        freed; every tensor and view keeps its identity, its storage empty until `onload`."""
+        if self._host is not None:
+            return
+        self._grad_nbytes = self.grad.untyped_storage().nbytes()
+        self._host = move_to_host(self._resident(), pin=self.cuda)
+        self.grad.untyped_storage().resize_(0)
+        if self.cuda:
+            torch.cuda.empty_cache()  # to the driver: the engine takes it back
+
+    def onload(self) -> None:
+        """The state back on the device (new addresses: registrations are the caller's), bit for bit."""
+        if self._host is None:
+            return
+        move_back(self._host)
+        self.grad.untyped_storage().resize_(self._grad_nbytes)
+        self.grad.zero_()
+        self._host = None
 
     def skip_step(self) -> None:
         """A step with nothing to train: the version moves on (the lr schedule with it), the weights stay."""
@@ -278,3 +313,22 @@ def prepare_step(batches: list[PackedBatch], vocab_size: int) -> tuple[list[Pack
         excluded.update(counts)
     total = sum(float(b.loss_weights[b.target_mask].sum()) for b in screened)
     return screened, total, {f"excluded/{r}": n for r, n in excluded.items()}
+
+
+def move_to_host(storages: list[torch.UntypedStorage], pin: bool) -> list[tuple[torch.UntypedStorage, torch.Tensor]]:
+    """Copy each storage to host memory (pinned: fast copies back to a GPU), then empty it. Returns
+    what `move_back` restores."""
+    host = []
+    for storage in storages:
+        copy = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+        copy.untyped_storage().copy_(storage)
+        host.append((storage, copy))
+        storage.resize_(0)
+    return host
+
+
+def move_back(host: list[tuple[torch.UntypedStorage, torch.Tensor]]) -> None:
+    """Refill each storage `move_to_host` emptied from its host copy."""
+    for storage, copy in host:
+        storage.resize_(copy.numel())
+        storage.copy_(copy.untyped_storage())
