@@ -249,24 +249,40 @@ class Trainer:
         return total, [gathered[i % dp][i // dp] for i in range(len(batches))]
 
     # ---- weights for engines ---------------------------------------------------------------
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        """The current weights under engine (HF/Qwen2) names, full tensors on every TP rank.
+    def engine_weights(self, to_first: bool = False) -> dict[str, torch.Tensor]:
+        """The current weights under engine (HF/Qwen2) names, full host tensors in the dtype engines
+        load (bf16 on CUDA), on every TP rank; with `to_first` on the tensor-parallel group's first
+        rank only (the others gather to it and return {}: one host copy of the model, not one a rank).
 
-        With TP > 1 each sharded parameter is all-gathered along its partition dimension; fc1's
-        shards are [gate_r; up_r] per rank, so gates and ups are regrouped before conversion.
+        With TP > 1 each sharded parameter is gathered along its partition dimension; fc1's shards
+        are [gate_r; up_r] per rank, so gates and ups are regrouped before conversion.
         """
-        state = {n: self._full_tensor(n, p.detach()) for n, p in self.model.named_parameters()}
-        return megatron_to_engine({n: t.cpu() for n, t in state.items()}, self.model_cfg)
+        from megatron.core import parallel_state
 
-    def _full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        state = {n: self._full_tensor(n, p.detach(), to_first) for n, p in self.model.named_parameters()}
+        if to_first and parallel_state.get_tensor_model_parallel_rank() != 0:
+            return {}
+        dtype = torch.bfloat16 if self.cuda else torch.float32  # gyre.train.publish.served_dtype
+        return megatron_to_engine({n: t.to(dtype).cpu() for n, t in state.items()}, self.model_cfg)
+
+    def _full_tensor(self, name: str, local: torch.Tensor, to_first: bool = False) -> torch.Tensor:
         from megatron.core import parallel_state
 
         tp = parallel_state.get_tensor_model_parallel_world_size()
         param = dict(self.model.named_parameters())[name]
         if tp == 1 or not getattr(param, "tensor_model_parallel", False):
             return local
-        shards = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        group, first = (
+            parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_tensor_model_parallel_rank() == 0,
+        )
+        shards = [torch.empty_like(local) for _ in range(tp)] if first or not to_first else None
+        if to_first:
+            dist.gather(local.contiguous(), shards, group=group, group_dst=0)
+            if not first:
+                return local
+        else:
+            dist.all_gather(shards, local.contiguous(), group=group)
         if name.endswith("mlp.linear_fc1.weight"):
             halves = [s.chunk(2, dim=0) for s in shards]
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
