@@ -1,0 +1,280 @@
+"""One Harbor execution's environment: started once, entered by each phase, as Harbor's shared mode runs
+a trial (harbor src/harbor/trial/trial.py: the agent, then the verifier, in one started environment).
+
+    bubblewrap  a holder `bwrap <contract root> sleep <lifetime>`; each phase enters its mount and pid
+                namespaces with nsenter: the same tmpfs root (new top-level folders), /tmp and HOME,
+                and what the agent left running (the host's folders stay read-only: bubblewrap 0.8
+                has no overlay)
+    podman      a container `podman run -d ... sleep <lifetime>`; each phase is a `podman exec`
+    /tests      bound from the host, empty until the verifier's turn, then a fresh copy of tests/
+    /logs       bound from the host (agent/, verifier/, artifacts/); verifier/ is emptied right
+                before the verifier runs, so a reward the agent planted is gone
+    /solution   the oracle's: a copy of solution/ put in before solve.sh runs
+
+The holder sleeps `lifetime_s` at most, so an environment nobody closes (a crashed coordinator) ends
+by itself. `close()` ends it and removes its host folders; it is idempotent.
+"""
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from gyre.errors import GyreError
+from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
+from gyre.harness.podman import ensure_image, make_run_argv, podman, remove, with_image_workdir
+from gyre.tasks.spec import Task
+
+BOUND = ("tests", "logs", "solution")
+"""Host folders of the environment bound at /tests, /logs, /solution."""
+LOG_DIRS = ("agent", "verifier", "artifacts")
+"""Harbor's /logs subfolders (EnvironmentPaths): the agent's, the verifier's, the artifacts'."""
+START_TIMEOUT_S = 60.0
+LIFETIME_MARGIN_S = 900.0
+"""An environment outlives its agent's budget and its verifier's time by this much at most."""
+# Every pid but the environment's own (bubblewrap: its init is 1, the holder 2; podman: the holder is 1).
+_KILL_ALL = 'for p in /proc/[0-9]*; do p=${p#/proc/}; [ "$p" -gt "$0" ] && [ "$p" != $$ ] && kill -9 "$p"; done'
+_CHDIR = 'cd "$0" && exec "$@"'
+
+
+class TaskEnvError(GyreError):
+    """An environment that cannot start or be entered (names the task)."""
+
+
+def empty_folder(folder: Path) -> None:
+    """Remove what `folder` holds, keeping the folder itself: it is a bind mount's source, and a new
+    folder of the same name would not be seen inside."""
+    for entry in folder.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+class BaseTaskEnv:
+    """The host side of one environment: its bound folders, and what each phase runs through."""
+
+    backend = ""
+
+    def __init__(self, task: Task, workspace: Path, home: Path | None = None):
+        self.task, self.workspace = task, Path(workspace)
+        self.state = Path(tempfile.mkdtemp(prefix="gyre-env-"))
+        self.home = home or self.state / "home"
+        """A private HOME, bound at its own path (the agent's, or one of the environment's own)."""
+        for name in (*BOUND, "home"):
+            (self.state / name).mkdir()
+        for name in LOG_DIRS:
+            (self.state / "logs" / name).mkdir()
+        self.closed = False
+
+    @property
+    def verifier_logs(self) -> Path:
+        """Host path of /logs/verifier (reward.txt / reward.json)."""
+        return self.state / "logs" / "verifier"
+
+    def mounts(self) -> list[Mount]:
+        """The workspace at the workdir, the bound folders, and the private HOME at its own path."""
+        workdir = self.task.environment.workdir
+        return [
+            Mount(self.workspace, workdir),
+            *(Mount(self.state / n, f"/{n}") for n in BOUND),
+            Mount(self.home, str(self.home)),
+        ]
+
+    def put(self, source: Path, dest: str) -> None:
+        """Replace what /tests or /solution holds with a copy of `source` (a folder)."""
+        target = self.state / dest.strip("/")
+        empty_folder(target)
+        shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
+
+    def clear_verifier_logs(self) -> None:
+        """Empty /logs/verifier: whatever the agent wrote there is not the verifier's."""
+        empty_folder(self.verifier_logs)
+
+    def enter(self, argv: list[str], env: dict[str, str], user: str | None = None) -> list[str]:
+        """argv running `argv` inside, in the workdir, with `env` set, as `user` (None: the default)."""
+        raise NotImplementedError
+
+    def kill_all(self) -> None:
+        """Kill every process a phase left inside (a phase past its time limit), keeping the environment."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """End the environment and remove its host folders (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self._stop()
+            shutil.rmtree(self.state, ignore_errors=True)
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+
+def make_nsenter_prefix(pid: int, uid_gid: tuple[int, int] | None) -> list[str]:
+    """nsenter argv entering a bubblewrap holder's mount and pid namespaces at its root (pure)."""
+    ids = ["-S", str(uid_gid[0]), "-G", str(uid_gid[1])] if uid_gid else []
+    return ["nsenter", "-t", str(pid), "-m", "-p", "-r", *ids, "--"]
+
+
+def resolve_host_user(user: str, field: str) -> tuple[int, int]:
+    """(uid, gid) of a user name or uid on this host (bubblewrap's /etc is the host's).
+
+    Raises:
+        TaskEnvError: no such user, or this process cannot switch users (not root).
+    """
+    if os.geteuid() != 0:
+        raise TaskEnvError(f"{field} = {user!r}: switching users needs root (bubblewrap runs as this user)")
+    try:
+        entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    except KeyError:
+        raise TaskEnvError(f"{field} = {user!r}: no such user on this host") from None
+    return entry.pw_uid, entry.pw_gid
+
+
+class BwrapTaskEnv(BaseTaskEnv):
+    """The environment as a bubblewrap holder on the host (a task without an image)."""
+
+    backend = "bwrap"
+
+    def start(self, lifetime_s: float) -> None:
+        """Start the holder; its namespaces are entered by pid.
+
+        Raises:
+            TaskEnvError: bubblewrap did not report its sandbox.
+        """
+        env = self.task.environment
+        prefix = make_contract_prefix(list_host_root(), self.mounts(), env.workdir, hide=[env.task_dir])
+        read_fd, write_fd = os.pipe()
+        argv = [*prefix[:-1], "--info-fd", str(write_fd), "--", "sleep", f"{max(1, int(lifetime_s))}"]
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                pass_fds=(write_fd,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        finally:
+            os.close(write_fd)
+        with os.fdopen(read_fd) as info:
+            text = info.read()  # bubblewrap closes it once it has made the sandbox's first process
+        try:
+            self.pid = int(json.loads(text)["child-pid"])
+            self._wait_ready()
+        except (ValueError, KeyError, TypeError, TimeoutError):
+            self.proc.kill()
+            err = self.proc.communicate(timeout=START_TIMEOUT_S)[1].decode(errors="replace")
+            raise TaskEnvError(
+                f"task {self.task.task_id!r}: bubblewrap environment did not start: {err[-500:]}"
+            ) from None
+
+    def _wait_ready(self) -> None:
+        """Wait until the holder runs: bubblewrap reports its first process before that process has
+        made the sandbox's mounts, and an nsenter before then would enter a half-made root.
+
+        Raises:
+            TimeoutError: not running within START_TIMEOUT_S, or bubblewrap exited.
+        """
+        deadline = time.monotonic() + START_TIMEOUT_S
+        children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                kids = children.read_text().split()
+                if any(Path(f"/proc/{k}/comm").read_text().strip() == "sleep" for k in kids):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.01)
+        raise TimeoutError("the holder did not start")
+
+    def enter(self, argv: list[str], env: dict[str, str], user: str | None = None) -> list[str]:
+        ids = resolve_host_user(user, "user") if user is not None else None
+        assigns = [f"{k}={v}" for k, v in sorted(env.items())]
+        workdir = self.task.environment.workdir
+        return [*make_nsenter_prefix(self.pid, ids), "env", *assigns, "sh", "-c", _CHDIR, workdir, *argv]
+
+    def kill_all(self) -> None:
+        subprocess.run([*make_nsenter_prefix(self.pid, None), "sh", "-c", _KILL_ALL, "2"], timeout=30, check=False)
+
+    def _stop(self) -> None:
+        if getattr(self, "proc", None) is not None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+class PodmanTaskEnv(BaseTaskEnv):
+    """The environment as a running podman container from the task's image."""
+
+    backend = "podman"
+
+    def __init__(self, task: Task, workspace: Path, image: str, home: Path | None = None):
+        super().__init__(task, workspace, home)
+        self.image, self.name = image, f"gyre-env-{uuid.uuid4().hex[:12]}"
+
+    def start(self, lifetime_s: float, network: str, extra: list[Mount] = (), flags: list[str] = ()) -> None:
+        """Start the container (detached) with `network` ("public" | "none").
+
+        Raises:
+            TaskEnvError: podman could not start it.
+        """
+        net = ["--network=none"] if network == "none" else []
+        argv = make_run_argv(self.task, self.image, self.name, [*self.mounts(), *extra], {}, [*net, *flags, "-d"])
+        done = podman([*argv[1:], "sleep", f"{max(1, int(lifetime_s))}"], START_TIMEOUT_S)
+        if done.returncode != 0:
+            remove(self.name)
+            raise TaskEnvError(
+                f"task {self.task.task_id!r}: podman could not start its container: {done.stderr[-500:]}"
+            )
+
+    def enter(self, argv: list[str], env: dict[str, str], user: str | None = None) -> list[str]:
+        flags = ["--workdir", self.task.environment.workdir, *(["--user", user] if user is not None else [])]
+        assigns = [a for k, v in sorted(env.items()) for a in ("--env", f"{k}={v}")]
+        return ["podman", "exec", *flags, *assigns, self.name, *argv]
+
+    def kill_all(self) -> None:
+        subprocess.run(["podman", "exec", self.name, "sh", "-c", _KILL_ALL, "1"], timeout=30, check=False)
+
+    def _stop(self) -> None:
+        remove(self.name)
+
+
+def lifetime_s(task: Task) -> float:
+    """How long an environment may live: the agent's budget, the verifier's time and a margin."""
+    return task.time_budget_s + task.evaluator.timeout_s + LIFETIME_MARGIN_S
+
+
+def open_environment(
+    task: Task,
+    workspace: Path,
+    network: str,
+    home: Path | None = None,
+    podman_extras: tuple[list[Mount], list[str]] = ([], []),
+    image: str = "",
+) -> BaseTaskEnv:
+    """A started environment for `task` on `workspace`: bubblewrap, or podman from the task's image
+    (`image`: its ID, else pulled or built) with the image's WORKDIR where the task names none.
+    The environment's `task` is the task with that workdir.
+
+    Raises:
+        PodmanError: the image cannot be had or has no usable WORKDIR.
+        TaskEnvError: the environment did not start.
+    """
+    if not task.environment.image:
+        env = BwrapTaskEnv(task, workspace, home)
+        starting = lambda: env.start(lifetime_s(task))  # noqa: E731 - one call, started below
+    else:
+        image = image or ensure_image(task)
+        env = PodmanTaskEnv(with_image_workdir(task, image), workspace, image, home)
+        starting = lambda: env.start(lifetime_s(task), network, *podman_extras)  # noqa: E731
+    try:
+        starting()
+    except BaseException:
+        env.close()
+        raise
+    return env
