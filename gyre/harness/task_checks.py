@@ -28,14 +28,15 @@ def _check_network(task: Task, cfg: HarnessConfig, where: str) -> None:
         )
     net = agent_network(task, cfg)
     if env.image:
-        if env.verification == "shared" and env.verifier_network != net:
+        if env.verification == "shared" and env.verifier_network_asked and env.verifier_network != net:
             raise SandboxError(
                 f"{where}: [verifier].network_mode: {env.verifier_network} differs from the agent's {net}, and shared "
                 "verification runs in the agent's container (podman cannot change its network); set "
                 '[verifier].environment_mode = "separate" or the same network_mode'
             )
         return
-    for phase, mode in (("agent", net), ("verifier", env.verifier_network)):
+    verifier = env.verifier_network if env.verifier_network_asked or env.verification == "separate" else net
+    for phase, mode in (("agent", net), ("verifier", verifier)):
         if mode == "none":  # bubblewrap shares the host's network: the proxy is reached over it
             raise SandboxError(
                 f"{where}: [{phase}].network_mode (or allow_internet / harness.agent_network): no network needs a task "

@@ -159,7 +159,7 @@ def load_harbor_task(folder: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOU
     env_dir, dockerfile = folder / "environment", folder / "environment" / "Dockerfile"
     cpus = _number(env, "cpus", where, "environment.cpus")
     storage = _number(env, "storage_mb", where, "environment.storage_mb")
-    agent_net, asked, verifier_net = parse_networks(agent, verifier, env, where)
+    agent_net, asked, verifier_net, verifier_asked = parse_networks(agent, verifier, env, where)
     has_image = bool(image) or dockerfile.is_file()
     contract = TaskEnvironment(
         task_dir=str(folder),
@@ -180,6 +180,7 @@ def load_harbor_task(folder: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOU
         agent_network=agent_net,
         agent_network_asked=asked,
         verifier_network=verifier_net,
+        verifier_network_asked=verifier_asked,
         verification=parse_verification(verifier, where),
     )
     evaluator = EvaluatorSpec(

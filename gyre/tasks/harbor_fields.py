@@ -41,8 +41,9 @@ def _phase_network(table: dict, name: str, baseline: str | None, where: str) -> 
     return ("public" if mode == "public" else "none"), True
 
 
-def parse_networks(agent: dict, verifier: dict, env: dict, where: str) -> tuple[str, bool, str]:
-    """(agent's network, whether the task asked for it explicitly, verifier's network); each "public" | "none".
+def parse_networks(agent: dict, verifier: dict, env: dict, where: str) -> tuple[str, bool, str, bool]:
+    """(agent's network, whether the task named it, verifier's network, whether the task named it);
+    each network "public" | "none".
 
     Raises:
         TaskSpecError: an unknown mode, a non-boolean allow_internet, or an allowlist with hosts.
@@ -54,8 +55,8 @@ def parse_networks(agent: dict, verifier: dict, env: dict, where: str) -> tuple[
     if baseline is not None:
         _phase_network({"network_mode": baseline, **env}, "environment", None, where)  # validates the baseline
     agent_net, asked = _phase_network(agent, "agent", baseline, where)
-    verifier_net, _ = _phase_network(verifier, "verifier", baseline, where)
-    return agent_net, asked, verifier_net
+    verifier_net, verifier_asked = _phase_network(verifier, "verifier", baseline, where)
+    return agent_net, asked, verifier_net, verifier_asked
 
 
 def resolve_env(table: dict, name: str, where: str, host: dict[str, str] | None = None) -> dict[str, str]:

@@ -100,6 +100,8 @@ class TaskEnvironment:
     """The task named the agent's network mode itself (a site that allows none refuses it if public)."""
     verifier_network: str = "public"
     """The verifier's network, "public" | "none"."""
+    verifier_network_asked: bool = False
+    """The task named the verifier's network mode itself (shared verification cannot change it)."""
     verification: str = "shared"
     """`[verifier].environment_mode`: shared (in the agent's environment, after it) or separate (a fresh one)."""
 
