@@ -121,7 +121,7 @@ def make_nsenter_prefix(pid: int, uid_gid: tuple[int, int] | None) -> list[str]:
     return ["nsenter", "-t", str(pid), "-m", "-p", "-r", *ids, "--"]
 
 
-def resolve_host_user(user: str, field: str) -> tuple[int, int]:
+def resolve_host_user(user: str, field: str = "[agent].user / [verifier].user") -> tuple[int, int]:
     """(uid, gid) of a user name or uid on this host (bubblewrap's /etc is the host's).
 
     Raises:
@@ -194,7 +194,10 @@ class BwrapTaskEnv(BaseTaskEnv):
         raise TimeoutError("the holder did not start")
 
     def enter(self, argv: list[str], env: dict[str, str], user: str | None = None) -> list[str]:
-        ids = resolve_host_user(user, "user") if user is not None else None
+        try:
+            ids = resolve_host_user(user) if user is not None else None
+        except TaskEnvError as e:
+            raise TaskEnvError(f"task {self.task.task_id!r}: {e}") from None
         assigns = [f"{k}={v}" for k, v in sorted(env.items())]
         workdir = self.task.environment.workdir
         return [*make_nsenter_prefix(self.pid, ids), "env", *assigns, "sh", "-c", _CHDIR, workdir, *argv]

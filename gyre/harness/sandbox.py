@@ -63,6 +63,7 @@ from gyre.tasks.workspace import make_workspace, run_setup
 
 log = logging.getLogger(__name__)
 _bwrap_ok: bool | None = None
+_storage_noted: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,9 @@ class Sandbox:
         if contract is not None:
             bwrap_ok = self.cfg.isolation != "none" and bwrap_available()
             check_isolation(self.task, self.cfg, bwrap_ok, self.cfg.isolation == "podman" and podman_available())
+        if contract is not None and contract.storage_mb is not None and self.task.task_id not in _storage_noted:
+            _storage_noted.add(self.task.task_id)
+            log.info("task %s: [environment].storage_mb is read, not enforced (no disk quota)", self.task.task_id)
         if contract is not None and contract.image:
             self._image = ensure_image(self.task, tuple(self.cfg.image_registries))
             self.task = with_image_workdir(self.task, self._image)
