@@ -1,0 +1,108 @@
+"""Harbor's shared verification, end to end: what an agent (or the oracle) leaves outside the workdir and
+the services it leaves running reach the verifier, in bubblewrap and in podman; `environment_mode =
+"separate"` verifies in a fresh environment instead; a failing solve.sh leaves the verdict to the verifier;
+`gyre-task check` passes the fixture sets (tests/harbor_shared_tasks, tests/harbor_image_shared_tasks)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from podman_fixtures import local_image
+
+from gyre.harness.config import HarnessConfig
+from gyre.harness.sandbox import Sandbox, bwrap_available
+from gyre.tasks.evaluate import evaluate
+from gyre.tasks.taskset import TaskSet
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_SET = ROOT / "tests" / "harbor_shared_tasks"
+IMAGE_SET = ROOT / "tests" / "harbor_image_shared_tasks"
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+pytestmark = pytest.mark.skipif(not bwrap_available(), reason="Harbor tasks need bubblewrap (tools/setup.sh)")
+
+# The agent's work, as a shell line: a service that keeps a file fresh, started and left running.
+SERVICE = (
+    'mkdir -p {dir}; setsid bash -c "while true; do date +%s%N > {dir}/beat; sleep 0.2; done" '
+    "> /dev/null 2>&1 < /dev/null & echo $! > {dir}/pid; sleep 0.5"
+)
+
+
+def _check(taskset: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "gyre.tasks.cli", "check", str(taskset)]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def _run_agent(task, tmp_path: Path, command: str, isolation: str = "auto") -> Sandbox:
+    cfg = HarnessConfig(kind="command", command=command, isolation=isolation, grace_s=1)
+    sb = Sandbox(task, f"e-{tmp_path.name}", tmp_path / "sb", cfg, "http://127.0.0.1:9", "key", "gyre")
+    sb.prepare()
+    sb.start()
+    result = sb.wait()
+    assert result.exit_code == 0, result.log_path.read_text()
+    return sb
+
+
+def _verify_shared_and_separate(sb: Sandbox) -> tuple[float, float]:
+    task = sb.task
+    separate = dataclasses.replace(task, environment=dataclasses.replace(task.environment, verification="separate"))
+    try:
+        apart = evaluate(separate, sb.workspace, "finished", sb.environment)  # a fresh environment
+        shared = evaluate(task, sb.workspace, "finished", sb.environment)
+    finally:
+        sb.close()
+    return shared.score, apart.score
+
+
+def test_check_passes_the_shared_set_and_logs_a_failing_solve_sh():
+    done = _check(SHARED_SET)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(line.split("\t")[:2] for line in lines[:-1]) == [
+        ["both-rewards", "ok"],
+        ["env-vars", "ok"],
+        ["failing-solve", "ok"],
+        ["state-outside", "ok"],
+    ]
+    assert "solution/solve.sh exited 3 (the verifier decides)" in done.stderr, done.stderr
+    assert json.loads(lines[-1])["passed"] == 4
+
+
+def test_bubblewrap_agent_state_and_service_reach_a_shared_verifier_only(tmp_path):
+    task = TaskSet.load(SHARED_SET).get("state-outside")
+    sb = _run_agent(task, tmp_path, "bash -c " + repr(SERVICE.format(dir="/tmp/service")))
+    holder = sb.environment.proc
+    assert _verify_shared_and_separate(sb) == (1.0, 0.0)
+    assert holder.poll() is not None  # closed: the holder, and the service inside it, are gone
+
+
+def test_both_reward_files_keep_the_json_keys_as_metrics(tmp_path):
+    task = TaskSet.load(SHARED_SET).get("both-rewards")
+    sb = _run_agent(task, tmp_path, "bash -c 'echo ok > a.txt'")
+    try:
+        ev = evaluate(task, sb.workspace, "finished", sb.environment)
+    finally:
+        sb.close()
+    assert (ev.score, ev.metrics) == (0.0, {"reward": 0.0, "tests_passed": 1.0, "tests_total": 2.0}), ev
+
+
+@pytest.mark.slow
+def test_podman_check_and_agent_state_in_the_image_workdir(tmp_path):
+    image, why = local_image()
+    if image is None:
+        pytest.skip(why)
+    done = _check(IMAGE_SET)
+    assert done.returncode == 0 and done.stdout.startswith("image-workdir\tok\tempty=0.0 reference=1.0"), done.stdout
+    task = TaskSet.load(IMAGE_SET).get("image-workdir")
+    work = "echo fixed > status.txt; echo fixed > /etc/gyre-fixed; " + SERVICE.format(dir="/var/tmp").replace(
+        "/var/tmp/pid", "/var/tmp/beat.pid"
+    )
+    sb = _run_agent(task, tmp_path, "bash -c " + repr(work), isolation="podman")
+    assert sb.task.environment.workdir == "/testbed" and (sb.workspace / "main.py").is_file()
+    name = sb.environment.name
+    assert _verify_shared_and_separate(sb) == (1.0, 0.0)
+    listed = subprocess.run(["podman", "ps", "-a", "-q", "--filter", f"name={name}"], capture_output=True, text=True)
+    assert listed.stdout == ""
