@@ -68,8 +68,9 @@ class BaseTaskEnv:
         """A private HOME, bound at its own path (the agent's, or one of the environment's own)."""
         for name in (*BOUND, "home"):
             (self.state / name).mkdir()
-        for name in LOG_DIRS:
+        for name in LOG_DIRS:  # writable by `[agent].user` and `[verifier].user`, whoever they are
             (self.state / "logs" / name).mkdir()
+            (self.state / "logs" / name).chmod(0o777)
         self.closed = False
 
     @property
@@ -95,6 +96,7 @@ class BaseTaskEnv:
     def clear_verifier_logs(self) -> None:
         """Empty /logs/verifier: whatever the agent wrote there is not the verifier's."""
         empty_folder(self.verifier_logs)
+        self.verifier_logs.chmod(0o777)  # as made, whatever the agent did to it
 
     def enter(self, argv: list[str], env: dict[str, str], user: str | None = None) -> list[str]:
         """argv running `argv` inside, in the workdir, with `env` set, as `user` (None: the default)."""

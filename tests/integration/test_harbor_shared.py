@@ -17,6 +17,7 @@ from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import Sandbox, bwrap_available
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import TaskSet
+from gyre.tasks.workspace import apply_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_SET = ROOT / "tests" / "harbor_shared_tasks"
@@ -106,3 +107,27 @@ def test_podman_check_and_agent_state_in_the_image_workdir(tmp_path):
     assert _verify_shared_and_separate(sb) == (1.0, 0.0)
     listed = subprocess.run(["podman", "ps", "-a", "-q", "--filter", f"name={name}"], capture_output=True, text=True)
     assert listed.stdout == ""
+
+
+def test_phase_users_and_the_logs_folders(tmp_path):
+    """[agent].user runs the oracle, [verifier].user the verifier; /logs/agent is the agent's to write."""
+    folder = tmp_path / "users"
+    (folder / "tests").mkdir(parents=True)
+    (folder / "solution").mkdir()
+    (folder / "task.toml").write_text('[agent]\nuser = "daemon"\n[verifier]\nuser = "nobody"\n')
+    (folder / "instruction.md").write_text("say who you are")
+    (folder / "solution" / "solve.sh").write_text("id -un > /logs/agent/who; ls /logs > /logs/agent/folders\n")
+    (folder / "tests" / "test.sh").write_text(
+        '[ "$(cat /logs/agent/who)" = daemon ] && [ "$(id -un)" = nobody ] && [ -d /logs/artifacts ] '
+        "&& echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
+    )
+    task = TaskSet.load(folder).get("users")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    env = apply_reference(task, ws)
+    try:
+        ev = evaluate(task, ws, "finished", env)
+        folders = (env.state / "logs" / "agent" / "folders").read_text().split()
+    finally:
+        env.close()
+    assert (ev.score, folders) == (1.0, ["agent", "artifacts", "verifier"]), ev
