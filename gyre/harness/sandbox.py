@@ -11,16 +11,17 @@ A write anywhere else fails with EROFS and shows in the harness log. Where bubbl
 (not installed, no user namespaces in a container), `isolation=auto` says so once and falls back
 to the plain runner; `isolation=bwrap` refuses to start.
 
-Harbor tasks (`task.environment` set) need their paths: bubblewrap then builds a fresh root with
-the workspace at the workdir (gyre/harness/contract.py) and the task folder masked, so tests/ and
-solution/ stay unseen; `[environment].memory_mb` caps RLIMIT_AS below `harness.mem_limit_gb`
-(not for harnesses run without one: Node reserves large address spaces) and `cpus` is a CFS quota
-of the sandbox's own cgroup (gyre/cells/quota.py; where no cgroup is writable, a warning and no
-cap). A Harbor task that needs an image (docker_image or environment/Dockerfile) runs in it with
-`isolation=podman` (gyre/harness/podman.py: no network but a relay to the proxy; cpus and
-memory_mb as the container's cgroup limits); without podman, or with another isolation, it is
-refused naming the task and `harness.isolation`, as is one that would run without bubblewrap:
-never run unisolated.
+Harbor tasks (`task.environment` set) run in their environment (gyre/harness/environment.py): a
+bubblewrap holder with a fresh root, the workspace at the workdir (gyre/harness/contract.py) and the
+task folder masked, so tests/ and solution/ stay unseen; or, for a task that needs an image
+(docker_image or environment/Dockerfile), a podman container of it with `isolation=podman`
+(gyre/harness/podman.py: the proxy through a relay). The environment outlives the harness for the
+verifier (`environment`, ended by `close()`). `[environment].memory_mb` caps RLIMIT_AS below
+`harness.mem_limit_gb` (not for harnesses run without one: Node reserves large address spaces)
+and `cpus` is a CFS quota of the sandbox's own cgroup (gyre/cells/quota.py; where no cgroup is
+writable, a warning and no cap), both the container's limits under podman. A task this sandbox
+cannot run as Harbor would is refused naming the task, the field and the key
+(gyre/harness/task_checks.py): never run unisolated, never run to a false 0.
 
 Apptainer/enroot on Slurm: the runner is the same inside the image (bubblewrap needs to be in the
 image; unprivileged user namespaces must be allowed, which Apptainer's own sandbox also needs);
