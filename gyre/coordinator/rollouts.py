@@ -36,7 +36,7 @@ class Rollouts(GroupBook):
         c = cfg.coordinator
         super().__init__(c.groups_per_step, cfg.num_steps, ledger, events)
         path = cfg.tasks.held_out_path
-        self.held_out_tasks = TaskSet.load(path, cfg.tasks.max_agent_timeout_s).tasks if path else []
+        self.held_out_tasks = TaskSet.load(path, cfg.tasks).tasks if path else []
         self.held_out_samples = cfg.tasks.eval_samples
         self.held_out_versions: set[int] = set()
         """Weight versions whose held-out rollouts were admitted."""

@@ -23,6 +23,9 @@ class TasksConfig:
     solutions (gyre.tasks.warmstart), so rewards vary from the first step; False: the seeded init."""
     max_agent_timeout_s: float = 4 * 3600.0
     """A Harbor task's agent budget where its task.toml sets no `[agent].timeout_sec` (Harbor: no limit)."""
+    clip_reward: bool = False
+    """Clip a Harbor verifier's reward to [0, 1]; False: keep it as written, as Harbor does (advantages
+    are normalised per group, so any finite reward trains)."""
     warm_start_dir: str = "outputs/warmstart"
     """Cache of warm-started models (relative to the launch directory), reused when the inputs match."""
 

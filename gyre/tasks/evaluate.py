@@ -249,7 +249,10 @@ def verify_in(env: BaseTaskEnv, task: Task) -> tuple[float, str, dict[str, float
     except EvaluatorFailed as e:
         tail = (done.stdout + done.stderr)[-300:]
         raise EvaluatorFailed(f"{e} (test.sh exited {done.exit_code}: {tail})") from None
-    return score, f"reward {score:g} (test.sh exited {done.exit_code})", metrics
+    detail = f"reward {score:g} (test.sh exited {done.exit_code})"
+    if task.evaluator.clip_reward and not 0.0 <= score <= 1.0:
+        score, detail = min(1.0, max(0.0, score)), f"{detail}, clipped to {min(1.0, max(0.0, score)):g}"
+    return score, detail, metrics
 
 
 def score_harbor(task: Task, workspace: Path, shared: BaseTaskEnv | None = None) -> tuple[float, str, dict]:

@@ -64,13 +64,15 @@ def is_harbor_set(path: Path) -> bool:
     return (path / "task.toml").is_file() or (not any(path.glob("*.json")) and bool(find_task_dirs(path)))
 
 
-def load_harbor_tasks(root: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOUT_S) -> list[Task]:
+def load_harbor_tasks(
+    root: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOUT_S, clip_reward: bool = False
+) -> list[Task]:
     """Every Harbor task folder under `root`, loaded.
 
     Raises:
         TaskSpecError: naming the folder and the field.
     """
-    return [load_harbor_task(d, max_agent_timeout_s) for d in find_task_dirs(root)]
+    return [load_harbor_task(d, max_agent_timeout_s, clip_reward) for d in find_task_dirs(root)]
 
 
 def _number(table: dict, key: str, where: str, name: str, default=None):
@@ -140,7 +142,7 @@ def _read(folder: Path, where: str) -> tuple[dict, str]:
     return cfg, instruction
 
 
-def load_harbor_task(folder: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOUT_S) -> Task:
+def load_harbor_task(folder: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOUT_S, clip_reward: bool = False) -> Task:
     """One Harbor task folder as a Task (its id is the folder name).
 
     Raises:
@@ -188,6 +190,7 @@ def load_harbor_task(folder: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOU
         command=VERIFIER_COMMAND,
         timeout_s=float(_number(verifier, "timeout_sec", where, "verifier.timeout_sec", DEFAULT_TIMEOUT_S)),
         env=resolve_env(verifier, "verifier", where),
+        clip_reward=clip_reward,
     )
     solve = folder / "solution" / "solve.sh"
     return Task(

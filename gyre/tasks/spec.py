@@ -58,6 +58,8 @@ class EvaluatorSpec:
     """The evaluator's own time limit; past it the evaluation is an evaluator error."""
     env: dict[str, str] = field(default_factory=dict)
     """harbor: `[verifier].env`, added to the verifier's environment."""
+    clip_reward: bool = False
+    """harbor: clip the verifier's reward to [0, 1] (`tasks.clip_reward`); else kept as written."""
 
 
 @dataclass(frozen=True)

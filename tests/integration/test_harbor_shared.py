@@ -15,6 +15,7 @@ from podman_fixtures import local_image
 
 from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import Sandbox, bwrap_available
+from gyre.tasks.config import TasksConfig
 from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import TaskSet
 from gyre.tasks.workspace import apply_reference
@@ -131,3 +132,18 @@ def test_phase_users_and_the_logs_folders(tmp_path):
     finally:
         env.close()
     assert (ev.score, folders) == (1.0, ["agent", "artifacts", "verifier"]), ev
+
+
+def test_a_reward_outside_0_1_is_kept_unless_clipping_is_asked(tmp_path):
+    folder = tmp_path / "set" / "big"
+    (folder / "tests").mkdir(parents=True)
+    (folder / "task.toml").write_text("")
+    (folder / "instruction.md").write_text("anything")
+    (folder / "tests" / "test.sh").write_text("echo 1.5 > /logs/verifier/reward.txt\n")
+    kept = TaskSet.load(tmp_path / "set").get("big")
+    clipped = TaskSet.load(tmp_path / "set", TasksConfig(clip_reward=True)).get("big")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    assert evaluate(kept, ws, "finished").score == 1.5
+    ev = evaluate(clipped, ws, "finished")
+    assert ev.score == 1.0 and "clipped to 1" in ev.detail, ev

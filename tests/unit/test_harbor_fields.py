@@ -9,6 +9,7 @@ import pytest
 from gyre.harness.config import HarnessConfig
 from gyre.harness.podman import qualify_image
 from gyre.harness.task_checks import SandboxError, check_isolation
+from gyre.tasks.config import TasksConfig
 from gyre.tasks.evaluate import EvaluatorFailed, parse_reward
 from gyre.tasks.harbor import load_harbor_task
 from gyre.tasks.harbor_fields import resolve_env
@@ -127,7 +128,7 @@ def test_workdir_comes_from_the_image_unless_the_toml_names_one(tmp_path):
 def test_no_agent_timeout_is_bounded_by_the_configured_maximum(tmp_path):
     task_dir(tmp_path, "", "free")
     task_dir(tmp_path, "[agent]\ntimeout_sec = 30", "timed")
-    ts = TaskSet.load(tmp_path, max_agent_timeout_s=123.0)
+    ts = TaskSet.load(tmp_path, TasksConfig(max_agent_timeout_s=123.0))
     assert (ts.get("free").time_budget_s, ts.get("timed").time_budget_s) == (123.0, 30.0)
 
 
