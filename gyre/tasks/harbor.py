@@ -142,30 +142,16 @@ def _read(folder: Path, where: str) -> tuple[dict, str]:
     return cfg, instruction
 
 
-def load_harbor_task(folder: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOUT_S, clip_reward: bool = False) -> Task:
-    """One Harbor task folder as a Task (its id is the folder name).
-
-    Raises:
-        TaskSpecError: naming the folder and the field.
-    """
-    folder = Path(folder).resolve()
-    where = f"harbor task {folder}"
-    if not all(c.isalnum() or c in "-_." for c in folder.name):
-        raise TaskSpecError(where, "task_id", "the folder name must be letters, digits, - _ .")
-    cfg, instruction = _read(folder, where)
-    check_unsupported(cfg, folder, where)
+def _contract(folder: Path, cfg: dict, image: str, where: str) -> TaskEnvironment:
+    """The task's environment contract from its [environment], [agent], [verifier] and [solution] tables."""
     agent, verifier, env = (_table(cfg, n, where) for n in ("agent", "verifier", "environment"))
-    image = env.get("docker_image", "")
-    if not isinstance(image, str):
-        raise TaskSpecError(where, "environment.docker_image", f"must be an image name, got {image!r}")
-    env_dir, dockerfile = folder / "environment", folder / "environment" / "Dockerfile"
+    dockerfile = folder / "environment" / "Dockerfile"
     cpus = _number(env, "cpus", where, "environment.cpus")
     storage = _number(env, "storage_mb", where, "environment.storage_mb")
     agent_net, asked, verifier_net, verifier_asked = parse_networks(agent, verifier, env, where)
-    has_image = bool(image) or dockerfile.is_file()
-    contract = TaskEnvironment(
+    return TaskEnvironment(
         task_dir=str(folder),
-        workdir=_workdir(env, where, has_image),
+        workdir=_workdir(env, where, bool(image) or dockerfile.is_file()),
         docker_image=image,
         dockerfile=str(dockerfile) if dockerfile.is_file() else "",
         cpus=None if cpus is None else float(cpus),
@@ -185,6 +171,26 @@ def load_harbor_task(folder: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOU
         verifier_network_asked=verifier_asked,
         verification=parse_verification(verifier, where),
     )
+
+
+def load_harbor_task(folder: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOUT_S, clip_reward: bool = False) -> Task:
+    """One Harbor task folder as a Task (its id is the folder name).
+
+    Raises:
+        TaskSpecError: naming the folder and the field.
+    """
+    folder = Path(folder).resolve()
+    where = f"harbor task {folder}"
+    if not all(c.isalnum() or c in "-_." for c in folder.name):
+        raise TaskSpecError(where, "task_id", "the folder name must be letters, digits, - _ .")
+    cfg, instruction = _read(folder, where)
+    check_unsupported(cfg, folder, where)
+    agent, verifier, env = (_table(cfg, n, where) for n in ("agent", "verifier", "environment"))
+    image = env.get("docker_image", "")
+    if not isinstance(image, str):
+        raise TaskSpecError(where, "environment.docker_image", f"must be an image name, got {image!r}")
+    env_dir = folder / "environment"
+    contract = _contract(folder, cfg, image, where)
     evaluator = EvaluatorSpec(
         "harbor",
         command=VERIFIER_COMMAND,
