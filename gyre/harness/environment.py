@@ -143,12 +143,16 @@ class BwrapTaskEnv(BaseTaskEnv):
 
     backend = "bwrap"
 
-    def start(self, lifetime_s: float) -> None:
-        """Start the holder; its namespaces are entered by pid.
+    def start(self, lifetime_s: float, network: str = "public", extra: list[Mount] = (), flags: list[str] = ()) -> None:
+        """Start the holder; its namespaces are entered by pid. It shares the host's network (the
+        proxy is on its loopback); `extra` and `flags` are podman's and ignored here.
 
         Raises:
-            TaskEnvError: bubblewrap did not report its sandbox.
+            TaskEnvError: bubblewrap did not report its sandbox, or a phase was to have no network
+                (task_checks.py refuses such tasks first).
         """
+        if network != "public":
+            raise TaskEnvError(f"task {self.task.task_id!r}: bubblewrap cannot give a phase no network")
         env = self.task.environment
         prefix = make_contract_prefix(list_host_root(), self.mounts(), env.workdir, hide=[env.task_dir])
         read_fd, write_fd = os.pipe()
@@ -272,13 +276,11 @@ def open_environment(
     """
     if not task.environment.image:
         env = BwrapTaskEnv(task, workspace, home)
-        starting = lambda: env.start(lifetime_s(task))  # noqa: E731 - one call, started below
     else:
         image = image or ensure_image(task)
         env = PodmanTaskEnv(with_image_workdir(task, image), workspace, image, home)
-        starting = lambda: env.start(lifetime_s(task), network, *podman_extras)  # noqa: E731
     try:
-        starting()
+        env.start(lifetime_s(task), network, *podman_extras)
     except BaseException:
         env.close()
         raise
