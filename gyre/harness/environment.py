@@ -1,10 +1,10 @@
 """One Harbor execution's environment: started once, entered by each phase, as Harbor's shared mode runs
 a trial (harbor src/harbor/trial/trial.py: the agent, then the verifier, in one started environment).
 
-    bubblewrap  a holder `bwrap <contract root> sleep <lifetime>`; each phase enters its mount and pid
-                namespaces with nsenter: the same tmpfs root (new top-level folders), /tmp and HOME,
-                and what the agent left running (the host's folders stay read-only: bubblewrap 0.8
-                has no overlay)
+    bubblewrap  a holder `bwrap <contract root> sleep <lifetime>` (with no network: a network namespace
+                of its own); each phase enters its namespaces with nsenter: the same tmpfs root (new
+                top-level folders), /tmp and HOME, and what the agent left running (the host's
+                folders stay read-only: bubblewrap 0.8 has no overlay)
     podman      a container `podman run -d ... sleep <lifetime>`; each phase is a `podman exec`
     /tests      bound from the host, empty until the verifier's turn, then a fresh copy of tests/
     /logs       bound from the host (agent/, verifier/, artifacts/); verifier/ is emptied right
@@ -118,9 +118,9 @@ class BaseTaskEnv:
 
 
 def make_nsenter_prefix(pid: int, uid_gid: tuple[int, int] | None) -> list[str]:
-    """nsenter argv entering a bubblewrap holder's mount and pid namespaces at its root (pure)."""
+    """nsenter argv entering a bubblewrap holder's mount, pid and network namespaces at its root (pure)."""
     ids = ["-S", str(uid_gid[0]), "-G", str(uid_gid[1])] if uid_gid else []
-    return ["nsenter", "-t", str(pid), "-m", "-p", "-r", *ids, "--"]
+    return ["nsenter", "-t", str(pid), "-m", "-p", "-n", "-r", *ids, "--"]
 
 
 def resolve_host_user(user: str, field: str = "[agent].user / [verifier].user") -> tuple[int, int]:
@@ -144,19 +144,19 @@ class BwrapTaskEnv(BaseTaskEnv):
     backend = "bwrap"
 
     def start(self, lifetime_s: float, network: str = "public", extra: list[Mount] = (), flags: list[str] = ()) -> None:
-        """Start the holder; its namespaces are entered by pid. It shares the host's network (the
-        proxy is on its loopback); `extra` and `flags` are podman's and ignored here.
+        """Start the holder; its namespaces are entered by pid. `network` "public" shares the host's,
+        "none" is a network namespace of its own with only a loopback (the agent then reaches the
+        proxy through the relay in `extra`); `flags` are podman's and ignored here.
 
         Raises:
-            TaskEnvError: bubblewrap did not report its sandbox, or a phase was to have no network
-                (task_checks.py refuses such tasks first).
+            TaskEnvError: bubblewrap did not report its sandbox.
         """
-        if network != "public":
-            raise TaskEnvError(f"task {self.task.task_id!r}: bubblewrap cannot give a phase no network")
         env = self.task.environment
-        prefix = make_contract_prefix(list_host_root(), self.mounts(), env.workdir, hide=[env.task_dir])
+        mounts = [*self.mounts(), *extra]
+        prefix = make_contract_prefix(list_host_root(), mounts, env.workdir, hide=[env.task_dir])
         read_fd, write_fd = os.pipe()
-        argv = [*prefix[:-1], "--info-fd", str(write_fd), "--", "sleep", f"{max(1, int(lifetime_s))}"]
+        net = ["--unshare-net"] if network == "none" else []
+        argv = [*prefix[:-1], *net, "--info-fd", str(write_fd), "--", "sleep", f"{max(1, int(lifetime_s))}"]
         try:
             self.proc = subprocess.Popen(
                 argv,
@@ -263,7 +263,7 @@ def open_environment(
     workspace: Path,
     network: str,
     home: Path | None = None,
-    podman_extras: tuple[list[Mount], list[str]] = ([], []),
+    extras: tuple[list[Mount], list[str]] = ([], []),
     image: str = "",
 ) -> BaseTaskEnv:
     """A started environment for `task` on `workspace`: bubblewrap, or podman from the task's image
@@ -280,7 +280,7 @@ def open_environment(
         image = image or ensure_image(task)
         env = PodmanTaskEnv(with_image_workdir(task, image), workspace, image, home)
     try:
-        env.start(lifetime_s(task), network, *podman_extras)
+        env.start(lifetime_s(task), network, *extras)
     except BaseException:
         env.close()
         raise

@@ -47,8 +47,10 @@ from gyre.cells.quota import CGROUP_ROOT, CpuQuota, make_quota
 from gyre.errors import GyreError
 from gyre.harness.commands import make_harness_command
 from gyre.harness.config import HarnessConfig
+from gyre.harness.contract import Mount
 from gyre.harness.environment import BaseTaskEnv, open_environment
 from gyre.harness.podman import (
+    RELAY_DIR,
     container_env,
     copy_workdir,
     ensure_image,
@@ -267,26 +269,31 @@ class Sandbox:
 
     def _start_harbor(self) -> None:
         """The harness in the task's environment (gyre/harness/environment.py), which outlives it for
-        the verifier; with an image, the proxy is reached through the relay pair (podman.py)."""
+        the verifier; with an image, or without a network, the proxy is reached through the relay
+        pair (podman.py)."""
         contract, url, extras = self.task.environment, self.proxy_url, ([], [])
-        if contract.image:
+        network = agent_network(self.task, self.cfg)
+        relayed = bool(contract.image) or network == "none"
+        if relayed:
             host, port = proxy_port(self.proxy_url)
             url = f"http://127.0.0.1:{port}"
             self._relay, self._relay_dir = start_host_relay(self.dir / "relay.log", host, port)
-            extras = make_agent_extras(self.cfg, self.task, self._relay_dir)
+            relay_mount = [Mount(self._relay_dir, RELAY_DIR)]
+            extras = make_agent_extras(self.cfg, self.task, self._relay_dir) if contract.image else (relay_mount, [])
         argv, env = make_harness_command(
             self.cfg, self.task.instruction, Path(contract.workdir), url, self.api_key, self.model, self.home
         )
         env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"), **contract.env)
         try:
-            network = agent_network(self.task, self.cfg)
             self.environment = open_environment(self.task, self.workspace, network, self.home, extras, self._image)
             prefix = make_limits_prefix(self.cfg, contract.memory_mb)
             if contract.cpus is not None and (quota := make_sandbox_quota(self.execution_id, contract.cpus)):
                 self._quota = quota
                 prefix += make_cgroup_prefix(str(Path(quota.path, "cgroup.procs")))
+            if relayed:
+                argv = make_relay_argv(port) + argv
             if contract.image:
-                prefix, argv = [], make_relay_argv(port) + argv  # podman sets the container's limits
+                prefix = []  # podman sets the container's limits
             inner = container_env(env) if contract.image else {}
             self.isolated = True
             self._popen(prefix + self.environment.enter(argv, inner, contract.agent_user), env)

@@ -27,21 +27,12 @@ def _check_network(task: Task, cfg: HarnessConfig, where: str) -> None:
             "[environment].network_mode or allow_internet) and harness.agent_network=none allows none"
         )
     net = agent_network(task, cfg)
-    if env.image:
-        if env.verification == "shared" and env.verifier_network_asked and env.verifier_network != net:
-            raise SandboxError(
-                f"{where}: [verifier].network_mode: {env.verifier_network} differs from the agent's {net}, and shared "
-                "verification runs in the agent's container (podman cannot change its network); set "
-                '[verifier].environment_mode = "separate" or the same network_mode'
-            )
-        return
-    verifier = env.verifier_network if env.verifier_network_asked or env.verification == "separate" else net
-    for phase, mode in (("agent", net), ("verifier", verifier)):
-        if mode == "none":  # bubblewrap shares the host's network: the proxy is reached over it
-            raise SandboxError(
-                f"{where}: [{phase}].network_mode (or allow_internet / harness.agent_network): no network needs a task "
-                "with an image run with harness.isolation=podman; bubblewrap shares the host's network"
-            )
+    if env.verification == "shared" and env.verifier_network_asked and env.verifier_network != net:
+        raise SandboxError(
+            f"{where}: [verifier].network_mode: {env.verifier_network} differs from the agent's {net}, and shared "
+            "verification runs in the agent's environment, whose network is set when it starts; set "
+            '[verifier].environment_mode = "separate" or the same network_mode'
+        )
 
 
 def check_isolation(task: Task, cfg: HarnessConfig, bwrap_ok: bool, podman_ok: bool) -> None:

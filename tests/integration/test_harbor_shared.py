@@ -4,10 +4,13 @@ the services it leaves running reach the verifier, in bubblewrap and in podman; 
 `gyre-task check` passes the fixture sets (tests/harbor_shared_tasks, tests/harbor_image_shared_tasks)."""
 
 import dataclasses
+import http.server
 import json
 import os
+import shlex
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -147,3 +150,44 @@ def test_a_reward_outside_0_1_is_kept_unless_clipping_is_asked(tmp_path):
     assert evaluate(kept, ws, "finished").score == 1.5
     ev = evaluate(clipped, ws, "finished")
     assert ev.score == 1.0 and "clipped to 1" in ev.detail, ev
+
+
+class _Pong(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"pong")
+
+    def log_message(self, *args):
+        pass
+
+
+# The "agent" (no braces: the command is formatted): the proxy answers, another host port does not.
+NO_NET_AGENT = """import socket, sys, urllib.request
+seen = [urllib.request.urlopen(sys.argv[1] + "/ping", timeout=10).read().decode()]
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[2])), timeout=2)
+    seen.append("reached")
+except OSError:
+    seen.append("unreachable")
+open("seen.txt", "w").write(" ".join(seen))
+"""
+
+
+def test_bubblewrap_agent_without_network_reaches_only_the_proxy(tmp_path):
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pong) for _ in range(2)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    proxy, other = (s.server_port for s in servers)
+    task = TaskSet.load(SHARED_SET).get("both-rewards")
+    command = f"{sys.executable} -c {shlex.quote(NO_NET_AGENT)} {{proxy_url}} {other}"
+    cfg = HarnessConfig(kind="command", command=command, grace_s=1, agent_network="none")
+    sb = Sandbox(task, f"e-{tmp_path.name}", tmp_path / "sb", cfg, f"http://127.0.0.1:{proxy}", "key", "gyre")
+    sb.prepare()
+    sb.start()
+    result = sb.wait()
+    sb.close()
+    for s in servers:
+        s.shutdown()
+    assert result.exit_code == 0, result.log_path.read_text()
+    assert (result.workspace / "seen.txt").read_text() == "pong unreachable"

@@ -144,11 +144,12 @@ def test_refusals_name_the_field_and_the_key(tmp_path):
     refused(image + "allow_internet = true", closed, "harness.agent_network=none", "asks-public")
     refused(image + '[verifier]\nnetwork_mode = "public"', closed, r"\[verifier\]\.network_mode", "verifier-public")
     refused('[verifier]\nnetwork_mode = "no-network"', podman, r"\[verifier\]\.network_mode", "bwrap-verifier-off")
-    refused("", HarnessConfig(agent_network="none"), r"\[agent\]\.network_mode", "bwrap-site-off")
     for toml, cfg in [
         (image, closed),  # the agent gets no network, the verifier shares it
         (image + '[verifier]\nnetwork_mode = "public"\nenvironment_mode = "separate"', closed),
         (image + "storage_mb = 1", podman),
+        ("", HarnessConfig(agent_network="none")),  # bubblewrap: a network namespace of its own, and the relay
+        ("[environment]\nallow_internet = false", HarnessConfig()),
     ]:
         check_isolation(load_harbor_task(task_dir(tmp_path, toml, f"ok{len(toml)}")), cfg, True, True)
 
