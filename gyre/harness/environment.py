@@ -1,10 +1,10 @@
 """One Harbor execution's environment: started once, entered by each phase, as Harbor's shared mode runs
 a trial (harbor src/harbor/trial/trial.py: the agent, then the verifier, in one started environment).
 
-    bubblewrap  a holder `bwrap <contract root> sleep <lifetime>` (with no network: a network namespace
-                of its own); each phase enters its namespaces with nsenter: the same tmpfs root (new
-                top-level folders), /tmp and HOME, and what the agent left running (the host's
-                folders stay read-only: bubblewrap 0.8 has no overlay)
+    bubblewrap  a holder `bwrap <contract root> python -m gyre.harness.envd serve` (with no network: a
+                network namespace of its own) that starts each phase inside (gyre/harness/envd.py):
+                the same tmpfs root (new top-level folders), /tmp and HOME, and what the agent left
+                running (the host's folders stay read-only: bubblewrap 0.8 has no overlay)
     podman      a container `podman run -d ... sleep <lifetime>`; each phase is a `podman exec`
     /tests      bound from the host, empty until the verifier's turn, then a fresh copy of tests/
     /logs       bound from the host (agent/, verifier/, artifacts/); verifier/ is emptied right
@@ -15,11 +15,9 @@ The holder sleeps `lifetime_s` at most, so an environment nobody closes (a crash
 by itself. `close()` ends it and removes its host folders; it is idempotent.
 """
 
-import json
-import os
-import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -27,6 +25,7 @@ from pathlib import Path
 
 from gyre.errors import GyreError
 from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
+from gyre.harness.envd import KILL_ALL
 from gyre.harness.podman import ensure_image, make_run_argv, podman, remove, with_image_workdir
 from gyre.tasks.spec import Task
 
@@ -37,9 +36,8 @@ LOG_DIRS = ("agent", "verifier", "artifacts")
 START_TIMEOUT_S = 60.0
 LIFETIME_MARGIN_S = 900.0
 """An environment outlives its agent's budget and its verifier's time by this much at most."""
-# Every pid but the environment's own (bubblewrap: its init is 1, the holder 2; podman: the holder is 1).
+# Every pid but the container's holder (pid 1) and this shell.
 _KILL_ALL = 'for p in /proc/[0-9]*; do p=${p#/proc/}; [ "$p" -gt "$0" ] && [ "$p" != $$ ] && kill -9 "$p"; done'
-_CHDIR = 'cd "$0" && exec "$@"'
 
 
 class TaskEnvError(GyreError):
@@ -117,99 +115,58 @@ class BaseTaskEnv:
         raise NotImplementedError
 
 
-def make_nsenter_prefix(pid: int, uid_gid: tuple[int, int] | None) -> list[str]:
-    """nsenter argv entering a bubblewrap holder's mount, pid and network namespaces at its root (pure)."""
-    ids = ["-S", str(uid_gid[0]), "-G", str(uid_gid[1])] if uid_gid else []
-    return ["nsenter", "-t", str(pid), "-m", "-p", "-n", "-r", *ids, "--"]
-
-
-def resolve_host_user(user: str, field: str = "[agent].user / [verifier].user") -> tuple[int, int]:
-    """(uid, gid) of a user name or uid on this host (bubblewrap's /etc is the host's).
-
-    Raises:
-        TaskEnvError: no such user, or this process cannot switch users (not root).
-    """
-    if os.geteuid() != 0:
-        raise TaskEnvError(f"{field} = {user!r}: switching users needs root (bubblewrap runs as this user)")
-    try:
-        entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
-    except KeyError:
-        raise TaskEnvError(f"{field} = {user!r}: no such user on this host") from None
-    return entry.pw_uid, entry.pw_gid
-
-
 class BwrapTaskEnv(BaseTaskEnv):
-    """The environment as a bubblewrap holder on the host (a task without an image)."""
+    """The environment as a bubblewrap sandbox on the host (a task without an image), held by
+    gyre/harness/envd.py, through which each phase enters it (unprivileged, unlike nsenter)."""
 
     backend = "bwrap"
 
+    @property
+    def socket(self) -> Path:
+        """The holder's socket: its folder is bound into the sandbox at the same path."""
+        return self.state / "envd" / "envd.sock"
+
     def start(self, lifetime_s: float, network: str = "public", extra: list[Mount] = (), flags: list[str] = ()) -> None:
-        """Start the holder; its namespaces are entered by pid. `network` "public" shares the host's,
-        "none" is a network namespace of its own with only a loopback (the agent then reaches the
-        proxy through the relay in `extra`); `flags` are podman's and ignored here.
+        """Start the holder under `flags` (an argv prefix: the environment's cgroup). `network`
+        "public" shares the host's, "none" is a network namespace of its own with only a loopback
+        (the agent then reaches the proxy through the relay in `extra`).
 
         Raises:
-            TaskEnvError: bubblewrap did not report its sandbox.
+            TaskEnvError: the holder did not start within START_TIMEOUT_S.
         """
         env = self.task.environment
-        mounts = [*self.mounts(), *extra]
+        self.socket.parent.mkdir()
+        mounts = [*self.mounts(), Mount(self.socket.parent, str(self.socket.parent)), *extra]
         prefix = make_contract_prefix(list_host_root(), mounts, env.workdir, hide=[env.task_dir])
-        read_fd, write_fd = os.pipe()
         net = ["--unshare-net"] if network == "none" else []
-        argv = [*prefix[:-1], *net, "--info-fd", str(write_fd), "--", "sleep", f"{max(1, int(lifetime_s))}"]
-        try:
-            self.proc = subprocess.Popen(
-                argv,
-                pass_fds=(write_fd,),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-        finally:
-            os.close(write_fd)
-        with os.fdopen(read_fd) as info:
-            text = info.read()  # bubblewrap closes it once it has made the sandbox's first process
-        try:
-            self.pid = int(json.loads(text)["child-pid"])
-            self._wait_ready()
-        except (ValueError, KeyError, TypeError, TimeoutError):
-            self.proc.kill()
-            err = self.proc.communicate(timeout=START_TIMEOUT_S)[1].decode(errors="replace")
-            raise TaskEnvError(
-                f"task {self.task.task_id!r}: bubblewrap environment did not start: {err[-500:]}"
-            ) from None
-
-    def _wait_ready(self) -> None:
-        """Wait until the holder runs: bubblewrap reports its first process before that process has
-        made the sandbox's mounts, and an nsenter before then would enter a half-made root.
-
-        Raises:
-            TimeoutError: not running within START_TIMEOUT_S, or bubblewrap exited.
-        """
+        holder = [sys.executable, "-m", "gyre.harness.envd", "serve", str(self.socket), f"{lifetime_s:g}"]
+        self.proc = subprocess.Popen(
+            [*flags, *prefix[:-1], *net, "--", *holder],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
-        children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                kids = children.read_text().split()
-                if any(Path(f"/proc/{k}/comm").read_text().strip() == "sleep" for k in kids):
-                    return
-            except OSError:
-                pass
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                err = self.proc.communicate()[1].decode(errors="replace")
+                self.proc = None
+                raise TaskEnvError(f"task {self.task.task_id!r}: bubblewrap environment did not start: {err[-500:]}")
             time.sleep(0.01)
-        raise TimeoutError("the holder did not start")
 
     def enter(self, argv: list[str], env: dict[str, str], user: str | None = None) -> list[str]:
-        try:
-            ids = resolve_host_user(user) if user is not None else None
-        except TaskEnvError as e:
-            raise TaskEnvError(f"task {self.task.task_id!r}: {e}") from None
         assigns = [f"{k}={v}" for k, v in sorted(env.items())]
-        workdir = self.task.environment.workdir
-        return [*make_nsenter_prefix(self.pid, ids), "env", *assigns, "sh", "-c", _CHDIR, workdir, *argv]
+        who = ["--user", user] if user is not None else []
+        cwd = self.task.environment.workdir
+        return [*self._client(["--cwd", cwd, *who]), "env", *assigns, *argv]
 
     def kill_all(self) -> None:
-        subprocess.run([*make_nsenter_prefix(self.pid, None), "sh", "-c", _KILL_ALL, "2"], timeout=30, check=False)
+        subprocess.run([*self._client([]), KILL_ALL], timeout=30, check=False, capture_output=True)
+
+    def _client(self, flags: list[str]) -> list[str]:
+        return [sys.executable, "-m", "gyre.harness.envd", "enter", str(self.socket), *flags, "--"]
 
     def _stop(self) -> None:
         if getattr(self, "proc", None) is not None:
@@ -268,7 +225,8 @@ def open_environment(
 ) -> BaseTaskEnv:
     """A started environment for `task` on `workspace`: bubblewrap, or podman from the task's image
     (`image`: its ID, else pulled or built) with the image's WORKDIR where the task names none.
-    The environment's `task` is the task with that workdir.
+    The environment's `task` is the task with that workdir. `extras`: (mounts added, podman's run
+    flags or the argv prefix bubblewrap's holder starts under).
 
     Raises:
         PodmanError: the image cannot be had or has no usable WORKDIR.

@@ -278,25 +278,27 @@ class Sandbox:
             host, port = proxy_port(self.proxy_url)
             url = f"http://127.0.0.1:{port}"
             self._relay, self._relay_dir = start_host_relay(self.dir / "relay.log", host, port)
-            relay_mount = [Mount(self._relay_dir, RELAY_DIR)]
-            extras = make_agent_extras(self.cfg, self.task, self._relay_dir) if contract.image else (relay_mount, [])
         argv, env = make_harness_command(
             self.cfg, self.task.instruction, Path(contract.workdir), url, self.api_key, self.model, self.home
         )
         env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"), **contract.env)
         try:
-            self.environment = open_environment(self.task, self.workspace, network, self.home, extras, self._image)
-            prefix = make_limits_prefix(self.cfg, contract.memory_mb)
-            if contract.cpus is not None and (quota := make_sandbox_quota(self.execution_id, contract.cpus)):
-                self._quota = quota
-                prefix += make_cgroup_prefix(str(Path(quota.path, "cgroup.procs")))
-            if relayed:
-                argv = make_relay_argv(port) + argv
+            if contract.image:  # podman sets the container's limits
+                extras = make_agent_extras(self.cfg, self.task, self._relay_dir)
+            else:  # the harness's rlimits inside; `cpus` holds the whole environment, as a container's
+                argv = (
+                    make_limits_prefix(self.cfg, contract.memory_mb) + (make_relay_argv(port) if relayed else []) + argv
+                )
+                holder = []
+                if contract.cpus is not None and (quota := make_sandbox_quota(self.execution_id, contract.cpus)):
+                    self._quota, holder = quota, make_cgroup_prefix(str(Path(quota.path, "cgroup.procs")))
+                extras = ([Mount(self._relay_dir, RELAY_DIR)] if relayed else [], holder)
             if contract.image:
-                prefix = []  # podman sets the container's limits
-            inner = container_env(env) if contract.image else {}
+                argv = make_relay_argv(port) + argv
+            self.environment = open_environment(self.task, self.workspace, network, self.home, extras, self._image)
             self.isolated = True
-            self._popen(prefix + self.environment.enter(argv, inner, contract.agent_user), env)
+            inner = container_env(env) if contract.image else {}
+            self._popen(self.environment.enter(argv, inner, contract.agent_user), env)
         except (GyreError, OSError):
             self.close()
             raise
