@@ -23,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
+import gyre
 from gyre.errors import GyreError
 from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
 from gyre.harness.envd import KILL_ALL
@@ -115,6 +116,15 @@ class BaseTaskEnv:
         raise NotImplementedError
 
 
+def python_mounts() -> list[Mount]:
+    """This Python and Gyre's tree, bound read-only where the sandbox's fresh /tmp would hide them
+    (a checkout or a virtualenv under /tmp): the holder runs from them."""
+    wanted = {Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).parents[1]}
+    under_tmp = sorted({p.resolve() for p in wanted if p.resolve().is_relative_to("/tmp")})
+    top = [p for p in under_tmp if not any(q != p and q in p.parents for q in under_tmp)]
+    return [Mount(p, str(p), writable=False) for p in top]
+
+
 class BwrapTaskEnv(BaseTaskEnv):
     """The environment as a bubblewrap sandbox on the host (a task without an image), held by
     gyre/harness/envd.py, through which each phase enters it (unprivileged, unlike nsenter)."""
@@ -136,7 +146,7 @@ class BwrapTaskEnv(BaseTaskEnv):
         """
         env = self.task.environment
         self.socket.parent.mkdir()
-        mounts = [*self.mounts(), Mount(self.socket.parent, str(self.socket.parent)), *extra]
+        mounts = [*self.mounts(), Mount(self.socket.parent, str(self.socket.parent)), *python_mounts(), *extra]
         prefix = make_contract_prefix(list_host_root(), mounts, env.workdir, hide=[env.task_dir])
         net = ["--unshare-net"] if network == "none" else []
         holder = [sys.executable, "-m", "gyre.harness.envd", "serve", str(self.socket), f"{lifetime_s:g}"]
