@@ -99,7 +99,6 @@ def _watch_client(conn: socket.socket, proc: subprocess.Popen) -> None:
 
 def serve(path: str, lifetime_s: float) -> None:
     """Accept phases until `lifetime_s` has passed (then the sandbox ends with this process)."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     srv.bind(path + ".new")
     srv.listen(64)

@@ -11,7 +11,7 @@ a trial (harbor src/harbor/trial/trial.py: the agent, then the verifier, in one 
                 before the verifier runs, so a reward the agent planted is gone
     /solution   the oracle's: a copy of solution/ put in before solve.sh runs
 
-The holder sleeps `lifetime_s` at most, so an environment nobody closes (a crashed coordinator) ends
+The holder lives `lifetime_s` at most, so an environment nobody closes (a crashed coordinator) ends
 by itself. `close()` ends it and removes its host folders; it is idempotent.
 """
 
