@@ -208,6 +208,8 @@ class Sandbox:
         self._image = ""
         self._relay: subprocess.Popen | None = None
         self._relay_dir: Path | None = None
+        self._port = 0
+        """The proxy's port, where the relay listens inside the environment."""
         self._quota: CpuQuota | None = None
         self._proc: subprocess.Popen | None = None
         self._log = None
@@ -220,6 +222,7 @@ class Sandbox:
         Raises:
             SandboxError: a Harbor task this sandbox cannot run (check_isolation).
             PodmanError: the task's image cannot be pulled, built or copied from.
+            TaskEnvError: a Harbor task's environment did not start.
             WorkspaceError: the source cannot be copied or the setup failed.
         """
         contract = self.task.environment
@@ -237,6 +240,8 @@ class Sandbox:
             make_workspace(self.task.workspace, self.workspace)
         run_setup(self.task, self.workspace)
         (self.home / "tmp").mkdir(parents=True, exist_ok=True)
+        if contract is not None:
+            self._open_environment()
         return self.workspace
 
     def start(self) -> None:
@@ -267,37 +272,45 @@ class Sandbox:
             )
         self._popen(make_limits_prefix(self.cfg) + argv, env)
 
+    def _open_environment(self) -> None:
+        """Start the Harbor task's environment (gyre/harness/environment.py), which outlives the
+        harness for the verifier; with an image, or without a network, the proxy is reached through
+        the relay pair (podman.py), whose host side starts here too."""
+        contract, network = self.task.environment, agent_network(self.task, self.cfg)
+        try:
+            if contract.image or network == "none":
+                host, self._port = proxy_port(self.proxy_url)
+                self._relay, self._relay_dir = start_host_relay(self.dir / "relay.log", host, self._port)
+            if contract.image:  # podman sets the container's limits
+                extras = make_agent_extras(self.cfg, self.task, self._relay_dir)
+            else:  # `cpus` holds the whole environment, as a container's
+                holder = []
+                if contract.cpus is not None and (quota := make_sandbox_quota(self.execution_id, contract.cpus)):
+                    self._quota, holder = quota, make_cgroup_prefix(str(Path(quota.path, "cgroup.procs")))
+                extras = ([Mount(self._relay_dir, RELAY_DIR)] if self._relay_dir else [], holder)
+            # Started in prepare()'s thread (the coordinator's executor threads live as long as its
+            # loop): bubblewrap's --die-with-parent follows the thread that started it.
+            self.environment = open_environment(self.task, self.workspace, network, self.home, extras, self._image)
+        except (GyreError, OSError):
+            self.close()
+            raise
+
     def _start_harbor(self) -> None:
-        """The harness in the task's environment (gyre/harness/environment.py), which outlives it for
-        the verifier; with an image, or without a network, the proxy is reached through the relay
-        pair (podman.py)."""
-        contract, url, extras = self.task.environment, self.proxy_url, ([], [])
-        network = agent_network(self.task, self.cfg)
-        relayed = bool(contract.image) or network == "none"
-        if relayed:
-            host, port = proxy_port(self.proxy_url)
-            url = f"http://127.0.0.1:{port}"
-            self._relay, self._relay_dir = start_host_relay(self.dir / "relay.log", host, port)
+        """The harness in the task's environment, under the relay where there is one; without an
+        image, the harness's rlimits apply inside."""
+        contract = self.task.environment
+        url = f"http://127.0.0.1:{self._port}" if self._relay is not None else self.proxy_url
         argv, env = make_harness_command(
             self.cfg, self.task.instruction, Path(contract.workdir), url, self.api_key, self.model, self.home
         )
         env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"), **contract.env)
+        if self._relay is not None:
+            argv = make_relay_argv(self._port) + argv
+        if not contract.image:
+            argv = make_limits_prefix(self.cfg, contract.memory_mb) + argv
+        inner = container_env(env) if contract.image else {}
+        self.isolated = True
         try:
-            if contract.image:  # podman sets the container's limits
-                extras = make_agent_extras(self.cfg, self.task, self._relay_dir)
-            else:  # the harness's rlimits inside; `cpus` holds the whole environment, as a container's
-                argv = (
-                    make_limits_prefix(self.cfg, contract.memory_mb) + (make_relay_argv(port) if relayed else []) + argv
-                )
-                holder = []
-                if contract.cpus is not None and (quota := make_sandbox_quota(self.execution_id, contract.cpus)):
-                    self._quota, holder = quota, make_cgroup_prefix(str(Path(quota.path, "cgroup.procs")))
-                extras = ([Mount(self._relay_dir, RELAY_DIR)] if relayed else [], holder)
-            if contract.image:
-                argv = make_relay_argv(port) + argv
-            self.environment = open_environment(self.task, self.workspace, network, self.home, extras, self._image)
-            self.isolated = True
-            inner = container_env(env) if contract.image else {}
             self._popen(self.environment.enter(argv, inner, contract.agent_user), env)
         except (GyreError, OSError):
             self.close()
