@@ -38,6 +38,8 @@ class LedgerEntry:
     duration_s: float | None = None
     exit_code: int | None = None
     """The harness's exit status (an outcome's entry; negative: killed by that signal)."""
+    metrics: dict[str, float] | None = None
+    """Named numbers the evaluator reported beside the score (a Harbor reward.json's other keys)."""
 
 
 @dataclass

@@ -36,7 +36,7 @@ class Rollouts(GroupBook):
         c = cfg.coordinator
         super().__init__(c.groups_per_step, cfg.num_steps, ledger, events)
         path = cfg.tasks.held_out_path
-        self.held_out_tasks = TaskSet.load(path).tasks if path else []
+        self.held_out_tasks = TaskSet.load(path, cfg.tasks).tasks if path else []
         self.held_out_samples = cfg.tasks.eval_samples
         self.held_out_versions: set[int] = set()
         """Weight versions whose held-out rollouts were admitted."""
@@ -180,12 +180,24 @@ class Rollouts(GroupBook):
         except Exception as e:  # a revoke that fails leaves a key valid, nothing else
             log.warning("revoking %s: %s", ex.execution_id, e)
         if (reason := unscored_reason(result.exit_code, has_records(ex.records_path))) is not None:
+            await asyncio.to_thread(ex.sandbox.close)
             ex.evaluation = Evaluation(outcome, None, reason)
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
             return
-        ex.evaluation = ev = await asyncio.to_thread(evaluate, ex.task, result.workspace, outcome)
+        try:  # a Harbor task is verified in its agent's environment, ended once verified
+            ev = await asyncio.to_thread(evaluate, ex.sandbox.task, result.workspace, outcome, ex.sandbox.environment)
+        finally:
+            await asyncio.to_thread(ex.sandbox.close)
+        ex.evaluation = ev
         if ev.outcome in HARNESS_OUTCOMES and ev.score is not None:
-            self._log(ex, ev.outcome, score=ev.score, duration_s=ex.duration_s, exit_code=result.exit_code)
+            self._log(
+                ex,
+                ev.outcome,
+                score=ev.score,
+                duration_s=ex.duration_s,
+                exit_code=result.exit_code,
+                metrics=ev.metrics or None,
+            )
         else:
             reason = "no_score" if ev.outcome in HARNESS_OUTCOMES else ev.outcome
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)

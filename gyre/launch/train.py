@@ -85,7 +85,7 @@ def load_tasks(cfg: GyreConfig) -> TaskSet:
     from gyre.harness.podman import podman_available
     from gyre.harness.sandbox import bwrap_available, check_isolation
 
-    taskset = TaskSet.load(cfg.tasks.path) if cfg.tasks.path else toy_taskset()
+    taskset = TaskSet.load(cfg.tasks.path, cfg.tasks) if cfg.tasks.path else toy_taskset()
     for task in taskset.tasks:
         if task.environment is not None:  # on Slurm the nodes' bubblewrap is checked by each sandbox
             slurm = cfg.cluster.backend == "slurm"

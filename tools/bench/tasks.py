@@ -52,7 +52,9 @@ def start_cost(task, root: Path, isolation: str) -> tuple[float, float]:
     sb.prepare()
     sb.start()
     sb.wait(poll_interval_s=0.001)
-    return time.perf_counter() - t0, children_cpu_s() - cpu0
+    cost = time.perf_counter() - t0, children_cpu_s() - cpu0
+    sb.close()  # a Harbor task's environment (holder or container) outlives the harness until closed
+    return cost
 
 
 def toy_executions(ts, n: int, model_dir: str | None) -> dict:
