@@ -18,11 +18,11 @@ from gyre.coordinator.config import GyreConfig
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, LedgerView
 from gyre.coordinator.source import Execution, Group, GroupBook, recorded
 from gyre.errors import GyreError
+from gyre.harness.evaluate import evaluate
 from gyre.harness.sandbox import Sandbox
 from gyre.proxy.admin import ProxyAdmin
 from gyre.records.io import has_records
 from gyre.scheduler.streaming import may_admit
-from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import TaskSet, TaskSource
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation, unscored_reason
 

@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+from gyre.common.files import publish
+
 MAX_REQUEST = 1 << 20
 """Bytes of one request (argv, cwd, user, environment)."""
 KILL_ALL = "__kill_all__"
@@ -102,7 +104,7 @@ def serve(path: str, lifetime_s: float) -> None:
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     srv.bind(path + ".new")
     srv.listen(64)
-    os.rename(path + ".new", path)  # the socket appears ready: the host waits for its name
+    publish(path + ".new", path)  # the socket appears ready: the host waits for its name
     srv.settimeout(1.0)
     deadline = time.monotonic() + lifetime_s
     while time.monotonic() < deadline:

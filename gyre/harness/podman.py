@@ -39,6 +39,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import gyre
+from gyre.common.files import publish
 from gyre.errors import GyreError
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount
@@ -184,7 +185,7 @@ def copy_workdir(image_id: str, workdir: str, dest: Path) -> None:
         finally:
             podman(["rm", "--force", name])
         try:
-            fresh.rename(cache)  # atomic: a concurrent copy of the same image keeps the first
+            publish(fresh, cache)  # atomic: a concurrent copy of the same image keeps the first
         except OSError:
             shutil.rmtree(fresh, ignore_errors=True)
     shutil.copytree(cache, dest, symlinks=True)

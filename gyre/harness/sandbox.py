@@ -61,8 +61,8 @@ from gyre.harness.podman import (
     with_image_workdir,
 )
 from gyre.harness.task_checks import SandboxError, agent_network, check_isolation
+from gyre.harness.workspace import make_workspace, run_setup
 from gyre.tasks.spec import Task
-from gyre.tasks.workspace import make_workspace, run_setup
 
 log = logging.getLogger(__name__)
 _bwrap_ok: bool | None = None

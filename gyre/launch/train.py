@@ -94,8 +94,8 @@ def load_tasks(cfg: GyreConfig) -> TaskSet:
     if wants_warm and not any("files" in (t.reference or {}) for t in taskset.tasks):
         print("gyre-train: warm start skipped: no task has reference files to demonstrate", file=sys.stderr)
     elif wants_warm:  # on resume too: the checkpoints hold the weights, the warm start's directory the vocabulary
+        from gyre.launch.warmstart import WarmStartConfig, warm_start
         from gyre.models.tokenizer import has_bpe_tokenizer
-        from gyre.tasks.warmstart import WarmStartConfig, warm_start
 
         ws = WarmStartConfig(clear_chars=cfg.harness.toy.clear_chars)
         out, report = warm_start(Path(cfg.tasks.warm_start_dir), taskset, cfg.model, ws)

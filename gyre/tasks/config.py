@@ -20,7 +20,7 @@ class TasksConfig:
     """Executions per held-out task at each of the two points; 0: no held-out rollouts."""
     warm_start: bool = True
     """Without coordinator.init_weights: start RL from a policy trained on the task set's reference
-    solutions (gyre.tasks.warmstart), so rewards vary from the first step; False: the seeded init."""
+    solutions (gyre.launch.warmstart), so rewards vary from the first step; False: the seeded init."""
     max_agent_timeout_s: float = 4 * 3600.0
     """A Harbor task's agent budget where its task.toml sets no `[agent].timeout_sec` (Harbor: no limit)."""
     clip_reward: bool = False

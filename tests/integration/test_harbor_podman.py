@@ -16,8 +16,8 @@ import pytest
 from podman_fixtures import IMAGE_SET, ROOT, local_image
 
 from gyre.harness.config import HarnessConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.sandbox import Sandbox
-from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import TaskSet
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def task():
 
 def test_oracle_check_builds_the_image_and_scores_in_it(task):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "gyre.tasks.cli", "check", str(IMAGE_SET)]
+    cmd = [sys.executable, "-m", "gyre.launch.task_cli", "check", str(IMAGE_SET)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("hello-image\tok\tempty=0.0 reference=1.0"), done.stdout

@@ -17,11 +17,11 @@ import pytest
 from podman_fixtures import local_image
 
 from gyre.harness.config import HarnessConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.sandbox import Sandbox, bwrap_available
+from gyre.harness.workspace import apply_reference
 from gyre.tasks.config import TasksConfig
-from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import TaskSet
-from gyre.tasks.workspace import apply_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_SET = ROOT / "tests" / "harbor_shared_tasks"
@@ -37,7 +37,7 @@ SERVICE = (
 
 
 def _check(taskset: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "gyre.tasks.cli", "check", str(taskset)]
+    cmd = [sys.executable, "-m", "gyre.launch.task_cli", "check", str(taskset)]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 

@@ -14,9 +14,9 @@ from podman_fixtures import IMAGE_SET, local_image
 
 from gyre.coordinator.ledger import read_ledger
 from gyre.harness.config import HarnessConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.podman import podman_available
 from gyre.harness.sandbox import Sandbox, SandboxError, bwrap_available
-from gyre.tasks.evaluate import evaluate
 from gyre.tasks.harbor import find_task_dirs
 from gyre.tasks.taskset import TaskSet
 
@@ -28,7 +28,12 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gyre.tasks.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "gyre.launch.task_cli", *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

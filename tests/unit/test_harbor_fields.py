@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from gyre.harness.config import HarnessConfig
+from gyre.harness.evaluate import EvaluatorFailed, parse_reward
 from gyre.harness.podman import qualify_image
 from gyre.harness.task_checks import SandboxError, check_isolation
 from gyre.tasks.config import TasksConfig
-from gyre.tasks.evaluate import EvaluatorFailed, parse_reward
 from gyre.tasks.harbor import load_harbor_task
 from gyre.tasks.harbor_fields import resolve_env
 from gyre.tasks.spec import TaskSpecError

@@ -6,8 +6,8 @@ import pytest
 
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount, make_contract_prefix
+from gyre.harness.evaluate import EvaluatorFailed, parse_reward
 from gyre.harness.sandbox import SandboxError, check_isolation, make_limits_prefix
-from gyre.tasks.evaluate import EvaluatorFailed, parse_reward
 from gyre.tasks.harbor import find_task_dirs, load_harbor_task
 from gyre.tasks.spec import TaskSpecError
 from gyre.tasks.taskset import TaskSet

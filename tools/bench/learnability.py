@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gyre.launch.warmstart import reference_transcript, sample, score_turn
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.tokenizer import load_tokenizer
 from gyre.tasks.taskset import toy_taskset
-from gyre.tasks.warmstart import reference_transcript, sample, score_turn
 from gyre.train.config import TrainerConfig
 from gyre.train.trainer import Trainer
 from gyre.trajectory.config import TrajectoryConfig

@@ -25,12 +25,12 @@ import uuid
 from pathlib import Path
 
 from gyre.harness.config import HarnessConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.podman import ensure_image, podman_available
 from gyre.harness.sandbox import Sandbox, bwrap_available, make_task_workspace
 from gyre.harness.toy_agent import ToolTime
-from gyre.tasks.evaluate import evaluate
+from gyre.harness.workspace import apply_reference, make_workspace
 from gyre.tasks.taskset import TaskSet, toy_taskset
-from gyre.tasks.workspace import apply_reference, make_workspace
 
 
 def children_cpu_s() -> float:
@@ -61,11 +61,11 @@ def toy_executions(ts, n: int, model_dir: str | None) -> dict:
     """Durations of `n` toy-agent executions run concurrently through one engine and proxy."""
     from gyre.engines.config import EngineConfig
     from gyre.engines.launch import BuiltinEngineProcess
+    from gyre.launch.task_cli import register_execution
     from gyre.models.config import ModelConfig
     from gyre.proxy.config import ProxyConfig
     from gyre.proxy.main import ProxyProcess
     from gyre.records.io import read_records
-    from gyre.tasks.cli import register_execution
 
     with tempfile.TemporaryDirectory(prefix="gyre-bench-toy-") as tmp:
         engine = BuiltinEngineProcess(EngineConfig(model_path=model_dir, startup_timeout_s=300), ModelConfig())

@@ -25,17 +25,17 @@ from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
 from gyre.errors import GyreError
 from gyre.harness.config import ISOLATIONS, KINDS, HarnessConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.podman import podman_available
 from gyre.harness.sandbox import Sandbox, bwrap_available, check_isolation, make_task_workspace
+from gyre.harness.workspace import apply_reference
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import has_bpe_tokenizer
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.main import ProxyProcess
 from gyre.records.io import has_records
-from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import TOY_TASKSET, TaskSet
-from gyre.tasks.workspace import apply_reference
 from gyre.trajectory.rewards import Evaluation, reward_of, unscored_reason
 
 CHECK_ATTEMPTS = 3
