@@ -279,6 +279,11 @@ def main() -> None:
     if args.prompt_tokens:  # the byte tokenizer: one token per byte
         MESSAGES[0]["content"] = TASK * max(4, args.prompt_tokens // len(TASK))
     out = run(args)
+    print_report(out)
+    print(json.dumps(out))
+
+
+def print_report(out: dict) -> None:
     print(f"{'path':<22}{'p50 ms':>9}{'p99 ms':>9}")
     print(f"{'direct':<22}{out['direct_ms_p50']:>9.2f}{out['direct_ms_p99']:>9.2f}")
     for pre, name in [("", f"proxy (window {out['fsync_window_ms']:g} ms)"), ("each_", "proxy (fsync each)")]:
@@ -322,7 +327,6 @@ def main() -> None:
         "wait for a CPU per wake-up"
     )
     print(f"{out['records_per_s']:.1f} records/s; load average {out['loadavg_1m']:.1f} on {out['cpus']} CPUs")
-    print(json.dumps(out))
 
 
 if __name__ == "__main__":
