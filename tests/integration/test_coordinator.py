@@ -252,7 +252,7 @@ def _assert_nothing_left(run_dir: Path, timeout_s: float = 30) -> None:
                 continue
         if not left or time.monotonic() > deadline:
             break
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert not left, left
 
 

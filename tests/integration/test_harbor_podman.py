@@ -1,7 +1,7 @@
 """SLOW: Harbor tasks with an image under harness.isolation=podman, on a local Debian image (no registry):
 the oracle check builds the task's Dockerfile and scores in it; the agent's container reaches the proxy
 and nothing else, never sees the tests, and its planted reward is ignored; a container past its budget
-is stopped and removed. (A 1-step gyre-train: test_harbor_tasks.py folds this set into its run.)"""
+is stopped and removed. (A 1-step gyre-train: test_harbor_bwrap.py folds this set into its run.)"""
 
 import dataclasses
 import http.server

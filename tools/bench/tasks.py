@@ -3,6 +3,7 @@ Harbor task's image), evaluator time per toy task and of a Harbor verifier (bubb
 and the toy profile's duration distribution (tool calls drawn from the harness config's log-normal).
 
     python tools/bench/tasks.py [--runs N]      # last line: one JSON object
+    python tools/bench/tasks.py --smoke         # the test suite's run: one start per isolation, 200 draws
 
 Overhead is measured side by side in one run: the same trivial harness (`true`) started through
 Sandbox.prepare/start/wait with isolation none and bwrap, and for tests/harbor_tasks/hello-file
@@ -169,7 +170,10 @@ def main() -> None:
     p.add_argument("--draws", type=int, default=20000, help="tool-duration draws for the toy profile")
     p.add_argument("--executions", type=int, default=0, help="also run this many toy executions (engine + proxy)")
     p.add_argument("--model-dir", default=None, help="engine weights for --executions (default: random tiny)")
+    p.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     a = p.parse_args()
+    if a.smoke:
+        a.runs, a.draws = 1, 200
     ts = toy_taskset()
     task = ts.tasks[0]
     out: dict = {}
