@@ -19,9 +19,9 @@ from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, LedgerView
 from gyre.coordinator.source import Execution, Group, GroupBook, recorded
 from gyre.errors import GyreError
 from gyre.harness.evaluate import evaluate
-from gyre.harness.sandbox import Sandbox
+from gyre.harness.sandbox import Sandbox, continuable
 from gyre.proxy.admin import ProxyAdmin
-from gyre.records.io import has_records
+from gyre.records.io import RecordFileError, has_records, read_records
 from gyre.scheduler.streaming import may_admit
 from gyre.tasks.taskset import TaskSet, TaskSource
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation, unscored_reason
@@ -43,6 +43,7 @@ class Rollouts(GroupBook):
         self.taskset, self.harness, self.group_size = taskset, cfg.harness, c.group_size
         self.staleness, self.seed, self.model = cfg.scheduler.staleness, cfg.seed, cfg.proxy.model_names[0]
         self.sandbox_root, self.records_dir = run_dir / "sandboxes", run_dir / "records"
+        self.on_resume, self.max_continues = c.on_resume, c.max_continues
         self.proxy: ProxyAdmin | None = None
         self.proxy_url = ""
         self.queue: list[Execution] = []
@@ -101,8 +102,9 @@ class Rollouts(GroupBook):
         """Rebuild the groups not yet trained under the restored weights (`version`) from the ledger.
 
         Rule for executions in flight at the checkpoint: an execution with an outcome keeps it (its
-        records and score are durable); one without is marked excluded (interrupted) and re-run
-        as a new attempt, so none is lost and none is trained twice.
+        records and score are durable); one without continues its harness session under the same
+        id (`_continuable`), or else is marked excluded (interrupted) and re-run as a new attempt,
+        so none is lost and none is trained twice.
         """
         by_group: dict[int, list[LedgerEntry]] = {}
         for entries in view.history.values():
@@ -127,11 +129,42 @@ class Rollouts(GroupBook):
         if done is not None:
             return recorded(done, g, self.records_dir)
         ex = Execution(eid, g.index, g.task)
+        if (used := self._continuable(view.history[eid], g)) is not None:
+            ex.used_s, kept = used, self._tokens_before_break(eid)
+            self._log(ex, "queued", reason="continued", duration_s=used, tokens_kept=kept)
+            self.queue.append(ex)
+            return ex
         self._log(ex, "excluded", reason="interrupted")
         retry = Execution(f"{execution_id}.r{attempt + 1}", g.index, g.task)
         self._log(retry, "queued")
         self.queue.append(retry)
         return retry
+
+    def _continuable(self, history: list[LedgerEntry], g: Group) -> float | None:
+        """The time budget an interrupted execution used before the break, if it continues its
+        harness session (coordinator.on_resume, its harness and task allow it, fewer than
+        coordinator.max_continues so far); None: it is re-run instead."""
+        eid = history[0].execution_id
+        continued = [e for e in history if e.state == "queued" and e.reason == "continued"]
+        if self.on_resume != "continue" or len(continued) >= self.max_continues:
+            return None
+        if (why := continuable(g.task, self.harness, self.sandbox_root / eid)) is not None:
+            log.info("execution %s is re-run: %s", eid, why)
+            return None
+        started = [e.t for e in history if e.state == "running"]
+        if not started:
+            return None
+        records = self.records_dir / f"{eid}.jsonl"
+        last_alive = records.stat().st_mtime if records.exists() else started[-1]  # its last call's record
+        before = continued[-1].duration_s if continued else 0.0
+        return before + max(0.0, last_alive - started[-1])
+
+    def _tokens_before_break(self, eid: str) -> int:
+        try:
+            records, _ = read_records(self.records_dir / f"{eid}.jsonl")
+        except (OSError, RecordFileError):
+            return 0
+        return sum(len(r.input_ids) + len(r.output_ids) for r in records)
 
     # ---- running ------------------------------------------------------------------------------
     async def start_queued(self, free_slots: int) -> None:
@@ -151,7 +184,10 @@ class Rollouts(GroupBook):
                     reg["api_key"],
                     self.model,
                 )
-                await asyncio.to_thread(ex.sandbox.prepare)
+                if ex.used_s is None:
+                    await asyncio.to_thread(ex.sandbox.prepare)
+                else:
+                    ex.sandbox.resume(ex.used_s)
                 ex.sandbox.start()
             except (GyreError, OSError) as e:  # a sandbox, workspace or harness that cannot start
                 log.warning("execution %s could not start: %s", ex.execution_id, e)

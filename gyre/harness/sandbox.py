@@ -61,6 +61,7 @@ from gyre.harness.podman import (
     with_image_workdir,
 )
 from gyre.harness.task_checks import SandboxError, agent_network, check_isolation
+from gyre.harness.toy_agent import SESSION_FILE
 from gyre.harness.workspace import make_workspace, run_setup
 from gyre.tasks.spec import Task
 
@@ -185,6 +186,20 @@ def start_host_relay(log_path: Path, host: str, port: int) -> tuple[subprocess.P
     return relay, relay_dir
 
 
+def continuable(task: Task, cfg: HarnessConfig, sandbox_dir: Path) -> str | None:
+    """Why an interrupted execution cannot continue its harness session (None: it can). The toy
+    agent keeps its session in its home (gyre.harness.toy_agent.SESSION_FILE); the other harnesses'
+    sessions are not continued yet, and a Harbor task's environment (its services, its container)
+    does not outlive the job."""
+    if cfg.kind != "toy":
+        return f"harness.kind={cfg.kind} does not continue its sessions yet"
+    if task.environment is not None:
+        return "a Harbor task's environment does not outlive the job"
+    if not (sandbox_dir / "workspace").is_dir() or not (sandbox_dir / "home" / SESSION_FILE).is_file():
+        return f"no workspace or no saved session under {sandbox_dir}"
+    return None
+
+
 class Sandbox:
     """One execution's harness process: prepare, start, poll until it ends (or kill)."""
 
@@ -214,7 +229,21 @@ class Sandbox:
         self._proc: subprocess.Popen | None = None
         self._log = None
         self._started = self._term_at = 0.0
+        self._used_s = 0.0
+        """The time budget a continued execution used before the restart that interrupted it."""
         self._result: SandboxResult | None = None
+
+    def resume(self, used_s: float) -> Path:
+        """Continue an execution a restart interrupted: its workspace and home as they were (the
+        harness's session in the home), under what is left of its time budget.
+
+        Raises:
+            SandboxError: nothing this sandbox can continue (`continuable` says why).
+        """
+        if (why := continuable(self.task, self.cfg, self.dir)) is not None:
+            raise SandboxError(f"execution {self.execution_id} cannot continue: {why}")
+        self._used_s = used_s
+        return self.workspace
 
     def prepare(self) -> Path:
         """A fresh workspace copy with the task's setup run in it, and a private home.
@@ -362,7 +391,7 @@ class Sandbox:
         now = time.monotonic()
         code = self._proc.poll()
         if code is None:
-            if not self._term_at and now - self._started > self.task.time_budget_s:
+            if not self._term_at and now - self._started + self._used_s > self.task.time_budget_s:
                 self._term_at = now
                 self._signal(signal.SIGTERM)
             elif self._term_at and now - self._term_at > self.cfg.grace_s:
@@ -373,7 +402,8 @@ class Sandbox:
         self._stop_relay()
         if self._term_at and self.environment is not None:
             self.environment.kill_all()  # past its budget: what it runs inside stops too (podman exec's do not)
-        self._result = SandboxResult(code, bool(self._term_at), now - self._started, self.workspace, self.log_path)
+        used = now - self._started + self._used_s  # a continued execution's budget counts the time before the break
+        self._result = SandboxResult(code, bool(self._term_at), used, self.workspace, self.log_path)
         return self._result
 
     def kill(self) -> None:
