@@ -324,10 +324,12 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
         assert all(e["status"] == "active" and e["weight_version"] >= 2 for e in back), back  # reloaded, announced
         assert {e["cell_id"] for e in back} == {str(training)}
         lost = [e for e in _events(run_dir, "failure") if e["component"] == f"cell{serving}"]
-        assert lost and f"exited with code {ENGINE_LOST_EXIT}" in lost[0]["message"], lost
-        assert lost[0]["t"] - killed_t < 15, "found by its leader's watch, not at the next switch"
-        log = (run_dir / "logs" / f"cell{serving}.log").read_text()
-        assert f"cell {serving}: its engine http://" in log and "exited with code -9; the cell is lost" in log
+        assert lost and lost[0]["t"] - killed_t < 15, lost  # found at once, not at the next switch
+        if f"exited with code {ENGINE_LOST_EXIT}" in lost[0]["message"]:  # by its leader's watch (0.5 s)
+            log = (run_dir / "logs" / f"cell{serving}.log").read_text()
+            assert f"cell {serving}: its engine http://" in log and "exited with code -9; the cell is lost" in log
+        else:  # a step ended first (a loaded box): the weight push to the dead engine found it
+            assert "its engine did not take weight version" in lost[0]["message"], lost
         # Step 3's executions are admitted once step 1 is applied (staleness 1): kill while one runs.
         _wait_for(proc, lambda: _running(run_dir / "ledger.jsonl"))
         os.kill(_rank1_pid(run_dir, 0), signal.SIGKILL)
