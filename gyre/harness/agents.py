@@ -12,10 +12,13 @@ exec` reaches the proxy through a custom model provider given with `-c` override
 "responses"`, the key from an environment variable), with CODEX_HOME a per-execution directory.
 """
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 CLAUDE_CODE_VERSION = "2.1.220"
@@ -59,10 +62,51 @@ def make_claude_code_env(base: dict[str, str], proxy_url: str, api_key: str, hom
     }
 
 
+CONTINUE_PROMPT = "Continue the task where you left off."
+"""The user turn a harness continuing its session after a restart gets (input, never trained)."""
+
+
+def claude_code_session_id(execution_id: str) -> str:
+    """The Claude Code session an execution runs in (`--session-id`), the same after a restart (`--resume`)."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"gyre-execution:{execution_id}"))
+
+
+def claude_code_session_file(home: Path, cwd: Path, session_id: str) -> Path:
+    """Where Claude Code keeps a session's transcript: $HOME/.claude/projects/<cwd, / and . as ->/<id>.jsonl."""
+    return home / ".claude" / "projects" / re.sub(r"[/.]", "-", str(cwd)) / f"{session_id}.jsonl"
+
+
+def codex_thread_id(events: str) -> str | None:
+    """The thread a `codex exec --json` run started (its `thread.started` event), from its output."""
+    for line in events.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("type") == "thread.started":
+            return event.get("thread_id")
+    return None
+
+
+def trim_torn_line(path: Path) -> None:
+    """Drop a half-written last line (the harness was killed mid-write) before a harness reads it again."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+
 def make_claude_code_command(
-    binary: str, prompt: str, *, model: str, tools: list[str], resume: bool = False, bare: bool = False
+    binary: str,
+    prompt: str,
+    *,
+    model: str,
+    tools: list[str],
+    session_id: str | None = None,
+    resume: bool = False,
+    bare: bool = False,
 ) -> list[str]:
-    """`claude -p PROMPT` with JSON output; `resume` continues the last session (`--continue`).
+    """`claude -p PROMPT` with JSON output in session `session_id` (`--session-id`); `resume`
+    continues that session (`--resume ID`; without an id, the last one: `--continue`).
 
     `bare` is Claude Code's documented minimal mode for scripted runs (no hooks, LSP, plugin sync,
     auto-memory, background prefetches or CLAUDE.md discovery): a ~2.5k-token system prompt, the
@@ -80,7 +124,11 @@ def make_claude_code_command(
         "--output-format",
         "json",
     ]
-    return cmd + (["--continue"] if resume else []) + (["--bare"] if bare else [])
+    if session_id is not None:
+        cmd += ["--resume", session_id] if resume else ["--session-id", session_id]
+    elif resume:
+        cmd.append("--continue")
+    return cmd + (["--bare"] if bare else [])
 
 
 def find_codex() -> str | None:
@@ -97,17 +145,25 @@ def make_codex_env(base: dict[str, str], api_key: str, home: str) -> dict[str, s
 
 
 def make_codex_command(
-    binary: str, prompt: str, *, proxy_url: str, model: str, instructions_file: str | None = None, resume: bool = False
+    binary: str,
+    prompt: str,
+    *,
+    proxy_url: str,
+    model: str,
+    instructions_file: str | None = None,
+    resume: bool = False,
+    thread_id: str | None = None,
 ) -> list[str]:
     """`codex exec PROMPT` (JSONL events on stdout) against the proxy as provider `gyre`, with no
     approvals or sandbox (the sandbox is Gyre's), web search off and no project docs read;
     `instructions_file` replaces Codex's built-in instructions (a shorter, fixed system prompt);
-    `resume` continues the last session (`codex exec resume --last`)."""
+    `resume` continues thread `thread_id` (`codex exec resume THREAD`, the same `-c` options; without
+    an id, the last one: `--last`)."""
     provider = f'{{name="gyre", base_url="{proxy_url}/v1", env_key="GYRE_API_KEY", wire_api="responses"}}'
     cmd = [
         binary,
         "exec",
-        *(["resume", "--last"] if resume else []),
+        *(["resume", thread_id or "--last"] if resume else []),
         "--skip-git-repo-check",
         "--dangerously-bypass-approvals-and-sandbox",
         "--json",

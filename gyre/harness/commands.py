@@ -3,6 +3,7 @@
 import os
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from gyre.errors import GyreError
@@ -53,8 +54,25 @@ def make_template_command(template: str, values: dict[str, str]) -> list[str]:
     return [word.format(**values) for word in shlex.split(template)]
 
 
+@dataclass(frozen=True)
+class HarnessSession:
+    """The harness session an execution runs in: Claude Code's session id, Codex's thread (known
+    once it started), and whether this start continues it after a restart (then the harness gets
+    a short continue prompt instead of the instruction; the toy agent finds its own session file)."""
+
+    id: str | None
+    resume: bool = False
+
+
 def make_harness_command(
-    cfg: HarnessConfig, instruction: str, workspace: Path, proxy_url: str, api_key: str, model: str, home: Path
+    cfg: HarnessConfig,
+    instruction: str,
+    workspace: Path,
+    proxy_url: str,
+    api_key: str,
+    model: str,
+    home: Path,
+    session: HarnessSession = HarnessSession(None),
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of the harness; env carries the proxy URL, the execution's key and the model
     under Gyre's names and the ones the OpenAI and Anthropic SDKs read.
@@ -88,13 +106,25 @@ def make_harness_command(
         binary = agents.find_claude_code()
         if binary is None:
             raise HarnessNotFound("Claude Code is not installed (tools/setup.sh, or set GYRE_CLAUDE_CODE)")
-        argv = agents.make_claude_code_command(binary, instruction, model=model, tools=cfg.claude_code_tools, bare=True)
+        prompt = agents.CONTINUE_PROMPT if session.resume else instruction
+        argv = agents.make_claude_code_command(
+            binary,
+            prompt,
+            model=model,
+            tools=cfg.claude_code_tools,
+            session_id=session.id,
+            resume=session.resume,
+            bare=True,
+        )
         return argv, agents.make_claude_code_env(env, proxy_url, api_key, str(home), model)
     if cfg.kind == "codex":
         binary = agents.find_codex()
         if binary is None:
             raise HarnessNotFound("Codex CLI is not installed (tools/setup.sh, or set GYRE_CODEX)")
-        argv = agents.make_codex_command(binary, instruction, proxy_url=proxy_url, model=model)
+        prompt = agents.CONTINUE_PROMPT if session.resume else instruction
+        argv = agents.make_codex_command(
+            binary, prompt, proxy_url=proxy_url, model=model, resume=session.resume, thread_id=session.id
+        )
         return argv, agents.make_codex_env(env, api_key, str(home))
     binary = agents.find_mini_swe_agent()
     if binary is None:

@@ -45,7 +45,8 @@ from pathlib import Path
 
 from gyre.cells.quota import CGROUP_ROOT, CpuQuota, make_quota
 from gyre.errors import GyreError
-from gyre.harness.commands import make_harness_command
+from gyre.harness.agents import claude_code_session_file, claude_code_session_id, codex_thread_id, trim_torn_line
+from gyre.harness.commands import HarnessSession, make_harness_command
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount
 from gyre.harness.environment import BaseTaskEnv, open_environment
@@ -187,17 +188,30 @@ def start_host_relay(log_path: Path, host: str, port: int) -> tuple[subprocess.P
 
 
 def continuable(task: Task, cfg: HarnessConfig, sandbox_dir: Path) -> str | None:
-    """Why an interrupted execution cannot continue its harness session (None: it can). The toy
-    agent keeps its session in its home (gyre.harness.toy_agent.SESSION_FILE); the other harnesses'
-    sessions are not continued yet, and a Harbor task's environment (its services, its container)
-    does not outlive the job."""
-    if cfg.kind != "toy":
-        return f"harness.kind={cfg.kind} does not continue its sessions yet"
+    """Why an interrupted execution cannot continue its harness session (None: it can): the toy
+    agent's session file in its home, Claude Code's session transcript (its id the execution's),
+    Codex's thread (from its log's `thread.started`); mini-swe-agent's and a command's sessions are
+    not continued yet, and a Harbor task's environment (its services, its container) does not
+    outlive the job."""
+    workspace, home = sandbox_dir / "workspace", sandbox_dir / "home"
     if task.environment is not None:
         return "a Harbor task's environment does not outlive the job"
-    if not (sandbox_dir / "workspace").is_dir() or not (sandbox_dir / "home" / SESSION_FILE).is_file():
-        return f"no workspace or no saved session under {sandbox_dir}"
-    return None
+    if not workspace.is_dir():
+        return f"no workspace under {sandbox_dir}"
+    if cfg.kind == "toy":
+        saved = home / SESSION_FILE
+    elif cfg.kind == "claude_code":
+        saved = claude_code_session_file(home, workspace, claude_code_session_id(sandbox_dir.name))
+    elif cfg.kind == "codex":
+        return None if _codex_thread(sandbox_dir) else "no thread.started event in its harness log"
+    else:
+        return f"harness.kind={cfg.kind} does not continue its sessions yet"
+    return None if saved.is_file() else f"no saved session at {saved}"
+
+
+def _codex_thread(sandbox_dir: Path) -> str | None:
+    log_path = sandbox_dir / "harness.log"
+    return codex_thread_id(log_path.read_text(errors="replace")) if log_path.is_file() else None
 
 
 class Sandbox:
@@ -231,6 +245,8 @@ class Sandbox:
         self._started = self._term_at = 0.0
         self._used_s = 0.0
         """The time budget a continued execution used before the restart that interrupted it."""
+        sid = claude_code_session_id(execution_id) if harness.kind == "claude_code" else None
+        self._session = HarnessSession(sid)
         self._result: SandboxResult | None = None
 
     def resume(self, used_s: float) -> Path:
@@ -242,7 +258,10 @@ class Sandbox:
         """
         if (why := continuable(self.task, self.cfg, self.dir)) is not None:
             raise SandboxError(f"execution {self.execution_id} cannot continue: {why}")
-        self._used_s = used_s
+        if self.cfg.kind == "claude_code":
+            trim_torn_line(claude_code_session_file(self.home, self.workspace, self._session.id))
+        sid = _codex_thread(self.dir) if self.cfg.kind == "codex" else self._session.id
+        self._used_s, self._session = used_s, HarnessSession(sid, resume=True)
         return self.workspace
 
     def prepare(self) -> Path:
@@ -283,7 +302,14 @@ class Sandbox:
             self._start_harbor()
             return
         argv, env = make_harness_command(
-            self.cfg, self.task.instruction, self.workspace, self.proxy_url, self.api_key, self.model, self.home
+            self.cfg,
+            self.task.instruction,
+            self.workspace,
+            self.proxy_url,
+            self.api_key,
+            self.model,
+            self.home,
+            self._session,
         )
         env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"))
         want = self.cfg.isolation

@@ -8,7 +8,14 @@ import os
 import pytest
 from proxy_fixtures import new_execution, start_engine, start_proxy
 
-from gyre.harness.agents import find_claude_code, make_claude_code_command, make_claude_code_env, run_harness
+from gyre.harness.agents import (
+    claude_code_session_file,
+    claude_code_session_id,
+    find_claude_code,
+    make_claude_code_command,
+    make_claude_code_env,
+    run_harness,
+)
 from gyre.records.io import read_records
 from gyre.trajectory.tree import build_call_tree
 
@@ -64,15 +71,20 @@ def test_claude_code_tool_subagents_and_compact(tmp_path):
         (tmp_path / "ws").mkdir()
         env = make_claude_code_env(dict(os.environ), proxy.url, key, str(tmp_path / "home"), "tiny")
 
+        sid = claude_code_session_id("cc")  # the session id an execution starts and continues under
+
         def run(prompt, resume):
-            command = make_claude_code_command(binary, prompt, model="tiny", tools=["Bash", "Agent"], resume=resume)
+            tools = ["Bash", "Agent"]
+            command = make_claude_code_command(binary, prompt, model="tiny", tools=tools, session_id=sid, resume=resume)
             return run_harness(command, env, str(tmp_path / "ws"), 300)
 
         first = run("TASK-ALPHA: run the marker and the helpers", False)
         assert first.returncode == 0, first.stdout + first.stderr
         assert json.loads(first.stdout)["result"] == "All helpers finished. ALPHA-COMPLETE"
         assert (tmp_path / "ws" / "step1.txt").read_text() == "STEP1-DONE\n"  # the tool really ran
-        second = run("/compact", True)
+        transcript = claude_code_session_file(tmp_path / "home", (tmp_path / "ws").resolve(), sid)
+        assert transcript.is_file()  # where a continued execution finds it (gyre.harness.sandbox.continuable)
+        second = run("/compact", True)  # --resume SID: the same session, as after a restart
         assert second.returncode == 0, second.stdout + second.stderr
     finally:
         proxy.stop()

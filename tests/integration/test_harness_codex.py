@@ -10,7 +10,7 @@ import os
 import pytest
 from proxy_fixtures import MODEL, new_execution, start_engine, start_proxy
 
-from gyre.harness.agents import find_codex, make_codex_command, make_codex_env, run_harness
+from gyre.harness.agents import codex_thread_id, find_codex, make_codex_command, make_codex_env, run_harness
 from gyre.records.io import read_records
 from gyre.trajectory.tree import build_call_tree
 
@@ -51,18 +51,26 @@ def test_codex_runs_a_command_and_resumes(tmp_path):
         (tmp_path / "instructions.md").write_text("You are a coding agent. Run shell commands with exec_command.\n")
         env = make_codex_env(dict(os.environ), key, str(tmp_path / "home"))
 
-        def run(prompt, resume):
+        def run(prompt, thread=None):
             instructions = str(tmp_path / "instructions.md")
             command = make_codex_command(
-                binary, prompt, proxy_url=proxy.url, model="gyre", resume=resume, instructions_file=instructions
+                binary,
+                prompt,
+                proxy_url=proxy.url,
+                model="gyre",
+                resume=thread is not None,
+                thread_id=thread,
+                instructions_file=instructions,
             )
             return run_harness(command, env, str(tmp_path / "ws"), 300)
 
-        first = run("TASK-CODEX: write the marker", False)
+        first = run("TASK-CODEX: write the marker")
         assert first.returncode == 0, first.stdout + first.stderr
         assert agent_messages(first.stdout)[-1] == "The marker is written. CODEX-COMPLETE"
         assert (tmp_path / "ws" / "step.txt").read_text() == "CODEX-STEP-DONE\n"  # the command really ran
-        second = run("TASK-AGAIN: check once more", True)
+        thread = codex_thread_id(first.stdout)  # what a continued execution reads back from its log
+        assert thread
+        second = run("TASK-AGAIN: check once more", thread)  # codex exec resume THREAD
         assert second.returncode == 0, second.stdout + second.stderr
         assert agent_messages(second.stdout)[-1] == "Still done. CODEX-AGAIN"
     finally:

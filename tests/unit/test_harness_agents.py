@@ -1,6 +1,12 @@
 """Harness command lines and environments (pure): every model call must reach the proxy."""
 
-from gyre.harness.agents import make_claude_code_command, make_claude_code_env, make_mini_swe_command
+from gyre.harness.agents import (
+    claude_code_session_id,
+    make_claude_code_command,
+    make_claude_code_env,
+    make_codex_command,
+    make_mini_swe_command,
+)
 
 
 def test_claude_code_command_flags():
@@ -50,15 +56,41 @@ def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_
     from dataclasses import replace
     from types import SimpleNamespace
 
+    from gyre.harness.agents import claude_code_session_file, claude_code_session_id, codex_thread_id, trim_torn_line
     from gyre.harness.config import HarnessConfig
     from gyre.harness.sandbox import continuable
     from gyre.harness.toy_agent import SESSION_FILE
 
     task, toy = SimpleNamespace(environment=None), HarnessConfig(kind="toy")
-    assert "no saved session" in continuable(task, toy, tmp_path)
+    assert "no workspace" in continuable(task, toy, tmp_path)
     (tmp_path / "workspace").mkdir()
     (tmp_path / "home").mkdir()
+    assert "no saved session" in continuable(task, toy, tmp_path)
     (tmp_path / "home" / SESSION_FILE).write_text("{}")
     assert continuable(task, toy, tmp_path) is None
     assert "outlive the job" in continuable(SimpleNamespace(environment=object()), toy, tmp_path)
-    assert "does not continue" in continuable(task, replace(toy, kind="claude_code"), tmp_path)
+    assert "does not continue" in continuable(task, replace(toy, kind="mini_swe_agent"), tmp_path)
+    claude = replace(toy, kind="claude_code")
+    assert "no saved session" in continuable(task, claude, tmp_path)
+    sid = claude_code_session_id(tmp_path.name)  # the sandbox folder is named after the execution
+    transcript = claude_code_session_file(tmp_path / "home", tmp_path / "workspace", sid)
+    transcript.parent.mkdir(parents=True)
+    transcript.write_bytes(b'{"type": "user"}\n{"type": "assis')  # killed mid-write
+    assert continuable(task, claude, tmp_path) is None
+    trim_torn_line(transcript)
+    assert transcript.read_bytes() == b'{"type": "user"}\n'
+    codex = replace(toy, kind="codex")
+    assert "thread.started" in continuable(task, codex, tmp_path)
+    (tmp_path / "harness.log").write_text('warming up\n{"type":"thread.started","thread_id":"t-42"}\n')
+    assert (
+        continuable(task, codex, tmp_path) is None and codex_thread_id((tmp_path / "harness.log").read_text()) == "t-42"
+    )
+
+
+def test_claude_code_and_codex_continue_their_own_session_by_id():
+    start = make_claude_code_command("claude", "task", model="tiny", tools=["Bash"], session_id="s-1")
+    again = make_claude_code_command("claude", "go on", model="tiny", tools=["Bash"], session_id="s-1", resume=True)
+    assert start[start.index("--session-id") + 1] == "s-1" and again[again.index("--resume") + 1] == "s-1"
+    assert "--continue" not in again and claude_code_session_id("g00001-3") == claude_code_session_id("g00001-3")
+    cx = make_codex_command("codex", "go on", proxy_url="http://p", model="gyre", resume=True, thread_id="t-42")
+    assert cx[1:4] == ["exec", "resume", "t-42"] and cx[-1] == "go on" and "--last" not in cx
