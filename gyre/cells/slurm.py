@@ -267,9 +267,9 @@ def _exit_with_engines(engines: list, stopping: threading.Event, failed: Path) -
     rank's link close; `check_alive` reads why in its `.failed` file), as a rank's death does."""
     engine = first_exited(engines, stopping)
     if engine is not None:
-        code = engine.proc.returncode
-        write_private_file(failed, f"{engine.url} exited with code {code}; log tail:\n{engine.log_tail()}")
-        log.error("%s, this node's engine, exited with code %s: this rank exits", engine.url, code)
+        code, name = engine.proc.returncode, engine.url or f"node rank {engine.cfg.node_rank} of a server"
+        write_private_file(failed, f"{name} exited with code {code}; log tail:\n{engine.log_tail()}")
+        log.error("%s, this node's engine, exited with code %s: this rank exits", name, code)
         for each in engines:  # they die after us (PR_SET_PDEATHSIG), unstopped
             each.remove_files()
         exit_at_once(1)

@@ -119,7 +119,7 @@ class SGLangFakeServer(BuiltinEngineServer):
         self.labels = {self.core.weight_version: self.version_label}
         """The core's integer version -> the label the update carried (SGLang versions are strings)."""
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
-        self.audit = os.environ.get("GYRE_SGLANG_FAKE_AUDIT")
+        self.audit = os.environ.get("GYRE_SGLANG_FAKE_AUDIT", "").replace("{port}", str(engine_cfg.port))  # per engine
         self.lock, self.gate = RWLock(), PauseGate()
         self.scheduler_paused = False
         """The scheduler's `_engine_paused`: set by retract and in_place pauses, not by abort."""
