@@ -99,7 +99,7 @@ def test_generate_then_a_paused_update_over_nccl_then_release_and_resume(model_d
         async with proc.client(timeout_s=300) as c:
             first = await _call(c, _prompt(1))
             long_call = asyncio.create_task(_call(c, _prompt(2), n=512))
-            await asyncio.sleep(0.5)  # in flight: the update must not wait for it
+            await _until_running(c)  # in flight: the update must not wait for it
             await proc.load(c, publisher.publish())
             loaded = await _embedding(c)
             await proc.release(c)
@@ -120,6 +120,14 @@ def test_generate_then_a_paused_update_over_nccl_then_release_and_resume(model_d
     for got in (out["loaded"], out["reloaded"]):
         got = torch.tensor(got, dtype=torch.float32).reshape(want.shape[0], -1)[:, : want.shape[1]]
         assert torch.allclose(got, want, atol=1e-2)
+
+
+async def _until_running(c: EngineClient, timeout_s: float = 60.0) -> None:
+    """Until the server runs a call (/v1/loads: SGLang 0.5.21 `srt/entrypoints/v1_loads.py`)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while sum(load["num_running_reqs"] for load in (await c.loads())["loads"]) == 0:
+        assert asyncio.get_running_loop().time() < deadline, "the call never ran"
+        await asyncio.sleep(0.05)
 
 
 async def _embedding(c: EngineClient):
