@@ -125,14 +125,8 @@ class EngineConfig:
         require(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
         require(self.prefix_cache_tokens >= 0, "prefix_cache_tokens", f"must be >= 0, got {self.prefix_cache_tokens}")
         require(self.kv_arena_mib >= 0, "kv_arena_mib", f"must be >= 0 (0: no arena), got {self.kv_arena_mib}")
-        require(
-            self.host not in WILDCARD_HOSTS,
-            "host",
-            f"{self.host!r} is a bind address, not one the proxy can dial: set engine.host to the node's "
-            f"address and engine.bind_host={self.host or '0.0.0.0'} to listen on all interfaces",
-        )
         require(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
-        self._check_nodes()
+        self._check_placement()
         require(
             0 < self.mem_fraction_static < 1,
             "mem_fraction_static",
@@ -177,8 +171,15 @@ class EngineConfig:
             "HiCache with the mooncake L3 store needs the shared mooncake_master host:port (or enable_hicache=false)",
         )
 
-    def _check_nodes(self) -> None:
-        """A server spanning nodes: SGLang only, an equal share of its tp_size GPUs on each node."""
+    def _check_placement(self) -> None:
+        """An address others can dial; a server spanning nodes: SGLang only, an equal share of its
+        tp_size GPUs on each node."""
+        require(
+            self.host not in WILDCARD_HOSTS,
+            "host",
+            f"{self.host!r} is a bind address, not one the proxy can dial: set engine.host to the node's "
+            f"address and engine.bind_host={self.host or '0.0.0.0'} to listen on all interfaces",
+        )
         nnodes = self.nnodes or 1
         require(self.nnodes is None or self.nnodes >= 1, "nnodes", f"must be >= 1 or null, got {self.nnodes}")
         require(
