@@ -4,7 +4,9 @@ A cell of `ranks` trainer ranks on `nodes` nodes (ranks block-placed: node n hol
 n*per_node .. (n+1)*per_node - 1) serves through one engine per
 
     CPU (the builtin engine, SGLang's contract fake): node, serving that node's ranks
-    GPU (SGLang):                                      engine.tp_size ranks of one node (their GPUs)
+    GPU (SGLang):                                      engine.tp_size ranks of one node (their GPUs),
+                                                       or of engine.nnodes whole nodes (a TP group
+                                                       wider than a node: one server process per node)
 
 Locally a cell's ranks share one machine, and `cluster.cell_nodes` > 1 emulates nodes: the ranks
 split into cell_nodes groups of consecutive ranks with one engine each, as on Slurm. Every engine
@@ -12,7 +14,9 @@ registers with the proxy under its cell's index, so the scheduler still sees one
 sessions and decode capacity are its engines' summed (gyre.scheduler.decode.measure_cells). On
 Slurm each node's first rank starts that node's engines, bound to its node's address (`started_by`:
 rank 0, the leader, its own node's; a follower, the others'), and the leader drives them all through
-their HTTP APIs as it drives its own.
+their HTTP APIs as it drives its own. An engine spanning nodes runs one SGLang process on each of
+its nodes with its node rank (`joined_by`: the node's first rank starts node ranks >= 1); only node
+rank 0's serves HTTP, so the engine has one URL and registers once with the proxy.
 
 A switch's phase is over when every rank has done its part of it. Rank r's phase time is the time
 from the phase's start until r's part was done: its engine's operation (engine phases), its own
@@ -45,15 +49,25 @@ class EngineSlot:
     """The cell's node it runs on."""
     ranks: tuple[int, ...]
     base_gpu_id: int
-    """Its first GPU on its node (SGLang's --base-gpu-id); 0 on CPU."""
+    """Its first GPU on each of its nodes (SGLang's --base-gpu-id); 0 on CPU."""
+    nnodes: int = 1
+    """Nodes it spans (engine.nnodes): `node` (node rank 0, which serves HTTP) .. node + nnodes - 1."""
+
+    def node_ranks(self, node_rank: int) -> tuple[int, ...]:
+        """The cell's ranks whose GPUs its process of node rank `node_rank` serves from."""
+        share = len(self.ranks) // self.nnodes
+        return self.ranks[node_rank * share : (node_rank + 1) * share]
 
 
-def plan_engines(ranks: int, nodes: int, tp_size: int, on_gpu: bool) -> list[EngineSlot]:
+def plan_engines(ranks: int, nodes: int, tp_size: int, on_gpu: bool, nnodes: int | None = None) -> list[EngineSlot]:
     """The engines of a cell of `ranks` ranks on `nodes` nodes (see the module doc).
 
+    Args:
+        nnodes: engine.nnodes; None: the nodes that tp_size GPUs fill (1 when they fit on one node).
     Raises:
         ConfigError: naming `cluster.cell_nodes` when the ranks do not split evenly over the nodes,
-            or `engine.tp_size` when a node's ranks do not split into engines of tp_size GPUs.
+            `engine.tp_size` when a node's ranks do not split into engines of tp_size GPUs, or
+            `engine.nnodes` when an engine spanning nodes would not take whole nodes.
     """
     require(
         ranks % nodes == 0,
@@ -62,20 +76,44 @@ def plan_engines(ranks: int, nodes: int, tp_size: int, on_gpu: bool) -> list[Eng
         "cell_nodes nodes, one engine each: set cluster.ranks_per_cell to a multiple of cell_nodes)",
     )
     per_node = ranks // nodes
-    width = tp_size if on_gpu and per_node > 1 else per_node
+    span = _engine_nodes(per_node, nodes, tp_size, on_gpu, nnodes)
+    width = tp_size // span if on_gpu and (per_node > 1 or span > 1) else per_node
     require(
         per_node % width == 0,
         "engine.tp_size",
         f"{tp_size} GPUs per engine do not divide the {per_node} ranks (GPUs) of a node of the cell; "
-        "an engine serves tp_size ranks of one node",
+        "an engine serves tp_size ranks of one node (or of engine.nnodes whole nodes)",
     )
     slots = []
-    for node in range(nodes):
+    for first_node in range(0, nodes, span):
         for k in range(per_node // width):
-            first = node * per_node + k * width
-            gpu = k * width if on_gpu else 0
-            slots.append(EngineSlot(len(slots), node, tuple(range(first, first + width)), gpu))
+            spanned = range(first_node, first_node + span)
+            own = tuple(
+                r for node in spanned for r in range(node * per_node + k * width, node * per_node + (k + 1) * width)
+            )
+            slots.append(EngineSlot(len(slots), first_node, own, k * width if on_gpu else 0, span))
     return slots
+
+
+def _engine_nodes(per_node: int, nodes: int, tp_size: int, on_gpu: bool, nnodes: int | None) -> int:
+    """How many nodes one engine spans: whole nodes of tp_size / nnodes GPUs each, tiling the cell's
+    (a refusal names engine.nnodes when it was set, else engine.tp_size, whose width it follows)."""
+    if not on_gpu:
+        require(nnodes in (None, 1), "engine.nnodes", "only SGLang on GPUs spans nodes (a CPU engine serves one node)")
+        return 1
+    span = nnodes or (tp_size // per_node if 1 < per_node < tp_size else 1)  # one rank a node: one engine each
+    key = "engine.nnodes" if nnodes else "engine.tp_size"
+    if span > 1:
+        require(
+            tp_size == span * per_node,
+            key,
+            f"an engine on {span} nodes takes all {per_node} GPUs of each: engine.tp_size must be "
+            f"{span * per_node}, got {tp_size}",
+        )
+        require(
+            nodes % span == 0, key, f"engines of {span} nodes do not tile the cell's {nodes} nodes (cluster.cell_nodes)"
+        )
+    return span
 
 
 @dataclass(frozen=True)
@@ -113,7 +151,13 @@ class CellLayout:
 
 
 def plan_cell(
-    ranks: int, nodes: int, gpus_per_node: int, tp_size: int, on_gpu: bool, trainer_tp: int = 1
+    ranks: int,
+    nodes: int,
+    gpus_per_node: int,
+    tp_size: int,
+    on_gpu: bool,
+    trainer_tp: int = 1,
+    nnodes: int | None = None,
 ) -> CellLayout:
     """Every rank's node, local rank, device and TP/DP place, and the cell's engines (see the module doc).
 
@@ -122,12 +166,13 @@ def plan_cell(
         tp_size: GPUs of one engine (engine.tp_size).
         on_gpu: engines serve from GPUs (SGLang), one per tp_size GPUs of a node.
         trainer_tp: trainer.tensor_parallel_size; the cell's other ranks are data parallel.
+        nnodes: engine.nnodes (None: what tp_size fills).
     Raises:
         ConfigError: naming `cluster.ranks_per_node` when a node's ranks are not one per GPU,
             `engine.tp_size` when engines do not tile a node's GPUs, `trainer.tensor_parallel_size`
             when a TP group would not be GPUs of one node, or what `plan_engines` names.
     """
-    engines = plan_engines(ranks, nodes, tp_size, on_gpu)
+    engines = plan_engines(ranks, nodes, tp_size, on_gpu, nnodes)
     per_node = ranks // nodes
     if gpus_per_node:
         require(
@@ -138,9 +183,10 @@ def plan_cell(
             + "; one rank per GPU (leave cluster.ranks_per_node unset)",
         )
         require(
-            not on_gpu or gpus_per_node % tp_size == 0,
+            not on_gpu or gpus_per_node % (tp_size // engines[0].nnodes) == 0,
             "engine.tp_size",
-            f"engines of {tp_size} GPUs do not tile a node's {gpus_per_node} GPUs (an engine spans one node)",
+            f"engines of {tp_size} GPUs do not tile a node's {gpus_per_node} GPUs (an engine spans one "
+            "node, or engine.nnodes whole nodes)",
         )
         require(
             gpus_per_node % trainer_tp == 0,
@@ -171,6 +217,23 @@ def started_by(slots: Sequence[EngineSlot], rank: int) -> list[EngineSlot]:
     for slot in slots:
         first_rank.setdefault(slot.node, slot.ranks[0])
     return [slot for slot in slots if first_rank[slot.node] == rank]
+
+
+def joined_by(slots: Sequence[EngineSlot], rank: int) -> list[tuple[EngineSlot, int]]:
+    """The (engine, node rank >= 1) server processes rank `rank` starts on Slurm: those of engines
+    spanning its node from another, if it is its node's first rank (their node rank 0's are
+    `started_by` theirs)."""
+    first_rank: dict[int, int] = {}
+    for slot in slots:
+        for node_rank in range(slot.nnodes):
+            own = slot.node_ranks(node_rank)
+            first_rank[slot.node + node_rank] = min(first_rank.get(slot.node + node_rank, own[0]), *own)
+    return [
+        (slot, node_rank)
+        for slot in slots
+        for node_rank in range(1, slot.nnodes)
+        if first_rank[slot.node + node_rank] == rank
+    ]
 
 
 def engine_id(cell: int, index: int) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.placement import SlurmPlacement
-from gyre.cells.serving import plan_cell, plan_engines, started_by
+from gyre.cells.serving import joined_by, plan_cell, plan_engines, started_by
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
 from gyre.common.serve import exit_at_once, first_exited
@@ -56,6 +56,11 @@ def group_path(job_dir: Path, cell: int, restart: int) -> Path:
 def rank_path(job_dir: Path, cell: int, restart: int, rank: int) -> Path:
     """What a follower rank did (node, operations run), written when it ends."""
     return job_dir / f"cell{cell}.r{restart}.rank{rank}.json"
+
+
+def engine_path(job_dir: Path, cell: int, restart: int, index: int) -> Path:
+    """Where engine `index`, spanning nodes, publishes its node rank 0's rendezvous (--dist-init-addr)."""
+    return job_dir / f"cell{cell}.r{restart}.engine{index}.json"
 
 
 def coordinator_exit_path(job_dir: Path, restart: int) -> Path:
@@ -139,9 +144,10 @@ def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | Non
         if rank > 0:
             _follow(job_dir, placement, spec, host, timeout_s)
             return
-        _run_leader(
-            job_dir, placement, dataclasses.replace(spec, host=host, engine=dataclasses.replace(spec.engine, host=host))
-        )
+        # the leader starts its node's engines from one config (the first's): advertised at its node's
+        # address, which the proxy dials (engine.bind_host stays as set), with a spanning server's rendezvous
+        ((engine, _), *_) = _node_engines(job_dir, restart, spec, 0, host, timeout_s)
+        _run_leader(job_dir, placement, dataclasses.replace(spec, host=host, engine=engine))
     except BaseException:
         write_private_file(
             failed_path(job_dir, cell, restart, rank),
@@ -157,7 +163,7 @@ def _export_rank_place(spec: CellSpec, placement: SlurmPlacement) -> None:
     Raises:
         CellError: srun placed the task elsewhere (a cyclic or arbitrary distribution).
     """
-    layout = plan_cell(spec.ranks, spec.nodes, 0, spec.engine.tp_size, spec.engine.on_gpu)
+    layout = plan_cell(spec.ranks, spec.nodes, 0, spec.engine.tp_size, spec.engine.on_gpu, nnodes=spec.engine.nnodes)
     slot = layout.ranks[placement.group_rank]
     if slot.local_rank != placement.local_id:
         raise CellError(
@@ -205,10 +211,10 @@ def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, host: str,
     group = json.loads(_wait_for("rendezvous", group_path(job_dir, cell, restart), job_dir, restart, timeout_s))
     os.environ.update(group | {"RANK": str(rank)})
     log.warning("cell %d: rank %d of %d on %s (%s), restart %d", cell, rank, spec.ranks, placement.node, host, restart)
-    engines, stopping = _start_node_engines(spec, rank, host), threading.Event()
-    failed = failed_path(job_dir, cell, restart, rank)
+    engines = _start_node_engines(_node_engines(job_dir, restart, spec, rank, host, timeout_s), spec)
+    stopping, failed = threading.Event(), failed_path(job_dir, cell, restart, rank)
     threading.Thread(target=_exit_with_engines, args=(engines, stopping, failed), daemon=True).start()
-    urls = [engine.url for engine in engines]
+    urls = [engine.url for engine in engines if engine.url]  # node rank 0's: a server registers once
     try:
         done = run_follower(spec.model, spec.trainer, spec.seed, host, urls)
         record = {"rank": rank, "num_ranks": spec.ranks, "node": placement.node, "host": host, "engine_urls": urls}
@@ -220,14 +226,37 @@ def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, host: str,
             engine.stop()
 
 
-def _start_node_engines(spec: CellSpec, rank: int, host: str) -> list:
-    """The engines this rank starts (its node's if it is the node's first: gyre.cells.serving), bound
-    to its node's address; from this thread, as they die with the thread that spawned them."""
+def _node_engines(job_dir: Path, restart: int, spec: CellSpec, rank: int, host: str, timeout_s: float) -> list:
+    """The (config, base GPU) of each engine server process this rank starts on its node, if it is
+    the node's first rank (gyre.cells.serving `started_by`, `joined_by`): advertised at `host`, its
+    node's address, with its node rank; for a server spanning nodes, node rank 0's starter picks the
+    rendezvous and publishes it in the job directory, the other nodes' wait for it."""
+    from gyre.engines.launch import free_port
+
+    engine = spec.engine
+    slots = plan_engines(spec.ranks, spec.nodes, engine.tp_size, engine.on_gpu, engine.nnodes)
+    out = []
+    for slot in started_by(slots, rank):
+        cfg = dataclasses.replace(engine, host=host, nnodes=slot.nnodes)
+        if slot.nnodes > 1:
+            cfg = dataclasses.replace(cfg, dist_init_addr=f"{host}:{free_port(host)}")
+            rendezvous = json.dumps({"dist_init_addr": cfg.dist_init_addr})
+            write_private_file(engine_path(job_dir, spec.index, restart, slot.index), rendezvous)
+        out.append((cfg, slot.base_gpu_id))
+    for slot, node_rank in joined_by(slots, rank):
+        path = engine_path(job_dir, spec.index, restart, slot.index)
+        addr = json.loads(_wait_for("engine rendezvous", path, job_dir, restart, timeout_s))["dist_init_addr"]
+        cfg = dataclasses.replace(engine, host=host, nnodes=slot.nnodes, node_rank=node_rank, dist_init_addr=addr)
+        out.append((cfg, slot.base_gpu_id))
+    return out
+
+
+def _start_node_engines(configs: list, spec: CellSpec) -> list:
+    """Start this rank's engine processes (`_node_engines`) from this thread, as they die with the
+    thread that spawned them."""
     from gyre.engines.launch import make_engine_process
 
-    slots = started_by(plan_engines(spec.ranks, spec.nodes, spec.engine.tp_size, spec.engine.on_gpu), rank)
-    cfg = dataclasses.replace(spec.engine, host=host)
-    engines = [make_engine_process(cfg, spec.model, slot.base_gpu_id) for slot in slots]
+    engines = [make_engine_process(cfg, spec.model, base_gpu_id) for cfg, base_gpu_id in configs]
     for engine in engines:
         engine.start()
     return engines
@@ -238,9 +267,9 @@ def _exit_with_engines(engines: list, stopping: threading.Event, failed: Path) -
     rank's link close; `check_alive` reads why in its `.failed` file), as a rank's death does."""
     engine = first_exited(engines, stopping)
     if engine is not None:
-        code = engine.proc.returncode
-        write_private_file(failed, f"{engine.url} exited with code {code}; log tail:\n{engine.log_tail()}")
-        log.error("%s, this node's engine, exited with code %s: this rank exits", engine.url, code)
+        code, name = engine.proc.returncode, engine.url or f"node rank {engine.cfg.node_rank} of a server"
+        write_private_file(failed, f"{name} exited with code {code}; log tail:\n{engine.log_tail()}")
+        log.error("%s, this node's engine, exited with code %s: this rank exits", name, code)
         for each in engines:  # they die after us (PR_SET_PDEATHSIG), unstopped
             each.remove_files()
         exit_at_once(1)

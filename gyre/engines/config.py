@@ -7,6 +7,8 @@ from gyre.errors import require
 from gyre.transfer.config import PROTOCOLS
 
 BACKENDS = ("builtin", "sglang")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+"""Addresses a server may bind but nobody can dial (engine.bind_host, not engine.host)."""
 PAUSE_MODES = ("in_place", "retract", "abort")
 """SGLang 0.5.x /pause_generation modes (srt/managers/io_struct.py PauseGenerationReqInput)."""
 
@@ -18,6 +20,11 @@ class EngineConfig:
     backend: str = "builtin"
     """`builtin` (Gyre's CPU engine, `gyre-engine`) or `sglang` (sglang.launch_server on GPUs)."""
     host: str = "127.0.0.1"
+    """The address others dial: the URL the proxy is handed is http://host:port, so it must be one
+    that the proxy's node reaches (on Slurm: the node's own, gyre.cells.slurm), never a wildcard."""
+    bind_host: str | None = None
+    """The interface the server listens on (SGLang's --host); None: `host`. `0.0.0.0` listens on all
+    of the node's interfaces while the proxy still dials `host`."""
     port: int = 0
     """0 picks a free port (the launcher reads it back)."""
     model_path: str | None = None
@@ -46,6 +53,17 @@ class EngineConfig:
     tp_size: int = 1
     """SGLang tensor parallelism (GPUs per server): on GPU a cell runs one server per tp_size of its
     ranks on a node, which tp_size must divide (gyre.cells.serving)."""
+    nnodes: int | None = None
+    """SGLang: nodes one server spans (--nnodes), all GPUs of each of nnodes consecutive nodes of its
+    cell (a TP group wider than a node); one server process per node, and only node rank 0's serves
+    HTTP and registers with the proxy (gyre.cells.serving). None: the nodes tp_size GPUs fill (1 when
+    they fit on one); a cell sets it per process from its plan."""
+    node_rank: int = 0
+    """SGLang with nnodes > 1: this process's node among its server's (--node-rank); set per process
+    by the cell that starts it, not in config."""
+    dist_init_addr: str = ""
+    """SGLang with nnodes > 1: host:port of node rank 0's torch.distributed rendezvous
+    (--dist-init-addr); set per server by the cell that starts it, not in config."""
     mem_fraction_static: float = 0.85
     """SGLang: GPU memory fraction for weights + KV pool."""
     enable_memory_saver: bool = True
@@ -83,6 +101,11 @@ class EngineConfig:
     """Extra sglang.launch_server flags, passed through verbatim."""
 
     @property
+    def listen_host(self) -> str:
+        """The interface the server binds (`bind_host`, else `host`)."""
+        return self.bind_host or self.host
+
+    @property
     def on_gpu(self) -> bool:
         """Serves from GPUs (SGLang itself), so a cell runs an engine per tp_size ranks, not per node."""
         return self.backend == "sglang" and not self.sglang_fake
@@ -103,6 +126,7 @@ class EngineConfig:
         require(self.prefix_cache_tokens >= 0, "prefix_cache_tokens", f"must be >= 0, got {self.prefix_cache_tokens}")
         require(self.kv_arena_mib >= 0, "kv_arena_mib", f"must be >= 0 (0: no arena), got {self.kv_arena_mib}")
         require(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
+        self._check_placement()
         require(
             0 < self.mem_fraction_static < 1,
             "mem_fraction_static",
@@ -146,3 +170,27 @@ class EngineConfig:
             "mooncake_master",
             "HiCache with the mooncake L3 store needs the shared mooncake_master host:port (or enable_hicache=false)",
         )
+
+    def _check_placement(self) -> None:
+        """An address others can dial; a server spanning nodes: SGLang only, an equal share of its
+        tp_size GPUs on each node."""
+        require(
+            self.host not in WILDCARD_HOSTS,
+            "host",
+            f"{self.host!r} is a bind address, not one the proxy can dial: set engine.host to the node's "
+            f"address and engine.bind_host={self.host or '0.0.0.0'} to listen on all interfaces",
+        )
+        nnodes = self.nnodes or 1
+        require(self.nnodes is None or self.nnodes >= 1, "nnodes", f"must be >= 1 or null, got {self.nnodes}")
+        require(
+            nnodes == 1 or self.backend == "sglang",
+            "nnodes",
+            "only an SGLang server spans nodes (engine=sglang); the builtin engine serves from one",
+        )
+        require(
+            self.tp_size % nnodes == 0,
+            "nnodes",
+            f"{nnodes} nodes do not share engine.tp_size={self.tp_size} GPUs equally "
+            "(SGLang runs tp_size / nnodes on each)",
+        )
+        require(0 <= self.node_rank < nnodes, "node_rank", f"must be 0..{nnodes - 1}, got {self.node_rank}")

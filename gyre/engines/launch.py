@@ -35,7 +35,10 @@ def make_sglang_command(
     module: str = "sglang.launch_server",
 ) -> list[str]:
     """The `sglang.launch_server` command line for `cfg` on `port`, serving from GPUs
-    `base_gpu_id` .. `base_gpu_id + cfg.tp_size - 1` (one server per `tp_size` GPUs)."""
+    `base_gpu_id` .. `base_gpu_id + cfg.tp_size / cfg.nnodes - 1` of this node (one server per
+    `tp_size` GPUs). It listens on `cfg.listen_host`; a server spanning nodes (`cfg.nnodes` > 1) is
+    one such process per node, `cfg.node_rank` its node (SGLang 0.5.21 `srt/arg_groups/fields/parallel.py`;
+    node ranks >= 1 serve no HTTP: `srt/entrypoints/http_server.py` launch_server)."""
     cmd = [
         python,
         "-m",
@@ -43,7 +46,7 @@ def make_sglang_command(
         "--model-path",
         str(cfg.model_path),
         "--host",
-        cfg.host,
+        cfg.listen_host,
         "--port",
         str(port),
         "--tp-size",
@@ -59,6 +62,10 @@ def make_sglang_command(
         "--weight-version",
         str(cfg.weight_version),
     ]
+    if (cfg.nnodes or 1) > 1:
+        if not cfg.dist_init_addr:
+            raise ValueError(f"a server on {cfg.nnodes} nodes needs node rank 0's dist_init_addr (host:port)")
+        cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank), "--dist-init-addr", cfg.dist_init_addr]
     if cfg.enable_memory_saver:
         cmd.append("--enable-memory-saver")
     if cfg.enable_hicache:
@@ -94,6 +101,12 @@ def make_sglang_env(cfg: EngineConfig, base: dict[str, str]) -> dict[str, str]:
             "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
         }
     return env
+
+
+def advertised_url(cfg: EngineConfig, port: int) -> str:
+    """The URL handed to the proxy and the cell: `cfg.host`, the address others reach, never the
+    interface the server binds (`cfg.bind_host` may be 0.0.0.0, which no other node can dial)."""
+    return f"http://{cfg.host}:{port}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -175,7 +188,7 @@ class BuiltinEngineProcess(BaseEngineProcess):
         ]
         env = os.environ | {"OMP_NUM_THREADS": str(self.threads), "TMPDIR": str(self.files())}  # its scratch
         (port,) = self.spawn_and_wait_port(cmd, self.cfg.startup_timeout_s, env)
-        self.url = f"http://{self.cfg.host}:{port}"
+        self.url = advertised_url(self.cfg, port)
         asyncio.run(self.wait_healthy())
 
 
@@ -188,12 +201,16 @@ class SGLangProcess(BaseEngineProcess):
         self.base_gpu_id = base_gpu_id
 
     def start(self) -> None:
-        port = self.cfg.port or free_port(self.cfg.host)
-        self.url = f"http://{self.cfg.host}:{port}"
+        """Node rank 0 (every server on one node) serves HTTP at `url` once healthy; a node rank >= 1
+        runs only its node's schedulers, so it has no URL and nothing to wait for here (its node
+        rank 0 turns healthy once every node joined)."""
+        port = self.cfg.port or free_port(self.cfg.listen_host)
         module = "gyre.engines.sglang_fake" if self.cfg.sglang_fake else "sglang.launch_server"
         cmd = make_sglang_command(self.cfg, port, base_gpu_id=self.base_gpu_id, module=module)
         self.spawn(cmd, make_sglang_env(self.cfg, dict(os.environ)))
-        asyncio.run(self.wait_healthy())
+        if self.cfg.node_rank == 0:
+            self.url = advertised_url(self.cfg, port)
+            asyncio.run(self.wait_healthy())
 
     def client(self, timeout_s: float | None = None) -> EngineClient:
         return EngineClient(self.url, timeout_s or self.cfg.request_timeout_s, key_by_weight_version=True)

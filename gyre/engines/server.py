@@ -406,7 +406,7 @@ def serve(engine_cfg: EngineConfig, model_cfg: ModelConfig, port_file: str | Non
     _return_large_frees_to_the_os()
     server = BuiltinEngineServer(engine_cfg, model_cfg)
 
-    serve_app(server.app(), engine_cfg.host, engine_cfg.port, "gyre-engine", port_file=port_file)
+    serve_app(server.app(), engine_cfg.listen_host, engine_cfg.port, "gyre-engine", port_file=port_file)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -119,7 +119,7 @@ class SGLangFakeServer(BuiltinEngineServer):
         self.labels = {self.core.weight_version: self.version_label}
         """The core's integer version -> the label the update carried (SGLang versions are strings)."""
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
-        self.audit = os.environ.get("GYRE_SGLANG_FAKE_AUDIT")
+        self.audit = os.environ.get("GYRE_SGLANG_FAKE_AUDIT", "").replace("{port}", str(engine_cfg.port))  # per engine
         self.lock, self.gate = RWLock(), PauseGate()
         self.scheduler_paused = False
         """The scheduler's `_engine_paused`: set by retract and in_place pauses, not by abort."""
@@ -466,20 +466,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--base-gpu-id", type=int, default=0)
-    p.add_argument("--mem-fraction-static", type=float)
+    for flag, default in (("--tp-size", 1), ("--base-gpu-id", 0), ("--nnodes", 1), ("--node-rank", 0)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--load-format", default="auto")
     p.add_argument("--weight-version", default="default")
-    p.add_argument("--enable-memory-saver", action="store_true")
-    p.add_argument("--enable-hierarchical-cache", action="store_true")
-    p.add_argument("--hicache-ratio", type=float)
-    p.add_argument("--hicache-write-policy")
-    p.add_argument("--hicache-storage-backend")
+    for flag in ("--enable-memory-saver", "--enable-hierarchical-cache"):
+        p.add_argument(flag, action="store_true")
+    for flag in ("--mem-fraction-static", "--hicache-ratio"):
+        p.add_argument(flag, type=float)
+    for flag in ("--hicache-write-policy", "--hicache-storage-backend", "--dist-init-addr"):
+        p.add_argument(flag)
     a = p.parse_args(argv)
-    if a.tp_size != 1:
-        p.error(f"--tp-size {a.tp_size}: the contract fake serves one rank (engine.tp_size=1)")
+    if a.tp_size != 1 or a.nnodes != 1:
+        p.error(f"--tp-size {a.tp_size} --nnodes {a.nnodes}: the contract fake serves one rank (engine.tp_size=1)")
     return a
 
 
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     version = int(a.weight_version) if a.weight_version.isdigit() else 0
-    cfg = EngineConfig(host=a.host, port=a.port, page_size=a.page_size, weight_version=version)
+    cfg = EngineConfig(bind_host=a.host, port=a.port, page_size=a.page_size, weight_version=version)
     if a.load_format == "dummy":  # SGLang's random weights of the directory's architecture
         model_cfg = ModelConfig(name=os.path.basename(a.model_path), **read_hf_config(a.model_path))
     else:

@@ -6,6 +6,7 @@ from gyre.cells.serving import (
     EngineSlot,
     cell_phase_s,
     engine_id,
+    joined_by,
     plan_cell,
     plan_engines,
     ranks_from_engines,
@@ -110,4 +111,37 @@ def test_a_cpu_cell_plans_ranks_without_devices_and_an_engine_per_node():
 def test_a_gpu_layout_that_idles_or_shares_a_gpu_is_refused_naming_the_key(ranks, nodes, gpus, tp, key):
     with pytest.raises(ConfigError) as err:
         plan_cell(ranks, nodes, gpus, tp, on_gpu=True, trainer_tp=4 if key.startswith("trainer") else tp)
+    assert err.value.key == key
+
+
+def test_an_engine_wider_than_a_node_spans_whole_nodes_one_process_each_served_by_node_rank_0():
+    """engine.nnodes=2 on nodes of 4 GPUs: tp_size 8, one server on nodes 0-1 and one on 2-3; each
+    node's first rank starts its node's process, node rank 0's (started_by) or the other's (joined_by)."""
+    slots = plan_engines(16, 4, 8, on_gpu=True, nnodes=2)
+    assert slots == [EngineSlot(0, 0, tuple(range(8)), 0, 2), EngineSlot(1, 2, tuple(range(8, 16)), 0, 2)]
+    assert plan_engines(16, 4, 8, on_gpu=True) == slots  # the leader's plan: tp_size fills two nodes
+    assert [slots[0].node_ranks(k) for k in (0, 1)] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [started_by(slots, r) for r in (0, 4, 8, 12)] == [slots[:1], [], slots[1:], []]
+    assert [joined_by(slots, r) for r in (0, 4, 8, 12)] == [[], [(slots[0], 1)], [], [(slots[1], 1)]]
+    assert all(joined_by(slots, r) == [] == started_by(slots, r) for r in range(16) if r % 4)
+    layout = plan_cell(16, 4, 4, 8, on_gpu=True, trainer_tp=4, nnodes=2)
+    assert [r.engine for r in layout.ranks] == [0] * 8 + [1] * 8  # each GPU in exactly one engine
+    assert plan_engines(8, 2, 4, on_gpu=True, nnodes=1) == plan_engines(8, 2, 4, on_gpu=True)
+
+
+@pytest.mark.parametrize(
+    "ranks, nodes, tp, nnodes, on_gpu, key",
+    [
+        pytest.param(16, 4, 4, 2, True, "engine.nnodes", id="not-whole-nodes"),
+        pytest.param(12, 3, 8, 2, True, "engine.nnodes", id="nodes-not-tiled"),
+        pytest.param(12, 3, 8, None, True, "engine.tp_size", id="derived-span-not-tiling"),
+        pytest.param(4, 2, 1, 2, False, "engine.nnodes", id="cpu-engine-spans-nodes"),
+        pytest.param(8, 2, 8, 1, True, "engine.tp_size", id="one-node-too-narrow"),
+    ],
+)
+def test_an_engine_spanning_nodes_that_does_not_tile_them_is_refused_naming_the_key(
+    ranks, nodes, tp, nnodes, on_gpu, key
+):
+    with pytest.raises(ConfigError) as err:
+        plan_engines(ranks, nodes, tp, on_gpu, nnodes)
     assert err.value.key == key

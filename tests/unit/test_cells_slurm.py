@@ -17,7 +17,9 @@ from gyre.cells.placement import SlurmPlacement
 from gyre.cells.slurm import (
     SlurmCell,
     SlurmLauncher,
+    _node_engines,
     coordinator_exit_path,
+    engine_path,
     failed_path,
     run_cell_task,
     spec_path,
@@ -150,3 +152,22 @@ def test_an_mpi_leader_runs_under_mpiexec_on_its_own_node_and_a_tcp_one_plainly(
     cmd = leader_command("/run/cell1.spec.json", "mpi")
     assert Path(cmd[0]).name == "mpiexec" and cmd[1:5] == ["-launcher", "fork", "-n", "1"]
     assert cmd[6:] == ["-m", "gyre.cells.leader", "/run/cell1.spec.json"]  # the spec (a token in it) is not on argv
+
+
+def test_a_server_spanning_two_nodes_is_started_by_each_nodes_first_rank_with_node_rank_0s_rendezvous(tmp_path):
+    """engine.tp_size=4 on nodes of 2 ranks (engine.nnodes=2): rank 0 starts node rank 0, advertised at
+    its node's address (bind_host 0.0.0.0 kept for --host) and publishes the rendezvous; rank 2, the
+    other node's first rank, starts node rank 1 with it; ranks 1 and 3 start nothing."""
+    sglang = EngineConfig(
+        backend="sglang", model_path="/m", enable_hicache=False, weight_sync="disk", tp_size=4, nnodes=2
+    )
+    spec = dataclasses.replace(_spec(1), ranks=4, nodes=2, engine=dataclasses.replace(sglang, bind_host="0.0.0.0"))
+    ((head, gpu),) = _node_engines(tmp_path, 0, spec, 0, "127.0.0.1", timeout_s=5)
+    assert (head.host, head.listen_host, head.nnodes, head.node_rank, gpu) == ("127.0.0.1", "0.0.0.0", 2, 0, 0)
+    assert head.dist_init_addr.startswith("127.0.0.1:")
+    ((other, _),) = _node_engines(tmp_path, 0, spec, 2, "127.0.0.2", timeout_s=5)
+    assert (other.host, other.node_rank, other.dist_init_addr) == ("127.0.0.2", 1, head.dist_init_addr)
+    assert _node_engines(tmp_path, 0, spec, 1, "127.0.0.1", 5) == [] == _node_engines(tmp_path, 0, spec, 3, "x", 5)
+    assert stat.S_IMODE(engine_path(tmp_path, 1, 0, 0).stat().st_mode) == 0o600  # beside the spec, as private
+    with pytest.raises(CellError, match="no engine rendezvous"):  # node rank 0's never published
+        _node_engines(tmp_path, 1, spec, 2, "127.0.0.2", timeout_s=0.3)

@@ -1,12 +1,14 @@
 """Engine pure parts: the paged prefix cache and the transfer arena its imports live in, /generate
 parsing, weight-version spans, the SGLang command line (golden), and EngineConfig validation."""
 
+import dataclasses
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from gyre.engines.config import EngineConfig
-from gyre.engines.launch import make_sglang_command, make_sglang_env
+from gyre.engines.launch import advertised_url, make_sglang_command, make_sglang_env
 from gyre.engines.prefix_cache import CacheFull, PrefixCache
 from gyre.engines.protocol import BadRequest, parse_generate
 from gyre.errors import ConfigError
@@ -178,6 +180,25 @@ def test_sglang_command_golden():
     assert fake[:3] == ["python", "-m", "gyre.engines.sglang_fake"] and fake[fake.index("--base-gpu-id") + 1] == "2"
 
 
+SG = {"backend": "sglang", "model_path": "/m", "enable_hicache": False, "weight_sync": "disk"}
+
+
+def test_a_server_spanning_nodes_gets_its_node_rank_and_rendezvous_and_binds_apart_from_its_url():
+    """engine.nnodes > 1: --nnodes, --node-rank, --dist-init-addr (one process per node, SGLang
+    0.5.21's srt/arg_groups/fields/parallel.py); --host is the bind address, the URL the proxy dials
+    is engine.host."""
+    cfg = EngineConfig(**SG, tp_size=8, nnodes=2, node_rank=1, dist_init_addr="10.0.0.5:29500", bind_host="0.0.0.0")
+    cmd = make_sglang_command(cfg, 30001, python="python")
+    flags = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1) if cmd[i].startswith("--")}
+    assert flags["--nnodes"] == "2" and flags["--node-rank"] == "1" and flags["--dist-init-addr"] == "10.0.0.5:29500"
+    assert flags["--host"] == "0.0.0.0" and flags["--tp-size"] == "8"
+    assert advertised_url(dataclasses.replace(cfg, host="10.0.0.6"), 30001) == "http://10.0.0.6:30001"
+    one_node = make_sglang_command(EngineConfig(**SG), 1)
+    assert "--nnodes" not in one_node and one_node[one_node.index("--host") + 1] == "127.0.0.1"  # as before
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        make_sglang_command(EngineConfig(**SG, tp_size=2, nnodes=2), 1)
+
+
 def test_the_sglang_fake_takes_the_command_line_gyre_gives_sglang():
     """The fake parses exactly make_sglang_command's flags (as sglang.launch_server would) and refuses
     others and TP it cannot serve, so a run with engine.sglang_fake starts it as it starts SGLang."""
@@ -188,7 +209,8 @@ def test_the_sglang_fake_takes_the_command_line_gyre_gives_sglang():
     )
     a = parse_args(make_sglang_command(cfg, 4242)[3:])
     assert (a.model_path, a.port, a.weight_version, a.enable_hierarchical_cache) == ("/m", 4242, "3", True)
-    for argv in (["--model-path", "/m", "--no-such-flag"], ["--model-path", "/m", "--tp-size", "2"]):
+    spanning = ["--model-path", "/m", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "h:1"]
+    for argv in (["--model-path", "/m", "--no-such-flag"], ["--model-path", "/m", "--tp-size", "2"], spanning):
         with pytest.raises(SystemExit):
             parse_args(argv)
 
@@ -213,6 +235,11 @@ def test_the_sglang_fake_takes_the_command_line_gyre_gives_sglang():
             id="sglang-cannot-read-mooncake",
         ),
         pytest.param({"sglang_fake": True}, "sglang_fake", id="fake-without-sglang"),
+        pytest.param({"host": "0.0.0.0"}, "host", id="wildcard-advertised"),
+        pytest.param({"nnodes": 2, "tp_size": 2}, "nnodes", id="builtin-spans-nodes"),
+        pytest.param({**SG, "nnodes": 2, "tp_size": 3}, "nnodes", id="tp-not-shared-by-nodes"),
+        pytest.param({**SG, "nnodes": 0}, "nnodes", id="no-nodes"),
+        pytest.param({**SG, "nnodes": 2, "tp_size": 2, "node_rank": 2}, "node_rank", id="node-rank-beyond"),
     ],
 )
 def test_engine_config_names_bad_keys(kwargs, key):
