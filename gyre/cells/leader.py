@@ -91,7 +91,8 @@ class CellLeader:
         """Connected once the cell is built (`run`): the coordinator accepts leaders one handshake at a time,
         so connecting first would make every cell wait for the previous one to be built."""
         self.events = EventLog(spec.run_dir)
-        self.slots = plan_engines(spec.ranks, spec.nodes, spec.engine.tp_size, spec.engine.on_gpu)
+        e = spec.engine
+        self.slots = plan_engines(spec.ranks, spec.nodes, e.tp_size, e.on_gpu, nnodes=e.nnodes)
         self.engine_ids = [engine_id(self.index, slot.index) for slot in self.slots]
         self.engines = []
         self._closing = threading.Event()

@@ -148,7 +148,8 @@ class GyreConfig:
         )
         self._check_ranks()
         c, tp = self.cluster, self.trainer.tensor_parallel_size  # one rank per GPU, engines tiling the GPUs
-        plan_cell(c.ranks_per_cell, c.cell_nodes, c.gpus_per_node, self.engine.tp_size, self.engine.on_gpu, tp)
+        e = self.engine
+        plan_cell(c.ranks_per_cell, c.cell_nodes, c.gpus_per_node, e.tp_size, e.on_gpu, tp, nnodes=e.nnodes)
         require(
             self.cluster.num_cells >= 2 or self.mode != "train" or self.scheduler.mode == "colocate",
             "cluster.num_cells",

@@ -41,7 +41,8 @@ def plan_run(cfg: GyreConfig) -> tuple[CellLayout, MemoryPlan]:
     """A cell's layout and its core GPU's memory plan (pure)."""
     c = cfg.cluster
     tp = cfg.trainer.tensor_parallel_size
-    layout = plan_cell(c.ranks_per_cell, c.cell_nodes, c.gpus_per_node, cfg.engine.tp_size, cfg.engine.on_gpu, tp)
+    e = cfg.engine
+    layout = plan_cell(c.ranks_per_cell, c.cell_nodes, c.gpus_per_node, e.tp_size, e.on_gpu, tp, nnodes=e.nnodes)
     return layout, plan_memory(gpu_shape(cfg))
 
 
