@@ -308,7 +308,8 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
     retrains nothing. Then recovery parity: the run's records
     replayed by a two-rank core that is SIGKILLed twice and resumed train the run's weights bit for bit."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
-    cells = ("cluster.ranks_per_cell=2", "cluster.cell_nodes=2")
+    # its toy agents with a sub-agent and three turns: executions that are mid-way for a while
+    cells = ("cluster.ranks_per_cell=2", "cluster.cell_nodes=2", "harness.toy.subagent=true", "harness.toy.max_turns=3")
     proc = _gyre_train(run_dir, tasks, "num_steps=4", *cells, start_new_session=True)
     try:
         _wait_for(proc, lambda: _checkpointed(run_dir, 1) and _satellite_roles(run_dir) == ["rollout", "train"])
