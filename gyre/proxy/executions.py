@@ -178,7 +178,9 @@ class ExecutionRegistry:
 
     def create(self, execution_id: str, key: str | None = None) -> ProxyExecution:
         """A new execution (a fresh key unless `key` is given: the sandbox's key after a proxy lost
-        it); its records go to `<records_dir>/<id>.jsonl`, continuing an existing file.
+        it); its records go to `<records_dir>/<id>.jsonl`, continuing an existing file. An id this
+        proxy knows only from its key file (registered before a restart, its sandbox gone) takes
+        the new key: the execution continues in a new sandbox.
 
         Raises:
             GyreError: a malformed or already registered id, one pinned to another worker, a malformed
@@ -186,8 +188,12 @@ class ExecutionRegistry:
         """
         if not isinstance(execution_id, str) or not _ID.match(execution_id):
             raise GyreError(f"execution_id must match {_ID.pattern}, got {execution_id!r}")
-        if execution_id in self.by_id:
+        known = self.by_id.get(execution_id)
+        if known is not None and known.key is not None:
             raise GyreError(f"execution {execution_id!r} is already registered")
+        if known is not None:  # known by its key file alone: its sandbox is gone, a continued execution's is new
+            self._by_digest.pop(known.digest, None)
+            known.close()
         pinned = worker_of(execution_id, self.worker[1])
         if pinned != self.worker[0]:
             raise GyreError(
