@@ -102,30 +102,9 @@ def make_harness_command(
             "model": model,
         }
         return make_template_command(cfg.command, values), env
-    if cfg.kind == "claude_code":
-        binary = agents.find_claude_code()
-        if binary is None:
-            raise HarnessNotFound("Claude Code is not installed (tools/setup.sh, or set GYRE_CLAUDE_CODE)")
+    if cfg.kind in ("claude_code", "codex"):
         prompt = agents.CONTINUE_PROMPT if session.resume else instruction
-        argv = agents.make_claude_code_command(
-            binary,
-            prompt,
-            model=model,
-            tools=cfg.claude_code_tools,
-            session_id=session.id,
-            resume=session.resume,
-            bare=True,
-        )
-        return argv, agents.make_claude_code_env(env, proxy_url, api_key, str(home), model)
-    if cfg.kind == "codex":
-        binary = agents.find_codex()
-        if binary is None:
-            raise HarnessNotFound("Codex CLI is not installed (tools/setup.sh, or set GYRE_CODEX)")
-        prompt = agents.CONTINUE_PROMPT if session.resume else instruction
-        argv = agents.make_codex_command(
-            binary, prompt, proxy_url=proxy_url, model=model, resume=session.resume, thread_id=session.id
-        )
-        return argv, agents.make_codex_env(env, api_key, str(home))
+        return _agent_cli_command(cfg, prompt, proxy_url, api_key, model, home, env, session)
     binary = agents.find_mini_swe_agent()
     if binary is None:
         raise HarnessNotFound("mini-swe-agent is not installed (pip install -e '.[harness]')")
@@ -133,3 +112,32 @@ def make_harness_command(
         binary, instruction, proxy_url=proxy_url, model=model, output=str(home / "trajectory.json")
     )
     return argv, agents.make_mini_swe_env(env, str(home))
+
+
+def _agent_cli_command(
+    cfg: HarnessConfig,
+    prompt: str,
+    proxy_url: str,
+    api_key: str,
+    model: str,
+    home: Path,
+    env: dict[str, str],
+    session: HarnessSession,
+) -> tuple[list[str], dict[str, str]]:
+    """Claude Code's or Codex's (argv, env), in the execution's session (continued after a restart)."""
+    if cfg.kind == "claude_code":
+        binary = agents.find_claude_code()
+        if binary is None:
+            raise HarnessNotFound("Claude Code is not installed (tools/setup.sh, or set GYRE_CLAUDE_CODE)")
+        tools, sid = cfg.claude_code_tools, session.id
+        argv = agents.make_claude_code_command(
+            binary, prompt, model=model, tools=tools, session_id=sid, resume=session.resume, bare=True
+        )
+        return argv, agents.make_claude_code_env(env, proxy_url, api_key, str(home), model)
+    binary = agents.find_codex()
+    if binary is None:
+        raise HarnessNotFound("Codex CLI is not installed (tools/setup.sh, or set GYRE_CODEX)")
+    argv = agents.make_codex_command(
+        binary, prompt, proxy_url=proxy_url, model=model, resume=session.resume, thread_id=session.id
+    )
+    return argv, agents.make_codex_env(env, api_key, str(home))
