@@ -14,7 +14,6 @@ exec` reaches the proxy through a custom model provider given with `-c` override
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -71,9 +70,10 @@ def claude_code_session_id(execution_id: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"gyre-execution:{execution_id}"))
 
 
-def claude_code_session_file(home: Path, cwd: Path, session_id: str) -> Path:
-    """Where Claude Code keeps a session's transcript: $HOME/.claude/projects/<cwd, / and . as ->/<id>.jsonl."""
-    return home / ".claude" / "projects" / re.sub(r"[/.]", "-", str(cwd)) / f"{session_id}.jsonl"
+def claude_code_session_file(home: Path, session_id: str) -> Path | None:
+    """Where Claude Code kept a session's transcript: $HOME/.claude/projects/<its cwd, sanitised>/<id>.jsonl
+    (found by the id, unique: the folder's name follows Claude Code's own sanitising of the cwd)."""
+    return next(iter(sorted((home / ".claude" / "projects").glob(f"*/{session_id}.jsonl"))), None)
 
 
 def codex_thread_id(events: str) -> str | None:

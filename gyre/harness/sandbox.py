@@ -201,7 +201,8 @@ def continuable(task: Task, cfg: HarnessConfig, sandbox_dir: Path) -> str | None
     if cfg.kind == "toy":
         saved = home / SESSION_FILE
     elif cfg.kind == "claude_code":
-        saved = claude_code_session_file(home, workspace, claude_code_session_id(sandbox_dir.name))
+        saved = claude_code_session_file(home, claude_code_session_id(sandbox_dir.name))
+        return None if saved is not None else "no saved Claude Code session in its home"
     elif cfg.kind == "codex":
         return None if _codex_thread(sandbox_dir) else "no thread.started event in its harness log"
     else:
@@ -259,7 +260,7 @@ class Sandbox:
         if (why := continuable(self.task, self.cfg, self.dir)) is not None:
             raise SandboxError(f"execution {self.execution_id} cannot continue: {why}")
         if self.cfg.kind == "claude_code":
-            trim_torn_line(claude_code_session_file(self.home, self.workspace, self._session.id))
+            trim_torn_line(claude_code_session_file(self.home, self._session.id))
         sid = _codex_thread(self.dir) if self.cfg.kind == "codex" else self._session.id
         self._used_s, self._session = used_s, HarnessSession(sid, resume=True)
         return self.workspace

@@ -71,12 +71,13 @@ def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_
     assert "outlive the job" in continuable(SimpleNamespace(environment=object()), toy, tmp_path)
     assert "does not continue" in continuable(task, replace(toy, kind="mini_swe_agent"), tmp_path)
     claude = replace(toy, kind="claude_code")
-    assert "no saved session" in continuable(task, claude, tmp_path)
+    assert "no saved Claude Code session" in continuable(task, claude, tmp_path)
     sid = claude_code_session_id(tmp_path.name)  # the sandbox folder is named after the execution
-    transcript = claude_code_session_file(tmp_path / "home", tmp_path / "workspace", sid)
+    transcript = tmp_path / "home" / ".claude" / "projects" / "-some-cwd" / f"{sid}.jsonl"
     transcript.parent.mkdir(parents=True)
     transcript.write_bytes(b'{"type": "user"}\n{"type": "assis')  # killed mid-write
     assert continuable(task, claude, tmp_path) is None
+    assert claude_code_session_file(tmp_path / "home", sid) == transcript
     trim_torn_line(transcript)
     assert transcript.read_bytes() == b'{"type": "user"}\n'
     codex = replace(toy, kind="codex")
