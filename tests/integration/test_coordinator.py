@@ -308,7 +308,13 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
     retrains nothing. Then recovery parity: the run's records
     replayed by a two-rank core that is SIGKILLed twice and resumed train the run's weights bit for bit."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
-    # its toy agents with a sub-agent and three turns: executions that are mid-way for a while
+    # Its toy agents have a sub-agent, and a scripted policy has their main agent run two commands
+    # of 0.5 s before it answers: executions that are mid-way for a while.
+    rules = tmp_path / "rules.json"
+    script = [("Write the word", "echo STEP-ONE"), ("STEP-ONE", "echo STEP-TWO")]
+    rules.write_text(
+        json.dumps({"rules": [{"match": m, "emit": _tool_call("run", {"command": c})} for m, c in script]})
+    )
     cells = (
         "cluster.ranks_per_cell=2",
         "cluster.cell_nodes=2",
@@ -316,6 +322,7 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
         "harness.toy.max_turns=3",
         "harness.toy.tool_median_s=0.5",
         "harness.toy.tool_sigma=0",
+        f"engine.scripted_policy={rules}",
     )
     proc = _gyre_train(run_dir, tasks, "num_steps=4", *cells, start_new_session=True)
     try:
@@ -396,11 +403,13 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
 
 
 def _mid_way_calls(records: list) -> bool:
-    return any(r.parent_agent_id is not None for r in records) and any(r.parent_agent_id is None for r in records)
+    """A sub-agent's call and two of the main agent's (its first turn saved) are recorded."""
+    main = sum(r.parent_agent_id is None for r in records)
+    return any(r.parent_agent_id is not None for r in records) and main >= 2
 
 
 def _mid_way(run_dir: Path) -> bool:
-    """An execution runs whose records hold a sub-agent's call and a main agent's."""
+    """A running execution is mid-way (`_mid_way_calls`)."""
     return any(_mid_way_calls(_records(run_dir, eid)) for eid in _running(run_dir / "ledger.jsonl"))
 
 
