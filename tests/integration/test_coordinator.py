@@ -320,6 +320,7 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
         "cluster.cell_nodes=2",
         "harness.toy.subagent=true",
         "harness.toy.max_turns=3",
+        "harness.toy.max_tokens=96",  # room for a scripted tool call
         "harness.toy.tool_median_s=0.5",
         "harness.toy.tool_sigma=0",
         f"engine.scripted_policy={rules}",
