@@ -308,23 +308,7 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
     retrains nothing. Then recovery parity: the run's records
     replayed by a two-rank core that is SIGKILLed twice and resumed train the run's weights bit for bit."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
-    # Its toy agents have a sub-agent, and a scripted policy has their main agent run two commands
-    # of 0.5 s before it answers: executions that are mid-way for a while.
-    rules = tmp_path / "rules.json"
-    script = [("Write the word", "echo STEP-ONE"), ("STEP-ONE", "echo STEP-TWO")]
-    rules.write_text(
-        json.dumps({"rules": [{"match": m, "emit": _tool_call("run", {"command": c})} for m, c in script]})
-    )
-    cells = (
-        "cluster.ranks_per_cell=2",
-        "cluster.cell_nodes=2",
-        "harness.toy.subagent=true",
-        "harness.toy.max_turns=3",
-        "harness.toy.max_tokens=96",  # room for a scripted tool call
-        "harness.toy.tool_median_s=0.5",
-        "harness.toy.tool_sigma=0",
-        f"engine.scripted_policy={rules}",
-    )
+    cells = ("cluster.ranks_per_cell=2", "cluster.cell_nodes=2")
     proc = _gyre_train(run_dir, tasks, "num_steps=4", *cells, start_new_session=True)
     try:
         _wait_for(proc, lambda: _checkpointed(run_dir, 1) and _satellite_roles(run_dir) == ["rollout", "train"])
@@ -346,9 +330,8 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
             assert f"cell {serving}: its engine http://" in log and "exited with code -9; the cell is lost" in log
         else:  # a step ended first (a loaded box): the weight push to the dead engine found it
             assert "its engine did not take weight version" in lost[0]["message"], lost
-        # Step 3's executions are admitted once step 1 is applied (staleness 1): kill while one is
-        # mid-way, its sub-agent and its main agent both past their first call.
-        _wait_for(proc, lambda: _mid_way(run_dir))
+        # Step 3's executions are admitted once step 1 is applied (staleness 1): kill while one runs.
+        _wait_for(proc, lambda: _running(run_dir / "ledger.jsonl"))
         os.kill(_rank1_pid(run_dir, 0), signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -363,7 +346,6 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
 
     in_flight = _running(run_dir / "ledger.jsonl")
     assert in_flight  # at least one execution was running when the core died
-    assert any(_mid_way_calls(_records(run_dir, eid)) for eid in in_flight)  # a sub-agent's calls among them
 
     summary = _finish(_gyre_train(run_dir, tasks, "num_steps=4", *cells, "resume=true"))
     view = read_ledger(run_dir / "ledger.jsonl")
@@ -374,14 +356,12 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
     assert trained and max(trained.values()) == 1  # none trained twice
     steps = {e.step for es in view.history.values() for e in es if e.state == "trained"}
     assert steps == {0, 1, 2, 3}
-    # What ran at the kill continued its toy agent's session under the same id (coordinator.on_resume),
-    # its calls before and after the break one tree; every execution queued before it reached an outcome.
+    # What ran at the kill continued its toy agent's session under the same id where it had saved
+    # one (test_interrupted_executions_continue...), else was re-run; every execution reached an outcome.
     continued = [eid for eid in in_flight if any(e.reason == "continued" for e in view.history[eid])]
-    assert continued and summary["executions_continued"] == len(continued) and summary["tokens_kept_by_continue"] > 0
-    assert all(view.outcome(eid) is not None and f"{eid}.r1" not in view.history for eid in continued)
-    _assert_one_tree_across_the_break(run_dir, view, continued)
-    mixed = [g for g in {view.history[eid][0].group for eid in continued} if _group_trained_with_fresh(view, g)]
-    assert mixed  # a group of continued and uninterrupted executions trained
+    assert all(view.outcome(f"{eid}.r1") is not None for eid in in_flight if eid not in continued)
+    assert all(view.outcome(eid).reason == "interrupted" for eid in in_flight if eid not in continued)
+    assert summary["executions_continued"] == len(continued)
     assert all(view.outcome(eid) is not None for eid in view.history)
     assert before.history.keys() <= view.history.keys() and summary["num_steps"] == 4
     assert summary["cell_ranks"] == 2  # resumed with the same cells: the 2-rank checkpoint (Adam sharded) loaded
@@ -594,3 +574,41 @@ def test_misbehaving_harnesses_and_a_broken_task_are_excluded_and_counted_while_
         counts["excluded/harness_failed"] == counts["excluded/no_model_calls"] == counts["excluded/sandbox_error"] == 2
     )
     assert summary["num_steps"] == 1 and counts["trained"] == 6  # apple, river and escape: 3 groups of 2
+
+
+def test_interrupted_executions_continue_their_sessions_after_a_sigkill(tmp_path):
+    """SIGKILL the coordinator and its cells while toy executions are mid-way (a sub-agent's and two
+    of the main agent's calls recorded) and resume: they continue under the same id (no `.r1`),
+    their calls before and after the break one call tree, the tokens before the break kept;
+    nothing is trained twice, and a group of continued and uninterrupted executions trains."""
+    run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
+    rules = tmp_path / "rules.json"  # the main agent runs two commands of 0.5 s before it answers
+    script = [("Write the word", "echo STEP-ONE"), ("STEP-ONE", "echo STEP-TWO")]
+    rules.write_text(
+        json.dumps({"rules": [{"match": m, "emit": _tool_call("run", {"command": c})} for m, c in script]})
+    )
+    toy = (
+        "harness.toy.subagent=true",
+        "harness.toy.max_turns=3",
+        "harness.toy.max_tokens=96",  # room for a scripted tool call
+        "harness.toy.tool_median_s=0.5",
+        "harness.toy.tool_sigma=0",
+        f"engine.scripted_policy={rules}",
+        "num_steps=2",
+    )
+    proc = _gyre_train(run_dir, tasks, *toy, start_new_session=True)
+    _kill_when(proc, lambda: _mid_way(run_dir))
+    in_flight = _running(run_dir / "ledger.jsonl")
+    assert any(_mid_way_calls(_records(run_dir, eid)) for eid in in_flight)  # a sub-agent's calls among them
+
+    summary = _finish(_gyre_train(run_dir, tasks, *toy, "resume=true"))
+    view = read_ledger(run_dir / "ledger.jsonl")
+    continued = [eid for eid in in_flight if any(e.reason == "continued" for e in view.history[eid])]
+    assert continued and summary["executions_continued"] == len(continued) and summary["tokens_kept_by_continue"] > 0
+    assert all(view.outcome(eid) is not None and f"{eid}.r1" not in view.history for eid in continued)
+    _assert_one_tree_across_the_break(run_dir, view, continued)
+    trained = Counter(e.execution_id for es in view.history.values() for e in es if e.state == "trained")
+    assert trained and max(trained.values()) == 1  # none trained twice
+    groups = {view.history[eid][0].group for eid in continued}
+    assert any(_group_trained_with_fresh(view, g) for g in groups)  # continued and uninterrupted, trained together
+    assert summary["num_steps"] == 2
