@@ -389,9 +389,15 @@ def _mid_way_calls(records: list) -> bool:
     return any(r.parent_agent_id is not None for r in records) and main >= 2
 
 
-def _mid_way(run_dir: Path) -> bool:
-    """A running execution is mid-way (`_mid_way_calls`)."""
-    return any(_mid_way_calls(_records(run_dir, eid)) for eid in _running(run_dir / "ledger.jsonl"))
+def _mid_way(run_dir: Path, beside_finished: bool = False) -> bool:
+    """A running execution is mid-way (`_mid_way_calls`); `beside_finished`: one of its group's has ended."""
+    view = read_ledger(run_dir / "ledger.jsonl") if (run_dir / "ledger.jsonl").exists() else None
+    for eid in _running(run_dir / "ledger.jsonl"):
+        group = view.history[eid][0].group
+        ended = any(es[0].group == group and view.outcome(other) for other, es in view.history.items())
+        if _mid_way_calls(_records(run_dir, eid)) and (ended or not beside_finished):
+            return True
+    return False
 
 
 def _records(run_dir: Path, eid: str) -> list:
@@ -591,13 +597,14 @@ def test_interrupted_executions_continue_their_sessions_after_a_sigkill(tmp_path
         "harness.toy.subagent=true",
         "harness.toy.max_turns=3",
         "harness.toy.max_tokens=96",  # room for a scripted tool call
-        "harness.toy.tool_median_s=0.5",
-        "harness.toy.tool_sigma=0",
+        "harness.toy.tool_median_s=0.5",  # seeded per execution, spread: a group's executions drift apart
+        "harness.toy.tool_sigma=1",
+        "harness.toy.tool_max_s=3",
         f"engine.scripted_policy={rules}",
         "num_steps=2",
     )
     proc = _gyre_train(run_dir, tasks, *toy, start_new_session=True)
-    _kill_when(proc, lambda: _mid_way(run_dir))
+    _kill_when(proc, lambda: _mid_way(run_dir, beside_finished=True))
     in_flight = _running(run_dir / "ledger.jsonl")
     assert any(_mid_way_calls(_records(run_dir, eid)) for eid in in_flight)  # a sub-agent's calls among them
 
