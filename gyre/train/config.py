@@ -42,7 +42,9 @@ class TrainerConfig:
     core_computes_microsteps: bool = True
     """The core cell computes micro-steps too; False leaves them to satellites (core only sums and steps)."""
     num_grad_slots: int = 4
-    """Gradient buffers on the core that satellites write into (each the size of the weights)."""
+    """Gradient buffers on each core rank that micro-steps are written into (each the size of the
+    rank's shard), the slots of its data-parallel replica: K slots per replica let K x replicas
+    micro-steps be in flight at once, at K shards of memory per rank."""
     claim_timeout_s: float = 0.0
     """A satellite holding a micro-step longer than this is presumed hung: the micro-step is redone
     elsewhere and the satellite gets no more work. 0 = wait as long as its connection is alive."""

@@ -42,7 +42,7 @@ MODEL = ModelConfig(
     vocab_size=64,
     max_seq_len=256,
 )
-CFG = TrainerConfig(lr=1e-3)
+CFG = TrainerConfig(lr=1e-3, num_grad_slots=1)  # one slot a replica: a DP=2 satellite still holds two claims
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = [(5, 11), (3, 12)]  # (micro-batches, seed) of each streamed step
 
@@ -131,18 +131,20 @@ if __name__ == "__main__":
 
 def stream_steps(server: CoreServer, address_file: str | None = None) -> list[dict]:
     """STEPS as the leader streams them: open, add each micro-batch with its id, end, run. With
-    `address_file`, a satellite is told the core's address after the first step, and from then on
-    the core only sums (the satellite computes every micro-step)."""
+    `address_file`, a satellite is told the core's address once the second step's batches are all
+    in (its first claims find every replica's slot free), and from then on the core only sums (the
+    satellite computes every micro-step)."""
     out = []
     for n, seed in STEPS:
         if out and address_file:
             server.trainer.cfg = replace(server.trainer.cfg, core_computes_microsteps=False)
-            Path(address_file).write_text(server.address)
         step = server.trainer.step
         server.begin_step(step)
         for k, batch in enumerate(random_batches(MODEL, n, 3, seed=seed)):
             server.add_micro_batch(batch, (step, 0, k))
         server.end_step()
+        if out and address_file:
+            Path(address_file).write_text(server.address)
         out.append(server.run_step())
     return out
 
@@ -232,6 +234,8 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
     if tp == 1:
         assert {t[5] for m in got["metrics"] for t in m["microsteps"]} == {0, 1}  # both replicas computed
         assert {t[5] for t in second["microsteps"]} == {0, 1}  # both of the satellite's, too
+        # slots are per replica: the satellite's two replicas held a claim each, with one slot a replica
+        assert second["microsteps_in_flight_max"] == 2 > CFG.num_grad_slots
         assert torch.equal(got["logprobs"], lp)
         assert [m["grad_norm"] for m in got["metrics"]] == [m["grad_norm"] for m in metrics]
         assert all(torch.equal(t, expected[name]) for name, t in got["engine"].items())
