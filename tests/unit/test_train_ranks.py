@@ -14,6 +14,8 @@ Under data parallel, Adam's state is sharded over the replicas (ZeRO stage 1) an
 
 import hashlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -123,6 +125,31 @@ def main(tp, address_file, out):
         pulls = {"pull_s": sat.pull_seconds, "rank_pull_s": sat.rank_pull_seconds}
         json.dump({"computed": computed, **pulls, "lost": lost}, open(out, "w"))
     torch.distributed.destroy_process_group()
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+"""
+
+
+_HUNG_SCRIPT = """
+import json, os, sys, time, torch
+from dataclasses import replace
+from test_train_ranks import MODEL, CFG
+from gyre.train.ranks import CellRanks, start_followers
+from gyre.train.trainer import Trainer
+
+def main(log_dir, hang_s, out):
+    torch.set_num_threads(1)
+    cfg = replace(CFG, rank_hang_timeout_s=float(hang_s))
+    followers = start_followers(2, "127.0.0.1", MODEL, cfg, 0, log_dir)  # as a local cell's leader does
+    lost = []
+    CellRanks(Trainer(MODEL, cfg, seed=0), followers, lambda *why: lost.append((time.time(), why)))
+    print(followers[0].pid, flush=True)  # the test stops it now
+    while not lost:
+        time.sleep(0.01)
+    json.dump({"at": lost[0][0], "why": lost[0][1]}, open(out, "w"))
+    followers[0].kill()  # SIGKILL ends a stopped process too
+    os._exit(0)  # as the leader does once a rank is lost
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
@@ -258,3 +285,35 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
             assert (t - expected[name]).abs().max() <= 0.01 * CFG.lr, name
         assert (back.flat.weights - one.flat.weights).abs().max() <= 0.01 * CFG.lr
         assert got["digest"] != _digest(got["shard0"])  # both shards digested, not rank 0's alone
+
+
+def test_a_stopped_follower_is_found_within_the_hang_timeout_and_its_cell_lost(tmp_path):
+    """A follower stopped with SIGSTOP neither exits nor closes its link (its kernel still answers
+    TCP): its heartbeat falls silent, and rank 0 declares it lost within `rank_hang_timeout_s`."""
+    hang_s, out = 2.0, tmp_path / "lost.json"
+    args = [str(tmp_path), str(hang_s), str(out)]
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", _HUNG_SCRIPT, *args], cwd=ROOT, env=two_rank_env(), stdout=subprocess.PIPE, text=True
+    )
+    follower = None
+    try:
+        follower = int(rank0.stdout.readline())  # once the cell is up and linked
+        stopped_at = time.time()
+        os.kill(follower, signal.SIGSTOP)
+        assert rank0.wait(timeout=60) == 0, (tmp_path / f"rank1.{rank0.pid}.log").read_text()[-3000:]
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+        if follower is not None:
+            _kill_quietly(follower)
+    lost = json.loads(out.read_text())
+    assert lost["why"][0] == 1 and "no heartbeat" in lost["why"][1]
+    # its last heartbeat came up to hang_s / 4 before the stop; rank 0 polls every 0.2 s
+    assert 0.7 * hang_s <= lost["at"] - stopped_at <= hang_s + 5.0
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
