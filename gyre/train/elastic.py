@@ -194,10 +194,7 @@ class CoreServer:
         try:
             self.ranks.run(core_reset)  # an aborted step may have left a partial sum
             while (work := self._next_core_work(step)) is not None:
-                if work[0] == "fold":
-                    self._fold_on_ranks(work[1])
-                else:
-                    self._compute_on_core(step, work[1])
+                self._fold_on_ranks(work[1]) if work[0] == "fold" else self._compute_on_core(step, work[1])
             self._wait_for_readers()
             if not step.batches:
                 self.ranks.run(skip_step)
