@@ -195,6 +195,17 @@ def test_a_follower_link_tells_a_dead_follower_from_a_live_one():
             assert link.poll() == "unknown (its link to rank 0 closed)"
             link.sock.close()
             far.close()
+        # a stopped follower's link stays open (its kernel answers TCP): only its heartbeats stop
+        with socket.create_connection(server.getsockname()) as far:
+            link, beating_until = FollowerLink(server.accept()[0], silence_s=0.5), time.monotonic() + 1.0
+            while time.monotonic() < beating_until:  # beating: alive past silence_s
+                far.sendall(b"h")
+                assert link.poll() is None
+                time.sleep(0.05)
+            while (why := link.poll()) is None and time.monotonic() < beating_until + 10:
+                time.sleep(0.01)
+            assert "no heartbeat" in why and time.monotonic() - beating_until >= 0.5 - 0.05
+            link.sock.close()
 
 
 def _digest(weights: torch.Tensor) -> str:
