@@ -92,20 +92,25 @@ class CellLeader:
         so connecting first would make every cell wait for the previous one to be built."""
         self.events = EventLog(spec.run_dir)
         self.slots = plan_engines(spec.ranks, spec.nodes, spec.engine.tp_size, spec.engine.on_gpu)
-        # Slurm: this node's engines; the other nodes' first ranks start theirs (`_attach_engines`)
-        self.engines = _start_engines(spec, started_by(self.slots, 0) if spec.followers_placed else self.slots)
         self.engine_ids = [engine_id(self.index, slot.index) for slot in self.slots]
+        self.engines = []
         self._closing = threading.Event()
-        threading.Thread(target=self._watch_engines, args=(list(self.engines),), daemon=True).start()
         self.followers = []
         """Ranks 1.. of this cell (gyre/train/ranks.py); this process is rank 0, the cell's control endpoint."""
         if spec.ranks > 1 and not spec.followers_placed:
             from gyre.train.ranks import start_followers
 
             self.followers = start_followers(spec.ranks, spec.host, spec.model, spec.trainer, spec.seed, spec.run_dir)
+        # The trainer first: a satellite, which serves first, moves its state off the device before
+        # its engines start and size their memory to what is free (gyre.train.trainer.Trainer.offload).
         self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
         link_host = spec.host if spec.followers_placed else None  # srun's tasks: not this process's children
         self.ranks = CellRanks(self.trainer, self.followers, self._rank_lost, link_host=link_host)
+        if not self.is_core:
+            self._move_trainer(Phase.OFFLOAD_TRAINER)
+        # Slurm: this node's engines; the other nodes' first ranks start theirs (`_attach_engines`)
+        self.engines = _start_engines(spec, started_by(self.slots, 0) if spec.followers_placed else self.slots)
+        threading.Thread(target=self._watch_engines, args=(list(self.engines),), daemon=True).start()
         if len(self.engines) < len(self.slots):
             self._attach_engines()
         self.endpoint = TransferEndpoint(spec.host)
@@ -335,11 +340,13 @@ class CellLeader:
                 return ranks_from_engines(self.slots, await asyncio.gather(*jobs), s.ranks)
         if self.is_core:
             return None
-        if phase == Phase.PULL_WEIGHTS:
+        if phase in (Phase.OFFLOAD_TRAINER, Phase.ONLOAD_TRAINER):
+            await asyncio.to_thread(self._move_trainer, phase)
+        elif phase == Phase.PULL_WEIGHTS:
             t0 = time.monotonic()
             await asyncio.to_thread(self._pull)
             return ranks_from_work(time.monotonic() - t0, self.satellite.rank_pull_seconds)
-        if phase == Phase.JOIN_STEP:
+        elif phase == Phase.JOIN_STEP:
             self._stop.clear()
             self._worker = threading.Thread(target=self.satellite.serve, args=(self._stop,), daemon=True)
             self._worker.start()
@@ -365,6 +372,14 @@ class CellLeader:
             elif phase == Phase.ANNOUNCE_TO_PROXY:
                 await proxy.engine_op(eid, "activate")
         return time.monotonic() - t0
+
+    def _move_trainer(self, phase: Phase) -> None:
+        """The trainer's state off the device (the cell serves) or back (it trains), on every rank;
+        with `trainer.offload_on_switch` off it stays where it is."""
+        from gyre.train.shard import offload_trainer, onload_trainer
+
+        if self.spec.trainer.offload_on_switch:
+            self.ranks.run(offload_trainer if phase == Phase.OFFLOAD_TRAINER else onload_trainer)
 
     def _pull(self) -> None:
         from gyre.train.satellite import SatelliteCell

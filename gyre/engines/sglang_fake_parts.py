@@ -13,7 +13,6 @@ import asyncio
 import hashlib
 import os
 import sys
-import tempfile
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from aiohttp import web
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from gyre.common.files import write_atomic
 from gyre.common.serve import exit_at_once
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
@@ -158,9 +158,7 @@ class L3Store:
             path = self.root / key
             if not path.exists():
                 data = save_tensors({"kv": kv[:, :, i * ps : (i + 1) * ps].contiguous()})
-                with tempfile.NamedTemporaryFile(dir=self.root, delete=False) as f:
-                    f.write(data)
-                os.replace(f.name, path)  # readers see a whole page or none
+                write_atomic(path, data)  # readers see a whole page or none
 
 
 def scheduler_crash(message: str) -> None:

@@ -17,6 +17,7 @@ from matplotlib.ticker import PercentFormatter
 
 from gyre.common.files import atomic_path
 from gyre.metrics.state import RunState, Span, TimelinePanel
+from gyre.scheduler.cells import PHASES
 
 ROLE_COLOURS = {
     "rollout": "tab:blue",
@@ -25,10 +26,7 @@ ROLE_COLOURS = {
     "to_rollout": "tab:purple",
     "lost": "black",
 }
-_PHASE_ORDER = {
-    "to_train": ("stop_admission", "hand_off_sessions", "release_engine_memory", "pull_weights", "join_step"),
-    "to_rollout": ("finish_microstep", "load_weights", "announce_to_proxy"),
-}
+_PHASE_ORDER = {role.value: tuple(p.value for p in phases) for role, phases in PHASES.items()}
 _PHASE_MAPS = {"to_train": "Reds", "to_rollout": "Purples"}
 DPI = 100
 TIMELINE_WIDTH_IN = 12

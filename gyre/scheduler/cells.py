@@ -4,9 +4,11 @@ A switch is not instantaneous; it walks through named phases that the live cell 
 the simulator charges (a share of the configured switch cost each):
 
     ROLLOUT --begin_switch(TRAIN)--> TO_TRAIN: stop_admission -> hand_off_sessions (proxy reroute +
-        KV migration) -> release_engine_memory -> pull_weights (from the core) -> join_step --> TRAIN
+        KV migration) -> release_engine_memory -> onload_trainer (its state back on the device) ->
+        pull_weights (from the core) -> join_step --> TRAIN
     TRAIN --begin_switch(ROLLOUT)--> TO_ROLLOUT: finish_microstep (finish or hand back) ->
-        load_weights (newest version into the engine) -> announce_to_proxy --> ROLLOUT
+        offload_trainer (its state to host memory) -> load_weights (the engine takes its memory
+        back, newest version into it) -> announce_to_proxy --> ROLLOUT
     any --lose()--> LOST (terminal)
 
 The core cell owns the authoritative weights and optimizer state: it may never leave a training
@@ -42,6 +44,8 @@ class Phase(str, Enum):
     PULL_WEIGHTS = "pull_weights"
     JOIN_STEP = "join_step"
     FINISH_MICROSTEP = "finish_microstep"
+    OFFLOAD_TRAINER = "offload_trainer"
+    ONLOAD_TRAINER = "onload_trainer"
     LOAD_WEIGHTS = "load_weights"
     ANNOUNCE_TO_PROXY = "announce_to_proxy"
 
@@ -51,10 +55,11 @@ PHASES: dict[Role, tuple[Phase, ...]] = {
         Phase.STOP_ADMISSION,
         Phase.HAND_OFF_SESSIONS,
         Phase.RELEASE_ENGINE_MEMORY,
+        Phase.ONLOAD_TRAINER,
         Phase.PULL_WEIGHTS,
         Phase.JOIN_STEP,
     ),
-    Role.TO_ROLLOUT: (Phase.FINISH_MICROSTEP, Phase.LOAD_WEIGHTS, Phase.ANNOUNCE_TO_PROXY),
+    Role.TO_ROLLOUT: (Phase.FINISH_MICROSTEP, Phase.OFFLOAD_TRAINER, Phase.LOAD_WEIGHTS, Phase.ANNOUNCE_TO_PROXY),
 }
 """Phases of each switching state, in order."""
 
@@ -65,11 +70,15 @@ PHASE_SHARES: dict[Phase, float] = {
     Phase.PULL_WEIGHTS: 0.4,
     Phase.JOIN_STEP: 0.1,
     Phase.FINISH_MICROSTEP: 0.0,
+    Phase.OFFLOAD_TRAINER: 0.0,
+    Phase.ONLOAD_TRAINER: 0.0,
     Phase.LOAD_WEIGHTS: 0.7,
     Phase.ANNOUNCE_TO_PROXY: 0.3,
 }
 """Assumed split of a switch's total cost among its phases (the seed reports only totals; the live
-system measures each phase). finish_microstep costs whatever remains of the micro-step."""
+system measures each phase). finish_microstep costs whatever remains of the micro-step; moving the
+trainer's state off and back onto the device is not in the seed's totals (0 unless calibrated:
+`phase_s`)."""
 
 _TARGET = {Role.TO_TRAIN: Role.TRAIN, Role.TO_ROLLOUT: Role.ROLLOUT}
 _START = {Role.TRAIN: (Role.ROLLOUT, Role.TO_TRAIN), Role.ROLLOUT: (Role.TRAIN, Role.TO_ROLLOUT)}

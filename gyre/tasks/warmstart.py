@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gyre.common.files import atomic_path
 from gyre.harness import toy_agent as toy
 from gyre.models.checkpoint import save_checkpoint
 from gyre.models.config import ModelConfig
@@ -362,15 +363,14 @@ def warm_start(
     torch.set_num_threads(1)  # a tiny model: a second thread costs more than it gives on a shared box
     Path(out_root).mkdir(parents=True, exist_ok=True)
     try:
-        with tempfile.TemporaryDirectory(dir=out_root) as tmp:
-            report = train_into(Path(tmp), taskset, cfg, ws, calls, samples_per_task) | {"model_dir": str(out)}
-            (Path(tmp) / "report.json").write_text(json.dumps(report))
-            try:
-                Path(tmp).rename(out)  # the whole directory appears at once: a crash never leaves half a cache
-                Path(tmp).mkdir()  # for TemporaryDirectory's cleanup
-            except OSError:  # another run cached the same inputs first: keep its directory
-                if not (out / "report.json").exists():
-                    raise
+        with atomic_path(out) as tmp:  # the whole directory appears at once: a crash never leaves half a cache
+            tmp.mkdir()
+            report = train_into(tmp, taskset, cfg, ws, calls, samples_per_task) | {"model_dir": str(out)}
+            (tmp / "report.json").write_text(json.dumps(report))
+    except OSError:  # another run cached the same inputs first: keep its directory
+        if not (out / "report.json").exists():
+            raise
+        return out, {**json.loads((out / "report.json").read_text()), "reused": True}
     finally:
         torch.set_num_threads(threads)
     return out, {**report, "reused": False}

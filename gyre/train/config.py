@@ -39,6 +39,10 @@ class TrainerConfig:
     """Compute in bf16 autocast on CUDA; CPU always runs fp32."""
     checkpoint_keep_last: int = 3
     """Complete checkpoints to keep; older ones are deleted after each successful save."""
+    offload_on_switch: bool = True
+    """A satellite's trainer state (weights, optimizer state; its gradient buffer is freed) leaves the
+    device while the cell serves and comes back when it trains (role-switch phases offload_trainer,
+    onload_trainer), so the engine can have the memory; the core never serves and keeps it."""
     core_computes_microsteps: bool = True
     """The core cell computes micro-steps too; False leaves them to satellites (core only sums and steps)."""
     num_grad_slots: int = 4

@@ -122,8 +122,14 @@ def logprobs(state: RankState, batch):
     return state.trainer.logprobs(batch)
 
 
-def engine_weights(state: RankState):
-    return state.trainer.engine_weights()
+def engine_weights(state: RankState) -> dict:
+    """The export engines load, built once per cell: on the first data-parallel replica's
+    tensor-parallel ranks, gathered to rank 0 (the publisher); every other rank returns {}."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_rank() != 0:
+        return {}
+    return state.trainer.engine_weights(to_first=True)
 
 
 RANK_OPS = (

@@ -48,6 +48,8 @@ class RankState:
     """A follower's TCP link to rank 0 (gyre/train/ranks.py `_link`), open while this process lives."""
     engine_urls: list[str] = field(default_factory=list)
     """The engines this rank started (on Slurm, a node's first rank starts its node's: gyre.cells.serving)."""
+    opened: bool = False
+    """A satellite rank whose weights and gradient are registered with its endpoint (`satellite_open`)."""
 
 
 def _dp() -> tuple[int, int, object]:
@@ -174,6 +176,26 @@ def satellite_open(state: RankState, host: str) -> None:
     endpoint = _endpoint(state, host)
     endpoint.register(state.trainer.flat.weights)
     endpoint.register(state.trainer.grad)
+    state.opened = True
+
+
+def offload_trainer(state: RankState) -> None:
+    """The cell serves now: this rank's trainer state leaves the device (gyre.train.trainer.Trainer.offload);
+    its Mooncake registrations go first, as the memory under them goes away."""
+    if state.opened and not state.trainer.offloaded:
+        state.endpoint.unregister(state.trainer.grad)
+        state.endpoint.unregister(state.trainer.flat.weights)
+    state.trainer.offload()
+
+
+def onload_trainer(state: RankState) -> None:
+    """The cell trains again: the state comes back, registered at its new addresses."""
+    if not state.trainer.offloaded:
+        return
+    state.trainer.onload()
+    if state.opened:
+        state.endpoint.register(state.trainer.flat.weights)
+        state.endpoint.register(state.trainer.grad)
 
 
 def satellite_peer(state: RankState, peers: list[tuple[str, int, int]]) -> None:
@@ -203,8 +225,10 @@ def satellite_compute(state: RankState, jobs: list) -> dict[int, tuple]:
 
 
 def satellite_close(state: RankState) -> None:
-    state.endpoint.unregister(state.trainer.grad)
-    state.endpoint.unregister(state.trainer.flat.weights)
+    if not state.trainer.offloaded:
+        state.endpoint.unregister(state.trainer.grad)
+        state.endpoint.unregister(state.trainer.flat.weights)
+    state.opened = False
 
 
 SHARD_OPS = frozenset(
@@ -221,6 +245,8 @@ SHARD_OPS = frozenset(
         satellite_pull,
         satellite_compute,
         satellite_close,
+        offload_trainer,
+        onload_trainer,
         weights_digest,
     }
 )

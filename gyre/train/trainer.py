@@ -43,6 +43,9 @@ class Trainer:
         self.grad = torch.zeros_like(self.flat.weights)
         self.optimizer = _make_optimizer(self.flat.params, cfg)
         self.step = 0
+        self._host: list[tuple[torch.UntypedStorage, torch.Tensor]] | None = None
+        """While offloaded: each moved storage with its host copy."""
+        self._grad_nbytes = 0
 
     @property
     def local_optimizer(self) -> torch.optim.Optimizer:
@@ -141,6 +144,38 @@ class Trainer:
         self.step += 1
         return {"grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"]}
 
+    # ---- the device belongs to the cell's role ----------------------------------------------
+    @property
+    def offloaded(self) -> bool:
+        return self._host is not None
+
+    def _resident(self) -> list[torch.UntypedStorage]:
+        """The storages the trainer keeps between steps: its flat weights and its optimizer state."""
+        state = [t for s in self.local_optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        storages = {id(t.untyped_storage()): t.untyped_storage() for t in [self.flat.weights, *state]}
+        return [s for s in storages.values() if s.nbytes()]
+
+    def offload(self) -> None:
+        """Give the device to the engine while the cell serves: the weights and the optimizer state
+        move to host memory (pinned on CUDA), the gradient buffer (scratch between micro-steps) is
+        freed; every tensor and view keeps its identity, its storage empty until `onload`."""
+        if self._host is not None:
+            return
+        self._grad_nbytes = self.grad.untyped_storage().nbytes()
+        self._host = move_to_host(self._resident(), pin=self.cuda)
+        self.grad.untyped_storage().resize_(0)
+        if self.cuda:
+            torch.cuda.empty_cache()  # to the driver: the engine takes it back
+
+    def onload(self) -> None:
+        """The state back on the device (new addresses: registrations are the caller's), bit for bit."""
+        if self._host is None:
+            return
+        move_back(self._host)
+        self.grad.untyped_storage().resize_(self._grad_nbytes)
+        self.grad.zero_()
+        self._host = None
+
     def skip_step(self) -> None:
         """A step with nothing to train: the version moves on (the lr schedule with it), the weights stay."""
         self.step += 1
@@ -214,24 +249,40 @@ class Trainer:
         return total, [gathered[i % dp][i // dp] for i in range(len(batches))]
 
     # ---- weights for engines ---------------------------------------------------------------
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        """The current weights under engine (HF/Qwen2) names, full tensors on every TP rank.
+    def engine_weights(self, to_first: bool = False) -> dict[str, torch.Tensor]:
+        """The current weights under engine (HF/Qwen2) names, full host tensors in the dtype engines
+        load (bf16 on CUDA), on every TP rank; with `to_first` on the tensor-parallel group's first
+        rank only (the others gather to it and return {}: one host copy of the model, not one a rank).
 
-        With TP > 1 each sharded parameter is all-gathered along its partition dimension; fc1's
-        shards are [gate_r; up_r] per rank, so gates and ups are regrouped before conversion.
+        With TP > 1 each sharded parameter is gathered along its partition dimension; fc1's shards
+        are [gate_r; up_r] per rank, so gates and ups are regrouped before conversion.
         """
-        state = {n: self._full_tensor(n, p.detach()) for n, p in self.model.named_parameters()}
-        return megatron_to_engine({n: t.cpu() for n, t in state.items()}, self.model_cfg)
+        from megatron.core import parallel_state
 
-    def _full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        state = {n: self._full_tensor(n, p.detach(), to_first) for n, p in self.model.named_parameters()}
+        if to_first and parallel_state.get_tensor_model_parallel_rank() != 0:
+            return {}
+        dtype = torch.bfloat16 if self.cuda else torch.float32  # gyre.train.publish.served_dtype
+        return megatron_to_engine({n: t.to(dtype).cpu() for n, t in state.items()}, self.model_cfg)
+
+    def _full_tensor(self, name: str, local: torch.Tensor, to_first: bool = False) -> torch.Tensor:
         from megatron.core import parallel_state
 
         tp = parallel_state.get_tensor_model_parallel_world_size()
         param = dict(self.model.named_parameters())[name]
         if tp == 1 or not getattr(param, "tensor_model_parallel", False):
             return local
-        shards = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(shards, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        group, first = (
+            parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_tensor_model_parallel_rank() == 0,
+        )
+        shards = [torch.empty_like(local) for _ in range(tp)] if first or not to_first else None
+        if to_first:
+            dist.gather(local.contiguous(), shards, group=group, group_dst=0)
+            if not first:
+                return local
+        else:
+            dist.all_gather(shards, local.contiguous(), group=group)
         if name.endswith("mlp.linear_fc1.weight"):
             halves = [s.chunk(2, dim=0) for s in shards]
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
@@ -278,3 +329,22 @@ def prepare_step(batches: list[PackedBatch], vocab_size: int) -> tuple[list[Pack
         excluded.update(counts)
     total = sum(float(b.loss_weights[b.target_mask].sum()) for b in screened)
     return screened, total, {f"excluded/{r}": n for r, n in excluded.items()}
+
+
+def move_to_host(storages: list[torch.UntypedStorage], pin: bool) -> list[tuple[torch.UntypedStorage, torch.Tensor]]:
+    """Copy each storage to host memory (pinned: fast copies back to a GPU), then empty it. Returns
+    what `move_back` restores."""
+    host = []
+    for storage in storages:
+        copy = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+        copy.untyped_storage().copy_(storage)
+        host.append((storage, copy))
+        storage.resize_(0)
+    return host
+
+
+def move_back(host: list[tuple[torch.UntypedStorage, torch.Tensor]]) -> None:
+    """Refill each storage `move_to_host` emptied from its host copy."""
+    for storage, copy in host:
+        storage.resize_(copy.numel())
+        storage.copy_(copy.untyped_storage())

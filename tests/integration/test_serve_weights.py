@@ -49,8 +49,10 @@ def test_a_call_during_a_load_waits_for_it_and_carries_the_new_version(tmp_path,
             asyncio.run(_serve_while_a_call_arrives(proxy, fake.url, cfg, key, audit, tmp_path / "v1"))
         finally:
             proxy.stop()
-    (call,) = _audit(audit)
+    audited = _audit(audit)
+    (call,) = [a for a in audited if "rid" in a]
     assert call["extra_key"] == call["weight_version"] == "1"
+    assert {"exclusive": "update_weights_from_disk", "paused": True} in audited  # SGLang's pause first
 
 
 async def _serve_while_a_call_arrives(proxy, url: str, cfg: EngineConfig, key: str, audit, v1_dir) -> None:

@@ -366,3 +366,53 @@ def test_micro_batches_keep_their_ids_from_the_core_to_the_coordinators_steps():
     assert set(rec.untrained) == {4, 7}  # neither group has all its ids yet
     train.on_progress(StepProgress(0, [(0, 4, 1), (0, 7, 0), (0, 4, 0)]))
     assert set(rec.untrained) == {7}
+
+
+def test_a_satellite_that_moves_its_trainer_off_the_device_between_steps_trains_bit_for_bit():
+    """Offload on every switch (gyre.train.shard.offload_trainer / onload_trainer): the state leaves
+    its storage (nothing left where it was), comes back at new addresses, registered again, and the
+    steps the satellite then computes give the core alone's weights bit for bit."""
+    from gyre.train.shard import offload_trainer, onload_trainer
+
+    steps = [random_batches(MODEL, 3, 4, seed=31, max_len=200), random_batches(MODEL, 2, 4, seed=32, max_len=200)]
+    ref = Trainer(MODEL, CFG, seed=0)
+    for batches in steps:
+        ref.train_step(batches)
+    core = Trainer(MODEL, replace(CFG, core_computes_microsteps=False), seed=0)
+    server = CoreServer(core, TransferEndpoint())
+    sat_endpoint = TransferEndpoint()
+    try:
+        sat = SatelliteCell(Trainer(MODEL, CFG, seed=5), sat_endpoint, server.address, "cell2")
+        for batches in steps:
+            sat.ranks.run(offload_trainer)  # the cell served meanwhile
+            weights = sat.trainer.flat.weights
+            assert weights.untyped_storage().nbytes() == 0 == sat.trainer.grad.untyped_storage().nbytes()
+            sat.ranks.run(onload_trainer)  # back to train: pull, then compute
+            sat.pull_latest()
+            assert torch.equal(sat.trainer.flat.weights, core.flat.weights)
+            thread, _ = _run_in_thread(server, batches)
+            stop = threading.Event()
+            worker = threading.Thread(target=sat.serve, args=(stop,))
+            worker.start()
+            thread.join(timeout=120)
+            stop.set()
+            worker.join(timeout=120)
+    finally:
+        server.close()
+        sat_endpoint.close()
+    assert torch.equal(core.flat.weights, ref.flat.weights)
+
+
+def test_offload_moves_the_optimizer_state_too_and_brings_it_back_bit_for_bit():
+    """A trainer that has stepped (Adam state) offloads and onloads; the next step equals one that never moved."""
+    batches = [random_batches(MODEL, 2, 3, seed=s, max_len=120) for s in (41, 42)]
+    moved, still = Trainer(MODEL, CFG, seed=0), Trainer(MODEL, CFG, seed=0)
+    for tr in (moved, still):
+        tr.train_step(batches[0])
+    moved.offload()
+    assert moved.offloaded and moved.flat.weights.untyped_storage().nbytes() == 0
+    assert all(t.untyped_storage().nbytes() == 0 for s in moved.local_optimizer.state.values() for t in s.values())
+    moved.onload()
+    for tr in (moved, still):
+        tr.train_step(batches[1])
+    assert torch.equal(moved.flat.weights, still.flat.weights)
