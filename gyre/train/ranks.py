@@ -4,7 +4,7 @@
     CellRanks.run(op, *args)  ──broadcast (op, args)──────>  op(state, *args)
     op(state, *args)          <──── collectives of op ────>  (TP all-gathers, DP gradient broadcasts)
     keepalive: ("ping",) when idle KEEPALIVE_S               a follower that exits: `on_lost` on rank 0
-    link: heartbeats read, closure seen     <──── TCP ─────  heartbeat every rank_hang_timeout_s / 4
+    link: heartbeats both ways, closure seen <──── TCP ────  heartbeats both ways (rank_hang_timeout_s / 4)
 
     python -m gyre.train.ranks --config FILE   (a follower; FILE: {model, trainer, seed}; RANK etc. set)
 
@@ -27,9 +27,10 @@ the group is up (`link_host`): the kernel closes it when either process dies, SI
 and TCP keepalive ends it when a node goes away, so either side learns of the other's death within
 a poll, not at the next collective. A stopped (SIGSTOP) or hung follower is not dead and its
 kernel still answers TCP: every follower, children too, sends a heartbeat on its link from a thread
-of its own, and one silent for `trainer.rank_hang_timeout_s` is lost like a dead one. A follower
-waits for the next announcement inside a collective, so rank 0 pings an idle cell well within that
-timeout; a stopped rank 0 leaves its followers in that wait until the timeout raises. On Slurm a
+of its own, and one silent for `trainer.rank_hang_timeout_s` is lost like a dead one; rank 0 beats
+back, and a follower that stops hearing it exits (a stopped leader is the coordinator's to find,
+by its control channel's heartbeats). A follower waits for the next announcement inside a
+collective, so rank 0 pings an idle cell well within that timeout. On Slurm a
 follower that is its node's first rank serves its node's engines too: it starts them, `engine_urls`
 hands their URLs to rank 0, and their exit ends the follower (gyre.cells.slurm).
 """
@@ -78,18 +79,19 @@ def ping(state: RankState) -> None:
     """Nothing: keeps an idle follower's wait for the next announcement short of the group's timeout."""
 
 
-def link(state: RankState, host: str, port: int, beat_s: float = 0.0) -> None:
-    """A follower opens its link to rank 0 (`CellRanks`, which accepts instead), exits if rank 0
-    dies (the link closes without rank 0's goodbye), and sends a heartbeat every `beat_s` (0: none)
-    from a thread of its own: a stopped or hung follower falls silent."""
+def link(state: RankState, host: str, port: int, silence_s: float = 0.0) -> None:
+    """A follower opens its link to rank 0 (`CellRanks`, which accepts instead) and exits if rank 0
+    dies (the link closes without rank 0's goodbye); with `silence_s`, the two send each other a
+    heartbeat four times a period, each from a thread of its own, and a follower that hears none
+    from rank 0 for `silence_s` (stopped or hung) exits too."""
     if dist.get_rank() == 0:
         return
     state.link = socket.create_connection((host, port), timeout=LINK_TIMEOUT_S)
     state.link.sendall(f"{dist.get_rank()}\n".encode())
     state.link.settimeout(None)
-    threading.Thread(target=_exit_with_rank0, args=(state.link,), daemon=True, name="rank0-link").start()
-    if beat_s:
-        threading.Thread(target=_beat, args=(state.link, beat_s), daemon=True, name="rank0-beat").start()
+    threading.Thread(target=_exit_with_rank0, args=(state.link, silence_s), daemon=True, name="rank0-link").start()
+    if silence_s:
+        threading.Thread(target=_beat, args=(state.link, silence_s / 4), daemon=True, name="rank0-beat").start()
 
 
 def _beat(link: socket.socket, every_s: float) -> None:
@@ -101,13 +103,20 @@ def _beat(link: socket.socket, every_s: float) -> None:
         return  # the link is gone: _exit_with_rank0 decides what that means
 
 
-def _exit_with_rank0(link: socket.socket) -> None:
+def _exit_with_rank0(link: socket.socket, silence_s: float) -> None:
+    """Read rank 0's heartbeats until its goodbye; its link closing or falling silent ends this rank."""
     try:
-        goodbye = link.recv(1)
-    except OSError:
-        goodbye = b""
-    if not goodbye:
-        logging.getLogger(__name__).error("rank %d: rank 0's link closed; it died, so does this rank", dist.get_rank())
+        got = link.recv(64)  # rank 0 beats once it holds every follower's link: the clock starts then
+        link.settimeout(silence_s or None)
+        while got and GOODBYE not in got:
+            got = link.recv(64)
+        why = "" if got else "closed; it died"
+    except TimeoutError:
+        why = f"sent no heartbeat for {silence_s:.1f} s; it is stopped or hung"
+    except OSError as e:
+        why = f"failed ({e}); it died"
+    if why:
+        logging.getLogger(__name__).error("rank %d: rank 0's link %s, so this rank exits", dist.get_rank(), why)
         exit_at_once(1)
 
 
@@ -143,6 +152,8 @@ KEEPALIVE_S = 60.0
 is shorter, `trainer.collective_timeout_s`), which a follower waiting for the next announcement
 would otherwise run into."""
 
+GOODBYE = b"."
+"""What rank 0 sends on a link when it is done with the follower (heartbeats are any other byte)."""
 LINK_TIMEOUT_S = 60.0
 """How long rank 0 waits for its followers' links (they connect as soon as the announcement reaches them)."""
 LINK_HELLO_S = 10.0
@@ -171,7 +182,8 @@ class FollowerLink:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
         sock.setblocking(False)
-        self.sock, self.silence_s, self.heard = sock, silence_s, time.monotonic()
+        self.sock, self.silence_s = sock, silence_s
+        self.heard, self.told = time.monotonic(), float("-inf")
 
     def poll(self, closing_counts: bool = True) -> str | None:
         """`closing_counts` False: only silence counts (a child's exit code says more)."""
@@ -190,12 +202,21 @@ class FollowerLink:
             return f"unknown (no heartbeat for {silent:.1f} s: stopped or hung)"
         return None
 
+    def beat(self) -> None:
+        """Rank 0's heartbeat to the follower, four a `silence_s` (it exits when they stop)."""
+        if self.silence_s and time.monotonic() - self.told >= self.silence_s / 4:
+            self.told = time.monotonic()
+            self._send(b"h")
+
     def goodbye(self) -> None:
         """Rank 0 is done with the follower: its link closing from now on is no death."""
+        self._send(GOODBYE)
+
+    def _send(self, byte: bytes) -> None:
         try:
-            self.sock.send(b".")  # one byte into an idle socket's empty buffer: never blocks
+            self.sock.send(byte)  # one byte into a nearly empty buffer: never blocks
         except OSError:
-            pass  # the follower is gone already
+            pass  # the follower is gone already (its poll says so)
 
 
 class ChildRank:
@@ -291,7 +312,7 @@ class CellRanks:
         rank at once (something else that found the port) is dropped."""
         with socket.create_server((host, 0)) as server:
             server.settimeout(LINK_TIMEOUT_S)
-            self.run(link, host, server.getsockname()[1], silence_s / 4)
+            self.run(link, host, server.getsockname()[1], silence_s)
             links = {}
             while len(links) < self.num_ranks - 1:
                 sock, peer = server.accept()
@@ -301,10 +322,14 @@ class CellRanks:
                     sock.close()
                     continue
                 links[rank] = FollowerLink(sock, silence_s)
+        for follower in links.values():
+            follower.beat()  # every link is in: the followers' clocks on rank 0's silence start now
         return links
 
     def _watch(self, on_lost) -> None:
         while not self._stopped.wait(0.2):
+            for follower in self._links.values():
+                follower.beat()
             for rank, follower in self._watched.items():
                 code = follower.poll()
                 if code is not None and not self._stopped.is_set():

@@ -144,7 +144,7 @@ def main(log_dir, hang_s, out):
     followers = start_followers(2, "127.0.0.1", MODEL, cfg, 0, log_dir)  # as a local cell's leader does
     lost = []
     CellRanks(Trainer(MODEL, cfg, seed=0), followers, lambda *why: lost.append((time.time(), why)))
-    print(followers[0].pid, flush=True)  # the test stops it now
+    print(followers[0].pid, flush=True)  # the test stops it (or this rank) now
     while not lost:
         time.sleep(0.01)
     json.dump({"at": lost[0][0], "why": lost[0][1]}, open(out, "w"))
@@ -297,9 +297,11 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
         assert got["digest"] != _digest(got["shard0"])  # both shards digested, not rank 0's alone
 
 
-def test_a_stopped_follower_is_found_within_the_hang_timeout_and_its_cell_lost(tmp_path):
-    """A follower stopped with SIGSTOP neither exits nor closes its link (its kernel still answers
-    TCP): its heartbeat falls silent, and rank 0 declares it lost within `rank_hang_timeout_s`."""
+@pytest.mark.parametrize("stopped", ["follower", "rank0"])
+def test_a_stopped_rank_is_found_within_the_hang_timeout(tmp_path, stopped):
+    """A rank stopped with SIGSTOP neither exits nor closes its link (its kernel still answers TCP):
+    its heartbeats stop. A stopped follower is declared lost by rank 0 (the cell is lost), and the
+    followers of a stopped rank 0 exit, each within `rank_hang_timeout_s`."""
     hang_s, out = 2.0, tmp_path / "lost.json"
     args = [str(tmp_path), str(hang_s), str(out)]
     rank0 = subprocess.Popen(
@@ -309,21 +311,40 @@ def test_a_stopped_follower_is_found_within_the_hang_timeout_and_its_cell_lost(t
     try:
         follower = int(rank0.stdout.readline())  # once the cell is up and linked
         stopped_at = time.time()
-        os.kill(follower, signal.SIGSTOP)
-        assert rank0.wait(timeout=60) == 0, (tmp_path / f"rank1.{rank0.pid}.log").read_text()[-3000:]
+        os.kill(follower if stopped == "follower" else rank0.pid, signal.SIGSTOP)
+        if stopped == "follower":
+            assert rank0.wait(timeout=60) == 0, (tmp_path / f"rank1.{rank0.pid}.log").read_text()[-3000:]
+            lost = json.loads(out.read_text())
+            assert lost["why"][0] == 1 and "no heartbeat" in lost["why"][1]
+            found_at = lost["at"]
+        else:
+            found_at = _exited_at(follower, timeout_s=60)
+            assert "it is stopped or hung" in (tmp_path / f"rank1.{rank0.pid}.log").read_text()
     finally:
-        if rank0.poll() is None:
-            rank0.kill()
-        if follower is not None:
-            _kill_quietly(follower)
-    lost = json.loads(out.read_text())
-    assert lost["why"][0] == 1 and "no heartbeat" in lost["why"][1]
-    # its last heartbeat came up to hang_s / 4 before the stop; rank 0 polls every 0.2 s
-    assert 0.7 * hang_s <= lost["at"] - stopped_at <= hang_s + 5.0
+        for pid in (rank0.pid, follower):
+            _kill_quietly(pid)  # SIGKILL ends a stopped process too
+        rank0.wait(timeout=30)
+    # the last heartbeat came up to hang_s / 4 before the stop; silence is checked every 0.2 s
+    assert 0.7 * hang_s <= found_at - stopped_at <= hang_s + 5.0
 
 
-def _kill_quietly(pid: int) -> None:
+def _exited_at(pid: int, timeout_s: float) -> float:
+    """When `pid` exited (a zombie: its stopped parent cannot reap it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = "Z"
+        if state in ("Z", "X"):
+            return time.time()
+        time.sleep(0.01)
+    raise AssertionError(f"rank {pid} never exited")
+
+
+def _kill_quietly(pid: int | None) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
