@@ -65,6 +65,34 @@ def plan_vs_measured(out: dict, model_cfg, tokens: int, built: int, after_step: 
     return [abs(built / weights_and_grad - 1) <= 0.05, abs((after_step - built) / plan["optimizer"] - 1) <= 0.05]
 
 
+def offload_onload(out: dict, trainer) -> list[bool]:
+    """Issue 41 item 3 on CUDA: a satellite's role switch moves the trainer's weights and Adam state
+    to pinned host memory and frees its gradient buffer (torch.cuda.memory_allocated falls by about
+    their size), then brings them back bit for bit."""
+    weights = trainer.flat.weights.clone()
+    moved = trainer.flat.weights.numel() * 4 * 4  # fp32 weights, gradient buffer, Adam's two moments
+    torch.cuda.synchronize()
+    resident, t0 = torch.cuda.memory_allocated(), time.perf_counter()
+    trainer.offload()
+    torch.cuda.synchronize()
+    t1, offloaded = time.perf_counter(), torch.cuda.memory_allocated()
+    trainer.onload()
+    torch.cuda.synchronize()
+    t2, back = time.perf_counter(), torch.cuda.memory_allocated()
+    out |= {
+        "offload_s": round(t1 - t0, 3),
+        "onload_s": round(t2 - t1, 3),
+        "offload_freed_mb": (resident - offloaded) >> 20,
+        "offload_expected_mb": moved >> 20,
+        "onload_back_mb": (back - offloaded) >> 20,
+    }
+    return [
+        resident - offloaded >= 0.95 * moved,
+        back - offloaded >= 0.95 * moved,
+        torch.equal(weights, trainer.flat.weights),
+    ]
+
+
 def main() -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -151,6 +179,7 @@ def main() -> None:
     ok += plan_vs_measured(out, trainer.model_cfg, n, built, after, peak)
     out["rl_step_grad_norm"] = float(metrics["grad_norm"])
     out["rl_step_weight_change_max"] = float((trainer.flat.weights - before).abs().max())
+    ok += offload_onload(out, trainer)
     pushed = trainer.engine_weights()  # what publish.py sends to engines
     from gyre.engines.core import EngineCore
 

@@ -2,7 +2,8 @@
 # GPU acceptance check, one H200, prints one JSON line {"parity": ..., "elastic": ..., "ok": ...}:
 # 1. parity (issue 17, tools/gpu_check.py): trainer (megatron-core, bf16, NCCL, 1 GPU) and the builtin
 #    engine's forward on CUDA against `transformers`, one RL step and a weight hand-off; and
-#    (issue 41) gyre-plan's memory plan against torch.cuda.memory_allocated for the same Qwen3 shape.
+#    (issue 41) gyre-plan's memory plan against torch.cuda.memory_allocated for the same Qwen3 shape,
+#    and the trainer's offload/onload around a role switch (memory freed and back, weights bit for bit).
 # 2. elastic (issue 26): a 2-step elastic `gyre-train` on local cells, the megatron-core trainer on
 #    CUDA in every cell; SGLang engines (contract-checked flags, weights by
 #    update_weights_from_distributed over NCCL, --skip-tokenizer-init: Gyre sends token ids) where

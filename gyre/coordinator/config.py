@@ -19,6 +19,7 @@ from gyre.train.config import TrainerConfig
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.transfer.config import TransferConfig
 
+ON_RESUME = ("continue", "rerun")
 RUN_MODES = ("train", "replay", "rollout")
 """train: roll out and train (the product); replay: train from a records directory and its ledger,
 no rollouts; rollout: roll out and evaluate, never train (weights stay at version 0)."""
@@ -40,6 +41,12 @@ class CoordinatorConfig:
     """Seconds between two turns of the coordinator's loop."""
     checkpoint_every_steps: int = 1
     """Checkpoint the core after every this many optimizer steps (and at the end)."""
+    on_resume: str = "continue"
+    """What a resumed run does with an execution the restart interrupted: `continue` its harness
+    session from its saved session, workspace and records (where its harness and task can: else
+    it is re-run), or `rerun` it from the start as a new attempt."""
+    max_continues: int = 3
+    """An execution continued this many times is re-run instead."""
     cpus_per_cell: float = 0.5
     """Local cells: CPU quota of each cell's processes (cgroup), like a fixed number of GPUs."""
     cell_start_timeout_s: float = 300.0
@@ -68,6 +75,10 @@ class CoordinatorConfig:
             f"must be >= 1, got {self.checkpoint_every_steps}",
         )
         require(self.cpus_per_cell > 0, "cpus_per_cell", f"must be > 0, got {self.cpus_per_cell}")
+        require(
+            self.on_resume in ON_RESUME, "on_resume", f"must be one of {', '.join(ON_RESUME)}, got {self.on_resume!r}"
+        )
+        require(self.max_continues >= 0, "max_continues", f"must be >= 0, got {self.max_continues}")
         require(self.decode_window_s > 0, "decode_window_s", f"must be > 0 s, got {self.decode_window_s}")
         require(self.train_tok_s > 0, "train_tok_s", f"must be > 0, got {self.train_tok_s}")
         require(

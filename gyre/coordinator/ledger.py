@@ -38,6 +38,10 @@ class LedgerEntry:
     duration_s: float | None = None
     exit_code: int | None = None
     """The harness's exit status (an outcome's entry; negative: killed by that signal)."""
+    metrics: dict[str, float] | None = None
+    """Named numbers the evaluator reported beside the score (a Harbor reward.json's other keys)."""
+    tokens_kept: int | None = None
+    """queued, reason continued: prompt and output tokens of its calls before the break, not generated again."""
 
 
 @dataclass

@@ -18,11 +18,11 @@ from gyre.coordinator.config import GyreConfig
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, LedgerView
 from gyre.coordinator.source import Execution, Group, GroupBook, recorded
 from gyre.errors import GyreError
-from gyre.harness.sandbox import Sandbox
+from gyre.harness.evaluate import evaluate
+from gyre.harness.sandbox import Sandbox, continuable
 from gyre.proxy.admin import ProxyAdmin
-from gyre.records.io import has_records
+from gyre.records.io import RecordFileError, has_records, read_records
 from gyre.scheduler.streaming import may_admit
-from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import TaskSet, TaskSource
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation, unscored_reason
 
@@ -36,13 +36,14 @@ class Rollouts(GroupBook):
         c = cfg.coordinator
         super().__init__(c.groups_per_step, cfg.num_steps, ledger, events)
         path = cfg.tasks.held_out_path
-        self.held_out_tasks = TaskSet.load(path).tasks if path else []
+        self.held_out_tasks = TaskSet.load(path, cfg.tasks).tasks if path else []
         self.held_out_samples = cfg.tasks.eval_samples
         self.held_out_versions: set[int] = set()
         """Weight versions whose held-out rollouts were admitted."""
         self.taskset, self.harness, self.group_size = taskset, cfg.harness, c.group_size
         self.staleness, self.seed, self.model = cfg.scheduler.staleness, cfg.seed, cfg.proxy.model_names[0]
         self.sandbox_root, self.records_dir = run_dir / "sandboxes", run_dir / "records"
+        self.on_resume, self.max_continues = c.on_resume, c.max_continues
         self.proxy: ProxyAdmin | None = None
         self.proxy_url = ""
         self.queue: list[Execution] = []
@@ -101,8 +102,9 @@ class Rollouts(GroupBook):
         """Rebuild the groups not yet trained under the restored weights (`version`) from the ledger.
 
         Rule for executions in flight at the checkpoint: an execution with an outcome keeps it (its
-        records and score are durable); one without is marked excluded (interrupted) and re-run
-        as a new attempt, so none is lost and none is trained twice.
+        records and score are durable); one without continues its harness session under the same
+        id (`_continuable`), or else is marked excluded (interrupted) and re-run as a new attempt,
+        so none is lost and none is trained twice.
         """
         by_group: dict[int, list[LedgerEntry]] = {}
         for entries in view.history.values():
@@ -127,11 +129,42 @@ class Rollouts(GroupBook):
         if done is not None:
             return recorded(done, g, self.records_dir)
         ex = Execution(eid, g.index, g.task)
+        if (used := self._continuable(view.history[eid], g)) is not None:
+            ex.used_s, kept = used, self._tokens_before_break(eid)
+            self._log(ex, "queued", reason="continued", duration_s=used, tokens_kept=kept)
+            self.queue.append(ex)
+            return ex
         self._log(ex, "excluded", reason="interrupted")
         retry = Execution(f"{execution_id}.r{attempt + 1}", g.index, g.task)
         self._log(retry, "queued")
         self.queue.append(retry)
         return retry
+
+    def _continuable(self, history: list[LedgerEntry], g: Group) -> float | None:
+        """The time budget an interrupted execution used before the break, if it continues its
+        harness session (coordinator.on_resume, its harness and task allow it, fewer than
+        coordinator.max_continues so far); None: it is re-run instead."""
+        eid = history[0].execution_id
+        continued = [e for e in history if e.state == "queued" and e.reason == "continued"]
+        if self.on_resume != "continue" or len(continued) >= self.max_continues:
+            return None
+        if (why := continuable(g.task, self.harness, self.sandbox_root / eid)) is not None:
+            log.info("execution %s is re-run: %s", eid, why)
+            return None
+        started = [e.t for e in history if e.state == "running"]
+        if not started:
+            return None
+        records = self.records_dir / f"{eid}.jsonl"
+        last_alive = records.stat().st_mtime if records.exists() else started[-1]  # its last call's record
+        before = continued[-1].duration_s if continued else 0.0
+        return before + max(0.0, last_alive - started[-1])
+
+    def _tokens_before_break(self, eid: str) -> int:
+        try:
+            records, _ = read_records(self.records_dir / f"{eid}.jsonl")
+        except (OSError, RecordFileError):
+            return 0
+        return sum(len(r.input_ids) + len(r.output_ids) for r in records)
 
     # ---- running ------------------------------------------------------------------------------
     async def start_queued(self, free_slots: int) -> None:
@@ -151,7 +184,10 @@ class Rollouts(GroupBook):
                     reg["api_key"],
                     self.model,
                 )
-                await asyncio.to_thread(ex.sandbox.prepare)
+                if ex.used_s is None:
+                    await asyncio.to_thread(ex.sandbox.prepare)
+                else:
+                    ex.sandbox.resume(ex.used_s)
                 ex.sandbox.start()
             except (GyreError, OSError) as e:  # a sandbox, workspace or harness that cannot start
                 log.warning("execution %s could not start: %s", ex.execution_id, e)
@@ -180,12 +216,24 @@ class Rollouts(GroupBook):
         except Exception as e:  # a revoke that fails leaves a key valid, nothing else
             log.warning("revoking %s: %s", ex.execution_id, e)
         if (reason := unscored_reason(result.exit_code, has_records(ex.records_path))) is not None:
+            await asyncio.to_thread(ex.sandbox.close)
             ex.evaluation = Evaluation(outcome, None, reason)
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
             return
-        ex.evaluation = ev = await asyncio.to_thread(evaluate, ex.task, result.workspace, outcome)
+        try:  # a Harbor task is verified in its agent's environment, ended once verified
+            ev = await asyncio.to_thread(evaluate, ex.sandbox.task, result.workspace, outcome, ex.sandbox.environment)
+        finally:
+            await asyncio.to_thread(ex.sandbox.close)
+        ex.evaluation = ev
         if ev.outcome in HARNESS_OUTCOMES and ev.score is not None:
-            self._log(ex, ev.outcome, score=ev.score, duration_s=ex.duration_s, exit_code=result.exit_code)
+            self._log(
+                ex,
+                ev.outcome,
+                score=ev.score,
+                duration_s=ex.duration_s,
+                exit_code=result.exit_code,
+                metrics=ev.metrics or None,
+            )
         else:
             reason = "no_score" if ev.outcome in HARNESS_OUTCOMES else ev.outcome
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)

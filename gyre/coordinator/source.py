@@ -33,6 +33,8 @@ class Execution:
     duration_s: float = 0.0
     held_out: int | None = None
     """A held-out execution (never trained, not in the ledger): the weight version it evaluates."""
+    used_s: float | None = None
+    """A continued execution (a restart interrupted it): the time budget it used before the break."""
 
 
 @dataclass

@@ -59,6 +59,7 @@ class RunEvents:
                 reason=entry.reason or None,
                 reward=entry.score,
                 duration_s=entry.duration_s,
+                tokens_kept=entry.tokens_kept,
             )
         )
         if entry.state == "excluded":

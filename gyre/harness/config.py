@@ -75,6 +75,12 @@ class HarnessConfig:
     """RLIMIT_AS per process (virtual memory); None: unlimited (Node reserves large address spaces)."""
     max_processes: int | None = 4096
     """RLIMIT_NPROC (processes of the user; not enforced for root); None: unlimited."""
+    agent_network: str = "public"
+    """Site policy for the agent's network in a Harbor task's environment: public (Harbor's default,
+    where the task asks for no less) or none (no agent gets one; a task whose task.toml asks for a
+    public network is refused naming the field). The proxy is reached either way (podman: the relay)."""
+    image_registries: list[str] = field(default_factory=lambda: ["docker.io"])
+    """Registries a short image name (`alexgshaw/fix-git:x`, `python:3.12`) is pulled from, tried in order."""
     container_image: str | None = None
     """Run each sandbox in this Apptainer/enroot image (Slurm sites); None: on the host."""
     container_runtime: str = "apptainer"
@@ -98,6 +104,12 @@ class HarnessConfig:
             "container_runtime",
             f"{self.container_runtime!r} is not one of apptainer, enroot",
         )
+        require(
+            self.agent_network in ("public", "none"),
+            "agent_network",
+            f"{self.agent_network!r} is not one of public, none",
+        )
+        require(bool(self.image_registries), "image_registries", "must name at least one registry")
         require(self.grace_s >= 0, "grace_s", "must be >= 0 s")
         require(self.cpu_limit_s is None or self.cpu_limit_s >= 1, "cpu_limit_s", "must be >= 1 s or null")
         require(self.mem_limit_gb is None or self.mem_limit_gb > 0, "mem_limit_gb", "must be > 0 GB or null")

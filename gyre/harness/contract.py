@@ -1,14 +1,13 @@
 """Harbor's paths without a container: a bubblewrap root that has the workdir, /tests and /logs.
 
-    agent:    / = fresh tmpfs, host entries read-only, fresh /tmp /dev /proc, WS at the workdir,
-              the private HOME at its own path, the task folder masked (tests/ and solution/ unseen)
-    verifier: the same root, WS at the workdir, a fresh copy of tests/ at /tests, an empty /logs
-    oracle:   the agent's root plus a copy of solution/ at /solution
+    root:     / = fresh tmpfs, host entries read-only, fresh /tmp /dev /proc, WS at the workdir,
+              the private HOME at its own path, the task folder masked (tests/ and solution/ unseen),
+              /tests, /logs and /solution bound from the environment's host folders
 
 `--ro-bind / /` cannot give these paths (it cannot create /app), hence the fresh root with the
 host's top-level entries bound one by one (symlinks such as /bin -> usr/bin kept as symlinks).
-What is written outside the bound paths lands in the sandbox's own tmpfs and is gone when it
-ends: a reward the agent plants in /logs/verifier never reaches the verifier's fresh /logs.
+What is written outside the bound paths lands in the sandbox's own tmpfs, which lives as long as
+its environment (gyre/harness/environment.py: the agent, the oracle and the verifier enter one).
 """
 
 import os

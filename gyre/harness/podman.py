@@ -1,26 +1,29 @@
 """Harbor tasks in their own image (`harness.isolation=podman`): Harbor's paths inside a podman container.
 
-    image:     `[environment].docker_image` (pulled if podman's store lacks it), or built once from
-               environment/Dockerfile (tag: the task id and a hash of environment/'s files)
+    image:     `[environment].docker_image` (a short name is tried under each of `harness.image_registries`,
+               docker.io first, as Docker implies it; `localhost/...` is used as is), or built once from
+               environment/Dockerfile (tag: the task id and a hash of environment/'s files); pull and
+               build are bounded by `[environment].build_timeout_sec`
+    workdir:   `[environment].workdir`, else the image's WORKDIR (`podman image inspect`), as Harbor
     workspace: a copy of the image's workdir (`podman cp` once per image into WORKDIR_CACHE), kept on the host
-    agent:     podman run --network=none, the workspace at the workdir, the private HOME and the
-               harness's Python (read-only, at their host paths; the task folder masked where it
-               lies inside them); the harness runs under the relay
-    verifier:  podman run, the workspace at the workdir, a fresh copy of tests/ at /tests, a fresh /logs
-    oracle:    podman run, the workspace at the workdir, a copy of solution/ at /solution
+    phases:    one container per execution (gyre/harness/environment.py), the agent, the oracle and
+               the verifier each a `podman exec` in it; the agent's container also binds the private
+               HOME and the harness's Python (read-only, at their host paths; the task folder masked
+               where it lies inside them); the harness runs under the relay
 
-Only the proxy is reachable from the agent's container: it has no network but its own loopback.
-Inside it the relay (gyre/harness/relay.py, the harness its child) listens on 127.0.0.1 at the
-proxy's port, so the proxy URL works unchanged, and carries each connection over a unix socket
-bound into the container to a relay on the host that connects to the proxy. The verifier and the
-oracle are the task's own code and get podman's default network, as Harbor gives them, but none
-where the task says `allow_internet = false`.
+The proxy is reached through the relay whatever the network: inside the container the relay
+(gyre/harness/relay.py, the harness its child) listens on 127.0.0.1 at the proxy's port, so the
+proxy URL works unchanged, and carries each connection over a unix socket bound into the container
+to a relay on the host that connects to the proxy. The container gets podman's default network
+where the agent's `network_mode` is public (Harbor's default) and the site allows it
+(`harness.agent_network`), else none.
 
 The harness runs from the host's install, bound read-only: the image must provide the C library
 and shared libraries that Python links (Debian and Ubuntu images do; the relay and the toy agent
 need libssl). Harnesses that need Node (claude_code, codex) need it in the image.
 """
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -36,18 +39,22 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import gyre
+from gyre.common.files import publish
 from gyre.errors import GyreError
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount
-from gyre.tasks.spec import Task
+from gyre.tasks.harbor import check_workdir
+from gyre.tasks.spec import Task, TaskSpecError
 
 log = logging.getLogger(__name__)
 RELAY_DIR = "/gyre/relay"
 """Where the agent's container sees the folder holding the relay's unix socket."""
 DEFAULT_NPROC = 4096
 """RLIMIT_NPROC in a container where none is configured (the verifier, the oracle, max_processes=null)."""
-IMAGE_TIMEOUT_S = 1800.0
-"""How long an image pull or build may take."""
+COPY_TIMEOUT_S = 600.0
+"""How long copying an image's workdir to the host may take."""
+DEFAULT_REGISTRIES = ("docker.io",)
+"""Registries a short image name is tried under, in order (Docker's implied registry)."""
 SYSTEM_DIRS = ("/", "/bin", "/etc", "/lib", "/lib64", "/sbin", "/usr", "/usr/local", "/var")
 """Host folders never bound into an image: they would hide the image's own."""
 WORKDIR_CACHE = Path(tempfile.gettempdir(), "gyre-image-workdirs")
@@ -92,27 +99,70 @@ def _image_id(ref: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def ensure_image(task: Task) -> str:
+def qualify_image(name: str, registries: tuple[str, ...] = DEFAULT_REGISTRIES) -> list[str]:
+    """The references a pull tries for `name` (pure): as written when it names a registry (a first
+    part with a dot or a port, or `localhost`), else under each registry (Docker Hub's official images
+    under `library/`)."""
+    first = name.split("/", 1)[0]
+    if "/" in name and ("." in first or ":" in first or first == "localhost"):
+        return [name]
+    return [f"{r}/{'library/' if '/' not in name and r == 'docker.io' else ''}{name}" for r in registries]
+
+
+def ensure_image(task: Task, registries: tuple[str, ...] = DEFAULT_REGISTRIES) -> str:
     """The ID of the task's image in podman's store, pulled or built on first use (an ID, not a tag:
-    the workspace copy and the containers of one execution come from the same image).
+    the workspace copy and the containers of one execution come from the same image), each pull or
+    build bounded by `[environment].build_timeout_sec`.
 
     Raises:
-        PodmanError: the pull or the build failed (naming the task and the image).
+        PodmanError: the pull or the build failed or ran past its time (naming the task and the image).
     """
     env = task.environment
     dockerfile = Path(env.dockerfile) if not env.docker_image else None
-    ref = env.docker_image or dockerfile_tag(task.task_id, dockerfile.parent)
+    refs = qualify_image(env.docker_image, registries) if dockerfile is None else []
+    refs = refs or [dockerfile_tag(task.task_id, dockerfile.parent)]
+    errors = []
     with _image_lock:  # executions of one task start in parallel threads: one build
-        if image_id := _image_id(ref):
-            return image_id
-        args = (
-            ["pull", ref] if dockerfile is None else ["build", "-t", ref, "-f", str(dockerfile), str(dockerfile.parent)]
-        )
-        done = podman(args, IMAGE_TIMEOUT_S)
-        image_id = _image_id(ref) if done.returncode == 0 else None
-    if image_id is None:
-        raise PodmanError(f"task {task.task_id!r}: podman {args[0]} {ref} failed: {done.stderr.strip()[-500:]}")
-    return image_id
+        for ref in dict.fromkeys([env.docker_image, *refs] if env.docker_image else refs):
+            if image_id := _image_id(ref):
+                return image_id
+        for ref in refs:
+            args = (
+                ["pull", ref]
+                if dockerfile is None
+                else ["build", "-t", ref, "-f", str(dockerfile), str(dockerfile.parent)]
+            )
+            try:
+                done = podman(args, env.build_timeout_s)
+            except PodmanError as e:
+                errors.append(str(e))
+                continue
+            if done.returncode == 0 and (image_id := _image_id(ref)):
+                return image_id
+            errors.append(f"podman {args[0]} {ref}: {done.stderr.strip()[-300:]}")
+    raise PodmanError(f"task {task.task_id!r}: its image cannot be had: {'; '.join(errors)}")
+
+
+def image_workdir(image_id: str) -> str:
+    """The image's WORKDIR ('' where it sets none)."""
+    done = podman(["image", "inspect", "--format", "{{.Config.WorkingDir}}", image_id])
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def with_image_workdir(task: Task, image_id: str) -> Task:
+    """`task` with the image's WORKDIR as its workdir where the task.toml names none (Harbor's reading).
+
+    Raises:
+        PodmanError: the image sets no WORKDIR (or / or a path the sandbox cannot mount at).
+    """
+    if task.environment.workdir:
+        return task
+    workdir = image_workdir(image_id)
+    try:
+        workdir = check_workdir(workdir, f"task {task.task_id!r}")
+    except TaskSpecError as e:
+        raise PodmanError(f"{e} (the image's WORKDIR; set [environment].workdir)") from None
+    return dataclasses.replace(task, environment=dataclasses.replace(task.environment, workdir=workdir))
 
 
 def copy_workdir(image_id: str, workdir: str, dest: Path) -> None:
@@ -131,11 +181,11 @@ def copy_workdir(image_id: str, workdir: str, dest: Path) -> None:
         if done.returncode != 0:
             raise PodmanError(f"podman create {image_id[:12]} failed: {done.stderr.strip()[-500:]}")
         try:
-            podman(["cp", f"{name}:{workdir}/.", str(fresh)], IMAGE_TIMEOUT_S)  # fails where there is no workdir
+            podman(["cp", f"{name}:{workdir}/.", str(fresh)], COPY_TIMEOUT_S)  # fails where there is no workdir
         finally:
             podman(["rm", "--force", name])
         try:
-            fresh.rename(cache)  # atomic: a concurrent copy of the same image keeps the first
+            publish(fresh, cache)  # atomic: a concurrent copy of the same image keeps the first
         except OSError:
             shutil.rmtree(fresh, ignore_errors=True)
     shutil.copytree(cache, dest, symlinks=True)
@@ -165,14 +215,13 @@ def make_run_argv(
     task: Task, image: str, name: str, mounts: list[Mount], env: dict[str, str], flags: list[str] = ()
 ) -> list[str]:
     """`podman run` argv up to the command, in the workdir with the task's cpus / memory_mb as its
-    cgroup's limits, each mount a volume, each env entry an --env (pure but for reading this
+    cgroup's limits, each mount a volume, each env entry an --env, `flags` (the network among them)
+    before the image (pure but for reading this
     process's open-files limit). The open-files and process limits are always set: podman's
     defaults (1048576) can sit above what the host allows, and the OCI runtime then refuses to start."""
     contract = task.environment
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     argv = ["podman", "run", "--rm", "--name", name, "--workdir", contract.workdir, "--ulimit", f"nofile={soft}:{hard}"]
-    if not contract.allow_internet and "--network=none" not in flags:
-        argv.append("--network=none")
     if not any(f.startswith("nproc=") for f in flags):
         argv += ["--ulimit", f"nproc={DEFAULT_NPROC}:{DEFAULT_NPROC}"]
     if contract.cpus is not None:
@@ -222,30 +271,23 @@ def container_env(env: dict[str, str]) -> dict[str, str]:
     return keep | ({"PYTHONPATH": env["PYTHONPATH"]} if "PYTHONPATH" in env else {})
 
 
-def make_agent_argv(
-    cfg: HarnessConfig,
-    task: Task,
-    image: str,
-    name: str,
-    workspace: Path,
-    home: Path,
-    relay_dir: Path,
-    env: dict[str, str],
-    port: int,
-) -> list[str]:
-    """`podman run` argv of the agent's container, up to the harness command: no network, the relay
-    listening at the proxy's port inside and carrying to `relay_dir`'s socket."""
+def make_agent_extras(cfg: HarnessConfig, task: Task, relay_dir: Path) -> tuple[list[Mount], list[str]]:
+    """(mounts, flags) the agent's container adds to the environment's: the relay's folder, the
+    harness's Python (read-only), its rlimits, and the task folder masked where it lies inside them.
+
+    Raises:
+        PodmanError: the harness's Python is a system one (harness_mounts).
+    """
     bound = harness_mounts()
-    mounts = [
-        Mount(workspace, task.environment.workdir),
-        Mount(home, str(home)),
-        Mount(relay_dir, RELAY_DIR),
-        *(Mount(p, str(p), writable=False) for p in bound),
-    ]
-    flags = ["--network=none", *make_limit_flags(cfg)]
+    mounts = [Mount(relay_dir, RELAY_DIR), *(Mount(p, str(p), writable=False) for p in bound)]
+    flags = make_limit_flags(cfg)
     task_dir = Path(task.environment.task_dir)
     if any(p in task_dir.parents for p in bound):  # a task set inside Gyre's tree: its tests/ stay unseen
         flags += ["--tmpfs", f"{task_dir}:notmpcopyup"]  # podman copies what it covers into a tmpfs by default
-    run = make_run_argv(task, image, name, mounts, container_env(env), flags)
+    return mounts, flags
+
+
+def make_relay_argv(port: int) -> list[str]:
+    """The relay the harness runs under inside the container, listening at the proxy's port (pure)."""
     relay = ["--listen", f"tcp:127.0.0.1:{port}", "--to", f"unix:{RELAY_DIR}/proxy.sock", "--"]
-    return [*run, sys.executable, "-m", "gyre.harness.relay", *relay]
+    return [sys.executable, "-m", "gyre.harness.relay", *relay]

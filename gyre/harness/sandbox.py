@@ -11,16 +11,17 @@ A write anywhere else fails with EROFS and shows in the harness log. Where bubbl
 (not installed, no user namespaces in a container), `isolation=auto` says so once and falls back
 to the plain runner; `isolation=bwrap` refuses to start.
 
-Harbor tasks (`task.environment` set) need their paths: bubblewrap then builds a fresh root with
-the workspace at the workdir (gyre/harness/contract.py) and the task folder masked, so tests/ and
-solution/ stay unseen; `[environment].memory_mb` caps RLIMIT_AS below `harness.mem_limit_gb`
-(not for harnesses run without one: Node reserves large address spaces) and `cpus` is a CFS quota
-of the sandbox's own cgroup (gyre/cells/quota.py; where no cgroup is writable, a warning and no
-cap). A Harbor task that needs an image (docker_image or environment/Dockerfile) runs in it with
-`isolation=podman` (gyre/harness/podman.py: no network but a relay to the proxy; cpus and
-memory_mb as the container's cgroup limits); without podman, or with another isolation, it is
-refused naming the task and `harness.isolation`, as is one that would run without bubblewrap:
-never run unisolated.
+Harbor tasks (`task.environment` set) run in their environment (gyre/harness/environment.py): a
+bubblewrap holder with a fresh root, the workspace at the workdir (gyre/harness/contract.py) and the
+task folder masked, so tests/ and solution/ stay unseen; or, for a task that needs an image
+(docker_image or environment/Dockerfile), a podman container of it with `isolation=podman`
+(gyre/harness/podman.py: the proxy through a relay). The environment outlives the harness for the
+verifier (`environment`, ended by `close()`). `[environment].memory_mb` caps RLIMIT_AS below
+`harness.mem_limit_gb` (not for harnesses run without one: Node reserves large address spaces)
+and `cpus` is a CFS quota of the sandbox's own cgroup (gyre/cells/quota.py; where no cgroup is
+writable, a warning and no cap), both the container's limits under podman. A task this sandbox
+cannot run as Harbor would is refused naming the task, the field and the key
+(gyre/harness/task_checks.py): never run unisolated, never run to a false 0.
 
 Apptainer/enroot on Slurm: the runner is the same inside the image (bubblewrap needs to be in the
 image; unprivileged user namespaces must be allowed, which Apptainer's own sandbox also needs);
@@ -32,7 +33,6 @@ command (and bubblewrap, which then must be in the image) in `apptainer exec --c
 
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -47,17 +47,27 @@ from gyre.cells.quota import CGROUP_ROOT, CpuQuota, make_quota
 from gyre.errors import GyreError
 from gyre.harness.commands import make_harness_command
 from gyre.harness.config import HarnessConfig
-from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
-from gyre.harness.podman import copy_workdir, ensure_image, make_agent_argv, podman_available, proxy_port, remove
+from gyre.harness.contract import Mount
+from gyre.harness.environment import BaseTaskEnv, open_environment
+from gyre.harness.podman import (
+    RELAY_DIR,
+    container_env,
+    copy_workdir,
+    ensure_image,
+    make_agent_extras,
+    make_relay_argv,
+    podman_available,
+    proxy_port,
+    with_image_workdir,
+)
+from gyre.harness.task_checks import SandboxError, agent_network, check_isolation
+from gyre.harness.toy_agent import SESSION_FILE
+from gyre.harness.workspace import make_workspace, run_setup
 from gyre.tasks.spec import Task
-from gyre.tasks.workspace import make_workspace, run_setup
 
 log = logging.getLogger(__name__)
 _bwrap_ok: bool | None = None
-
-
-class SandboxError(GyreError):
-    """A sandbox that cannot start (isolation required but unavailable, harness binary missing)."""
+_storage_noted: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -139,41 +149,6 @@ def make_sandbox_quota(execution_id: str, cpus: float) -> CpuQuota | None:
     return None
 
 
-def check_isolation(task: Task, cfg: HarnessConfig, bwrap_ok: bool, podman_ok: bool) -> None:
-    """Refuse a Harbor task this sandbox cannot give its paths: never a silent unisolated run (pure).
-
-    Raises:
-        SandboxError: naming the task and `harness.isolation`.
-    """
-    env = task.environment
-    if env is None:
-        return
-    if env.image:
-        what = f"[environment].docker_image {env.docker_image}" if env.docker_image else env.dockerfile
-        if cfg.isolation != "podman":
-            raise SandboxError(
-                f"task {task.task_id!r}: harness.isolation={cfg.isolation} cannot run a task that needs a container "
-                f"image ({what}); set harness.isolation=podman"
-            )
-        if not podman_ok:
-            raise SandboxError(
-                f"task {task.task_id!r}: harness.isolation=podman but podman cannot run here, and the task needs "
-                f"a container image ({what}); apt-get install podman (tools/setup.sh)"
-            )
-        return
-    if not env.allow_internet:  # bubblewrap shares the host's network: the proxy is reached over it
-        raise SandboxError(
-            f"task {task.task_id!r}: harness.isolation={cfg.isolation}: [environment].allow_internet = false needs "
-            "a task with an image run with harness.isolation=podman (a container without a network)"
-        )
-    if cfg.isolation == "none" or not bwrap_ok:
-        why = "isolation=none" if cfg.isolation == "none" else "bubblewrap cannot run here"
-        raise SandboxError(
-            f"task {task.task_id!r}: harness.isolation: a Harbor task needs bubblewrap for {env.workdir}, "
-            f"/tests and /logs ({why}); set harness.isolation=auto or bwrap where bubblewrap runs"
-        )
-
-
 def make_task_workspace(task: Task, dest: Path) -> Path:
     """A fresh workspace: a copy of the image's workdir for a task with an image, else of its source.
 
@@ -183,15 +158,46 @@ def make_task_workspace(task: Task, dest: Path) -> Path:
     env = task.environment
     if env is None or not env.image:
         return make_workspace(task.workspace, dest)
-    copy_workdir(ensure_image(task), env.workdir, dest)
+    image = ensure_image(task)
+    copy_workdir(image, with_image_workdir(task, image).environment.workdir, dest)
     return dest
 
 
-def make_agent_prefix(task: Task, workspace: Path, home: Path) -> list[str]:
-    """The Harbor sandbox of the agent: WS at the workdir, HOME writable, the task folder masked."""
-    env = task.environment
-    mounts = [Mount(workspace, env.workdir), Mount(home, str(home))]
-    return make_contract_prefix(list_host_root(), mounts, env.workdir, hide=[env.task_dir])
+def start_host_relay(log_path: Path, host: str, port: int) -> tuple[subprocess.Popen, Path]:
+    """(the host's relay, its folder): it accepts on the folder's unix socket, bound into the agent's
+    container, and connects each client to the proxy at host:port (gyre/harness/relay.py)."""
+    relay_dir = Path(tempfile.mkdtemp(prefix="gyre-relay-"))  # short: a socket path has 107 bytes
+    listener = socket.socket(socket.AF_UNIX)
+    try:  # bound before either relay starts: no race between them
+        listener.bind(str(relay_dir / "proxy.sock"))
+        listener.listen(64)
+        with open(log_path, "ab") as relay_log:
+            relay = subprocess.Popen(
+                [sys.executable, "-m", "gyre.harness.relay", "--listen", f"fd:{listener.fileno()}"]
+                + ["--to", f"tcp:{host}:{port}"],
+                pass_fds=(listener.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=relay_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+    finally:
+        listener.close()
+    return relay, relay_dir
+
+
+def continuable(task: Task, cfg: HarnessConfig, sandbox_dir: Path) -> str | None:
+    """Why an interrupted execution cannot continue its harness session (None: it can). The toy
+    agent keeps its session in its home (gyre.harness.toy_agent.SESSION_FILE); the other harnesses'
+    sessions are not continued yet, and a Harbor task's environment (its services, its container)
+    does not outlive the job."""
+    if cfg.kind != "toy":
+        return f"harness.kind={cfg.kind} does not continue its sessions yet"
+    if task.environment is not None:
+        return "a Harbor task's environment does not outlive the job"
+    if not (sandbox_dir / "workspace").is_dir() or not (sandbox_dir / "home" / SESSION_FILE).is_file():
+        return f"no workspace or no saved session under {sandbox_dir}"
+    return None
 
 
 class Sandbox:
@@ -212,16 +218,32 @@ class Sandbox:
         self.dir = Path(root).resolve() / execution_id
         self.workspace, self.home, self.log_path = self.dir / "workspace", self.dir / "home", self.dir / "harness.log"
         self.isolated = False
-        self.container = ""
-        """The agent's podman container (a Harbor task with an image), else ''."""
+        self.environment: BaseTaskEnv | None = None
+        """A Harbor task's environment, started with the harness and left for its verifier (close())."""
         self._image = ""
         self._relay: subprocess.Popen | None = None
         self._relay_dir: Path | None = None
+        self._port = 0
+        """The proxy's port, where the relay listens inside the environment."""
         self._quota: CpuQuota | None = None
         self._proc: subprocess.Popen | None = None
         self._log = None
         self._started = self._term_at = 0.0
+        self._used_s = 0.0
+        """The time budget a continued execution used before the restart that interrupted it."""
         self._result: SandboxResult | None = None
+
+    def resume(self, used_s: float) -> Path:
+        """Continue an execution a restart interrupted: its workspace and home as they were (the
+        harness's session in the home), under what is left of its time budget.
+
+        Raises:
+            SandboxError: nothing this sandbox can continue (`continuable` says why).
+        """
+        if (why := continuable(self.task, self.cfg, self.dir)) is not None:
+            raise SandboxError(f"execution {self.execution_id} cannot continue: {why}")
+        self._used_s = used_s
+        return self.workspace
 
     def prepare(self) -> Path:
         """A fresh workspace copy with the task's setup run in it, and a private home.
@@ -229,20 +251,26 @@ class Sandbox:
         Raises:
             SandboxError: a Harbor task this sandbox cannot run (check_isolation).
             PodmanError: the task's image cannot be pulled, built or copied from.
+            TaskEnvError: a Harbor task's environment did not start.
             WorkspaceError: the source cannot be copied or the setup failed.
         """
         contract = self.task.environment
         if contract is not None:
             bwrap_ok = self.cfg.isolation != "none" and bwrap_available()
             check_isolation(self.task, self.cfg, bwrap_ok, self.cfg.isolation == "podman" and podman_available())
+        if contract is not None and contract.storage_mb is not None and self.task.task_id not in _storage_noted:
+            _storage_noted.add(self.task.task_id)
+            log.info("task %s: [environment].storage_mb is read, not enforced (no disk quota)", self.task.task_id)
         if contract is not None and contract.image:
-            self.container = "gyre-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.execution_id)
-            self._image = ensure_image(self.task)
-            copy_workdir(self._image, contract.workdir, self.workspace)
+            self._image = ensure_image(self.task, tuple(self.cfg.image_registries))
+            self.task = with_image_workdir(self.task, self._image)
+            copy_workdir(self._image, self.task.environment.workdir, self.workspace)
         else:
             make_workspace(self.task.workspace, self.workspace)
         run_setup(self.task, self.workspace)
         (self.home / "tmp").mkdir(parents=True, exist_ok=True)
+        if contract is not None:
+            self._open_environment()
         return self.workspace
 
     def start(self) -> None:
@@ -251,23 +279,13 @@ class Sandbox:
         Raises:
             SandboxError: isolation=bwrap where bubblewrap cannot run, or the harness is missing.
         """
-        if self.container:
-            self._start_podman()
+        if self.task.environment is not None:
+            self._start_harbor()
             return
-        contract = self.task.environment
-        inside = Path(contract.workdir) if contract else self.workspace
         argv, env = make_harness_command(
-            self.cfg, self.task.instruction, inside, self.proxy_url, self.api_key, self.model, self.home
+            self.cfg, self.task.instruction, self.workspace, self.proxy_url, self.api_key, self.model, self.home
         )
         env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"))
-        if contract is not None:  # prepare() has checked that bubblewrap can give its paths
-            self.isolated = True
-            prefix = make_limits_prefix(self.cfg, contract.memory_mb)
-            if contract.cpus is not None and (quota := make_sandbox_quota(self.execution_id, contract.cpus)):
-                self._quota = quota
-                prefix += make_cgroup_prefix(str(Path(quota.path, "cgroup.procs")))
-            self._popen(prefix + make_agent_prefix(self.task, self.workspace, self.home) + argv, env)
-            return
         want = self.cfg.isolation
         self.isolated = want in ("bwrap", "podman") or (want == "auto" and bwrap_available())
         if want in ("bwrap", "podman") and not bwrap_available():
@@ -283,55 +301,65 @@ class Sandbox:
             )
         self._popen(make_limits_prefix(self.cfg) + argv, env)
 
-    def _start_podman(self) -> None:
-        """The harness in the task's image; its one way out is the relay pair to the proxy (podman.py)."""
-        host, port = proxy_port(self.proxy_url)
-        workdir = self.task.environment.workdir
-        argv, env = make_harness_command(
-            self.cfg,
-            self.task.instruction,
-            Path(workdir),
-            f"http://127.0.0.1:{port}",
-            self.api_key,
-            self.model,
-            self.home,
-        )
-        env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"))
-        self._relay_dir = Path(tempfile.mkdtemp(prefix="gyre-relay-"))  # short: a socket path has 107 bytes
-        listener = socket.socket(socket.AF_UNIX)
-        try:  # bound before either relay starts: no race between them
-            listener.bind(str(self._relay_dir / "proxy.sock"))
-            listener.listen(64)
-            with open(self.dir / "relay.log", "ab") as relay_log:
-                self._relay = subprocess.Popen(
-                    [sys.executable, "-m", "gyre.harness.relay", "--listen", f"fd:{listener.fileno()}"]
-                    + ["--to", f"tcp:{host}:{port}"],
-                    pass_fds=(listener.fileno(),),
-                    stdin=subprocess.DEVNULL,
-                    stdout=relay_log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-        finally:
-            listener.close()
-        container = make_agent_argv(
-            self.cfg, self.task, self._image, self.container, self.workspace, self.home, self._relay_dir, env, port
-        )
-        self.isolated = True
+    def _open_environment(self) -> None:
+        """Start the Harbor task's environment (gyre/harness/environment.py), which outlives the
+        harness for the verifier; with an image, or without a network, the proxy is reached through
+        the relay pair (podman.py), whose host side starts here too."""
+        contract, network = self.task.environment, agent_network(self.task, self.cfg)
         try:
-            self._popen(container + argv, env)
-        except SandboxError:
-            self._stop_container(0)
+            if contract.image or network == "none":
+                host, self._port = proxy_port(self.proxy_url)
+                self._relay, self._relay_dir = start_host_relay(self.dir / "relay.log", host, self._port)
+            if contract.image:  # podman sets the container's limits
+                extras = make_agent_extras(self.cfg, self.task, self._relay_dir)
+            else:  # `cpus` holds the whole environment, as a container's
+                holder = []
+                if contract.cpus is not None and (quota := make_sandbox_quota(self.execution_id, contract.cpus)):
+                    self._quota, holder = quota, make_cgroup_prefix(str(Path(quota.path, "cgroup.procs")))
+                extras = ([Mount(self._relay_dir, RELAY_DIR)] if self._relay_dir else [], holder)
+            # Started in prepare()'s thread (the coordinator's executor threads live as long as its
+            # loop): bubblewrap's --die-with-parent follows the thread that started it.
+            self.environment = open_environment(self.task, self.workspace, network, self.home, extras, self._image)
+        except (GyreError, OSError):
+            self.close()
             raise
 
-    def _stop_container(self, code: int) -> None:
-        """Stop the host relay; remove a container its killed `podman run` left behind."""
+    def _start_harbor(self) -> None:
+        """The harness in the task's environment, under the relay where there is one; without an
+        image, the harness's rlimits apply inside."""
+        contract = self.task.environment
+        url = f"http://127.0.0.1:{self._port}" if self._relay is not None else self.proxy_url
+        argv, env = make_harness_command(
+            self.cfg, self.task.instruction, Path(contract.workdir), url, self.api_key, self.model, self.home
+        )
+        env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"), **contract.env)
+        if self._relay is not None:
+            argv = make_relay_argv(self._port) + argv
+        if not contract.image:
+            argv = make_limits_prefix(self.cfg, contract.memory_mb) + argv
+        inner = container_env(env) if contract.image else {}
+        self.isolated = True
+        try:
+            self._popen(self.environment.enter(argv, inner, contract.agent_user), env)
+        except (GyreError, OSError):
+            self.close()
+            raise
+
+    def _stop_relay(self) -> None:
         if self._relay is not None:
             self._relay.kill()
             self._relay.wait()
             shutil.rmtree(self._relay_dir, ignore_errors=True)
-        if code != 0:
-            remove(self.container)
+            self._relay = None
+
+    def close(self) -> None:
+        """End the task's environment (after its verifier ran, or when the execution is dropped)."""
+        self._stop_relay()
+        if self.environment is not None:
+            self.environment.close()
+        if self._quota is not None:
+            self._quota.remove(timeout_s=1.0)
+            self._quota = None
 
     def _popen(self, argv: list[str], env: dict[str, str]) -> None:
         self._log = open(self.log_path, "ab")
@@ -363,7 +391,7 @@ class Sandbox:
         now = time.monotonic()
         code = self._proc.poll()
         if code is None:
-            if not self._term_at and now - self._started > self.task.time_budget_s:
+            if not self._term_at and now - self._started + self._used_s > self.task.time_budget_s:
                 self._term_at = now
                 self._signal(signal.SIGTERM)
             elif self._term_at and now - self._term_at > self.cfg.grace_s:
@@ -371,11 +399,11 @@ class Sandbox:
             return None
         self._signal(signal.SIGKILL)  # what the harness left running in its group
         self._log.close()
-        if self.container:
-            self._stop_container(code)
-        if self._quota is not None:
-            self._quota.remove(timeout_s=1.0)
-        self._result = SandboxResult(code, bool(self._term_at), now - self._started, self.workspace, self.log_path)
+        self._stop_relay()
+        if self._term_at and self.environment is not None:
+            self.environment.kill_all()  # past its budget: what it runs inside stops too (podman exec's do not)
+        used = now - self._started + self._used_s  # a continued execution's budget counts the time before the break
+        self._result = SandboxResult(code, bool(self._term_at), used, self.workspace, self.log_path)
         return self._result
 
     def kill(self) -> None:
@@ -384,6 +412,7 @@ class Sandbox:
             self._signal(signal.SIGKILL)
             self._proc.wait()
             self.poll()
+        self.close()
 
     def wait(self, poll_interval_s: float = 0.05) -> SandboxResult:
         """Poll until the harness ends (for one-off runs; the coordinator polls many)."""

@@ -41,12 +41,16 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre.common.files import write_atomic
+
 APIS = ("anthropic", "openai")
 MAIN_SYSTEM = "You are a coding agent. Use the tools to complete the task in the current directory."
 SUB_SYSTEM = "You are a helper agent. Look at the workspace and report what you find in one line."
 SUB_TASK = "List the files in the workspace."
 SUMMARY_REQUEST = "Write a short summary of the conversation so far. Do NOT call any tools."
 CLEARED = "[Old tool result content cleared]"
+SESSION_FILE = "toy-session.json"
+"""The agent's session in its HOME (the sandbox's home survives the job): a continued execution reloads it."""
 CLEAR_CHARS = 100
 """Default `--clear-chars`: the reference run clears its write's result before its last call."""
 TOOLS = [
@@ -212,6 +216,27 @@ class ToyAgent:
 
             self.client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=2, timeout=600)
         self.num_calls = 0
+        self.session = Path(os.environ.get("HOME", ".")) / SESSION_FILE
+        """Where the agent keeps what continuing needs, rewritten whole after every turn."""
+        self.state = self._load_session()
+
+    def _load_session(self) -> dict:
+        """The saved session (a continued execution), else a fresh one."""
+        try:
+            state = json.loads(self.session.read_text())
+        except (OSError, ValueError):
+            return {"stage": "survey", "report": "", "agent": None}
+        version, internal, gauss = state.pop("rng")
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.num_calls = state["num_calls"]
+        print(f"toy-agent: continuing its session at stage {state['stage']}", file=sys.stderr, flush=True)
+        return state
+
+    def _save(self, **changes) -> None:
+        """The session after a whole turn (its tool results in): continuing from here re-sends it as it was."""
+        self.state.update(changes)
+        blob = json.dumps(self.state | {"num_calls": self.num_calls, "rng": self.rng.getstate()})
+        write_atomic(self.session, blob)  # a continued agent reads the old turn or the new one, never half
 
     def call(self, messages: list[dict], agent_id: str | None, tools: bool = True, summary: bool = False) -> dict:
         """One model call; returns the assistant message (content, parsed tool calls with ids)."""
@@ -248,10 +273,12 @@ class ToyAgent:
             messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
 
     def run_agent(self, system: str, prompt: str, agent_id: str | None, max_turns: int) -> str:
-        """Turns until a reply without tool calls (its text is returned) or `max_turns`."""
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
-        reply = {"content": ""}
-        for _ in range(max_turns):
+        """Turns until a reply without tool calls (its text is returned) or `max_turns`; a saved
+        session of this stage continues where its last whole turn ended."""
+        saved = self.state["agent"] or {}
+        messages = saved.get("messages") or [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+        agent_id, reply = saved.get("agent_id", agent_id), {"content": saved.get("reply", "")}
+        for turn in range(saved.get("turn", 0), max_turns):
             messages = clear_old_results(messages, self.args.clear_chars)
             reply = self.call(messages, agent_id)
             messages.append(reply)
@@ -265,16 +292,28 @@ class ToyAgent:
                     messages[0],
                     {"role": "user", "content": make_resumed_prompt(self.args.instruction, summary["content"])},
                 ]
+            self._save(agent={"agent_id": agent_id, "messages": messages, "turn": turn + 1, "reply": reply["content"]})
         return reply["content"]
 
     def run(self) -> None:
-        report = ""
-        if self.args.subagent:
-            report = self.run_agent(SUB_SYSTEM, SUB_TASK, f"sub-{uuid.uuid4().hex[:8]}", self.args.subagent_turns)
-        self.run_agent(MAIN_SYSTEM, make_main_prompt(self.args.instruction, report), None, self.args.max_turns)
-        if self.args.verify:
-            report = self.run_agent(SUB_SYSTEM, SUB_TASK, f"sub-{uuid.uuid4().hex[:8]}", self.args.subagent_turns)
-            print(f"toy-agent: verified: {report[:RESULT_CHARS]!r}", file=sys.stderr, flush=True)
+        """The survey, the main agent, the verification: each stage saved as it ends, so a continued
+        execution (its session file in HOME) picks up at the stage and turn it had reached."""
+        a = self.args
+        if self.state["stage"] == "survey":
+            report = (
+                self.run_agent(SUB_SYSTEM, SUB_TASK, f"sub-{uuid.uuid4().hex[:8]}", a.subagent_turns)
+                if a.subagent
+                else ""
+            )
+            self._save(stage="main", report=report, agent=None)
+        if self.state["stage"] == "main":
+            self.run_agent(MAIN_SYSTEM, make_main_prompt(a.instruction, self.state["report"]), None, a.max_turns)
+            self._save(stage="verify", agent=None)
+        if self.state["stage"] == "verify":
+            if a.verify:
+                report = self.run_agent(SUB_SYSTEM, SUB_TASK, f"sub-{uuid.uuid4().hex[:8]}", a.subagent_turns)
+                print(f"toy-agent: verified: {report[:RESULT_CHARS]!r}", file=sys.stderr, flush=True)
+            self._save(stage="done", agent=None)
         print(json.dumps({"num_calls": self.num_calls}), flush=True)
 
 

@@ -85,7 +85,7 @@ def load_tasks(cfg: GyreConfig) -> TaskSet:
     from gyre.harness.podman import podman_available
     from gyre.harness.sandbox import bwrap_available, check_isolation
 
-    taskset = TaskSet.load(cfg.tasks.path) if cfg.tasks.path else toy_taskset()
+    taskset = TaskSet.load(cfg.tasks.path, cfg.tasks) if cfg.tasks.path else toy_taskset()
     for task in taskset.tasks:
         if task.environment is not None:  # on Slurm the nodes' bubblewrap is checked by each sandbox
             slurm = cfg.cluster.backend == "slurm"
@@ -94,8 +94,8 @@ def load_tasks(cfg: GyreConfig) -> TaskSet:
     if wants_warm and not any("files" in (t.reference or {}) for t in taskset.tasks):
         print("gyre-train: warm start skipped: no task has reference files to demonstrate", file=sys.stderr)
     elif wants_warm:  # on resume too: the checkpoints hold the weights, the warm start's directory the vocabulary
+        from gyre.launch.warmstart import WarmStartConfig, warm_start
         from gyre.models.tokenizer import has_bpe_tokenizer
-        from gyre.tasks.warmstart import WarmStartConfig, warm_start
 
         ws = WarmStartConfig(clear_chars=cfg.harness.toy.clear_chars)
         out, report = warm_start(Path(cfg.tasks.warm_start_dir), taskset, cfg.model, ws)

@@ -88,7 +88,9 @@ class ExecutionState(Event):
     reward: float | None = None
     """The evaluator's score (0..1) once known."""
     duration_s: float | None = None
-    """Harness wall time (finished / timed_out)."""
+    """Harness wall time (finished / timed_out; a continued execution's: the time before the break)."""
+    tokens_kept: int | None = None
+    """queued, reason continued: prompt and output tokens of its calls before the break, not generated again."""
 
     def __post_init__(self):
         if self.state not in LEDGER_STATES:

@@ -55,6 +55,9 @@ def summarize(state: RunState) -> dict:
         "num_steps": len(steps),
         "num_steps_planned": state.run.num_steps if state.run else None,
         "executions": dict(sorted(state.outcomes().items())),
+        "executions_continued": len(state.continued),
+        "executions_rerun": state.num_rerun,
+        "tokens_kept_by_continue": state.tokens_kept,
         "exclusions": dict(sorted(state.exclusions.items())),
         "reward_first3": round(fmean(rewards[:3]), 4) if rewards else None,
         "reward_last3": round(fmean(rewards[-3:]), 4) if rewards else None,
@@ -178,6 +181,11 @@ def format_summary(name: str, s: dict, stats: ReadStats) -> str:
         lines.append(
             f"  cell {cell:<4} phases by rank (s)  "
             + "  ".join(f"{p} " + "/".join(f"{v:.2f}" for v in by_rank) for p, by_rank in phases.items())
+        )
+    if s["executions_continued"] or s["executions_rerun"]:
+        lines.append(
+            f"  across restarts         {s['executions_continued']} continued "
+            f"({s['tokens_kept_by_continue']} tokens kept), {s['executions_rerun']} re-run"
         )
     if s["exclusions"]:
         lines.append("  exclusions              " + "  ".join(f"{r} {n}" for r, n in s["exclusions"].items()))

@@ -135,6 +135,12 @@ class RunState:
     steps: dict[int, OptimizerStep] = field(default_factory=dict)
     executions: dict[str, ExecutionState] = field(default_factory=dict)
     """Each execution's latest state."""
+    continued: set[str] = field(default_factory=set)
+    """Executions that continued their harness session across a restart."""
+    num_rerun: int = 0
+    """Executions a restart interrupted and that were re-run from the start."""
+    tokens_kept: int = 0
+    """Tokens of calls before a break that continuing did not generate again."""
     rewards: dict[str, tuple[int, float]] = field(default_factory=dict)
     """execution id -> (step, reward) once evaluated."""
     held_out: dict[int, list[float]] = field(default_factory=dict)
@@ -184,6 +190,11 @@ class RunState:
 
     def _execution_state(self, e: ExecutionState) -> None:
         self.executions[e.execution_id] = e
+        if e.state == "queued" and e.reason == "continued":
+            self.continued.add(e.execution_id)
+            self.tokens_kept += e.tokens_kept or 0
+        elif e.state == "excluded" and e.reason == "interrupted":
+            self.num_rerun += 1
         if e.reward is not None:
             self.rewards[e.execution_id] = (e.step, e.reward)
 

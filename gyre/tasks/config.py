@@ -20,12 +20,18 @@ class TasksConfig:
     """Executions per held-out task at each of the two points; 0: no held-out rollouts."""
     warm_start: bool = True
     """Without coordinator.init_weights: start RL from a policy trained on the task set's reference
-    solutions (gyre.tasks.warmstart), so rewards vary from the first step; False: the seeded init."""
+    solutions (gyre.launch.warmstart), so rewards vary from the first step; False: the seeded init."""
+    max_agent_timeout_s: float = 4 * 3600.0
+    """A Harbor task's agent budget where its task.toml sets no `[agent].timeout_sec` (Harbor: no limit)."""
+    clip_reward: bool = False
+    """Clip a Harbor verifier's reward to [0, 1]; False: keep it as written, as Harbor does (advantages
+    are normalised per group, so any finite reward trains)."""
     warm_start_dir: str = "outputs/warmstart"
     """Cache of warm-started models (relative to the launch directory), reused when the inputs match."""
 
     def __post_init__(self):
         require(bool(self.warm_start_dir), "warm_start_dir", "must name a directory")
+        require(self.max_agent_timeout_s > 0, "max_agent_timeout_s", f"must be > 0 s, got {self.max_agent_timeout_s}")
         require(self.eval_samples >= 0, "eval_samples", f"must be >= 0, got {self.eval_samples}")
 
     @property

@@ -2,27 +2,42 @@
 
 A Harbor task (Terminal-Bench 2.0, Harbor's benchmark adapters, Repo2RLEnv) is a folder:
 
-    task.toml        [agent].timeout_sec, [verifier].timeout_sec / env, [environment] docker_image,
-                     cpus, memory_mb (or memory = "4G"), workdir (Gyre's reading; default /app)
+    task.toml        [agent].timeout_sec / user / network_mode, [verifier].timeout_sec / env / user /
+                     network_mode / environment_mode, [solution].env, [environment] docker_image,
+                     workdir (default: the image's WORKDIR, else /app), cpus, memory_mb (or memory =
+                     "4G"), storage_mb, gpus, build_timeout_sec, env, network_mode / allow_internet
+                     (gyre/tasks/harbor_fields.py reads the phase fields)
     instruction.md   the instruction
     environment/     a Dockerfile, or the files the workspace starts from
     tests/test.sh    run as `bash /tests/test.sh` after the agent; writes /logs/verifier/reward.txt|json
     solution/solve.sh  the oracle (optional)
 
 A folder with `task.toml` is a task (its name is the task id); any other folder is searched for
-tasks up to MAX_DEPTH levels down. Every error names the folder and the field.
+tasks up to MAX_DEPTH levels down. Every error names the folder and the field. Without
+`[agent].timeout_sec` Harbor sets no limit; Gyre bounds it by `max_agent_timeout_s`
+(`tasks.max_agent_timeout_s`).
 """
 
 import re
 import tomllib
 from pathlib import Path, PurePosixPath
 
+from gyre.tasks.harbor_fields import (
+    check_unsupported,
+    parse_gpus,
+    parse_networks,
+    parse_user,
+    parse_verification,
+    resolve_env,
+)
 from gyre.tasks.spec import EvaluatorSpec, Task, TaskEnvironment, TaskSpecError, WorkspaceSource
 
 MAX_DEPTH = 3
 """How many folder levels below a task set are searched for task folders."""
 DEFAULT_TIMEOUT_S = 600.0
-"""Harbor's default for `[agent].timeout_sec` and `[verifier].timeout_sec`."""
+"""Harbor's default for `[verifier].timeout_sec` (and `build_timeout_sec`)."""
+MAX_AGENT_TIMEOUT_S = 4 * 3600.0
+"""The agent's budget where the task sets none (Harbor: no limit); `tasks.max_agent_timeout_s`."""
 CONTRACT_PATHS = ("/tests", "/logs", "/solution")
 """Where the verifier contract puts its own files; a workdir cannot be (or be under) one of them."""
 SYSTEM_DIRS = ("bin", "dev", "etc", "lib", "lib64", "proc", "sbin", "sys", "usr")
@@ -49,13 +64,15 @@ def is_harbor_set(path: Path) -> bool:
     return (path / "task.toml").is_file() or (not any(path.glob("*.json")) and bool(find_task_dirs(path)))
 
 
-def load_harbor_tasks(root: Path) -> list[Task]:
+def load_harbor_tasks(
+    root: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOUT_S, clip_reward: bool = False
+) -> list[Task]:
     """Every Harbor task folder under `root`, loaded.
 
     Raises:
         TaskSpecError: naming the folder and the field.
     """
-    return [load_harbor_task(d) for d in find_task_dirs(root)]
+    return [load_harbor_task(d, max_agent_timeout_s, clip_reward) for d in find_task_dirs(root)]
 
 
 def _number(table: dict, key: str, where: str, name: str, default=None):
@@ -81,8 +98,19 @@ def parse_memory_mb(env: dict, where: str) -> int | None:
     return int(mb)
 
 
-def _workdir(env: dict, where: str) -> str:
-    workdir = env.get("workdir", "/app")
+def _workdir(env: dict, where: str, has_image: bool) -> str:
+    """`[environment].workdir`; unset: "" (the image's WORKDIR) for a task with an image, else /app."""
+    if "workdir" not in env:
+        return "" if has_image else "/app"
+    return check_workdir(env["workdir"], where)
+
+
+def check_workdir(workdir, where: str) -> str:
+    """A workdir the sandboxes can mount the workspace at (from the toml or the image).
+
+    Raises:
+        TaskSpecError: naming environment.workdir.
+    """
     p = PurePosixPath(workdir) if isinstance(workdir, str) else None
     if p is None or not p.is_absolute() or ".." in p.parts or len(p.parts) < 2:
         raise TaskSpecError(where, "environment.workdir", f"must be an absolute path below /, got {workdir!r}")
@@ -100,16 +128,6 @@ def _table(cfg: dict, name: str, where: str) -> dict:
     return value
 
 
-def _env_map(verifier: dict, where: str) -> dict[str, str]:
-    env = verifier.get("env", {})
-    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise TaskSpecError(where, "verifier.env", "must be a table of names to strings")
-    templated = sorted(k for k, v in env.items() if "${" in v)
-    if templated:  # refused rather than passed on literally: the verifier would see "${...}"
-        raise TaskSpecError(where, "verifier.env", f"{', '.join(templated)}: ${{...}} templates are not expanded")
-    return dict(env)
-
-
 def _read(folder: Path, where: str) -> tuple[dict, str]:
     try:
         cfg = tomllib.loads((folder / "task.toml").read_text())
@@ -124,7 +142,38 @@ def _read(folder: Path, where: str) -> tuple[dict, str]:
     return cfg, instruction
 
 
-def load_harbor_task(folder: Path) -> Task:
+def _contract(folder: Path, cfg: dict, image: str, where: str) -> TaskEnvironment:
+    """The task's environment contract from its [environment], [agent], [verifier] and [solution] tables."""
+    agent, verifier, env = (_table(cfg, n, where) for n in ("agent", "verifier", "environment"))
+    dockerfile = folder / "environment" / "Dockerfile"
+    cpus = _number(env, "cpus", where, "environment.cpus")
+    storage = _number(env, "storage_mb", where, "environment.storage_mb")
+    agent_net, asked, verifier_net, verifier_asked = parse_networks(agent, verifier, env, where)
+    return TaskEnvironment(
+        task_dir=str(folder),
+        workdir=_workdir(env, where, bool(image) or dockerfile.is_file()),
+        docker_image=image,
+        dockerfile=str(dockerfile) if dockerfile.is_file() else "",
+        cpus=None if cpus is None else float(cpus),
+        memory_mb=parse_memory_mb(env, where),
+        storage_mb=None if storage is None else int(storage),
+        build_timeout_s=float(
+            _number(env, "build_timeout_sec", where, "environment.build_timeout_sec", DEFAULT_TIMEOUT_S)
+        ),
+        gpus=parse_gpus(env, where),
+        env=resolve_env(env, "environment", where),
+        solution_env=resolve_env(_table(cfg, "solution", where), "solution", where),
+        agent_user=parse_user(agent, "agent", where),
+        verifier_user=parse_user(verifier, "verifier", where),
+        agent_network=agent_net,
+        agent_network_asked=asked,
+        verifier_network=verifier_net,
+        verifier_network_asked=verifier_asked,
+        verification=parse_verification(verifier, where),
+    )
+
+
+def load_harbor_task(folder: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOUT_S, clip_reward: bool = False) -> Task:
     """One Harbor task folder as a Task (its id is the folder name).
 
     Raises:
@@ -135,29 +184,19 @@ def load_harbor_task(folder: Path) -> Task:
     if not all(c.isalnum() or c in "-_." for c in folder.name):
         raise TaskSpecError(where, "task_id", "the folder name must be letters, digits, - _ .")
     cfg, instruction = _read(folder, where)
+    check_unsupported(cfg, folder, where)
     agent, verifier, env = (_table(cfg, n, where) for n in ("agent", "verifier", "environment"))
     image = env.get("docker_image", "")
     if not isinstance(image, str):
         raise TaskSpecError(where, "environment.docker_image", f"must be an image name, got {image!r}")
-    env_dir, dockerfile = folder / "environment", folder / "environment" / "Dockerfile"
-    allow_internet = env.get("allow_internet", True)
-    if not isinstance(allow_internet, bool):
-        raise TaskSpecError(where, "environment.allow_internet", f"must be true or false, got {allow_internet!r}")
-    cpus = _number(env, "cpus", where, "environment.cpus")
-    contract = TaskEnvironment(
-        task_dir=str(folder),
-        workdir=_workdir(env, where),
-        docker_image=image,
-        dockerfile=str(dockerfile) if dockerfile.is_file() else "",
-        cpus=None if cpus is None else float(cpus),
-        memory_mb=parse_memory_mb(env, where),
-        allow_internet=allow_internet,
-    )
+    env_dir = folder / "environment"
+    contract = _contract(folder, cfg, image, where)
     evaluator = EvaluatorSpec(
         "harbor",
         command=VERIFIER_COMMAND,
         timeout_s=float(_number(verifier, "timeout_sec", where, "verifier.timeout_sec", DEFAULT_TIMEOUT_S)),
-        env=_env_map(verifier, where),
+        env=resolve_env(verifier, "verifier", where),
+        clip_reward=clip_reward,
     )
     solve = folder / "solution" / "solve.sh"
     return Task(
@@ -166,7 +205,7 @@ def load_harbor_task(folder: Path) -> Task:
         workspace=WorkspaceSource("dir", str(env_dir)) if env_dir.is_dir() else WorkspaceSource("files"),
         setup=None,
         evaluator=evaluator,
-        time_budget_s=float(_number(agent, "timeout_sec", where, "agent.timeout_sec", DEFAULT_TIMEOUT_S)),
+        time_budget_s=float(_number(agent, "timeout_sec", where, "agent.timeout_sec", max_agent_timeout_s)),
         reference={"solve_sh": str(solve)} if solve.is_file() else None,
         environment=contract,
     )

@@ -58,6 +58,8 @@ class EvaluatorSpec:
     """The evaluator's own time limit; past it the evaluation is an evaluator error."""
     env: dict[str, str] = field(default_factory=dict)
     """harbor: `[verifier].env`, added to the verifier's environment."""
+    clip_reward: bool = False
+    """harbor: clip the verifier's reward to [0, 1] (`tasks.clip_reward`); else kept as written."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,8 @@ class TaskEnvironment:
     task_dir: str
     """The Harbor task folder (absolute): tests/ and solution/ are read from it, never shown to the agent."""
     workdir: str = "/app"
-    """Where the workspace appears inside the sandbox (the agent's and the verifier's cwd)."""
+    """Where the workspace appears inside the sandbox (the agent's and the verifier's cwd); empty: the
+    image's WORKDIR (`[environment].workdir` unset on a task with an image, gyre/harness/podman.py)."""
     docker_image: str = ""
     """`[environment].docker_image`; empty: none."""
     dockerfile: str = ""
@@ -79,8 +82,30 @@ class TaskEnvironment:
     """`[environment].cpus`; None: the harness's defaults."""
     memory_mb: int | None = None
     """`[environment].memory_mb` (or `memory` = "4G"); caps the sandbox's RLIMIT_AS."""
-    allow_internet: bool = True
-    """`[environment].allow_internet`; false: only a container without a network can run the task."""
+    storage_mb: int | None = None
+    """`[environment].storage_mb`: read, not enforced (no disk quota in either sandbox; logged)."""
+    build_timeout_s: float = 600.0
+    """`[environment].build_timeout_sec`: how long pulling or building the task's image may take."""
+    gpus: int = 0
+    """`[environment].gpus`; a task that needs any is refused where the sandbox has none."""
+    env: dict[str, str] = field(default_factory=dict)
+    """`[environment].env` (templates resolved from the host): set in every phase."""
+    solution_env: dict[str, str] = field(default_factory=dict)
+    """`[solution].env`: added for the oracle (solution/solve.sh)."""
+    agent_user: str | None = None
+    """`[agent].user` (name or uid) the agent and the oracle run as; None: the environment's default."""
+    verifier_user: str | None = None
+    """`[verifier].user` the verifier runs as; None: the environment's default."""
+    agent_network: str = "public"
+    """The agent's network, "public" | "none" (`network_mode` / `allow_internet`, gyre/tasks/harbor_fields.py)."""
+    agent_network_asked: bool = False
+    """The task named the agent's network mode itself (a site that allows none refuses it if public)."""
+    verifier_network: str = "public"
+    """The verifier's network, "public" | "none"."""
+    verifier_network_asked: bool = False
+    """The task named the verifier's network mode itself (shared verification cannot change it)."""
+    verification: str = "shared"
+    """`[verifier].environment_mode`: shared (in the agent's environment, after it) or separate (a fresh one)."""
 
     @property
     def image(self) -> str:

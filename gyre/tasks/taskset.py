@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 from typing import Protocol
 
+from gyre.tasks.config import TasksConfig
 from gyre.tasks.harbor import is_harbor_set, load_harbor_tasks
 from gyre.tasks.spec import Task, TaskSpecError, parse_task, read_specs, resolve_path
 
@@ -40,9 +41,9 @@ class TaskSet(TaskSource):
         self._by_id = {t.task_id: t for t in tasks}
 
     @classmethod
-    def load(cls, path: str | Path) -> "TaskSet":
+    def load(cls, path: str | Path, options: TasksConfig | None = None) -> "TaskSet":
         """Read and validate a directory of `*.json` specs, a JSONL file (`pkg:` paths allowed) or
-        a folder of Harbor task folders.
+        a folder of Harbor task folders (read with `options`' max_agent_timeout_s and clip_reward).
 
         Raises:
             TaskSpecError: a missing set, bad JSON or TOML, or a bad field (naming task and field).
@@ -53,7 +54,8 @@ class TaskSet(TaskSource):
                 str(path), "(path)", "no such task set (a directory of *.json, a .jsonl file or Harbor task folders)"
             )
         if is_harbor_set(p):
-            return cls(load_harbor_tasks(p), name=str(path))
+            opts = options or TasksConfig()
+            return cls(load_harbor_tasks(p, opts.max_agent_timeout_s, opts.clip_reward), name=str(path))
         base = p if p.is_dir() else p.parent
         return cls([parse_task(obj, where, base) for obj, where in read_specs(p)], name=str(path))
 

@@ -6,7 +6,8 @@ nothing about the policy, so the execution is excluded, never scored 0; a run th
 overall time budget without a valid reward is discarded.
 """
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import numpy as np
@@ -32,15 +33,18 @@ class Evaluation:
     outcome: str
     """One of OUTCOMES."""
     score: float | None = None
-    """Evaluator score in [0, 1] of the (final or preserved) workspace; None if there is none."""
+    """Evaluator score of the (final or preserved) workspace, usually in [0, 1] (a Harbor verifier may
+    write any finite number: advantages are normalised per group); None if there is none."""
     detail: str = ""
     """Free text for logs (the evaluator's error, ...)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Named numbers the evaluator reported beside the score (a Harbor reward.json's other keys)."""
 
     def __post_init__(self):
         if self.outcome not in OUTCOMES:
             raise ValueError(f"outcome {self.outcome!r} is not one of {', '.join(OUTCOMES)}")
-        if self.score is not None and not 0.0 <= self.score <= 1.0:
-            raise ValueError(f"score must be in [0, 1], got {self.score}")
+        if self.score is not None and not math.isfinite(self.score):
+            raise ValueError(f"score must be a finite number, got {self.score}")
 
 
 def reward_of(evaluation: Evaluation) -> tuple[float | None, str | None]:

@@ -1,6 +1,7 @@
 """A control-channel peer in its own process, for the transport contract test.
 
-    python control_peer.py ADDRESS echo [PEER_TIMEOUT_S]   send back every message until Leave
+    python control_peer.py ADDRESS echo [PEER_TIMEOUT_S]   send back every message until Leave; while
+                                             none comes, print "listened S s" every half second
 (each prints "connected" once its channel is up)
     python control_peer.py ADDRESS garbage   send undecodable bytes, a non-message, a forbidden global,
                                              then Heartbeat(<its pid>, 0), then wait to be killed
@@ -20,7 +21,15 @@ def main(address: str, mode: str, peer_timeout_s: float = 5.0) -> None:
     ch = connect(address, peer_timeout_s=peer_timeout_s)
     print("connected", flush=True)
     if mode == "echo":
-        while not isinstance(msg := ch.recv(), Leave):
+        t0 = time.monotonic()
+        while True:
+            try:
+                msg = ch.recv(timeout_s=0.5)
+            except ChannelTimeout:  # still no message, and the listener not silent for too long
+                print(f"listened {time.monotonic() - t0:.1f} s", flush=True)
+                continue
+            if isinstance(msg, Leave):
+                break
             ch.send(msg)
         ch.send(msg)
     elif mode == "garbage":

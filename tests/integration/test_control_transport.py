@@ -151,18 +151,24 @@ def test_connecting_to_a_closed_tcp_listener_is_channel_closed():
         connect("udp://x")
 
 
+def _listened_s(log: Path) -> float:
+    """How long an echo peer has listened without a message and without finding its listener silent."""
+    lines = [line for line in log.read_text().splitlines() if line.startswith("listened ")]
+    return float(lines[-1].split()[1]) if lines else 0.0
+
+
 def test_an_mpi_peer_the_listener_has_not_handed_out_yet_still_hears_it(peers, tmp_path):
     """MPI declares a silent peer dead after 5 s: the listener heartbeats every peer it accepted from
     the start, not only once `accept()` hands the channel out (a coordinator takes cells one by one).
     (A TCP peer's connect returns only in `accept()`: nothing to hear before.)"""
     pytest.importorskip("mpi4py")
     listener = listen("mpi", port_file=str(tmp_path / "control.port"))
-    peers(listener.address, "echo")
+    peer = peers(listener.address, "echo")
     deadline = time.monotonic() + 120
-    while "connected" not in (tmp_path / "peer0.log").read_text():
-        assert time.monotonic() < deadline, "the peer never connected"
+    while _listened_s(tmp_path / "peer0.log") <= 5:  # longer than the peer's silence timeout
+        assert peer.poll() is None, (tmp_path / "peer0.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the peer never listened past its silence timeout"
         time.sleep(0.1)
-    time.sleep(8)  # longer than the peer's silence timeout
     ch = listener.accept(timeout_s=60)
     assert ch.request(m.WeightVersion(3), timeout_s=30) == m.WeightVersion(3)
     ch.send(m.Leave("x"))

@@ -131,15 +131,18 @@ def test_pause_in_place_holds_requests_until_continue(server):
             await c.pause("in_place")
             before = (await c.loads())["loads"][0]
             late = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 2}))  # queued while paused
-            await asyncio.sleep(0.3)
-            still = (await c.loads())["loads"][0]
+            for _ in range(200):  # until the engine holds it (10 s at most)
+                if (still := (await c.loads())["loads"][0])["num_waiting_reqs"] == 1:
+                    break
+                await asyncio.sleep(0.05)
             await c.resume()
             return before, still, late.done(), await late
 
         return await _first_chunk_then(c, "held", pause_and_look, max_new=150)
 
     (before, still, late_done_while_paused, late), last = run(body, server.url)
-    assert before["num_running_reqs"] == 1 and still["num_running_reqs"] == 1 and not late_done_while_paused
+    assert before["num_running_reqs"] == 1 and not late_done_while_paused
+    assert (still["num_running_reqs"], still["num_waiting_reqs"]) == (1, 1)
     assert last["meta_info"]["finish_reason"]["type"] == "length" and last["meta_info"]["completion_tokens"] == 150
     assert late["meta_info"]["completion_tokens"] == 2
 

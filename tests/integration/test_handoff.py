@@ -92,10 +92,11 @@ def test_hand_off_moves_idle_and_streaming_sessions_with_their_kv_before_memory_
                 await decoding.wait()  # its whole prompt's KV is on e0
                 _op(proxy, "e1", "activate")
                 _op(proxy, "e0", "stop_admission")  # other streams from e1 during the hand-off
+                streaming = asyncio.Event()
                 other = asyncio.create_task(
-                    openai_call(s, proxy.url, keys["other"], _body("LONGOUT " + _context(3, 500), True))
+                    _stream(s, proxy, keys["other"], _body("LONGOUT " + _context(3, 500)), streaming)
                 )
-                await asyncio.sleep(0.5)
+                await streaming.wait()
                 out = await asyncio.to_thread(_op, proxy, "e0", "drain")
                 async with EngineClient(e0.url) as c:  # what the cell does next (gyre.cells.leader)
                     await c.release_memory()
@@ -109,7 +110,7 @@ def test_hand_off_moves_idle_and_streaming_sessions_with_their_kv_before_memory_
 
         out, (moving, other), again = asyncio.run(main())
         assert out["result"] == {"num_aborted": 1, "num_sessions": 2}
-        assert moving.strip() == other["message"]["content"] == LONG_OUT.strip()
+        assert moving.strip() == other.strip() == LONG_OUT.strip()
         assert again["message"]["content"] == "ok"
         first_idle, next_idle = read_records(tmp_path / "records" / "idle.jsonl")[0]
         context = first_idle.num_tokens - 1  # the last output token has no KV yet

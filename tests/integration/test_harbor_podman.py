@@ -1,7 +1,7 @@
 """SLOW: Harbor tasks with an image under harness.isolation=podman, on a local Debian image (no registry):
 the oracle check builds the task's Dockerfile and scores in it; the agent's container reaches the proxy
 and nothing else, never sees the tests, and its planted reward is ignored; a container past its budget
-is stopped and removed. (A 1-step gyre-train: test_harbor_tasks.py folds this set into its run.)"""
+is stopped and removed. (A 1-step gyre-train: test_harbor_bwrap.py folds this set into its run.)"""
 
 import dataclasses
 import http.server
@@ -16,8 +16,8 @@ import pytest
 from podman_fixtures import IMAGE_SET, ROOT, local_image
 
 from gyre.harness.config import HarnessConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.sandbox import Sandbox
-from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import TaskSet
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def task():
 
 def test_oracle_check_builds_the_image_and_scores_in_it(task):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "gyre.tasks.cli", "check", str(IMAGE_SET)]
+    cmd = [sys.executable, "-m", "gyre.launch.task_cli", "check", str(IMAGE_SET)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("hello-image\tok\tempty=0.0 reference=1.0"), done.stdout
@@ -50,7 +50,8 @@ for host, port in (("10.0.2.2", 80), ("1.1.1.1", 53)):
         seen.append("reached " + host)
     except OSError:
         seen.append("unreachable")
-seen += [str(os.path.exists(p)) for p in ("/tests", sys.argv[2] + "/tests", sys.argv[2] + "/solution")]
+hidden = ("/tests", sys.argv[2] + "/tests", sys.argv[2] + "/solution")
+seen += [str(os.path.exists(p) and bool(os.listdir(p))) for p in hidden]
 os.makedirs("/logs/verifier", exist_ok=True)
 open("/logs/verifier/reward.txt", "w").write("1")
 open("hello.txt", "w").write("goodbye")
@@ -71,7 +72,7 @@ class Pong(http.server.BaseHTTPRequestHandler):
 def _sandbox(task, tmp_path, command: str) -> Sandbox:
     proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Pong)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    cfg = HarnessConfig(kind="command", command=command, isolation="podman", grace_s=1)
+    cfg = HarnessConfig(kind="command", command=command, isolation="podman", grace_s=1, agent_network="none")
     url = f"http://127.0.0.1:{proxy.server_port}"
     sb = Sandbox(task, f"e-{tmp_path.name}", tmp_path / "sb", cfg, url, "key", "gyre")
     sb.prepare()
@@ -92,11 +93,12 @@ def test_agent_reaches_only_the_proxy_never_sees_the_tests_and_its_planted_rewar
     seen = (result.workspace / "seen.txt").read_text().splitlines()
     assert seen == ["/app", "pong", "unreachable", "unreachable", "False", "False", "False"]
     assert (result.workspace / "NOTES.md").read_text() == "The image put this file here.\n"  # the image's workdir
-    ev = evaluate(task, result.workspace, "finished")
+    ev = evaluate(task, result.workspace, "finished", sb.environment)  # in the agent's container: no planted reward
     assert (ev.outcome, ev.score) == ("finished", 0.0), ev
     (result.workspace / "hello.txt").write_text("hello\n")
-    assert evaluate(task, result.workspace, "finished").score == 1.0
-    assert _containers(sb.container) == ""
+    assert evaluate(task, result.workspace, "finished", sb.environment).score == 1.0
+    sb.close()
+    assert _containers(sb.environment.name) == ""
 
 
 def test_a_container_past_its_budget_is_stopped_and_removed(task, tmp_path):
@@ -104,6 +106,10 @@ def test_a_container_past_its_budget_is_stopped_and_removed(task, tmp_path):
     sb = _sandbox(short, tmp_path, "bash -c 'echo hello > hello.txt; trap \"\" TERM; sleep 60'")
     result = sb.wait()
     assert result.timed_out and result.duration_s < 20, result
-    assert _containers(sb.container) == ""
-    ev = evaluate(short, result.workspace, "timed_out")  # verified on its preserved workspace
+    ps = ["podman", "exec", sb.environment.name, "sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"]
+    left = subprocess.run(ps, capture_output=True, text=True).stdout
+    assert "sleep 60" not in left and "relay" not in left, left  # what it ran inside was killed at the budget
+    ev = evaluate(short, result.workspace, "timed_out", sb.environment)  # verified on its preserved workspace
     assert (ev.outcome, ev.score) == ("timed_out", 1.0), ev
+    sb.close()
+    assert _containers(sb.environment.name) == ""

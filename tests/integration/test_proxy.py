@@ -469,6 +469,10 @@ def test_no_engine_waits_then_overloaded(engines, tmp_path):
         proxy.stop()
 
 
+def _num_inflight(proxy) -> int:
+    return sum(e["num_inflight"] for e in http(proxy.url + "/admin/engines", token=proxy.admin_token)[1]["engines"])
+
+
 def test_sigkill_mid_stream_leaves_records_readable(engines, tmp_path):
     proxy = start_proxy(tmp_path, [engines[2].url])
     keys = [new_execution(proxy, f"k{i}") for i in range(4)]
@@ -480,7 +484,9 @@ def test_sigkill_mid_stream_leaves_records_readable(engines, tmp_path):
             while sum(p.stat().st_size for p in (tmp_path / "records").glob("*.jsonl")) == 0:  # some calls done
                 assert time.monotonic() < deadline and not any(t.done() for t in tasks)
                 await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)  # others are mid-stream now
+            while not await asyncio.to_thread(_num_inflight, proxy):  # others are mid-stream now
+                assert time.monotonic() < deadline and not all(t.done() for t in tasks)
+                await asyncio.sleep(0.01)
             proxy.kill()
             results = await asyncio.gather(*tasks, return_exceptions=True)
             assert all(isinstance(r, BaseException) for r in results)

@@ -71,7 +71,7 @@ def test_cancelled_job_is_reported_failed(tmp_path):
     job = executor.submit(time.sleep, 300)
     deadline = time.monotonic() + 60
     while job.state not in ("RUNNING",) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.2)
     assert job.state == "RUNNING"
     job.cancel()
     with pytest.raises(submitit.core.utils.UncompletedJobError):
@@ -129,7 +129,7 @@ def _finish_watching(proc: subprocess.Popen, run_dir: Path, timeout_s: float) ->
     while proc.poll() is None:
         assert time.monotonic() < deadline, f"the run did not end within {timeout_s} s"
         coordinator.check()
-        time.sleep(0.5)
+        time.sleep(0.2)
     return _finish(proc, timeout_s=10)
 
 

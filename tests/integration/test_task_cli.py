@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 from gyre.harness.agents import find_claude_code
-from gyre.tasks.cli import main
+from gyre.launch.task_cli import main
 
 
 def gyre_task(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gyre.tasks.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "gyre.launch.task_cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_check_and_list(tmp_path):

@@ -15,11 +15,11 @@ import pytest
 
 from gyre.harness import sandbox
 from gyre.harness.config import HarnessConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.sandbox import Sandbox, SandboxError, bwrap_available
-from gyre.tasks.evaluate import evaluate
+from gyre.harness.workspace import WorkspaceError, apply_reference, make_workspace, run_setup
 from gyre.tasks.spec import parse_task
 from gyre.tasks.taskset import toy_taskset
-from gyre.tasks.workspace import WorkspaceError, apply_reference, make_workspace, run_setup
 
 PYTEST_WS = {
     "calc.py": "def add(a, b):\n    return a - b\n",

@@ -10,12 +10,12 @@ from proxy_fixtures import new_execution, start_engine, start_proxy
 
 from gyre.harness import toy_agent
 from gyre.harness.config import HarnessConfig, ToyAgentConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.sandbox import Sandbox
+from gyre.launch.warmstart import reference_conversations, reference_transcript, render_call
 from gyre.models.tokenizer import ByteTokenizer
 from gyre.records.io import read_records
-from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import toy_taskset
-from gyre.tasks.warmstart import reference_conversations, reference_transcript, render_call
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.process import process_execution
 from gyre.trajectory.tree import build_call_tree

@@ -7,12 +7,11 @@ from pathlib import Path
 import torch
 
 import gyre.tasks
-from gyre.launch.warmstart import main
+from gyre.launch.warmstart import WarmStartConfig, main, reference_transcript, warm_start
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from gyre.tasks.taskset import TaskSet, toy_taskset
-from gyre.tasks.warmstart import WarmStartConfig, reference_transcript, warm_start
 
 
 def test_warm_start_writes_engine_weights_and_reuses_them(tmp_path):

@@ -6,8 +6,8 @@ import pytest
 
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount, make_contract_prefix
+from gyre.harness.evaluate import EvaluatorFailed, parse_reward
 from gyre.harness.sandbox import SandboxError, check_isolation, make_limits_prefix
-from gyre.tasks.evaluate import EvaluatorFailed, parse_reward
 from gyre.tasks.harbor import find_task_dirs, load_harbor_task
 from gyre.tasks.spec import TaskSpecError
 from gyre.tasks.taskset import TaskSet
@@ -53,7 +53,6 @@ BAD = [
     ("workdir-in-tests", {"toml": '[environment]\nworkdir = "/tests/x"'}, "environment.workdir"),
     ("workdir-hides-usr", {"toml": '[environment]\nworkdir = "/usr/src/app"'}, "environment.workdir"),
     ("name-with-space", {"name": "my task"}, "task_id"),
-    ("verifier-env-template", {"toml": '[verifier]\nenv = { KEY = "${HOST_KEY}" }'}, "verifier.env"),
     ("internet-not-bool", {"toml": '[environment]\nallow_internet = "no"'}, "environment.allow_internet"),
 ]
 
@@ -68,7 +67,7 @@ def test_bad_folder_names_folder_and_field(kwargs, field, tmp_path):
 
 
 GOOD = [
-    ("defaults", {}, dict(time_budget_s=600.0, timeout_s=600.0, workdir="/app", memory_mb=None, cpus=None)),
+    ("defaults", {}, dict(time_budget_s=4 * 3600.0, timeout_s=600.0, workdir="/app", memory_mb=None, cpus=None)),
     (
         "full",
         {
@@ -140,25 +139,22 @@ REWARDS = [
 ]
 REWARD_ERRORS = [
     ("missing", None, None, "no reward file"),
-    ("both", "1", '{"reward": 1}', "both reward files"),
     ("txt-garbage", "passed", None, "not one number"),
     ("txt-empty", "", None, "not one number"),
     ("txt-two-numbers", "1 0", None, "not one number"),
-    ("txt-nan", "nan", None, "must be a number"),
-    ("txt-above-one", "1.5", None, r"in \[0, 1\]"),
-    ("txt-negative", "-0.1", None, r"in \[0, 1\]"),
+    ("txt-nan", "nan", None, "must be a finite number"),
     ("json-garbage", None, "{reward: 1", "not JSON"),
-    ("json-list", None, "[1]", '"reward" key'),
+    ("json-list", None, "[1]", "must be an object"),
     ("json-empty", None, "{}", '"reward" key'),
     ("json-several-keys", None, '{"a": 0.1, "b": 0.2}', r"\['a', 'b'\]"),
-    ("json-string", None, '{"reward": "1"}', "must be a number"),
-    ("json-bool", None, '{"reward": true}', "must be a number"),
+    ("json-string", None, '{"reward": "1"}', "must be a finite number"),
+    ("json-bool", None, '{"reward": true}', "must be a finite number"),
 ]
 
 
 @pytest.mark.parametrize("txt,js,want", [pytest.param(t, j, w, id=i) for i, t, j, w in REWARDS])
 def test_reward_files(txt, js, want):
-    assert parse_reward(txt, js) == want
+    assert parse_reward(txt, js)[0] == want
 
 
 @pytest.mark.parametrize("txt,js,match", [pytest.param(t, j, m, id=i) for i, t, j, m in REWARD_ERRORS])
@@ -188,10 +184,11 @@ def test_isolation_refusals_name_task_and_key(tmp_path):
     cases += [(image, podman, True, False), (built, podman, True, False)]  # podman cannot run here
     cases += [(plain, HarnessConfig(isolation="none"), True, True), (plain, HarnessConfig(), False, True)]
     cases += [(plain, podman, False, True)]  # a task without an image still needs bubblewrap
-    cases += [(offline, HarnessConfig(), True, True), (offline, podman, True, True)]  # bubblewrap shares the network
     for task, cfg, bwrap_ok, podman_ok in cases:
         with pytest.raises(SandboxError, match=rf"^task '{task.task_id}': harness\.isolation"):
             check_isolation(task, cfg, bwrap_ok=bwrap_ok, podman_ok=podman_ok)
+    for cfg in (HarnessConfig(), podman):  # bubblewrap gives it a network namespace of its own
+        check_isolation(offline, cfg, bwrap_ok=True, podman_ok=True)
 
 
 def test_contract_prefix_layout():

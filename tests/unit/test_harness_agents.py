@@ -42,3 +42,23 @@ def test_codex_harness_runs_exec_against_the_proxy_as_its_provider(tmp_path, mon
     assert argv[:3] == [str(binary), "exec", "--skip-git-repo-check"] and "fix it" in argv
     assert any('base_url="http://127.0.0.1:9/v1"' in a and 'wire_api="responses"' in a for a in argv)
     assert env["GYRE_API_KEY"] == "k1" and env["CODEX_HOME"] == str(tmp_path / "home")
+
+
+def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_path):
+    """continuable: the toy agent's saved session and workspace, a task without a Harbor environment;
+    every other case says why it is re-run instead."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from gyre.harness.config import HarnessConfig
+    from gyre.harness.sandbox import continuable
+    from gyre.harness.toy_agent import SESSION_FILE
+
+    task, toy = SimpleNamespace(environment=None), HarnessConfig(kind="toy")
+    assert "no saved session" in continuable(task, toy, tmp_path)
+    (tmp_path / "workspace").mkdir()
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / SESSION_FILE).write_text("{}")
+    assert continuable(task, toy, tmp_path) is None
+    assert "outlive the job" in continuable(SimpleNamespace(environment=object()), toy, tmp_path)
+    assert "does not continue" in continuable(task, replace(toy, kind="claude_code"), tmp_path)

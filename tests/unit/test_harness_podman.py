@@ -42,35 +42,18 @@ def test_verifier_run_argv_has_the_task_limits_and_the_host_open_files_limit(tmp
     ]
 
 
-def test_verifier_of_a_task_without_internet_has_no_network(tmp_path):
-    task = harbor_task(tmp_path, "[environment]\nallow_internet = false")
-    assert "--network=none" in podman.make_run_argv(task, "img:1", "gyre-v1", [], {})
-    assert "--network=none" not in podman.make_run_argv(harbor_task(tmp_path, name="t2"), "img:1", "gyre-v1", [], {})
-
-
-def test_agent_argv_has_no_network_its_rlimits_and_runs_the_harness_under_the_relay(tmp_path):
+def test_agent_extras_are_the_relay_the_harness_python_and_its_rlimits(tmp_path):
     task = harbor_task(tmp_path)
-    cfg = HarnessConfig(max_processes=64, cpu_limit_s=30)
-    env = {"GYRE_API_KEY": "k", "PATH": os.environ["PATH"]}  # the host's own PATH stays outside
-    argv = podman.make_agent_argv(
-        cfg, task, "img:1", "gyre-e1", tmp_path / "ws", tmp_path / "h", tmp_path / "r", env, 8123
-    )
-    image = argv.index("img:1")
-    assert argv[image - 5 : image] == ["--network=none", "--ulimit", "nproc=64:64", "--ulimit", "cpu=30:30"]
-    assert f"nproc={podman.DEFAULT_NPROC}:{podman.DEFAULT_NPROC}" not in argv  # the harness's own limit only
-    assert argv[image + 1 :] == [
+    mounts, flags = podman.make_agent_extras(HarnessConfig(max_processes=64, cpu_limit_s=30), task, tmp_path / "r")
+    assert flags == ["--ulimit", "nproc=64:64", "--ulimit", "cpu=30:30"]
+    assert mounts[0] == Mount(tmp_path / "r", podman.RELAY_DIR)
+    assert all(not m.writable for m in mounts[1:]) and any(sys.base_prefix in str(m.source) for m in mounts[1:])
+    assert podman.make_relay_argv(8123) == [
         *(sys.executable, "-m", "gyre.harness.relay"),
         *("--listen", "tcp:127.0.0.1:8123", "--to", f"unix:{podman.RELAY_DIR}/proxy.sock", "--"),
     ]
-    volumes = [argv[i + 1] for i, a in enumerate(argv) if a == "--volume"]
-    assert volumes[:3] == [
-        f"{tmp_path / 'ws'}:/app:rw",
-        f"{tmp_path / 'h'}:{tmp_path / 'h'}:rw",
-        f"{tmp_path / 'r'}:/gyre/relay:rw",
-    ]
-    assert all(v.endswith(":ro") for v in volumes[3:]) and any(sys.base_prefix in v for v in volumes[3:])
-    envs = [argv[i + 1] for i, a in enumerate(argv) if a == "--env"]
-    assert "GYRE_API_KEY=k" in envs and not any(e.startswith("PATH=") for e in envs)
+    env = {"GYRE_API_KEY": "k", "PATH": os.environ["PATH"]}  # the host's own PATH stays outside
+    assert podman.container_env(env) == {"GYRE_API_KEY": "k"}
 
 
 def test_harness_mounts_are_minimal_and_refuse_a_system_python(monkeypatch):
@@ -145,8 +128,7 @@ def test_relay_carries_bytes_both_ways_and_a_half_close(tmp_path):
 
 def test_a_task_folder_inside_the_bound_gyre_tree_is_masked_from_the_agent(tmp_path):
     shipped = load_harbor_task(Path(__file__).parents[1] / "harbor_image_tasks" / "hello-image")
-    args = (HarnessConfig(), "img:1", "gyre-e1", tmp_path / "ws", tmp_path / "h", tmp_path / "r", {}, 8123)
-    argv = podman.make_agent_argv(args[0], shipped, *args[1:])
-    assert ["--tmpfs", f"{shipped.environment.task_dir}:notmpcopyup"] == argv[argv.index("--tmpfs") :][:2]
-    outside = podman.make_agent_argv(args[0], harbor_task(tmp_path), *args[1:])
+    _, flags = podman.make_agent_extras(HarnessConfig(), shipped, tmp_path / "r")
+    assert ["--tmpfs", f"{shipped.environment.task_dir}:notmpcopyup"] == flags[flags.index("--tmpfs") :][:2]
+    _, outside = podman.make_agent_extras(HarnessConfig(), harbor_task(tmp_path), tmp_path / "r")
     assert "--tmpfs" not in outside

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gyre.engines.client import EngineClient
-from gyre.proxy.render import Checkpoint, PromptIds, RenderResult
+from gyre.proxy.render import PromptIds, RenderCheckpoint, RenderResult
 
 pieces = st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=5), max_size=6)
 
@@ -19,10 +19,10 @@ def test_prompt_from_a_checkpoint_is_the_json_of_its_ids(first, cut, second, cut
     """Any pieces, resumed from any of their points with any further pieces, twice (a continuation
     and a branch, sharing one IdBuffer): ids and JSON agree, and no prompt's ids change later."""
     ids = PromptIds()
-    points = [Checkpoint(0, 0, 1, 0, 0, True)]  # after "[": one piece
+    points = [RenderCheckpoint(0, 0, 1, 0, 0, True)]  # after "[": one piece
     for p in first:
         ids.add(p)
-        points.append(Checkpoint(0, ids.num_ids, ids.num_json, 0, 0, True))
+        points.append(RenderCheckpoint(0, ids.num_ids, ids.num_json, 0, 0, True))
     arr, pieces = ids.finish()
     text = b"".join(pieces)
     assert json.loads(text) == arr.tolist() == [i for p in first for i in p] and arr.dtype == np.int32

@@ -221,20 +221,24 @@ def test_allocation_nodes_decide_the_cells_and_must_be_divided():
 
 def test_preemption_signal_reaches_the_coordinator_and_no_child():
     """USR2 sent to the process and its child (as Slurm signals a whole step): the event is set, the
-    child, started after install and through /bin/sh, lives on."""
+    child, started after install and through /bin/sh, lives on. Once the shell runs its sleep, the
+    group gets USR2 then TERM: a child that USR2 did not end dies of TERM (a signal that kills is
+    acted on at once, and pending signals are taken lowest first: USR2, 12, before TERM, 15)."""
     script = textwrap.dedent("""
         import os, signal, subprocess, sys, time
         from gyre.launch.preempt import PreemptionSignal
         pre = PreemptionSignal(signal.SIGUSR2).install()
         child = subprocess.Popen(["sh", "-c", "sleep 30; true"], start_new_session=True)
-        time.sleep(0.3)
+        children, deadline = f"/proc/{child.pid}/task/{child.pid}/children", time.monotonic() + 10
+        while not any(open(f"/proc/{pid}/comm").read() == "sleep\\n" for pid in open(children).read().split()):
+            assert time.monotonic() < deadline, "the shell never ran its sleep"
+            time.sleep(0.01)
         os.killpg(child.pid, signal.SIGUSR2)  # the shell and its sleep
         os.kill(os.getpid(), signal.SIGUSR2)
         assert pre.event.wait(5), "signal not seen"
-        time.sleep(0.3)
-        alive = child.poll() is None
-        os.killpg(child.pid, signal.SIGKILL)
-        print("alive" if alive else "child died")
+        os.killpg(child.pid, signal.SIGTERM)
+        code = child.wait(timeout=10)
+        print("alive" if code == -signal.SIGTERM else f"child died ({code})")
     """)
     out = subprocess.run(
         [sys.executable, "-c", script],

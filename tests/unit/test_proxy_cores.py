@@ -470,8 +470,9 @@ def test_sglang_calls_carry_the_version_the_engine_serves_not_the_last_answers()
         await c.generate([1])
         c.hold_calls()
         held = asyncio.create_task(c.generate([2]))
-        await asyncio.sleep(0.05)
-        waiting = not held.done()
+        for _ in range(10):  # every ready task runs to its next wait; no time passes
+            await asyncio.sleep(0)
+        waiting = not held.done() and len(sent) == 1
         c.serve_version(1)
         await held
         await c.generate([3])

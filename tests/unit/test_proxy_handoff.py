@@ -14,9 +14,11 @@ from gyre.proxy.pool import EnginePool
 
 
 class FakeEngine:
-    """What the pool calls on an engine client; exports wait for `gate`, imports may be refused."""
+    """What the pool calls on an engine client; exports wait for `gate` (counted in `num_held`),
+    imports may be refused."""
 
     gate: asyncio.Event | None = None
+    num_held: int = 0
     refuse: bool = False
     log: list = []
 
@@ -39,7 +41,9 @@ class FakeEngine:
         self.log.append(("abort", self.url, rid))
 
     async def export_kv(self, ids, extra_key=None):
+        FakeEngine.num_held += 1
         await FakeEngine.gate.wait()
+        FakeEngine.num_held -= 1
         return {"export_id": "x", "num_tokens": len(ids) // 16 * 16}
 
     async def import_kv(self, export, extra_key=None):
@@ -55,7 +59,32 @@ class FakeEngine:
 @pytest.fixture
 def fake_engines(monkeypatch):
     monkeypatch.setattr(pool_module, "EngineClient", FakeEngine)
-    FakeEngine.refuse, FakeEngine.log = False, []
+    FakeEngine.refuse, FakeEngine.log, FakeEngine.num_held = False, [], 0
+
+
+class FakeClock:
+    """The pool's time.monotonic, moved by the test: decode counters integrate exact seconds."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    """Let the pool's tasks run until `condition()` holds (bounded)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def _settle() -> None:
+    """Let every task that is ready run to its next wait (no time passes): what a wait the test
+    expects must still be waiting has had its chance to end."""
+    for _ in range(10):
+        await asyncio.sleep(0)
 
 
 async def _pool(**cfg) -> EnginePool:
@@ -80,15 +109,16 @@ def test_a_hand_off_returns_only_once_every_move_has_ended(fake_engines):
         pool.begin("call-0", await pool.acquire("y/main", frozenset()), "y/main")  # a call in flight on a
         await pool.activate("b")
         hand_off = asyncio.create_task(pool.hand_off("a"))
-        await asyncio.sleep(0.2)
+        await _until(lambda: ("abort", "http://a", "call-0") in FakeEngine.log and FakeEngine.num_held == 1)
+        await _settle()
         assert not hand_off.done()  # the idle session's export is held at the gate
-        assert ("abort", "http://a", "call-0") in FakeEngine.log
         next_call = asyncio.create_task(pool.acquire("x/main", frozenset()))
-        await asyncio.sleep(0.05)
+        await _settle()
         assert not next_call.done()  # the session's next call waits for its KV
         FakeEngine.gate.set()
-        await asyncio.sleep(0.1)
-        assert await next_call == "b" and not hand_off.done()  # the aborted call's KV has not left yet
+        assert await asyncio.wait_for(next_call, 2) == "b"
+        await _settle()
+        assert not hand_off.done()  # the aborted call's KV has not left yet
         pool.stop_streaming("call-0")
         pool.end("call-0")
         out = await asyncio.wait_for(hand_off, 2)
@@ -125,7 +155,7 @@ def test_a_returning_engine_takes_idle_sessions_with_their_kv(fake_engines):
             await _idle_session(pool, f"s{i}/main", 64)
         FakeEngine.gate.set()
         out = await pool.activate("b")
-        await asyncio.sleep(0.05)
+        await _until(lambda: pool.metrics.num_sessions_moved == out["num_sessions"])  # the moves ended
         return out, {e["engine_id"]: e["num_sessions"] for e in pool.describe()}, pool.metrics
 
     out, sessions, m = asyncio.run(main())
@@ -149,23 +179,26 @@ def test_idle_sessions_with_no_engine_to_go_to_are_counted_as_reprefill(fake_eng
     assert (m.kv_migrated_tokens, m.kv_reprefill_tokens) == (0, 192)  # 203 tokens, 16-token pages
 
 
-def test_the_pool_counts_each_engines_output_tokens_and_call_time(fake_engines):
+def test_the_pool_counts_each_engines_output_tokens_and_call_time(fake_engines, monkeypatch):
     """The decode counters the live Observation is measured from (gyre.scheduler.decode)."""
+    clock = FakeClock()
+    monkeypatch.setattr(pool_module, "time", clock)
 
     async def main():
         pool = await _pool()
         pool.begin("c0", "a", "x/main")
         pool.begin("c1", "a", "y/main")
-        await asyncio.sleep(0.2)
+        clock.now += 2.0
         pool.count_output("a", 7)
         pool.stop_streaming("c0")
+        clock.now += 1.0  # c1 alone
         pool.end("c1")  # ends streaming too
         pool.end("c0")
         before = pool.describe()[0]["busy_s"]
-        await asyncio.sleep(0.1)  # idle: no call time accrues
+        clock.now += 5.0  # idle: no call time accrues
         return before, {e["engine_id"]: e for e in pool.describe()}
 
     before, engines = asyncio.run(main())
     a, b = engines["a"], engines["b"]
     assert a["output_tokens"] == 7 and (b["output_tokens"], b["call_s"], b["busy_s"]) == (0, 0.0, 0.0)
-    assert a["busy_s"] == before >= 0.2 and a["call_s"] == pytest.approx(2 * a["busy_s"], rel=0.05)  # two calls
+    assert a["busy_s"] == before == 3.0 and a["call_s"] == 2 * 2.0 + 1.0  # two calls for 2 s, then one for 1 s

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from gyre.tasks.evaluate import EvaluatorFailed, evaluate, score_pytest_report
+from gyre.harness.evaluate import EvaluatorFailed, evaluate, score_pytest_report
+from gyre.harness.workspace import make_workspace
 from gyre.tasks.spec import parse_task
-from gyre.tasks.workspace import make_workspace
 
 NEEDS_CALC = "from calc import add\n\ndef test_add():\n    assert add(1, 1) == 2\n"
 PASSING = "def test_one():\n    assert True\n\ndef test_two():\n    assert True\n"

@@ -31,10 +31,16 @@ def test_rollout_to_train_phases_are_the_issue_s():
         Phase.STOP_ADMISSION,
         Phase.HAND_OFF_SESSIONS,
         Phase.RELEASE_ENGINE_MEMORY,
+        Phase.ONLOAD_TRAINER,
         Phase.PULL_WEIGHTS,
         Phase.JOIN_STEP,
     )
-    assert PHASES[Role.TO_ROLLOUT] == (Phase.FINISH_MICROSTEP, Phase.LOAD_WEIGHTS, Phase.ANNOUNCE_TO_PROXY)
+    assert PHASES[Role.TO_ROLLOUT] == (
+        Phase.FINISH_MICROSTEP,
+        Phase.OFFLOAD_TRAINER,
+        Phase.LOAD_WEIGHTS,
+        Phase.ANNOUNCE_TO_PROXY,
+    )
 
 
 @pytest.mark.parametrize(

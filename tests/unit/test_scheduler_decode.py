@@ -135,9 +135,8 @@ def _observations(running_ahead: int = 0):
         SimpleNamespace(state=Cell(2, 1, role=Role.TRAIN, since_s=-100.0), engine_ids=["e2"]),
     ]
     parts = SimpleNamespace(cells=cells, admin=_Admin(), decode=DecodeMeter(window_s=10.0))
-    train = SimpleNamespace(
-        version=0, queue=MicroStepQueue(groups_per_step=1, staleness=1), train_tok_s=2000.0, optimizing=False
-    )
+    train = MicroStepQueue(groups_per_step=1, staleness=1)  # the ready work (gyre.scheduler.observe.ReadyWork)
+    train.train_tok_s, train.optimizing = 2000.0, False
     source = SimpleNamespace(counts=lambda version: (0, 0, 16, running_ahead))
     cfg = SimpleNamespace(coordinator=SimpleNamespace(sessions_per_cell=32))
     out = []

@@ -102,6 +102,7 @@ _SATELLITE_SCRIPT = """
 import json, os, sys, threading, time, torch
 from dataclasses import replace
 from test_train_ranks import MODEL, CFG
+import gyre.train.ranks as ranks_module
 from gyre.train.ranks import CellRanks, follow
 from gyre.train.satellite import SatelliteCell
 from gyre.train.trainer import Trainer
@@ -111,11 +112,17 @@ def main(tp, address_file, out):
     torch.set_num_threads(1)
     tr = Trainer(MODEL, replace(CFG, tensor_parallel_size=int(tp)), seed=3)
     if torch.distributed.get_rank():
+        ping = ranks_module.OPS["ping"]
+        def ping_and_say(state):  # rank 0 waits for this file: its idle follower was pinged
+            open(out + ".pinged", "w").close()
+            ping(state)
+        ranks_module.OPS["ping"] = ping_and_say
         json.dump(follow(tr, "127.0.0.1"), open(out + ".rank1", "w"))  # its own endpoint's address
     else:
         lost = []  # rank 1 is not this process's child (as on Slurm): watched through its link
         ranks = CellRanks(tr, on_lost=lambda *why: lost.append(why), keepalive_s=0.1, link_host="127.0.0.1")
-        time.sleep(1.0)  # idle: rank 1 waits in a collective, pinged
+        while not os.path.exists(out + ".pinged"):  # idle: rank 1 waits in a collective, pinged
+            time.sleep(0.05)
         while not os.path.exists(address_file):
             time.sleep(0.05)
         sat = SatelliteCell(tr, TransferEndpoint(), open(address_file).read(), "cell1", ranks=ranks)
@@ -191,8 +198,10 @@ def test_a_follower_link_tells_a_dead_follower_from_a_live_one():
             link = FollowerLink(server.accept()[0])
             assert link.poll() is None  # alive: nothing to read, no EOF
             far_end_ends(far)
-            time.sleep(0.1)  # the FIN crosses loopback
-            assert link.poll() == "unknown (its link to rank 0 closed)"
+            deadline = time.monotonic() + 10
+            while (why := link.poll()) is None and time.monotonic() < deadline:  # the FIN crosses loopback
+                time.sleep(0.01)
+            assert why == "unknown (its link to rank 0 closed)"
             link.sock.close()
             far.close()
         # a stopped follower's link stays open (its kernel answers TCP): only its heartbeats stop

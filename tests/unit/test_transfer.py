@@ -83,28 +83,50 @@ def test_an_arena_buffer_is_reused_only_once_nothing_references_it():
 
 
 def test_an_endpoint_makes_one_transfer_at_a_time():
-    """Concurrent Mooncake TCP reads were 3-5x slower than the same reads in turn: callers queue."""
+    """Concurrent Mooncake TCP reads were 3-5x slower than the same reads in turn: callers queue.
+    The first transfer is held until the three other callers wait at the endpoint's transfer lock
+    (or, were they let through, are inside a transfer too)."""
     ep = TransferEndpoint()
     dst = [torch.zeros(16) for _ in range(4)]
     for t in dst:
         ep.register(t)
-    now, peak, lock = [0], [0], threading.Lock()
+    now, peak, lock, release = [0], [0], threading.Lock(), threading.Event()
+
+    class Queue:  # the endpoint's transfer lock, counting the callers waiting at it
+        def __init__(self, real: threading.Lock):
+            self.real, self.waiting = real, 0
+
+        def __enter__(self):
+            with lock:
+                self.waiting += 1
+            self.real.acquire()
+            with lock:
+                self.waiting -= 1
+
+        def __exit__(self, *exc):
+            self.real.release()
 
     class Engine:  # stands in for mooncake's TransferEngine: counts the transfers under way
         def transfer_sync_read(self, peer, local, remote, n):
             with lock:
                 now[0] += 1
                 peak[0] = max(peak[0], now[0])
-            time.sleep(0.02)
+            release.wait(30)
             with lock:
                 now[0] -= 1
             return 0
 
     real, ep._engine = ep._engine, Engine()
+    queue = ep._transfer_lock = Queue(ep._transfer_lock)
     try:
         threads = [threading.Thread(target=ep.read, args=("peer", 0, t)) for t in dst]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 30
+        while peak[0] == 0 or (peak[0] == 1 and queue.waiting < len(dst) - 1):
+            assert time.monotonic() < deadline, (queue.waiting, peak[0])
+            time.sleep(0.01)
+        release.set()
         for t in threads:
             t.join()
     finally:

@@ -1,12 +1,13 @@
 """Benchmark: control-message round trip over the TCP and the MPI transport, side by side.
 
-    PYTHONPATH=. python tools/bench/control.py [--repeats 2000] [--work-kib 64]
+    PYTHONPATH=. python tools/bench/control.py [--repeats 2000] [--work-kib 64] [--smoke]
 
 This process listens on each backend in turn; an echo peer (this script with --peer) connects,
 under `mpiexec -n 1` for MPI (two MPICH singletons cannot connect). Timed: `Channel.request` of a
 Heartbeat (a few hundred bytes pickled) and of a Work carrying a micro-batch of --work-kib KiB,
 median over --repeats; CPU seconds of this process from /proc alongside. Prints figures, then one
-JSON object on the last line.
+JSON object on the last line. --smoke (the test suite's run): both backends, 20 round trips of a
+4 KiB Work.
 """
 
 import argparse
@@ -95,7 +96,10 @@ def main() -> None:
     p.add_argument("--peer", help="(internal) run the echo peer against this address")
     p.add_argument("--repeats", type=int, default=2000)
     p.add_argument("--work-kib", type=int, default=64)
+    p.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     args = p.parse_args()
+    if args.smoke:
+        args.repeats, args.work_kib = 20, 4
     if args.peer:
         return peer(args.peer)
     with tempfile.TemporaryDirectory() as tmp:

@@ -14,6 +14,8 @@ With --long-context N,M,... it instead prefills one N-token prompt per fresh eng
 Usage: PYTHONPATH=. python tools/bench/engine.py [--new-tokens 64] [--prefix-tokens 2000] [--threads 1]
            [--model-path HF_DIR] [--concurrency 1,8,32]
        PYTHONPATH=. python tools/bench/engine.py --long-context 32768,131072
+       PYTHONPATH=. python tools/bench/engine.py --smoke   (the test suite's run: the default figures at
+           4 new tokens, concurrency 1 and 2, a 64-token prefix; not --long-context)
 """
 
 import argparse
@@ -138,7 +140,10 @@ def main() -> None:
         "--concurrency", default="1,8,32", type=lambda v: [int(n) for n in v.split(",")], help="comma-separated"
     )
     p.add_argument("--long-context", default="", help="comma-separated prompt lengths: measure long prefills instead")
+    p.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     args = p.parse_args()
+    if args.smoke:
+        args.new_tokens, args.prompt_tokens, args.prefix_tokens, args.concurrency = 4, 16, 64, [1, 2]
     if args.long_context:
         print(json.dumps(long_context([int(n) for n in args.long_context.split(",")], args.threads)))
         return

@@ -32,6 +32,7 @@ Targets (issue 28): kv_reprefill_tokens == 0; handoff_s <= 2 x transfer_floor_s 
 first_call_s_reprefill / first_call_s_migrated >= 5.
 
 Usage: PYTHONPATH=. python tools/bench/handoff.py [--configs 16x16384,4x131072] [--reprefill-max-tokens 16384]
+       [--smoke]   (the test suite's run: every step above for 2 sessions of 256 tokens, seconds)
 Last line: one JSON object: the first config's figures at top level, every config under "runs".
 """
 
@@ -291,7 +292,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="16x16384,4x131072", help="SESSIONSxTOKENS, comma-separated")
     p.add_argument("--reprefill-max-tokens", type=int, default=16384)
+    p.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     a = p.parse_args()
+    if a.smoke:
+        a.configs, a.reprefill_max_tokens = "2x256", 256
     runs = []
     for spec in a.configs.split(","):
         s, n = (int(x) for x in spec.split("x"))

@@ -1,7 +1,7 @@
 """Benchmark: a satellite cell's join time (weight pull + first micro-step) at 1, 2 and 4 ranks per
 cell, the same model each time, side by side in one run.
 
-    PYTHONPATH=. python tools/bench/join.py [--ranks 1 2 4] [--pulls 5] [--hidden 512] [--layers 4]
+    PYTHONPATH=. python tools/bench/join.py [--ranks 1 2 4] [--pulls 5] [--hidden 512] [--layers 4] [--smoke]
 
 For each rank count R this script starts a core cell and a satellite cell of R ranks each (tensor
 parallel R: each rank holds 1/R of the model, gyre/train/shard.py), both on this machine. The core
@@ -14,7 +14,8 @@ shards back. Timed on the satellite's rank 0:
           Pull request to every rank's shard in.
 Shards move in parallel, so with enough cores the pull does not grow with R; on a box with fewer
 cores than 2 R ranks they compete for CPU (the load is printed). Prints figures, then one JSON
-object on the last line.
+object on the last line. --smoke (the test suite's run): one rank per cell, a 64-wide one-layer
+model, two pulls.
 """
 
 import argparse
@@ -166,7 +167,10 @@ def main() -> None:
     parser.add_argument("--role", choices=["core", "satellite"], help=argparse.SUPPRESS)
     parser.add_argument("--core", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     args = parser.parse_args()
+    if args.smoke:
+        args.ranks, args.pulls, args.hidden, args.layers = [1], 2, 64, 1
     if args.role:
         args.ranks = args.ranks[0]
         (run_core if args.role == "core" else run_satellite)(args)

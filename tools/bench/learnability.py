@@ -7,6 +7,10 @@ real megatron-core trainer (`gyre.train.trainer.Trainer`). Side by side for each
 from the same warm start and the same task order.
 
     python tools/bench/learnability.py --model-dir DIR [--lrs 1e-4,1e-3] [--steps 8] [--warmup N]   # last line: JSON
+
+--smoke (the test suite's run): the random tiny model and the byte tokenizer instead of a warm
+start, one learning rate, 2 steps of one task sampled twice: sampling, scoring and advantages in
+seconds; the PPO step only runs for a group whose rewards differ, which a random model's never do.
 """
 
 import argparse
@@ -18,10 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gyre.launch.warmstart import reference_transcript, sample, score_turn
 from gyre.models.checkpoint import load_checkpoint
+from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import load_tokenizer
+from gyre.models.transformer import init_weights
 from gyre.tasks.taskset import toy_taskset
-from gyre.tasks.warmstart import reference_transcript, sample, score_turn
 from gyre.train.config import TrainerConfig
 from gyre.train.trainer import Trainer
 from gyre.trajectory.config import TrajectoryConfig
@@ -55,8 +61,11 @@ def make_batch(seqs: list[tuple[list[int], list[int], list[float], float, str]])
     )
 
 
-def run(model_dir: str, lr: float, steps: int, tasks_per_step: int, group: int, seed: int, warmup: int) -> list[float]:
-    cfg, weights = load_checkpoint(model_dir)
+def run(
+    model_dir: str | None, lr: float, steps: int, tasks_per_step: int, group: int, seed: int, warmup: int
+) -> list[float]:
+    """Mean reward per step; `model_dir` None: the random tiny model (--smoke)."""
+    cfg, weights = load_checkpoint(model_dir) if model_dir else (ModelConfig(), init_weights(ModelConfig(), seed))
     trainer = Trainer(cfg, TrainerConfig(lr=lr, lr_warmup_steps=warmup), seed=seed)
     trainer.load_engine_weights(weights)
     tok, ts, gen = load_tokenizer(model_dir, cfg.vocab_size), toy_taskset(), torch.Generator().manual_seed(seed)
@@ -90,14 +99,19 @@ def run(model_dir: str, lr: float, steps: int, tasks_per_step: int, group: int, 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model-dir", required=True)
+    p.add_argument("--model-dir", help="the warm start's model directory (required without --smoke)")
     p.add_argument("--lrs", default="1e-4,1e-3")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--tasks-per-step", type=int, default=4)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=0, help="trainer.lr_warmup_steps")
+    p.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     a = p.parse_args()
+    if a.smoke:
+        a.lrs, a.steps, a.tasks_per_step, a.group = "1e-4", 2, 1, 2
+    elif not a.model_dir:
+        p.error("--model-dir is required (or --smoke)")
     torch.set_num_threads(1)
     out = {}
     for lr in [float(x) for x in a.lrs.split(",")]:

@@ -14,6 +14,7 @@ Prints a table, then ONE JSON object on the last line:
   within_budget                    every kind's whole hot path (build + emit) <= budget_us
 
 Usage: PYTHONPATH=. python tools/bench/metrics.py [--events 20000] [--rounds 7] [--dir DIR]
+       [--smoke]   (the test suite's run: one round of 200 events per kind)
 """
 
 import argparse
@@ -71,7 +72,10 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=20000, help="events per round and kind")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--dir", default=None, help="run directory to write into (default: a temporary one)")
+    ap.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     args = ap.parse_args()
+    if args.smoke:
+        args.events, args.rounds = 200, 1
     out: dict[str, float | bool] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as run_dir:
         log = EventLog(run_dir)

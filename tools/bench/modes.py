@@ -17,6 +17,10 @@ uniform is not trained), so the live speedups are printed beside the simulated o
 (every mode on the first run's workload).
 
     PYTHONPATH=. python tools/bench/modes.py [--steps 10] [--modes elastic,async,async-tuned,colocate] [-- OVERRIDES...]
+
+--smoke (the test suite's run) is the simulator side alone, uncalibrated (every live run takes
+minutes): each mode predicted, async-tuned's pool from the oracle sweep, and the lower bound, on
+the default simulator config shrunk to 2 steps of 2 groups of 2; one JSON object.
 """
 
 import argparse
@@ -35,6 +39,7 @@ from gyre.sim.runner import baselines, run_modes
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("elastic", "async", "async-tuned", "colocate")
+SMOKE_SIM = ["num_steps=2", "profile.groups_per_step=2", "profile.group_size=2"]
 
 
 def run_mode(mode: str, scheduler: list[str], steps: int, seed: int, out: Path, overrides: list[str]) -> dict:
@@ -73,6 +78,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", default=None, help="run directories go here (default: a temporary directory)")
     p.add_argument("overrides", nargs="*", help="gyre-train overrides for every mode (after --)")
+    p.add_argument("--smoke", action="store_true", help="the simulator side alone, seconds (the test suite's run)")
     a = p.parse_args()
     a.modes = a.modes.split(",")
     unknown = [m for m in a.modes if m not in MODES]
@@ -140,10 +146,9 @@ REPORT_KEYS = (
 )
 
 
-def main() -> None:
-    a = parse_args()
-    modes = a.modes
-    results, live, own, sim, tuned = run_all(a)
+def predict_modes(sim, modes: list[str], tuned: int | None) -> tuple[dict, float]:
+    """Each mode's simulated seconds (async-tuned: async with `tuned` training cells) and the
+    tighter lower bound of the workload."""
     simulated = run_modes(sim)
     bound_s = tighter_bound_s(simulated)
     simulated = {r.mode: r.total_s for r in simulated}
@@ -151,6 +156,27 @@ def main() -> None:
     if tuned is not None:
         (r,) = run_modes(replace(sim, scheduler=replace(sim.scheduler, async_train_cells=tuned)), modes=["async"])
         predicted["async-tuned"] = r.total_s
+    return predicted, bound_s
+
+
+def smoke(modes: list[str]) -> None:
+    """The simulator side of the bench without live runs (see the module docstring)."""
+    sim = compose_sim(SMOKE_SIM, [m for m in modes if m != "async-tuned"])
+    tuned = oracle_train_cells(sim) if "async-tuned" in modes else None
+    predicted, bound_s = predict_modes(sim, modes, tuned)
+    for m, seconds in predicted.items():
+        print(f"  {m:<12} predicted {seconds:7.1f} s  / bound {seconds / bound_s:.3f}")
+    report = {"predicted_s": {m: round(x, 1) for m, x in predicted.items()}, "bound_s": round(bound_s, 1)}
+    print(json.dumps(report | {"async_tuned_train_cells": tuned}))
+
+
+def main() -> None:
+    a = parse_args()
+    modes = a.modes
+    if a.smoke:
+        return smoke(modes)
+    results, live, own, sim, tuned = run_all(a)
+    predicted, bound_s = predict_modes(sim, modes, tuned)
     own[modes[0]] = predicted[modes[0]]
 
     print_runs(results)

@@ -42,6 +42,8 @@ proxies), the proxy_* figures above, and with --compare-fsync-each the same figu
 
 Usage: PYTHONPATH=. python tools/bench/proxy.py [--sessions 64] [--calls 10] [--rounds 3]
            [--think-ms 0] [--fsync-window-ms 50] [--compare-fsync-each] [--pin]
+       PYTHONPATH=. python tools/bench/proxy.py --smoke   (the test suite's run: every path above, the
+           fsync-each proxy included, for 2 sessions of 2 calls in one round)
 """
 
 import argparse
@@ -270,10 +272,18 @@ def main() -> None:
     )
     ap.add_argument("--pin", action="store_true", help="engine on CPU 0, proxies and this client on the others")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="pad the conversation to about this many tokens")
+    ap.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     args = ap.parse_args()
+    if args.smoke:
+        args.sessions, args.calls, args.rounds, args.compare_fsync_each = 2, 2, 1, True
     if args.prompt_tokens:  # the byte tokenizer: one token per byte
         MESSAGES[0]["content"] = TASK * max(4, args.prompt_tokens // len(TASK))
     out = run(args)
+    print_report(out)
+    print(json.dumps(out))
+
+
+def print_report(out: dict) -> None:
     print(f"{'path':<22}{'p50 ms':>9}{'p99 ms':>9}")
     print(f"{'direct':<22}{out['direct_ms_p50']:>9.2f}{out['direct_ms_p99']:>9.2f}")
     for pre, name in [("", f"proxy (window {out['fsync_window_ms']:g} ms)"), ("each_", "proxy (fsync each)")]:
@@ -317,7 +327,6 @@ def main() -> None:
         "wait for a CPU per wake-up"
     )
     print(f"{out['records_per_s']:.1f} records/s; load average {out['loadavg_1m']:.1f} on {out['cpus']} CPUs")
-    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ Last line: one JSON object {"sizes": {"10000": {"cpu_ms_per_call", "floor_ms", "
 
 Usage: PYTHONPATH=. python tools/bench/proxy_context.py [--sizes 10000,100000,200000,1000000,2000000]
            [--calls 4] [--new-tokens 1000] [--no-bpe] [--workers 1,2,4] [--sessions 8]
+       PYTHONPATH=. python tools/bench/proxy_context.py --smoke   (the test suite's run: both tokenizers
+           at 10K tokens, one call of 100 new tokens, 2 workers for 2 sessions)
 """
 
 import argparse
@@ -145,7 +147,7 @@ def serve_instant_engine(output_ids: list[int], port_file: str) -> None:
         return web.json_response({"engine": "bench-instant", "weight_version": "0"})
 
     app = web.Application(client_max_size=1 << 30)
-    app.add_routes([web.post("/generate", generate), web.get("/model_info", info), web.get("/health", info)])
+    app.add_routes([web.post("/generate", generate), web.get("/get_model_info", info), web.get("/health", info)])
     serve_app(app, "127.0.0.1", 0, "instant-engine", port_file=port_file, access_log=False)
 
 
@@ -360,7 +362,7 @@ def run_tokenizer(tmp: Path, tok, tokenizer_path: str | None, text: str, args) -
     try:
         proxies = Proxies(proxy_config(tmp / type(tok).__name__, engine.url, tokenizer_path), 1)
         try:
-            idle = asyncio.run(idle_rate(proxies.pids))
+            idle = asyncio.run(idle_rate(proxies.pids, args.idle_s))
             for size in args.sizes:
                 sizes[size] = asyncio.run(measure_size(proxies, tok, text, bpt, size, args, idle))
                 print(
@@ -394,7 +396,12 @@ def main() -> None:
     ap.add_argument("--throughput-tokens", type=int, default=100_000)
     ap.add_argument("--serve-engine", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port-file", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--idle-s", type=float, default=2.0, help="how long the proxy's idle CPU is measured")
+    ap.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     args = ap.parse_args()
+    if args.smoke:
+        args.sizes, args.calls, args.new_tokens, args.workers, args.sessions = "10000", 1, 100, "2", 2
+        args.throughput_tokens, args.idle_s = 10_000, 0.2
     if args.serve_engine is not None:
         return serve_instant_engine(json.loads(args.serve_engine), args.port_file)
     args.sizes = [int(s) for s in args.sizes.split(",")]

@@ -3,6 +3,7 @@ Qwen3-shaped ~0.5B model (Qwen2.5-0.5B's sizes with Qwen3's q/k norm: 0.49B para
 random weights built from the config, as nothing can be downloaded here).
 
     PYTHONPATH=. python tools/bench/publish.py [--repeats 3] [--models tiny,qwen3_0_5b]
+    PYTHONPATH=. python tools/bench/publish.py --smoke   # the test suite's run: the tiny model, one load each
 
 Each publish is what the core does after a step (gyre.train.publish.WeightPublisher): snapshot the
 engine-named weights into a registered buffer (`publish_s`), then the engine loads them
@@ -126,7 +127,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     a = p.parse_args()
+    if a.smoke:
+        a.repeats, a.models = 1, "tiny"
     torch.set_num_threads(1)
     out = {}
     with tempfile.TemporaryDirectory(prefix="gyre-bench-publish-") as tmp:

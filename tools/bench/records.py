@@ -10,6 +10,7 @@ Prints a table, then ONE JSON object on the last line:
   write_tokens_per_s, read_tokens_per_s   logical tokens per second
 
 Usage: PYTHONPATH=. python tools/bench/records.py [--dir DIR] [--scale 1.0]
+       [--smoke]   (the test suite's run: every figure at 2% of the tokens)
 """
 
 import argparse
@@ -40,7 +41,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     args = ap.parse_args()
+    if args.smoke:
+        args.scale = 0.02
     records = make_claude_like(scale=args.scale, num_rewinds=1).records
     logical = sum(r.num_tokens for r in records)
     # input + output ids and the log-probs, 4 bytes each, base64 (4/3)

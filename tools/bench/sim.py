@@ -3,6 +3,7 @@
 Target: <= 30 s of CPU time per mode (the process's own, from /proc via time.process_time: the
 shared 2-core box's wall time depends on its other tenants). Prints one line per mode, then one
 JSON object on the last line. Run: PYTHONPATH=. python tools/bench/sim.py [--steps 48]
+[--smoke] (the test suite's run: every mode for 1 step of 2 groups of 4).
 """
 
 import argparse
@@ -22,13 +23,15 @@ TARGET_S = 30.0
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     args = parser.parse_args()
+    groups, group_size = (2, 4) if args.smoke else (64, 16)
     overrides = [
         "profile=nl2repo",
         "preset=qwen2t4_192n",
-        f"num_steps={args.steps}",
-        "profile.groups_per_step=64",
-        "profile.group_size=16",
+        f"num_steps={1 if args.smoke else args.steps}",
+        f"profile.groups_per_step={groups}",
+        f"profile.group_size={group_size}",
     ]
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         sim = validate(hydra.compose(config_name="sim", overrides=overrides), SimConfig)

@@ -5,7 +5,8 @@ gyre.sim.seed) and prints its ratio to its own bound (the tighter bound on its o
 target: <= 1.10 in every cell). Extra arguments are Hydra overrides applied to every cell, e.g.
 `scheduler.microstep_tokens=0` to see a default's share.
 
-Run: PYTHONPATH=. python tools/bench/sim_defaults.py [OVERRIDE ...]
+Run: PYTHONPATH=. python tools/bench/sim_defaults.py [--smoke] [OVERRIDE ...]
+(--smoke, the test suite's run: every cell for 1 step of 2 groups of 2).
 Last line: one JSON object {"cells": [...], "max_ratio_to_own_bound", "meets_target", ...}.
 """
 
@@ -25,10 +26,14 @@ from gyre.sim.seed import SEED_ROWS
 TARGET = 1.10
 PROFILES = ("nl2repo", "deepswe", "terminalbench")
 PRESETS = ("qwen122b_24n", "qwen122b_32n", "qwen2t4_192n")
+SMOKE = ["num_steps=1", "profile.groups_per_step=2", "profile.group_size=2"]
 
 
 def main() -> None:
     overrides = sys.argv[1:]
+    if "--smoke" in overrides:
+        overrides.remove("--smoke")
+        overrides += SMOKE
     steps = {row.profile: row.num_steps for row in SEED_ROWS}
     cells, c0 = [], time.process_time()
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

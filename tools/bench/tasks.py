@@ -3,6 +3,7 @@ Harbor task's image), evaluator time per toy task and of a Harbor verifier (bubb
 and the toy profile's duration distribution (tool calls drawn from the harness config's log-normal).
 
     python tools/bench/tasks.py [--runs N]      # last line: one JSON object
+    python tools/bench/tasks.py --smoke         # the test suite's run: one start per isolation, 200 draws
 
 Overhead is measured side by side in one run: the same trivial harness (`true`) started through
 Sandbox.prepare/start/wait with isolation none and bwrap, and for tests/harbor_tasks/hello-file
@@ -25,12 +26,12 @@ import uuid
 from pathlib import Path
 
 from gyre.harness.config import HarnessConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.podman import ensure_image, podman_available
 from gyre.harness.sandbox import Sandbox, bwrap_available, make_task_workspace
 from gyre.harness.toy_agent import ToolTime
-from gyre.tasks.evaluate import evaluate
+from gyre.harness.workspace import apply_reference, make_workspace
 from gyre.tasks.taskset import TaskSet, toy_taskset
-from gyre.tasks.workspace import apply_reference, make_workspace
 
 
 def children_cpu_s() -> float:
@@ -52,18 +53,20 @@ def start_cost(task, root: Path, isolation: str) -> tuple[float, float]:
     sb.prepare()
     sb.start()
     sb.wait(poll_interval_s=0.001)
-    return time.perf_counter() - t0, children_cpu_s() - cpu0
+    cost = time.perf_counter() - t0, children_cpu_s() - cpu0
+    sb.close()  # a Harbor task's environment (holder or container) outlives the harness until closed
+    return cost
 
 
 def toy_executions(ts, n: int, model_dir: str | None) -> dict:
     """Durations of `n` toy-agent executions run concurrently through one engine and proxy."""
     from gyre.engines.config import EngineConfig
     from gyre.engines.launch import BuiltinEngineProcess
+    from gyre.launch.task_cli import register_execution
     from gyre.models.config import ModelConfig
     from gyre.proxy.config import ProxyConfig
     from gyre.proxy.main import ProxyProcess
     from gyre.records.io import read_records
-    from gyre.tasks.cli import register_execution
 
     with tempfile.TemporaryDirectory(prefix="gyre-bench-toy-") as tmp:
         engine = BuiltinEngineProcess(EngineConfig(model_path=model_dir, startup_timeout_s=300), ModelConfig())
@@ -167,7 +170,10 @@ def main() -> None:
     p.add_argument("--draws", type=int, default=20000, help="tool-duration draws for the toy profile")
     p.add_argument("--executions", type=int, default=0, help="also run this many toy executions (engine + proxy)")
     p.add_argument("--model-dir", default=None, help="engine weights for --executions (default: random tiny)")
+    p.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     a = p.parse_args()
+    if a.smoke:
+        a.runs, a.draws = 1, 200
     ts = toy_taskset()
     task = ts.tasks[0]
     out: dict = {}

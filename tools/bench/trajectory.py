@@ -14,7 +14,8 @@ Prints a table, then ONE JSON object on the last line:
   input_tokens   summed input length of all calls (what the records describe)
 Targets on the 2-core dev machine: seconds <= 2, peak_mb <= 1024, ratio_2x <= 2.2.
 
-Usage: PYTHONPATH=. python tools/bench/trajectory.py [--repeats 5] [--max-paths 5] [--rewinds 1]
+Usage: PYTHONPATH=. python tools/bench/trajectory.py [--repeats 5] [--max-paths 5] [--rewinds 1] [--scale 1.0]
+       [--smoke]   (the test suite's run: every figure once, at 2% of the tokens)
 """
 
 import argparse
@@ -64,21 +65,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-paths", type=int, default=5)
     ap.add_argument("--rewinds", type=int, default=1)
+    ap.add_argument("--scale", type=float, default=1.0, help="tokens per call, relative to the default execution")
+    ap.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     args = ap.parse_args()
+    if args.smoke:
+        args.repeats, args.scale = 1, 0.02
     config = TrajectoryConfig(max_paths=args.max_paths)
-    ex1 = make_claude_like(num_rewinds=args.rewinds)
+    ex1 = make_claude_like(scale=args.scale, num_rewinds=args.rewinds)
     result, batch = run_once(ex1.records, config)
     seconds = timed(ex1.records, config, args.repeats)
     del ex1
-    ex2 = make_claude_like(scale=2.0, num_rewinds=args.rewinds)
+    ex2 = make_claude_like(scale=2 * args.scale, num_rewinds=args.rewinds)
     seconds_2x = timed(ex2.records, config, args.repeats)
     input_tokens_2x = sum(r.input_ids.size for r in ex2.records)
     del ex2
-    ex1 = make_claude_like(num_rewinds=args.rewinds)
+    ex1 = make_claude_like(scale=args.scale, num_rewinds=args.rewinds)
     input_tokens = sum(r.input_ids.size for r in ex1.records)
     num_calls = len(ex1.records)
     del ex1
-    peak = peak_mb(1.0, args.rewinds, config)
+    peak = peak_mb(args.scale, args.rewinds, config)
     c = result.counts
     out = {
         "seconds": round(seconds, 4),

@@ -1,12 +1,15 @@
 """Benchmark: core -> satellite weight pull over Mooncake vs the raw transfer engine, and the phases
 of a rollout->train and a train->rollout switch for the tiny model (weights to a real builtin engine).
 
-    PYTHONPATH=. python tools/bench/transfer.py [--hidden 1024 --layers 3 --vocab 16384 --repeats 3]
+    PYTHONPATH=. python tools/bench/transfer.py [--hidden 1024 --layers 3 --vocab 16384 --repeats 5] [--smoke]
 
 This process is the core cell; it starts one satellite process (this script with --satellite).
 The pull is `SatelliteCell.pull_latest` (one `transfer_sync_read` into the parameters' flat buffer);
 "raw" is `TransferEngine.transfer_sync_read` of the same bytes into a separate registered buffer,
 in the same run. Prints figures, then one JSON object on the last line.
+
+With --smoke (the test suite's run, tests/integration/test_bench_smoke.py): a 64-wide one-layer model
+and one pull, so every phase above runs in seconds; its figures mean nothing.
 """
 
 import argparse
@@ -15,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -66,7 +70,8 @@ def satellite(args) -> None:
         cell.pull_latest()
         pulls.append(cell.pull_seconds[-1])
         t0 = time.perf_counter()
-        rc = endpoint._engine.transfer_sync_read(cell._core_session, raw_buf.data_ptr(), cell._weights_addr, nbytes)
+        session, weights_addr, _ = cell.ranks.state.peer  # the core rank's Mooncake session and weights
+        rc = endpoint._engine.transfer_sync_read(session, raw_buf.data_ptr(), weights_addr, nbytes)
         raws.append(time.perf_counter() - t0)
         assert rc == 0, f"raw read returned {rc}"
     assert torch.equal(raw_buf, big.flat.weights)
@@ -106,14 +111,79 @@ def _step(server, batches) -> dict:
     return server.run_step()
 
 
-def core(args) -> dict:
+def _start_satellite(args, servers) -> tuple[subprocess.Popen, str]:
+    """The satellite process (its stderr in out_dir/satellite.log, shown if it fails)."""
+    cmd = [sys.executable, __file__, "--satellite", "--big-core", servers[0].address, "--tiny-core", servers[1].address]
+    cmd += ["--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab)]
+    cmd += ["--repeats", str(args.repeats)]
+    log = os.path.join(args.out_dir, "satellite.log")
+    with open(log, "w") as err:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env), log
+
+
+def _tail(log: str) -> str:
+    with open(log) as f:
+        return f.read()[-3000:]
+
+
+def _step_with(sat: subprocess.Popen, log: str, server, batches) -> tuple[dict, float]:
+    """One step whose micro-step the satellite computes: (its result, its seconds). A satellite
+    that fails first fails the run with its log: the core would wait for that work forever."""
+    out: dict = {}
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            out["result"] = _step(server, batches)
+        except BaseException as e:  # re-raised in the caller's thread
+            out["error"] = e
+        out["seconds"] = time.perf_counter() - t0
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(timeout=0.2)
+        if worker.is_alive() and sat.poll() not in (None, 0):  # 0: it did its part and left
+            raise RuntimeError(f"the satellite failed ({sat.returncode}) during the step:\n{_tail(log)}")
+    if "error" in out:
+        raise out["error"]
+    return out["result"], out["seconds"]
+
+
+def _switch_to_rollout(args, engine, server, tiny) -> dict:
+    """train -> rollout: the core's new weights leave for the engines (engine names, on disk here)."""
     from gyre.engines.client import EngineClient
-    from gyre.engines.config import EngineConfig
-    from gyre.engines.launch import BuiltinEngineProcess
     from gyre.engines.weights import load_weights
     from gyre.models.checkpoint import save_checkpoint
-    from gyre.train.elastic import CoreServer
     from gyre.train.publish import WeightPublisher
+
+    t0 = time.perf_counter()
+    named = tiny.engine_weights()
+    convert_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    save_checkpoint(os.path.join(args.out_dir, "tiny_weights"), TINY, named)
+    publish_s = time.perf_counter() - t0
+
+    async def push():
+        async with EngineClient(engine.url, timeout_s=120) as client:
+            t0 = time.perf_counter()
+            await load_weights(client, WeightPublisher(server, "mooncake", TINY, "", "127.0.0.1").publish())
+            return time.perf_counter() - t0, (await client.model_info())["weight_version"]
+
+    push_s, version = asyncio.run(push())
+    assert version == tiny.step, version
+    return {
+        "switch_to_rollout/convert_s": convert_s,
+        "switch_to_rollout/publish_disk_s": publish_s,
+        "switch_to_rollout/push_to_engine_mooncake_s": push_s,
+    }
+
+
+def core(args) -> dict:
+    from gyre.engines.config import EngineConfig
+    from gyre.engines.launch import BuiltinEngineProcess
+    from gyre.train.elastic import CoreServer
     from gyre.train.trainer import Trainer
     from gyre.transfer import TransferEndpoint
 
@@ -121,66 +191,25 @@ def core(args) -> dict:
     endpoint = TransferEndpoint()
     big, tiny = Trainer(_big(args), _CFG), Trainer(TINY, _CFG)
     servers = CoreServer(big, endpoint), CoreServer(tiny, endpoint)
-    cmd = [
-        sys.executable,
-        __file__,
-        "--satellite",
-        "--big-core",
-        servers[0].address,
-        "--tiny-core",
-        servers[1].address,
-        "--hidden",
-        str(args.hidden),
-        "--layers",
-        str(args.layers),
-        "--vocab",
-        str(args.vocab),
-        "--repeats",
-        str(args.repeats),
-    ]
-    sat = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
+    sat, log = _start_satellite(args, servers)
     engine = BuiltinEngineProcess(EngineConfig(startup_timeout_s=300), TINY)
     try:
         engine.start()
-        res = {}
-        t = threading.Thread(target=lambda: res.update(_step(servers[0], [_batch(big.model_cfg, 0)])))
-        t.start(), t.join()
-        assert sat.stdout.readline().strip() == "tiny-joined"
-        t0 = time.perf_counter()
-        res_tiny = _step(servers[1], [_batch(TINY, 1)])
-        step_total = time.perf_counter() - t0
+        _step_with(sat, log, servers[0], [_batch(big.model_cfg, 0)])
+        assert sat.stdout.readline().strip() == "tiny-joined", _tail(log)
+        res_tiny, step_s = _step_with(sat, log, servers[1], [_batch(TINY, 1)])
         report = json.loads(sat.stdout.readline())
-        # train -> rollout: the core's new weights leave for the engines (engine names, on disk here).
-        t0 = time.perf_counter()
-        named = tiny.engine_weights()
-        convert_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        save_checkpoint(os.path.join(args.out_dir, "tiny_weights"), TINY, named)
-        publish_s = time.perf_counter() - t0
-
-        async def push():
-            async with EngineClient(engine.url, timeout_s=120) as client:
-                t0 = time.perf_counter()
-                await load_weights(client, WeightPublisher(servers[1], "mooncake", TINY, "", "127.0.0.1").publish())
-                return time.perf_counter() - t0, (await client.model_info())["weight_version"]
-
-        push_s, version = asyncio.run(push())
-        assert version == tiny.step, version
+        report |= _switch_to_rollout(args, engine, servers[1], tiny)
     finally:
         engine.stop()
         for s in servers:
             s.close()
-        sat.wait(timeout=60)
-    report |= {
-        "switch_to_train/step_with_one_satellite_s": step_total,
-        "switch_to_rollout/convert_s": convert_s,
-        "switch_to_rollout/publish_disk_s": publish_s,
-        "switch_to_rollout/push_to_engine_mooncake_s": push_s,
-        "tiny_grad_norm": res_tiny["grad_norm"],
-    }
-    return report
+        try:
+            sat.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            sat.kill()
+            sat.wait()
+    return report | {"switch_to_train/step_with_one_satellite_s": step_s, "tiny_grad_norm": res_tiny["grad_norm"]}
 
 
 def main() -> None:
@@ -191,12 +220,17 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--vocab", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out-dir", default="/tmp/gyre-bench-transfer")
+    p.add_argument("--out-dir", default=None, help="satellite log and weights (default: a temporary directory)")
+    p.add_argument("--smoke", action="store_true", help="smallest sizes, seconds (the test suite's run)")
     args = p.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.vocab, args.repeats = 64, 1, 256, 1
     if args.satellite:
         return satellite(args)
-    os.makedirs(args.out_dir, exist_ok=True)
-    r = core(args)
+    with tempfile.TemporaryDirectory(prefix="gyre-bench-transfer-") as tmp:
+        args.out_dir = args.out_dir or tmp
+        os.makedirs(args.out_dir, exist_ok=True)
+        r = core(args)
     gb = r["bytes"] / 1e9
     pull_gbps, raw_gbps = gb / min(r["pull_s"]), gb / min(r["raw_s"])
     print(f"weights: {r['bytes'] / 2**20:.1f} MiB fp32")

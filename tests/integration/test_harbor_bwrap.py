@@ -14,9 +14,9 @@ from podman_fixtures import IMAGE_SET, local_image
 
 from gyre.coordinator.ledger import read_ledger
 from gyre.harness.config import HarnessConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.podman import podman_available
 from gyre.harness.sandbox import Sandbox, SandboxError, bwrap_available
-from gyre.tasks.evaluate import evaluate
 from gyre.tasks.harbor import find_task_dirs
 from gyre.tasks.taskset import TaskSet
 
@@ -28,7 +28,12 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gyre.tasks.cli", *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "gyre.launch.task_cli", *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -48,7 +53,11 @@ def test_oracle_check_passes_the_shipped_set_and_fails_a_task_whose_image_cannot
     (img / "instruction.md").write_text("anything")
     (img / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
     done = _cli("check", str(tmp_path))
-    why = "podman pull localhost/gyre-no-such-image:0 failed" if podman_available() else "harness.isolation=podman"
+    why = (
+        "its image cannot be had: podman pull localhost/gyre-no-such-image:0"
+        if podman_available()
+        else "harness.isolation=podman"
+    )
     assert done.returncode == 1 and f"needs-image\tFAIL\ttask 'needs-image': {why}" in done.stdout, done.stdout
 
 
@@ -75,12 +84,14 @@ def test_agent_never_sees_the_tests_and_a_planted_reward_is_ignored(tmp_path):
     seen = (result.workspace / "seen.txt").read_text()
     assert result.exit_code == 0 and sb.isolated, result.log_path.read_text()
     assert seen.splitlines()[0] == "/app" and "planted" in seen
-    assert seen.count("No such file or directory") == 3, seen  # /tests, the folder's tests/ and solution/
+    assert seen.count("No such file or directory") == 2, seen  # the folder's tests/ and solution/
+    assert seen.splitlines()[3] == "planted", seen  # /tests is empty until the verifier's turn
     assert (result.workspace / "NOTES.md").is_file()  # started from environment/'s files
     cgroup = f"gyre-sandbox-{sb.execution_id}"  # [environment].cpus = 1: the sandbox's own CPU quota
     assert (cgroup in seen) == os.access("/sys/fs/cgroup/cpu", os.W_OK), seen
+    ev = evaluate(task, result.workspace, "finished", sb.environment)  # shared: the reward it planted is gone
+    sb.close()  # the environment and its CPU quota end together
     assert not Path("/sys/fs/cgroup/cpu", cgroup).exists() and not Path("/sys/fs/cgroup", cgroup).exists()
-    ev = evaluate(task, result.workspace, "finished")
     assert (ev.outcome, ev.score) == ("finished", 0.0), ev
     (result.workspace / "hello.txt").write_text("hello\n")
     assert evaluate(task, result.workspace, "finished").score == 1.0
@@ -88,10 +99,11 @@ def test_agent_never_sees_the_tests_and_a_planted_reward_is_ignored(tmp_path):
 
 def test_timed_out_run_is_verified_on_its_preserved_workspace(tmp_path):
     task = dataclasses.replace(TaskSet.load(SET).get("hello-file"), time_budget_s=1.0)
-    _, result = _run(task, tmp_path, sleep_s=60)
+    sb, result = _run(task, tmp_path, sleep_s=60)
     assert result.timed_out and result.duration_s < 10
     (result.workspace / "hello.txt").write_text("hello")
-    ev = evaluate(task, result.workspace, "timed_out")
+    ev = evaluate(task, result.workspace, "timed_out", sb.environment)
+    sb.close()
     assert (ev.outcome, ev.score) == ("timed_out", 1.0), ev
 
 

@@ -25,17 +25,17 @@ from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
 from gyre.errors import GyreError
 from gyre.harness.config import ISOLATIONS, KINDS, HarnessConfig
+from gyre.harness.evaluate import evaluate
 from gyre.harness.podman import podman_available
 from gyre.harness.sandbox import Sandbox, bwrap_available, check_isolation, make_task_workspace
+from gyre.harness.workspace import apply_reference
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.tokenizer import has_bpe_tokenizer
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.main import ProxyProcess
 from gyre.records.io import has_records
-from gyre.tasks.evaluate import evaluate
 from gyre.tasks.taskset import TOY_TASKSET, TaskSet
-from gyre.tasks.workspace import apply_reference
 from gyre.trajectory.rewards import Evaluation, reward_of, unscored_reason
 
 CHECK_ATTEMPTS = 3
@@ -110,22 +110,24 @@ def cmd_run(args) -> int:
         sb.prepare()
         sb.start()
         result = sb.wait()
+        report = run_report(sb.task, result, records, sb.environment)
     finally:
+        sb.close()
         for p in procs:
             p.stop()
     print(result.log_path.read_text(errors="replace")[-2000:], file=sys.stderr)
-    print(json.dumps(run_report(task, result, records) | {"isolated": sb.isolated, "execution_id": args.execution_id}))
+    print(json.dumps(report | {"isolated": sb.isolated, "execution_id": args.execution_id}))
     return 0
 
 
-def run_report(task, result, records: str) -> dict:
+def run_report(task, result, records: str, environment=None) -> dict:
     """The outcome of one ended harness run by the coordinator's rule: excluded unscored when it made no
     model call (`unscored_reason`), else its workspace's evaluation."""
     reason = unscored_reason(result.exit_code, has_records(records))
     if reason is not None:
         ev = Evaluation("timed_out" if result.timed_out else "finished")
     else:
-        ev = evaluate(task, result.workspace, "timed_out" if result.timed_out else "finished")
+        ev = evaluate(task, result.workspace, "timed_out" if result.timed_out else "finished", environment)
         reason = reward_of(ev)[1]
     return {
         "outcome": "excluded" if reason else ev.outcome,
@@ -137,6 +139,7 @@ def run_report(task, result, records: str) -> dict:
         "exit_code": result.exit_code,
         "timed_out": result.timed_out,
         "detail": ev.detail,
+        "metrics": ev.metrics,
     }
 
 
@@ -146,10 +149,10 @@ def cmd_list(args) -> int:
     return 0
 
 
-def evaluate_retrying(task, ws: Path) -> tuple[Evaluation, int]:
+def evaluate_retrying(task, ws: Path, environment=None) -> tuple[Evaluation, int]:
     """The first evaluation that is not an evaluator error (else the last of CHECK_ATTEMPTS), and how many ran."""
     for runs in range(1, CHECK_ATTEMPTS + 1):  # noqa: B007 - `runs` is returned: how many evaluations ran
-        ev = evaluate(task, ws, "finished")
+        ev = evaluate(task, ws, "finished", environment)
         if ev.outcome != "evaluator_error":
             break
     return ev, runs
@@ -159,17 +162,21 @@ def check_task(task, root: Path) -> tuple[bool, str, float]:
     """(ok, line, evaluator seconds) for one task: an untouched workspace scores < 1, and the
     reference (a Harbor task's solution/solve.sh in its sandbox) applied to a fresh one scores 1;
     an evaluator that keeps failing on either, or a reference that cannot run, is a FAIL."""
+    env = None
     try:
         if task.environment is not None:
             check_isolation(task, HarnessConfig(isolation="podman"), bwrap_available(), podman_available())
         untouched = make_task_workspace(task, root / task.task_id / "untouched")
         solved = make_task_workspace(task, root / task.task_id / "reference")
-        apply_reference(task, solved)
+        env = apply_reference(task, solved)
+        start = time.monotonic()
+        before, runs_before = evaluate_retrying(task, untouched)
+        after, runs_after = evaluate_retrying(task, solved, env)
     except GyreError as e:
         return False, f"{task.task_id}\tFAIL\t{e}", 0.0
-    start = time.monotonic()
-    before, runs_before = evaluate_retrying(task, untouched)
-    after, runs_after = evaluate_retrying(task, solved)
+    finally:
+        if env is not None:
+            env.close()
     seconds = (time.monotonic() - start) / (runs_before + runs_after)
     errors = runs_before + runs_after - sum(e.outcome != "evaluator_error" for e in (before, after))
     ok = after.outcome == before.outcome == "finished" and after.score == 1.0 and before.score != 1.0

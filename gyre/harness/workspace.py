@@ -1,16 +1,17 @@
 """Fresh workspace copies from a task's source, and reference solutions applied to them (filesystem edge)."""
 
+import logging
 import os
 import shutil
 import subprocess
 import tarfile
-import tempfile
 from pathlib import Path
 
 from gyre.errors import GyreError
-from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
-from gyre.harness.podman import ensure_image, make_run_argv, remove
+from gyre.harness.environment import BaseTaskEnv, open_environment
 from gyre.tasks.spec import Task, WorkspaceSource
+
+log = logging.getLogger(__name__)
 
 
 class WorkspaceError(GyreError):
@@ -76,8 +77,9 @@ def run_setup(task: Task, workspace: Path, timeout_s: float = 600.0) -> None:
         )
 
 
-def apply_reference(task: Task, workspace: Path, timeout_s: float = 600.0) -> None:
-    """Put the task's reference solution into the workspace.
+def apply_reference(task: Task, workspace: Path, timeout_s: float = 600.0) -> BaseTaskEnv | None:
+    """Put the task's reference solution into the workspace; a Harbor task's oracle runs in an
+    environment returned for its verifier (evaluate(..., environment=it); the caller closes it).
 
     Raises:
         WorkspaceError: the task has no reference, or its command failed.
@@ -86,52 +88,50 @@ def apply_reference(task: Task, workspace: Path, timeout_s: float = 600.0) -> No
         raise WorkspaceError(f"task {task.task_id!r} has no reference solution")
     if "files" in task.reference:
         _write_files(workspace, task.reference["files"])
-        return
+        return None
     if "solve_sh" in task.reference:
-        run_solve_sh(task, workspace)
-        return
+        return run_solve_sh(task, workspace)
     done = subprocess.run(
         task.reference["command"], shell=True, cwd=workspace, capture_output=True, text=True, timeout=timeout_s
     )
     if done.returncode != 0:
         raise WorkspaceError(f"task {task.task_id!r}: reference command exited {done.returncode}: {done.stderr[-500:]}")
+    return None
 
 
-def run_solve_sh(task: Task, workspace: Path) -> None:
-    """Harbor's oracle: `bash /solution/solve.sh` from the workdir, in the agent's sandbox layout
-    (bubblewrap, or the task's image with podman) with a copy of solution/ at /solution, under the
-    agent's time budget.
+def run_solve_sh(task: Task, workspace: Path) -> BaseTaskEnv:
+    """Harbor's oracle: `bash /solution/solve.sh` from the workdir, in the task's environment (as the
+    agent would run: its network, `[agent].user`, `[environment].env` and `[solution].env`) with a copy
+    of solution/ at /solution, under the agent's time budget. Its exit status is logged, not judged:
+    the verifier decides, as in Harbor (its oracle agent, src/harbor/agents/oracle.py, raises nothing
+    on a failing solve.sh). Returns the environment, left for the verifier.
 
     Raises:
-        WorkspaceError: it failed, ran past the budget, or its sandbox could not start.
+        WorkspaceError: its environment could not start (naming the task).
     """
     contract = task.environment
-    with tempfile.TemporaryDirectory(prefix="gyre-oracle-") as tmp:
-        solution, home = Path(tmp, "solution"), Path(tmp, "home")
-        shutil.copytree(Path(task.reference["solve_sh"]).parent, solution, symlinks=True)
-        home.mkdir()
-        mounts = [Mount(workspace, contract.workdir), Mount(solution, "/solution")]
-        name = f"gyre-oracle-{Path(tmp).name}"
-        try:
-            if contract.image:
-                argv = make_run_argv(task, ensure_image(task), name, mounts, {})
-            else:
-                mounts.append(Mount(home, str(home)))
-                argv = make_contract_prefix(list_host_root(), mounts, contract.workdir, hide=[contract.task_dir])
-            done = subprocess.run(
-                [*argv, "bash", "/solution/solve.sh"],
-                capture_output=True,
-                text=True,
-                timeout=task.time_budget_s,
-                env={**os.environ, "HOME": str(home)},
+    network = contract.agent_network
+    try:
+        env = open_environment(task, workspace, network)
+    except GyreError as e:
+        raise WorkspaceError(f"task {task.task_id!r}: the oracle's environment: {e}") from e
+    env.put(Path(task.reference["solve_sh"]).parent, "/solution")
+    host_env = {**os.environ, "HOME": str(env.home)} if env.backend == "bwrap" else None
+    argv = env.enter(["bash", "/solution/solve.sh"], {**contract.env, **contract.solution_env}, contract.agent_user)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=task.time_budget_s, env=host_env)
+        log.info("task %s: solution/solve.sh exited %d", task.task_id, done.returncode)
+        if done.returncode != 0:
+            log.warning(
+                "task %s: solution/solve.sh exited %d (the verifier decides): %s",
+                task.task_id,
+                done.returncode,
+                (done.stdout + done.stderr)[-300:],
             )
-        except subprocess.TimeoutExpired:
-            if contract.image:
-                remove(name)
-            raise WorkspaceError(f"task {task.task_id!r}: solution/solve.sh ran past {task.time_budget_s} s") from None
-        except OSError as e:
-            raise WorkspaceError(f"task {task.task_id!r}: cannot start the sandbox of solve.sh: {e}") from e
-    if done.returncode != 0:
-        raise WorkspaceError(
-            f"task {task.task_id!r}: solution/solve.sh exited {done.returncode}: {(done.stdout + done.stderr)[-500:]}"
-        )
+    except subprocess.TimeoutExpired:
+        log.warning("task %s: solution/solve.sh ran past %g s (the verifier decides)", task.task_id, task.time_budget_s)
+        env.kill_all()
+    except OSError as e:
+        env.close()
+        raise WorkspaceError(f"task {task.task_id!r}: cannot start solve.sh: {e}") from e
+    return env

@@ -9,19 +9,19 @@ prints garbage or finds its own files gone, is `evaluator_error` (`budget_exhaus
 stopped at its time budget; either way the execution is excluded, never scored 0). A file the
 harness should have written and did not is a real 0.
 
-Harbor verifier: after the agent ends, a fresh copy of the task's tests/ at /tests, an empty
-/logs/verifier, the workspace at the workdir; `bash /tests/test.sh` runs there (bubblewrap,
-gyre/harness/contract.py; a task with an image: in it, with podman, gyre/harness/podman.py) under
-`[verifier].timeout_sec`, its exit status ignored as Harbor does.
-The reward is /logs/verifier/reward.txt (one number) or reward.json: its "reward" key, or its only
-value if it has one key; several keys without "reward" are refused (no weighting is guessed).
-No reward file, both files, garbage, a reward outside [0, 1] or a timeout: evaluator_error.
+Harbor verifier: after the agent ends, in the agent's own environment (Harbor's shared mode,
+gyre/harness/environment.py: what the agent installed, wrote outside the workdir or left running is
+there) or, with `[verifier].environment_mode = "separate"`, in a fresh one with only the workspace:
+a fresh copy of the task's tests/ at /tests, an emptied /logs/verifier; `bash /tests/test.sh` runs
+in the workdir under `[verifier].timeout_sec`, its exit status ignored as Harbor does.
+The reward is read as Harbor reads it (`parse_reward`): reward.txt first, else reward.json's
+"reward" (or only) key; reward.json's other numbers become the evaluation's named metrics; any
+finite number is kept. No reward file, garbage or a timeout: evaluator_error.
 """
 
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
-from gyre.harness.podman import PodmanError, ensure_image, make_run_argv, remove
+from gyre.harness.environment import BaseTaskEnv, TaskEnvError, open_environment
+from gyre.harness.podman import PodmanError
 from gyre.tasks.spec import EvaluatorSpec, Task
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation
 
@@ -181,75 +181,102 @@ def _score_json(spec: EvaluatorSpec, workspace: Path) -> tuple[float, str]:
     return parse_json_score(done.stdout), ""
 
 
-def parse_reward(txt: str | None, json_text: str | None) -> float:
-    """The reward from the texts of reward.txt and reward.json (None: no such file).
+def _reward_number(value, where: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise EvaluatorFailed(f"{where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def parse_reward(txt: str | None, json_text: str | None) -> tuple[float, dict[str, float]]:
+    """(the reward, the other named numbers) from the texts of reward.txt and reward.json (None: no file).
+
+    As Harbor reads them (harbor src/harbor/verifier/verifier.py, reward_parser.py: "reward.txt >
+    reward.json"): reward.txt, when there, is the reward; else reward.json's "reward" key, or its only
+    key (Harbor's metrics, src/harbor/metrics/mean.py, take a one-key dict's value). reward.json's
+    other numeric keys are kept as named metrics either way. Any finite number is kept, in [0, 1] or not.
 
     Raises:
-        EvaluatorFailed: neither or both files, garbage, several keys without "reward", or a
-            reward that is not a finite number in [0, 1].
+        EvaluatorFailed: no file, garbage, or a reward.json alone with several keys and no "reward".
     """
-    if (txt is None) == (json_text is None):
-        raise EvaluatorFailed("the verifier wrote " + ("no reward file" if txt is None else "both reward files"))
+    obj = None
+    if json_text is not None:
+        try:
+            obj = json.loads(json_text)
+        except json.JSONDecodeError:
+            if txt is None:
+                raise EvaluatorFailed(f"reward.json is not JSON: {json_text[:200]!r}") from None
+        if obj is not None and not isinstance(obj, dict):
+            raise EvaluatorFailed(f"reward.json must be an object of names to numbers, got {type(obj).__name__}")
+    metrics = {
+        k: float(v)
+        for k, v in (obj or {}).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
     if txt is not None:
         try:
             value = float(txt.strip())
         except ValueError:
             raise EvaluatorFailed(f"reward.txt is not one number: {txt[:200]!r}") from None
-    else:
-        try:
-            obj = json.loads(json_text)
-        except json.JSONDecodeError:
-            raise EvaluatorFailed(f"reward.json is not JSON: {json_text[:200]!r}") from None
-        if not isinstance(obj, dict) or not obj or ("reward" not in obj and len(obj) > 1):
-            keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise EvaluatorFailed(f'reward.json needs a "reward" key or exactly one key, got {keys}')
-        value = obj["reward"] if "reward" in obj else next(iter(obj.values()))
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise EvaluatorFailed(f"the reward must be a number, got {value!r}")
-    if not 0.0 <= value <= 1.0:
-        raise EvaluatorFailed(f"the reward must be in [0, 1], got {value}")
-    return float(value)
+        return _reward_number(value, "reward.txt"), metrics
+    if obj is None:
+        raise EvaluatorFailed("the verifier wrote no reward file (/logs/verifier/reward.txt or reward.json)")
+    if "reward" not in obj and len(obj) != 1:
+        raise EvaluatorFailed(f'reward.json needs a "reward" key or exactly one key, got {sorted(obj)}')
+    key = "reward" if "reward" in obj else next(iter(obj))
+    value = _reward_number(obj[key], f"reward.json's {key!r}")
+    metrics.pop(key, None)
+    return value, metrics
 
 
-def score_harbor(task: Task, workspace: Path) -> tuple[float, str]:
-    """Run the task's verifier on `workspace` as Harbor's contract says (see the module docstring)."""
-    contract = task.environment
-    with tempfile.TemporaryDirectory(prefix="gyre-verifier-") as tmp:
-        tests, logs, home = Path(tmp, "tests"), Path(tmp, "logs"), Path(tmp, "home")
-        shutil.copytree(Path(contract.task_dir, "tests"), tests, symlinks=True)
-        (logs / "verifier").mkdir(parents=True)
-        home.mkdir()
-        mounts = [Mount(workspace, contract.workdir), Mount(tests, "/tests"), Mount(logs, "/logs")]
-        if contract.image:  # the task's own image (podman.py); HOME is the image's
-            name = f"gyre-verifier-{Path(tmp).name}"
-            try:
-                argv = make_run_argv(task, ensure_image(task), name, mounts, task.evaluator.env)
-                done = run_command([*argv, "bash", "/tests/test.sh"], workspace, task.evaluator.timeout_s)
-            except PodmanError as e:
-                raise EvaluatorFailed(str(e)) from None
-            except EvaluatorFailed:
-                remove(name)  # its podman client was killed at the timeout, the container was not
-                raise
-        else:
-            mounts.append(Mount(home, str(home)))
-            argv = make_contract_prefix(list_host_root(), mounts, contract.workdir) + ["bash", "/tests/test.sh"]
-            done = run_command(argv, workspace, task.evaluator.timeout_s, {**task.evaluator.env, "HOME": str(home)})
-        try:
-            score = parse_reward(
-                _read_optional(logs / "verifier/reward.txt"), _read_optional(logs / "verifier/reward.json")
-            )
-        except EvaluatorFailed as e:
-            raise EvaluatorFailed(
-                f"{e} (test.sh exited {done.exit_code}: {(done.stdout + done.stderr)[-300:]})"
-            ) from None
-    return score, f"reward {score:g} (test.sh exited {done.exit_code})"
+def verify_in(env: BaseTaskEnv, task: Task) -> tuple[float, str, dict[str, float]]:
+    """Run the verifier in `env` (its task's workdir): a fresh /tests, an empty /logs/verifier, then
+    `bash /tests/test.sh` as `[verifier].user` with `[environment].env` and `[verifier].env`, its exit
+    status logged, not scored (Harbor). Past its timeout, what it started inside is killed."""
+    contract = env.task.environment
+    env.clear_verifier_logs()
+    env.put(Path(contract.task_dir, "tests"), "/tests")
+    variables = {**contract.env, **task.evaluator.env}
+    host_env = {"HOME": str(env.home)} if env.backend == "bwrap" else {}
+    argv = env.enter(["bash", "/tests/test.sh"], variables, contract.verifier_user)
+    try:
+        done = run_command(argv, env.workspace, task.evaluator.timeout_s, host_env)
+    except EvaluatorFailed:
+        env.kill_all()
+        raise
+    logs = env.verifier_logs
+    try:
+        score, metrics = parse_reward(_read_optional(logs / "reward.txt"), _read_optional(logs / "reward.json"))
+    except EvaluatorFailed as e:
+        tail = (done.stdout + done.stderr)[-300:]
+        raise EvaluatorFailed(f"{e} (test.sh exited {done.exit_code}: {tail})") from None
+    detail = f"reward {score:g} (test.sh exited {done.exit_code})"
+    if task.evaluator.clip_reward and not 0.0 <= score <= 1.0:
+        score, detail = min(1.0, max(0.0, score)), f"{detail}, clipped to {min(1.0, max(0.0, score)):g}"
+    return score, detail, metrics
+
+
+def score_harbor(task: Task, workspace: Path, shared: BaseTaskEnv | None = None) -> tuple[float, str, dict]:
+    """Verify `workspace` as Harbor's contract says: in `shared`, the agent's own environment, when the
+    task verifies in shared mode (Harbor's default) and one is given; else in a fresh environment made
+    for the verifier alone (separate mode, or a workspace no agent ran in), ended afterwards."""
+    if shared is not None and task.environment.verification == "shared":
+        return verify_in(shared, task)
+    try:
+        env = open_environment(task, workspace, task.environment.verifier_network)
+    except (PodmanError, TaskEnvError) as e:
+        raise EvaluatorFailed(str(e)) from None
+    try:
+        return verify_in(env, task)
+    finally:
+        env.close()
 
 
 SCORERS = {"pytest": _score_pytest, "json_score": _score_json, "files": score_files}
 
 
-def evaluate(task: Task, workspace: Path, outcome: str) -> Evaluation:
-    """Score `workspace` for `task` after the harness ended with `outcome` (finished / timed_out).
+def evaluate(task: Task, workspace: Path, outcome: str, environment: BaseTaskEnv | None = None) -> Evaluation:
+    """Score `workspace` for `task` after the harness ended with `outcome` (finished / timed_out);
+    a Harbor task in `environment`, the one its agent ran in (Sandbox.environment; its owner ends it).
 
     Never raises for evaluator trouble: that is an `evaluator_error` Evaluation with the reason
     in `detail` (and the seconds the evaluator took), or `budget_exhausted` when the harness was
@@ -266,11 +293,12 @@ def evaluate(task: Task, workspace: Path, outcome: str) -> Evaluation:
     try:
         if not workspace.is_dir():
             raise EvaluatorFailed(f"workspace {workspace} is missing")
+        metrics = {}
         if task.evaluator.kind == "harbor":
-            score, detail = score_harbor(task, workspace)
+            score, detail, metrics = score_harbor(task, workspace, environment)
         else:
             score, detail = SCORERS[task.evaluator.kind](task.evaluator, workspace)
     except (EvaluatorFailed, OSError, UnicodeError) as e:
         failed = "budget_exhausted" if outcome == "timed_out" else "evaluator_error"
         return Evaluation(failed, None, f"{e} ({time.monotonic() - start:.2f} s)")
-    return Evaluation(outcome, score, f"{detail} ({time.monotonic() - start:.2f} s)".lstrip())
+    return Evaluation(outcome, score, f"{detail} ({time.monotonic() - start:.2f} s)".lstrip(), metrics)

@@ -1,0 +1,3 @@
+#!/bin/bash
+echo ok > a.txt
+echo ok > b.txt
