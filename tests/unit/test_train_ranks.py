@@ -112,11 +112,10 @@ def main(tp, address_file, out):
     torch.set_num_threads(1)
     tr = Trainer(MODEL, replace(CFG, tensor_parallel_size=int(tp)), seed=3)
     if torch.distributed.get_rank():
-        ping = ranks_module.OPS["ping"]
-        def ping_and_say(state):  # rank 0 waits for this file: its idle follower was pinged
-            open(out + ".pinged", "w").close()
-            ping(state)
-        ranks_module.OPS["ping"] = ping_and_say
+        # rank 0 waits for this file: its idle follower was pinged. `ping` stays the same function
+        # (rank ops are announced and checked by identity), with a body that says it ran
+        ranks_module.PINGED = out + ".pinged"
+        ranks_module.ping.__code__ = (lambda state: open(PINGED, "w").close()).__code__
         json.dump(follow(tr, "127.0.0.1"), open(out + ".rank1", "w"))  # its own endpoint's address
     else:
         lost = []  # rank 1 is not this process's child (as on Slurm): watched through its link
@@ -316,7 +315,7 @@ def test_a_stopped_rank_is_found_within_the_hang_timeout(tmp_path, stopped):
     """A rank stopped with SIGSTOP neither exits nor closes its link (its kernel still answers TCP):
     its heartbeats stop. A stopped follower is declared lost by rank 0 (the cell is lost), and the
     followers of a stopped rank 0 exit, each within `rank_hang_timeout_s`."""
-    hang_s, out = 2.0, tmp_path / "lost.json"
+    hang_s, out = 5.0, tmp_path / "lost.json"  # far over a loaded box's scheduling delays
     args = [str(tmp_path), str(hang_s), str(out)]
     rank0 = subprocess.Popen(
         [sys.executable, "-c", _HUNG_SCRIPT, *args], cwd=ROOT, env=two_rank_env(), stdout=subprocess.PIPE, text=True
