@@ -122,8 +122,8 @@ class Claim:
 
 @message
 class Work:
-    """Micro-step `index` of the step at weight `version`: each rank writes its gradient shard to
-    slot `slot` of its core peer.
+    """Micro-step `index` of the step at weight `version`, for data-parallel replica `replica`:
+    each of its ranks writes its gradient shard to row `slot` of its core peer's slots.
 
     The gradient is computed with normaliser 1: the core divides the folded sum by the step's
     total loss weight, which is known only once the step's batches have all arrived.
@@ -133,6 +133,7 @@ class Work:
     version: int
     slot: int
     batch: PackedBatch
+    replica: int = 0
 
 
 @message

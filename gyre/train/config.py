@@ -46,12 +46,21 @@ class TrainerConfig:
     core_computes_microsteps: bool = True
     """The core cell computes micro-steps too; False leaves them to satellites (core only sums and steps)."""
     num_grad_slots: int = 4
-    """Gradient buffers on the core that satellites write into (each the size of the weights)."""
+    """Gradient buffers on each core rank that micro-steps are written into (each the size of the
+    rank's shard), the slots of its data-parallel replica: K slots per replica let K x replicas
+    micro-steps be in flight at once, at K shards of memory per rank."""
     claim_timeout_s: float = 0.0
     """A satellite holding a micro-step longer than this is presumed hung: the micro-step is redone
     elsewhere and the satellite gets no more work. 0 = wait as long as its connection is alive."""
     claim_poll_s: float = 0.005
     """How long an idle satellite waits before asking the core for work again."""
+    collective_timeout_s: float = 1800.0
+    """A collective of the cell's process group that waits longer raises (torch.distributed's
+    timeout): a rank hung inside one ends the cell. Must exceed the longest micro-step (a replica
+    without a job waits in a collective while another computes); idle ranks are pinged well within it."""
+    rank_hang_timeout_s: float = 60.0
+    """A follower rank whose heartbeat rank 0 has not heard for this long (stopped, e.g. SIGSTOP,
+    or hung) is taken for dead, and its cell is lost as for a rank that exited. 0 = only exits count."""
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based): linear warm-up, then constant.
@@ -82,3 +91,9 @@ class TrainerConfig:
         require(self.num_grad_slots >= 1, "num_grad_slots", f"must be >= 1, got {self.num_grad_slots}")
         require(self.claim_timeout_s >= 0, "claim_timeout_s", f"must be >= 0 (0 disables), got {self.claim_timeout_s}")
         require(self.claim_poll_s > 0, "claim_poll_s", f"must be > 0, got {self.claim_poll_s}")
+        require(self.collective_timeout_s > 0, "collective_timeout_s", f"must be > 0, got {self.collective_timeout_s}")
+        require(
+            self.rank_hang_timeout_s >= 0,
+            "rank_hang_timeout_s",
+            f"must be >= 0 (0 disables), got {self.rank_hang_timeout_s}",
+        )

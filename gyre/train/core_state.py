@@ -1,12 +1,15 @@
 """The core's state for one optimizer step: the one step ledger, a record per micro-batch.
 
-    add_micro_batch ─> MicroBatch(ready) ─claim─> held by a cell (a gradient slot) ─complete─> done
+    add_micro_batch ─> MicroBatch(ready) ─claim─> held by a cell (a replica's slot) ─complete─> done
          └─ handed back (the cell left, died or timed out): ready again, first in line, counted redone
     done, in index order ─> folded into the sum (its slot freed) ─> every one folded ─> one optimizer step
 
 `CoreState` owns the step, the gradient slots and who reads the weights, under one condition
 variable; the step's driver (gyre.train.elastic.CoreServer) and the satellites' door
-(gyre.train.core_door.SatelliteDoor) change them only through its methods. Callers of the methods
+(gyre.train.core_door.SatelliteDoor) change them only through its methods. Slots are per
+data-parallel replica: (replica, row) is row `row` of the slot buffer of that replica's core ranks
+(gyre/train/shard.py), so micro-steps in flight grow with the replicas that compute while each
+core rank holds `num_grad_slots` rows of its shard, whatever the cell's size. Callers of the methods
 marked "lock held" hold `cond`; every other method takes it.
 """
 
@@ -35,11 +38,12 @@ class MicroBatch:
     """The cell computing it now (None: ready, or done)."""
     claimed_s: float = 0.0
     slot: int | None = None
-    """The gradient slot its result goes to, until folded."""
+    """The row of its replica's gradient slots its result goes to, until folded (None: not held,
+    or computed by the core straight into the sum)."""
     done_by: str | None = None
     """The cell whose result was accepted."""
     replica: int = 0
-    """The data-parallel replica whose ranks hold its gradient."""
+    """The data-parallel replica whose ranks compute it and hold its gradient (its slot's)."""
     stats: dict = field(default_factory=dict)
     timing: tuple[float, float, int] = (0.0, 0.0, 0)
     """(seconds computing, unix time it ended, rank of the cell that computed it)."""
@@ -62,6 +66,10 @@ class OpenStep:
     folded: int = 0
     redone: int = 0
     """Claims given back by cells that left, died or timed out before finishing."""
+    in_flight: int = 0
+    """Claims held now."""
+    peak_in_flight: int = 0
+    """The most claims held at once this step."""
     running: bool = False
     aborted: bool = False
 
@@ -77,6 +85,8 @@ class OpenStep:
             return None
         mb = self.batches[index]
         mb.holder, mb.claimed_s = cell, now
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return mb
 
     def complete(self, mb: MicroBatch, cell: str) -> bool:
@@ -84,6 +94,7 @@ class OpenStep:
         if mb.holder != cell:
             return False
         mb.holder, mb.done_by = None, cell
+        self.in_flight -= 1
         return True
 
     def release(self, cell: str) -> list[MicroBatch]:
@@ -93,6 +104,7 @@ class OpenStep:
             mb.holder = None
             self.ready.appendleft(mb.index)
         self.redone += len(lost)
+        self.in_flight -= len(lost)
         return lost
 
     def overdue(self, now: float, timeout_s: float) -> set[str]:
@@ -120,16 +132,20 @@ class CoreState:
     """The open step, the gradient slots and the weights' readers, under one condition variable.
 
     Args:
-        num_slots: gradient slots (one per claim in flight; `num_grad_slots`).
+        num_slots: gradient slots per data-parallel replica (`num_grad_slots`): one per claim in flight.
         version: the weight version the core holds now.
+        num_replicas: the cell layout's data-parallel replicas (the core's, and every satellite's).
     """
 
-    def __init__(self, num_slots: int, version: int):
+    def __init__(self, num_slots: int, version: int, num_replicas: int = 1):
         self.cond = threading.Condition()
         self.version = version
+        self.num_replicas = num_replicas
         self.step: OpenStep | None = None
-        self.free = deque(range(num_slots))
-        self.quarantine: dict[str, list[int]] = {}
+        self.free: deque[tuple[int, int]] = deque((d, row) for row in range(num_slots) for d in range(num_replicas))
+        """Free (replica, row) slots; a freed one goes to the back (a late write of a dead cell
+        never lands in a slot reused at once)."""
+        self.quarantine: dict[str, list[tuple[int, int]]] = {}
         """Slots a cell presumed hung may still write: freed once its channel closes."""
         self.readers: Counter = Counter()
         """Who is copying the weights now (cells pulling, "publish"): no optimizer step meanwhile."""
@@ -149,15 +165,15 @@ class CoreState:
             return self.version
 
     def grant(self, cell: str) -> object:
-        """What a satellite's Claim gets: Work with a slot, Wait, or Evicted."""
+        """What a satellite's Claim gets: Work with a slot on one of its replicas that holds no
+        claim yet (each replica computes one micro-step at a time), Wait, or Evicted."""
         with self.cond:
-            step = self.step
             if cell in self.evicted:
                 return m.Evicted()
-            if step is None or not self.free or (mb := step.claim(cell, time.monotonic())) is None:
+            held = {mb.replica for mb in self.step.batches if mb.holder == cell} if self.step is not None else set()
+            if (mb := self.claim_slot(cell, set(range(self.num_replicas)) - held)) is None:
                 return m.Wait()
-            mb.slot = self.free.popleft()
-            return m.Work(mb.index, step.version, mb.slot, mb.batch)
+            return m.Work(mb.index, self.step.version, mb.slot, mb.batch, mb.replica)
 
     def accept(self, cell: str, msg: m.Done) -> None:
         """A satellite's result: booked if it still holds the claim (else it was redone elsewhere)."""
@@ -166,7 +182,7 @@ class CoreState:
             if step is not None and 0 <= msg.index < len(step.batches):
                 mb = step.batches[msg.index]
                 if step.complete(mb, cell):
-                    mb.stats, mb.replica = msg.stats, msg.replica
+                    mb.stats = msg.stats  # its replica is the one granted: its slot lives there
                     mb.timing = (msg.seconds, time.time(), msg.rank)  # its result just arrived
             self.cond.notify_all()
 
@@ -190,7 +206,7 @@ class CoreState:
         """`cell` left: its claims go back to the queue, its slots are free, its pulls end."""
         with self.cond:
             for mb in self.step.release(cell) if self.step is not None else []:
-                self.free.append(mb.slot)
+                self.free.append((mb.replica, mb.slot))
                 mb.slot = None
             self.end_pull(cell, all_of_them=True)
             self.cond.notify_all()
@@ -205,6 +221,21 @@ class CoreState:
             self.cond.notify_all()
         self.release(cell)
 
+    # ---- both sides ---------------------------------------------------------------------------
+    def claim_slot(self, cell: str, replicas: set[int]) -> MicroBatch | None:
+        """(lock held) The next ready micro-batch, now held by `cell` with the first free slot on
+        one of `replicas` (None: nothing ready, or no such slot free)."""
+        step = self.step
+        if step is None or not step.ready:
+            return None
+        for i, (replica, row) in enumerate(self.free):
+            if replica in replicas:
+                del self.free[i]
+                mb = step.claim(cell, time.monotonic())
+                mb.replica, mb.slot = replica, row
+                return mb
+        return None
+
     # ---- the step's driver (gyre.train.elastic) -------------------------------------------------
     def evict_overdue(self, timeout_s: float) -> dict[str, list[int]]:
         """(lock held) Take micro-batches back from cells holding one past `timeout_s` (hung, not
@@ -215,7 +246,7 @@ class CoreState:
         for cell in step.overdue(time.monotonic(), timeout_s) - {CORE}:
             self.evicted.add(cell)
             lost = step.release(cell)
-            self.quarantine.setdefault(cell, []).extend(mb.slot for mb in lost)
+            self.quarantine.setdefault(cell, []).extend((mb.replica, mb.slot) for mb in lost)
             for mb in lost:
                 mb.slot = None
             out[cell] = [mb.index for mb in lost]
@@ -244,7 +275,7 @@ class CoreState:
                 for mb in step.batches:
                     if mb.slot is not None:
                         held = mb.holder if mb.holder not in (None, CORE) else None
-                        (self.quarantine.setdefault(held, []) if held else self.free).append(mb.slot)
+                        (self.quarantine.setdefault(held, []) if held else self.free).append((mb.replica, mb.slot))
             self.cond.notify_all()
 
     def progress(self) -> tuple[dict[int, str], dict[int, str]]:

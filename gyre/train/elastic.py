@@ -4,7 +4,7 @@
     ------------------------------------------------         ---------------------------------
     weights [N] fp32, registered  <── Mooncake read ──────  pull when the step's version is new
     grad slots [K, N], registered <── Mooncake write ─────  write the micro-step's flat gradient
-    control Listener (gyre/control) <── Join/Claim/Done ─>  Claim -> Work(index, version, slot, batch)
+    control Listener (gyre/control) <── Join/Claim/Done ─>  Claim -> Work(index, version, slot, batch, replica)
     begin_step / add_micro_batch (any thread) / end_step
     run_step: compute micro-steps too, fold finished slots in index order, then one optimizer step
 
@@ -25,9 +25,11 @@ gyre/train/core_door.py, and the step's one ledger (a record per micro-batch, th
 readers) is gyre/train/core_state.py. Weights never change while anybody reads them: the
 core applies its optimizer step only after every micro-step is folded (so a satellite holding a
 claim may pull), and defers it while an announced pull (`Pull` ... `PullDone`) or a publish for
-engines is copying them. One slot per claim keeps the core's memory bounded (`num_grad_slots`); a
-freed slot goes to the back of the queue so a late write of a dead satellite cannot land in a slot
-that is being reused at once."""
+engines is copying them. One slot per claim keeps the core's memory bounded: each core rank holds
+`num_grad_slots` rows of its shard, the slots of its data-parallel replica, so a layout of R
+replicas has K x R micro-steps in flight (a satellite holds at most one claim per replica) at the
+memory of K per rank. A freed slot goes to the back of the queue so a late write of a dead
+satellite cannot land in a slot that is being reused at once."""
 
 import logging
 import time
@@ -82,7 +84,7 @@ class CoreServer:
         peers = self.ranks.run(core_open, host, trainer.cfg.num_grad_slots)
         """Each rank's (Mooncake session, weights address, slots address), by rank."""
         self._num_replicas = self.ranks.num_ranks // trainer.cfg.tensor_parallel_size
-        self.state = CoreState(trainer.cfg.num_grad_slots, trainer.step)
+        self.state = CoreState(trainer.cfg.num_grad_slots, trainer.step, self._num_replicas)
         self._published: deque = deque(maxlen=2)  # (version, descriptor, buffer) of the last two versions
         layout = (self.ranks.num_ranks, trainer.cfg.tensor_parallel_size)
         self.door = SatelliteDoor(self.state, listener or listen("tcp", host), peers, layout, trainer.flat.signature())
@@ -216,7 +218,8 @@ class CoreServer:
 
     def _next_core_work(self, step: OpenStep) -> tuple[str, list] | None:
         """What the core's ranks do next: ("fold", [micro-batch]) for finished ones in index order,
-        ("compute", [micro-batch]) one per data-parallel replica, or None when the step is folded whole.
+        ("compute", [micro-batch or None]) by data-parallel replica (each with a slot of its own),
+        or None when the step is folded whole.
 
         The core also takes the next micro-batch to fold when no slot is free (even with
         core_computes_microsteps off): it adds that one straight into the sum (slot None), so slots
@@ -238,20 +241,16 @@ class CoreServer:
                         lost,
                         cfg.claim_timeout_s,
                     )
-                now, jobs = time.monotonic(), []
-                while cfg.core_computes_microsteps and len(jobs) < self._num_replicas and state.free:
-                    if (mb := step.claim(CORE, now)) is None:
-                        break
-                    mb.slot = state.free.popleft()
-                    jobs.append(mb)
-                if jobs:
+                replicas = range(self._num_replicas) if cfg.core_computes_microsteps else ()
+                jobs = [state.claim_slot(CORE, {replica}) for replica in replicas]
+                if any(jobs):
                     return "compute", jobs
-                if not state.free and (mb := step.claim(CORE, now, index=step.folded)) is not None:
-                    return "compute", [mb]  # its slot stays None: added straight into the sum
+                if not state.free and (mb := step.claim(CORE, time.monotonic(), index=step.folded)) is not None:
+                    return "compute", [mb]  # replica 0's; its slot stays None: added straight into the sum
                 state.cond.wait(timeout=0.05 if cfg.claim_timeout_s else 1.0)
 
     def _fold_on_ranks(self, batches: list[MicroBatch]) -> None:
-        slots = [mb.slot for mb in batches]
+        slots = [(mb.replica, mb.slot) for mb in batches]
         self.ranks.run(core_fold, [(mb.slot, mb.replica) for mb in batches])
         with self.state.cond:
             for mb in batches:
@@ -259,13 +258,15 @@ class CoreServer:
             self.state.free.extend(slots)  # free once added, never before
             self.state.cond.notify_all()
 
-    def _compute_on_core(self, step: OpenStep, jobs: list[MicroBatch]) -> None:
-        results = self.ranks.run(core_compute, [(mb.batch, mb.slot) for mb in jobs])
-        direct = jobs[0].slot is None  # the next micro-batch to fold: every earlier one is in the sum already
+    def _compute_on_core(self, step: OpenStep, jobs: list[MicroBatch | None]) -> None:
+        results = self.ranks.run(core_compute, [(mb.batch, mb.slot) if mb else None for mb in jobs])
+        direct = jobs[0] is not None and jobs[0].slot is None  # the next to fold: all before it are summed
         if direct:
             self.ranks.run(core_fold, [(None, 0)])
         with self.state.cond:
             for replica, mb in enumerate(jobs):
+                if mb is None:
+                    continue
                 stats, seconds, ended, rank = results[replica]
                 step.complete(mb, CORE)
                 mb.stats, mb.replica, mb.timing = stats, replica, (seconds, ended, rank)
@@ -324,5 +325,5 @@ def _step_metrics(step: OpenStep) -> dict:
         finish_stats(stats)
         | dict(step.excluded)
         | dict(by_cell)
-        | {"microsteps_redone": step.redone, "microsteps": timing}
+        | {"microsteps_redone": step.redone, "microsteps_in_flight_max": step.peak_in_flight, "microsteps": timing}
     )

@@ -10,8 +10,10 @@ With `model.path` set, `build_gpt_model` loads the Hugging Face checkpoint's wei
 taking its tensor-parallel shard (`shard_for_rank`), so every consumer of the model starts from them.
 """
 
+import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,11 +30,13 @@ class ParallelError(GyreError):
     """The process layout does not fit the trainer config."""
 
 
-def init_distributed(tensor_parallel_size: int, seed: int) -> None:
+def init_distributed(tensor_parallel_size: int, seed: int, timeout_s: float | None = None) -> None:
     """Initialise torch.distributed (if the launcher has not) and Megatron's model-parallel groups.
 
     Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment (none set: one rank,
-    with an in-memory store). The cell's ranks form world / TP data-parallel replicas.
+    with an in-memory store). The cell's ranks form world / TP data-parallel replicas. A collective
+    that waits over `timeout_s` raises (None: torch's default), so a hung rank cannot hold the
+    others forever (`trainer.collective_timeout_s`).
 
     Raises:
         ParallelError: the world size is not a multiple of the tensor-parallel size.
@@ -46,17 +50,21 @@ def init_distributed(tensor_parallel_size: int, seed: int) -> None:
         if not cpu:
             torch.cuda.set_device(local_device(rank))
         backend = "gloo" if cpu else "nccl"
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         if world == 1:  # a one-rank cell needs no rendezvous port (and must not inherit its parent's)
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            dist.init_process_group(backend, rank=rank, world_size=world)
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     if dist.get_world_size() % tensor_parallel_size:
         raise ParallelError(
             f"trainer.tensor_parallel_size={tensor_parallel_size} does not divide the cell's "
             f"{dist.get_world_size()} ranks"
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+        minutes = 30 if timeout_s is None else math.ceil(timeout_s / 60)  # megatron-core's groups: whole minutes
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_parallel_size, distributed_timeout_minutes=minutes
+        )
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=cpu, force_reset_rng=True)
 
 

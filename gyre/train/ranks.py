@@ -4,6 +4,7 @@
     CellRanks.run(op, *args)  ──broadcast (op, args)──────>  op(state, *args)
     op(state, *args)          <──── collectives of op ────>  (TP all-gathers, DP gradient broadcasts)
     keepalive: ("ping",) when idle KEEPALIVE_S               a follower that exits: `on_lost` on rank 0
+    link: heartbeats both ways, closure seen <──── TCP ────  heartbeats both ways (rank_hang_timeout_s / 4)
 
     python -m gyre.train.ranks --config FILE   (a follower; FILE: {model, trainer, seed}; RANK etc. set)
 
@@ -17,16 +18,21 @@ allocated on the literal device "cuda", which the CPU shim cannot redirect; with
 on the CPU, the 1F1B schedule over 2 gloo stages gives the unpipelined model's loss and gradients
 bit for bit (`tools/probe/pp_cpu.py [--patch]`), so CPU is no obstacle to building it.
 
-A dead rank is found by processes, not by collectives (whose timeout, torch's default 30 min, a
-long micro-step must not hit): rank 0 watches its followers and calls `on_lost` when one exits (the
-leader then exits: the cell is lost). Spawned followers are rank 0's children: it polls them, and
-they die with it (PR_SET_PDEATHSIG). Followers that srun placed (on other nodes) are nobody's
-children, so each opens a TCP link to rank 0 once the group is up (`link_host`): the kernel closes
-it when either process dies, SIGKILL included, and TCP keepalive ends it when a node goes away, so
-either side learns of the other's death within a poll, not at the next collective. A follower
-waits for the next announcement inside a collective, so rank 0 pings an idle cell well within that
-timeout. On Slurm a follower that is its node's first rank serves its node's engines too: it starts
-them, `engine_urls` hands their URLs to rank 0, and their exit ends the follower (gyre.cells.slurm).
+A dead or hung rank is found by processes, not by collectives (whose timeout,
+`trainer.collective_timeout_s`, a long micro-step must not hit): rank 0 watches its followers and
+calls `on_lost` when one exits or falls silent (the leader then exits: the cell is lost). Spawned
+followers are rank 0's children: it polls them, and they die with it (PR_SET_PDEATHSIG). Followers
+that srun placed (on other nodes) are nobody's children, so each opens a TCP link to rank 0 once
+the group is up (`link_host`): the kernel closes it when either process dies, SIGKILL included,
+and TCP keepalive ends it when a node goes away, so either side learns of the other's death within
+a poll, not at the next collective. A stopped (SIGSTOP) or hung follower is not dead and its
+kernel still answers TCP: every follower, children too, sends a heartbeat on its link from a thread
+of its own, and one silent for `trainer.rank_hang_timeout_s` is lost like a dead one; rank 0 beats
+back, and a follower that stops hearing it exits (a stopped leader is the coordinator's to find,
+by its control channel's heartbeats). A follower waits for the next announcement inside a
+collective, so rank 0 pings an idle cell well within that timeout. On Slurm a
+follower that is its node's first rank serves its node's engines too: it starts them, `engine_urls`
+hands their URLs to rank 0, and their exit ends the follower (gyre.cells.slurm).
 """
 
 import argparse
@@ -73,24 +79,44 @@ def ping(state: RankState) -> None:
     """Nothing: keeps an idle follower's wait for the next announcement short of the group's timeout."""
 
 
-def link(state: RankState, host: str, port: int) -> None:
-    """A follower opens its link to rank 0 (`CellRanks(link_host=...)`, which accepts instead) and
-    exits if rank 0 dies (the link closes without rank 0's goodbye)."""
+def link(state: RankState, host: str, port: int, silence_s: float = 0.0) -> None:
+    """A follower opens its link to rank 0 (`CellRanks`, which accepts instead) and exits if rank 0
+    dies (the link closes without rank 0's goodbye); with `silence_s`, the two send each other a
+    heartbeat four times a period, each from a thread of its own, and a follower that hears none
+    from rank 0 for `silence_s` (stopped or hung) exits too."""
     if dist.get_rank() == 0:
         return
     state.link = socket.create_connection((host, port), timeout=LINK_TIMEOUT_S)
     state.link.sendall(f"{dist.get_rank()}\n".encode())
     state.link.settimeout(None)
-    threading.Thread(target=_exit_with_rank0, args=(state.link,), daemon=True, name="rank0-link").start()
+    threading.Thread(target=_exit_with_rank0, args=(state.link, silence_s), daemon=True, name="rank0-link").start()
+    if silence_s:
+        threading.Thread(target=_beat, args=(state.link, silence_s / 4), daemon=True, name="rank0-beat").start()
 
 
-def _exit_with_rank0(link: socket.socket) -> None:
+def _beat(link: socket.socket, every_s: float) -> None:
     try:
-        goodbye = link.recv(1)
+        while True:
+            link.sendall(b"h")
+            time.sleep(every_s)
     except OSError:
-        goodbye = b""
-    if not goodbye:
-        logging.getLogger(__name__).error("rank %d: rank 0's link closed; it died, so does this rank", dist.get_rank())
+        return  # the link is gone: _exit_with_rank0 decides what that means
+
+
+def _exit_with_rank0(link: socket.socket, silence_s: float) -> None:
+    """Read rank 0's heartbeats until its goodbye; its link closing or falling silent ends this rank."""
+    try:
+        got = link.recv(64)  # rank 0 beats once it holds every follower's link: the clock starts then
+        link.settimeout(silence_s or None)
+        while got and GOODBYE not in got:
+            got = link.recv(64)
+        why = "" if got else "closed; it died"
+    except TimeoutError:
+        why = f"sent no heartbeat for {silence_s:.1f} s; it is stopped or hung"
+    except OSError as e:
+        why = f"failed ({e}); it died"
+    if why:
+        logging.getLogger(__name__).error("rank %d: rank 0's link %s, so this rank exits", dist.get_rank(), why)
         exit_at_once(1)
 
 
@@ -122,9 +148,12 @@ RANK_OPS = (
 names their module and name), so a reader or a tool can follow each call to its definition."""
 
 KEEPALIVE_S = 60.0
-"""An idle cell's rank 0 pings its followers this often: far under the group's timeout (torch's
-default, 30 min), which a follower waiting for the next announcement would otherwise run into."""
+"""An idle cell's rank 0 pings its followers this often (a quarter of the group's timeout if that
+is shorter, `trainer.collective_timeout_s`), which a follower waiting for the next announcement
+would otherwise run into."""
 
+GOODBYE = b"."
+"""What rank 0 sends on a link when it is done with the follower (heartbeats are any other byte)."""
 LINK_TIMEOUT_S = 60.0
 """How long rank 0 waits for its followers' links (they connect as soon as the announcement reaches them)."""
 LINK_HELLO_S = 10.0
@@ -142,32 +171,66 @@ def _hello(sock: socket.socket) -> int:
 
 
 class FollowerLink:
-    """A follower that is not this process's child, seen through the TCP link it opened to rank 0.
-    `poll` mirrors `Popen.poll`: None while the follower lives, else why it is taken for dead."""
+    """A follower seen through the TCP link it opened to rank 0. `poll` mirrors `Popen.poll`: None
+    while the follower lives, else why it is taken for dead: its link closed (the kernel closes a
+    dead process's sockets), or, with `silence_s`, no heartbeat for that long (a stopped process's
+    kernel still answers TCP, so only its silence tells)."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, silence_s: float = 0.0):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a node gone: ~11 s (5 + 3 x 2)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
         sock.setblocking(False)
-        self.sock = sock
+        self.sock, self.silence_s = sock, silence_s
+        self.heard, self.told = time.monotonic(), float("-inf")
 
-    def poll(self) -> str | None:
+    def poll(self, closing_counts: bool = True) -> str | None:
+        """`closing_counts` False: only silence counts (a child's exit code says more)."""
         try:
-            alive = self.sock.recv(1, socket.MSG_PEEK)
+            while self.sock.recv(4096):  # heartbeats, all read
+                self.heard = time.monotonic()
+            closed = "unknown (its link to rank 0 closed)"
         except BlockingIOError:
-            return None
+            closed = None
         except OSError as e:
-            return f"unknown (its link to rank 0 failed: {e})"
-        return None if alive else "unknown (its link to rank 0 closed)"
+            closed = f"unknown (its link to rank 0 failed: {e})"
+        if closed and closing_counts:
+            return closed
+        silent = time.monotonic() - self.heard
+        if self.silence_s and silent > self.silence_s:
+            return f"unknown (no heartbeat for {silent:.1f} s: stopped or hung)"
+        return None
+
+    def beat(self) -> None:
+        """Rank 0's heartbeat to the follower, four a `silence_s` (it exits when they stop)."""
+        if self.silence_s and time.monotonic() - self.told >= self.silence_s / 4:
+            self.told = time.monotonic()
+            self._send(b"h")
 
     def goodbye(self) -> None:
         """Rank 0 is done with the follower: its link closing from now on is no death."""
+        self._send(GOODBYE)
+
+    def _send(self, byte: bytes) -> None:
         try:
-            self.sock.send(b".")  # one byte into an idle socket's empty buffer: never blocks
+            self.sock.send(byte)  # one byte into a nearly empty buffer: never blocks
         except OSError:
-            pass  # the follower is gone already
+            pass  # the follower is gone already (its poll says so)
+
+
+class ChildRank:
+    """A follower that is this process's child: its exit code once it exits, else its link's
+    silence (`FollowerLink`; None: exits only)."""
+
+    def __init__(self, proc: subprocess.Popen, link: FollowerLink | None):
+        self.proc, self.link = proc, link
+
+    def poll(self) -> int | str | None:
+        code = self.proc.poll()
+        if code is not None or self.link is None:
+            return code
+        return self.link.poll(closing_counts=False)
 
 
 class CellRanks:
@@ -175,11 +238,13 @@ class CellRanks:
 
     Args:
         followers: ranks 1.. as child processes (`start_followers`): watched, and if one exits
-            before `stop`, `on_lost(rank, exit code)` is called (from the watching thread): any rank
-            lost is the cell lost.
+            before `stop`, or (with `trainer.rank_hang_timeout_s`) falls silent on its link,
+            `on_lost(rank, exit code or why)` is called (from the watching thread): any rank lost
+            is the cell lost.
         link_host: followers that are not children (srun-placed): each links to rank 0 on this
             address (`FollowerLink`), and is watched through it like a child.
-        keepalive_s: ping idle followers this often.
+        keepalive_s: ping idle followers this often (default: KEEPALIVE_S, or a quarter of the
+            group's timeout if shorter).
     """
 
     def __init__(
@@ -187,7 +252,7 @@ class CellRanks:
         trainer: Trainer,
         followers: list[subprocess.Popen] = (),
         on_lost=None,
-        keepalive_s: float = KEEPALIVE_S,
+        keepalive_s: float | None = None,
         link_host: str | None = None,
     ):
         self.state = RankState(trainer)
@@ -198,9 +263,14 @@ class CellRanks:
         self._stopped = threading.Event()
         if dist.get_rank() != 0:
             raise RuntimeError(f"CellRanks drives from rank 0; rank {dist.get_rank()} must follow()")
+        silence_s = trainer.cfg.rank_hang_timeout_s
+        link_host = link_host or ("127.0.0.1" if followers and silence_s else None)  # children: this machine
         linked = link_host is not None and self.num_ranks > 1
-        self._links = self._accept_links(link_host) if linked else {}
-        self._watched = dict(enumerate(followers, start=1)) | self._links
+        self._links = self._accept_links(link_host, silence_s) if linked else {}
+        children = {rank: ChildRank(proc, self._links.get(rank)) for rank, proc in enumerate(followers, start=1)}
+        self._watched = self._links | children
+        if keepalive_s is None:
+            keepalive_s = min(KEEPALIVE_S, trainer.cfg.collective_timeout_s / 4)
         if self.num_ranks > 1:
             threading.Thread(target=self._keepalive, args=(keepalive_s,), daemon=True, name="ranks-ping").start()
         if self._watched:
@@ -236,12 +306,13 @@ class CellRanks:
                 finally:
                     self._order.release()
 
-    def _accept_links(self, host: str) -> dict[int, FollowerLink]:
-        """Announce `link` and take every follower's link: {rank: FollowerLink}. A connection that
-        does not name a follower rank at once (something else that found the port) is dropped."""
+    def _accept_links(self, host: str, silence_s: float) -> dict[int, FollowerLink]:
+        """Announce `link` and take every follower's link: {rank: FollowerLink}, silent after
+        `silence_s` without a heartbeat (four a period). A connection that does not name a follower
+        rank at once (something else that found the port) is dropped."""
         with socket.create_server((host, 0)) as server:
             server.settimeout(LINK_TIMEOUT_S)
-            self.run(link, host, server.getsockname()[1])
+            self.run(link, host, server.getsockname()[1], silence_s)
             links = {}
             while len(links) < self.num_ranks - 1:
                 sock, peer = server.accept()
@@ -250,11 +321,15 @@ class CellRanks:
                     logging.getLogger(__name__).warning("link from %s dropped: rank %d is no follower's", peer, rank)
                     sock.close()
                     continue
-                links[rank] = FollowerLink(sock)
+                links[rank] = FollowerLink(sock, silence_s)
+        for follower in links.values():
+            follower.beat()  # every link is in: the followers' clocks on rank 0's silence start now
         return links
 
     def _watch(self, on_lost) -> None:
         while not self._stopped.wait(0.2):
+            for follower in self._links.values():
+                follower.beat()
             for rank, follower in self._watched.items():
                 code = follower.poll()
                 if code is not None and not self._stopped.is_set():

@@ -33,7 +33,8 @@ class SatelliteCell:
     One channel for the cell's life (rejoined if the core evicted it), so `serve` can run again
     after a stint in another role, and `pull_latest` works at any time. A cell of several ranks
     (`ranks`, driven from this rank 0) pulls and writes rank to rank (gyre/train/shard.py): each
-    claim round asks for one micro-step per data-parallel replica.
+    claim round asks for one micro-step per data-parallel replica, and the core names the replica
+    of each (its slot lives on that replica's core ranks).
     """
 
     def __init__(
@@ -127,15 +128,20 @@ class SatelliteCell:
         return works, reply
 
     def _compute(self, ch: Channel, works: list[m.Work]) -> None:
+        jobs = [None] * self._replicas
+        for w in works:
+            if not 0 <= w.replica < self._replicas or jobs[w.replica] is not None:
+                raise m.ProtocolError(f"the core granted replica {w.replica} twice or out of {self._replicas}")
+            jobs[w.replica] = (w.batch, w.slot)
         with self._weights:
             if works[0].version != self.version:
                 self._read_weights()  # safe: the core cannot step while we hold a claim
                 self.version = works[0].version
-            done = self.ranks.run(satellite_compute, [(w.batch, w.slot) for w in works])
-        for replica, work in enumerate(works):
-            stats, seconds, _, rank = done[replica]
+            done = self.ranks.run(satellite_compute, jobs)
+        for work in works:
+            stats, seconds, _, rank = done[work.replica]
             self.microstep_seconds.append(seconds)
-            ch.send(m.Done(work.index, stats, seconds, rank, replica))
+            ch.send(m.Done(work.index, stats, seconds, rank, work.replica))
             self.num_computed += 1
 
     def pull_latest(self) -> tuple[int, float]:

@@ -5,13 +5,16 @@ and the operations rank 0 announces for them (gyre/train/ranks.py `RANK_OPS`).
     weights shard [N_r], registered  <── Mooncake read ──  core_pull: its shard, all ranks at once
     slots [K, N_r], registered       <── Mooncake write ─  satellite_compute: its gradient shard
     core_fold: slot of micro-step i ──broadcast from its data-parallel owner──> acc += it (index order)
+               (the other replicas receive it in `trainer.grad`: their own slots stay untouched)
 
 Rank r of a satellite talks to rank r of the core only: both cells have the same tensor- and
 data-parallel layout, so their shards have the same shape. A micro-step is computed by one
 data-parallel replica (its tensor-parallel ranks together); each of those ranks writes its gradient
 shard to the same core rank, so micro-step i's gradient sits on the core's ranks of that replica
-(its *owner*). Folding broadcasts it from the owner over the core's data-parallel group and every
-rank adds it in index order: the sum is bit for bit the one `Trainer.fold` makes alone.
+(its *owner*), in a row of their slots: each replica's K rows are its own (gyre.train.core_state),
+so K x DP micro-steps can be in flight at K rows a rank. Folding broadcasts it from the owner
+over the core's data-parallel group and every rank adds it in index order: the sum is bit for bit
+the one `Trainer.fold` makes alone.
 """
 
 import hashlib
@@ -128,8 +131,9 @@ def core_close(state: RankState) -> None:
 
 
 def core_compute(state: RankState, jobs: list) -> dict[int, tuple]:
-    """Replica d computes jobs[d] = (batch, slot) into its slot (None: leave it in `trainer.grad`
-    for the fold that follows). Returns {d: (stats, seconds, ended, rank)}."""
+    """Replica d computes jobs[d] = (batch, slot row), if it has one, into that row of its slots
+    (row None: leave it in `trainer.grad` for the fold that follows). Returns {d: (stats, seconds,
+    ended, rank)}."""
 
     def keep(grad: torch.Tensor, slot: int | None) -> None:
         if slot is not None:
@@ -139,11 +143,12 @@ def core_compute(state: RankState, jobs: list) -> dict[int, tuple]:
 
 
 def core_fold(state: RankState, entries: list[tuple[int | None, int]]) -> None:
-    """Add micro-steps to the step's sum in the order given: (slot, owner replica) each, slot None
-    being the gradient the owner just computed (`core_compute` with no slot)."""
-    dp, _, group = _dp()
+    """Add micro-steps to the step's sum in the order given: (slot row, owner replica) each, row
+    None being the gradient the owner just computed (`core_compute` with no slot; first if at all,
+    as the other ranks receive into that same scratch buffer, `trainer.grad`)."""
+    dp, me, group = _dp()
     for slot, owner in entries:
-        grad = state.trainer.grad if slot is None else state.slots[slot]
+        grad = state.trainer.grad if slot is None or owner != me else state.slots[slot]
         if dp > 1:
             dist.broadcast(grad, src=dist.get_global_rank(group, owner), group=group)
         state.acc.add_(grad)
@@ -208,9 +213,9 @@ def satellite_pull(state: RankState) -> list[float]:
 
 
 def satellite_compute(state: RankState, jobs: list) -> dict[int, tuple]:
-    """Replica d computes jobs[d] = (batch, slot) and each of its ranks writes its gradient shard
-    into that slot of its core peer. Returns {d: (stats, seconds, ended, rank)} once every rank's
-    write is over."""
+    """Replica d computes jobs[d] = (batch, slot row) and each of its ranks writes its gradient
+    shard into that row of its core peer's slots (its replica's). Returns {d: (stats, seconds,
+    ended, rank)} once every rank's write is over."""
     session, _, slots_addr = state.peer
 
     def write(grad: torch.Tensor, slot: int) -> None:

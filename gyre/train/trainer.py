@@ -32,7 +32,7 @@ class Trainer:
     """The policy model, its flat weight/gradient buffers and its optimizer, on one cell rank."""
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, seed: int = 0):
-        init_distributed(cfg.tensor_parallel_size, seed)
+        init_distributed(cfg.tensor_parallel_size, seed, cfg.collective_timeout_s)
         torch.manual_seed(seed)  # CPU initialisation draws from the default generator
         self.model_cfg, self.cfg = model_cfg, cfg
         self.cuda = torch.cuda.is_available()

@@ -2,8 +2,11 @@
 claims handed back by cells that leave, die or hang, and late results refused."""
 
 import pytest
+from _train_ref import random_batches
 
-from gyre.train.core_state import MicroBatch, OpenStep
+from gyre.control import messages as m
+from gyre.models.config import ModelConfig
+from gyre.train.core_state import CoreState, MicroBatch, OpenStep
 
 
 def _claims(step: OpenStep, events: list) -> None:
@@ -100,3 +103,48 @@ def test_the_core_takes_one_micro_batch_by_index_and_folds_done_ones_in_order():
     assert step.foldable() == [first] and step.folded == 1 and not step.complete_whole
     step.total_weight = 1.0
     assert not step.complete_whole and step.claim("sat", 0.0).index == 2
+
+
+@pytest.mark.parametrize(
+    "slots, replicas, events, peak",
+    [
+        pytest.param(
+            1, 2, [("a", (0, 0, 0)), ("a", (1, 1, 0)), ("a", None)], 2, id="one-slot-a-replica-two-claims-at-once"
+        ),
+        pytest.param(
+            2,
+            2,
+            [("a", (0, 0, 0)), ("a", (1, 1, 0)), ("a", None), ("b", (2, 0, 1)), ("b", (3, 1, 1)), ("b", None)],
+            4,
+            id="a-cell-holds-one-claim-a-replica",
+        ),
+        pytest.param(
+            1,
+            2,
+            [("a", (0, 0, 0)), ("b", (1, 1, 0)), ("b", None), ("gone a", None), ("b", (0, 0, 0))],
+            2,
+            id="a-dead-cells-slot-reused-by-another",
+        ),
+        pytest.param(1, 1, [("a", (0, 0, 0)), ("b", None)], 1, id="one-replica-as-before"),
+    ],
+)
+def test_gradient_slots_are_per_replica(slots, replicas, events, peak):
+    """A layout of R replicas has K slots each: K x R claims in flight at K rows a core rank; a
+    satellite's replicas each hold at most one claim, on a slot of the core's same replica.
+    events: (cell, (index, replica, row) it is granted, or None: Wait), or ("gone X", None)."""
+    state = CoreState(slots, version=0, num_replicas=replicas)
+    state.step, (batch,) = OpenStep(0), random_batches(ModelConfig(), 1, 1, seed=0)
+    for index in range(4):
+        state.step.batches.append(MicroBatch(index, (0, 0, index), batch))
+        state.step.ready.append(index)
+    channels = {cell: object() for cell in "ab"}
+    for cell, channel in channels.items():
+        state.join(cell, channel)
+    for cell, expected in events:
+        if cell.startswith("gone "):
+            state.gone(cell[5:], channels[cell[5:]])
+            continue
+        work = state.grant(cell)
+        got = (work.index, work.replica, work.slot) if isinstance(work, m.Work) else None
+        assert got == expected, (cell, expected)
+    assert state.step.peak_in_flight == peak

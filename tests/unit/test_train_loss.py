@@ -184,11 +184,17 @@ def test_trainer_group_composes_and_names_bad_keys():
     register_configs()
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         good = validate(hydra.compose(config_name="config"))
+        slurm = validate(hydra.compose(config_name="config", overrides=["cluster=slurm"]))
         bad = hydra.compose(config_name="config", overrides=["trainer.num_grad_slots=0"])
+        hang = hydra.compose(config_name="config", overrides=["trainer.rank_hang_timeout_s=-1"])
     assert isinstance(good.trainer, TrainerConfig) and good.trainer.truncation_cap == 3.0
-    with pytest.raises(ConfigError) as e:
-        validate(bad)
-    assert e.value.key == "trainer.num_grad_slots"
+    # hung ranks and satellites are found on Slurm by default; a local claim lasts while its cell lives
+    assert (slurm.trainer.claim_timeout_s, good.trainer.claim_timeout_s) == (600.0, 0.0)
+    assert 0 < slurm.trainer.rank_hang_timeout_s <= 120 and slurm.trainer.collective_timeout_s > 0
+    for cfg, key in ((bad, "trainer.num_grad_slots"), (hang, "trainer.rank_hang_timeout_s")):
+        with pytest.raises(ConfigError) as e:
+            validate(cfg)
+        assert e.value.key == key
 
 
 def test_learning_rate_warms_up_linearly_then_stays_constant():

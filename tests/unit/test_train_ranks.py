@@ -14,6 +14,8 @@ Under data parallel, Adam's state is sharded over the replicas (ZeRO stage 1) an
 
 import hashlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,7 +44,7 @@ MODEL = ModelConfig(
     vocab_size=64,
     max_seq_len=256,
 )
-CFG = TrainerConfig(lr=1e-3)
+CFG = TrainerConfig(lr=1e-3, num_grad_slots=1)  # one slot a replica: a DP=2 satellite still holds two claims
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = [(5, 11), (3, 12)]  # (micro-batches, seed) of each streamed step
 
@@ -110,11 +112,10 @@ def main(tp, address_file, out):
     torch.set_num_threads(1)
     tr = Trainer(MODEL, replace(CFG, tensor_parallel_size=int(tp)), seed=3)
     if torch.distributed.get_rank():
-        ping = ranks_module.OPS["ping"]
-        def ping_and_say(state):  # rank 0 waits for this file: its idle follower was pinged
-            open(out + ".pinged", "w").close()
-            ping(state)
-        ranks_module.OPS["ping"] = ping_and_say
+        # rank 0 waits for this file: its idle follower was pinged. `ping` stays the same function
+        # (rank ops are announced and checked by identity), with a body that says it ran
+        ranks_module.PINGED = out + ".pinged"
+        ranks_module.ping.__code__ = (lambda state: open(PINGED, "w").close()).__code__
         json.dump(follow(tr, "127.0.0.1"), open(out + ".rank1", "w"))  # its own endpoint's address
     else:
         lost = []  # rank 1 is not this process's child (as on Slurm): watched through its link
@@ -136,20 +137,47 @@ if __name__ == "__main__":
 """
 
 
+_HUNG_SCRIPT = """
+import json, os, sys, time, torch
+from dataclasses import replace
+from test_train_ranks import MODEL, CFG
+from gyre.train.ranks import CellRanks, start_followers
+from gyre.train.trainer import Trainer
+
+def main(log_dir, hang_s, out):
+    torch.set_num_threads(1)
+    cfg = replace(CFG, rank_hang_timeout_s=float(hang_s))
+    followers = start_followers(2, "127.0.0.1", MODEL, cfg, 0, log_dir)  # as a local cell's leader does
+    lost = []
+    CellRanks(Trainer(MODEL, cfg, seed=0), followers, lambda *why: lost.append((time.time(), why)))
+    print(followers[0].pid, flush=True)  # the test stops it (or this rank) now
+    while not lost:
+        time.sleep(0.01)
+    json.dump({"at": lost[0][0], "why": lost[0][1]}, open(out, "w"))
+    followers[0].kill()  # SIGKILL ends a stopped process too
+    os._exit(0)  # as the leader does once a rank is lost
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+"""
+
+
 def stream_steps(server: CoreServer, address_file: str | None = None) -> list[dict]:
     """STEPS as the leader streams them: open, add each micro-batch with its id, end, run. With
-    `address_file`, a satellite is told the core's address after the first step, and from then on
-    the core only sums (the satellite computes every micro-step)."""
+    `address_file`, a satellite is told the core's address once the second step's batches are all
+    in (its first claims find every replica's slot free), and from then on the core only sums (the
+    satellite computes every micro-step)."""
     out = []
     for n, seed in STEPS:
         if out and address_file:
             server.trainer.cfg = replace(server.trainer.cfg, core_computes_microsteps=False)
-            Path(address_file).write_text(server.address)
         step = server.trainer.step
         server.begin_step(step)
         for k, batch in enumerate(random_batches(MODEL, n, 3, seed=seed)):
             server.add_micro_batch(batch, (step, 0, k))
         server.end_step()
+        if out and address_file:
+            Path(address_file).write_text(server.address)
         out.append(server.run_step())
     return out
 
@@ -175,6 +203,17 @@ def test_a_follower_link_tells_a_dead_follower_from_a_live_one():
             assert why == "unknown (its link to rank 0 closed)"
             link.sock.close()
             far.close()
+        # a stopped follower's link stays open (its kernel answers TCP): only its heartbeats stop
+        with socket.create_connection(server.getsockname()) as far:
+            link, beating_until = FollowerLink(server.accept()[0], silence_s=0.5), time.monotonic() + 1.0
+            while time.monotonic() < beating_until:  # beating: alive past silence_s
+                far.sendall(b"h")
+                assert link.poll() is None
+                time.sleep(0.05)
+            while (why := link.poll()) is None and time.monotonic() < beating_until + 10:
+                time.sleep(0.01)
+            assert "no heartbeat" in why and time.monotonic() - beating_until >= 0.5 - 0.05
+            link.sock.close()
 
 
 def _digest(weights: torch.Tensor) -> str:
@@ -241,6 +280,7 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
     if tp == 1:
         assert {t[5] for m in got["metrics"] for t in m["microsteps"]} == {0, 1}  # both replicas computed
         assert {t[5] for t in second["microsteps"]} == {0, 1}  # both of the satellite's, too
+        assert second["microsteps_in_flight_max"] == 2 > CFG.num_grad_slots  # one claim a replica at once
         assert torch.equal(got["logprobs"], lp)
         assert [m["grad_norm"] for m in got["metrics"]] == [m["grad_norm"] for m in metrics]
         assert all(torch.equal(t, expected[name]) for name, t in got["engine"].items())
@@ -254,12 +294,70 @@ def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_th
             a, b = one.optimizer.state[pa], back.optimizer.state[pb]
             assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
     else:
-        assert (got["logprobs"] - lp).abs().max() <= 1e-6
-        for m1, m2 in zip(metrics, got["metrics"]):
-            assert abs(m2["grad_norm"] - m1["grad_norm"]) <= 1e-6 * m1["grad_norm"]
-        # Adam moves a weight by about lr per step whatever its gradient's size, so the split matmuls'
-        # rounding can move small-gradient weights differently: within 1% of one step (measured 0.13%).
-        for name, t in got["engine"].items():
-            assert (t - expected[name]).abs().max() <= 0.01 * CFG.lr, name
-        assert (back.flat.weights - one.flat.weights).abs().max() <= 0.01 * CFG.lr
-        assert got["digest"] != _digest(got["shard0"])  # both shards digested, not rank 0's alone
+        _assert_tensor_parallel_close(got, metrics, lp, expected, (back.flat.weights - one.flat.weights).abs().max())
+
+
+def _assert_tensor_parallel_close(got: dict, metrics: list, lp, expected: dict, weights_off: float) -> None:
+    """TP=2 against the one-rank core: log-probs and grad norms within 1e-6; Adam moves a weight by
+    about lr per step whatever its gradient's size, so the split matmuls' rounding can move
+    small-gradient weights differently: within 1% of one step (measured 0.13%)."""
+    assert (got["logprobs"] - lp).abs().max() <= 1e-6
+    for m1, m2 in zip(metrics, got["metrics"]):
+        assert abs(m2["grad_norm"] - m1["grad_norm"]) <= 1e-6 * m1["grad_norm"]
+    for name, t in got["engine"].items():
+        assert (t - expected[name]).abs().max() <= 0.01 * CFG.lr, name
+    assert weights_off <= 0.01 * CFG.lr
+    assert got["digest"] != _digest(got["shard0"])  # both shards digested, not rank 0's alone
+
+
+@pytest.mark.parametrize("stopped", ["follower", "rank0"])
+def test_a_stopped_rank_is_found_within_the_hang_timeout(tmp_path, stopped):
+    """A rank stopped with SIGSTOP neither exits nor closes its link (its kernel still answers TCP):
+    its heartbeats stop. A stopped follower is declared lost by rank 0 (the cell is lost), and the
+    followers of a stopped rank 0 exit, each within `rank_hang_timeout_s`."""
+    hang_s, out = 5.0, tmp_path / "lost.json"  # far over a loaded box's scheduling delays
+    args = [str(tmp_path), str(hang_s), str(out)]
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", _HUNG_SCRIPT, *args], cwd=ROOT, env=two_rank_env(), stdout=subprocess.PIPE, text=True
+    )
+    follower = None
+    try:
+        follower = int(rank0.stdout.readline())  # once the cell is up and linked
+        stopped_at = time.time()
+        os.kill(follower if stopped == "follower" else rank0.pid, signal.SIGSTOP)
+        if stopped == "follower":
+            assert rank0.wait(timeout=60) == 0, (tmp_path / f"rank1.{rank0.pid}.log").read_text()[-3000:]
+            lost = json.loads(out.read_text())
+            assert lost["why"][0] == 1 and "no heartbeat" in lost["why"][1]
+            found_at = lost["at"]
+        else:
+            found_at = _exited_at(follower, timeout_s=60)
+            assert "it is stopped or hung" in (tmp_path / f"rank1.{rank0.pid}.log").read_text()
+    finally:
+        for pid in (rank0.pid, follower):
+            _kill_quietly(pid)  # SIGKILL ends a stopped process too
+        rank0.wait(timeout=30)
+    # the last heartbeat came up to hang_s / 4 before the stop; silence is checked every 0.2 s
+    assert 0.7 * hang_s <= found_at - stopped_at <= hang_s + 5.0
+
+
+def _exited_at(pid: int, timeout_s: float) -> float:
+    """When `pid` exited (a zombie: its stopped parent cannot reap it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            state = "Z"
+        if state in ("Z", "X"):
+            return time.time()
+        time.sleep(0.01)
+    raise AssertionError(f"rank {pid} never exited")
+
+
+def _kill_quietly(pid: int | None) -> None:
+    try:
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
