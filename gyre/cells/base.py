@@ -7,13 +7,13 @@ channel and the role protocol are the same for all.
 """
 
 import sys
-import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Protocol
 
 from gyre.cells.serving import engine_id
 from gyre.cells.spec import CellSpec
+from gyre.common.wait import wait_until
 from gyre.control.messages import PhaseDone, RoleSwitch
 from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout
 from gyre.engines.launch import BaseEngineProcess, attach_engine
@@ -101,12 +101,7 @@ class BaseCell(ABC):
     def _explain_gone(self, within_s: float = 3.0) -> None:
         """A backend that knows why the leader went raises that (its exit code, its `.failed` file):
         asked for `within_s`, as the channel closes before a dying process can be reaped."""
-        deadline = time.monotonic() + within_s
-        while True:
-            self.check_alive()
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
+        wait_until(lambda: self.check_alive(), within_s)  # never true: it raises, or the time runs out
 
     def on_phase(self, msg: PhaseDone, now_s: float) -> None:
         """A phase of the switch is over: the state machine moves to the next (or to the new role)."""

@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 from gyre.cells.base import BaseCell, CellError, leader_command
@@ -10,6 +9,7 @@ from gyre.cells.quota import CpuQuota, make_quota
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
 from gyre.common.serve import die_with_parent
+from gyre.common.wait import wait_until
 from gyre.scheduler.cells import Cell
 
 LOCAL_HOST = "127.0.0.1"
@@ -54,13 +54,9 @@ class LocalCell(BaseCell):
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.channel is not None:
             self.channel.close()  # the leader sees EOF, stops its engine and exits
-        if self.proc is not None and self.proc.poll() is None:
-            deadline = time.monotonic() + timeout_s
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None and not wait_until(lambda: self.proc.poll() is not None, timeout_s, interval_s=0.1):
+            self.proc.kill()
+            self.proc.wait()
         self.quota.remove()
 
 

@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from gyre.cells.serving import joined_by, plan_cell, plan_engines, started_by
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
 from gyre.common.serve import exit_at_once, first_exited
+from gyre.common.wait import wait_until
 from gyre.scheduler.cells import Cell
 
 log = logging.getLogger(__name__)
@@ -277,11 +277,12 @@ def _exit_with_engines(engines: list, stopping: threading.Event, failed: Path) -
 
 def _wait_for(what: str, path: Path, job_dir: Path, restart: int, timeout_s: float) -> str:
     """The text of `path` once it exists (written atomically by the coordinator or the cell's rank 0)."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
+
+    def written() -> bool:
         if coordinator_exit_path(job_dir, restart).exists():
             raise CellError(f"{path.name}: the coordinator ended before it started this cell")
-        if time.monotonic() > deadline:
-            raise CellError(f"no {what} at {path} after {timeout_s} s (coordinator.cell_start_timeout_s)")
-        time.sleep(0.2)
+        return path.exists()
+
+    if not wait_until(written, timeout_s, interval_s=0.2):
+        raise CellError(f"no {what} at {path} after {timeout_s} s (coordinator.cell_start_timeout_s)")
     return path.read_text()

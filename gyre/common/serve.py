@@ -12,13 +12,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import NoReturn
 
 from aiohttp import web
 
 from gyre.common.files import write_private_file
+from gyre.common.wait import wait_until
 from gyre.errors import GyreError
 
 
@@ -109,14 +109,15 @@ class ChildServer:
         """
         port_file = self.files() / "port"
         self.spawn([*cmd, "--port-file", str(port_file)], env)
-        deadline = time.monotonic() + timeout_s
-        while not port_file.exists():
-            self.check_alive()
-            if time.monotonic() > deadline:
-                tail = self.log_tail()
-                self.stop()
-                raise self.error(f"{self.name}: no port reported after {timeout_s} s; log tail:\n{tail}")
-            time.sleep(0.05)
+
+        def reported() -> bool:
+            self.check_alive()  # a child that died raises: no waiting out the timeout
+            return port_file.exists()
+
+        if not wait_until(reported, timeout_s):
+            tail = self.log_tail()
+            self.stop()
+            raise self.error(f"{self.name}: no port reported after {timeout_s} s; log tail:\n{tail}")
         return port_file.read_text().split()
 
     def log_tail(self, n: int = 3000) -> str:
