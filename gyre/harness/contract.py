@@ -46,7 +46,6 @@ def make_contract_prefix(
     """
     taken = {PurePosixPath(m.dest).parts[1] for m in mounts if str(m.source) != m.dest}
     argv = ["bwrap", *make_root_args([e for e in system if e[0] not in taken], secrets, [])]
-    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     for path in hide:
         argv += ["--tmpfs", str(path)]
     for m in mounts:

@@ -57,7 +57,7 @@ def list_root(argv: list[str], env: dict[str, str] | None = None) -> list[str]:
 def make_root_args(
     system: list[tuple[str, str | None]], secrets: list[tuple[str, bool]], readonly: list[Path]
 ) -> list[str]:
-    """bubblewrap args of the allowlist root, before its fresh /dev /proc /tmp and writable binds (pure).
+    """bubblewrap args of the allowlist root with a fresh /dev /proc /tmp, before its writable binds (pure).
 
     Args:
         system: list_system_root().
@@ -69,6 +69,7 @@ def make_root_args(
         argv += ["--symlink", target, f"/{name}"] if target is not None else ["--ro-bind", f"/{name}", f"/{name}"]
     for path, is_dir in secrets:
         argv += ["--tmpfs", path] if is_dir else ["--ro-bind", "/dev/null", path]
+    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]  # before the installs: some live in /tmp
     for path in readonly:
         argv += ["--ro-bind", str(path), str(path)]
     return argv
@@ -117,12 +118,15 @@ def program_installs(program: str, path: str | None = None) -> set[Path]:
 
 def harness_installs(argv: list[str], env: dict[str, str] | None = None) -> list[Path]:
     """The host folders a harness command needs beyond the system ones: this Python's (the
-    coordinator's tools run in the sandbox with it), the gyre package, and the program's install.
+    coordinator's tools run in the sandbox with it), the gyre package, the program's install, and
+    the script its first argument names by an absolute path (`python /x/agent.py`), that file only.
     Nested and system paths are dropped; each is bound at its own path."""
     wanted = {Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parent, Path(CONF_DIR)}
     wanted |= program_installs(sys.executable)
     if argv:
         wanted |= program_installs(argv[0], (env or os.environ).get("PATH"))
+        if len(argv) > 1 and os.path.isabs(argv[1]) and os.path.isfile(argv[1]):  # `python /x/agent.py`
+            wanted.add(Path(argv[1]))
     wanted = {Path(os.path.abspath(p)) for p in wanted}
     keep = {p for p in wanted if not any(p == s or s in p.parents for s in _SYSTEM_PATHS) and p != Path("/")}
     return sorted(p for p in keep if not any(q != p and q in p.parents for q in keep))

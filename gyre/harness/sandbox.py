@@ -85,9 +85,9 @@ class SandboxResult:
 
 
 def make_bwrap_prefix(root: list[str], writable: list[Path], cwd: Path) -> list[str]:
-    """bubblewrap argv: the allowlist `root` (gyre/harness/roots.py), a fresh /tmp, `writable` paths
-    bound read-write, the rest of the root read-only (pure)."""
-    argv = ["bwrap", *root, "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    """bubblewrap argv: the allowlist `root` (gyre/harness/roots.py), `writable` paths bound
+    read-write, the rest of the root read-only (pure)."""
+    argv = ["bwrap", *root]
     for p in writable:
         argv += ["--bind", str(p), str(p)]
     return argv + ["--remount-ro", "/", "--unshare-pid", "--die-with-parent", "--chdir", str(cwd), "--"]

@@ -34,7 +34,8 @@ def test_root_args_bind_system_folders_mask_secrets_and_add_installs():
     )
     assert " ".join(argv) == (
         "--tmpfs / --ro-bind /usr /usr --symlink usr/lib /lib --ro-bind /etc /etc "
-        "--ro-bind /dev/null /etc/shadow --tmpfs /etc/ssl/private --ro-bind /tmp/c/.venv /tmp/c/.venv"
+        "--ro-bind /dev/null /etc/shadow --tmpfs /etc/ssl/private --dev /dev --proc /proc --tmpfs /tmp "
+        "--ro-bind /tmp/c/.venv /tmp/c/.venv"
     )
 
 
@@ -56,3 +57,11 @@ def test_harness_installs_are_the_install_not_the_source_tree():
     assert ROOT not in installs and not any(p in ROOT.parents for p in installs)  # no tests, task sets, runs
     assert not any(p == Path(d) or Path(d) in p.parents for p in installs for d in ("/usr", "/etc"))
     assert not any(a != b and a in b.parents for a in installs for b in installs)
+
+
+def test_the_script_an_interpreter_runs_is_bound_and_no_other_named_file(tmp_path):
+    script, other = tmp_path / "agent.py", tmp_path / "secret.txt"
+    script.write_text("")
+    other.write_text("")
+    assert script in harness_installs(["python3", str(script), str(other)])
+    assert not {script, other, tmp_path} & set(harness_installs(["sh", "-c", "cat $0", str(other)]))
