@@ -78,7 +78,7 @@ def make_harness_command(
     under Gyre's names and the ones the OpenAI and Anthropic SDKs read.
 
     Raises:
-        HarnessNotFound: claude_code / mini_swe_agent not installed.
+        HarnessNotFound: claude_code / codex / qwen_code / mini_swe_agent not installed.
     """
     env = {
         **os.environ,
@@ -126,6 +126,12 @@ def make_harness_command(
             binary, prompt, proxy_url=proxy_url, model=model, resume=session.resume, thread_id=session.id
         )
         return argv, agents.make_codex_env(env, api_key, str(home))
+    if cfg.kind == "qwen_code":
+        binary = agents.find_qwen_code()
+        if binary is None:
+            raise HarnessNotFound("Qwen Code is not installed (tools/setup.sh, or set GYRE_QWEN_CODE)")
+        argv = agents.make_qwen_code_command(binary, instruction, model=model)
+        return argv, agents.make_qwen_code_env(env, proxy_url, api_key, str(home), model)
     binary = agents.find_mini_swe_agent()
     if binary is None:
         raise HarnessNotFound("mini-swe-agent is not installed (pip install -e '.[harness]')")
