@@ -8,9 +8,10 @@
 Isolation is bubblewrap: an allowlist root (gyre/harness/roots.py: the system folders, the
 harness's install, read-only; no home folders, task set or run directory), the workspace and the
 private home writable, /dev, /proc and /tmp fresh, a pid namespace (the network is shared: the
-proxy is on loopback). A write anywhere else fails with EROFS and shows in the harness log. Where bubblewrap cannot run
-(not installed, no user namespaces in a container), `isolation=auto` says so once and falls back
-to the plain runner; `isolation=bwrap` refuses to start.
+proxy is on loopback). A write anywhere else fails with EROFS and shows in the harness log (or
+lands in the sandbox's own /tmp). Where bubblewrap cannot run (not installed, no user namespaces
+in a container), `isolation=auto` says so once and falls back to the plain runner;
+`isolation=bwrap` refuses to start.
 
 Harbor tasks (`task.environment` set) run in their environment (gyre/harness/environment.py): a
 bubblewrap holder with a fresh root, the workspace at the workdir (gyre/harness/contract.py) and the
