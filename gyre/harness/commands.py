@@ -64,44 +64,6 @@ class HarnessSession:
     resume: bool = False
 
 
-_INSTALLED = {
-    "claude_code": ("find_claude_code", "Claude Code is not installed (tools/setup.sh, or set GYRE_CLAUDE_CODE)"),
-    "codex": ("find_codex", "Codex CLI is not installed (tools/setup.sh, or set GYRE_CODEX)"),
-    "qwen_code": ("find_qwen_code", "Qwen Code is not installed (tools/setup.sh, or set GYRE_QWEN_CODE)"),
-    "mini_swe_agent": ("find_mini_swe_agent", "mini-swe-agent is not installed (pip install -e '.[harness]')"),
-}
-"""Each installed harness: its finder in gyre.harness.agents, and what to do where it is missing."""
-
-
-def find_harness(kind: str) -> str:
-    """The program of an installed harness kind.
-
-    Raises:
-        HarnessNotFound: it is not installed (the message says how to install it).
-    """
-    finder, missing = _INSTALLED[kind]
-    binary = getattr(agents, finder)()
-    if binary is None:
-        raise HarnessNotFound(missing)
-    return binary
-
-
-def make_proxy_env(proxy_url: str, api_key: str, model: str, home: Path) -> dict[str, str]:
-    """This process's environment plus the proxy URL, the execution's key and the model under Gyre's
-    names and the ones the OpenAI and Anthropic SDKs read, and the private HOME."""
-    return {
-        **os.environ,
-        "HOME": str(home),
-        "GYRE_PROXY_URL": proxy_url,
-        "GYRE_API_KEY": api_key,
-        "GYRE_MODEL": model,
-        "OPENAI_BASE_URL": proxy_url + "/v1",
-        "OPENAI_API_KEY": api_key,
-        "ANTHROPIC_BASE_URL": proxy_url,
-        "ANTHROPIC_API_KEY": api_key,
-    }
-
-
 def make_harness_command(
     cfg: HarnessConfig,
     instruction: str,
@@ -112,12 +74,23 @@ def make_harness_command(
     home: Path,
     session: HarnessSession = HarnessSession(None),
 ) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) of the harness; env: make_proxy_env and the harness's own variables.
+    """(argv, env) of the harness; env carries the proxy URL, the execution's key and the model
+    under Gyre's names and the ones the OpenAI and Anthropic SDKs read.
 
     Raises:
         HarnessNotFound: claude_code / codex / qwen_code / mini_swe_agent not installed.
     """
-    env = make_proxy_env(proxy_url, api_key, model, home)
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "GYRE_PROXY_URL": proxy_url,
+        "GYRE_API_KEY": api_key,
+        "GYRE_MODEL": model,
+        "OPENAI_BASE_URL": proxy_url + "/v1",
+        "OPENAI_API_KEY": api_key,
+        "ANTHROPIC_BASE_URL": proxy_url,
+        "ANTHROPIC_API_KEY": api_key,
+    }
     if cfg.kind == "toy":
         return make_toy_command(cfg, instruction, model), env
     if cfg.kind == "command":
@@ -129,9 +102,11 @@ def make_harness_command(
             "model": model,
         }
         return make_template_command(cfg.command, values), env
-    binary = find_harness(cfg.kind)
-    prompt = agents.CONTINUE_PROMPT if session.resume else instruction
     if cfg.kind == "claude_code":
+        binary = agents.find_claude_code()
+        if binary is None:
+            raise HarnessNotFound("Claude Code is not installed (tools/setup.sh, or set GYRE_CLAUDE_CODE)")
+        prompt = agents.CONTINUE_PROMPT if session.resume else instruction
         argv = agents.make_claude_code_command(
             binary,
             prompt,
@@ -143,13 +118,23 @@ def make_harness_command(
         )
         return argv, agents.make_claude_code_env(env, proxy_url, api_key, str(home), model)
     if cfg.kind == "codex":
+        binary = agents.find_codex()
+        if binary is None:
+            raise HarnessNotFound("Codex CLI is not installed (tools/setup.sh, or set GYRE_CODEX)")
+        prompt = agents.CONTINUE_PROMPT if session.resume else instruction
         argv = agents.make_codex_command(
             binary, prompt, proxy_url=proxy_url, model=model, resume=session.resume, thread_id=session.id
         )
         return argv, agents.make_codex_env(env, api_key, str(home))
     if cfg.kind == "qwen_code":
+        binary = agents.find_qwen_code()
+        if binary is None:
+            raise HarnessNotFound("Qwen Code is not installed (tools/setup.sh, or set GYRE_QWEN_CODE)")
         argv = agents.make_qwen_code_command(binary, instruction, model=model)
         return argv, agents.make_qwen_code_env(env, proxy_url, api_key, str(home), model)
+    binary = agents.find_mini_swe_agent()
+    if binary is None:
+        raise HarnessNotFound("mini-swe-agent is not installed (pip install -e '.[harness]')")
     argv = agents.make_mini_swe_command(
         binary, instruction, proxy_url=proxy_url, model=model, output=str(home / "trajectory.json")
     )
