@@ -64,6 +64,17 @@ class HarnessSession:
     resume: bool = False
 
 
+def _qwen_code_command(
+    instruction: str, proxy_url: str, api_key: str, model: str, home: Path, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """Qwen Code's (argv, env): one-shot, the proxy as its OpenAI endpoint (not continued yet)."""
+    binary = agents.find_qwen_code()
+    if binary is None:
+        raise HarnessNotFound("Qwen Code is not installed (tools/setup.sh, or set GYRE_QWEN_CODE)")
+    argv = agents.make_qwen_code_command(binary, instruction, model=model)
+    return argv, agents.make_qwen_code_env(env, proxy_url, api_key, str(home), model)
+
+
 def make_harness_command(
     cfg: HarnessConfig,
     instruction: str,
@@ -93,6 +104,8 @@ def make_harness_command(
     }
     if cfg.kind == "toy":
         return make_toy_command(cfg, instruction, model), env
+    if cfg.kind == "qwen_code":
+        return _qwen_code_command(instruction, proxy_url, api_key, model, home, env)
     if cfg.kind == "command":
         values = {
             "instruction": instruction,
@@ -126,12 +139,6 @@ def make_harness_command(
             binary, prompt, proxy_url=proxy_url, model=model, resume=session.resume, thread_id=session.id
         )
         return argv, agents.make_codex_env(env, api_key, str(home))
-    if cfg.kind == "qwen_code":
-        binary = agents.find_qwen_code()
-        if binary is None:
-            raise HarnessNotFound("Qwen Code is not installed (tools/setup.sh, or set GYRE_QWEN_CODE)")
-        argv = agents.make_qwen_code_command(binary, instruction, model=model)
-        return argv, agents.make_qwen_code_env(env, proxy_url, api_key, str(home), model)
     binary = agents.find_mini_swe_agent()
     if binary is None:
         raise HarnessNotFound("mini-swe-agent is not installed (pip install -e '.[harness]')")
