@@ -71,4 +71,16 @@ if [[ $("$codex" --version 2>/dev/null) != *"$CODEX_VERSION" ]]; then
     log "npm not found: Codex harness tests will be skipped"
   fi
 fi
+# Qwen Code, pinned, the same way (a Node script speaking chat completions; it asks for Node 22 and
+# runs on 20).
+QWEN_CODE_VERSION=0.24.4
+qwen=.venv/harness/node_modules/.bin/qwen
+if [[ $("$qwen" --version 2>/dev/null) != "$QWEN_CODE_VERSION" ]]; then
+  if command -v npm >/dev/null; then
+    log "installing Qwen Code $QWEN_CODE_VERSION into .venv/harness"
+    npm install --prefix .venv/harness --no-audit --no-fund --loglevel=error "@qwen-code/qwen-code@$QWEN_CODE_VERSION" >/dev/null
+  else
+    log "npm not found: Qwen Code harness tests will be skipped"
+  fi
+fi
 log "ready: $(.venv/bin/python -c 'import torch, megatron.core, gyre; print("torch", torch.__version__, "megatron-core", megatron.core.__version__)')"

@@ -29,6 +29,30 @@ from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation, unscored_reaso
 log = logging.getLogger(__name__)
 
 
+class HarnessStartError(GyreError):
+    """The harness never started: the first executions all ended without a model call."""
+
+
+def check_harness_started(num_unstarted: int, num_first: int, kind: str, log_path: Path, reason: str) -> None:
+    """Stop a run whose harness cannot start instead of training on nothing: once the first
+    `num_first` executions to end (the first step's groups) all ended without a model call.
+
+    Raises:
+        HarnessStartError: naming the harness and the last line of the latest one's log.
+    """
+    if num_unstarted < num_first:
+        return
+    try:
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        lines = []
+    last = lines[-1][-300:] if lines else "(empty)"
+    raise HarnessStartError(
+        f"harness.kind={kind}: the first {num_unstarted} executions all ended without a model call ({reason}); "
+        f"the last one's harness log ({log_path}) ends: {last}"
+    )
+
+
 class Rollouts(GroupBook):
     """Executions from admission to evaluation (mode=train: every ready group trains)."""
 
@@ -48,6 +72,9 @@ class Rollouts(GroupBook):
         self.proxy_url = ""
         self.queue: list[Execution] = []
         self.running: list[Execution] = []
+        self.num_unstarted: int | None = 0
+        """Executions ended without a model call before any made one (None: one has)."""
+        self.num_first = c.groups_per_step * c.group_size
 
     def attach(self, proxy: ProxyAdmin, proxy_url: str) -> None:
         self.proxy, self.proxy_url = proxy, proxy_url
@@ -219,7 +246,11 @@ class Rollouts(GroupBook):
             await asyncio.to_thread(ex.sandbox.close)
             ex.evaluation = Evaluation(outcome, None, reason)
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
+            if self.num_unstarted is not None:
+                self.num_unstarted += 1
+                check_harness_started(self.num_unstarted, self.num_first, self.harness.kind, result.log_path, reason)
             return
+        self.num_unstarted = None
         try:  # a Harbor task is verified in its agent's environment, ended once verified
             ev = await asyncio.to_thread(evaluate, ex.sandbox.task, result.workspace, outcome, ex.sandbox.environment)
         finally:

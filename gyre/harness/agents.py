@@ -10,6 +10,9 @@ service URLs, so litellm's `openai/` route with `api_base` is its only way to re
 Codex CLI (npm `@openai/codex`, pinned in tools/setup.sh) speaks only the Responses API; `codex
 exec` reaches the proxy through a custom model provider given with `-c` overrides (`wire_api =
 "responses"`, the key from an environment variable), with CODEX_HOME a per-execution directory.
+Qwen Code (npm `@qwen-code/qwen-code`, a Node script) speaks OpenAI chat completions, streamed, to
+OPENAI_BASE_URL with OPENAI_API_KEY (`--auth-type openai`); besides the agent's calls it sends an
+auxiliary memory-extraction call per session. Its settings and sessions live under $HOME/.qwen.
 """
 
 import json
@@ -23,6 +26,7 @@ from pathlib import Path
 CLAUDE_CODE_VERSION = "2.1.220"
 MINI_SWE_AGENT_VERSION = "2.4.6"
 CODEX_VERSION = "0.171.0"
+QWEN_CODE_VERSION = "0.24.4"
 
 
 def find_claude_code() -> str | None:
@@ -185,6 +189,34 @@ def make_codex_command(
     if instructions_file:
         cmd += ["-c", f"model_instructions_file={instructions_file}"]
     return cmd + [prompt]
+
+
+def find_qwen_code() -> str | None:
+    """The `qwen` script: $GYRE_QWEN_CODE, else the one tools/setup.sh installs into the venv."""
+    for candidate in (os.environ.get("GYRE_QWEN_CODE"), str(Path(sys.prefix) / "harness/node_modules/.bin/qwen")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def make_qwen_code_env(base: dict[str, str], proxy_url: str, api_key: str, home: str, model: str) -> dict[str, str]:
+    """The proxy as Qwen Code's OpenAI endpoint; HOME (its .qwen settings and sessions) the execution's."""
+    return {
+        **base,
+        "HOME": home,
+        "OPENAI_BASE_URL": proxy_url + "/v1",
+        "OPENAI_API_KEY": api_key,
+        "OPENAI_MODEL": model,
+        "NO_COLOR": "1",
+        "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
+    }
+
+
+def make_qwen_code_command(binary: str, prompt: str, *, model: str) -> list[str]:
+    """`qwen --yolo` (every tool approved: the sandbox is Gyre's), one-shot with JSON output, the
+    OpenAI route with `model`; `--prompt=`, so a prompt starting with a dash stays a prompt (after
+    `--` Qwen Code 0.24 reads no prompt at all)."""
+    return [binary, "--yolo", "--auth-type", "openai", "-m", model, "-o", "json", f"--prompt={prompt}"]
 
 
 def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:

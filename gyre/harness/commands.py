@@ -64,6 +64,17 @@ class HarnessSession:
     resume: bool = False
 
 
+def _qwen_code_command(
+    instruction: str, proxy_url: str, api_key: str, model: str, home: Path, env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """Qwen Code's (argv, env): one-shot, the proxy as its OpenAI endpoint (not continued yet)."""
+    binary = agents.find_qwen_code()
+    if binary is None:
+        raise HarnessNotFound("Qwen Code is not installed (tools/setup.sh, or set GYRE_QWEN_CODE)")
+    argv = agents.make_qwen_code_command(binary, instruction, model=model)
+    return argv, agents.make_qwen_code_env(env, proxy_url, api_key, str(home), model)
+
+
 def make_harness_command(
     cfg: HarnessConfig,
     instruction: str,
@@ -78,7 +89,7 @@ def make_harness_command(
     under Gyre's names and the ones the OpenAI and Anthropic SDKs read.
 
     Raises:
-        HarnessNotFound: claude_code / mini_swe_agent not installed.
+        HarnessNotFound: claude_code / codex / qwen_code / mini_swe_agent not installed.
     """
     env = {
         **os.environ,
@@ -93,6 +104,8 @@ def make_harness_command(
     }
     if cfg.kind == "toy":
         return make_toy_command(cfg, instruction, model), env
+    if cfg.kind == "qwen_code":
+        return _qwen_code_command(instruction, proxy_url, api_key, model, home, env)
     if cfg.kind == "command":
         values = {
             "instruction": instruction,

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from gyre.errors import ConfigError, require
 
-KINDS = ("toy", "claude_code", "mini_swe_agent", "codex", "command")
+KINDS = ("toy", "claude_code", "mini_swe_agent", "codex", "qwen_code", "command")
 ISOLATIONS = ("auto", "bwrap", "podman", "none")
 PLACEHOLDERS = ("instruction", "workspace", "proxy_url", "api_key", "model")
 
@@ -59,7 +59,7 @@ class HarnessConfig:
     """One sandboxed agent program per execution (see gyre/harness/sandbox.py)."""
 
     kind: str = "toy"
-    """toy | claude_code | mini_swe_agent | codex | command."""
+    """toy | claude_code | mini_swe_agent | codex | qwen_code | command."""
     command: str = ""
     """kind=command: a command line (split like a shell would, then each word formatted) with the
     placeholders {instruction} {workspace} {proxy_url} {api_key} {model}; write {{ }} for braces."""

@@ -23,11 +23,11 @@ import time
 import uuid
 from pathlib import Path
 
-import gyre
 from gyre.errors import GyreError
-from gyre.harness.contract import Mount, list_host_root, make_contract_prefix
+from gyre.harness.contract import Mount, make_contract_prefix
 from gyre.harness.envd import KILL_ALL
 from gyre.harness.podman import ensure_image, make_run_argv, podman, remove, with_image_workdir
+from gyre.harness.roots import harness_installs, list_secrets, list_system_root
 from gyre.tasks.spec import Task
 
 BOUND = ("tests", "logs", "solution")
@@ -116,13 +116,10 @@ class BaseTaskEnv:
         raise NotImplementedError
 
 
-def python_mounts() -> list[Mount]:
-    """This Python and Gyre's tree, bound read-only where the sandbox's fresh /tmp would hide them
-    (a checkout or a virtualenv under /tmp): the holder runs from them."""
-    wanted = {Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).parents[1]}
-    under_tmp = sorted({p.resolve() for p in wanted if p.resolve().is_relative_to("/tmp")})
-    top = [p for p in under_tmp if not any(q != p and q in p.parents for q in under_tmp)]
-    return [Mount(p, str(p), writable=False) for p in top]
+def install_mounts(argv: list[str] = ()) -> list[Mount]:
+    """The harness's install (roots.harness_installs: this Python, the gyre package, the program of
+    `argv`), bound read-only at its own paths wherever it lives: the holder runs from it too."""
+    return [Mount(p, str(p), writable=False) for p in harness_installs(list(argv))]
 
 
 class BwrapTaskEnv(BaseTaskEnv):
@@ -146,8 +143,10 @@ class BwrapTaskEnv(BaseTaskEnv):
         """
         env = self.task.environment
         self.socket.parent.mkdir()
-        mounts = [*self.mounts(), Mount(self.socket.parent, str(self.socket.parent)), *python_mounts(), *extra]
-        prefix = make_contract_prefix(list_host_root(), mounts, env.workdir, hide=[env.task_dir])
+        installs = [*install_mounts(), *(m for m in extra if not m.writable)]  # first: the rest may sit inside
+        mounts = [*installs, *self.mounts(), Mount(self.socket.parent, str(self.socket.parent))]
+        mounts += [m for m in extra if m.writable]
+        prefix = make_contract_prefix(list_system_root(), list_secrets(), mounts, env.workdir, hide=[env.task_dir])
         net = ["--unshare-net"] if network == "none" else []
         holder = [sys.executable, "-m", "gyre.harness.envd", "serve", str(self.socket), f"{lifetime_s:g}"]
         self.proc = subprocess.Popen(

@@ -38,11 +38,11 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import gyre
 from gyre.common.files import publish
 from gyre.errors import GyreError
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount
+from gyre.harness.roots import harness_installs
 from gyre.tasks.harbor import check_workdir
 from gyre.tasks.spec import Task, TaskSpecError
 
@@ -241,21 +241,21 @@ def make_limit_flags(cfg: HarnessConfig) -> list[str]:
     return [a for name, value in limits if value is not None for a in ("--ulimit", f"{name}={value}:{value}")]
 
 
-def harness_mounts() -> list[Path]:
-    """The host folders this Python and Gyre run from, bound read-only into the agent's container.
+def harness_mounts(argv: list[str] = ()) -> list[Path]:
+    """The host folders the harness runs from (gyre/harness/roots.py: this Python, the gyre package,
+    the program of `argv`), bound read-only into the agent's container; the image's own system
+    folders stay.
 
     Raises:
-        PodmanError: one is a system folder (a system Python): binding it would hide the image's.
+        PodmanError: this Python is a system one: binding it would hide the image's.
     """
-    wanted = {Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parents[1]}
-    wanted |= {Path(p) for p in sys.path if p and Path(p).is_dir()}
-    wanted = {p.resolve() for p in wanted}
-    if bad := sorted(str(p) for p in wanted if str(p) in SYSTEM_DIRS):
+    if bad := sorted({str(p) for p in map(Path, (sys.prefix, sys.base_prefix)) if str(p.resolve()) in SYSTEM_DIRS}):
         raise PodmanError(
             f"harness.isolation=podman: the harness's Python lives in {', '.join(bad)}, which would hide the "
             "image's own; run Gyre from a Python of its own (a uv or pyenv install, as tools/setup.sh makes)"
         )
-    return sorted(p for p in wanted if not any(q != p and q in p.parents for q in wanted))
+    system = [Path(d) for d in SYSTEM_DIRS if d != "/"]
+    return [p for p in harness_installs(list(argv)) if not any(p == d or d in p.parents for d in system)]
 
 
 def proxy_port(proxy_url: str) -> tuple[str, int]:
@@ -271,14 +271,17 @@ def container_env(env: dict[str, str]) -> dict[str, str]:
     return keep | ({"PYTHONPATH": env["PYTHONPATH"]} if "PYTHONPATH" in env else {})
 
 
-def make_agent_extras(cfg: HarnessConfig, task: Task, relay_dir: Path) -> tuple[list[Mount], list[str]]:
+def make_agent_extras(
+    cfg: HarnessConfig, task: Task, relay_dir: Path, argv: list[str] = ()
+) -> tuple[list[Mount], list[str]]:
     """(mounts, flags) the agent's container adds to the environment's: the relay's folder, the
-    harness's Python (read-only), its rlimits, and the task folder masked where it lies inside them.
+    harness's install (read-only; `argv`: the harness command), its rlimits, and the task folder
+    masked where it lies inside them.
 
     Raises:
         PodmanError: the harness's Python is a system one (harness_mounts).
     """
-    bound = harness_mounts()
+    bound = harness_mounts(argv)
     mounts = [Mount(relay_dir, RELAY_DIR), *(Mount(p, str(p), writable=False) for p in bound)]
     flags = make_limit_flags(cfg)
     task_dir = Path(task.environment.task_dir)

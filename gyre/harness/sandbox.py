@@ -5,11 +5,13 @@
     poll():    exited -> SandboxResult | past budget -> SIGTERM the group, after grace SIGKILL
     the workspace stays for the evaluator (partial credit for timed-out runs)
 
-Isolation is bubblewrap: the whole filesystem read-only, the workspace and the private home
-writable, /dev and /proc fresh, a pid namespace (the network is shared: the proxy is on loopback).
-A write anywhere else fails with EROFS and shows in the harness log. Where bubblewrap cannot run
-(not installed, no user namespaces in a container), `isolation=auto` says so once and falls back
-to the plain runner; `isolation=bwrap` refuses to start.
+Isolation is bubblewrap: an allowlist root (gyre/harness/roots.py: the system folders, the
+harness's install, read-only; no home folders, task set or run directory), the workspace and the
+private home writable, /dev, /proc and /tmp fresh, a pid namespace (the network is shared: the
+proxy is on loopback). A write anywhere else fails with EROFS and shows in the harness log (or
+lands in the sandbox's own /tmp). Where bubblewrap cannot run (not installed, no user namespaces
+in a container), `isolation=auto` says so once and falls back to the plain runner;
+`isolation=bwrap` refuses to start.
 
 Harbor tasks (`task.environment` set) run in their environment (gyre/harness/environment.py): a
 bubblewrap holder with a fresh root, the workspace at the workdir (gyre/harness/contract.py) and the
@@ -49,7 +51,7 @@ from gyre.harness.agents import claude_code_session_file, claude_code_session_id
 from gyre.harness.commands import HarnessSession, make_harness_command
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount
-from gyre.harness.environment import BaseTaskEnv, open_environment
+from gyre.harness.environment import BaseTaskEnv, install_mounts, open_environment
 from gyre.harness.podman import (
     RELAY_DIR,
     container_env,
@@ -61,6 +63,7 @@ from gyre.harness.podman import (
     proxy_port,
     with_image_workdir,
 )
+from gyre.harness.roots import list_root
 from gyre.harness.task_checks import SandboxError, agent_network, check_isolation
 from gyre.harness.toy_agent import SESSION_FILE
 from gyre.harness.workspace import make_workspace, run_setup
@@ -82,12 +85,13 @@ class SandboxResult:
     log_path: Path
 
 
-def make_bwrap_prefix(writable: list[Path], cwd: Path) -> list[str]:
-    """bubblewrap argv: the root read-only, `writable` paths bound read-write (pure)."""
-    argv = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "--die-with-parent"]
+def make_bwrap_prefix(root: list[str], writable: list[Path], cwd: Path) -> list[str]:
+    """bubblewrap argv: the allowlist `root` (gyre/harness/roots.py), `writable` paths bound
+    read-write, the rest of the root read-only (pure)."""
+    argv = ["bwrap", *root]
     for p in writable:
         argv += ["--bind", str(p), str(p)]
-    return argv + ["--chdir", str(cwd), "--"]
+    return argv + ["--remount-ro", "/", "--unshare-pid", "--die-with-parent", "--chdir", str(cwd), "--"]
 
 
 def make_container_prefix(image: str, writable: list[Path], cwd: Path, runtime: str = "apptainer") -> list[str]:
@@ -318,7 +322,7 @@ class Sandbox:
         if want in ("bwrap", "podman") and not bwrap_available():
             raise SandboxError(f"harness.isolation={want} but bubblewrap cannot run here; use auto or none")
         if self.isolated:
-            argv = make_bwrap_prefix([self.workspace, self.home], self.workspace) + argv
+            argv = make_bwrap_prefix(list_root(argv, env), [self.workspace, self.home], self.workspace) + argv
         if self.cfg.container_image:
             argv = (
                 make_container_prefix(
@@ -337,13 +341,15 @@ class Sandbox:
             if contract.image or network == "none":
                 host, self._port = proxy_port(self.proxy_url)
                 self._relay, self._relay_dir = start_host_relay(self.dir / "relay.log", host, self._port)
+            harness = make_harness_command(self.cfg, "", self.workspace, self.proxy_url, "", "", self.home)[0]
             if contract.image:  # podman sets the container's limits
-                extras = make_agent_extras(self.cfg, self.task, self._relay_dir)
+                extras = make_agent_extras(self.cfg, self.task, self._relay_dir, harness)
             else:  # `cpus` holds the whole environment, as a container's
                 holder = []
                 if contract.cpus is not None and (quota := make_sandbox_quota(self.execution_id, contract.cpus)):
                     self._quota, holder = quota, make_cgroup_prefix(str(Path(quota.path, "cgroup.procs")))
-                extras = ([Mount(self._relay_dir, RELAY_DIR)] if self._relay_dir else [], holder)
+                relay = [Mount(self._relay_dir, RELAY_DIR)] if self._relay_dir else []
+                extras = ([*install_mounts(harness), *relay], holder)  # the harness's install, wherever it lives
             # Started in prepare()'s thread (the coordinator's executor threads live as long as its
             # loop): bubblewrap's --die-with-parent follows the thread that started it.
             self.environment = open_environment(self.task, self.workspace, network, self.home, extras, self._image)

@@ -573,8 +573,8 @@ def test_misbehaving_harnesses_and_a_broken_task_are_excluded_and_counted_while_
     exits = {e.task_id: e.exit_code for es in view.history.values() for e in es if e.exit_code is not None}
     assert exits["t-exit"] == 3 and exits["t-silent"] == 0
     escaped = [eid for eid in view.history if view.history[eid][0].task_id == "t-escape"]
+    # the sandbox's /tmp is its own (gyre/harness/roots.py): the write landed there, never on the host
     assert not outside.exists() and all(view.outcome(eid).state == "finished" for eid in escaped)
-    assert all("Read-only file system" in (run_dir / "sandboxes" / eid / "harness.log").read_text() for eid in escaped)
     counts = summary["executions"]
     assert (
         counts["excluded/harness_failed"] == counts["excluded/no_model_calls"] == counts["excluded/sandbox_error"] == 2

@@ -19,6 +19,7 @@ from gyre.coordinator.batching import mask_stale
 from gyre.coordinator.build import _accept_cells
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
 from gyre.coordinator.loop import RunFailed, _load_serving, _on_message
+from gyre.coordinator.rollouts import HarnessStartError, check_harness_started
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import attach_engine
 from gyre.engines.published import PublishedWeights
@@ -373,3 +374,23 @@ def test_the_coordinators_steps_are_plain_maps_of_groups_whose_ready_work_the_po
     train.add_group(group(3, 1))
     with pytest.raises(StalenessError):
         train.to_send()
+
+
+@pytest.mark.parametrize(
+    "num_unstarted,log,stops",
+    [
+        pytest.param(3, "x\n", False, id="fewer-than-the-first-step"),
+        pytest.param(4, "starting\nbwrap: execvp /tmp/c/.venv/bin/mini: No such file\n\n", True, id="last-line"),
+        pytest.param(4, None, True, id="no-log"),
+    ],
+)
+def test_a_harness_that_never_starts_stops_the_run(tmp_path, num_unstarted, log, stops):
+    path = tmp_path / "harness.log"
+    if log is not None:
+        path.write_text(log)
+    if not stops:
+        check_harness_started(num_unstarted, 4, "mini_swe_agent", path, "harness_failed")
+        return
+    with pytest.raises(HarnessStartError, match="harness.kind=mini_swe_agent: the first 4 executions") as e:
+        check_harness_started(num_unstarted, 4, "mini_swe_agent", path, "harness_failed")
+    assert str(e.value).endswith(" ends: bwrap: execvp /tmp/c/.venv/bin/mini: No such file" if log else "(empty)")

@@ -192,19 +192,23 @@ def test_isolation_refusals_name_task_and_key(tmp_path):
 
 
 def test_contract_prefix_layout():
-    host = [("bin", "usr/bin"), ("usr", None), ("proc", None), ("tmp", None), ("app", None), ("work", None)]
+    system = [("bin", "usr/bin"), ("usr", None), ("etc", None)]
     mounts = [
+        Mount(Path("/venv"), "/venv", writable=False),
         Mount(Path("/h/ws"), "/app"),
         Mount(Path("/h/t"), "/tests", writable=False),
         Mount(Path("/work/h"), "/work/h"),
     ]
-    argv = make_contract_prefix(host, mounts, "/app", hide=["/work/set/t1"])
+    argv = make_contract_prefix(system, [("/etc/shadow", False)], mounts, "/app", hide=["/work/set/t1"])
     assert " ".join(argv) == (
-        "bwrap --tmpfs / --symlink usr/bin /bin --ro-bind /usr /usr --ro-bind /work /work "
-        "--dev /dev --proc /proc --tmpfs /tmp --tmpfs /work/set/t1 --bind /h/ws /app --ro-bind /h/t /tests "
-        "--bind /work/h /work/h "
+        "bwrap --tmpfs / --symlink usr/bin /bin --ro-bind /usr /usr --ro-bind /etc /etc "
+        "--ro-bind /dev/null /etc/shadow "
+        "--dev /dev --proc /proc --tmpfs /tmp --tmpfs /work/set/t1 --ro-bind /venv /venv --bind /h/ws /app "
+        "--ro-bind /h/t /tests --bind /work/h /work/h "
         "--unshare-pid --die-with-parent --chdir /app --"
     )
+    usr_workdir = make_contract_prefix(system, [], [Mount(Path("/h/ws"), "/usr/src/app")], "/usr/src/app")
+    assert "/usr" not in usr_workdir[: usr_workdir.index("--dev")]  # the workdir's top folder is not the host's
 
 
 def test_task_memory_lowers_the_harness_rlimit_only_where_it_has_one():

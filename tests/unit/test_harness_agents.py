@@ -1,5 +1,9 @@
 """Harness command lines and environments (pure): every model call must reach the proxy."""
 
+import sys
+
+import pytest
+
 from gyre.harness.agents import (
     claude_code_session_id,
     make_claude_code_command,
@@ -95,3 +99,26 @@ def test_claude_code_and_codex_continue_their_own_session_by_id():
     assert "--continue" not in again and claude_code_session_id("g00001-3") == claude_code_session_id("g00001-3")
     cx = make_codex_command("codex", "go on", proxy_url="http://p", model="gyre", resume=True, thread_id="t-42")
     assert cx[1:4] == ["exec", "resume", "t-42"] and cx[-1] == "go on" and "--last" not in cx
+
+
+def test_qwen_code_runs_one_shot_against_the_proxy_as_its_openai_endpoint(tmp_path, monkeypatch):
+    from gyre.harness.commands import HarnessNotFound, make_harness_command
+    from gyre.harness.config import HarnessConfig
+
+    binary = tmp_path / "qwen"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("GYRE_QWEN_CODE", str(binary))
+    cfg = HarnessConfig(kind="qwen_code")
+    argv, env = make_harness_command(cfg, "-fix it", tmp_path, "http://127.0.0.1:8000", "key-1", "gyre", tmp_path / "h")
+    assert argv == [str(binary), "--yolo", "--auth-type", "openai", "-m", "gyre", "-o", "json", "--prompt=-fix it"]
+    assert (env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"], env["OPENAI_MODEL"]) == (
+        "http://127.0.0.1:8000/v1",
+        "key-1",
+        "gyre",
+    )
+    assert env["HOME"] == str(tmp_path / "h") and "key-1" not in argv
+    monkeypatch.delenv("GYRE_QWEN_CODE")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "no-venv"))
+    with pytest.raises(HarnessNotFound, match="Qwen Code is not installed"):
+        make_harness_command(cfg, "x", tmp_path, "http://h:1", "k", "m", tmp_path / "h")

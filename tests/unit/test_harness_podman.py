@@ -2,6 +2,7 @@
 what the container's environment gets) and the relay that is the agent's only way to the proxy."""
 
 import asyncio
+import dataclasses
 import os
 import resource
 import sys
@@ -57,8 +58,9 @@ def test_agent_extras_are_the_relay_the_harness_python_and_its_rlimits(tmp_path)
 
 
 def test_harness_mounts_are_minimal_and_refuse_a_system_python(monkeypatch):
-    mounts = podman.harness_mounts()
+    mounts = podman.harness_mounts(["sh"])
     assert not any(a != b and a in b.parents for a in mounts for b in mounts)
+    assert not any(str(m) in podman.SYSTEM_DIRS for m in mounts)  # `sh` is the image's own
     assert Path(sys.base_prefix).resolve() in mounts or any(
         m in Path(sys.base_prefix).resolve().parents for m in mounts
     )
@@ -126,9 +128,12 @@ def test_relay_carries_bytes_both_ways_and_a_half_close(tmp_path):
     assert asyncio.run(scenario()) == b"X" * 200_000 + b"END"
 
 
-def test_a_task_folder_inside_the_bound_gyre_tree_is_masked_from_the_agent(tmp_path):
+def test_only_the_harness_install_is_bound_and_a_task_folder_inside_it_is_masked(tmp_path):
     shipped = load_harbor_task(Path(__file__).parents[1] / "harbor_image_tasks" / "hello-image")
-    _, flags = podman.make_agent_extras(HarnessConfig(), shipped, tmp_path / "r")
-    assert ["--tmpfs", f"{shipped.environment.task_dir}:notmpcopyup"] == flags[flags.index("--tmpfs") :][:2]
-    _, outside = podman.make_agent_extras(HarnessConfig(), harbor_task(tmp_path), tmp_path / "r")
-    assert "--tmpfs" not in outside
+    mounts, flags = podman.make_agent_extras(HarnessConfig(), shipped, tmp_path / "r")
+    assert "--tmpfs" not in flags  # the source tree (tests, task sets) is not the harness's install
+    assert not any(Path(m.source) in Path(shipped.environment.task_dir).parents for m in mounts)
+    inside = Path(sys.prefix) / "tasks" / "t1"  # a task set inside the bound venv stays unseen
+    task = dataclasses.replace(shipped, environment=dataclasses.replace(shipped.environment, task_dir=str(inside)))
+    _, flags = podman.make_agent_extras(HarnessConfig(), task, tmp_path / "r")
+    assert ["--tmpfs", f"{inside}:notmpcopyup"] == flags[flags.index("--tmpfs") :][:2]

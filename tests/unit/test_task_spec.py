@@ -121,10 +121,13 @@ def test_command_placeholders_keep_values_one_word():
 
 
 def test_bwrap_prefix_binds_only_the_writable_paths(tmp_path):
-    argv = make_bwrap_prefix([tmp_path / "ws", tmp_path / "home"], tmp_path / "ws")
-    assert argv[:4] == ["bwrap", "--ro-bind", "/", "/"]
+    argv = make_bwrap_prefix(
+        ["--tmpfs", "/", "--ro-bind", "/usr", "/usr"], [tmp_path / "ws", tmp_path / "home"], tmp_path / "ws"
+    )
+    assert argv[:6] == ["bwrap", "--tmpfs", "/", "--ro-bind", "/usr", "/usr"]
     binds = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
     assert binds == [str(tmp_path / "ws"), str(tmp_path / "home")] and argv[-1] == "--"
+    assert argv.index("--bind") < argv.index("--remount-ro")  # then the rest of the root read-only
 
 
 def test_container_prefix_binds_workspace_and_home(tmp_path):

@@ -1,0 +1,64 @@
+"""SLOW (under a minute): real Qwen Code (npm `@qwen-code/qwen-code`) through the proxy's chat
+completions and a builtin engine running a scripted policy: a shell command, then the answer; its
+records must hold the agent's chain. Skipped without the npm package
+(tools/setup.sh installs it; or set GYRE_QWEN_CODE)."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+from proxy_fixtures import MODEL, new_execution, start_engine, start_proxy
+
+from gyre.harness.agents import find_qwen_code, make_qwen_code_command, make_qwen_code_env, run_harness
+from gyre.records.io import read_records
+from gyre.trajectory.tree import build_call_tree
+
+pytestmark = pytest.mark.slow
+
+
+def tool_call(name: str, args: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+RULES = [  # first match wins, on the prompt text the model has not answered yet (gyre.engines.scripted)
+    {"match": "Managed memory", "emit": "Nothing to remember."},
+    {"match": "QWEN-STEP-DONE", "emit": "The marker is written. QWEN-COMPLETE"},
+    {
+        "match": "TASK-QWEN",
+        "emit": "I will run it. " + tool_call("run_shell_command", {"command": "echo QWEN-STEP-DONE | tee step.txt"}),
+    },
+    {"match": ".", "emit": "Nothing to do."},
+]
+
+
+def test_qwen_code_runs_a_command_through_the_proxy(tmp_path):
+    binary = find_qwen_code()
+    if binary is None:
+        pytest.skip("Qwen Code not installed: run tools/setup.sh (or set GYRE_QWEN_CODE)")
+    engine = start_engine(
+        tmp_path, RULES, model=dataclasses.replace(MODEL, max_seq_len=131072)
+    )  # its prompt: ~76k tiny-tokenizer tokens
+    proxy = start_proxy(tmp_path, [engine.url], context_len=131072)
+    try:
+        key = new_execution(proxy, "qw")
+        for d in ("home", "ws"):
+            (tmp_path / d).mkdir()
+        env = make_qwen_code_env(dict(os.environ), proxy.url, key, str(tmp_path / "home"), "gyre")
+        command = make_qwen_code_command(binary, "TASK-QWEN: write the marker", model="gyre")
+        done = run_harness(command, env, str(tmp_path / "ws"), 300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        result = json.loads(done.stdout)[-1]
+        assert result["type"] == "result" and result["result"] == "The marker is written. QWEN-COMPLETE", result
+        assert (tmp_path / "ws" / "step.txt").read_text() == "QWEN-STEP-DONE\n"  # the command really ran
+    finally:
+        proxy.stop()
+        engine.stop()
+
+    records, stats = read_records(tmp_path / "records" / "qw.jsonl")
+    assert stats.num_torn == 0 and not stats.invalid
+    tree = build_call_tree(records)
+    # the agent's two calls (and the memory extractor's, when it ran before the exit); the call after
+    # the tool result extends the first
+    assert len(records) >= 2 and tree.missing_seqs == [], [r.hints for r in records]
+    assert any(n.parent is not None and n.shared >= tree.nodes[n.parent].end for n in tree.nodes), tree.nodes
