@@ -168,6 +168,7 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
         "stop_admission",
         "hand_off_sessions",
         "release_engine_memory",
+        "onload_trainer",
         "pull_weights",
         "join_step",
     ]
