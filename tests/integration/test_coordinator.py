@@ -588,7 +588,7 @@ def test_interrupted_executions_continue_their_sessions_after_a_sigkill(tmp_path
     of the main agent's calls recorded) and resume: they continue under the same id (no `.r1`),
     their calls before and after the break one call tree, the tokens before the break kept;
     nothing is trained twice, and a group of continued and uninterrupted executions trains."""
-    run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
+    run_dir, tasks = tmp_path / "run", _taskset(tmp_path, ("apple", "river"))  # no crashing evaluator
     rules = tmp_path / "rules.json"  # the main agent runs two commands of 0.5 s before it answers
     script = [("Write the word", "echo STEP-ONE"), ("STEP-ONE", "echo STEP-TWO")]
     rules.write_text(

@@ -129,11 +129,10 @@ def launch(tmp_path, proxy, name: str, key: str, compact: bool = False) -> subpr
             find_mini_swe_agent(),
             "Print the step markers.",
             proxy_url=proxy.url,
-            api_key=key,
             model="gyre",
             output=str(tmp_path / f"traj-{name}.json"),
         )
-        env = make_mini_swe_env(dict(os.environ), str(home))
+        env = make_mini_swe_env(os.environ | {"OPENAI_API_KEY": key}, str(home))  # the key: never argv
     with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
         return subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ws, stdout=out, stderr=err)
 
