@@ -136,8 +136,12 @@ def make_claude_code_command(
 
 
 def find_codex() -> str | None:
-    """The `codex` binary: $GYRE_CODEX, else the one tools/setup.sh installs into the venv."""
-    for candidate in (os.environ.get("GYRE_CODEX"), str(Path(sys.prefix) / "harness/node_modules/.bin/codex")):
+    """The `codex` binary: $GYRE_CODEX, else the native one the npm package ships (a static musl
+    build under @openai/codex-<platform>/vendor: no Node needed where it runs, e.g. a task's image),
+    else its Node launcher, as tools/setup.sh installs them into the venv."""
+    modules = Path(sys.prefix) / "harness/node_modules"
+    native = sorted(modules.glob("@openai/codex-linux-*/vendor/*/bin/codex"))
+    for candidate in (os.environ.get("GYRE_CODEX"), *map(str, native), str(modules / ".bin/codex")):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     return None
