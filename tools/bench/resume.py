@@ -49,20 +49,27 @@ def _train(run_dir: Path, *extra: str, **popen) -> subprocess.Popen:
 
 
 def kill_mid_step(run_dir: Path, step: int, overrides: list[str]) -> None:
-    """Run until step `step`'s executions have made calls (the step before it trained), then SIGKILL all."""
+    """Run until an execution of step `step` or later is running with calls recorded (the steps
+    before it trained), then SIGKILL the run's whole process group."""
+    from gyre.coordinator.ledger import read_ledger
+
     proc = _train(run_dir, *overrides, start_new_session=True)
 
     def mid_step() -> bool:
-        trained = any(e["step"] >= step for e in _events(run_dir, "checkpoint"))
-        return trained and any(
-            e["state"] == "running" and e["step"] == step for e in _events(run_dir, "execution_state")
+        ledger = run_dir / "ledger.jsonl"
+        if not ledger.exists() or not any(e["step"] >= step for e in _events(run_dir, "checkpoint")):
+            return False
+        running = [eid for eid, e in read_ledger(ledger).entries.items() if e.state == "running"]
+        return any(
+            (run_dir / "records" / f"{eid}.jsonl").stat().st_size > 0
+            for eid in running
+            if (run_dir / "records" / f"{eid}.jsonl").exists()
         )
 
     while not mid_step():
         if proc.poll() is not None:
             sys.exit(f"the run ended before step {step} was mid-way:\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.2)
-    time.sleep(2.0)  # a bench, not a test: let the step's executions make a few calls
+        time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
