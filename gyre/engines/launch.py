@@ -1,7 +1,8 @@
 """Start a rollout server as a child process and wait until it answers /health.
 
 `make_sglang_command`/`make_sglang_env` are pure (golden-tested); the process classes spawn, poll,
-stop, and own what differs between backends in a role switch (`release`/`resume`). SGLang path:
+stop, and own what differs between backends in a role switch and a weight load (`release`/`resume`,
+`load`: SGLang pauses and opens a weight-update session; gyre.engines.weights.serve_weights). SGLang path:
 needs a GPU node with sglang 0.5.x installed (marked `gpu` in tests), or `engine.sglang_fake`.
 """
 
