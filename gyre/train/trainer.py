@@ -45,7 +45,6 @@ class Trainer:
         self.step = 0
         self._host: list[tuple[torch.UntypedStorage, torch.Tensor]] | None = None
         """While offloaded: each moved storage with its host copy."""
-        self._grad_nbytes = 0
 
     @property
     def local_optimizer(self) -> torch.optim.Optimizer:
@@ -161,7 +160,6 @@ class Trainer:
         freed; every tensor and view keeps its identity, its storage empty until `onload`."""
         if self._host is not None:
             return
-        self._grad_nbytes = self.grad.untyped_storage().nbytes()
         self._host = move_to_host(self._resident(), pin=self.cuda)
         self.grad.untyped_storage().resize_(0)
         if self.cuda:
@@ -172,7 +170,7 @@ class Trainer:
         if self._host is None:
             return
         move_back(self._host)
-        self.grad.untyped_storage().resize_(self._grad_nbytes)
+        self.grad.untyped_storage().resize_(self.grad.numel() * self.grad.element_size())
         self.grad.zero_()
         self._host = None
 
@@ -259,10 +257,12 @@ class Trainer:
         """
         from megatron.core import parallel_state
 
+        from gyre.train.publish import served_dtype
+
         state = {n: self._full_tensor(n, p.detach(), to_first) for n, p in self.model.named_parameters()}
         if to_first and parallel_state.get_tensor_model_parallel_rank() != 0:
             return {}
-        dtype = torch.bfloat16 if self.cuda else torch.float32  # gyre.train.publish.served_dtype
+        dtype = served_dtype(self.cuda)
         return megatron_to_engine({n: t.to(dtype).cpu() for n, t in state.items()}, self.model_cfg)
 
     def _full_tensor(self, name: str, local: torch.Tensor, to_first: bool = False) -> torch.Tensor:

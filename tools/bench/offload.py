@@ -19,25 +19,13 @@ import statistics
 import time
 
 import torch
+from publish import MODELS  # this folder's (tools/bench) publish benchmark
 
 from gyre.models.config import ModelConfig
 from gyre.models.transformer import param_shapes
 from gyre.train.trainer import move_back, move_to_host
 
-QWEN3_0_5B = ModelConfig(  # tools/bench/publish.py's shape: Qwen2.5-0.5B's sizes with Qwen3's q/k norm
-    name="qwen3_0_5b",
-    num_layers=24,
-    hidden_size=896,
-    ffn_hidden_size=4864,
-    num_attention_heads=14,
-    num_query_groups=2,
-    head_dim=64,
-    qk_norm=True,
-    vocab_size=151936,
-    max_seq_len=4096,
-    rotary_base=1000000.0,
-    tie_embeddings=True,
-)
+QWEN3_0_5B = MODELS["qwen3_0_5b"]  # publish.py's shape: Qwen2.5-0.5B's sizes with Qwen3's q/k norm
 
 
 def _cpu_s() -> float:
