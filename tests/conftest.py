@@ -1,11 +1,15 @@
-"""Shared pytest set-up: marker gating for `gpu` and `slurm` tests, and single-threaded torch."""
+"""Shared pytest set-up: marker gating for `gpu` and `slurm` tests, single-threaded torch, and
+free ports reserved for a test's length."""
 
+import contextlib
 import os
 import shutil
 import subprocess
 
 import pytest
 from hypothesis import settings
+
+from gyre.common.ports import PortReservation
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -39,3 +43,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA; none on this machine"))
         if skip_slurm and "slurm" in item.keywords:
             item.add_marker(pytest.mark.skip(reason="needs the dev Slurm cluster: run tools/slurm-dev up"))
+
+
+@pytest.fixture
+def reserve_port():
+    """Call it for a free port, reserved until the test ends (gyre.common.ports): for a process
+    the test starts that binds it by number; nothing listens on it until one does."""
+    with contextlib.ExitStack() as held:
+        yield lambda: held.enter_context(PortReservation())

@@ -18,6 +18,7 @@ closes, stopping its engines.
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -39,6 +40,7 @@ from gyre.cells.serving import (
     started_by,
 )
 from gyre.cells.spec import CellSpec
+from gyre.common.ports import PortReservation
 from gyre.common.serve import exit_at_once, first_exited
 from gyre.control.messages import (
     CellReady,
@@ -98,13 +100,16 @@ class CellLeader:
         self._closing = threading.Event()
         self.followers = []
         """Ranks 1.. of this cell (gyre/train/ranks.py); this process is rank 0, the cell's control endpoint."""
-        if spec.ranks > 1 and not spec.followers_placed:
-            from gyre.train.ranks import start_followers
-
-            self.followers = start_followers(spec.ranks, spec.host, spec.model, spec.trainer, spec.seed, spec.run_dir)
         # The trainer first: a satellite, which serves first, moves its state off the device before
         # its engines start and size their memory to what is free (gyre.train.trainer.Trainer.offload).
-        self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
+        spawning = spec.ranks > 1 and not spec.followers_placed
+        with PortReservation() if spawning else contextlib.nullcontext() as master_port:  # until the group binds it
+            if spawning:
+                from gyre.train.ranks import start_followers
+
+                args = (spec.ranks, spec.host, master_port, spec.model, spec.trainer, spec.seed, spec.run_dir)
+                self.followers = start_followers(*args)
+            self.trainer = Trainer(spec.model, spec.trainer, seed=spec.seed)
         link_host = spec.host if spec.followers_placed else None  # srun's tasks: not this process's children
         self.ranks = CellRanks(self.trainer, self.followers, self._rank_lost, link_host=link_host)
         if not self.is_core:

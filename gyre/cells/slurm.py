@@ -17,6 +17,7 @@ run's. A rank that fails leaves its traceback in a `.failed` file, which `check_
 rank lost is the cell's loss); a follower that ends leaves `cell<k>.r<restart>.rank<r>.json`.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -33,6 +34,7 @@ from gyre.cells.placement import SlurmPlacement
 from gyre.cells.serving import joined_by, plan_cell, plan_engines, started_by
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
+from gyre.common.ports import PortReservation
 from gyre.common.serve import exit_at_once, first_exited
 from gyre.common.wait import wait_until
 from gyre.scheduler.cells import Cell
@@ -146,8 +148,9 @@ def run_cell_task(job_dir: Path, placement: SlurmPlacement, bind_host: str | Non
             return
         # the leader starts its node's engines from one config (the first's): advertised at its node's
         # address, which the proxy dials (engine.bind_host stays as set), with a spanning server's rendezvous
-        ((engine, _), *_) = _node_engines(job_dir, restart, spec, 0, host, timeout_s)
-        _run_leader(job_dir, placement, dataclasses.replace(spec, host=host, engine=engine))
+        with contextlib.ExitStack() as held:  # a spanning server's rendezvous port, as long as the leader runs
+            ((engine, _), *_) = _node_engines(job_dir, restart, spec, 0, host, timeout_s, held)
+            _run_leader(job_dir, placement, dataclasses.replace(spec, host=host, engine=engine))
     except BaseException:
         write_private_file(
             failed_path(job_dir, cell, restart, rank),
@@ -186,20 +189,21 @@ def _run_leader(job_dir: Path, placement: SlurmPlacement, spec: CellSpec) -> Non
         spec.control,
         spec.ranks,
     )
-    if spec.ranks > 1:  # rank 0 of the cell's group: its followers are this component's other tasks
-        from gyre.engines.launch import free_port
+    # rank 0 of the cell's group (its followers are this component's other tasks) binds the group's
+    # store in the leader's Trainer: its port stays reserved as long as the leader runs
+    with PortReservation() if spec.ranks > 1 else contextlib.nullcontext() as master_port:
+        if spec.ranks > 1:
+            group = {"WORLD_SIZE": str(spec.ranks), "MASTER_ADDR": spec.host, "MASTER_PORT": str(master_port)}
+            os.environ.update(group | {"RANK": "0"})  # the leader (or mpiexec's child) inherits them
+            write_private_file(group_path(job_dir, cell, restart), json.dumps(group))
+        if spec.control == "mpi":  # an MPI process of its own, under mpiexec on this node
+            rc = subprocess.run(leader_command(spec_path(job_dir, cell, restart), spec.control)).returncode
+            if rc != 0:
+                raise CellError(f"cell {cell}: its leader under mpiexec exited with code {rc}")
+            return
+        from gyre.cells.leader import CellLeader
 
-        group = {"WORLD_SIZE": str(spec.ranks), "MASTER_ADDR": spec.host, "MASTER_PORT": str(free_port(spec.host))}
-        os.environ.update(group | {"RANK": "0"})  # the leader (or mpiexec's child) inherits them
-        write_private_file(group_path(job_dir, cell, restart), json.dumps(group))
-    if spec.control == "mpi":  # an MPI process of its own, under mpiexec on this node
-        rc = subprocess.run(leader_command(spec_path(job_dir, cell, restart), spec.control)).returncode
-        if rc != 0:
-            raise CellError(f"cell {cell}: its leader under mpiexec exited with code {rc}")
-        return
-    from gyre.cells.leader import CellLeader
-
-    CellLeader(spec).run()
+        CellLeader(spec).run()
 
 
 def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, host: str, timeout_s: float) -> None:
@@ -211,7 +215,8 @@ def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, host: str,
     group = json.loads(_wait_for("rendezvous", group_path(job_dir, cell, restart), job_dir, restart, timeout_s))
     os.environ.update(group | {"RANK": str(rank)})
     log.warning("cell %d: rank %d of %d on %s (%s), restart %d", cell, rank, spec.ranks, placement.node, host, restart)
-    engines = _start_node_engines(_node_engines(job_dir, restart, spec, rank, host, timeout_s), spec)
+    with contextlib.ExitStack() as held:  # a spanning server's rendezvous port, until its engine started
+        engines = _start_node_engines(_node_engines(job_dir, restart, spec, rank, host, timeout_s, held), spec)
     stopping, failed = threading.Event(), failed_path(job_dir, cell, restart, rank)
     threading.Thread(target=_exit_with_engines, args=(engines, stopping, failed), daemon=True).start()
     urls = [engine.url for engine in engines if engine.url]  # node rank 0's: a server registers once
@@ -226,20 +231,21 @@ def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, host: str,
             engine.stop()
 
 
-def _node_engines(job_dir: Path, restart: int, spec: CellSpec, rank: int, host: str, timeout_s: float) -> list:
+def _node_engines(
+    job_dir: Path, restart: int, spec: CellSpec, rank: int, host: str, timeout_s: float, held: contextlib.ExitStack
+) -> list:
     """The (config, base GPU) of each engine server process this rank starts on its node, if it is
     the node's first rank (gyre.cells.serving `started_by`, `joined_by`): advertised at `host`, its
     node's address, with its node rank; for a server spanning nodes, node rank 0's starter picks the
-    rendezvous and publishes it in the job directory, the other nodes' wait for it."""
-    from gyre.engines.launch import free_port
-
+    rendezvous and publishes it in the job directory, the other nodes' wait for it. The rendezvous
+    port stays reserved until `held` closes (after the engine started: SGLang binds it by number)."""
     engine = spec.engine
     slots = plan_engines(spec.ranks, spec.nodes, engine.tp_size, engine.on_gpu, engine.nnodes)
     out = []
     for slot in started_by(slots, rank):
         cfg = dataclasses.replace(engine, host=host, nnodes=slot.nnodes)
         if slot.nnodes > 1:
-            cfg = dataclasses.replace(cfg, dist_init_addr=f"{host}:{free_port(host)}")
+            cfg = dataclasses.replace(cfg, dist_init_addr=f"{host}:{held.enter_context(PortReservation())}")
             rendezvous = json.dumps({"dist_init_addr": cfg.dist_init_addr})
             write_private_file(engine_path(job_dir, spec.index, restart, slot.index), rendezvous)
         out.append((cfg, slot.base_gpu_id))

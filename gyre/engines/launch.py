@@ -7,14 +7,15 @@ needs a GPU node with sglang 0.5.x installed (marked `gpu` in tests), or `engine
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import os
-import socket
 import sys
 import time
 from abc import ABC, abstractmethod
 
 from gyre.common.files import write_child_config
+from gyre.common.ports import PortReservation
 from gyre.common.serve import ChildServer, ChildServerError
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
@@ -110,12 +111,6 @@ def advertised_url(cfg: EngineConfig, port: int) -> str:
     return f"http://{cfg.host}:{port}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class BaseEngineProcess(ChildServer, ABC):
     """A rollout server child process; `url` is valid after `start()`. Use as a context manager.
 
@@ -204,14 +199,15 @@ class SGLangProcess(BaseEngineProcess):
     def start(self) -> None:
         """Node rank 0 (every server on one node) serves HTTP at `url` once healthy; a node rank >= 1
         runs only its node's schedulers, so it has no URL and nothing to wait for here (its node
-        rank 0 turns healthy once every node joined)."""
-        port = self.cfg.port or free_port(self.cfg.listen_host)
-        module = "gyre.engines.sglang_fake" if self.cfg.sglang_fake else "sglang.launch_server"
-        cmd = make_sglang_command(self.cfg, port, base_gpu_id=self.base_gpu_id, module=module)
-        self.spawn(cmd, make_sglang_env(self.cfg, dict(os.environ)))
-        if self.cfg.node_rank == 0:
-            self.url = advertised_url(self.cfg, port)
-            asyncio.run(self.wait_healthy())
+        rank 0 turns healthy once every node joined). Without `cfg.port`, a free port is reserved
+        until the server answers (gyre.common.ports: SGLang takes its port by number)."""
+        with contextlib.nullcontext(self.cfg.port) if self.cfg.port else PortReservation() as port:
+            module = "gyre.engines.sglang_fake" if self.cfg.sglang_fake else "sglang.launch_server"
+            cmd = make_sglang_command(self.cfg, port, base_gpu_id=self.base_gpu_id, module=module)
+            self.spawn(cmd, make_sglang_env(self.cfg, dict(os.environ)))
+            if self.cfg.node_rank == 0:
+                self.url = advertised_url(self.cfg, port)
+                asyncio.run(self.wait_healthy())
 
     def client(self, timeout_s: float | None = None) -> EngineClient:
         return EngineClient(self.url, timeout_s or self.cfg.request_timeout_s, key_by_weight_version=True)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from aiohttp import web
 
+from gyre.common.ports import PortReservation
 from gyre.common.weight_group import join_weight_group
 from gyre.engines.client import EngineClient, EngineHTTPError
 from gyre.engines.published import PublishedWeights
@@ -104,18 +105,17 @@ class WeightSender:
         return web.json_response(reply)
 
     async def _connect(self, url: str, engine: EngineClient) -> tuple[str, dist.ProcessGroup]:
-        from gyre.engines.launch import free_port
+        name, world = f"gyre-weights-{next(self._names)}", 1 + self.tp_size
 
-        name, port, world = f"gyre-weights-{next(self._names)}", free_port(self.host), 1 + self.tp_size
-
-        def join() -> dist.ProcessGroup:  # NCCL binds a communicator to the thread's current device
+        def join(port: int) -> dist.ProcessGroup:  # NCCL binds a communicator to the thread's current device
             self._use_device()
             return join_weight_group(self.host, port, 0, world, name, self.backend, self.timeout_s)
 
-        group, _ = await asyncio.gather(
-            asyncio.to_thread(join),
-            engine.init_weights_update_group(self.host, port, 1, world, name, self.backend),
-        )
+        with PortReservation() as port:  # the group's store (rank 0, here) binds it by number
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(join, port),
+                engine.init_weights_update_group(self.host, port, 1, world, name, self.backend),
+            )
         self._groups[url] = (name, group)
         return name, group
 

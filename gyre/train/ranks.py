@@ -373,16 +373,20 @@ def follow(trainer: Trainer, host: str | None = None, engine_urls: Sequence[str]
         done[op.__name__] += 1
 
 
-def start_followers(num_ranks: int, host: str, model: ModelConfig, cfg: TrainerConfig, seed: int, log_dir: str) -> list:
+def start_followers(
+    num_ranks: int, host: str, master_port: int, model: ModelConfig, cfg: TrainerConfig, seed: int, log_dir: str
+) -> list:
     """Spawn ranks 1..num_ranks-1 of this process's cell and make this process rank 0 (call before
     building its Trainer, whose init is the group's rendezvous). They die with this process.
+
+    Args:
+        master_port: the group's store, which this process binds when it builds its Trainer: keep
+            it reserved until then (gyre.common.ports.PortReservation).
 
     Returns:
         The followers' Popen objects (their output in `log_dir`/rank<r>.<pid>.log).
     """
-    from gyre.engines.launch import free_port
-
-    group = {"WORLD_SIZE": str(num_ranks), "MASTER_ADDR": host, "MASTER_PORT": str(free_port(host))}
+    group = {"WORLD_SIZE": str(num_ranks), "MASTER_ADDR": host, "MASTER_PORT": str(master_port)}
     os.environ.update(group | {"RANK": "0"})
     config = {"model": dataclasses.asdict(model), "trainer": dataclasses.asdict(cfg), "seed": seed}
     path = write_child_config(os.path.join(log_dir, f"ranks.{os.getpid()}.config.json"), config)

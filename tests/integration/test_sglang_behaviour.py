@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from gyre.common.ports import PortReservation
 from gyre.common.weight_group import join_weight_group
 from gyre.engines import launch
 from gyre.engines.client import EngineClient, EngineHTTPError, EngineStreamError
 from gyre.engines.config import EngineConfig
-from gyre.engines.launch import SGLangProcess, free_port
+from gyre.engines.launch import SGLangProcess
 from gyre.models.checkpoint import save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.hf import hf_name
@@ -273,11 +274,12 @@ def test_an_update_from_distributed_needs_its_session_and_health_fails_while_it_
     )
 
     async def go(c: EngineClient):
-        port, name = free_port(), "behaviour"
-        group, _ = await asyncio.gather(
-            asyncio.to_thread(join_weight_group, "127.0.0.1", port, 0, 2, name, "gloo"),
-            c.init_weights_update_group("127.0.0.1", port, 1, 2, name, "gloo"),
-        )
+        name = "behaviour"
+        with PortReservation() as port:  # until the group's store (rank 0, here) binds it
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(join_weight_group, "127.0.0.1", port, 0, 2, name, "gloo"),
+                c.init_weights_update_group("127.0.0.1", port, 1, 2, name, "gloo"),
+            )
         with pytest.raises(EngineHTTPError) as outside:
             await c.update_weights_from_distributed(*meta, group_name=name)
         v = await _next_version(c)

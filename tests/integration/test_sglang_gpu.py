@@ -15,9 +15,10 @@ import subprocess
 import pytest
 import torch
 
+from gyre.common.ports import PortReservation
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
-from gyre.engines.launch import SGLangProcess, free_port
+from gyre.engines.launch import SGLangProcess
 from gyre.models.checkpoint import save_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.models.transformer import init_weights
@@ -142,7 +143,8 @@ def test_a_hand_off_finds_the_sessions_pages_in_the_mooncake_store(model_dir, tm
     master_bin = shutil.which("mooncake_master")
     if master_bin is None:
         pytest.skip("needs mooncake_master (the Mooncake wheel of the gpu extra)")
-    port = free_port()
+    reservation = PortReservation()  # the master binds it by number; held as long as it runs
+    port = reservation.port
     master = subprocess.Popen([master_bin, f"--port={port}"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     store = {"enable_hicache": True, "mooncake_master": f"127.0.0.1:{port}", "mooncake_protocol": "tcp"}
     engines = []
@@ -154,6 +156,7 @@ def test_a_hand_off_finds_the_sessions_pages_in_the_mooncake_store(model_dir, tm
             proc.stop()
         master.terminate()
         master.wait(timeout=30)
+        reservation.close()
     assert cached >= PAGE, "no page of the session came from the store"
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gyre.engines.launch import free_port
 from gyre.models.config import ModelConfig
 from gyre.trajectory.pack import pack
 from gyre.trajectory.paths import PathSample
@@ -61,9 +60,10 @@ def random_batches(
     return out
 
 
-def two_rank_env() -> dict[str, str]:
-    """This process's environment for the ranks of a two-rank group on a free local port (each
-    rank adds its RANK), with the repository and tests/unit importable."""
+def two_rank_env(master_port: int) -> dict[str, str]:
+    """This process's environment for the ranks of a two-rank group whose rank 0 binds `master_port`
+    (reserved: the `reserve_port` fixture; each rank adds its RANK), with the repository and
+    tests/unit importable."""
     root = Path(__file__).resolve().parents[2]
     return dict(
         os.environ,
@@ -71,5 +71,5 @@ def two_rank_env() -> dict[str, str]:
         OMP_NUM_THREADS="1",
         WORLD_SIZE="2",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
+        MASTER_PORT=str(master_port),
     )

@@ -3,7 +3,6 @@ satellite whose engine cannot be reached or that reports a failure."""
 
 import asyncio
 import os
-import socket
 import threading
 from types import SimpleNamespace
 
@@ -164,18 +163,16 @@ class _Admin:
         self.calls.append((engine_id, version))
 
 
-def _closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
-
-
-def test_a_satellite_whose_engine_cannot_take_new_weights_is_lost_but_an_unreachable_core_ends_the_run():
+def test_a_satellite_whose_engine_cannot_take_new_weights_is_lost_but_an_unreachable_core_ends_the_run(reserve_port):
     """A leader can be dead before its channel says so (MPI knows a dead peer only by silence): the
     weight push after a step is where the coordinator finds out; it must not end the run. The proxy
     held the engine's calls during the load and was told after it that the load failed (the engine
     serves the version it served before)."""
-    core, satellite, events = _Cell(0, _closed_port_url()), _Cell(2, _closed_port_url()), _Events()
+    core, satellite, events = (
+        _Cell(0, f"http://127.0.0.1:{reserve_port()}"),
+        _Cell(2, f"http://127.0.0.1:{reserve_port()}"),
+        _Events(),
+    )
     parts = SimpleNamespace(core=core, admin=_Admin())
     weights = PublishedWeights(3, "disk", {"path": "/nonexistent"})
     asyncio.run(_load_serving([satellite], weights, parts, events, now=5.0))
@@ -186,10 +183,14 @@ def test_a_satellite_whose_engine_cannot_take_new_weights_is_lost_but_an_unreach
         asyncio.run(_load_serving([core], weights, parts, events, now=5.0))
 
 
-def test_a_satellite_that_reports_a_failure_is_lost_but_the_cores_failure_ends_the_run():
+def test_a_satellite_that_reports_a_failure_is_lost_but_the_cores_failure_ends_the_run(reserve_port):
     """A leader reports what went wrong in a switch or a step (an engine that died, say) and keeps
     serving: for a satellite that is its loss, as its death would be, not the run's end."""
-    core, satellite, events = _Cell(0, _closed_port_url()), _Cell(2, _closed_port_url()), _Events()
+    core, satellite, events = (
+        _Cell(0, f"http://127.0.0.1:{reserve_port()}"),
+        _Cell(2, f"http://127.0.0.1:{reserve_port()}"),
+        _Events(),
+    )
     parts = SimpleNamespace(core=core)
 
     def report(cell):

@@ -89,9 +89,9 @@ torch.distributed.destroy_process_group()
 """
 
 
-def test_tp2_loading_matches_tp1(tmp_path):
+def test_tp2_loading_matches_tp1(tmp_path, reserve_port):
     src = make_qwen3_dir(tmp_path / "m", seed=5)
-    env = two_rank_env()
+    env = two_rank_env(reserve_port())
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(2)]
     ranks = [
         subprocess.Popen(

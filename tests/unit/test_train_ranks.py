@@ -141,15 +141,17 @@ _HUNG_SCRIPT = """
 import json, os, sys, time, torch
 from dataclasses import replace
 from test_train_ranks import MODEL, CFG
+from gyre.common.ports import PortReservation
 from gyre.train.ranks import CellRanks, start_followers
 from gyre.train.trainer import Trainer
 
 def main(log_dir, hang_s, out):
     torch.set_num_threads(1)
     cfg = replace(CFG, rank_hang_timeout_s=float(hang_s))
-    followers = start_followers(2, "127.0.0.1", MODEL, cfg, 0, log_dir)  # as a local cell's leader does
     lost = []
-    CellRanks(Trainer(MODEL, cfg, seed=0), followers, lambda *why: lost.append((time.time(), why)))
+    with PortReservation() as master_port:  # as a local cell's leader does
+        followers = start_followers(2, "127.0.0.1", master_port, MODEL, cfg, 0, log_dir)
+        CellRanks(Trainer(MODEL, cfg, seed=0), followers, lambda *why: lost.append((time.time(), why)))
     print(followers[0].pid, flush=True)  # the test stops it (or this rank) now
     while not lost:
         time.sleep(0.01)
@@ -220,8 +222,8 @@ def _digest(weights: torch.Tensor) -> str:
     return hashlib.sha256(weights.numpy().tobytes()).hexdigest()[:16]
 
 
-def _start_ranks(script: str, args: list[str], log_prefix: Path) -> list[subprocess.Popen]:
-    env = two_rank_env()
+def _start_ranks(script: str, args: list[str], log_prefix: Path, master_port: int) -> list[subprocess.Popen]:
+    env = two_rank_env(master_port)
     return [
         subprocess.Popen(
             [sys.executable, "-c", script, *args],
@@ -236,15 +238,16 @@ def _start_ranks(script: str, args: list[str], log_prefix: Path) -> list[subproc
 
 
 @pytest.mark.parametrize("tp", [pytest.param(2, id="tp2"), pytest.param(1, id="dp2")])
-def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_the_one_rank_core(tmp_path, tp):
+def test_a_two_rank_core_with_a_two_rank_satellite_trains_streamed_steps_like_the_one_rank_core(
+    tmp_path, tp, reserve_port
+):
     one = Trainer(MODEL, CFG, seed=0)
     one.train_step(random_batches(MODEL, 1, 2, seed=4))  # non-zero Adam state to reshard
     CheckpointManager(tmp_path / "ckpt", keep_last=1).save(one)
     ckpt, sat_out = str(tmp_path / "ckpt"), str(tmp_path / "satellite.json")
-    ranks = _start_ranks(
-        _RANK_SCRIPT, [str(tp), ckpt, str(tmp_path / "saved"), str(tmp_path / "out.pt")], tmp_path / "rank"
-    )
-    ranks += _start_ranks(_SATELLITE_SCRIPT, [str(tp), ckpt + ".core", sat_out], tmp_path / "satellite")
+    core_args = [str(tp), ckpt, str(tmp_path / "saved"), str(tmp_path / "out.pt")]
+    ranks = _start_ranks(_RANK_SCRIPT, core_args, tmp_path / "rank", reserve_port())
+    ranks += _start_ranks(_SATELLITE_SCRIPT, [str(tp), ckpt + ".core", sat_out], tmp_path / "satellite", reserve_port())
     lp = one.logprobs(random_batches(MODEL, 1, 3, seed=5)[0])
     server = CoreServer(one, TransferEndpoint())
     try:
@@ -311,14 +314,18 @@ def _assert_tensor_parallel_close(got: dict, metrics: list, lp, expected: dict, 
 
 
 @pytest.mark.parametrize("stopped", ["follower", "rank0"])
-def test_a_stopped_rank_is_found_within_the_hang_timeout(tmp_path, stopped):
+def test_a_stopped_rank_is_found_within_the_hang_timeout(tmp_path, stopped, reserve_port):
     """A rank stopped with SIGSTOP neither exits nor closes its link (its kernel still answers TCP):
     its heartbeats stop. A stopped follower is declared lost by rank 0 (the cell is lost), and the
     followers of a stopped rank 0 exit, each within `rank_hang_timeout_s`."""
     hang_s, out = 5.0, tmp_path / "lost.json"  # far over a loaded box's scheduling delays
     args = [str(tmp_path), str(hang_s), str(out)]
     rank0 = subprocess.Popen(
-        [sys.executable, "-c", _HUNG_SCRIPT, *args], cwd=ROOT, env=two_rank_env(), stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _HUNG_SCRIPT, *args],
+        cwd=ROOT,
+        env=two_rank_env(reserve_port()),
+        stdout=subprocess.PIPE,
+        text=True,
     )
     follower = None
     try:

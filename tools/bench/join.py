@@ -79,14 +79,16 @@ def _cell(args, log_dir: str):
     """This process as rank 0 of a cell of args.ranks ranks (tensor parallel): (trainer, its CellRanks)."""
     import torch
 
+    from gyre.common.ports import PortReservation
     from gyre.train.config import TrainerConfig
     from gyre.train.ranks import CellRanks, start_followers
     from gyre.train.trainer import Trainer
 
     torch.set_num_threads(1)
     model, cfg = _model(args), TrainerConfig(tensor_parallel_size=args.ranks, core_computes_microsteps=False)
-    followers = start_followers(args.ranks, HOST, model, cfg, 0, log_dir) if args.ranks > 1 else []
-    trainer = Trainer(model, cfg, seed=0)
+    with PortReservation() as master_port:  # until the trainer's group store binds it
+        followers = start_followers(args.ranks, HOST, master_port, model, cfg, 0, log_dir) if args.ranks > 1 else []
+        trainer = Trainer(model, cfg, seed=0)
     return trainer, CellRanks(trainer, followers, _lost)
 
 

@@ -9,7 +9,6 @@ parameter between the two. Gyre's trainer does not use the pipeline schedules (g
 
 import json
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from gyre.common.ports import PortReservation
 from gyre.train.cpu_shim import apply_cpu_shim
 
 LAYERS, STAGES, MICRO, SEQ = 4, 2, 4, 32
@@ -157,10 +157,8 @@ def main() -> None:
             model = _model(1, pre=True, post=True)
             torch.save(model.state_dict(), Path(tmp) / "weights.pt")
             ref_loss, ref = _unpipelined(model)
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.start_processes(_rank, args=(port, tmp, PATCH), nprocs=STAGES, start_method="spawn")
+            with PortReservation() as port:  # until its rank 0 binds the group's store
+                mp.start_processes(_rank, args=(port, tmp, PATCH), nprocs=STAGES, start_method="spawn")
             stages = [torch.load(Path(tmp) / f"r{r}.pt") for r in range(STAGES)]
             grads = {n: g for s in stages for n, g in s["grads"].items()}
             out |= {
