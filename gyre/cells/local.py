@@ -8,7 +8,7 @@ from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.quota import CpuQuota, make_quota
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
-from gyre.common.serve import die_with_parent
+from gyre.common.spawn import spawn_child
 from gyre.common.wait import wait_until
 from gyre.scheduler.cells import Cell
 
@@ -28,18 +28,11 @@ class LocalCell(BaseCell):
         env = os.environ | {"OMP_NUM_THREADS": "1"}
         spec_file = self.log_path.with_name(f"{self.log_path.stem}.spec.json")
         write_private_file(spec_file, self.spec.to_json())
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                leader_command(spec_file, self.spec.control),
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=self._in_quota,
-            )
+        cmd = leader_command(spec_file, self.spec.control)
+        self.proc = spawn_child(cmd, self.log_path, env=env, in_child=self._in_quota)
 
     def _in_quota(self) -> None:
         """In the child before exec: so whatever it starts (an mpiexec's leader, the engine) is in the quota."""
-        die_with_parent()
         self.quota.add(os.getpid())
 
     def ready(self, channel, engine_urls: list[str]) -> None:

@@ -1,5 +1,6 @@
-"""Helpers shared by several packages: child servers, dying with the parent, private files, the
-config tree's location. Nothing here knows about cells, engines or the proxy."""
+"""Helpers shared by several packages, one home each: child processes (`spawn`) and child servers
+(`serve`), free ports (`ports`), atomic and private files and a child's config (`files`), waiting
+with a deadline (`wait`), the config tree's location. Nothing here knows about cells, engines or the proxy."""
 
 from importlib.resources import files
 

@@ -3,7 +3,6 @@ tells the parent its port through a file and serves until SIGINT/SIGTERM; the pa
 (`ChildServer`) spawns it, waits for that file and stops it. Shared by `gyre-engine` and `gyre-proxy`."""
 
 import asyncio
-import ctypes
 import logging
 import os
 import shutil
@@ -18,16 +17,9 @@ from typing import NoReturn
 from aiohttp import web
 
 from gyre.common.files import write_private_file
+from gyre.common.spawn import spawn_child
 from gyre.common.wait import wait_until
 from gyre.errors import GyreError
-
-
-def die_with_parent() -> None:
-    """`preexec_fn` of a child that must not outlive its parent (SIGTERM when the parent dies, even
-    by SIGKILL): a killed coordinator leaves no cell, engine or sandbox behind (Linux prctl). The
-    "parent" is the thread that forked: spawn long-lived children from a thread that lives as long."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def exit_at_once(code: int) -> NoReturn:
@@ -96,10 +88,7 @@ class ChildServer:
         return self.dir
 
     def spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        with open(self.files() / "log", "wb") as log:
-            self.proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
-            )
+        self.proc = spawn_child(cmd, self.files() / "log", env=env, own_session=True)
 
     def spawn_and_wait_port(self, cmd: list[str], timeout_s: float, env: dict[str, str] | None = None) -> list[str]:
         """Run `cmd --port-file F` and return the fields `serve_app` wrote to F (the port first).

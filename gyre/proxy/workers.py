@@ -36,7 +36,7 @@ class ProxyWorkers:
         ]
 
     def start(self) -> "ProxyWorkers":
-        try:  # from this thread: a child dies with the thread that spawned it (common.serve.die_with_parent)
+        try:  # from this thread: a child dies with the thread that spawned it (gyre.common.spawn)
             for w in self.workers:
                 w.start()
         except BaseException:

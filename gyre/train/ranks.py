@@ -51,7 +51,8 @@ from typing import NoReturn, TypeVar
 import torch.distributed as dist
 
 from gyre.common.files import read_child_config, write_child_config
-from gyre.common.serve import die_with_parent, exit_at_once
+from gyre.common.serve import exit_at_once
+from gyre.common.spawn import spawn_child
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
 from gyre.train.checkpoint import CheckpointManager
@@ -391,14 +392,12 @@ def start_followers(
     config = {"model": dataclasses.asdict(model), "trainer": dataclasses.asdict(cfg), "seed": seed}
     path = write_child_config(os.path.join(log_dir, f"ranks.{os.getpid()}.config.json"), config)
     cmd = [sys.executable, "-m", "gyre.train.ranks", "--config", path]
-    procs = []
-    for rank in range(1, num_ranks):
-        with open(os.path.join(log_dir, f"rank{rank}.{os.getpid()}.log"), "w") as log:
-            env = os.environ | group | {"RANK": str(rank)}
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-            )
-    return procs
+    return [
+        spawn_child(
+            cmd, os.path.join(log_dir, f"rank{rank}.{os.getpid()}.log"), env=os.environ | group | {"RANK": str(rank)}
+        )
+        for rank in range(1, num_ranks)
+    ]
 
 
 def main(argv: list[str] | None = None) -> NoReturn:

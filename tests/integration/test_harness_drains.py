@@ -214,7 +214,7 @@ def test_20_drains_during_17_real_harness_sessions(tmp_path):
     if find_claude_code() is None or find_mini_swe_agent() is None or find_codex() is None:
         pytest.skip("Claude Code, mini-swe-agent or Codex not installed: run tools/setup.sh")
     engine_ids = ["e0", "e1", "e2"]
-    engines = [start_engine(tmp_path, RULES, name=eid) for eid in engine_ids]  # from this thread (die_with_parent)
+    engines = [start_engine(tmp_path, RULES, name=eid) for eid in engine_ids]  # from this thread (gyre.common.spawn)
     proxy = start_proxy(tmp_path, [e.url for e in engines], max_imbalance=2, no_engine_wait_s=400)
     procs: dict[str, subprocess.Popen] = {}
     compacting: dict[str, subprocess.Popen] = {}

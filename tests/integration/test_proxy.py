@@ -39,7 +39,7 @@ O_TOOLS = [
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engines")
-    # from this thread, one by one: an engine dies with the thread that spawned it (die_with_parent)
+    # from this thread, one by one: an engine dies with the thread that spawned it (gyre.common.spawn)
     procs = [start_engine(tmp, RULES, name=f"e{i}") for i in range(3)]
     yield procs
     for p in procs:
