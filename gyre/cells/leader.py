@@ -41,6 +41,7 @@ from gyre.cells.serving import (
 )
 from gyre.cells.spec import CellSpec
 from gyre.common.ports import PortReservation
+from gyre.common.run_paths import RunPaths
 from gyre.common.serve import exit_at_once, first_exited
 from gyre.control.messages import (
     CellReady,
@@ -148,7 +149,7 @@ class CellLeader:
         listener = listen(
             spec.control,
             spec.host,
-            port_file=str(Path(spec.run_dir) / f"core.{os.getpid()}.port"),
+            port_file=str(RunPaths(spec.run_dir).core_port(os.getpid())),
             peer_timeout_s=spec.control_peer_timeout_s,
         )
         self.core = CoreServer(self.trainer, self.endpoint, spec.host, listener=listener, ranks=self.ranks)
@@ -156,7 +157,7 @@ class CellLeader:
             self.core,
             spec.engine.weight_sync,
             spec.model,
-            str(Path(spec.run_dir) / "weights"),
+            str(RunPaths(spec.run_dir).weights),
             spec.host,
             spec.engine.tp_size,
         )

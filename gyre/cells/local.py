@@ -8,6 +8,7 @@ from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.quota import CpuQuota, make_quota
 from gyre.cells.spec import CellSpec
 from gyre.common.files import write_private_file
+from gyre.common.run_paths import RunPaths
 from gyre.common.spawn import spawn_child
 from gyre.common.wait import wait_until
 from gyre.scheduler.cells import Cell
@@ -17,18 +18,17 @@ LOCAL_HOST = "127.0.0.1"
 
 
 class LocalCell(BaseCell):
-    """One cell whose leader is a child process here, its log in `log_path`, held to `quota`."""
+    """One cell whose leader is a child process here, its log and spec in the run's `logs`, held to `quota`."""
 
-    def __init__(self, spec: CellSpec, state: Cell, log_path: Path, quota: CpuQuota):
+    def __init__(self, spec: CellSpec, state: Cell, paths: RunPaths, quota: CpuQuota):
         super().__init__(spec, state)
-        self.log_path, self.quota = log_path, quota
+        self.log_path, self.spec_path, self.quota = paths.cell_log(state.index), paths.cell_spec(state.index), quota
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         env = os.environ | {"OMP_NUM_THREADS": "1"}
-        spec_file = self.log_path.with_name(f"{self.log_path.stem}.spec.json")
-        write_private_file(spec_file, self.spec.to_json())
-        cmd = leader_command(spec_file, self.spec.control)
+        write_private_file(self.spec_path, self.spec.to_json())
+        cmd = leader_command(self.spec_path, self.spec.control)
         self.proc = spawn_child(cmd, self.log_path, env=env, in_child=self._in_quota)
 
     def _in_quota(self) -> None:
@@ -68,7 +68,7 @@ class LocalLauncher:
     def make_cell(self, spec: CellSpec, state: Cell) -> LocalCell:
         quota = make_quota(f"gyre-{os.getpid()}-cell{state.index}", self.cpus_per_cell, state.index, capped=False)
         self.mechanism = quota.mechanism
-        return LocalCell(spec, state, self.run_dir / "logs" / f"cell{state.index}.log", quota)
+        return LocalCell(spec, state, RunPaths(self.run_dir), quota)
 
     def describe(self) -> dict:
         """How cells were placed, for the run's summary."""

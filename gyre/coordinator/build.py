@@ -21,6 +21,7 @@ from pathlib import Path
 from gyre.cells.base import BaseCell, CellError, CellLauncher
 from gyre.cells.local import LocalLauncher
 from gyre.cells.spec import CellSpec
+from gyre.common.run_paths import RunPaths
 from gyre.control.messages import CellReady
 from gyre.control.transport import ChannelClosed, ChannelTimeout, Listener, listen
 from gyre.coordinator.config import GyreConfig
@@ -74,17 +75,17 @@ def make_launcher(cfg: GyreConfig, run_dir: Path) -> CellLauncher:
     from gyre.cells.placement import current_placement
     from gyre.cells.slurm import SlurmLauncher
 
-    return SlurmLauncher(run_dir / "slurm", current_placement(), cfg.cluster.bind_host)
+    return SlurmLauncher(RunPaths(run_dir).slurm, current_placement(), cfg.cluster.bind_host)
 
 
 async def build(cfg: GyreConfig, run_dir: Path, resume: bool) -> Parts:
     """Start every process of a run; on failure whatever started is stopped and the error raised."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    RunPaths(run_dir).logs.mkdir(parents=True, exist_ok=True)
     launcher = make_launcher(cfg, run_dir)
     proxy_cfg = dataclasses.replace(
         cfg.proxy,
         host=launcher.proxy_host(cfg.proxy.host),
-        records_dir=str(run_dir / "records"),
+        records_dir=str(RunPaths(run_dir).records),
         events_dir=str(run_dir),
         vocab_size=cfg.model.vocab_size,
         rebalance_on_return=cfg.scheduler.rebalance_on_return,
@@ -110,7 +111,7 @@ async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
     parts.listener = listen(
         k.control,
         parts.launcher.host,
-        port_file=str(parts.run_dir / f"control.{os.getpid()}.port"),
+        port_file=str(RunPaths(parts.run_dir).control_port(os.getpid())),
         peer_timeout_s=k.control_peer_timeout_s,
     )
     address = parts.listener.address
@@ -131,7 +132,7 @@ async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
             control_peer_timeout_s=k.control_peer_timeout_s,
             proxy_url=parts.proxy.url,
             proxy_admin_token=parts.proxy.admin_token,
-            checkpoint_dir=str(parts.run_dir / "checkpoints"),
+            checkpoint_dir=str(RunPaths(parts.run_dir).checkpoints),
             run_dir=str(parts.run_dir),
             init_weights=cfg.coordinator.init_weights,
             resume=resume,

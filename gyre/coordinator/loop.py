@@ -19,6 +19,7 @@ from pathlib import Path
 import aiohttp
 
 from gyre.cells.base import CellError
+from gyre.common.run_paths import RunPaths
 from gyre.control.messages import CheckpointDone, Failure, PhaseDone, RoleDone, StepDone, StepProgress
 from gyre.coordinator.build import Parts, build, close
 from gyre.coordinator.config import GyreConfig
@@ -62,8 +63,8 @@ async def run(
     progress is given up: resume re-runs it from the ledger). Everything is closed on the way out.
     """
     t_start = time.time()
-    view = read_ledger(run_dir / "ledger.jsonl")
-    ledger, events = ExecutionLedger(run_dir / "ledger.jsonl"), RunEvents(run_dir, cfg)
+    view = read_ledger(RunPaths(run_dir).ledger)
+    ledger, events = ExecutionLedger(RunPaths(run_dir).ledger), RunEvents(run_dir, cfg)
     source: Source = _SOURCES[cfg.mode](cfg, run_dir, taskset, ledger, events)
     parts = None
     try:
@@ -83,7 +84,7 @@ async def run(
         raise
     else:
         kv = await parts.admin.metrics()
-        return events.summary(read_ledger(run_dir / "ledger.jsonl"), time.time() - t_start, train.version) | {
+        return events.summary(read_ledger(RunPaths(run_dir).ledger), time.time() - t_start, train.version) | {
             "cpu_quota": parts.launcher.describe(),
             "kv_migrated_tokens": kv["kv_migrated_tokens"],
             "kv_reprefill_tokens": kv["kv_reprefill_tokens"],

@@ -10,6 +10,7 @@ train on collected data.
 
 from pathlib import Path
 
+from gyre.common.run_paths import RunPaths
 from gyre.coordinator.config import GyreConfig
 from gyre.coordinator.ledger import ExecutionLedger, LedgerView, read_ledger
 from gyre.coordinator.source import Group, GroupBook, recorded
@@ -27,7 +28,7 @@ class ReplaySource(GroupBook):
 
     def __init__(self, cfg: GyreConfig, run_dir: Path, taskset: TaskSource, ledger: ExecutionLedger, events=None):
         records_dir, groups_per_step = Path(cfg.records), cfg.coordinator.groups_per_step
-        ledger_path = records_dir.parent / "ledger.jsonl"
+        ledger_path = RunPaths(records_dir.parent).ledger
         if not ledger_path.exists():
             raise ReplayError(f"replay needs the run's ledger beside its records: {ledger_path} does not exist")
         view = read_ledger(ledger_path)

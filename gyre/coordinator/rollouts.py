@@ -14,6 +14,7 @@ import logging
 import time
 from pathlib import Path
 
+from gyre.common.run_paths import RunPaths, record_path
 from gyre.coordinator.config import GyreConfig
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, LedgerView
 from gyre.coordinator.source import Execution, Group, GroupBook, recorded
@@ -66,7 +67,7 @@ class Rollouts(GroupBook):
         """Weight versions whose held-out rollouts were admitted."""
         self.taskset, self.harness, self.group_size = taskset, cfg.harness, c.group_size
         self.staleness, self.seed, self.model = cfg.scheduler.staleness, cfg.seed, cfg.proxy.model_names[0]
-        self.sandbox_root, self.records_dir = run_dir / "sandboxes", run_dir / "records"
+        self.sandbox_root, self.records_dir = RunPaths(run_dir).sandboxes, RunPaths(run_dir).records
         self.on_resume, self.max_continues = c.on_resume, c.max_continues
         self.proxy: ProxyAdmin | None = None
         self.proxy_url = ""
@@ -181,14 +182,14 @@ class Rollouts(GroupBook):
         started = [e.t for e in history if e.state == "running"]
         if not started:
             return None
-        records = self.records_dir / f"{eid}.jsonl"
+        records = record_path(self.records_dir, eid)
         last_alive = records.stat().st_mtime if records.exists() else started[-1]  # its last call's record
         before = continued[-1].duration_s if continued else 0.0
         return before + max(0.0, last_alive - started[-1])
 
     def _tokens_before_break(self, eid: str) -> int:
         try:
-            records, _ = read_records(self.records_dir / f"{eid}.jsonl")
+            records, _ = read_records(record_path(self.records_dir, eid))
         except (OSError, RecordFileError):
             return 0
         return sum(len(r.input_ids) + len(r.output_ids) for r in records)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from gyre.common.run_paths import record_path
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, LedgerView
 from gyre.harness.sandbox import Sandbox
 from gyre.proxy.admin import ProxyAdmin
@@ -145,4 +146,6 @@ def recorded(done: LedgerEntry, group: Group, records_dir: Path) -> Execution:
     else:  # excluded: its reason, where it is an outcome (budget_exhausted), counts as it did live
         ev = Evaluation(done.reason if done.reason in OUTCOMES else "evaluator_error", None, done.reason)
     eid = done.execution_id
-    return Execution(eid, group.index, group.task, done.state, records_path=records_dir / f"{eid}.jsonl", evaluation=ev)
+    return Execution(
+        eid, group.index, group.task, done.state, records_path=record_path(records_dir, eid), evaluation=ev
+    )

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from gyre.cells.placement import SlurmPlacement, current_placement, forget_enclosing_job
+from gyre.common.run_paths import RunPaths
 
 log = logging.getLogger(__name__)
 SIGNAL_DELAY_S = 120
@@ -42,7 +43,7 @@ class GyreJob:
 
     def __call__(self) -> dict | None:
         faulthandler.enable()  # a task that dies in native code (MPI, Mooncake) leaves its Python stack in the log
-        placement, job_dir = current_placement(), self.run_dir / "slurm"
+        placement, job_dir = current_placement(), RunPaths(self.run_dir).slurm
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         with open(job_dir / "run.pkl", "rb") as f:
@@ -107,7 +108,7 @@ def submit_run(cfg, taskset, run_dir: Path):
 
     forget_enclosing_job()
     check_fits(cfg.cluster, query_partition(cfg.cluster.partition))
-    job_dir, submitted_t = run_dir / "slurm", time.time()
+    job_dir, submitted_t = RunPaths(run_dir).slurm, time.time()
     job_dir.mkdir(parents=True, exist_ok=True)
     write_private_file(job_dir / "run.pkl", pickle.dumps((cfg, taskset)))
     executor = make_hetjob_executor(

@@ -21,6 +21,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from gyre.common.run_paths import RunPaths
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
 from gyre.errors import GyreError
@@ -63,7 +64,7 @@ def start_stack(args, root: Path) -> tuple[list, str, str, str]:
     try:
         proxy = ProxyProcess(
             ProxyConfig(
-                records_dir=str(root / "records"),
+                records_dir=str(RunPaths(root).records),
                 engines=[engine.url],
                 model_names=[args.model],
                 context_len=model_cfg.max_seq_len,
@@ -78,7 +79,7 @@ def start_stack(args, root: Path) -> tuple[list, str, str, str]:
         for p in procs:
             p.stop()
         raise
-    return procs, proxy.url, key, str(root / "records" / f"{args.execution_id}.jsonl")
+    return procs, proxy.url, key, str(RunPaths(root).record(args.execution_id))
 
 
 def load_run_task(args):
@@ -106,7 +107,7 @@ def cmd_run(args) -> int:
     else:
         procs, url, key, records = start_stack(args, root)
     try:
-        sb = Sandbox(task, args.execution_id, root / "sandboxes", harness, url, key, args.model)
+        sb = Sandbox(task, args.execution_id, RunPaths(root).sandboxes, harness, url, key, args.model)
         sb.prepare()
         sb.start()
         result = sb.wait()

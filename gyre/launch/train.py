@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gyre.common import CONF_DIR
 from gyre.common.files import write_private_file
+from gyre.common.run_paths import RunPaths
 from gyre.config import register_configs, validate
 from gyre.coordinator.config import GyreConfig
 from gyre.errors import ConfigError, GyreError
@@ -50,7 +51,7 @@ def run(cfg: DictConfig) -> None:
         summary = run_on_slurm(gyre_cfg, taskset, run_dir)
     else:
         summary = asyncio.run(run_coordinator(gyre_cfg, run_dir, taskset, resume=gyre_cfg.resume))
-    write_private_file(str(run_dir / "summary.json"), json.dumps(summary))  # for sweeps, whose stdout is a job's log
+    write_private_file(RunPaths(run_dir).summary, json.dumps(summary))  # for sweeps, whose stdout is a job's log
     print(json.dumps(summary), flush=True)
 
 

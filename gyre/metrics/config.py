@@ -1,5 +1,5 @@
 """Configuration of a run's observability: TensorBoard, W&B, progress, figures (the events file is
-always `run_dir/events.jsonl`, gyre.metrics.log.EVENTS_FILE: every process and reader finds it there)."""
+always `run_dir/events.jsonl`, gyre.common.run_paths.RunPaths.events: every process and reader finds it there)."""
 
 from dataclasses import dataclass
 from importlib.util import find_spec

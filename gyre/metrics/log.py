@@ -17,14 +17,13 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from gyre.common.run_paths import RunPaths
 from gyre.metrics.events import Event, EventError, decode_event, encode_event
 from gyre.records.io import ReadStats
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 4 << 20
-EVENTS_FILE = "events.jsonl"
-"""The run's source of truth, in the run directory; fixed, so every process and reader finds the same file."""
 
 
 class EventLog:
@@ -34,7 +33,7 @@ class EventLog:
     """
 
     def __init__(self, run_dir: str | os.PathLike):
-        self.path = Path(run_dir) / EVENTS_FILE
+        self.path = RunPaths(run_dir).events  # the run's source of truth: every process and reader finds it there
         self.num_written = 0
         self.num_dropped = 0
         """Events lost to a failed write or encoding; the first failure is logged, the rest only counted."""

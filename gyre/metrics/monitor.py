@@ -18,9 +18,10 @@ from collections import Counter
 from pathlib import Path
 from typing import TextIO
 
+from gyre.common.run_paths import RunPaths
 from gyre.metrics.config import MetricsConfig
 from gyre.metrics.events import Event
-from gyre.metrics.log import EVENTS_FILE, EventTail
+from gyre.metrics.log import EventTail
 from gyre.metrics.plots import write_figures
 from gyre.metrics.progress import Progress
 from gyre.metrics.report import run_name, summarize
@@ -46,7 +47,7 @@ class RunMonitor:
         self.state = RunState(rate_window_s=cfg.rate_window_s)
         self.view_errors: Counter = Counter()
         """View name -> failures (the first of each is logged)."""
-        self._tail = EventTail(self.run_dir / EVENTS_FILE)
+        self._tail = EventTail(RunPaths(self.run_dir).events)
         self._progress = Progress(cfg, num_steps=num_steps, stream=stream)
         factories = {}
         if cfg.tensorboard:

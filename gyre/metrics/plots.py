@@ -16,6 +16,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import PercentFormatter
 
 from gyre.common.files import atomic_path
+from gyre.common.run_paths import RunPaths
 from gyre.metrics.state import RunState, Span, TimelinePanel
 from gyre.scheduler.cells import PHASES
 
@@ -294,8 +295,7 @@ def plot_utilisation(state: RunState, path: str | os.PathLike, title: str) -> No
 
 def write_figures(state: RunState, out_dir: str | os.PathLike, name: str) -> list[Path]:
     """Every figure of one run into `out_dir`; returns their paths."""
-    out = Path(out_dir)
-    paths = {k: out / f"{k}.png" for k in ("timeline", "reward", "tokens", "utilisation")}
+    paths = {k: RunPaths(out_dir).figure(k) for k in ("timeline", "reward", "tokens", "utilisation")}
     if state.t_first is None:
         return []
     draw_timelines([timeline_panel(state, f"{name}: cell roles and waterlevel")], paths["timeline"])

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 from statistics import fmean
 
+from gyre.common.run_paths import RunPaths
 from gyre.metrics.config import MetricsConfig
-from gyre.metrics.log import EVENTS_FILE, EventTail
+from gyre.metrics.log import EventTail
 from gyre.metrics.plots import draw_timelines, plot_compare, timeline_panel, utilisation, write_figures
 from gyre.metrics.progress import format_duration
 from gyre.metrics.state import RunState
@@ -23,7 +24,7 @@ from gyre.records.io import ReadStats
 def load_run(run_dir: str | Path, cfg: MetricsConfig | None = None) -> tuple[RunState, ReadStats]:
     """Fold a run directory's events file (streamed, so a long run's file need not fit in memory)."""
     cfg = cfg or MetricsConfig()
-    tail = EventTail(Path(run_dir) / EVENTS_FILE)
+    tail = EventTail(RunPaths(run_dir).events)
     state = RunState(rate_window_s=cfg.rate_window_s)
     for e in tail.read_all():
         state.add(e)
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names, summaries, states = [], [], []
     for run_dir in args.run_dirs:
-        events_path = run_dir / EVENTS_FILE
+        events_path = RunPaths(run_dir).events
         if not events_path.is_file():
             print(f"gyre-report: {events_path}: no such file", file=sys.stderr)
             return 2

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from gyre.common.files import write_private_file
+from gyre.common.run_paths import record_path
 from gyre.errors import GyreError
 from gyre.proxy.chat import ApiError
 from gyre.proxy.conversation import ConversationCache
@@ -170,7 +171,7 @@ class ExecutionRegistry:
 
     def _add(self, execution_id: str, key: str | None, digest: str) -> ProxyExecution:
         ex = ProxyExecution(
-            execution_id, key, digest, self.records_dir / f"{execution_id}.jsonl", self.fsync, self.parse, self.group
+            execution_id, key, digest, record_path(self.records_dir, execution_id), self.fsync, self.parse, self.group
         )
         self.by_id[execution_id] = ex
         self._by_digest[digest] = ex

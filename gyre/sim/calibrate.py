@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
+from gyre.common.run_paths import RunPaths
 from gyre.coordinator.ledger import LedgerView, read_ledger
 from gyre.errors import ConfigError, GyreError
 from gyre.metrics.events import Event
@@ -71,21 +72,21 @@ def load_run(run_dir: str | Path) -> LiveRun:
         CalibrationError: a file the calibration needs is missing or empty, or the run did not
             reach its last optimizer step (still running, or it failed).
     """
-    d = Path(run_dir)
-    cfg_path = d / ".hydra" / "config.yaml"
-    for path in (cfg_path, d / "ledger.jsonl", d / "events.jsonl", d / "records"):
+    d, paths = Path(run_dir), RunPaths(run_dir)
+    cfg_path = paths.config
+    for path in (cfg_path, paths.ledger, paths.events, paths.records):
         if not path.exists():
             raise CalibrationError(f"{d}: no {path.relative_to(d)} (is it a gyre-train run directory?)")
     records = {}
-    for path in sorted((d / "records").glob("*.jsonl")):
+    for path in sorted(paths.records.glob("*.jsonl")):
         calls, _ = read_records(path)
         if calls:
             records[path.stem] = sorted(calls, key=lambda r: r.started_at)
     if not records:
         raise CalibrationError(f"{d}: records/ holds no model call; the run never served a rollout")
-    events, _ = read_events(d / "events.jsonl")
+    events, _ = read_events(paths.events)
     config = OmegaConf.to_container(OmegaConf.load(cfg_path))
-    run = LiveRun(d, config, records, read_ledger(d / "ledger.jsonl"), events, cfg_path.stat().st_mtime)
+    run = LiveRun(d, config, records, read_ledger(paths.ledger), events, cfg_path.stat().st_mtime)
     start = next((e for e in events if e.kind == "run_start"), None)
     if start is None or start.start_step:
         raise CalibrationError(f"{d}: events.jsonl has no run_start from step 0 (a resumed run is not modelled)")

@@ -51,6 +51,7 @@ from typing import NoReturn, TypeVar
 import torch.distributed as dist
 
 from gyre.common.files import read_child_config, write_child_config
+from gyre.common.run_paths import RunPaths
 from gyre.common.serve import exit_at_once
 from gyre.common.spawn import spawn_child
 from gyre.models.checkpoint import load_checkpoint
@@ -390,12 +391,10 @@ def start_followers(
     group = {"WORLD_SIZE": str(num_ranks), "MASTER_ADDR": host, "MASTER_PORT": str(master_port)}
     os.environ.update(group | {"RANK": "0"})
     config = {"model": dataclasses.asdict(model), "trainer": dataclasses.asdict(cfg), "seed": seed}
-    path = write_child_config(os.path.join(log_dir, f"ranks.{os.getpid()}.config.json"), config)
+    path = write_child_config(RunPaths(log_dir).ranks_config(os.getpid()), config)
     cmd = [sys.executable, "-m", "gyre.train.ranks", "--config", path]
     return [
-        spawn_child(
-            cmd, os.path.join(log_dir, f"rank{rank}.{os.getpid()}.log"), env=os.environ | group | {"RANK": str(rank)}
-        )
+        spawn_child(cmd, RunPaths(log_dir).rank_log(rank, os.getpid()), env=os.environ | group | {"RANK": str(rank)})
         for rank in range(1, num_ranks)
     ]
 

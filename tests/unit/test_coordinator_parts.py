@@ -12,6 +12,7 @@ import pytest
 
 from gyre.cells.local import LocalCell
 from gyre.cells.quota import PERIOD_US, SHARES_V1, WEIGHT_V2, make_quota, quota_us
+from gyre.common.run_paths import RunPaths
 from gyre.control.messages import CellReady, Failure
 from gyre.control.transport import ChannelClosed
 from gyre.coordinator.batching import mask_stale
@@ -128,7 +129,7 @@ def test_a_local_cell_is_capped_once_its_leader_is_ready(tmp_path):
     capped = []
     quota = SimpleNamespace(cap=lambda: capped.append(True))
     spec = SimpleNamespace(index=0, engine=EngineConfig(), model=None)
-    cell = LocalCell(spec, make_cells(1, 1)[0], tmp_path / "cell0.log", quota)
+    cell = LocalCell(spec, make_cells(1, 1)[0], RunPaths(tmp_path), quota)
     assert not capped  # its start runs uncapped
     cell.ready("channel", ["http://127.0.0.1:1"])
     assert capped and cell.channel == "channel" and cell.engine_urls == ["http://127.0.0.1:1"]

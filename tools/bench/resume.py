@@ -33,7 +33,9 @@ POLICIES = ("continue", "rerun")
 
 
 def _events(run_dir: Path, kind: str) -> list[dict]:
-    path = run_dir / "events.jsonl"
+    from gyre.common.run_paths import RunPaths
+
+    path = RunPaths(run_dir).events
     if not path.exists():
         return []
     text = path.read_text()
@@ -51,20 +53,16 @@ def _train(run_dir: Path, *extra: str, **popen) -> subprocess.Popen:
 def kill_mid_step(run_dir: Path, step: int, overrides: list[str]) -> None:
     """Run until an execution of step `step` or later is running with calls recorded (the steps
     before it trained), then SIGKILL the run's whole process group."""
+    from gyre.common.run_paths import RunPaths
     from gyre.coordinator.ledger import read_ledger
 
-    proc = _train(run_dir, *overrides, start_new_session=True)
+    proc, paths = _train(run_dir, *overrides, start_new_session=True), RunPaths(run_dir)
 
     def mid_step() -> bool:
-        ledger = run_dir / "ledger.jsonl"
-        if not ledger.exists() or not any(e["step"] >= step for e in _events(run_dir, "checkpoint")):
+        if not paths.ledger.exists() or not any(e["step"] >= step for e in _events(run_dir, "checkpoint")):
             return False
-        running = [eid for eid, e in read_ledger(ledger).entries.items() if e.state == "running"]
-        return any(
-            (run_dir / "records" / f"{eid}.jsonl").stat().st_size > 0
-            for eid in running
-            if (run_dir / "records" / f"{eid}.jsonl").exists()
-        )
+        running = [eid for eid, e in read_ledger(paths.ledger).entries.items() if e.state == "running"]
+        return any(paths.record(eid).exists() and paths.record(eid).stat().st_size > 0 for eid in running)
 
     while not mid_step():
         if proc.poll() is not None:
@@ -76,10 +74,11 @@ def kill_mid_step(run_dir: Path, step: int, overrides: list[str]) -> None:
 
 def measure(run_dir: Path, resumed_t: float, step: int, summary: dict) -> dict:
     """The figures of one resumed run (`resumed_t`: unix time it started)."""
+    from gyre.common.run_paths import RunPaths
     from gyre.records.io import read_records
 
     tokens = 0
-    for path in (run_dir / "records").glob("*.jsonl"):
+    for path in RunPaths(run_dir).records.glob("*.jsonl"):
         records, _ = read_records(path)
         tokens += sum(int(np.size(r.input_ids) + np.size(r.output_ids)) for r in records if r.started_at > resumed_t)
     trained = [e["t"] for e in _events(run_dir, "optimizer_step") if e["step"] == step and e["t"] > resumed_t]
@@ -101,13 +100,14 @@ def resume(run_dir: Path, policy: str, step: int, overrides: list[str]) -> dict:
 
 def smoke_run_dir(root: Path) -> tuple[Path, float]:
     """A run directory as a resumed run leaves it: a record before and one after the resume, the step trained."""
+    from gyre.common.run_paths import RunPaths
     from gyre.records.io import RecordWriter
     from gyre.records.record import CallRecord
     from gyre.records.versions import VersionSpan
 
     run, t = root / "run", time.time()
-    (run / "records").mkdir(parents=True)
-    with RecordWriter(run / "records" / "g00000-0.jsonl") as w:
+    RunPaths(run).records.mkdir(parents=True)
+    with RecordWriter(RunPaths(run).record("g00000-0")) as w:
         for seq, started in enumerate((t - 10, t + 1)):
             ids = np.arange(8, dtype=np.int32)
             w.append(
@@ -128,7 +128,7 @@ def smoke_run_dir(root: Path) -> tuple[Path, float]:
                 )
             )
     step = {"kind": "optimizer_step", "step": 1, "t": t + 5}
-    (run / "events.jsonl").write_text(json.dumps(step) + "\n")
+    RunPaths(run).events.write_text(json.dumps(step) + "\n")
     return run, t
 
 

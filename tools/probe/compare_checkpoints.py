@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from gyre.common.run_paths import RunPaths
 from gyre.config import validate
 from gyre.coordinator.config import GyreConfig
 from gyre.train.checkpoint import CheckpointManager, list_checkpoints
@@ -19,7 +20,7 @@ from gyre.train.trainer import Trainer
 
 def main() -> None:
     run_a, run_b = map(Path, sys.argv[1:3])
-    cfg = validate(OmegaConf.merge(OmegaConf.structured(GyreConfig), OmegaConf.load(run_a / ".hydra" / "config.yaml")))
+    cfg = validate(OmegaConf.merge(OmegaConf.structured(GyreConfig), OmegaConf.load(RunPaths(run_a).config)))
     trainer = Trainer(cfg.model, cfg.trainer)
 
     def weights(path: Path):

@@ -8,10 +8,10 @@ tools; byte tokenizer runs).
 import re
 import sys
 from collections import Counter, defaultdict
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from gyre.common.run_paths import RunPaths
 from gyre.records.io import read_records
 
 TOOL_CALL = re.compile(r'\{"name": "(run|write_file|read_file|subagent|spawn_subagent)", "arguments": \{')
@@ -19,9 +19,9 @@ TOOL_CALL = re.compile(r'\{"name": "(run|write_file|read_file|subagent|spawn_sub
 
 def main() -> None:
     for run_dir in sys.argv[1:]:
-        groups_per_step = OmegaConf.load(Path(run_dir, ".hydra", "config.yaml")).coordinator.groups_per_step
+        groups_per_step = OmegaConf.load(RunPaths(run_dir).config).coordinator.groups_per_step
         per_step: dict[int, Counter] = defaultdict(Counter)
-        for path in sorted(Path(run_dir, "records").glob("g*.jsonl")):
+        for path in sorted(RunPaths(run_dir).records.glob("g*.jsonl")):
             step = int(path.name[1:6]) // groups_per_step  # execution g00012-3 is of group 12
             for r in read_records(path)[0]:
                 if r.agent_id == "main":
