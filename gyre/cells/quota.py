@@ -19,9 +19,10 @@ replay on one cell of 2 ranks took 29.5 s to start (`run_start`) instead of 13.2
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from gyre.common.wait import wait_until
 
 log = logging.getLogger(__name__)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -60,18 +61,21 @@ class CpuQuota:
         """Delete the cgroup once its processes have exited (a child may take a moment to go)."""
         if not self.mechanism.startswith("cgroup"):
             return
-        deadline = time.monotonic() + timeout_s
-        while True:
+        error = None
+
+        def removed() -> bool:
+            nonlocal error
             try:
                 os.rmdir(self.path)
-                return
             except FileNotFoundError:
-                return
+                pass
             except OSError as e:
-                if time.monotonic() > deadline:
-                    log.warning("could not remove cgroup %s: %s", self.path, e)
-                    return
-                time.sleep(0.1)
+                error = e
+                return False
+            return True
+
+        if not wait_until(removed, timeout_s, interval_s=0.1):
+            log.warning("could not remove cgroup %s: %s", self.path, error)
 
 
 def quota_us(cpus: float) -> int:

@@ -52,6 +52,7 @@ import time
 import uuid
 
 from gyre.common.files import write_atomic
+from gyre.common.wait import wait_until
 from gyre.control.transport import Channel, ChannelClosed, ChannelTimeout, Listener, decode, encode
 from gyre.errors import GyreError
 
@@ -334,11 +335,9 @@ def mpi_connect(
         MpiThreadLevelError: the MPI library cannot take calls from several threads.
     """
     MPI = _mpi()
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(port_file):
-        if time.monotonic() > deadline:
-            raise ChannelClosed(f"no MPI port file {port_file} after {timeout_s} s")
-        time.sleep(0.05)
+    deadline = time.monotonic() + timeout_s  # bounds the connect below too
+    if not wait_until(lambda: os.path.exists(port_file), timeout_s):
+        raise ChannelClosed(f"no MPI port file {port_file} after {timeout_s} s")
     with open(port_file) as f:
         port = f.read().strip()
     while True:

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from gyre.common.files import write_child_config
 from gyre.common.ports import PortReservation
 from gyre.common.serve import ChildServer, ChildServerError
+from gyre.common.wait import wait_until_async
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
 from gyre.engines.published import PublishedWeights
@@ -132,20 +133,25 @@ class BaseEngineProcess(ChildServer, ABC):
 
     async def wait_healthy(self) -> None:
         """Poll /health until 200, failing fast if the child dies; bounded by startup_timeout_s."""
-        deadline, last_log = time.monotonic() + self.cfg.startup_timeout_s, time.monotonic()
+        last_log = time.monotonic()
         async with EngineClient(self.url, timeout_s=5) as c:
-            while not await c.health():
+
+            async def healthy() -> bool:
+                nonlocal last_log
+                if await c.health():
+                    return True
                 self.check_alive()
-                if time.monotonic() > deadline:
-                    tail = self.log_tail()
-                    self.stop()
-                    raise EngineLaunchError(
-                        f"{self.url} not healthy after {self.cfg.startup_timeout_s} s; log tail:\n{tail}"
-                    )
                 if time.monotonic() - last_log > 30:
                     print(f"waiting for {self.url}/health ...", file=sys.stderr)
                     last_log = time.monotonic()
-                await asyncio.sleep(0.1)
+                return False
+
+            if not await wait_until_async(healthy, self.cfg.startup_timeout_s, interval_s=0.1):
+                tail = self.log_tail()
+                self.stop()
+                raise EngineLaunchError(
+                    f"{self.url} not healthy after {self.cfg.startup_timeout_s} s; log tail:\n{tail}"
+                )
 
     def client(self, timeout_s: float | None = None) -> EngineClient:
         """A client for this engine (use as `async with`)."""

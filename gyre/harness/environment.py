@@ -19,10 +19,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
+from gyre.common.wait import wait_until
 from gyre.errors import GyreError
 from gyre.harness.contract import Mount, make_contract_prefix
 from gyre.harness.envd import KILL_ALL
@@ -156,14 +156,12 @@ class BwrapTaskEnv(BaseTaskEnv):
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.socket.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                err = self.proc.communicate()[1].decode(errors="replace")
-                self.proc = None
-                raise TaskEnvError(f"task {self.task.task_id!r}: bubblewrap environment did not start: {err[-500:]}")
-            time.sleep(0.01)
+        ended = wait_until(lambda: self.socket.exists() or self.proc.poll() is not None, START_TIMEOUT_S, 0.01)
+        if not (ended and self.socket.exists()):  # the holder exited, or did not listen in time
+            self.proc.kill()
+            err = self.proc.communicate()[1].decode(errors="replace")
+            self.proc = None
+            raise TaskEnvError(f"task {self.task.task_id!r}: bubblewrap environment did not start: {err[-500:]}")
 
     def enter(self, argv: list[str], env: dict[str, str], user: str | None = None) -> list[str]:
         assigns = [f"{k}={v}" for k, v in sorted(env.items())]

@@ -33,12 +33,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from gyre.common.files import publish
+from gyre.common.wait import wait_until
 from gyre.errors import GyreError
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount
@@ -196,19 +196,20 @@ def remove(name: str, timeout_s: float = 30.0) -> None:
     while it is still there: conmon, detached from the killed client, may still be initialising it
     (seen on a loaded box: a container left "Initialized" after one rm). A failure is logged, not
     raised: the execution has ended either way."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    failed = ""
+
+    def removed() -> bool:
+        nonlocal failed
         try:
             done = podman(["rm", "--force", "--ignore", "--time", "0", name])
             failed = done.stderr.strip() if done.returncode else ""
-            if podman(["container", "exists", name]).returncode != 0:
-                return
+            return podman(["container", "exists", name]).returncode != 0
         except (OSError, PodmanError) as e:
             failed = str(e)
-        if time.monotonic() > deadline:
-            log.warning("could not remove container %s: %s", name, failed[-300:] or "it is still there")
-            return
-        time.sleep(0.2)
+            return False
+
+    if not wait_until(removed, timeout_s, interval_s=0.2):
+        log.warning("could not remove container %s: %s", name, failed[-300:] or "it is still there")
 
 
 def make_run_argv(
