@@ -1,9 +1,11 @@
 """The coordinator's side of Slurm cells and a cell task's wait for its spec, without a cluster:
 spec files are private and per restart, failures and an ended coordinator are reported, not waited out."""
 
+import contextlib
 import dataclasses
 import os
 import signal
+import socket
 import stat
 import threading
 import time
@@ -162,12 +164,17 @@ def test_a_server_spanning_two_nodes_is_started_by_each_nodes_first_rank_with_no
         backend="sglang", model_path="/m", enable_hicache=False, weight_sync="disk", tp_size=4, nnodes=2
     )
     spec = dataclasses.replace(_spec(1), ranks=4, nodes=2, engine=dataclasses.replace(sglang, bind_host="0.0.0.0"))
-    ((head, gpu),) = _node_engines(tmp_path, 0, spec, 0, "127.0.0.1", timeout_s=5)
-    assert (head.host, head.listen_host, head.nnodes, head.node_rank, gpu) == ("127.0.0.1", "0.0.0.0", 2, 0, 0)
-    assert head.dist_init_addr.startswith("127.0.0.1:")
-    ((other, _),) = _node_engines(tmp_path, 0, spec, 2, "127.0.0.2", timeout_s=5)
-    assert (other.host, other.node_rank, other.dist_init_addr) == ("127.0.0.2", 1, head.dist_init_addr)
-    assert _node_engines(tmp_path, 0, spec, 1, "127.0.0.1", 5) == [] == _node_engines(tmp_path, 0, spec, 3, "x", 5)
-    assert stat.S_IMODE(engine_path(tmp_path, 1, 0, 0).stat().st_mode) == 0o600  # beside the spec, as private
-    with pytest.raises(CellError, match="no engine rendezvous"):  # node rank 0's never published
-        _node_engines(tmp_path, 1, spec, 2, "127.0.0.2", timeout_s=0.3)
+    with contextlib.ExitStack() as held:
+        ((head, gpu),) = _node_engines(tmp_path, 0, spec, 0, "127.0.0.1", 5, held)
+        assert (head.host, head.listen_host, head.nnodes, head.node_rank, gpu) == ("127.0.0.1", "0.0.0.0", 2, 0, 0)
+        assert head.dist_init_addr.startswith("127.0.0.1:")
+        port = int(head.dist_init_addr.rsplit(":", 1)[1])
+        with socket.socket() as other_bind, pytest.raises(OSError):  # reserved until its engine started
+            other_bind.bind(("127.0.0.1", port))
+        ((other, _),) = _node_engines(tmp_path, 0, spec, 2, "127.0.0.2", 5, held)
+        assert (other.host, other.node_rank, other.dist_init_addr) == ("127.0.0.2", 1, head.dist_init_addr)
+        assert _node_engines(tmp_path, 0, spec, 1, "127.0.0.1", 5, held) == []
+        assert _node_engines(tmp_path, 0, spec, 3, "x", 5, held) == []
+        assert stat.S_IMODE(engine_path(tmp_path, 1, 0, 0).stat().st_mode) == 0o600  # beside the spec, as private
+        with pytest.raises(CellError, match="no engine rendezvous"):  # node rank 0's never published
+            _node_engines(tmp_path, 1, spec, 2, "127.0.0.2", 0.3, held)
