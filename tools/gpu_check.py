@@ -17,13 +17,14 @@ Checks, printed as one JSON line (`ok` is their conjunction):
 Run by tools/gpu_check.sh; never run on the CPU machines (no CUDA there).
 """
 
-import json
 import os
 import sys
 import tempfile
 import time
 
 import torch
+
+from gyre.common import jsonio
 
 
 def _lp(logits, ids):
@@ -202,7 +203,7 @@ def main() -> None:
         "torch": torch.__version__,
         "peak_gpu_mb": torch.cuda.max_memory_allocated() >> 20,
     }
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
     torch.distributed.destroy_process_group()
     sys.exit(0 if out["ok"] else 1)
 

@@ -8,8 +8,9 @@ the instruction rather than recalling a trained pair. A few words' evaluators cr
     python tools/make_toy_tasks.py
 """
 
-import json
 from pathlib import Path
+
+from gyre.common import jsonio
 
 WORDS = "apple river stone cloud tiger lemon piano robot".split()
 FILES = ("answer.txt", "out.txt", "note.txt")
@@ -41,7 +42,7 @@ def main() -> None:
             else:
                 train.append(make_task(word, file, f"word-{word}" + ("" if stem == "answer" else f"-{stem}")))
     for name, tasks in (("tasks.jsonl", train), ("eval.jsonl", held_out)):
-        (OUT / name).write_text("".join(json.dumps(t) + "\n" for t in tasks))
+        (OUT / name).write_text("".join(jsonio.dumps(t) + "\n" for t in tasks))
         print(f"{name}: {len(tasks)} tasks")
 
 

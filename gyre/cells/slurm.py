@@ -19,7 +19,6 @@ rank lost is the cell's loss); a follower that ends leaves `cell<k>.r<restart>.r
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -33,6 +32,7 @@ from gyre.cells.base import BaseCell, CellError, leader_command
 from gyre.cells.placement import SlurmPlacement
 from gyre.cells.serving import joined_by, plan_cell, plan_engines, started_by
 from gyre.cells.spec import CellSpec
+from gyre.common import jsonio
 from gyre.common.files import write_private_file
 from gyre.common.ports import PortReservation
 from gyre.common.serve import exit_at_once, first_exited
@@ -195,7 +195,7 @@ def _run_leader(job_dir: Path, placement: SlurmPlacement, spec: CellSpec) -> Non
         if spec.ranks > 1:
             group = {"WORLD_SIZE": str(spec.ranks), "MASTER_ADDR": spec.host, "MASTER_PORT": str(master_port)}
             os.environ.update(group | {"RANK": "0"})  # the leader (or mpiexec's child) inherits them
-            write_private_file(group_path(job_dir, cell, restart), json.dumps(group))
+            write_private_file(group_path(job_dir, cell, restart), jsonio.dumps(group))
         if spec.control == "mpi":  # an MPI process of its own, under mpiexec on this node
             rc = subprocess.run(leader_command(spec_path(job_dir, cell, restart), spec.control)).returncode
             if rc != 0:
@@ -212,7 +212,7 @@ def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, host: str,
     from gyre.train.ranks import run_follower
 
     cell, restart, rank = spec.index, placement.restart_count, placement.group_rank
-    group = json.loads(_wait_for("rendezvous", group_path(job_dir, cell, restart), job_dir, restart, timeout_s))
+    group = jsonio.loads(_wait_for("rendezvous", group_path(job_dir, cell, restart), job_dir, restart, timeout_s))
     os.environ.update(group | {"RANK": str(rank)})
     log.warning("cell %d: rank %d of %d on %s (%s), restart %d", cell, rank, spec.ranks, placement.node, host, restart)
     with contextlib.ExitStack() as held:  # a spanning server's rendezvous port, until its engine started
@@ -224,7 +224,7 @@ def _follow(job_dir: Path, placement: SlurmPlacement, spec: CellSpec, host: str,
         done = run_follower(spec.model, spec.trainer, spec.seed, host, urls)
         record = {"rank": rank, "num_ranks": spec.ranks, "node": placement.node, "host": host, "engine_urls": urls}
         record |= {"ops": dict(done), "num_ops": sum(done.values())}
-        write_private_file(rank_path(job_dir, cell, restart, rank), json.dumps(record))
+        write_private_file(rank_path(job_dir, cell, restart, rank), jsonio.dumps(record))
     finally:  # after the record: the run may be checked as soon as rank 0 is done
         stopping.set()
         for engine in engines:
@@ -246,12 +246,12 @@ def _node_engines(
         cfg = dataclasses.replace(engine, host=host, nnodes=slot.nnodes)
         if slot.nnodes > 1:
             cfg = dataclasses.replace(cfg, dist_init_addr=f"{host}:{held.enter_context(PortReservation())}")
-            rendezvous = json.dumps({"dist_init_addr": cfg.dist_init_addr})
+            rendezvous = jsonio.dumps({"dist_init_addr": cfg.dist_init_addr})
             write_private_file(engine_path(job_dir, spec.index, restart, slot.index), rendezvous)
         out.append((cfg, slot.base_gpu_id))
     for slot, node_rank in joined_by(slots, rank):
         path = engine_path(job_dir, spec.index, restart, slot.index)
-        addr = json.loads(_wait_for("engine rendezvous", path, job_dir, restart, timeout_s))["dist_init_addr"]
+        addr = jsonio.loads(_wait_for("engine rendezvous", path, job_dir, restart, timeout_s))["dist_init_addr"]
         cfg = dataclasses.replace(engine, host=host, nnodes=slot.nnodes, node_rank=node_rank, dist_init_addr=addr)
         out.append((cfg, slot.base_gpu_id))
     return out

@@ -1,9 +1,9 @@
 """What a cell leader process needs to start: its sections of the run's config, serialised."""
 
 import dataclasses
-import json
 from dataclasses import dataclass
 
+from gyre.common import jsonio
 from gyre.engines.config import EngineConfig
 from gyre.models.config import ModelConfig
 from gyre.train.config import TrainerConfig
@@ -45,10 +45,10 @@ class CellSpec:
     """The core restores the latest checkpoint under checkpoint_dir."""
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return jsonio.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "CellSpec":
-        raw = json.loads(text)
+        raw = jsonio.loads(text)
         sections = {"model": ModelConfig, "trainer": TrainerConfig, "engine": EngineConfig}
         return cls(**{k: sections[k](**v) if k in sections else v for k, v in raw.items()})

@@ -5,13 +5,14 @@ appears whole under its name in one rename (here, the one place that renames), n
     publish(tmp, final)                                              ─> the rename itself (fsync first)
 """
 
-import json
 import os
 import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from gyre.common import jsonio
 
 
 def publish(tmp: str | os.PathLike, final: str | os.PathLike, fsync: bool = False) -> None:
@@ -62,10 +63,10 @@ def write_child_config(path: str | os.PathLike, config: dict) -> str:
     """Hand a child process its config as a private JSON file at `path` and return the path, which
     goes on its command line instead of the config: argv is world-readable (`ps`, /proc/PID/cmdline)
     on a shared node, and a config may carry a token."""
-    write_private_file(path, json.dumps(config))
+    write_private_file(path, jsonio.dumps(config))
     return os.fspath(path)
 
 
 def read_child_config(path: str | os.PathLike) -> dict:
     """The config `write_child_config` wrote (the child's side)."""
-    return json.loads(Path(path).read_text())
+    return jsonio.loads(Path(path).read_text())

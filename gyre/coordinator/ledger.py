@@ -7,12 +7,12 @@ fsynced before the coordinator acts on the change, so a SIGKILL loses nothing al
 a torn last line (the machine died mid-write) is skipped on reading, never fatal.
 """
 
-import json
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gyre.common import jsonio
 from gyre.records.io import fsync_dir
 from gyre.trajectory.rewards import HARNESS_OUTCOMES, LEDGER_STATES
 
@@ -88,7 +88,7 @@ class ExecutionLedger:
     def append(self, entry: LedgerEntry) -> None:
         if entry.state not in LEDGER_STATES:
             raise ValueError(f"ledger state {entry.state!r} is not one of {', '.join(LEDGER_STATES)}")
-        line = json.dumps({k: v for k, v in asdict(entry).items() if v not in (None, "", -1)}) + "\n"
+        line = jsonio.dumps({k: v for k, v in asdict(entry).items() if v not in (None, "", -1)}) + "\n"
         os.write(self._fd, line.encode())
         os.fsync(self._fd)
 
@@ -104,7 +104,7 @@ def read_ledger(path: str | os.PathLike) -> LedgerView:
         return view
     for line in p.read_bytes().splitlines():
         try:
-            entry = LedgerEntry(**json.loads(line))
+            entry = LedgerEntry(**jsonio.loads(line))
         except (ValueError, TypeError):
             view.num_torn += 1
             continue

@@ -10,12 +10,11 @@ are integers (the optimizer step) on Gyre's side; on the wire they are what the 
 """
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 import aiohttp
-import orjson
 
+from gyre.common import jsonio
 from gyre.errors import GyreError
 from gyre.records.versions import VersionSpan, parse_weight_version
 
@@ -86,15 +85,15 @@ class EngineClient:
     async def _request(self, method: str, path: str, body: dict | None = None, raw: bytes | None = None):
         if self._session is None:
             raise GyreError("EngineClient used outside `async with`")
-        data = raw if raw is not None else (None if body is None else orjson.dumps(body))  # 131K ids: ~6x faster
+        data = raw if raw is not None else (None if body is None else jsonio.dumpb(body))  # 131K ids: ~6x faster
         headers = {"Content-Type": "application/json"} if data is not None else None
         async with self._session.request(method, self.base_url + path, data=data, headers=headers) as r:
             text = await r.text()
             if r.status >= 300:
                 raise EngineHTTPError(r.status, path, text)
             try:
-                return json.loads(text)
-            except json.JSONDecodeError:
+                return jsonio.loads(text)
+            except jsonio.DecodeError:
                 return text
 
     async def post(self, path: str, body: dict | None = None):
@@ -124,13 +123,11 @@ class EngineClient:
         """The /generate body as JSON; `input_ids_json` (input_ids already as a JSON array, whole or
         in pieces) is spliced in as is."""
         if input_ids_json is None:
-            return json.dumps(
-                self._generate_body(input_ids, sampling_params, rid, return_logprob, stream, extra_key)
-            ).encode()
+            return jsonio.dumpb(self._generate_body(input_ids, sampling_params, rid, return_logprob, stream, extra_key))
         rest = self._generate_body((), sampling_params, rid, return_logprob, stream, extra_key)
         del rest["input_ids"]
         pieces = (input_ids_json,) if isinstance(input_ids_json, bytes) else input_ids_json
-        return b"".join((b'{"input_ids":', *pieces, b",", json.dumps(rest).encode()[1:]))  # one copy
+        return b"".join((b'{"input_ids":', *pieces, b",", jsonio.dumpb(rest)[1:]))  # one copy
 
     async def generate(
         self,
@@ -189,7 +186,7 @@ class EngineClient:
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     return
-                chunk = orjson.loads(payload)
+                chunk = jsonio.loads(payload)
                 if "error" in chunk:
                     raise EngineStreamError(chunk["error"] if isinstance(chunk["error"], dict) else {})
                 meta = chunk.get("meta_info", {})

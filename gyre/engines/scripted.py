@@ -12,12 +12,12 @@ prompt ends with the generation prompt plus partial output, after a reroute) con
 text where the partial output stops, so resumption is seamless.
 """
 
-import json
 import re
 from dataclasses import dataclass
 
 import torch
 
+from gyre.common import jsonio
 from gyre.errors import GyreError
 from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
@@ -40,7 +40,7 @@ class ScriptedPolicy:
     @classmethod
     def from_file(cls, path: str, tokenizer: ByteTokenizer) -> "ScriptedPolicy":
         try:
-            raw = json.loads(open(path).read())["rules"]
+            raw = jsonio.loads(open(path).read())["rules"]
             rules = [ScriptRule(re.compile(r["match"], re.DOTALL), str(r["emit"])) for r in raw]
         except (OSError, KeyError, TypeError, ValueError, re.error) as e:
             raise GyreError(f"scripted policy {path}: needs {{'rules': [{{'match', 'emit'}}]}} ({e!r})") from e

@@ -60,13 +60,13 @@ per update or session call (whether generation was paused, or the call waited fo
 
 import argparse
 import asyncio
-import json
 import os
 import uuid
 
 import torch
 from aiohttp import web
 
+from gyre.common import jsonio
 from gyre.common.serve import serve_app
 from gyre.common.weight_group import join_weight_group
 from gyre.engines.config import EngineConfig
@@ -243,7 +243,7 @@ class SGLangFakeServer(BuiltinEngineServer):
     def _audit(self, line: dict) -> None:
         if self.audit:
             with open(self.audit, "a") as f:
-                f.write(json.dumps(line) + "\n")
+                f.write(jsonio.dumps(line) + "\n")
 
     # --- weights ------------------------------------------------------------------------------
     async def _exclusive(self, route: str, fn, hold_pause: bool = True) -> web.Response:
@@ -437,8 +437,8 @@ class SGLangFakeServer(BuiltinEngineServer):
     async def model_info(self, request: web.Request) -> web.Response:
         hf = {}
         if os.path.exists(os.path.join(self.served_path, "config.json")):
-            with open(os.path.join(self.served_path, "config.json")) as f:
-                hf = json.load(f)
+            with open(os.path.join(self.served_path, "config.json"), "rb") as f:
+                hf = jsonio.loads(f.read())
         return web.json_response(
             {
                 "model_path": self.served_path,

@@ -16,7 +16,6 @@ import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import orjson
 import torch
 from aiohttp import web
 from safetensors.torch import load as load_tensors
@@ -24,6 +23,7 @@ from safetensors.torch import save as save_tensors
 
 from gyre.common.files import write_atomic
 from gyre.common.serve import exit_at_once
+from gyre.common.sse import open_stream, send_events
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 """srt/constants.py: the rid prefix of /health's one-token generation."""
@@ -170,13 +170,10 @@ def scheduler_crash(message: str) -> None:
 
 async def stream_error(request: web.Request, message: str) -> web.StreamResponse:
     """A streamed call's error as SGLang sends it: HTTP 200, one error chunk, then [DONE]."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
     error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
-    await response.write(b"data: " + orjson.dumps({"error": error}) + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    async with open_stream(request) as stream:
+        await send_events(stream, [(None, {"error": error}), (None, "[DONE]")])
+    return stream
 
 
 def reply(success: bool, message: str, **extra) -> web.Response:

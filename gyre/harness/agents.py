@@ -15,13 +15,14 @@ OPENAI_BASE_URL with OPENAI_API_KEY (`--auth-type openai`); besides the agent's 
 auxiliary memory-extraction call per session. Its settings and sessions live under $HOME/.qwen.
 """
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+
+from gyre.common import jsonio
 
 CLAUDE_CODE_VERSION = "2.1.220"
 MINI_SWE_AGENT_VERSION = "2.4.6"
@@ -84,7 +85,7 @@ def codex_thread_id(events: str) -> str | None:
     """The thread a `codex exec --json` run started (its `thread.started` event), from its output."""
     for line in events.splitlines():
         try:
-            event = json.loads(line)
+            event = jsonio.loads(line)
         except ValueError:
             continue
         if isinstance(event, dict) and event.get("type") == "thread.started":

@@ -13,7 +13,6 @@ the namespaces only as root: bubblewrap's unprivileged sandboxes refuse setns fr
 """
 
 import argparse
-import json
 import os
 import pwd
 import signal
@@ -23,6 +22,7 @@ import sys
 import threading
 import time
 
+from gyre.common import jsonio
 from gyre.common.files import publish
 
 MAX_REQUEST = 1 << 20
@@ -50,7 +50,7 @@ def _run(conn: socket.socket) -> None:
     """One phase: start it with the client's fds, answer its exit status; a closed client kills it."""
     with conn:
         msg, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
-        req = json.loads(msg)
+        req = jsonio.loads(msg)
         if req["argv"][0] == KILL_ALL:
             for fd in fds:  # held, they would keep the client's pipes open after it exits
                 os.close(fd)
@@ -81,7 +81,7 @@ def _run(conn: socket.socket) -> None:
         threading.Thread(target=_watch_client, args=(conn, proc), daemon=True).start()
         code = proc.wait()
         try:
-            conn.sendall(json.dumps({"exit": code}).encode())
+            conn.sendall(jsonio.dumps({"exit": code}).encode())
         except OSError:
             pass
 
@@ -121,12 +121,12 @@ def enter(path: str, argv: list[str], cwd: str, user: str | None) -> int:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.connect(path)
     req = {"argv": argv, "cwd": cwd, "user": user, "env": dict(os.environ)}
-    socket.send_fds(conn, [json.dumps(req).encode()], [0, 1, 2])
+    socket.send_fds(conn, [jsonio.dumps(req).encode()], [0, 1, 2])
     reply = conn.recv(4096)
     if not reply:
         print("envd: the environment ended before the command did", file=sys.stderr)
         return 125
-    code = json.loads(reply)["exit"]
+    code = jsonio.loads(reply)["exit"]
     return 128 - code if code < 0 else code
 
 

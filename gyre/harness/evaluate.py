@@ -19,7 +19,6 @@ The reward is read as Harbor reads it (`parse_reward`): reward.txt first, else r
 finite number is kept. No reward file, garbage or a timeout: evaluator_error.
 """
 
-import json
 import math
 import os
 import signal
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from gyre.common import jsonio
 from gyre.harness.environment import BaseTaskEnv, TaskEnvError, open_environment
 from gyre.harness.podman import PodmanError
 from gyre.tasks.spec import EvaluatorSpec, Task
@@ -96,8 +96,8 @@ def parse_json_score(stdout: str) -> float:
     if not lines:
         raise EvaluatorFailed("evaluator printed nothing (expected a JSON score on its last line)")
     try:
-        value = json.loads(lines[-1])
-    except json.JSONDecodeError:
+        value = jsonio.loads(lines[-1])
+    except jsonio.DecodeError:
         raise EvaluatorFailed(f"last line is not JSON: {lines[-1][:200]!r}") from None
     score = value.get("score") if isinstance(value, dict) else value
     if not isinstance(score, (int, float)) or isinstance(score, bool) or not 0.0 <= score <= 1.0:
@@ -201,8 +201,8 @@ def parse_reward(txt: str | None, json_text: str | None) -> tuple[float, dict[st
     obj = None
     if json_text is not None:
         try:
-            obj = json.loads(json_text)
-        except json.JSONDecodeError:
+            obj = jsonio.loads(json_text)
+        except jsonio.DecodeError:
             if txt is None:
                 raise EvaluatorFailed(f"reward.json is not JSON: {json_text[:200]!r}") from None
         if obj is not None and not isinstance(obj, dict):

@@ -30,7 +30,6 @@ agent's calls reach the proxy.
 
 import argparse
 import hashlib
-import json
 import math
 import os
 import random
@@ -41,6 +40,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre.common import jsonio
 from gyre.common.files import write_atomic
 
 APIS = ("anthropic", "openai")
@@ -101,7 +101,8 @@ def make_resumed_prompt(instruction: str, summary: str) -> str:
 def conversation_chars(messages: list[dict]) -> int:
     """Size of a conversation beyond its system prompt: what compaction bounds."""
     return sum(
-        len(m.get("content") or "") + sum(len(json.dumps(c["arguments"])) for c in m.get("tool_calls", []))
+        len(m.get("content") or "")
+        + sum(len(jsonio.dumps(c["arguments"], python_text=True)) for c in m.get("tool_calls", []))
         for m in messages[1:]
     )
 
@@ -124,7 +125,7 @@ def make_openai_body(model: str, messages: list[dict], max_tokens: int, tools: b
                 {
                     "id": c["id"],
                     "type": "function",
-                    "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+                    "function": {"name": c["name"], "arguments": jsonio.dumps(c["arguments"], python_text=True)},
                 }
                 for c in m["tool_calls"]
             ]
@@ -223,7 +224,7 @@ class ToyAgent:
     def _load_session(self) -> dict:
         """The saved session (a continued execution), else a fresh one."""
         try:
-            state = json.loads(self.session.read_text())
+            state = jsonio.loads(self.session.read_text())
         except (OSError, ValueError):
             return {"stage": "survey", "report": "", "agent": None}
         version, internal, gauss = state.pop("rng")
@@ -235,7 +236,7 @@ class ToyAgent:
     def _save(self, **changes) -> None:
         """The session after a whole turn (its tool results in): continuing from here re-sends it as it was."""
         self.state.update(changes)
-        blob = json.dumps(self.state | {"num_calls": self.num_calls, "rng": self.rng.getstate()})
+        blob = jsonio.dumps(self.state | {"num_calls": self.num_calls, "rng": self.rng.getstate()})
         write_atomic(self.session, blob)  # a continued agent reads the old turn or the new one, never half
 
     def call(self, messages: list[dict], agent_id: str | None, tools: bool = True, summary: bool = False) -> dict:
@@ -260,7 +261,7 @@ class ToyAgent:
             msg = r.choices[0].message
             text = msg.content or ""
             calls = [
-                {"id": c.id, "name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}
+                {"id": c.id, "name": c.function.name, "arguments": jsonio.loads(c.function.arguments or "{}")}
                 for c in msg.tool_calls or []
             ]
         return {"role": "assistant", "content": text, "tool_calls": calls}
@@ -314,7 +315,7 @@ class ToyAgent:
                 report = self.run_agent(SUB_SYSTEM, SUB_TASK, f"sub-{uuid.uuid4().hex[:8]}", a.subagent_turns)
                 print(f"toy-agent: verified: {report[:RESULT_CHARS]!r}", file=sys.stderr, flush=True)
             self._save(stage="done", agent=None)
-        print(json.dumps({"num_calls": self.num_calls}), flush=True)
+        print(jsonio.dumps({"num_calls": self.num_calls}), flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

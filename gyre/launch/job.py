@@ -17,7 +17,6 @@ this light module, and the config and task set wait in `slurm/run.pkl`.
 """
 
 import faulthandler
-import json
 import logging
 import os
 import pickle
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 from gyre.cells.placement import SlurmPlacement, current_placement, forget_enclosing_job
+from gyre.common import jsonio
 from gyre.common.run_paths import RunPaths
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class GyreJob:
                 "restart_count": placement.restart_count,
                 "reason": str(e),
             }
-            write_private_file(job_dir / f"preempted.r{placement.restart_count}.json", json.dumps(times))
+            write_private_file(job_dir / f"preempted.r{placement.restart_count}.json", jsonio.dumps(times))
             log.warning("requeued job %s: %s", placement.job_id, e)
             sys.exit(-1)  # as submitit's own handler: no result for this run, the requeued one writes it
         finally:
@@ -115,5 +115,5 @@ def submit_run(cfg, taskset, run_dir: Path):
         cfg.cluster, make_run_components(cfg.cluster), job_dir, name="gyre", slurm_signal_delay_s=SIGNAL_DELAY_S
     )
     job = executor.submit(GyreJob(run_dir))
-    (job_dir / "job.json").write_text(json.dumps({"job_id": job.job_id, "submitted_t": submitted_t}))
+    (job_dir / "job.json").write_text(jsonio.dumps({"job_id": job.job_id, "submitted_t": submitted_t}))
     return job

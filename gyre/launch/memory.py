@@ -25,9 +25,9 @@ trainer's state leaves the GPU while the cell serves: DESIGN "A cell's GPU belon
 docs/slurm.md ("GPU cells") compares these formulas with megatron-core's and SGLang's own.
 """
 
-import json
 from dataclasses import dataclass, field
 
+from gyre.common import jsonio
 from gyre.models.config import ModelConfig
 
 BF16, FP32 = 2, 4
@@ -199,7 +199,7 @@ def render_plan(plan: MemoryPlan, ranks_per_node: int, devices: list[int | None]
         "fits": plan.fits,
         "keys": plan.keys,
     }
-    return [*lines, json.dumps(summary)]
+    return [*lines, jsonio.dumps(summary)]
 
 
 def _col(nbytes: int | None) -> str:

@@ -13,7 +13,6 @@ exited non-zero, else `no_model_calls`), never scored; --records names where --p
 """
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -21,6 +20,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from gyre.common import jsonio
 from gyre.common.run_paths import RunPaths
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
@@ -46,11 +46,11 @@ CHECK_ATTEMPTS = 3
 def register_execution(proxy: ProxyProcess, execution_id: str) -> str:
     req = urllib.request.Request(
         proxy.url + "/admin/executions",
-        data=json.dumps({"execution_id": execution_id}).encode(),
+        data=jsonio.dumps({"execution_id": execution_id}).encode(),
         headers={"Authorization": f"Bearer {proxy.admin_token}", "Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["api_key"]
+        return jsonio.loads(r.read())["api_key"]
 
 
 def start_stack(args, root: Path) -> tuple[list, str, str, str]:
@@ -117,7 +117,7 @@ def cmd_run(args) -> int:
         for p in procs:
             p.stop()
     print(result.log_path.read_text(errors="replace")[-2000:], file=sys.stderr)
-    print(json.dumps(report | {"isolated": sb.isolated, "execution_id": args.execution_id}))
+    print(jsonio.dumps(report | {"isolated": sb.isolated, "execution_id": args.execution_id}))
     return 0
 
 
@@ -199,7 +199,7 @@ def cmd_check(args) -> int:
             results.append((ok, seconds))
     passed = sum(ok for ok, _ in results)
     print(
-        json.dumps(
+        jsonio.dumps(
             {
                 "tasks": len(results),
                 "passed": passed,

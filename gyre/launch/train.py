@@ -5,7 +5,6 @@ written to RUN_DIR/summary.json.
 """
 
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -17,7 +16,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from gyre.common import CONF_DIR
+from gyre.common import CONF_DIR, jsonio
 from gyre.common.files import write_private_file
 from gyre.common.run_paths import RunPaths
 from gyre.config import register_configs, validate
@@ -51,8 +50,8 @@ def run(cfg: DictConfig) -> None:
         summary = run_on_slurm(gyre_cfg, taskset, run_dir)
     else:
         summary = asyncio.run(run_coordinator(gyre_cfg, run_dir, taskset, resume=gyre_cfg.resume))
-    write_private_file(RunPaths(run_dir).summary, json.dumps(summary))  # for sweeps, whose stdout is a job's log
-    print(json.dumps(summary), flush=True)
+    write_private_file(RunPaths(run_dir).summary, jsonio.dumps(summary))  # for sweeps, whose stdout is a job's log
+    print(jsonio.dumps(summary), flush=True)
 
 
 def run_on_slurm(cfg: GyreConfig, taskset: TaskSource, run_dir: Path) -> dict:

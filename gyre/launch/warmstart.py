@@ -20,7 +20,6 @@ default), so it can fill the cache ahead of a run.
 
 import argparse
 import hashlib
-import json
 import random
 import tempfile
 import time
@@ -31,7 +30,7 @@ import hydra
 import torch
 import torch.nn.functional as F
 
-from gyre.common import CONF_DIR
+from gyre.common import CONF_DIR, jsonio
 from gyre.common.files import atomic_path
 from gyre.config import register_configs, validate
 from gyre.harness import toy_agent as toy
@@ -209,7 +208,7 @@ def group_examples(examples: list, end_id: int) -> list[list]:
     """Distinct examples grouped by their system prompt (the tokens up to the first `end_id`)."""
     groups: dict[tuple, dict] = {}
     for p, t in examples:
-        groups.setdefault(tuple(p[: p.index(end_id) + 1]), {})[json.dumps([p, t])] = (p, t)
+        groups.setdefault(tuple(p[: p.index(end_id) + 1]), {})[jsonio.dumps([p, t])] = (p, t)
     return [list(g.values()) for g in groups.values()]
 
 
@@ -307,9 +306,9 @@ def demonstrations(taskset: TaskSet, ws: WarmStartConfig) -> list[tuple[list[dic
 
 def content_hash(cfg: ModelConfig, ws: WarmStartConfig, calls: list) -> str:
     """Hash of everything the vocabulary and the weights depend on: settings, conversations, this module's code."""
-    h = hashlib.sha256(json.dumps([asdict(cfg), asdict(ws)], sort_keys=True).encode())
+    h = hashlib.sha256(jsonio.dumps([asdict(cfg), asdict(ws)], sort_keys=True, python_text=True).encode())
     h.update(Path(__file__).read_bytes())
-    h.update(json.dumps(calls, sort_keys=True).encode())
+    h.update(jsonio.dumps(calls, sort_keys=True, python_text=True).encode())
     return h.hexdigest()[:16]
 
 
@@ -362,7 +361,7 @@ def warm_start(
     calls = demonstrations(taskset, ws)
     out = Path(out_root) / f"warmstart-{content_hash(cfg, ws, calls)}"
     if (out / "report.json").exists():
-        return out, {**json.loads((out / "report.json").read_text()), "reused": True}
+        return out, {**jsonio.loads((out / "report.json").read_text()), "reused": True}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: a second thread costs more than it gives on a shared box
     Path(out_root).mkdir(parents=True, exist_ok=True)
@@ -370,11 +369,11 @@ def warm_start(
         with atomic_path(out) as tmp:  # the whole directory appears at once: a crash never leaves half a cache
             tmp.mkdir()
             report = train_into(tmp, taskset, cfg, ws, calls, samples_per_task) | {"model_dir": str(out)}
-            (tmp / "report.json").write_text(json.dumps(report))
+            (tmp / "report.json").write_text(jsonio.dumps(report))
     except OSError:  # another run cached the same inputs first: keep its directory
         if not (out / "report.json").exists():
             raise
-        return out, {**json.loads((out / "report.json").read_text()), "reused": True}
+        return out, {**jsonio.loads((out / "report.json").read_text()), "reused": True}
     finally:
         torch.set_num_threads(threads)
     return out, {**report, "reused": False}
@@ -397,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     taskset = TaskSet.load(a.taskset) if a.taskset else None
     ws = WarmStartConfig(steps=a.steps, lr=a.lr, clear_chars=cfg.harness.toy.clear_chars)
     out, report = warm_start(Path(a.out), taskset, cfg.model, ws, samples_per_task=a.samples_per_task)
-    print(json.dumps(report))
+    print(jsonio.dumps(report))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ an unparseable line wherever it is and count it, and a torn *last* line is what 
 directory, an event that does not encode) is logged once and counted in `num_dropped`.
 """
 
-import json
 import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from gyre.common import jsonio
 from gyre.common.run_paths import RunPaths
 from gyre.metrics.events import Event, EventError, decode_event, encode_event
 from gyre.records.io import ReadStats
@@ -110,7 +110,7 @@ class EventTail:
         for raw in lines:
             self._line_no += 1
             try:
-                events.append(decode_event(json.loads(raw)))
+                events.append(decode_event(jsonio.loads(raw)))
             except (ValueError, EventError, AttributeError) as e:
                 self.stats.invalid.append((self._line_no, f"{type(e).__name__}: {e}"[:200]))
         self.stats.num_read += len(events)
@@ -123,7 +123,7 @@ class EventTail:
         # A partial last line is torn only if it does not parse: a final line may lack just its newline.
         if self._partial:
             try:
-                event = decode_event(json.loads(self._partial))
+                event = decode_event(jsonio.loads(self._partial))
             except (ValueError, EventError, AttributeError):
                 return
             self._partial, self.stats.num_torn = b"", 0

@@ -7,11 +7,11 @@ wall time) and compare_timeline.png (every run's cells on one time scale), e.g. 
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from statistics import fmean
 
+from gyre.common import jsonio
 from gyre.common.run_paths import RunPaths
 from gyre.metrics.config import MetricsConfig
 from gyre.metrics.log import EventTail
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.out / 'compare_timeline.png'}"
         )
     if args.json:
-        print(json.dumps({"runs": dict(zip(names, summaries))}))
+        print(jsonio.dumps({"runs": dict(zip(names, summaries))}))
     return 0
 
 

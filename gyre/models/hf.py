@@ -7,7 +7,6 @@ is refused with a ConfigError naming the config.json field, never loaded as a si
 model. Engine names are HF names without the `model.` prefix (`lm_head.weight` stays).
 """
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from gyre.common import jsonio
 from gyre.common.files import atomic_path, write_atomic
 from gyre.errors import ConfigError
 from gyre.models.config import ModelConfig
@@ -94,8 +94,8 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     if not f.is_file():
         raise ConfigError("path", f"{f} not found: a Hugging Face model directory needs config.json")
     try:
-        raw = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        raw = jsonio.loads(f.read_text())
+    except (OSError, jsonio.DecodeError) as e:
         raise ConfigError("path", f"{f} is not readable JSON: {e}") from None
     try:
         return hf_config_fields(raw, str(f))
@@ -173,7 +173,7 @@ def write_hf_dir(
     with atomic_path(out / "model.safetensors") as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     if source is None:
-        write_atomic(out / "config.json", json.dumps(hf_config_of(cfg, dtype), indent=1))
+        write_atomic(out / "config.json", jsonio.dumps(hf_config_of(cfg, dtype), indent=1))
         return
     for f in sorted(Path(source).iterdir()):
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
@@ -183,6 +183,6 @@ def write_hf_dir(
 
 def source_dtype(path: str | os.PathLike) -> str:
     """The dtype an HF directory stores its weights in (config.json `dtype`/`torch_dtype`)."""
-    raw = json.loads((Path(path) / "config.json").read_text())
+    raw = jsonio.loads((Path(path) / "config.json").read_text())
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     return dtype if dtype in _DTYPES else "float32"

@@ -10,9 +10,10 @@ is the JSON object between `<tool_call>` and the next `</tool_call>` with a stri
 object (or JSON-string) `arguments`; a closed body that is not one is kept as malformed.
 """
 
-import json
 import re
 from dataclasses import dataclass, field
+
+from gyre.common import jsonio
 
 _MARKERS = ("<tool_call>", "<|im_end|>", "<|endoftext|>")
 _OPEN, _CLOSE, _END, _THINK_END = "<tool_call>", "</tool_call>", "<|im_end|>", "</think>"
@@ -164,7 +165,7 @@ class ToolCallScanner:
                 oc.args_start = avail  # another form: left to the final parse
             return
         try:
-            oc.name = json.loads('"' + m.group(1) + '"')
+            oc.name = jsonio.loads('"' + m.group(1) + '"')
         except ValueError:
             oc.args_start = avail
             return
@@ -227,7 +228,7 @@ class ToolCallScanner:
         if oc.name != call.name or oc.args_end < 0:
             return False
         try:
-            return json.loads(oc.arguments) == call.arguments
+            return jsonio.loads(oc.arguments) == call.arguments
         except ValueError:
             return False
 
@@ -240,11 +241,11 @@ def _could_be_head(prefix: str) -> bool:
 
 def _parse_call(body: str) -> ToolCall | None:
     try:
-        obj = json.loads(body)
+        obj = jsonio.loads(body)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", {})
-        args = json.loads(args) if isinstance(args, str) else args
+        args = jsonio.loads(args) if isinstance(args, str) else args
     except ValueError:
         return None
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None

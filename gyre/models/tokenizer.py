@@ -21,11 +21,11 @@ Generated turns are parsed by `gyre.models.parse` (a thinking block, Qwen3's `<t
 goes to `ParsedAssistant.reasoning`, not content).
 """
 
-import json
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from gyre.common import jsonio
 from gyre.errors import GyreError
 from gyre.models.parse import ParsedAssistant, parse_assistant_text
 
@@ -88,7 +88,7 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, add_gener
     msgs = list(messages)
     system = msgs.pop(0)["content"] if msgs and msgs[0].get("role") == "system" else None
     if tools:
-        lines = "\n".join(json.dumps(t, sort_keys=True) for t in tools)
+        lines = "\n".join(jsonio.dumps(t, sort_keys=True, python_text=True) for t in tools)
         system = (system or "You are a helpful assistant.") + (
             "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML "
@@ -114,7 +114,7 @@ def render_chat(messages: list[dict], tools: list[dict] | None = None, add_gener
             continue
         out += [Special("<|im_start|>"), f"{role}\n{content}"]
         for call in m.get("tool_calls") or []:
-            body = json.dumps({"name": call["name"], "arguments": call.get("arguments", {})})
+            body = jsonio.dumps({"name": call["name"], "arguments": call.get("arguments", {})}, python_text=True)
             out += ["\n" if content else "", Special("<tool_call>"), f"\n{body}\n", Special("</tool_call>")]
         out += [Special("<|im_end|>"), "\n"]
     if add_generation_prompt:

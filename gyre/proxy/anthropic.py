@@ -11,6 +11,7 @@ turn); images become the placeholder text `[image]`.
 import re
 import uuid
 
+from gyre.common import jsonio
 from gyre.models.parse import ToolCall
 from gyre.proxy.chat import (
     ApiError,
@@ -20,7 +21,6 @@ from gyre.proxy.chat import (
     check_tool_schema,
     convert_messages,
     invalid,
-    json_text,
     require_type,
 )
 from gyre.proxy.conversation import WireRequest
@@ -294,7 +294,7 @@ class AnthropicStream(BaseStream):
         events = self._close()
         for tid, c in calls:
             if tid not in self.streamed:
-                events += self.tool_start(tid, c.name) + self.tool_args(json_text(c.arguments)) + self._close()
+                events += self.tool_start(tid, c.name) + self.tool_args(jsonio.dumps(c.arguments)) + self._close()
         delta = {"stop_reason": stop_reason(finish, [c for _, c in calls]), "stop_sequence": None}
         return events + [
             ("message_delta", {"type": "message_delta", "delta": delta, "usage": make_usage(usage)}),

@@ -15,12 +15,13 @@ import uuid
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from aiohttp_sse import sse_response
 
+from gyre.common import jsonio
+from gyre.common.sse import open_stream, send_events
 from gyre.metrics.events import ModelCall
 from gyre.metrics.log import EventLog
 from gyre.models.tokenizer import BaseTokenizer, ChatTemplateError
-from gyre.proxy.chat import ApiError, ChatRequest, Resume, invalid, json_text
+from gyre.proxy.chat import ApiError, ChatRequest, Resume, invalid
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.conversation import RequestSnapshot
 from gyre.proxy.executions import ProxyExecution
@@ -28,7 +29,7 @@ from gyre.proxy.generation import Generation
 from gyre.proxy.hints import CallHints
 from gyre.proxy.pool import EnginePool
 from gyre.proxy.render import Renderer, RenderResult, assistant_key
-from gyre.proxy.wire import BaseWire, Event, OutputStream, Usage
+from gyre.proxy.wire import BaseWire, OutputStream, Usage
 from gyre.records.record import CallRecord
 
 
@@ -238,7 +239,7 @@ class CallRunner:
         self._remember(call, text, calls)
         await self._record(call)
         answer = wire.response(call.chat, text, calls, call.gen.finish, _usage(call))
-        return web.json_response(answer, dumps=json_text)
+        return web.json_response(answer, dumps=jsonio.dumps)
 
     async def _record_failed(self, call: Call, error: ApiError) -> None:
         """A call that fails (the harness gets `error`) after its engine produced output keeps it: its
@@ -251,32 +252,26 @@ class CallRunner:
         """SSE answer; a call failing after the stream began ends with its record and one error event."""
         events = wire.stream(call.chat, _usage(call))  # the first chunk has arrived: cached tokens known
         out = OutputStream(events, self.tok.decode, wire.new_call_id)
-        async with sse_response(request, sep="\n", allow_all_methods=True) as sse:
-            await _send(sse, events.start())
+        async with open_stream(request) as sse:
+            await send_events(sse, events.start())
             new = first
             try:
                 while True:
                     if new:
-                        await _send(sse, out.update(call.gen.output_ids))
+                        await send_events(sse, out.update(call.gen.output_ids))
                     new = await stream.__anext__()
             except StopAsyncIteration:
                 pass
             except ApiError as e:
                 await self._record_failed(call, e)
-                await _send(sse, wire.stream_error(e))
+                await send_events(sse, wire.stream_error(e))
                 return sse
             text, calls = out.result(call.gen.output_ids)
             self._remember(call, text, calls)
             await self._record(call)
-            await _send(sse, out.finish(text, calls, call.gen.finish, _usage(call)))
+            await send_events(sse, out.finish(text, calls, call.gen.finish, _usage(call)))
             await sse.write_eof()
         return sse
-
-
-async def _send(sse, events: list[Event]) -> None:
-    """Send SSE events, JSON data as one line (literal data, OpenAI's `[DONE]`, as it is)."""
-    for name, data in events:
-        await sse.send(data if isinstance(data, str) else json_text(data), event=name)
 
 
 def _usage(call: Call) -> Usage:

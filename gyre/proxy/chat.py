@@ -6,11 +6,8 @@ recording never depend on the API. Errors are `ApiError`s with a kind each API m
 error body and status.
 """
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import orjson
 
 from gyre.errors import GyreError
 
@@ -36,15 +33,6 @@ class ApiError(GyreError):
     @property
     def status(self) -> int:
         return ERROR_KINDS[self.kind]
-
-
-def json_text(obj, sort_keys: bool = False) -> str:
-    """`obj` as compact JSON text, by orjson; by Python's json only where orjson cannot write it:
-    integers past 64 bits, which a model's tool-call arguments (parsed by json) may hold."""
-    try:
-        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS if sort_keys else None).decode()
-    except orjson.JSONEncodeError:
-        return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=False)
 
 
 def invalid(message: str) -> ApiError:

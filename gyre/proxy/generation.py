@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import orjson
 
+from gyre.common import jsonio
 from gyre.engines.client import EngineHTTPError, parse_version_spans
 from gyre.proxy.chat import ApiError
 from gyre.proxy.pool import ENGINE_DOWN, EnginePool
@@ -102,7 +102,7 @@ class Generation:
         """The prompt of the next engine attempt (input + output so far) as JSON array pieces."""
         if not self.output_ids:
             return self.input_json
-        return (*self.input_json[:-1], b"," + orjson.dumps(self.output_ids)[1:])
+        return (*self.input_json[:-1], b"," + jsonio.dumpb(self.output_ids)[1:])
 
     async def _one_engine(self, eid: str, rid: str):
         """Stream from one engine; yields new-id lists, then the finish dict (nothing if the engine failed)."""

@@ -9,8 +9,7 @@ assistant message.
 import time
 import uuid
 
-import orjson
-
+from gyre.common import jsonio
 from gyre.models.parse import ToolCall
 from gyre.proxy.chat import (
     ApiError,
@@ -20,7 +19,6 @@ from gyre.proxy.chat import (
     check_tool_schema,
     convert_messages,
     invalid,
-    json_text,
     require_model,
     require_type,
 )
@@ -74,8 +72,8 @@ def _tool_calls(calls, where: str) -> list[dict]:
         name = require_type(fn.get("name"), str, f"{where}[{j}].function.name", "a string")
         raw = fn.get("arguments") or "{}"
         try:
-            args = orjson.loads(raw) if isinstance(raw, str) else raw
-        except orjson.JSONDecodeError as e:
+            args = jsonio.loads(raw) if isinstance(raw, str) else raw
+        except jsonio.DecodeError as e:
             raise invalid(f"{where}[{j}].function.arguments: not valid JSON ({e})") from None
         require_type(args, dict, f"{where}[{j}].function.arguments", "a JSON object")
         out.append({"id": str(c.get("id")), "name": name, "arguments": args})
@@ -193,7 +191,7 @@ def _wire_calls(calls: list[tuple[str, ToolCall]], with_index: bool) -> list[dic
             **({"index": i} if with_index else {}),
             "id": cid,
             "type": "function",
-            "function": {"name": c.name, "arguments": json_text(c.arguments)},
+            "function": {"name": c.name, "arguments": jsonio.dumps(c.arguments)},
         }
         for i, (cid, c) in enumerate(calls)
     ]

@@ -42,10 +42,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-import orjson
 
+from gyre.common import jsonio
 from gyre.models.tokenizer import BaseTokenizer
-from gyre.proxy.chat import json_text
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ log = logging.getLogger(__name__)
 def assistant_key(content: str, tool_calls) -> str:
     """The identity of an assistant turn as a harness echoes it back: text and calls, not ids."""
     calls = [[c["name"], c.get("arguments", {})] for c in tool_calls or []]
-    return json_text([content.strip(), calls], sort_keys=True)
+    return jsonio.dumps([content.strip(), calls], sort_keys=True)
 
 
 class TurnMemory:
@@ -166,7 +165,7 @@ class PromptIds:
     def add(self, ids: list[int]) -> None:
         if not ids:
             return
-        text = orjson.dumps(ids)[1:-1]
+        text = jsonio.dumpb(ids)[1:-1]
         self._json.append(b"," + text if self.num_ids else text)
         self.buffer = self.buffer.put(self.num_ids, ids)
         self.num_ids += len(ids)

@@ -16,8 +16,7 @@ client tool types are refused. Stateless: `previous_response_id` is refused (not
 import time
 import uuid
 
-import orjson
-
+from gyre.common import jsonio
 from gyre.models.parse import ToolCall
 from gyre.proxy.chat import (
     ApiError,
@@ -27,7 +26,6 @@ from gyre.proxy.chat import (
     check_tool_schema,
     convert_messages,
     invalid,
-    json_text,
     require_model,
     require_type,
 )
@@ -64,8 +62,8 @@ def _call(item: dict, where: str) -> dict:
     call_id = require_type(item.get("call_id"), str, f"{where}.call_id", "a string")
     raw = item.get("arguments") or "{}"
     try:
-        args = orjson.loads(raw) if isinstance(raw, str) else raw
-    except orjson.JSONDecodeError as e:
+        args = jsonio.loads(raw) if isinstance(raw, str) else raw
+    except jsonio.DecodeError as e:
         raise invalid(f"{where}.arguments: not valid JSON ({e})") from None
     require_type(args, dict, f"{where}.arguments", "a JSON object")
     return {"id": call_id, "name": name, "arguments": args}
@@ -224,7 +222,7 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
 
 
 def call_item(item_id: str, call_id: str, call: ToolCall | None, name: str = "", status: str = "completed") -> dict:
-    arguments = json_text(call.arguments) if call is not None else ""
+    arguments = jsonio.dumps(call.arguments) if call is not None else ""
     return {
         "type": "function_call",
         "id": item_id,
@@ -400,7 +398,7 @@ class ResponsesStream(BaseStream):
         events = self._close()
         for cid, c in calls:
             if cid not in self.streamed:
-                events += self.tool_start(cid, c.name) + self.tool_args(json_text(c.arguments)) + self._close()
+                events += self.tool_start(cid, c.name) + self.tool_args(jsonio.dumps(c.arguments)) + self._close()
         done = make_response(self.resp_id, self.chat, self.output, finish, make_usage(usage))
         return events + [
             self._event(

@@ -22,15 +22,15 @@ import logging
 import secrets
 import time
 
-import orjson
 from aiohttp import web
 
+from gyre.common import jsonio
 from gyre.errors import GyreError
 from gyre.metrics.log import EventLog
 from gyre.models.tokenizer import BaseTokenizer
 from gyre.proxy.anthropic import AnthropicWire
 from gyre.proxy.calls import CallRunner
-from gyre.proxy.chat import ApiError, invalid, json_text
+from gyre.proxy.chat import ApiError, invalid
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.executions import ExecutionRegistry
 from gyre.proxy.openai import OpenAIWire
@@ -70,15 +70,15 @@ async def _read_body(request: web.Request) -> bytes:
 
 
 def _json(body, status: int = 200) -> web.Response:
-    return web.json_response(body, status=status, dumps=json_text)
+    return web.json_response(body, status=status, dumps=jsonio.dumps)
 
 
 async def _json_body(request: web.Request) -> tuple[object, bytes]:
     """The parsed body and its bytes."""
     raw = await _read_body(request)
     try:
-        return orjson.loads(raw), raw
-    except orjson.JSONDecodeError as e:
+        return jsonio.loads(raw), raw
+    except jsonio.DecodeError as e:
         raise invalid(f"malformed JSON body: {e}") from None
 
 
@@ -205,16 +205,16 @@ class ProxyServer:
         given = next((k for k in _credentials(request) if k), "")
         if not hmac.compare_digest(given.encode(), self.admin_token.encode()):
             raise web.HTTPUnauthorized(
-                text=json_text({"error": {"message": "admin token required"}}), content_type="application/json"
+                text=jsonio.dumps({"error": {"message": "admin token required"}}), content_type="application/json"
             )
 
     async def _admin_body(self, request: web.Request) -> dict:
         self._admin(request)
         try:
-            body = orjson.loads(await request.read() or b"{}")
-        except orjson.JSONDecodeError as e:
+            body = jsonio.loads(await request.read() or b"{}")
+        except jsonio.DecodeError as e:
             raise web.HTTPBadRequest(
-                text=json_text({"error": {"message": f"malformed JSON body: {e}"}}), content_type="application/json"
+                text=jsonio.dumps({"error": {"message": f"malformed JSON body: {e}"}}), content_type="application/json"
             ) from None
         return body if isinstance(body, dict) else {}
 

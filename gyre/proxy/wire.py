@@ -13,8 +13,8 @@ import logging
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
-import orjson
-
+from gyre.common import jsonio
+from gyre.common.sse import SseEvent
 from gyre.models.parse import ToolCall, ToolCallScanner, streamable_text, text_closed
 from gyre.proxy.chat import ApiError, ChatRequest, Resume
 from gyre.proxy.conversation import WireRequest
@@ -22,8 +22,8 @@ from gyre.proxy.hints import CallHints
 
 log = logging.getLogger(__name__)
 
-Event = tuple[str | None, dict | str]
-"""One SSE event: (event name or None, data: a JSON object, or literal text such as OpenAI's `[DONE]`)."""
+Event = SseEvent
+"""One SSE event (gyre.common.sse): (event name or None, data: a JSON object, or literal text: `[DONE]`)."""
 
 
 class Usage(NamedTuple):
@@ -122,8 +122,8 @@ def _messages_end(body: dict, key: str, raw: bytes) -> int:
         return -1
     keys = list(body)
     try:
-        after = b"".join(b"," + orjson.dumps(k) + b":" + orjson.dumps(body[k]) for k in keys[keys.index(key) + 1 :])
-    except orjson.JSONEncodeError:
+        after = b"".join(b"," + jsonio.dumpb(k) + b":" + jsonio.dumpb(body[k]) for k in keys[keys.index(key) + 1 :])
+    except TypeError:
         return -1
     tail = b"]" + after + b"}"
     return len(raw) - len(tail) if raw.endswith(tail) else -1

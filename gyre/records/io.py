@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import orjson
 
+from gyre.common import jsonio
 from gyre.errors import GyreError
 from gyre.records.record import CallRecord, RecordError, VersionSpan
 
@@ -119,7 +119,7 @@ def encode_record(
     obj["input_suffix"] = _b64(record.input_ids[prefix:], "<i4")
     obj["output"] = _b64(record.output_ids, "<i4")
     obj["logprobs"] = _b64(record.logprobs, "<f4")
-    return orjson.dumps(obj) + b"\n"
+    return jsonio.dumpb(obj) + b"\n"
 
 
 def decode_record(obj: dict, sequences: dict[str, tuple[np.ndarray, np.ndarray]]) -> CallRecord:
@@ -210,7 +210,7 @@ class RecordWriter:
             start = lo
         self._file.seek(start)
         try:
-            orjson.loads(self._file.read(end - start))
+            jsonio.loads(self._file.read(end - start))
         except ValueError:
             self._file.truncate(start)
             log.warning("%s: cut a torn last line of %d bytes left by a crash", self.path, size - start)
@@ -387,7 +387,7 @@ def read_records(path: str | os.PathLike) -> tuple[list[CallRecord], ReadStats]:
     sequences: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for i, line in enumerate(lines):
         try:
-            obj = orjson.loads(line)
+            obj = jsonio.loads(line)
             if not isinstance(obj, dict):
                 raise ValueError(f"a JSON {type(obj).__name__}, not an object")
         except ValueError as e:

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
 
+from gyre.common import jsonio
 from gyre.errors import GyreError
 from gyre.records.versions import VersionSpan, make_version_spans
 
@@ -129,8 +129,8 @@ def _problem(r: CallRecord) -> str | None:
     if not isinstance(r.hints, dict):
         return f"hints must be a dict, got {type(r.hints).__name__}"
     try:
-        orjson.dumps(r.hints)
-    except orjson.JSONEncodeError as e:
+        jsonio.dumpb(r.hints)
+    except TypeError as e:
         return f"hints must be JSON-serialisable: {e}"
     if (r.agent_id == MAIN_AGENT) != (r.parent_agent_id is None):
         return f"agent {r.agent_id!r} with parent {r.parent_agent_id!r}: only the main agent has no parent"

@@ -4,7 +4,6 @@ I/O lives here only: composing configs, printing tables, writing the PNG. Everyt
 comes from gyre.sim.runner on validated configs.
 """
 
-import json
 import os
 import sys
 
@@ -12,7 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from gyre.common import CONF_DIR
+from gyre.common import CONF_DIR, jsonio
 from gyre.config import validate
 from gyre.errors import ConfigError
 from gyre.metrics.plots import draw_timelines
@@ -132,7 +131,7 @@ def run(cfg: DictConfig) -> None:
         out["compare"] = _compare_rows(list(HydraConfig.get().overrides.task))
         print(f"\nthe seed's figures beside the simulator's:\n{format_compare(out['compare'])}")
     if sim.json:
-        print(json.dumps(out))
+        print(jsonio.dumps(out))
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ Run: PYTHONPATH=. python -m gyre.sim.calibrate RUN_DIR [--modes elastic,async,co
 """
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
+from gyre.common import jsonio
 from gyre.common.run_paths import RunPaths
 from gyre.coordinator.ledger import LedgerView, read_ledger
 from gyre.errors import ConfigError, GyreError
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     for m, s in predicted.items():
         ratio = f"  {s / live['live_s']:.3f}x the live {mode} run" if m == mode else ""
         print(f"predicted {m:<9} {s:8.1f} s{ratio}")
-    print(json.dumps(predicted))
+    print(jsonio.dumps(predicted))
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ Every error names the task id (or the line) and the field.
      "reference": {"files": {...}} | {"command": "..."} | null}
 """
 
-import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from gyre.common import jsonio
 from gyre.errors import GyreError
 
 EVALUATOR_KINDS = ("pytest", "json_score", "files")
@@ -247,15 +247,15 @@ def read_specs(path: Path) -> list[tuple[object, str]]:
         out = []
         for f in sorted(path.glob("*.json")):
             try:
-                out.append((json.loads(f.read_text()), f.name))
-            except json.JSONDecodeError as e:
+                out.append((jsonio.loads(f.read_text()), f.name))
+            except jsonio.DecodeError as e:
                 raise TaskSpecError(f.name, "(spec)", f"not valid JSON ({e})") from None
         return out
     out = []
     for n, line in enumerate(path.read_text().splitlines(), start=1):
         if line.strip():
             try:
-                out.append((json.loads(line), f"{path.name} line {n}"))
-            except json.JSONDecodeError as e:
+                out.append((jsonio.loads(line), f"{path.name} line {n}"))
+            except jsonio.DecodeError as e:
                 raise TaskSpecError(f"{path.name} line {n}", "(spec)", f"not valid JSON ({e})") from None
     return out

@@ -10,7 +10,6 @@ one filesystem) and deletes the oldest complete checkpoints beyond `keep_last`. 
 point leaves the previous complete checkpoint untouched and loadable.
 """
 
-import json
 import os
 import queue
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gyre.common import jsonio
 from gyre.common.files import publish
 from gyre.errors import GyreError
 
@@ -69,7 +69,7 @@ class CheckpointManager:
         dist.barrier()
         if rank0:
             state = {"step": trainer.step, "extra": extra_state or {}}
-            _write_synced(tmp / _STATE_FILE, json.dumps(state).encode())
+            _write_synced(tmp / _STATE_FILE, jsonio.dumps(state).encode())
             if final.exists():  # re-saving a step (after a resume): replace it
                 shutil.rmtree(final)
             publish(tmp, final, fsync=True)
@@ -94,7 +94,7 @@ class CheckpointManager:
         path = Path(path)
         if not (path / _STATE_FILE).is_file():
             raise CheckpointError(f"{path} is not a complete checkpoint (no {_STATE_FILE})")
-        state = json.loads((path / _STATE_FILE).read_text())
+        state = jsonio.loads((path / _STATE_FILE).read_text())
         local = trainer.local_optimizer
         _init_optimizer_state(local)
         loaded = dist_checkpointing.load(self._sharded_state(trainer), str(path))

@@ -10,7 +10,6 @@ also the write-back) wall and CPU seconds and peak RSS. Models are freed between
 
 import argparse
 import gc
-import json
 import os
 import tempfile
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from gyre.common import jsonio
 from gyre.models.config import ModelConfig
 
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer_lp, bitwise = results["trainer"]
     half = len(ids) // 2
     print(
-        json.dumps(
+        jsonio.dumps(
             {
                 "trainer_max_abs_diff": float((trainer_lp - ref).abs().max()),
                 "engine_max_abs_diff": float(max((full - ref).abs().max(), (cached - ref[half - 1 :]).abs().max())),

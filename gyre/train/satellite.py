@@ -10,12 +10,12 @@ it prints one JSON line: micro-steps computed and weight-pull times.
 """
 
 import argparse
-import json
 import signal
 import sys
 import threading
 import time
 
+from gyre.common import jsonio
 from gyre.control import messages as m
 from gyre.control.transport import Channel, ChannelClosed, connect
 from gyre.models.config import ModelConfig
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    trainer = Trainer(ModelConfig(**json.loads(args.model)), TrainerConfig(**json.loads(args.trainer)))
+    trainer = Trainer(ModelConfig(**jsonio.loads(args.model)), TrainerConfig(**jsonio.loads(args.trainer)))
     endpoint = TransferEndpoint(args.host)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     computed = cell.serve(stop)
     cell.close()
     endpoint.close()
-    print(json.dumps({"cell": cell.cell, "computed": computed, "pull_s": cell.pull_seconds}), flush=True)
+    print(jsonio.dumps({"cell": cell.cell, "computed": computed, "pull_s": cell.pull_seconds}), flush=True)
     return 0
 
 

@@ -90,3 +90,42 @@ def test_renames_go_through_the_atomic_write_helper_and_rank_ops_are_not_strings
         if 'ranks.call("' in text:
             string_ops.append(str(path.relative_to(GYRE)))
     assert not renames and not string_ops, (renames, string_ops)
+
+
+TOOLS = GYRE.parent / "tools"
+
+
+def _sources(*, tools: bool = True) -> dict[str, str]:
+    """{path relative to the repository: text} of gyre/ (and tools/) Python files."""
+    paths = [*GYRE.rglob("*.py"), *(TOOLS.rglob("*.py") if tools else ())]
+    return {str(p.relative_to(GYRE.parent)): p.read_text() for p in sorted(paths)}
+
+
+def _outside(home: str, pattern: str, *, tools: bool = True) -> list[str]:
+    """Files other than `home` in which `pattern` (a regex) occurs."""
+    return [path for path, text in _sources(tools=tools).items() if path != home and re.search(pattern, text, re.M)]
+
+
+def test_json_is_read_and_written_through_one_module():
+    assert not _outside("gyre/common/jsonio.py", r"^\s*(import (json|orjson)\b|from (json|orjson) import)")
+
+
+def test_sse_is_framed_in_one_place():
+    assert not _outside("gyre/common/sse.py", r"sse_response\(|text/event-stream|b\"data: ")
+
+
+def test_children_die_with_their_parent_through_one_helper():
+    assert not _outside("gyre/common/spawn.py", r"preexec_fn=|prctl\(")
+
+
+def test_no_port_is_picked_by_binding_port_0_and_closing():
+    """A port bound to 0 and closed is handed to whoever binds next: gyre.common.ports reserves it."""
+    picker = r"\.bind\(\(\s*[^,()]+,\s*0\s*\)\)|def free_port\b"
+    tests = [p for p in (GYRE.parent / "tests").rglob("*.py") if p != Path(__file__).resolve()]
+    assert not _outside("gyre/common/ports.py", picker) + [str(t) for t in tests if re.search(picker, t.read_text())]
+
+
+def test_run_directory_names_are_spelled_in_run_paths_alone():
+    files = r"\"(events\.jsonl|ledger\.jsonl|summary\.json|\.hydra)\""
+    folders = r"/ \"(records|sandboxes|checkpoints|slurm|weights)\""
+    assert not _outside("gyre/common/run_paths.py", f"{files}|{folders}")

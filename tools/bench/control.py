@@ -11,7 +11,6 @@ JSON object on the last line. --smoke (the test suite's run): both backends, 20 
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -19,6 +18,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gyre.common import jsonio
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,7 +109,7 @@ def main() -> None:
         print(f"{k:40s} {v}")
     for name in ("heartbeat", f"work_{args.work_kib}kib"):
         report[f"mpi_over_tcp/{name}_rtt"] = round(report[f"mpi/{name}_rtt_us"] / report[f"tcp/{name}_rtt_us"], 2)
-    print(json.dumps(report))
+    print(jsonio.dumps(report))
 
 
 if __name__ == "__main__":

@@ -20,12 +20,12 @@ Usage: PYTHONPATH=. python tools/bench/engine.py [--new-tokens 64] [--prefix-tok
 
 import argparse
 import asyncio
-import json
 import os
 import time
 
 import torch
 
+from gyre.common import jsonio
 from gyre.engines.client import EngineClient, migrate_prefix
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
@@ -145,7 +145,7 @@ def main() -> None:
     if args.smoke:
         args.new_tokens, args.prompt_tokens, args.prefix_tokens, args.concurrency = 4, 16, 64, [1, 2]
     if args.long_context:
-        print(json.dumps(long_context([int(n) for n in args.long_context.split(",")], args.threads)))
+        print(jsonio.dumps(long_context([int(n) for n in args.long_context.split(",")], args.threads)))
         return
     model = ModelConfig(name="hf", path=args.model_path) if args.model_path else ModelConfig()
     cfg = EngineConfig(startup_timeout_s=600)
@@ -169,7 +169,7 @@ def main() -> None:
         f"{kv['generate_after_import_s']} s "
         f"({kv['transferred_tokens']} transferred, {kv['recomputed_tokens']} recomputed)"
     )
-    print(json.dumps(result))
+    print(jsonio.dumps(result))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ Last line: one JSON object: the first config's figures at top level, every confi
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -49,6 +48,7 @@ import aiohttp
 import psutil
 import torch
 
+from gyre.common import jsonio
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
@@ -90,7 +90,7 @@ class Bench:
         self.model = _model(tokens)
         policy = os.path.join(tmp, "policy.json")
         with open(policy, "w") as f:
-            json.dump({"rules": RULES}, f)
+            f.write(jsonio.dumps({"rules": RULES}))
         kv_mib = sessions * (tokens + 4096) * torch.Size(_kv_shape(self.model, 1)).numel() * 4 / 2**20
         cfg = EngineConfig(
             init_seed=0,
@@ -174,9 +174,9 @@ async def _call(s: aiohttp.ClientSession, proxy: ProxyProcess, key: str, body: d
         text = await r.text()
         assert r.status == 200, text
     if body["stream"]:
-        parts = [json.loads(x[5:]) for x in text.splitlines() if x.startswith("data:") and "[DONE]" not in x]
+        parts = [jsonio.loads(x[5:]) for x in text.splitlines() if x.startswith("data:") and "[DONE]" not in x]
         return "".join(c["delta"].get("content") or "" for p in parts for c in p["choices"]), time.perf_counter() - t0
-    return json.loads(text)["choices"][0]["message"]["content"], time.perf_counter() - t0
+    return jsonio.loads(text)["choices"][0]["message"]["content"], time.perf_counter() - t0
 
 
 async def _pinned_sessions(b: Bench, s, proxy, names: list[str], seed: int) -> dict[str, tuple[str, list[dict]]]:
@@ -314,7 +314,7 @@ def main() -> None:
             f"load {os.getloadavg()[0]:.1f}",
             flush=True,
         )
-    print(json.dumps({**{k: v for k, v in runs[0].items()}, "runs": runs}))
+    print(jsonio.dumps({**{k: v for k, v in runs[0].items()}, "runs": runs}))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ model, two pulls.
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -28,6 +27,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from gyre.common import jsonio
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -129,7 +130,7 @@ def run_satellite(args) -> None:
     pulls += [sat.pull_latest()[1] for _ in range(args.pulls - 1)]
     sat.close()
     ranks.stop()
-    print(json.dumps({"join_s": join_s, "pulls": pulls, "numel_per_rank": trainer.flat.weights.numel()}), flush=True)
+    print(jsonio.dumps({"join_s": join_s, "pulls": pulls, "numel_per_rank": trainer.flat.weights.numel()}), flush=True)
 
 
 def _spawn(role: str, args, extra: list[str], log_dir: str) -> subprocess.Popen:
@@ -157,7 +158,7 @@ def measure(args, ranks: int) -> dict:
         finally:
             if core.poll() is None:
                 core.kill()
-    return json.loads(out.strip().splitlines()[-1])
+    return jsonio.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -188,7 +189,7 @@ def main() -> None:
             f"(all {', '.join(f'{p:.3f}' for p in row['pulls'])}), join {row['join_s']:.3f} s"
         )
     print(
-        json.dumps(
+        jsonio.dumps(
             {
                 "ranks": list(rows),
                 "pull_s": [statistics.median(row["pulls"]) for row in rows.values()],

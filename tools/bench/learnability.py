@@ -14,7 +14,6 @@ seconds; the PPO step only runs for a group whose rewards differ, which a random
 """
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gyre.common import jsonio
 from gyre.launch.warmstart import reference_transcript, sample, score_turn
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
@@ -127,7 +127,7 @@ def main() -> None:
         print(
             f"lr {lr:g}: mean reward first {k} steps {out[f'lr_{lr:g}']['first']}, last {k} {out[f'lr_{lr:g}']['last']}"
         )
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ Usage: PYTHONPATH=. python tools/bench/metrics.py [--events 20000] [--rounds 7] 
 """
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 
+from gyre.common import jsonio
 from gyre.metrics.events import Event, ModelCall, ObservationEvent
 from gyre.metrics.log import EventLog
 
@@ -104,7 +104,7 @@ def main() -> None:
         "budget_us": BUDGET_US,
         "within_budget": all(v <= BUDGET_US for k, v in out.items() if k.endswith("_emit_us")),
     }
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":

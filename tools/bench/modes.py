@@ -24,7 +24,6 @@ the default simulator config shrunk to 2 steps of 2 groups of 2; one JSON object
 """
 
 import argparse
-import json
 import resource
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from gyre.common import jsonio
 from gyre.sim.calibrate import compose_sim, live_wall, load_run, make_overrides
 from gyre.sim.result import tighter_bound_s
 from gyre.sim.runner import baselines, run_modes
@@ -59,7 +59,7 @@ def run_mode(mode: str, scheduler: list[str], steps: int, seed: int, out: Path, 
     wall, after = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         sys.exit(f"{mode}: gyre-train exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = jsonio.loads(proc.stdout.strip().splitlines()[-1])
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return summary | {"bench_wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
 
@@ -167,7 +167,7 @@ def smoke(modes: list[str]) -> None:
     for m, seconds in predicted.items():
         print(f"  {m:<12} predicted {seconds:7.1f} s  / bound {seconds / bound_s:.3f}")
     report = {"predicted_s": {m: round(x, 1) for m, x in predicted.items()}, "bound_s": round(bound_s, 1)}
-    print(json.dumps(report | {"async_tuned_train_cells": tuned}))
+    print(jsonio.dumps(report | {"async_tuned_train_cells": tuned}))
 
 
 def main() -> None:
@@ -202,7 +202,7 @@ def main() -> None:
     if "elastic" in results:
         report |= compare(results, live, predicted, bound_s, modes)
         report["elastic_over_bound"] = report["elastic"]["over_bound"]
-    print(json.dumps(report))
+    print(jsonio.dumps(report))
 
 
 def compare(results: dict, live: dict, predicted: dict, bound_s: float, modes: list[str]) -> dict:

@@ -12,7 +12,6 @@ bound of what a GPU's device-to-host copy over PCIe adds. CPU seconds from /proc
 """
 
 import argparse
-import json
 import math
 import resource
 import statistics
@@ -21,6 +20,7 @@ import time
 import torch
 from publish import MODELS  # this folder's (tools/bench) publish benchmark
 
+from gyre.common import jsonio
 from gyre.models.config import ModelConfig
 from gyre.models.transformer import param_shapes
 from gyre.train.trainer import move_back, move_to_host
@@ -89,7 +89,7 @@ def main() -> None:
             f"{name}: {params / 1e6:.1f}M params, {r['bytes'] / 1e9:.2f} GB: offload {r['offload_s']} s, "
             f"onload {r['onload_s']} s ({r['gb_per_s']} GB/s), {r['cpu_s']} CPU-s"
         )
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":

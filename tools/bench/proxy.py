@@ -48,7 +48,6 @@ Usage: PYTHONPATH=. python tools/bench/proxy.py [--sessions 64] [--calls 10] [--
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -60,6 +59,7 @@ import aiohttp
 import numpy as np
 import psutil
 
+from gyre.common import jsonio
 from gyre.engines.client import EngineClient
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
@@ -119,12 +119,12 @@ def new_keys(proxy: ProxyProcess, prefix: str, n: int) -> list[str]:
     for i in range(n):
         req = urllib.request.Request(
             proxy.url + "/admin/executions",
-            data=json.dumps({"execution_id": f"{prefix}{i}"}).encode(),
+            data=jsonio.dumps({"execution_id": f"{prefix}{i}"}).encode(),
             headers={"Authorization": f"Bearer {proxy.admin_token}"},
             method="POST",
         )
         with urllib.request.urlopen(req) as r:
-            keys.append(json.loads(r.read())["api_key"])
+            keys.append(jsonio.loads(r.read())["api_key"])
     return keys
 
 
@@ -280,7 +280,7 @@ def main() -> None:
         MESSAGES[0]["content"] = TASK * max(4, args.prompt_tokens // len(TASK))
     out = run(args)
     print_report(out)
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 def print_report(out: dict) -> None:

@@ -8,7 +8,7 @@ against an engine that answers instantly (a tiny SGLang-contract server in its o
 reads the request and emits one fixed tool call), and reads the proxy process's own CPU time from
 /proc (user + system, all threads: load on the machine does not move it); its idle CPU, measured
 first, is subtracted. Side by side, in this process:
-  floor_ms      parsing the same request body once with orjson
+  floor_ms      parsing the same request body once (gyre.common.jsonio: orjson)
   floor_tok_ms  that plus tokenizing only the call's new text once (the tokenizer in use)
 Each size starts an execution whose history already reaches the size (its first call renders it
 all and is not measured), then measures `--calls` calls. With the byte tokenizer (one token per
@@ -30,7 +30,6 @@ Usage: PYTHONPATH=. python tools/bench/proxy_context.py [--sizes 10000,100000,20
 import argparse
 import asyncio
 import glob
-import json
 import shutil
 import statistics
 import sys
@@ -39,10 +38,12 @@ import time
 from pathlib import Path
 
 import aiohttp
-import orjson
 import psutil
 
+from gyre.common import jsonio
+from gyre.common.run_paths import RunPaths
 from gyre.common.serve import ChildServer, serve_app
+from gyre.common.sse import open_stream, send_events
 from gyre.models.tokenizer import SPECIAL_TOKENS, ByteTokenizer, HFTokenizer
 from gyre.proxy.config import ProxyConfig
 
@@ -115,7 +116,7 @@ def make_bpe_model_dir(path: Path, vocab_size: int = 8192) -> Path:
         "chat_template": QWEN_TEMPLATE,
         "model_max_length": 1 << 30,
     }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "tokenizer_config.json").write_text(jsonio.dumps(config))
     return path
 
 
@@ -125,7 +126,7 @@ def serve_instant_engine(output_ids: list[int], port_file: str) -> None:
     from aiohttp import web
 
     async def generate(request: web.Request) -> web.StreamResponse:
-        body = orjson.loads(await request.read())
+        body = jsonio.loads(await request.read())
         meta = {
             "id": body.get("rid"),
             "finish_reason": {"type": "stop"},
@@ -138,10 +139,9 @@ def serve_instant_engine(output_ids: list[int], port_file: str) -> None:
         out = {"text": "", "output_ids": output_ids, "meta_info": meta}
         if not body.get("stream"):
             return web.json_response(out)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(b"data: " + orjson.dumps(out) + b"\n\ndata: [DONE]\n\n")
-        return resp
+        async with open_stream(request) as stream:
+            await send_events(stream, [(None, out), (None, "[DONE]")])
+        return stream
 
     async def info(request: web.Request) -> web.Response:
         return web.json_response({"engine": "bench-instant", "weight_version": "0"})
@@ -158,7 +158,7 @@ class InstantEngine(ChildServer):
 
     def start(self) -> "InstantEngine":
         (port,) = self.spawn_and_wait_port(
-            [sys.executable, __file__, "--serve-engine", json.dumps(self.output_ids)], 60
+            [sys.executable, __file__, "--serve-engine", jsonio.dumps(self.output_ids)], 60
         )
         self.url = f"http://127.0.0.1:{port}"
         return self
@@ -186,7 +186,7 @@ class Conversation:
         self.messages: list[dict] = [{"role": "user", "content": "Read the notes and fix the failing test."}]
         self.new_chars = int(new_tokens * bytes_per_token)
         self.num_chars, n = (
-            len(self.system[0]["text"]) + len(json.dumps(self.tools)) + 500,
+            len(self.system[0]["text"]) + len(jsonio.dumps(self.tools)) + 500,
             0,
         )  # 500: the template's own
         while self.num_chars < tokens * bytes_per_token:  # history the proxy never served (rendered from text)
@@ -212,7 +212,7 @@ class Conversation:
         return new
 
     def body(self) -> bytes:
-        return orjson.dumps(
+        return jsonio.dumpb(
             {
                 "model": "gyre",
                 "max_tokens": 256,
@@ -233,7 +233,7 @@ async def call(s: aiohttp.ClientSession, url: str, key: str, body: bytes) -> tup
     tool_use, n_in = None, 0
     for line in text.splitlines():
         if line.startswith("data:"):
-            ev = orjson.loads(line[5:])
+            ev = jsonio.loads(line[5:])
             if ev["type"] == "message_start":
                 n_in = ev["message"]["usage"]["input_tokens"]
             elif ev["type"] == "content_block_start" and ev["content_block"]["type"] == "tool_use":
@@ -256,12 +256,12 @@ def admin(url: str, token: str, path: str, body: dict) -> dict:
 
     req = urllib.request.Request(
         url + path,
-        data=json.dumps(body).encode(),
+        data=jsonio.dumps(body).encode(),
         method="POST",
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+        return jsonio.loads(r.read())
 
 
 class Proxies:
@@ -311,7 +311,7 @@ async def measure_size(proxies: Proxies, tok, text: str, bpt: float, size: int, 
             n_ins.append(n_in)
         used, wall = cpu_s(proxies.pids) - c0, time.monotonic() - t0
     for body, new in bodies:  # the floors, in this process, after the calls (so they never overlap them)
-        floors.append(_cpu_of(orjson.loads, body))  # once, as the proxy parses it
+        floors.append(_cpu_of(jsonio.loads, body))  # once, as the proxy parses it
         floor_toks.append(floors[-1] + _cpu_of(tok.encode, new))
     return {
         "cpu_ms_per_call": (used - idle * wall) / args.calls * 1e3,
@@ -346,7 +346,7 @@ async def throughput(proxies: Proxies, text: str, args) -> float:
 
 def proxy_config(tmp: Path, engine_url: str, tokenizer_path: str | None) -> ProxyConfig:
     return ProxyConfig(
-        records_dir=str(tmp / "records"),
+        records_dir=str(RunPaths(tmp).records),
         engines=[engine_url],
         context_len=1 << 23,
         max_body_mb=256,
@@ -403,7 +403,7 @@ def main() -> None:
         args.sizes, args.calls, args.new_tokens, args.workers, args.sessions = "10000", 1, 100, "2", 2
         args.throughput_tokens, args.idle_s = 10_000, 0.2
     if args.serve_engine is not None:
-        return serve_instant_engine(json.loads(args.serve_engine), args.port_file)
+        return serve_instant_engine(jsonio.loads(args.serve_engine), args.port_file)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.workers = [int(w) for w in args.workers.split(",") if w]
     text = project_text()
@@ -428,7 +428,7 @@ def main() -> None:
         for n, f in sizes.items()
     }
     print(
-        json.dumps(
+        jsonio.dumps(
             {
                 "sizes": out,
                 "calls_per_s": {str(n): r for n, r in rates.items()},

@@ -20,7 +20,6 @@ megatron trainer, which would not fit the box's memory at 0.5B); its copy is the
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from gyre.common import jsonio
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess, SGLangProcess
 from gyre.models.config import ModelConfig
@@ -86,7 +86,7 @@ def _engine(backend: str, model: ModelConfig, tmp: Path):
     if backend == "builtin":
         return BuiltinEngineProcess(EngineConfig(startup_timeout_s=600, request_timeout_s=1800), model)
     (tmp / model.name).mkdir(exist_ok=True)
-    (tmp / model.name / "config.json").write_text(json.dumps(hf_config_of(model)))
+    (tmp / model.name / "config.json").write_text(jsonio.dumps(hf_config_of(model)))
     cfg = EngineConfig(
         backend="sglang",
         sglang_fake=True,
@@ -147,7 +147,7 @@ def main() -> None:
                     print(f"{name:11s} {backend}/{sync:12s} {k:13s} {v:8.3f} s", flush=True)
             mooncake, gloo = out[f"{name}/builtin_mooncake/load_s"], out[f"{name}/sglang_fake_distributed/load_s"]
             out[f"{name}/gloo_over_mooncake_load"] = round(gloo / mooncake, 2)
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":

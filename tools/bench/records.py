@@ -14,13 +14,13 @@ Usage: PYTHONPATH=. python tools/bench/records.py [--dir DIR] [--scale 1.0]
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from gyre.common import jsonio
 from gyre.records import RecordWriter, read_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "unit"))
@@ -78,7 +78,7 @@ def main() -> None:
         f"write {write_s:.3f} s with fsync per record ({write_nofsync_s:.3f} s without) = "
         f"{len(records) / write_s:.0f} records/s; read {read_s:.3f} s = {logical / read_s / 1e6:.1f}M tokens/s"
     )
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":

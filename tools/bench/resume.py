@@ -16,7 +16,6 @@ without a live run (the test suite's run: seconds). Prints figures, then one JSO
 """
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from gyre.common import jsonio
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ("continue", "rerun")
@@ -39,7 +40,7 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
     if not path.exists():
         return []
     text = path.read_text()
-    return [e for e in map(json.loads, text.splitlines()[: text.count("\n")]) if e["kind"] == kind]
+    return [e for e in map(jsonio.loads, text.splitlines()[: text.count("\n")]) if e["kind"] == kind]
 
 
 def _train(run_dir: Path, *extra: str, **popen) -> subprocess.Popen:
@@ -95,7 +96,7 @@ def resume(run_dir: Path, policy: str, step: int, overrides: list[str]) -> dict:
     out, _ = proc.communicate()
     if proc.returncode != 0:
         sys.exit(f"resume ({policy}) exited {proc.returncode}:\n{out[-3000:]}")
-    return measure(run_dir, t0, step, json.loads(out.strip().splitlines()[-1]))
+    return measure(run_dir, t0, step, jsonio.loads(out.strip().splitlines()[-1]))
 
 
 def smoke_run_dir(root: Path) -> tuple[Path, float]:
@@ -128,7 +129,7 @@ def smoke_run_dir(root: Path) -> tuple[Path, float]:
                 )
             )
     step = {"kind": "optimizer_step", "step": 1, "t": t + 5}
-    RunPaths(run).events.write_text(json.dumps(step) + "\n")
+    RunPaths(run).events.write_text(jsonio.dumps(step) + "\n")
     return run, t
 
 
@@ -153,7 +154,7 @@ def main() -> None:
                 out[policy] = resume(Path(tmp) / policy, policy, a.kill_step, overrides)
     for policy, figures in out.items():
         print(f"{policy}: {figures}")
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,12 @@ JSON object on the last line. Run: PYTHONPATH=. python tools/bench/sim.py [--ste
 """
 
 import argparse
-import json
 import os
 import time
 
 import hydra
 
-from gyre.common import CONF_DIR
+from gyre.common import CONF_DIR, jsonio
 from gyre.config import validate
 from gyre.sim.config import SimConfig
 
@@ -61,7 +60,7 @@ def main() -> None:
         )
     out["max_cpu_s"] = max(m["cpu_s"] for m in out["modes"].values())
     out["meets_target"] = out["max_cpu_s"] <= TARGET_S
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":

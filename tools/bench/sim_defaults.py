@@ -10,14 +10,13 @@ Run: PYTHONPATH=. python tools/bench/sim_defaults.py [--smoke] [OVERRIDE ...]
 Last line: one JSON object {"cells": [...], "max_ratio_to_own_bound", "meets_target", ...}.
 """
 
-import json
 import os
 import sys
 import time
 
 import hydra
 
-from gyre.common import CONF_DIR
+from gyre.common import CONF_DIR, jsonio
 from gyre.config import validate
 from gyre.sim.config import SimConfig
 from gyre.sim.runner import run_modes
@@ -64,7 +63,7 @@ def main() -> None:
                 )
     worst = max(c["ratio_to_own_bound"] for c in cells)
     print(
-        json.dumps(
+        jsonio.dumps(
             {
                 "overrides": overrides,
                 "cells": cells,

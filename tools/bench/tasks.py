@@ -15,7 +15,6 @@ time are both reported (podman's conmon is not our child: its CPU is not counted
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -25,6 +24,8 @@ import time
 import uuid
 from pathlib import Path
 
+from gyre.common import jsonio
+from gyre.common.run_paths import RunPaths
 from gyre.harness.config import HarnessConfig
 from gyre.harness.evaluate import evaluate
 from gyre.harness.podman import ensure_image, podman_available
@@ -72,7 +73,9 @@ def toy_executions(ts, n: int, model_dir: str | None) -> dict:
         engine = BuiltinEngineProcess(EngineConfig(model_path=model_dir, startup_timeout_s=300), ModelConfig())
         engine.start()
         proxy = ProxyProcess(
-            ProxyConfig(records_dir=f"{tmp}/records", engines=[engine.url], model_names=["gyre"], context_len=4096)
+            ProxyConfig(
+                records_dir=str(RunPaths(tmp).records), engines=[engine.url], model_names=["gyre"], context_len=4096
+            )
         ).start()
         try:
             boxes = []
@@ -96,7 +99,7 @@ def toy_executions(ts, n: int, model_dir: str | None) -> dict:
                     if sb.execution_id not in results and (r := sb.poll()) is not None:
                         results[sb.execution_id] = r
                 time.sleep(0.05)
-            calls = [len(read_records(Path(tmp) / "records" / f"{ex}.jsonl")[0]) for ex in results]
+            calls = [len(read_records(RunPaths(tmp).record(ex))[0]) for ex in results]
         finally:
             proxy.stop()
             engine.stop()
@@ -207,7 +210,7 @@ def main() -> None:
     )
     if a.executions:
         out.update(toy_executions(ts, a.executions, a.model_dir))
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Usage: PYTHONPATH=. python tools/bench/trajectory.py [--repeats 5] [--max-paths 
 """
 
 import argparse
-import json
 import resource
 import statistics
 import sys
@@ -27,6 +26,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from gyre.common import jsonio
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.pack import pack
 from gyre.trajectory.process import process_execution, weight_samples
@@ -119,7 +119,7 @@ def main() -> None:
         f"{c.seq_tokens_packed:,}  prefix-tree {c.seq_tokens_tree:,}"
     )
     print(f"paths left out {dict(result.left_out)}")
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ and one pull, so every phase above runs in seconds; its figures mean nothing.
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import time
 
 import torch
 
+from gyre.common import jsonio
 from gyre.models.config import ModelConfig
 from gyre.train.config import TrainerConfig
 
@@ -89,7 +89,7 @@ def satellite(args) -> None:
     out["switch_to_train/pull_s"] = cell.pull_seconds[0]
     out["switch_to_train/microstep_and_grad_write_s"] = cell.microstep_seconds[0]
     endpoint.close()
-    print(json.dumps(out), flush=True)
+    print(jsonio.dumps(out), flush=True)
 
 
 def _serve_one(cell) -> None:
@@ -198,7 +198,7 @@ def core(args) -> dict:
         _step_with(sat, log, servers[0], [_batch(big.model_cfg, 0)])
         assert sat.stdout.readline().strip() == "tiny-joined", _tail(log)
         res_tiny, step_s = _step_with(sat, log, servers[1], [_batch(TINY, 1)])
-        report = json.loads(sat.stdout.readline())
+        report = jsonio.loads(sat.stdout.readline())
         report |= _switch_to_rollout(args, engine, servers[1], tiny)
     finally:
         engine.stop()
@@ -247,7 +247,7 @@ def main() -> None:
     for k, v in phases.items():
         print(f"{k:48s} {v:.4f} s")
     print(
-        json.dumps(
+        jsonio.dumps(
             {
                 "bytes": r["bytes"],
                 "pull_gbps": round(pull_gbps, 3),

@@ -27,7 +27,7 @@ def main() -> None:
         CheckpointManager(path.parent, keep_last=1).load(trainer, path)
         return trainer.flat.weights.detach().clone()
 
-    a, b = dict(list_checkpoints(run_a / "checkpoints")), dict(list_checkpoints(run_b / "checkpoints"))
+    a, b = dict(list_checkpoints(RunPaths(run_a).checkpoints)), dict(list_checkpoints(RunPaths(run_b).checkpoints))
     previous = None
     for step in sorted(a.keys() & b.keys()):
         wa, wb = weights(a[step]), weights(b[step])

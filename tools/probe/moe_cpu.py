@@ -5,7 +5,6 @@ token dispatcher? Prints one JSON line. Gyre refuses Qwen3-MoE checkpoints while
     .venv/bin/python tools/probe/moe_cpu.py
 """
 
-import json
 import sys
 import traceback
 
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
 import megatron.core
 
+from gyre.common import jsonio
 from gyre.train.model import init_distributed
 
 init_distributed(1, 0)
@@ -77,4 +77,4 @@ for dispatcher in ("alltoall", "allgather"):
             "error": f"{type(e).__name__}: {str(e)[:300]}",
             "where": traceback.extract_tb(e.__traceback__)[-1].filename.split("site-packages/")[-1],
         }
-print(json.dumps(out))
+print(jsonio.dumps(out))

@@ -13,7 +13,6 @@ less than its 5 s timeout) and the dead peer must be declared gone.
 
 import argparse
 import faulthandler
-import json
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from gyre.common import jsonio
 from gyre.control import messages as m
 from gyre.control.transport import ChannelClosed, ChannelTimeout
 from tools.probe.mpi_stress import _load
@@ -98,7 +98,7 @@ def main() -> None:
         runs.append(one_run(mpi, args.impl))
         print(f"run {k + 1}: {runs[-1]}", flush=True)
     ok = sum(r["survivor_alive"] and len(r["gone_after_s"]) == 1 for r in runs)
-    print(json.dumps({"impl": args.impl or "gyre/control/mpi.py", "runs": len(runs), "ok": ok}))
+    print(jsonio.dumps({"impl": args.impl or "gyre/control/mpi.py", "runs": len(runs), "ok": ok}))
     os._exit(0)  # the listener's channel to the dead peer is not ours to finalise
 
 

@@ -15,7 +15,6 @@ the exit status of every process (-11: a segmentation fault); last line one JSON
 import argparse
 import faulthandler
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from gyre.common import jsonio  # noqa: E402
 from gyre.control import messages as m  # noqa: E402
 from gyre.control.transport import ChannelClosed, ChannelTimeout  # noqa: E402
 
@@ -110,7 +110,7 @@ def main() -> None:
         return
     result = listen(mpi, args)
     print(f"accepted {result['accepted']} channels, received {result['received']} messages")
-    print(json.dumps({"impl": args.impl or "gyre/control/mpi.py", **result}))
+    print(jsonio.dumps({"impl": args.impl or "gyre/control/mpi.py", **result}))
 
 
 if __name__ == "__main__":

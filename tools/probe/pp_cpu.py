@@ -7,7 +7,6 @@ parameter between the two. Gyre's trainer does not use the pipeline schedules (g
     .venv/bin/python tools/probe/pp_cpu.py [--patch]
 """
 
-import json
 import os
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from gyre.common import jsonio
 from gyre.common.ports import PortReservation
 from gyre.train.cpu_shim import apply_cpu_shim
 
@@ -170,7 +170,7 @@ def main() -> None:
             }
         except Exception as e:  # the finding is the failure: print it
             out |= {"runs": False, "error": f"{type(e).__name__}: {e}", "where": traceback.format_exc()[-1500:]}
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ crashes instead, the way a flaky evaluator does (the execution is then excluded,
 
 import argparse
 import difflib
-import json
 import random
 import sys
 from pathlib import Path
+
+from gyre.common import jsonio
 
 
 def score_text(text: str | None, expected: str) -> float:
@@ -30,7 +31,7 @@ def main() -> None:
     if random.random() < a.fail_rate:
         sys.exit("toy evaluator: simulated infrastructure failure")
     path = Path(a.file)
-    print(json.dumps({"score": score_text(path.read_text(errors="replace") if path.is_file() else None, a.expected)}))
+    print(jsonio.dumps({"score": score_text(path.read_text(errors="replace") if path.is_file() else None, a.expected)}))
 
 
 if __name__ == "__main__":
