@@ -22,6 +22,7 @@ from gyre.cells.base import BaseCell, CellError, CellLauncher
 from gyre.cells.local import LocalLauncher
 from gyre.cells.spec import CellSpec
 from gyre.common.run_paths import RunPaths
+from gyre.common.wait import wait_until
 from gyre.control.messages import CellReady
 from gyre.control.transport import ChannelClosed, ChannelTimeout, Listener, listen
 from gyre.coordinator.config import GyreConfig
@@ -145,32 +146,43 @@ async def _start_cells(cfg: GyreConfig, parts: Parts, resume: bool) -> None:
 
 def _accept_cells(parts: Parts, timeout_s: float) -> None:
     """Accept every leader's connection and its CellReady (leaders build trainer + engine meanwhile)."""
-    deadline = time.monotonic() + timeout_s
-    pending = len(parts.cells)
-    while pending:
+    ready: set[int] = set()
+
+    def all_ready() -> bool:
         for c in parts.cells:
             c.check_alive()
-        if time.monotonic() > deadline:
-            raise CellError(
-                f"{pending} cell leader(s) not ready after {timeout_s} s (coordinator.cell_start_timeout_s)"
-            )
-        try:
-            channel = parts.listener.accept(timeout_s=1.0)
-        except ChannelTimeout:
-            continue
-        try:
-            ready = channel.recv(timeout_s=timeout_s)
-        except ChannelClosed as e:  # a handshake its leader gave up on (MPI: it connects again)
-            log.warning("a leader's channel closed before its CellReady (%s); waiting for the others", e)
-            channel.close()
-            continue
-        if not isinstance(ready, CellReady):
-            raise CellError(f"a cell leader said {type(ready).__name__} before CellReady")
-        cell = parts.cells[ready.cell]
-        cell.ready(channel, ready.engine_urls)
-        if ready.cell == 0:
-            parts.core_address, parts.initial = ready.core_address, ready
-        pending -= 1
+        if (cell := _accept_one(parts, timeout_s)) is not None:
+            ready.add(cell)
+        return len(ready) == len(parts.cells)
+
+    if not wait_until(all_ready, timeout_s, interval_s=0):  # each look waits up to a second in accept
+        pending = len(parts.cells) - len(ready)
+        raise CellError(f"{pending} cell leader(s) not ready after {timeout_s} s (coordinator.cell_start_timeout_s)")
+
+
+def _accept_one(parts: Parts, timeout_s: float) -> int | None:
+    """One leader's connection and CellReady: its cell (None: no leader connected within a second,
+    or its channel closed before its CellReady).
+
+    Raises:
+        CellError: the leader said something else first.
+    """
+    try:
+        channel = parts.listener.accept(timeout_s=1.0)
+    except ChannelTimeout:
+        return None
+    try:
+        ready = channel.recv(timeout_s=timeout_s)
+    except ChannelClosed as e:  # a handshake its leader gave up on (MPI: it connects again)
+        log.warning("a leader's channel closed before its CellReady (%s); waiting for the others", e)
+        channel.close()
+        return None
+    if not isinstance(ready, CellReady):
+        raise CellError(f"a cell leader said {type(ready).__name__} before CellReady")
+    parts.cells[ready.cell].ready(channel, ready.engine_urls)
+    if ready.cell == 0:
+        parts.core_address, parts.initial = ready.core_address, ready
+    return ready.cell
 
 
 async def _register_engines(parts: Parts) -> None:

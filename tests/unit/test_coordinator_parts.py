@@ -10,11 +10,12 @@ import aiohttp
 import numpy as np
 import pytest
 
+from gyre.cells.base import CellError
 from gyre.cells.local import LocalCell
 from gyre.cells.quota import PERIOD_US, SHARES_V1, WEIGHT_V2, make_quota, quota_us
 from gyre.common.run_paths import RunPaths
 from gyre.control.messages import CellReady, Failure
-from gyre.control.transport import ChannelClosed
+from gyre.control.transport import ChannelClosed, ChannelTimeout
 from gyre.coordinator.batching import mask_stale
 from gyre.coordinator.build import _accept_cells
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry, read_ledger
@@ -325,6 +326,20 @@ def test_a_leader_channel_that_closes_before_its_cell_ready_is_dropped_and_the_o
     parts = SimpleNamespace(cells=cells, listener=listener, core_address="", initial=None)
     _accept_cells(parts, timeout_s=60)
     assert gone.closed and (cells[0].got, cells[1].got) == (core, satellite) and parts.initial == core.first
+
+
+def test_leaders_not_ready_by_the_deadline_end_the_start_with_how_many_are_missing():
+    def accept(timeout_s):
+        raise ChannelTimeout("no leader")
+
+    core = _Channel(CellReady(0, []))
+    channels = iter([core])
+    listener = SimpleNamespace(accept=lambda timeout_s: next(channels, None) or accept(timeout_s))
+    cells = [SimpleNamespace(check_alive=lambda: None, ready=lambda channel, urls: None) for _ in range(3)]
+    parts = SimpleNamespace(cells=cells, listener=listener, core_address="", initial=None)
+    with pytest.raises(CellError, match="2 cell leader"):
+        _accept_cells(parts, timeout_s=0.05)
+    assert parts.initial == core.first
 
 
 def test_the_coordinators_steps_are_plain_maps_of_groups_whose_ready_work_the_policy_sees(monkeypatch):
