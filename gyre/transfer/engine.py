@@ -30,6 +30,18 @@ def _import_engine():
     return TransferEngine
 
 
+def coalesce(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge each (local, remote, bytes) range into the one before it where both sides continue
+    it (a KV buffer's slabs, read whole into a buffer of the same shape): fewer, larger transfers."""
+    out: list[list[int]] = []
+    for local, remote, nbytes in ranges:
+        if out and out[-1][0] + out[-1][2] == local and out[-1][1] + out[-1][2] == remote:
+            out[-1][2] += nbytes
+        else:
+            out.append([local, remote, nbytes])
+    return [(a, b, n) for a, b, n in out]
+
+
 class TransferEndpoint:
     """One process's transfer endpoint, on the site's fabric (`transfer.protocol`, `transfer.device`:
     gyre.transfer.config) unless `fabric` names another."""
@@ -101,6 +113,7 @@ class TransferEndpoint:
         for local, _, nbytes in reads:
             if not self.covers(local, nbytes):
                 raise TransferError(f"read_batch: local range {local:#x}+{nbytes} is not registered")
+        reads = coalesce(reads)
         if not reads:
             return
         locals_, remotes, lengths = (list(x) for x in zip(*reads))

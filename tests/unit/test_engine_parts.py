@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import advertised_url, make_sglang_command, make_sglang_env
-from gyre.engines.prefix_cache import CacheFull, PrefixCache
+from gyre.engines.prefix_cache import CacheFull, PrefixCache, PrefixMissing
 from gyre.engines.protocol import BadRequest, parse_generate
 from gyre.errors import ConfigError
 from gyre.transfer import BufferLayout, TransferArena
@@ -60,6 +60,43 @@ def test_moved_kv_is_pinned_until_its_session_uses_it_and_a_full_cache_refuses_m
     assert _held(cache, ("v",), [1, 2, 3, 4]) == 4  # the session's next call: unpinned from now on
     cache.insert(("v",), [21, 22, 23, 24], _kv(4))
     assert cache.match(("v",), [1, 2]) == [] and _held(cache, ("v",), [11, 12, 13, 14]) == 4
+
+
+def test_an_insert_copies_its_new_pages_into_one_allocated_buffer():
+    made = []
+    cache = PrefixCache(
+        page_size=2,
+        capacity_tokens=16,
+        allocate=lambda shape, dtype: made.append(shape) or torch.empty(shape, dtype=dtype),
+    )
+    kv = _kv(9)
+    cache.insert(("v",), [1, 2, 3, 4], kv[:, :, :4])
+    cache.insert(("v",), [1, 2, 3, 4, 5, 6, 7, 8, 9], kv)  # pages 3 and 4 are new: one buffer of 4 tokens
+    assert made == [(1, 2, 4, 3, 2), (1, 2, 4, 3, 2)]
+    pieces = cache.match(("v",), list(range(1, 10)))
+    assert len(pieces) == 2 and torch.equal(torch.cat(pieces, 2), kv[:, :, :8])
+
+
+def test_a_chains_tail_is_inserted_after_its_head_and_refused_without_it():
+    cache = PrefixCache(page_size=2, capacity_tokens=16)
+    toks = list(range(10))
+    kv = _kv(10)
+    cache.insert(("v",), toks[:4], kv[:, :, :4], pin=True, copy=False)  # a call's prompt, moved first
+    assert cache.insert(("v",), toks, kv[:, :, 4:], pin=True, copy=False, kv_from_page=2) == 3  # its tail
+    assert torch.equal(torch.cat(cache.match(("v",), toks), 2), kv[:, :, :10])
+    with pytest.raises(PrefixMissing, match="page 0 of the chain is not cached"):
+        cache.insert(("v",), [7] * 6, _kv(2), kv_from_page=2)
+
+
+def test_eviction_takes_the_least_recently_used_unpinned_pages_of_a_thousand():
+    """Eviction is a pop from an ordered dict: a thousand-page cache evicts the same pages a
+    sort by last use would."""
+    cache = PrefixCache(page_size=1, capacity_tokens=1000)
+    for i in range(1000):
+        cache.insert(("v",), [i], _kv(1))
+    cache.match(("v",), [0])  # page 0 becomes the newest
+    cache.insert(("v",), [5000, 5001], _kv(2))  # two pages in: the two oldest (1, 2) out
+    assert [_held(cache, ("v",), [t]) for t in (0, 1, 2, 3)] == [1, 0, 0, 1] and cache.num_tokens == 1000
 
 
 def test_an_imported_buffer_returns_to_the_arena_once_its_last_page_is_evicted():
