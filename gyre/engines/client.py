@@ -319,46 +319,51 @@ class EngineClient:
         return await self.get("/v1/loads")
 
     # --- KV migration (builtin engines only) --------------------------------------------------
-    async def export_kv(self, input_ids, extra_key: str | None = None) -> dict:
-        return await self.post("/gyre/export_kv", {"input_ids": list(input_ids), "extra_key": extra_key})
+    async def export_kv(self, sessions: list[tuple[list[int], int]], extra_key: str | None = None) -> dict:
+        """Publish the cached KV of sessions' prefixes: each (input ids, kv_from: tokens the
+        importer holds already, skipped)."""
+        asks = [{"input_ids": list(ids), "kv_from": kv_from} for ids, kv_from in sessions]
+        return await self.post("/gyre/export_kv", {"sessions": asks, "extra_key": extra_key})
 
     async def import_kv(self, export: dict, extra_key: str | None = None) -> dict:
-        """`export`: an export_kv answer plus the `input_ids` of its `num_tokens` (the caller has
-        them; the exporter does not send 16K ids back)."""
+        """`export`: a peer's export_kv answer, as it came (its token ids travel in the read)."""
         return await self.post("/gyre/import_kv", {**export, "extra_key": extra_key})
 
     async def release_kv_export(self, export_id: str) -> dict:
         return await self.post("/gyre/release_kv_export", {"export_id": export_id})
 
 
-async def migrate_prefix(
-    src: EngineClient, dst: EngineClient, input_ids: list[int], extra_key: str | None = None
-) -> dict:
-    """Move the KV of `input_ids`' cached prefix from `src` to `dst` over Mooncake.
+async def migrate_prefixes(
+    src: EngineClient, dst: EngineClient, sessions: list[tuple[list[int], int]], extra_key: str | None = None
+) -> list[dict]:
+    """Move the KV of sessions' cached prefixes from `src` to `dst` over Mooncake: one export, one
+    import (one batch read), one release, whatever their number.
 
-    Returns {"exported_tokens", "transferred_tokens", "recomputed_tokens", "refused"}: the
-    page-aligned prefix `src` held, the part `dst` got, the rest of `input_ids` that `dst` must
-    compute itself, and why `dst` refused the import (a 4xx: its cache is full, other weights),
-    else None. (A /generate on exactly `input_ids` still recomputes its last page: the next token
-    needs one forward.)
+    Args:
+        sessions: each (input ids, kv_from): `dst` holds the KV of its first kv_from tokens
+            already (an earlier move; page-aligned), only the rest moves.
+    Returns: per session {"exported_tokens", "transferred_tokens", "recomputed_tokens", "refused"}:
+    the page-aligned prefix `src` held beyond kv_from, the part of it `dst` got, the rest beyond
+    kv_from that `dst` must compute itself, and why `dst` refused it (a 4xx for all: other weights;
+    or its own: no room), else None. (A /generate on exactly the ids still recomputes its last
+    page: the next token needs one forward.)
     """
-    export = await src.export_kv(input_ids, extra_key)
-    held, n, refused = int(export.get("num_tokens", 0)), 0, None
-    if held > 0:
-        try:
-            n = (await dst.import_kv({**export, "input_ids": list(input_ids[:held])}, extra_key))["transferred_tokens"]
-        except EngineHTTPError as e:
-            if e.status >= 500:
-                raise
-            refused = e.body[:500]
-        finally:
-            await src.release_kv_export(export["export_id"])
-    return {
-        "exported_tokens": held,
-        "transferred_tokens": n,
-        "recomputed_tokens": len(input_ids) - n,
-        "refused": refused,
-    }
+    export = await src.export_kv(sessions, extra_key)
+    held = [max(0, int(e["num_tokens"]) - int(e["kv_from"])) for e in export["sessions"]]
+    results = [{"transferred_tokens": 0, "refused": None} for _ in held]
+    try:
+        if any(held):
+            results = (await dst.import_kv(export, extra_key))["sessions"]
+    except EngineHTTPError as e:
+        if e.status >= 500:
+            raise
+        results = [{"transferred_tokens": 0, "refused": e.body[:500]} for _ in held]
+    finally:
+        await src.release_kv_export(export["export_id"])
+    return [
+        {"exported_tokens": h, **r, "recomputed_tokens": len(ids) - kv_from - r["transferred_tokens"]}
+        for h, r, (ids, kv_from) in zip(held, results, sessions)
+    ]
 
 
 def parse_version_spans(meta: dict) -> list[VersionSpan] | None:

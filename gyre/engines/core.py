@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gyre.engines.prefix_cache import CacheFull, PrefixCache
+from gyre.engines.prefix_cache import CacheFull, PrefixCache, PrefixMissing
 from gyre.engines.runner import SamplingParams, SeqKV, StepItem, run_step, sample
 from gyre.engines.scripted import forced_logprob
 from gyre.errors import GyreError
@@ -79,13 +79,16 @@ class EngineCore:
         max_prefill_tokens: int,
         page_size: int,
         prefix_cache_tokens: int,
+        allocate_kv: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ):
+        """`allocate_kv(shape, dtype)`: memory for the pages the prefix cache copies (the engine's
+        registered transfer arena, so exports need no copy); default new memory."""
         check_weights(cfg, weights)
         self.cfg = cfg
         self.weights: dict[str, torch.Tensor] | None = weights
         self.weight_version = weight_version
         self.max_running, self.max_prefill = max_running_requests, max_prefill_tokens
-        self.cache = PrefixCache(page_size, prefix_cache_tokens)
+        self.cache = PrefixCache(page_size, prefix_cache_tokens, *([allocate_kv] if allocate_kv else []))
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.paused = False
@@ -326,9 +329,12 @@ class EngineCore:
         pages = self.cache.match((version, extra_key), input_ids)
         return sum(p.shape[2] for p in pages), pages, version
 
-    def import_kv(self, tokens: list[int], kv: torch.Tensor, version: int, extra_key: str | None) -> int:
+    def import_kv(
+        self, tokens: list[int], kv: torch.Tensor, version: int, extra_key: str | None, kv_from: int = 0
+    ) -> int:
         """Insert imported KV pages, pinned (any thread; under the cache's lock, so memory released
-        meanwhile is either seen here or clears the pages after)."""
+        meanwhile is either seen here or clears the pages after). `kv` holds tokens `kv_from`..
+        (page-aligned; the pages before it came with an earlier import)."""
         with self.cache.lock:
             if version != self.weight_version:
                 raise EngineRequestError(
@@ -337,7 +343,10 @@ class EngineCore:
             if "kv_cache" in self.released:
                 raise EngineRequestError("KV cache memory is released; resume it first")
             try:  # pinned until the session's next call uses it
-                self.cache.insert((version, extra_key), tokens, kv, pin=True, copy=False)
-            except CacheFull as e:
+                ps = self.cache.page_size
+                if kv_from % ps:
+                    raise EngineRequestError(f"kv_from {kv_from} is not a multiple of the page size {ps}")
+                self.cache.insert((version, extra_key), tokens, kv, pin=True, copy=False, kv_from_page=kv_from // ps)
+            except (CacheFull, PrefixMissing) as e:
                 raise EngineRequestError(str(e)) from None
         return len(tokens) // self.cache.page_size * self.cache.page_size

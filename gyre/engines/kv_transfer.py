@@ -1,16 +1,23 @@
-"""KV prefix export/import between builtin engines over the Mooncake Transfer Engine.
+"""KV prefix export/import between builtin engines over the Mooncake Transfer Engine, batched.
 
-Export: the source engine copies a cached prefix's KV pages into one registered buffer (off the
-engine thread: cached pages are never written) and publishes (session_id, address, layout).
-Import: the destination reads those bytes with one Mooncake read into a buffer, checks shapes
-and weight version, and inserts the pages into its prefix cache as slots of that buffer (no copy),
-so a moved session's next /generate reports them as cached_tokens instead of recomputing them.
-Both buffers come from the engine's transfer arena (`engine.kv_arena_mib`, touched at start,
-registered when the endpoint opens) while it has room, else from new memory: an imported buffer
-stays in the arena until the cache evicts its last page.
+A hand-off moves many sessions from one engine to another; it costs one export call on the source,
+one import call on the destination and one Mooncake batch read, whatever the number of sessions:
+
+    proxy ─export {sessions: [{input_ids, kv_from}]}─> source: each session's cached pages, where
+          <── {session_id, sessions: [{num_tokens, ids, runs}]} ─┘  they lie (no copy: the cache
+    proxy ─import (that answer)─> destination: one batch_transfer_sync_read of every run of every
+                                  session (and its token ids) into its arena, then each session's
+                                  pages into its prefix cache, pinned until the session's next call
+
+The source's cached pages live in its transfer arena (`engine.kv_arena_mib`: touched at start,
+registered once; the prefix cache copies new pages into it), as a GPU engine registers its KV pool,
+so an export only names addresses; a page outside it (the arena was full) is copied into a
+registered buffer first. A run (adjacent slots of one buffer [L, 2, n, nKV, hd]) is L x 2 contiguous
+slabs, each one read. The token ids travel in the same read (int32, written by the source), so no
+JSON body carries them twice. `kv_from` skips a session's first tokens: the prompt pages of a call in
+flight move before its abort completes, then only its decoded tail follows.
 """
 
-import asyncio
 import itertools
 import threading
 from collections import OrderedDict
@@ -20,22 +27,50 @@ import torch
 from gyre.engines.core import EngineRequestError
 from gyre.records.versions import parse_weight_version
 from gyre.transfer import TransferArena, TransferEndpoint
-from gyre.transfer.layout import BufferLayout
 
 MAX_EXPORTS = 8
+KV_DTYPE = torch.float32
+
+
+def slabs(piece: torch.Tensor) -> list[torch.Tensor]:
+    """The contiguous slabs [n, nKV, hd] of a KV piece [L, 2, n, nKV, hd], layer-major."""
+    return [piece[layer, kv] for layer in range(piece.shape[0]) for kv in range(2)]
+
+
+def describe_session(ids: torch.Tensor, pieces: list[torch.Tensor], kv_from: int) -> dict:
+    """One session's entry of an export: its token ids (registered int32) and its KV from token
+    `kv_from` on (registered pieces [L, 2, n, nKV, hd], in order), by address."""
+    return {
+        "num_tokens": int(ids.numel()),
+        "kv_from": kv_from,
+        "ids": ids.data_ptr(),
+        "runs": [[p.shape[2], [s.data_ptr() for s in slabs(p)]] for p in pieces],
+    }
+
+
+def drop_tokens(pieces: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    """The pieces without their first `n` tokens."""
+    out = []
+    for p in pieces:
+        if n >= p.shape[2]:
+            n -= p.shape[2]
+            continue
+        out.append(p[:, :, n:] if n else p)
+        n = 0
+    return out
 
 
 class KVExporter:
-    """Holds published buffers (at most MAX_EXPORTS; the oldest is withdrawn first), the engine's
-    transfer endpoint (opened on first use) and its arena of `arena_bytes` (touched by `open`, or
-    on first use)."""
+    """The engine's transfer arena of `arena_bytes` (touched by `open`, or on first use), its
+    endpoint (opened on first use), and the exports peers are reading (at most MAX_EXPORTS; the
+    oldest is withdrawn first): each holds what it names, so no page it lists is freed meanwhile."""
 
     def __init__(self, arena_bytes: int = 0):
         self._arena_bytes = arena_bytes
         self._endpoint: TransferEndpoint | None = None
         self._arena: TransferArena | None = None
-        self._exports: OrderedDict[str, tuple[torch.Tensor, bool]] = OrderedDict()
-        """export id -> (buffer, whether it is the exporter's own registration, not the arena's)."""
+        self._exports: OrderedDict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+        """export id -> (tensors it names, the exporter's own registrations among them)."""
         self._ids = itertools.count()
         self._lock = threading.Lock()
 
@@ -60,59 +95,131 @@ class KVExporter:
                 arena.register(self._endpoint)
             return self._endpoint
 
-    def publish(self, pages: list[torch.Tensor]) -> dict:
-        """Concatenate KV pieces [L, 2, n, nKV, hd] straight into a registered buffer (one copy)."""
-        first = pages[0]
-        shape = (*first.shape[:2], sum(p.shape[2] for p in pages), *first.shape[3:])
-        layout = BufferLayout.for_tensors({"kv": torch.empty(shape, dtype=first.dtype, device="meta")})
-        endpoint, buf = self.endpoint, self.arena.take(layout.nbytes)
-        own = buf is None
-        if own:
-            descriptor, buf = endpoint.allocate(layout)
-        else:
-            descriptor = endpoint.describe(buf, layout)
-        torch.cat(pages, dim=2, out=layout.unpack(buf)["kv"])
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in the arena (new memory when it has no room): what the prefix
+        cache copies pages into and imports read into."""
+        nbytes = dtype.itemsize * torch.Size(shape).numel()
+        buf = self.arena.take(nbytes)
+        if buf is None:
+            return torch.empty(shape, dtype=dtype)
+        return buf.view(dtype).view(shape)
+
+    def _registered(self, t: torch.Tensor, own: list[torch.Tensor]) -> torch.Tensor:
+        """`t` if a peer can read it where it lies, else a registered copy (appended to `own` when
+        the exporter registered it itself)."""
+        endpoint = self.endpoint
+        if all(s.is_contiguous() and endpoint.covers(s.data_ptr(), s.nbytes) for s in slabs(t)):
+            return t
+        return self._landing(tuple(t.shape), t.dtype, own).copy_(t)
+
+    def export(self, sessions: list[tuple[list[int], list[torch.Tensor], int]]) -> dict:
+        """Publish sessions' cached KV: each (token ids, cached pieces, kv_from); returns the
+        descriptor (`export_id`, `session_id`, `sessions`) an importer reads."""
+        held, own, entries, page_shape = [], [], [], None
+        for ids, pieces, kv_from in sessions:
+            if not pieces:
+                entries.append({"num_tokens": 0, "kv_from": 0, "ids": 0, "runs": []})
+                continue
+            tail = [self._registered(p, own) for p in drop_tokens(pieces, kv_from)]
+            id_buf = self._landing((len(ids),), torch.int32, own).copy_(torch.tensor(ids, dtype=torch.int32))
+            held += [*tail, id_buf]
+            entries.append(describe_session(id_buf, tail, kv_from))
+            page_shape = [*pieces[0].shape[:2], *pieces[0].shape[3:]]
         export_id = str(next(self._ids))
         with self._lock:
-            self._exports[export_id] = (buf, own)
+            self._exports[export_id] = (held, own)
             while len(self._exports) > MAX_EXPORTS:
-                self._withdraw(*self._exports.popitem(last=False)[1])
-        return {"export_id": export_id, **descriptor}
-
-    def fetch(self, descriptor: dict) -> dict[str, torch.Tensor]:
-        """Read a peer's published tensors into the arena (a new buffer when it has no room)."""
-        nbytes = BufferLayout.from_json(descriptor["layout"]).nbytes
-        endpoint = self.endpoint  # registers the arena before anything is read into it
-        return endpoint.fetch_tensors(descriptor, self.arena.take(nbytes))
+                self._withdraw(self._exports.popitem(last=False)[1][1])
+        return {
+            "export_id": export_id,
+            "session_id": self.endpoint.session_id,
+            "page_shape": page_shape,
+            "sessions": entries,
+        }
 
     def release(self, export_id: str) -> None:
         with self._lock:
             entry = self._exports.pop(export_id, None)
         if entry is not None:
-            self._withdraw(*entry)
+            self._withdraw(entry[1])
 
-    def _withdraw(self, buf: torch.Tensor, own: bool) -> None:
-        """An arena buffer goes back to the arena once dropped; the exporter's own is unregistered."""
-        if own:
-            self._endpoint.unregister(buf)
+    def _withdraw(self, own: list[torch.Tensor]) -> None:
+        """Arena memory goes back to the arena once dropped; the exporter's own is unregistered."""
+        for t in own:
+            self._endpoint.unregister(t)
+
+    def fetch(self, peer: str, sessions: list[dict], page_shape: tuple[int, ...]) -> list[tuple]:
+        """Read sessions a peer exported with one batch read: each (token ids, KV [L, 2, n, nKV, hd]
+        of tokens kv_from.., kv_from)."""
+        layers, _, heads, dim = page_shape
+        token_bytes = heads * dim * KV_DTYPE.itemsize
+        endpoint, own, out, reads = self.endpoint, [], [], []
+        try:
+            for s in sessions:
+                n, kv_from = int(s["num_tokens"]), int(s["kv_from"])
+                ids, kv = (
+                    self._landing((n,), torch.int32, own),
+                    self._landing((layers, 2, n - kv_from, heads, dim), KV_DTYPE, own),
+                )
+                reads.append((ids.data_ptr(), int(s["ids"]), ids.nbytes))
+                at = 0
+                for num, addrs in s["runs"]:
+                    if len(addrs) != layers * 2 or at + int(num) > n - kv_from:
+                        raise EngineRequestError(f"an exported run does not fit this model's KV {page_shape}")
+                    piece = kv[:, :, at : at + int(num)]
+                    reads += [(d.data_ptr(), int(a), int(num) * token_bytes) for d, a in zip(slabs(piece), addrs)]
+                    at += int(num)
+                if at != n - kv_from:
+                    raise EngineRequestError(f"the runs hold {at} tokens, the session exported {n - kv_from}")
+                out.append((ids, kv, kv_from))
+            endpoint.read_batch(peer, reads)
+        finally:
+            for t in own:
+                endpoint.unregister(t)
+        return out
+
+    def _landing(self, shape: tuple[int, ...], dtype: torch.dtype, own: list[torch.Tensor]) -> torch.Tensor:
+        """Registered memory to read into or export from: the arena's, else new memory registered
+        for it (appended to `own`)."""
+        t = self.allocate(shape, dtype)
+        if t.numel() and not self.endpoint.covers(t.data_ptr(), t.nbytes):
+            self.endpoint.register(t)
+            own.append(t)
+        return t
 
     def close(self) -> None:
         if self._endpoint is not None:
             self._endpoint.close()
 
 
-async def import_kv_pages(server, body: dict) -> int:
-    """Read the KV a peer exported and insert it into `server`'s prefix cache; returns tokens imported."""
-
+def import_sessions(server, body: dict) -> list[dict]:
+    """Read the KV a peer exported (`KVExporter.export`'s descriptor) and insert each session's
+    pages into `server`'s prefix cache, pinned. Returns per session {transferred_tokens, refused}
+    (a refusal, e.g. no room, fails that session only). Runs off the event loop."""
     cfg = server.model_cfg
-    tensors = await asyncio.to_thread(server.exporter.fetch, body)
-    kv, ids, n = tensors.get("kv"), body["input_ids"], int(body["num_tokens"])
-    want = (cfg.num_layers, 2, n, cfg.num_query_groups, cfg.head_dim)
-    if kv is None or tuple(kv.shape) != want or kv.dtype != torch.float32:
-        raise EngineRequestError(
-            f"imported KV has shape {None if kv is None else tuple(kv.shape)}, this model needs {want} float32"
-        )
-    if len(ids) < n or (n and (min(ids[:n]) < 0 or max(ids[:n]) >= cfg.vocab_size)):
-        raise EngineRequestError(f"input_ids must hold the {n} exported tokens, all inside the vocabulary")
+    page_shape = (cfg.num_layers, 2, cfg.num_query_groups, cfg.head_dim)
     version, extra_key = parse_weight_version(body.get("weight_version")), body.get("extra_key")
-    return await asyncio.to_thread(server.core.import_kv, ids[:n], kv, version, extra_key)  # no step wait
+    if version != server.core.weight_version:  # checked again under the cache's lock, per session
+        raise EngineRequestError(
+            f"KV was computed with weight_version {version}, this engine has {server.core.weight_version}"
+        )
+    sessions = body["sessions"]
+    wanted = [i for i, s in enumerate(sessions) if int(s["num_tokens"]) > int(s["kv_from"])]
+    if wanted and tuple(body["page_shape"]) != page_shape:
+        raise EngineRequestError(f"exported KV pages are {body['page_shape']}, this model's are {list(page_shape)}")
+    fetched = dict(zip(wanted, server.exporter.fetch(body["session_id"], [sessions[i] for i in wanted], page_shape)))
+    out = []
+    for i in range(len(sessions)):
+        if i not in fetched:
+            out.append({"transferred_tokens": 0, "refused": None})
+            continue
+        ids, kv, kv_from = fetched[i]
+        tokens = ids.tolist()
+        try:
+            if min(tokens) < 0 or max(tokens) >= cfg.vocab_size:
+                raise EngineRequestError(f"the {len(tokens)} exported token ids are not all inside the vocabulary")
+            server.core.import_kv(tokens, kv, version, extra_key, kv_from=kv_from)
+            out.append({"transferred_tokens": kv.shape[2], "refused": None})
+        except EngineRequestError as e:
+            out.append({"transferred_tokens": 0, "refused": str(e)})
+    return out

@@ -3,10 +3,15 @@
 A page's key hashes (namespace, parent key, its tokens); the namespace holds the weight version
 (and SGLang's `extra_key`), so KV computed with old weights is never matched after an update.
 Lookups verify tokens and parents, so a hash collision can only miss, never return wrong KV.
-Eviction is LRU; a chain is touched leaf-first so ancestors stay newer than descendants.
-A page is a slot (its token offset) of a KV buffer: an imported buffer is shared by all its pages
-and a match returns one view per run of adjacent slots, so a 16K-token import or export handles
-one tensor, not a thousand page views (each costs microseconds of Python).
+Eviction is LRU over an ordered dict of the unpinned pages (O(1) a page: it runs on every insert,
+under the lock that a hand-off's export and import need); a chain is touched leaf-first so
+ancestors stay newer than descendants.
+A page is a slot (its token offset) of a KV buffer: an import's buffer is shared by all its pages,
+as is the one buffer an insert copies its new pages into, and a match returns one view per run of
+adjacent slots, so a 16K-token import or export handles one tensor, not a thousand page views (each
+costs microseconds of Python). Copies are made with `allocate`: the builtin engine hands it its
+registered transfer arena, so cached KV can be read by a peer where it lies (no copy on export), as
+a GPU engine registers its KV pool.
 Imported pages (a session's KV moved here on a hand-off) are pinned until that session's next call
 matches them: eviction skips them, and an import that does not fit beside the pinned pages is
 refused (CacheFull) rather than evicting KV another moved session is about to use.
@@ -15,6 +20,8 @@ The cache is shared by the engine thread (admission, caching a prefill) and KV e
 """
 
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +36,6 @@ class Page:
     pages) or a copied page's own."""
     start: int
     """Token offset of this page's KV in `buffer`."""
-    last_used: int = 0
     pinned: bool = False
 
 
@@ -48,12 +54,37 @@ class CacheFull(ValueError):
     """An import needs more pages than the cache has room for beside its pinned pages."""
 
 
+class PrefixMissing(ValueError):
+    """An insert of a chain's later pages whose earlier pages are not (or no longer) cached."""
+
+
+def _new_runs(indices: list[int]) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive page indices."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, i + 1])
+    return [(a, b) for a, b in runs]
+
+
 class PrefixCache:
-    def __init__(self, page_size: int, capacity_tokens: int):
+    def __init__(
+        self,
+        page_size: int,
+        capacity_tokens: int,
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] = lambda shape, dtype: torch.empty(
+            shape, dtype=dtype
+        ),
+    ):
+        """`allocate(shape, dtype)`: an uninitialised tensor for the pages an insert copies."""
         self.page_size = page_size
         self.capacity_pages = capacity_tokens // page_size
+        self._allocate = allocate
         self._pages: dict[int, Page] = {}
-        self._clock = 0
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        """Keys of the unpinned pages, least recently used first (pinned pages are never evicted)."""
         self._num_pinned = 0
         self.lock = threading.RLock()
         """Held by every method; hold it to make a check and a change one step (EngineCore.import_kv)."""
@@ -65,6 +96,7 @@ class PrefixCache:
     def clear(self) -> None:
         with self.lock:
             self._pages.clear()
+            self._lru.clear()
             self._num_pinned = 0
 
     def _walk(self, namespace: tuple, tokens: list[int]) -> list[tuple[int, tuple[int, ...]]]:
@@ -91,64 +123,92 @@ class PrefixCache:
                 break
             found.append((key, page))
             parent = key
-        for _key, page in reversed(found):
-            self._clock += 1
-            page.last_used = self._clock
-            self._num_pinned -= page.pinned
-            page.pinned = False
+        for key, page in reversed(found):
+            self._touch(key, page, pin=False)
         return _runs([p for _, p in found], self.page_size)
 
+    def _touch(self, key: int, page: Page, pin: bool) -> None:
+        """Mark the page most recently used, pinned (out of the LRU order) or unpinned (in it)."""
+        if pin:
+            self._num_pinned += not page.pinned
+            self._lru.pop(key, None)
+        else:
+            self._num_pinned -= page.pinned
+            self._lru[key] = None
+            self._lru.move_to_end(key)
+        page.pinned = pin
+
     def insert(
-        self, namespace: tuple, tokens: list[int], kv: torch.Tensor, pin: bool = False, copy: bool = True
+        self,
+        namespace: tuple,
+        tokens: list[int],
+        kv: torch.Tensor,
+        pin: bool = False,
+        copy: bool = True,
+        kv_from_page: int = 0,
     ) -> int:
         """Cache the full pages of `tokens` whose KV is `kv` [L, 2, >=len(tokens), nKV, hd]; returns pages added.
 
         `copy=False` keeps `kv` itself (an imported buffer nobody else writes): no copy, and the
-        buffer's memory is freed once its last page is evicted.
+        buffer's memory is freed once its last page is evicted. `kv_from_page`: `kv` starts at that
+        page (a move of a session's tail: its earlier pages came before and must still be here).
 
         Raises:
             CacheFull: with `pin`, when the pages do not fit beside the pages already pinned.
+            PrefixMissing: a page before `kv_from_page` is not cached.
         """
         walk = self._walk(namespace, tokens)
         with self.lock:
-            return self._insert(walk, kv, pin, copy)
+            return self._insert(walk, kv, pin, copy, kv_from_page)
 
-    def _insert(self, walk: list[tuple[int, tuple[int, ...]]], kv: torch.Tensor, pin: bool, copy: bool) -> int:
-        added, ps = 0, self.page_size
+    def _insert(self, walk: list, kv: torch.Tensor, pin: bool, copy: bool, kv_from_page: int) -> int:
         if pin:
-            pinned = self._num_pinned
             want = sum(not (k in self._pages and self._pages[k].pinned) for k, _ in walk)
-            if pinned + want > self.capacity_pages:
+            if self._num_pinned + want > self.capacity_pages:
                 raise CacheFull(
-                    f"the prefix cache has room for {(self.capacity_pages - pinned) * ps} more pinned tokens, "
-                    f"the import needs {want * ps}"
+                    f"the prefix cache has room for {(self.capacity_pages - self._num_pinned) * self.page_size} "
+                    f"more pinned tokens, the import needs {want * self.page_size}"
                 )
         if self.capacity_pages == 0:
             return 0
-        parent, newest = None, self._clock + len(walk)
+        missing, parent = [], None
         for i, (key, chunk) in enumerate(walk):
             page = self._pages.get(key)
             if page is None or page.tokens != chunk or page.parent != parent:
-                self._num_pinned -= page is not None and page.pinned  # a hash collision replaces it
-                if copy:
-                    page = Page(parent, chunk, kv[:, :, i * ps : (i + 1) * ps].clone(), 0)
-                else:
-                    page = Page(parent, chunk, kv, i * ps)
-                self._pages[key] = page
-                added += 1
-            page.last_used = newest - i  # one pass: the leaf gets the oldest mark, the root the newest
-            if pin and not page.pinned:
-                page.pinned = True
-                self._num_pinned += 1
+                if i < kv_from_page:
+                    raise PrefixMissing(f"page {i} of the chain is not cached; its KV had to come first")
+                missing.append(i)
             parent = key
-        self._clock = newest
+        buffer, slot = self._store(kv, missing, copy, kv_from_page)
+        for i in missing:
+            key, chunk = walk[i]
+            old = self._pages.get(key)
+            if old is not None:  # a hash collision replaces it
+                self._num_pinned -= old.pinned
+            self._pages[key] = Page(walk[i - 1][0] if i else None, chunk, buffer, slot[i])
+            self._lru.pop(key, None)
+        for key, _ in reversed(walk):  # the leaf is touched first: the root ends newest
+            page = self._pages[key]
+            page.pinned = page.pinned and key not in missing
+            self._touch(key, page, pin or page.pinned)
         self._evict()
-        return added
+        return len(missing)
+
+    def _store(self, kv: torch.Tensor, missing: list[int], copy: bool, kv_from_page: int) -> tuple:
+        """The buffer the missing pages live in and each one's token offset there: `kv` itself, or
+        one `allocate`d buffer their KV is copied into, a run of adjacent pages at a time."""
+        ps = self.page_size
+        if not copy:
+            return kv, {i: (i - kv_from_page) * ps for i in missing}
+        shape = (*kv.shape[:2], len(missing) * ps, *kv.shape[3:])
+        buffer, slot, at = self._allocate(shape, kv.dtype), {}, 0
+        for a, b in _new_runs(missing):
+            n = (b - a) * ps
+            buffer[:, :, at : at + n].copy_(kv[:, :, (a - kv_from_page) * ps : (b - kv_from_page) * ps])
+            slot |= {i: at + (i - a) * ps for i in range(a, b)}
+            at += n
+        return buffer, slot
 
     def _evict(self) -> None:
-        excess = len(self._pages) - self.capacity_pages
-        if excess <= 0:
-            return
-        unpinned = [(k, p) for k, p in self._pages.items() if not p.pinned]
-        for key, _ in sorted(unpinned, key=lambda kv: kv[1].last_used)[:excess]:
-            del self._pages[key]
+        while len(self._pages) > self.capacity_pages and self._lru:
+            del self._pages[self._lru.popitem(last=False)[0]]

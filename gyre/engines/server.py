@@ -27,7 +27,7 @@ from gyre.common.serve import serve_app
 from gyre.common.sse import open_stream, send_events
 from gyre.engines.config import EngineConfig
 from gyre.engines.core import EngineCore, EngineRequestError, Request
-from gyre.engines.kv_transfer import KVExporter, import_kv_pages
+from gyre.engines.kv_transfer import KVExporter, import_sessions
 from gyre.engines.protocol import BadRequest, make_response, parse_generate
 from gyre.engines.scripted import ScriptedPolicy
 from gyre.errors import GyreError
@@ -88,6 +88,7 @@ class BuiltinEngineServer:
         else:
             ok = model_cfg.vocab_size >= 256 + len(SPECIAL_TOKENS)
             self.tokenizer = ByteTokenizer(model_cfg.vocab_size) if ok else None
+        self.exporter = KVExporter(engine_cfg.kv_arena_mib << 20)
         self.core = EngineCore(
             model_cfg,
             weights,
@@ -96,8 +97,8 @@ class BuiltinEngineServer:
             max_prefill_tokens=engine_cfg.max_prefill_tokens,
             page_size=engine_cfg.page_size,
             prefix_cache_tokens=engine_cfg.prefix_cache_tokens,
+            allocate_kv=self.exporter.allocate,
         )
-        self.exporter = KVExporter(engine_cfg.kv_arena_mib << 20)
         self.policy = None
         if engine_cfg.scripted_policy:
             if self.tokenizer is None:
@@ -358,30 +359,43 @@ class BuiltinEngineServer:
 
     # --- KV export/import (Gyre extension) ----------------------------------------------------
     async def export_kv(self, request: web.Request) -> web.Response:
+        """Publish the cached KV of sessions' prefixes (`{sessions: [{input_ids, kv_from}],
+        extra_key}`), one descriptor for all (kv_transfer)."""
         body = await _json(request)
-        ids = parse_generate(
-            {"input_ids": body.get("input_ids"), "sampling_params": {"max_new_tokens": 0}},
+        try:
+            asks = [(self._parse_ids(s["input_ids"]), int(s.get("kv_from", 0))) for s in body["sessions"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadRequest(f"bad export_kv body: missing or malformed {e}") from None
+        extra_key = body.get("extra_key")
+
+        def export() -> dict:  # off the event loop and beside the engine thread: no step wait
+            found = [(ids, self.core.export_kv(ids, extra_key)) for ids, _ in asks]
+            sessions = [(ids[:n], pages, min(kv_from, n)) for (ids, (n, pages, _)), (_, kv_from) in zip(found, asks)]
+            version = found[0][1][2] if found else self.core.weight_version
+            return {**self.exporter.export(sessions), "weight_version": version}
+
+        return web.json_response(await asyncio.to_thread(export))
+
+    def _parse_ids(self, ids) -> list[int]:
+        return parse_generate(
+            {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}},
             self.model_cfg.vocab_size,
             self.model_cfg.max_seq_len,
         ).input_ids
-        extra_key = body.get("extra_key")
-        n, pages, version = await asyncio.to_thread(self.core.export_kv, ids, extra_key)  # no step wait
-        if n == 0:
-            return web.json_response({"num_tokens": 0, "weight_version": version})
-        published = await asyncio.to_thread(self.exporter.publish, pages)
-        return web.json_response({**published, "num_tokens": n, "weight_version": version})
 
     async def release_kv_export(self, request: web.Request) -> web.Response:
         self.exporter.release(str((await _json(request)).get("export_id")))
         return web.json_response({"success": True})
 
     async def import_kv(self, request: web.Request) -> web.Response:
+        """Read every session of a peer's export with one batch read; per session
+        {transferred_tokens, refused}."""
         body = await _json(request)
         try:
-            n = await import_kv_pages(self, body)
-        except (KeyError, TypeError) as e:
+            sessions = await asyncio.to_thread(import_sessions, self, body)
+        except (KeyError, TypeError, ValueError) as e:
             raise BadRequest(f"bad import_kv body: missing or malformed {e}") from None
-        return web.json_response({"success": True, "transferred_tokens": n})
+        return web.json_response({"success": True, "sessions": sessions})
 
 
 def _return_large_frees_to_the_os(threshold_bytes: int = 1 << 20) -> None:

@@ -4,6 +4,8 @@
         ^                                   │ abort (hand-off) / connection lost (crash)
         └── new tokens ─────────────────────┤
                                             └─> pool.move_kv(A -> B) (if A alive), then release A
+                                                (after a hand-off, only the tail decoded on A: the
+                                                hand-off's batch moved the prompt meanwhile)
                                                 ─> engine B /generate(prompt + partial output, rest of budget)
 
 A drained or crashed engine's in-flight calls resume on another engine from input + the output
@@ -78,7 +80,7 @@ class Generation:
                     await self._move(held[1], eid)
                     self.pool.end(held[0])
                 held = (f"{self.rid}-{attempt}", eid)
-                self.pool.begin(held[0], eid, self.session)
+                self.pool.begin(held[0], eid, self.session, (self.input_ids, list(self.output_ids)))
                 finish = None
                 async for new in self._one_engine(eid, held[0]):
                     if isinstance(new, dict):
@@ -165,6 +167,6 @@ class Generation:
     async def _move(self, src: str, dst: str) -> None:
         """Move the KV of the prompt so far from the engine the call left to the one it resumes on."""
         prompt = np.concatenate((self.input_ids, np.asarray(self.output_ids, np.int32))).tolist()
-        moved = await self.pool.move_kv(src, dst, prompt)
+        moved = await self.pool.move_kv(src, dst, prompt, self.session)
         self.num_migrated += moved
         self.num_recomputed += len(prompt) - moved

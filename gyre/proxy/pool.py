@@ -2,11 +2,13 @@
 
     admin ─register / stop_admission / hand_off / activate / remove─> pool ─> RoutingTable (pure)
     hand_off(A): A draining ─> table.reassign(A): each session gets a new engine
-                 ├─ idle sessions:  move_kv(A -> its new engine), at most MOVES_PER_ENGINE at once ─┐
-                 └─ calls in flight: aborted; each resumes elsewhere and moves its own KV (generation)┤
-                 return once A has no call in flight and no move under way, or kv_move_timeout_s <──┘
+                 ├─ one batched move per new engine B: idle sessions' KV and the prompt pages of ─┐
+                 │  calls in flight, all in one export / import / Mooncake batch read (A -> B)      │
+                 └─ calls in flight: aborted meanwhile; each resumes on B and moves only the      ┤
+                    tail it decoded on A (generation -> move_kv, kv_from = the prompt moved)      │
+                 return once A has no call in flight and no move under way, or kv_move_timeout_s <┘
                  (only then may A's cell release the engine's memory)
-    activate(B): B active ─> table.rebalance(B) ─> move_kv(most loaded -> B) for idle sessions
+    activate(B): B active ─> table.rebalance(B) ─> one batched move per (most loaded engine, B)
 
 A session's next call waits for its move, so it finds its KV on its new engine (cached_tokens). KV
 that cannot move (target full, timeout, engine dead) is recomputed by the session's next call and
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 
-from gyre.engines.client import EngineClient, EngineHTTPError, migrate_prefix
+from gyre.engines.client import EngineClient, EngineHTTPError, migrate_prefixes
 from gyre.proxy.chat import ApiError
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.routing import SERVING, RoutingTable
@@ -30,8 +32,8 @@ from gyre.proxy.routing import SERVING, RoutingTable
 log = logging.getLogger(__name__)
 ENGINE_DOWN = (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError)
 MOVES_PER_ENGINE = 4
-"""KV moves out of one engine at once: under the builtin engine's MAX_EXPORTS (8) published
-buffers, so none is withdrawn before its reader has it."""
+"""Batched KV moves out of one engine at once: under the builtin engine's MAX_EXPORTS (8)
+published exports, so none is withdrawn before its reader has it."""
 
 
 @dataclass
@@ -85,7 +87,12 @@ class EnginePool:
         self._contexts: dict[str, tuple[np.ndarray, list[int]]] = {}
         """session -> (input ids, output ids) of its last finished call: the KV its engine holds."""
         self._moves: dict[str, tuple[str, asyncio.Task]] = {}
-        """session -> (engine it leaves, the task moving its KV)."""
+        """session -> (engine it leaves, the task moving its KV: one per (source, destination))."""
+        self._prompts: dict[str, tuple[np.ndarray, list[int]]] = {}
+        """rid of a call attempt -> its prompt (input ids, output ids before it): the KV its engine
+        cached at prefill, which a hand-off moves before the attempt's abort completes."""
+        self._premoved: dict[str, tuple[str, str, int]] = {}
+        """session -> (source, destination, tokens) of an aborted call's prompt KV moved already."""
         self._through_store: dict[str, int] = {}
         """session -> KV tokens its SGLang engine held when the session left it: HiCache's shared
         store moves them, and the session's next call says how many arrived (`cached_tokens`)."""
@@ -159,9 +166,10 @@ class EnginePool:
         # The aborts wait for the engine's current step to end; the idle sessions' exports do not
         # (they run beside the engine thread), so they start at once instead of after that step.
         abort = asyncio.create_task(self._abort_streaming(engine_id))
-        for session, dst in moves.items():
-            if session not in busy:
-                self._start_move(session, engine_id, dst)
+        prompts = self._streaming_prompts(engine_id)
+        self._start_moves(  # a call in flight without a known prompt moves its own KV after its abort
+            [(s, engine_id, dst, prompts.get(s)) for s, dst in moves.items() if s not in busy or s in prompts]
+        )
         self._count_stranded(engine_id, busy)
         aborted = await abort
         self._wake()
@@ -187,6 +195,15 @@ class EnginePool:
         entry = self.table.engines.get(engine_id)
         return bool(entry and entry.flights) or any(src == engine_id for src, _ in self._moves.values())
 
+    def _streaming_prompts(self, engine_id: str) -> dict[str, list[int]]:
+        """session -> the prompt of its call streaming from `engine_id` (whose KV the engine cached)."""
+        out = {}
+        for rid, flight in self.table.engines[engine_id].flights.items():
+            prompt = self._prompts.get(rid)
+            if flight.streaming and prompt is not None:
+                out[flight.session] = np.concatenate((prompt[0], np.asarray(prompt[1], np.int32))).tolist()
+        return out
+
     async def _abort_streaming(self, engine_id: str) -> int:
         rids = self.table.streaming(engine_id)
         client = self.clients[engine_id]
@@ -209,8 +226,7 @@ class EnginePool:
         engines move to it with their KV until loads are even within one session."""
         self.table.set_status(engine_id, "active")
         moves = self.table.rebalance(engine_id) if self.cfg.rebalance_on_return else {}
-        for session, src in moves.items():
-            self._start_move(session, src, engine_id)
+        self._start_moves([(session, src, engine_id, None) for session, src in moves.items()])
         self._wake()
         return {"num_sessions": len(moves)}
 
@@ -226,6 +242,7 @@ class EnginePool:
         """An execution ended: drop its sessions and their contexts."""
         for session in self.table.forget(execution_id + "/"):
             self._contexts.pop(session, None)
+            self._premoved.pop(session, None)
 
     def describe(self) -> list[dict]:
         """Each engine's state and load: calls in flight, sessions routed to it and the KV tokens
@@ -311,9 +328,12 @@ class EnginePool:
                 raise ApiError("overloaded", f"no engine available for {self.cfg.no_engine_wait_s:g} s; retry later")
             await self._wait_change(left)
 
-    def begin(self, rid: str, engine_id: str, session: str) -> None:
-        """A call's attempt starts streaming from the engine."""
+    def begin(self, rid: str, engine_id: str, session: str, prompt: tuple[np.ndarray, list[int]] | None = None) -> None:
+        """A call's attempt starts streaming from the engine; `prompt`: its (input ids, output ids
+        so far), whose KV a hand-off moves while the attempt is aborted."""
         self.table.begin(rid, engine_id, session)
+        if prompt is not None:
+            self._prompts[rid] = prompt
         self._decode[engine_id].add_streaming(1, time.monotonic())
 
     def count_output(self, engine_id: str, num_tokens: int) -> None:
@@ -331,6 +351,7 @@ class EnginePool:
         """The attempt is over and its KV needs its engine no more (a hand-off may be waiting)."""
         self.stop_streaming(rid)
         self.table.end(rid)
+        self._prompts.pop(rid, None)
         self._wake()
 
     def count_call(self) -> None:
@@ -344,32 +365,57 @@ class EnginePool:
         self._contexts[session] = (input_ids, output_ids)
 
     # --- KV moves ---------------------------------------------------------------------------
-    def _start_move(self, session: str, src: str, dst: str) -> None:
-        context = self._contexts.get(session)
-        entry = self.table.engines.get(src)
-        if context is not None and entry is not None and not entry.supports_kv_export:
-            # SGLang: no KV route; HiCache's store (L3) holds the pages written through, all but
-            # the last token's (never computed), and the session's next call reads them
-            ps = self._page_size.get(src, 1)
-            self._through_store[session] = (len(context[0]) + len(context[1]) - 1) // ps * ps
-        elif context is not None and session not in self._moves:
-            tokens = np.concatenate((context[0], np.asarray(context[1], np.int32))).tolist()
-            self._moves[session] = (src, asyncio.create_task(self._move_session(session, src, dst, tokens)))
+    def _start_moves(self, moves: list[tuple[str, str, str, list[int] | None]]) -> None:
+        """Start one batched move per (source, destination) pair. Each move: (session, source,
+        destination, the prompt of its call in flight on the source, or None: the session is
+        between calls and its last context moves)."""
+        pairs: dict[tuple[str, str], list[tuple[str, list[int], bool]]] = {}
+        for session, src, dst, prompt in moves:
+            context, entry = self._contexts.get(session), self.table.engines.get(src)
+            if entry is None or (context is None and prompt is None):
+                continue
+            if not entry.supports_kv_export:
+                if prompt is None:  # SGLang: no KV route; HiCache's store (L3) holds the pages written
+                    # through, all but the last token's (never computed), and the next call reads them
+                    ps = self._page_size.get(src, 1)
+                    self._through_store[session] = (len(context[0]) + len(context[1]) - 1) // ps * ps
+            elif session not in self._moves:
+                if prompt is None:
+                    prompt = np.concatenate((context[0], np.asarray(context[1], np.int32))).tolist()
+                    pairs.setdefault((src, dst), []).append((session, prompt, False))
+                else:
+                    pairs.setdefault((src, dst), []).append((session, prompt, True))
+        for (src, dst), group in pairs.items():
+            task = asyncio.create_task(self._move_group(src, dst, group))
+            for session, _, _ in group:
+                self._moves[session] = (src, task)
 
-    async def _move_session(self, session: str, src: str, dst: str, tokens: list[int]) -> None:
-        """Move the session's KV; if it was routed elsewhere meanwhile (its new engine left too),
-        follow it from where the KV now is."""
+    async def _move_group(self, src: str, dst: str, group: list[tuple[str, list[int], bool]]) -> None:
+        """Move sessions' KV from `src` to `dst` in one batch: (session, tokens, whether it is the
+        prompt of a call in flight, whose decoded tail its generation moves after the abort). A
+        session routed elsewhere meanwhile (its new engine left too) follows from `dst`."""
+        task = asyncio.current_task()
+        follow = []
         try:
-            while True:
-                await self.move_kv(src, dst, tokens)
+            results = await self._migrate(src, dst, [(tokens, 0) for _, tokens, _ in group])
+            for (session, tokens, in_flight), (held, moved) in zip(group, results):
+                self.metrics.kv_migrated_tokens += moved
+                if in_flight:  # what did not arrive, the generation's own move retries (and counts)
+                    if moved:
+                        self._premoved[session] = (src, dst, moved)
+                    continue
+                self.metrics.kv_reprefill_tokens += held - moved
+                self.metrics.num_sessions_moved += 1
                 now = self.table.sessions.get(session)
-                if now is None or now == dst:
-                    break
-                src, dst = dst, now
-                self._moves[session] = (src, self._moves[session][1])
-            self.metrics.num_sessions_moved += 1
+                if now is not None and now != dst:
+                    follow.append((session, tokens, now))
         finally:
-            self._moves.pop(session, None)
+            for session, _, _ in group:
+                if self._moves.get(session, (None, task))[1] is task:
+                    del self._moves[session]
+            for session, tokens, now in follow:
+                self._contexts.setdefault(session, (np.asarray(tokens, np.int32), []))
+                self._start_moves([(session, dst, now, None)])
             self._wake()
 
     def count_cached(self, session: str, cached_tokens: int) -> None:
@@ -381,23 +427,36 @@ class EnginePool:
             self.metrics.kv_migrated_tokens += moved
             self.metrics.kv_reprefill_tokens += held - moved
 
-    async def move_kv(self, src: str, dst: str, tokens: list[int]) -> int:
+    async def move_kv(self, src: str, dst: str, tokens: list[int], session: str | None = None) -> int:
         """Move the KV `src` holds for a prefix of `tokens` to `dst` over Mooncake (builtin engines),
-        within kv_move_timeout_s; what does not arrive is counted as re-prefill. Returns tokens moved."""
+        within kv_move_timeout_s; what does not arrive is counted as re-prefill. Where a hand-off
+        moved the `session`'s prompt from `src` to `dst` already, only the rest moves. Returns the
+        tokens of `tokens` whose KV reached `dst` by moving."""
+        done = self._premoved.pop(session, None) if session is not None else None
+        kv_from = done[2] if done is not None and done[:2] == (src, dst) else 0
+        [(held, moved)] = await self._migrate(src, dst, [(tokens, kv_from)])
+        self.metrics.kv_migrated_tokens += moved
+        self.metrics.kv_reprefill_tokens += held - moved
+        return kv_from + moved
+
+    async def _migrate(self, src: str, dst: str, asks: list[tuple[list[int], int]]) -> list[tuple[int, int]]:
+        """One batched move (migrate_prefixes) of asks (tokens, kv_from); per ask (tokens `src`
+        held beyond kv_from, tokens moved). A move that cannot run or fails holds what `src` is
+        assumed to hold and moves nothing."""
         s, d = self.table.engines.get(src), self.table.engines.get(dst)
         if s is None or d is None or src == dst or not s.supports_kv_export:
-            return 0  # SGLang engines share KV through HiCache's Mooncake store instead
+            return [(0, 0)] * len(asks)  # SGLang engines share KV through HiCache's Mooncake store instead
         ps = self._page_size.get(src, 1)
-        held, moved = len(tokens) // ps * ps, 0
-        if self.cfg.migrate_kv and d.supports_kv_export and s.status != "dead":
-            try:
-                async with asyncio.timeout(self.cfg.kv_move_timeout_s), self._slots[src]:
-                    out = await migrate_prefix(self.clients[src], self.clients[dst], tokens)
-                held, moved = out["exported_tokens"], out["transferred_tokens"]
-                if out["refused"]:
-                    log.warning("KV move %s -> %s refused (recomputing): %s", src, dst, out["refused"])
-            except (*ENGINE_DOWN, EngineHTTPError, KeyError) as e:
-                log.warning("KV move %s -> %s failed (recomputing): %r", src, dst, e)
-        self.metrics.kv_migrated_tokens += moved
-        self.metrics.kv_reprefill_tokens += max(0, held - moved)
-        return moved
+        lost = [(max(0, len(tokens) // ps * ps - kv_from), 0) for tokens, kv_from in asks]
+        if not (self.cfg.migrate_kv and d.supports_kv_export and s.status != "dead"):
+            return lost
+        try:
+            async with asyncio.timeout(self.cfg.kv_move_timeout_s), self._slots[src]:
+                out = await migrate_prefixes(self.clients[src], self.clients[dst], asks)
+        except (*ENGINE_DOWN, EngineHTTPError, KeyError) as e:
+            log.warning("KV move %s -> %s failed (recomputing): %r", src, dst, e)
+            return lost
+        for o in out:
+            if o["refused"]:
+                log.warning("KV move %s -> %s refused (recomputing): %s", src, dst, o["refused"])
+        return [(o["exported_tokens"], o["transferred_tokens"]) for o in out]

@@ -30,6 +30,18 @@ def _import_engine():
     return TransferEngine
 
 
+def coalesce(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge each (local, remote, bytes) range into the one before it where both sides continue
+    it (a KV buffer's slabs, read whole into a buffer of the same shape): fewer, larger transfers."""
+    out: list[list[int]] = []
+    for local, remote, nbytes in ranges:
+        if out and out[-1][0] + out[-1][2] == local and out[-1][1] + out[-1][2] == remote:
+            out[-1][2] += nbytes
+        else:
+            out.append([local, remote, nbytes])
+    return [(a, b, n) for a, b, n in out]
+
+
 class TransferEndpoint:
     """One process's transfer endpoint, on the site's fabric (`transfer.protocol`, `transfer.device`:
     gyre.transfer.config) unless `fabric` names another."""
@@ -87,7 +99,7 @@ class TransferEndpoint:
         nbytes = size if nbytes is None else nbytes
         if nbytes > size:
             raise TransferError(f"{op} of {nbytes} bytes overruns the local tensor ({size} bytes)")
-        if not self._covers(local.data_ptr(), nbytes):
+        if not self.covers(local.data_ptr(), nbytes):
             raise TransferError(f"{op}: the local tensor is not registered; call register() first")
         fn = self._engine.transfer_sync_read if op == "read" else self._engine.transfer_sync_write
         with self._transfer_lock:
@@ -95,7 +107,22 @@ class TransferEndpoint:
         if rc != 0:
             raise TransferError(f"transfer_sync_{op}(peer={peer!r}, addr={peer_addr:#x}, {nbytes} B) returned {rc}")
 
-    def _covers(self, addr: int, nbytes: int) -> bool:
+    def read_batch(self, peer: str, reads: list[tuple[int, int, int]]) -> None:
+        """Copy many ranges from the peer with one batch transfer: each (local address inside a
+        registered region, the peer's address, bytes)."""
+        for local, _, nbytes in reads:
+            if not self.covers(local, nbytes):
+                raise TransferError(f"read_batch: local range {local:#x}+{nbytes} is not registered")
+        reads = coalesce(reads)
+        if not reads:
+            return
+        locals_, remotes, lengths = (list(x) for x in zip(*reads))
+        with self._transfer_lock:
+            rc = self._engine.batch_transfer_sync_read(peer, locals_, remotes, lengths)
+        if rc != 0:
+            raise TransferError(f"batch_transfer_sync_read(peer={peer!r}, {len(reads)} ranges) returned {rc}")
+
+    def covers(self, addr: int, nbytes: int) -> bool:
         """Whether [addr, addr + nbytes) lies inside one registered region (a tensor, or an arena
         that buffers are carved from)."""
         with self._lock:

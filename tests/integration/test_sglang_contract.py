@@ -70,7 +70,7 @@ def test_the_fake_answers_in_sglangs_shapes_and_refuses_gyres_own_routes(fake):
         out = {"gen": await c.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0.0})}
         out["begin"] = await c.begin_weight_update()  # the session SGLang 0.5.21 loads tensors in
         for path, body in [
-            ("/gyre/export_kv", {"input_ids": PROMPT}),
+            ("/gyre/export_kv", {"sessions": [{"input_ids": PROMPT, "kv_from": 0}]}),
             ("/update_weights_from_tensor", {"load_format": "gyre_transfer", "session_id": "x", "address": 1}),
             ("/update_weights_from_tensor", {"load_format": "gyre_transfer", "serialized_named_tensors": ["x"]}),
             ("/generate", {"input_ids": "not ids"}),

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import advertised_url, make_sglang_command, make_sglang_env
-from gyre.engines.prefix_cache import CacheFull, PrefixCache
+from gyre.engines.prefix_cache import CacheFull, PrefixCache, PrefixMissing
 from gyre.engines.protocol import BadRequest, parse_generate
 from gyre.errors import ConfigError
 from gyre.transfer import BufferLayout, TransferArena
@@ -19,13 +19,18 @@ def _kv(n: int) -> torch.Tensor:
     return torch.arange(2 * 2 * n * 3, dtype=torch.float32).view(1, 2, n, 3, 2)
 
 
+def _held(cache: PrefixCache, namespace: tuple, tokens: list[int]) -> int:
+    """Tokens of `tokens`' longest cached prefix (a match's pieces, summed)."""
+    return sum(p.shape[2] for p in cache.match(namespace, tokens))
+
+
 def test_prefix_cache_matches_page_aligned_prefixes_per_namespace():
     cache = PrefixCache(page_size=4, capacity_tokens=64)
     toks = list(range(10))
     assert cache.insert(("v0", None), toks, _kv(10)) == 2  # only full pages
-    pages = cache.match(("v0", None), toks + [99])
-    assert len(pages) == 2 and torch.equal(torch.cat(pages, 2), _kv(10)[:, :, :8])
-    assert len(cache.match(("v0", None), [0, 1, 2, 3, 9, 9, 9, 9])) == 1  # diverges in page 2
+    (piece,) = cache.match(("v0", None), toks + [99])  # the insert copied its pages into one buffer
+    assert torch.equal(piece, _kv(10)[:, :, :8])
+    assert _held(cache, ("v0", None), [0, 1, 2, 3, 9, 9, 9, 9]) == 4  # diverges in page 2
     assert cache.match(("v1", None), toks) == []  # other weights: never reused
     assert cache.match(("v0", "other-key"), toks) == []
     assert cache.insert(("v0", None), toks, _kv(10)) == 0  # already there
@@ -40,21 +45,58 @@ def test_prefix_cache_evicts_least_recently_used_leaves_first():
     cache.insert(("v",), [1, 2, 3, 4, 5, 6], _kv(6))  # 3 pages
     cache.insert(("v",), [7, 8, 9, 10], _kv(4))  # 2 pages -> one evicted: the oldest leaf, 5 6
     assert cache.num_tokens == 8
-    assert len(cache.match(("v",), [1, 2, 3, 4, 5, 6])) == 2
-    assert len(cache.match(("v",), [7, 8, 9, 10])) == 2
+    assert _held(cache, ("v",), [1, 2, 3, 4, 5, 6]) == 4
+    assert _held(cache, ("v",), [7, 8, 9, 10]) == 4
 
 
 def test_moved_kv_is_pinned_until_its_session_uses_it_and_a_full_cache_refuses_more():
     cache = PrefixCache(page_size=2, capacity_tokens=8)  # 4 pages
     cache.insert(("v",), [1, 2, 3, 4], _kv(4), pin=True)  # a moved session: 2 pinned pages
     cache.insert(("v",), [5, 6, 7, 8, 9, 10], _kv(6))  # 3 ordinary pages: one of them is evicted, no pinned one
-    assert len(cache.match(("v",), [5, 6, 7, 8, 9, 10])) == 2 and cache.num_tokens == 8  # its leaf went
+    assert _held(cache, ("v",), [5, 6, 7, 8, 9, 10]) == 4 and cache.num_tokens == 8  # its leaf went
     with pytest.raises(CacheFull, match="room for 4 more pinned tokens, the import needs 6"):
         cache.insert(("v",), [11, 12, 13, 14, 15, 16], _kv(6), pin=True)
     assert cache.insert(("v",), [11, 12, 13, 14], _kv(4), pin=True) == 2  # fits beside the pinned 2
-    assert len(cache.match(("v",), [1, 2, 3, 4])) == 2  # the session's next call: unpinned from now on
+    assert _held(cache, ("v",), [1, 2, 3, 4]) == 4  # the session's next call: unpinned from now on
     cache.insert(("v",), [21, 22, 23, 24], _kv(4))
-    assert cache.match(("v",), [1, 2]) == [] and len(cache.match(("v",), [11, 12, 13, 14])) == 2
+    assert cache.match(("v",), [1, 2]) == [] and _held(cache, ("v",), [11, 12, 13, 14]) == 4
+
+
+def test_an_insert_copies_its_new_pages_into_one_allocated_buffer():
+    made = []
+    cache = PrefixCache(
+        page_size=2,
+        capacity_tokens=16,
+        allocate=lambda shape, dtype: made.append(shape) or torch.empty(shape, dtype=dtype),
+    )
+    kv = _kv(9)
+    cache.insert(("v",), [1, 2, 3, 4], kv[:, :, :4])
+    cache.insert(("v",), [1, 2, 3, 4, 5, 6, 7, 8, 9], kv)  # pages 3 and 4 are new: one buffer of 4 tokens
+    assert made == [(1, 2, 4, 3, 2), (1, 2, 4, 3, 2)]
+    pieces = cache.match(("v",), list(range(1, 10)))
+    assert len(pieces) == 2 and torch.equal(torch.cat(pieces, 2), kv[:, :, :8])
+
+
+def test_a_chains_tail_is_inserted_after_its_head_and_refused_without_it():
+    cache = PrefixCache(page_size=2, capacity_tokens=16)
+    toks = list(range(10))
+    kv = _kv(10)
+    cache.insert(("v",), toks[:4], kv[:, :, :4], pin=True, copy=False)  # a call's prompt, moved first
+    assert cache.insert(("v",), toks, kv[:, :, 4:], pin=True, copy=False, kv_from_page=2) == 3  # its tail
+    assert torch.equal(torch.cat(cache.match(("v",), toks), 2), kv[:, :, :10])
+    with pytest.raises(PrefixMissing, match="page 0 of the chain is not cached"):
+        cache.insert(("v",), [7] * 6, _kv(2), kv_from_page=2)
+
+
+def test_eviction_takes_the_least_recently_used_unpinned_pages_of_a_thousand():
+    """Eviction is a pop from an ordered dict: a thousand-page cache evicts the same pages a
+    sort by last use would."""
+    cache = PrefixCache(page_size=1, capacity_tokens=1000)
+    for i in range(1000):
+        cache.insert(("v",), [i], _kv(1))
+    cache.match(("v",), [0])  # page 0 becomes the newest
+    cache.insert(("v",), [5000, 5001], _kv(2))  # two pages in: the two oldest (1, 2) out
+    assert [_held(cache, ("v",), [t]) for t in (0, 1, 2, 3)] == [1, 0, 0, 1] and cache.num_tokens == 1000
 
 
 def test_an_imported_buffer_returns_to_the_arena_once_its_last_page_is_evicted():

@@ -40,17 +40,19 @@ class FakeEngine:
     async def abort(self, rid):
         self.log.append(("abort", self.url, rid))
 
-    async def export_kv(self, ids, extra_key=None):
+    async def export_kv(self, sessions, extra_key=None):
+        self.log.append(("export", self.url, [(len(ids), kv_from) for ids, kv_from in sessions]))
         FakeEngine.num_held += 1
         await FakeEngine.gate.wait()
         FakeEngine.num_held -= 1
-        return {"export_id": "x", "num_tokens": len(ids) // 16 * 16}
+        return {"export_id": "x", "sessions": [{"num_tokens": len(i) // 16 * 16, "kv_from": f} for i, f in sessions]}
 
     async def import_kv(self, export, extra_key=None):
         if FakeEngine.refuse:
             raise EngineHTTPError(400, "/gyre/import_kv", "the prefix cache has room for 0 more pinned tokens")
-        self.log.append(("import", self.url, export["num_tokens"]))
-        return {"transferred_tokens": export["num_tokens"]}
+        moved = [s["num_tokens"] - s["kv_from"] for s in export["sessions"]]
+        self.log.append(("import", self.url, moved))
+        return {"sessions": [{"transferred_tokens": n, "refused": None} for n in moved]}
 
     async def release_kv_export(self, export_id):
         pass
@@ -127,7 +129,7 @@ def test_a_hand_off_returns_only_once_every_move_has_ended(fake_engines):
     out, m = asyncio.run(main())
     assert out == {"num_aborted": 1, "num_sessions": 2}
     assert (m.kv_migrated_tokens, m.kv_reprefill_tokens, m.num_sessions_moved) == (192, 0, 1)
-    assert ("import", "http://b", 192) in FakeEngine.log
+    assert ("import", "http://b", [192]) in FakeEngine.log
 
 
 @pytest.mark.parametrize("case_id, refuse, gate_open", [("target-full", True, True), ("timeout", False, False)])
@@ -161,6 +163,43 @@ def test_a_returning_engine_takes_idle_sessions_with_their_kv(fake_engines):
     out, sessions, m = asyncio.run(main())
     assert out == {"num_sessions": 2} and sessions == {"a": 2, "b": 2}
     assert (m.kv_migrated_tokens, m.num_sessions_moved) == (2 * 64, 2)
+    assert [e for e in FakeEngine.log if e[0] == "import"] == [("import", "http://b", [64, 64])]  # one batch
+
+
+def test_a_hand_off_moves_a_pairs_sessions_in_one_batch_with_the_prompts_of_calls_in_flight(fake_engines):
+    """Idle sessions and the prompt of a call in flight go in one export and one import, started
+    beside the abort; the aborted call's own move then carries only the tail it decoded."""
+
+    async def main():
+        pool = await _pool()
+        await pool.stop_admission("b")
+        await _idle_session(pool, "x/main", 200)
+        await _idle_session(pool, "z/main", 200)
+        prompt = np.arange(100, dtype=np.int32)
+        pool.begin("call-0", await pool.acquire("y/main", frozenset()), "y/main", (prompt, []))
+        await pool.activate("b")
+        FakeEngine.gate.set()
+        hand_off = asyncio.create_task(pool.hand_off("a"))
+        await _until(lambda: any(e[0] == "import" for e in FakeEngine.log))
+        await _settle()
+        assert not hand_off.done()  # the aborted call still holds a
+        pool.stop_streaming("call-0")  # what Generation does after the abort: next engine, its tail
+        resumed_on = await pool.acquire("y/main", frozenset(["a"]))
+        moved = await pool.move_kv("a", resumed_on, [*range(100), *range(40)], "y/main")
+        pool.end("call-0")
+        out = await asyncio.wait_for(hand_off, 2)
+        return out, resumed_on, moved, pool.metrics
+
+    out, resumed_on, moved, m = asyncio.run(main())
+    assert out == {"num_aborted": 1, "num_sessions": 3} and resumed_on == "b"
+    moves = [(op, url, sorted(sizes)) for op, url, sizes in FakeEngine.log if op in ("export", "import")]
+    assert moves == [
+        ("export", "http://a", [(100, 0), (203, 0), (203, 0)]),
+        ("import", "http://b", [96, 192, 192]),
+        ("export", "http://a", [(140, 96)]),  # the tail: the 96 prompt tokens moved already
+        ("import", "http://b", [32]),
+    ]
+    assert moved == 128 and (m.kv_migrated_tokens, m.kv_reprefill_tokens, m.num_sessions_moved) == (512, 0, 2)
 
 
 def test_idle_sessions_with_no_engine_to_go_to_are_counted_as_reprefill(fake_engines):

@@ -10,6 +10,7 @@ import torch
 from gyre.errors import GyreError
 from gyre.transfer import BufferLayout, TransferArena, TransferEndpoint, TransferError
 from gyre.transfer.arena import RangeAllocator
+from gyre.transfer.engine import coalesce
 
 
 def _tensors():
@@ -51,6 +52,35 @@ def test_endpoints_read_and_write_each_other():
         b.read(a.session_id, src_addr, torch.zeros(4))
     a.close(), b.close()
     assert dst_addr == dst.data_ptr()
+
+
+def test_a_batch_read_gathers_scattered_ranges_in_one_transfer():
+    a, b = TransferEndpoint(), TransferEndpoint()
+    src, dst = torch.arange(64, dtype=torch.float32), torch.zeros(64)
+    a.register(src), b.register(dst)
+    at = lambda t, i: t.data_ptr() + 4 * i  # noqa: E731
+    b.read_batch(
+        a.session_id, [(at(dst, 0), at(src, 32), 64), (at(dst, 16), at(src, 0), 32), (at(dst, 24), at(src, 8), 8)]
+    )
+    assert dst[:16].tolist() == list(range(32, 48)) and dst[16:26].tolist() == list(range(10))
+    assert dst[26:].eq(0).all()
+    with pytest.raises(TransferError, match="not registered"):
+        b.read_batch(a.session_id, [(torch.zeros(4).data_ptr(), at(src, 0), 16)])
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize(
+    "ranges, merged",
+    [
+        pytest.param([], [], id="none"),
+        pytest.param([(0, 100, 8), (8, 108, 8), (16, 116, 4)], [(0, 100, 20)], id="both-sides-continue"),
+        pytest.param([(0, 100, 8), (8, 200, 8)], [(0, 100, 8), (8, 200, 8)], id="remote-jumps"),
+        pytest.param([(0, 100, 8), (64, 108, 8)], [(0, 100, 8), (64, 108, 8)], id="local-jumps"),
+        pytest.param([(0, 100, 8), (8, 108, 8), (32, 0, 4), (36, 4, 4)], [(0, 100, 16), (32, 0, 8)], id="two-runs"),
+    ],
+)
+def test_coalesce_merges_ranges_that_continue_on_both_sides(ranges, merged):
+    assert coalesce(ranges) == merged
 
 
 def test_publish_and_fetch_named_tensors_into_new_memory_or_an_arena():

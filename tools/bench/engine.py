@@ -26,7 +26,7 @@ import time
 import torch
 
 from gyre.common import jsonio
-from gyre.engines.client import EngineClient, migrate_prefix
+from gyre.engines.client import EngineClient, migrate_prefixes
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
 from gyre.models.config import ModelConfig
@@ -70,7 +70,7 @@ async def run(a_url: str, b_url: str, args) -> dict:
         }
         recompute_s, _ = await timed_generate(b, _ids(args.prefix_tokens, 8))  # B computes a same-size prompt itself
         t0 = time.perf_counter()
-        moved = await migrate_prefix(a, b, prefix)
+        [moved] = await migrate_prefixes(a, b, [(prefix, 0)])
         transfer_s = time.perf_counter() - t0
         after_s, after = await timed_generate(b, prefix)
         result["kv_import"] = {
