@@ -25,7 +25,7 @@ from gyre.proxy.admin import ProxyAdmin
 from gyre.records.io import RecordFileError, has_records, read_records
 from gyre.scheduler.streaming import may_admit
 from gyre.tasks.taskset import TaskSet, TaskSource
-from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation, unscored_reason
+from gyre.trajectory.rewards import HARNESS_OUTCOMES, OUTCOMES, Evaluation, unscored_reason
 
 log = logging.getLogger(__name__)
 
@@ -236,16 +236,18 @@ class Rollouts(GroupBook):
 
     async def _evaluate(self, ex: Execution, result) -> None:
         """Score the workspace, unless the policy never acted: a harness that made no model call
-        (exited at once, crashed on start, or did the work itself) is excluded, never scored."""
+        (exited at once, crashed on start, did the work itself, or was stopped at its time budget
+        before a call ended) is excluded, never scored; a timed-out run without partial credit is
+        excluded as budget_exhausted (evaluate, settle_budget)."""
         outcome = "timed_out" if result.timed_out else "finished"
         ex.duration_s = result.duration_s
         try:
             await self.proxy.revoke_execution(ex.execution_id)
         except Exception as e:  # a revoke that fails leaves a key valid, nothing else
             log.warning("revoking %s: %s", ex.execution_id, e)
-        if (reason := unscored_reason(result.exit_code, has_records(ex.records_path))) is not None:
+        if (reason := unscored_reason(result.exit_code, has_records(ex.records_path), result.timed_out)) is not None:
             await asyncio.to_thread(ex.sandbox.close)
-            ex.evaluation = Evaluation(outcome, None, reason)
+            ex.evaluation = Evaluation(reason if reason in OUTCOMES else outcome, None, reason)
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
             if self.num_unstarted is not None:
                 self.num_unstarted += 1

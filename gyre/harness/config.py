@@ -14,8 +14,8 @@ class ToyAgentConfig:
     """The toy agent's behaviour (`python -m gyre.harness.toy_agent`)."""
 
     api: str = "openai"
-    """`openai` (chat completions: sub-agents hinted; its SDK imports in ~1.2 CPU-s) or `anthropic`
-    (Messages API: sub-agents and summaries hinted; ~2.8 CPU-s to import, per execution)."""
+    """`openai` (chat completions, sub-agents hinted) or `anthropic` (Messages API: sub-agents and
+    summaries hinted); the agent speaks either over plain HTTP, at the same start-up cost."""
     max_tokens: int = 96
     """New tokens per model call."""
     max_turns: int = 4

@@ -5,9 +5,10 @@ because it imports what the agent did not write, counts as a failed test), `json
 whose last stdout line is a JSON number or {"score": x}), `files` (fraction of expected files with
 equal content), `harbor` (Harbor's verifier contract, below).
 Anything that says nothing about the policy, an evaluator that crashes, hangs past its own timeout,
-prints garbage or finds its own files gone, is `evaluator_error` (`budget_exhausted` for a run
-stopped at its time budget; either way the execution is excluded, never scored 0). A file the
-harness should have written and did not is a real 0.
+prints garbage or finds its own files gone, is `evaluator_error` (the execution is excluded, never
+scored 0). A file the harness should have written and did not is a real 0 for a finished run; a run
+stopped at its time budget keeps only partial credit, a score above 0, and is otherwise
+`budget_exhausted` (gyre.trajectory.rewards.settle_budget: discarded, as the seed prescribes).
 
 Harbor verifier: after the agent ends, in the agent's own environment (Harbor's shared mode,
 gyre/harness/environment.py: what the agent installed, wrote outside the workdir or left running is
@@ -35,7 +36,7 @@ from gyre.common import jsonio
 from gyre.harness.environment import BaseTaskEnv, TaskEnvError, open_environment
 from gyre.harness.podman import PodmanError
 from gyre.tasks.spec import EvaluatorSpec, Task
-from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation
+from gyre.trajectory.rewards import HARNESS_OUTCOMES, Evaluation, settle_budget
 
 PYTEST_FLAGS = "-p no:cacheprovider --continue-on-collection-errors"
 """Added to a pytest evaluator's command: a module that cannot be collected no longer stops the others."""
@@ -279,9 +280,10 @@ def evaluate(task: Task, workspace: Path, outcome: str, environment: BaseTaskEnv
     a Harbor task in `environment`, the one its agent ran in (Sandbox.environment; its owner ends it).
 
     Never raises for evaluator trouble: that is an `evaluator_error` Evaluation with the reason
-    in `detail` (and the seconds the evaluator took), or `budget_exhausted` when the harness was
-    stopped at its time budget: an execution that ran out of time without a valid reward is
-    discarded, counted apart from an evaluator failing on a finished one (the seed's rule).
+    in `detail` (and the seconds the evaluator took). A run stopped at its time budget
+    (`timed_out`) without partial credit, its evaluator failed or its score 0, is
+    `budget_exhausted`: it ran out of time without a valid reward and is discarded, counted apart
+    from an evaluator failing on a finished one (the seed's rule, settle_budget).
 
     Raises:
         ValueError: `outcome` is not a harness outcome (a caller bug).
@@ -299,6 +301,6 @@ def evaluate(task: Task, workspace: Path, outcome: str, environment: BaseTaskEnv
         else:
             score, detail = SCORERS[task.evaluator.kind](task.evaluator, workspace)
     except (EvaluatorFailed, OSError, UnicodeError) as e:
-        failed = "budget_exhausted" if outcome == "timed_out" else "evaluator_error"
-        return Evaluation(failed, None, f"{e} ({time.monotonic() - start:.2f} s)")
-    return Evaluation(outcome, score, f"{detail} ({time.monotonic() - start:.2f} s)".lstrip(), metrics)
+        failed = "evaluator_error" if outcome == "finished" else outcome  # timed out: budget_exhausted
+        return settle_budget(Evaluation(failed, None, f"{e} ({time.monotonic() - start:.2f} s)"))
+    return settle_budget(Evaluation(outcome, score, f"{detail} ({time.monotonic() - start:.2f} s)".lstrip(), metrics))

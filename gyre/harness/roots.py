@@ -121,7 +121,8 @@ def harness_installs(argv: list[str], env: dict[str, str] | None = None) -> list
     coordinator's tools run in the sandbox with it), the gyre package, the program's install, and
     the script its first argument names by an absolute path (`python /x/agent.py`), that file only.
     Nested and system paths are dropped; each is bound at its own path."""
-    wanted = {Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parent, Path(CONF_DIR)}
+    # the config tree where it is, not where a link to it is (a checkout's gyre/conf -> ../conf)
+    wanted = {Path(sys.prefix), Path(sys.base_prefix), Path(gyre.__file__).resolve().parent, Path(CONF_DIR).resolve()}
     wanted |= program_installs(sys.executable)
     if argv:
         wanted |= program_installs(argv[0], (env or os.environ).get("PATH"))

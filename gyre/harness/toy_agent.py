@@ -1,7 +1,10 @@
 """The toy agent: a real multi-turn coding agent, in its own process, for the embedded default.
 
-It talks to the proxy the way a user's agent would, with an official SDK (`anthropic` Messages
-API, or `openai` chat completions), calls tools in its workspace (write_file, read_file, run),
+It talks to the proxy the way a user's agent would, over the Messages API or chat completions, with
+`requests` and the official SDKs' retry policy (ApiClient) rather than the SDKs themselves: importing
+one costs a start 0.7-1.9 CPU-s on the box's spare cores, outside the cells' CPU caps, where a real
+harness's start-up is small beside its model's calls (tools/bench/harness_start.py measures it).
+It calls tools in its workspace (write_file, read_file, run),
 spawns a sub-agent that surveys the workspace (and, once the main agent is done, another with the
 same prompt that lists it again: the path cap drops the first one's path, and the second's trains
 the same prompt, so no call of the policy goes untrained), clears old tool results once the conversation
@@ -40,6 +43,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
 from gyre.common import jsonio
 from gyre.common.files import write_atomic
 
@@ -76,6 +83,15 @@ TOOLS = [
 ]
 RESULT_CHARS = 200
 """Tool results and reports are cut to this many characters (short prompts for the tiny model)."""
+MAX_RETRIES = 2
+"""Retries of a failed call, as the official SDKs' default `max_retries`."""
+RETRY_STATUSES = (408, 409, 429, *range(500, 600))
+"""Statuses the official SDKs retry (openai-python and anthropic-sdk-python `_base_client.py`
+`_should_retry`): a timeout, a lock conflict, a rate limit, a server error or overload (503, 529)."""
+TIMEOUT_S = 600
+"""Seconds a call may take (connect, then between bytes of the answer), the SDKs' default."""
+ANTHROPIC_VERSION = "2023-06-01"
+"""The Messages API version header the anthropic SDK sends."""
 
 
 @dataclass(frozen=True)
@@ -197,8 +213,49 @@ def run_tool(name: str, args: dict, workspace: Path) -> str:
         return f"error: {e}"
 
 
+class ApiCallError(Exception):
+    """The proxy refused a call, or failed it past the retries (the agent ends: a harness error)."""
+
+
+class ApiClient:
+    """The agent's HTTP client for one API: the SDKs' retries (connection errors and
+    RETRY_STATUSES, MAX_RETRIES times, exponential backoff from 0.5 s to 8 s, Retry-After
+    honoured) through urllib3's Retry, their timeout, and their authentication headers."""
+
+    def __init__(self, api: str, base_url: str, api_key: str):
+        retry = Retry(
+            total=MAX_RETRIES,
+            allowed_methods=None,  # every call is a POST; the SDKs retry them all
+            status_forcelist=RETRY_STATUSES,
+            backoff_factor=0.5,
+            backoff_max=8.0,
+            raise_on_status=False,  # the last answer's body goes into the error
+        )
+        self.session = requests.Session()
+        self.session.mount("http://", HTTPAdapter(max_retries=retry))
+        self.session.mount("https://", HTTPAdapter(max_retries=retry))
+        if api == "anthropic":
+            self.url = f"{base_url}/v1/messages"
+            self.session.headers.update({"x-api-key": api_key, "anthropic-version": ANTHROPIC_VERSION})
+        else:
+            self.url = f"{base_url}/v1/chat/completions"
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def post(self, body: dict, headers: dict[str, str]) -> dict:
+        """The answer to one call.
+
+        Raises:
+            ApiCallError: an error status (after the retries, for those retried), with its body.
+            requests.RequestException: the proxy could not be reached or did not answer in time.
+        """
+        r = self.session.post(self.url, json=body, headers=headers, timeout=TIMEOUT_S)
+        if r.status_code >= 400:
+            raise ApiCallError(f"POST {self.url} answered {r.status_code}: {r.text[:2000]}")
+        return r.json()
+
+
 class ToyAgent:
-    """One execution's agents (main, sub-agent) over one SDK client."""
+    """One execution's agents (main, sub-agent) over one API client."""
 
     def __init__(self, args: argparse.Namespace):
         self.args, self.workspace = args, Path.cwd()
@@ -207,15 +264,7 @@ class ToyAgent:
         )
         self.rng = random.Random(seed)
         self.tool_time = ToolTime(args.tool_median_s, args.tool_sigma, args.tool_max_s)
-        key, base = os.environ["GYRE_API_KEY"], os.environ["GYRE_PROXY_URL"]
-        if args.api == "anthropic":
-            import anthropic
-
-            self.client = anthropic.Anthropic(base_url=base, api_key=key, max_retries=2, timeout=600)
-        else:
-            import openai
-
-            self.client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=2, timeout=600)
+        self.client = ApiClient(args.api, os.environ["GYRE_PROXY_URL"], os.environ["GYRE_API_KEY"])
         self.num_calls = 0
         self.session = Path(os.environ.get("HOME", ".")) / SESSION_FILE
         """Where the agent keeps what continuing needs, rewritten whole after every turn."""
@@ -247,22 +296,24 @@ class ToyAgent:
             headers["x-gyre-call-kind"] = "summary"
         self.num_calls += 1
         if a.api == "anthropic":
-            r = self.client.messages.create(
-                **make_anthropic_body(a.model, messages, a.max_tokens, tools), extra_headers=headers
-            )
-            text = "".join(b.text for b in r.content if b.type == "text")
+            blocks = self.client.post(make_anthropic_body(a.model, messages, a.max_tokens, tools), headers)["content"]
+            text = "".join(b["text"] for b in blocks if b["type"] == "text")
             calls = [
-                {"id": b.id, "name": b.name, "arguments": dict(b.input)} for b in r.content if b.type == "tool_use"
+                {"id": b["id"], "name": b["name"], "arguments": dict(b["input"])}
+                for b in blocks
+                if b["type"] == "tool_use"
             ]
         else:
-            r = self.client.chat.completions.create(
-                **make_openai_body(a.model, messages, a.max_tokens, tools), extra_headers=headers
-            )
-            msg = r.choices[0].message
-            text = msg.content or ""
+            msg = self.client.post(make_openai_body(a.model, messages, a.max_tokens, tools), headers)["choices"][0]
+            msg = msg["message"]
+            text = msg.get("content") or ""
             calls = [
-                {"id": c.id, "name": c.function.name, "arguments": jsonio.loads(c.function.arguments or "{}")}
-                for c in msg.tool_calls or []
+                {
+                    "id": c["id"],
+                    "name": c["function"]["name"],
+                    "arguments": jsonio.loads(c["function"].get("arguments") or "{}"),
+                }
+                for c in msg.get("tool_calls") or []
             ]
         return {"role": "assistant", "content": text, "tool_calls": calls}
 

@@ -124,7 +124,7 @@ def cmd_run(args) -> int:
 def run_report(task, result, records: str, environment=None) -> dict:
     """The outcome of one ended harness run by the coordinator's rule: excluded unscored when it made no
     model call (`unscored_reason`), else its workspace's evaluation."""
-    reason = unscored_reason(result.exit_code, has_records(records))
+    reason = unscored_reason(result.exit_code, has_records(records), result.timed_out)
     if reason is not None:
         ev = Evaluation("timed_out" if result.timed_out else "finished")
     else:

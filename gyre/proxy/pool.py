@@ -12,8 +12,10 @@
 
 A session's next call waits for its move, so it finds its KV on its new engine (cached_tokens). KV
 that cannot move (target full, timeout, engine dead) is recomputed by the session's next call and
-counted in `kv_reprefill_tokens`. Everything else (Generation, the HTTP edge) changes the pool's
-state only through these verbs.
+counted in `kv_reprefill_tokens`; so is the KV of a session that `acquire` routes off its engine
+between calls without a move (its engine marked dead, or `max_imbalance` more calls on it than on
+the least loaded): what its next call finds cached (`count_cached`) is not counted. Everything
+else (Generation, the HTTP edge) changes the pool's state only through these verbs.
 """
 
 import asyncio
@@ -74,7 +76,8 @@ class PoolMetrics:
     """KV tokens moved between engines (sessions between calls and calls in flight)."""
     kv_reprefill_tokens: int = 0
     """KV tokens a leaving engine held (or is assumed to have held: it is dead) that did not reach
-    the session's new engine; its next call recomputes them."""
+    the session's new engine, and those of sessions routed off a dead or overloaded engine between
+    calls that their new engine did not have cached; their next call recomputes them."""
 
 
 class EnginePool:
@@ -93,6 +96,9 @@ class EnginePool:
         cached at prefill, which a hand-off moves before the attempt's abort completes."""
         self._premoved: dict[str, tuple[str, str, int]] = {}
         """session -> (source, destination, tokens) of an aborted call's prompt KV moved already."""
+        self._rerouted: dict[str, int] = {}
+        """session -> KV tokens the engine it was routed off between calls held (dead engine,
+        imbalance): its next call's `cached_tokens` says how many of them it need not recompute."""
         self._through_store: dict[str, int] = {}
         """session -> KV tokens its SGLang engine held when the session left it: HiCache's shared
         store moves them, and the session's next call says how many arrived (`cached_tokens`)."""
@@ -243,6 +249,7 @@ class EnginePool:
         for session in self.table.forget(execution_id + "/"):
             self._contexts.pop(session, None)
             self._premoved.pop(session, None)
+            self._rerouted.pop(session, None)
 
     def describe(self) -> list[dict]:
         """Each engine's state and load: calls in flight, sessions routed to it and the KV tokens
@@ -319,14 +326,28 @@ class EnginePool:
             await asyncio.shield(move[1])  # bounded by kv_move_timeout_s
         deadline = time.monotonic() + self.cfg.no_engine_wait_s
         while True:
+            before = self.table.sessions.get(session)
             eid = self.table.pick(session, exclude) or self.table.pick(session)
             if eid is not None:
+                if before is not None and eid != before and before not in exclude:
+                    self._note_rerouted(session, before)
                 return eid
             left = deadline - time.monotonic()
             if left <= 0:
                 self.metrics.num_overloaded += 1
                 raise ApiError("overloaded", f"no engine available for {self.cfg.no_engine_wait_s:g} s; retry later")
             await self._wait_change(left)
+
+    def _note_rerouted(self, session: str, src: str) -> None:
+        """The session left `src` between calls with no KV move (src dead, or more loaded than
+        max_imbalance allows): what src held of its last call is re-prefilled by its next call,
+        less what that call finds cached (count_cached). A draining src is the hand-off's, which
+        moves or counts its sessions itself; a call rerouted mid-way (src excluded) moves its own."""
+        entry, context = self.table.engines.get(src), self._contexts.get(session)
+        if entry is None or context is None or entry.status == "draining":
+            return
+        ps = self._page_size.get(src, 1)
+        self._rerouted[session] = (len(context[0]) + len(context[1])) // ps * ps
 
     def begin(self, rid: str, engine_id: str, session: str, prompt: tuple[np.ndarray, list[int]] | None = None) -> None:
         """A call's attempt starts streaming from the engine; `prompt`: its (input ids, output ids
@@ -420,12 +441,16 @@ class EnginePool:
 
     def count_cached(self, session: str, cached_tokens: int) -> None:
         """The first answer of a session's call reports `cached_tokens`: after a hand-off through
-        HiCache's store, those of the KV the session left behind arrived, the rest is recomputed."""
+        HiCache's store, those of the KV the session left behind arrived, the rest is recomputed;
+        after a reroute between calls (_note_rerouted), the rest is recomputed."""
         held = self._through_store.pop(session, None)
         if held is not None:
             moved = min(cached_tokens, held)
             self.metrics.kv_migrated_tokens += moved
             self.metrics.kv_reprefill_tokens += held - moved
+        rerouted = self._rerouted.pop(session, None)
+        if rerouted is not None:  # what the new engine had cached already was not moved, nor recomputed
+            self.metrics.kv_reprefill_tokens += rerouted - min(cached_tokens, rerouted)
 
     async def move_kv(self, src: str, dst: str, tokens: list[int], session: str | None = None) -> int:
         """Move the KV `src` holds for a prefix of `tokens` to `dst` over Mooncake (builtin engines),

@@ -2,8 +2,11 @@
 
 An execution is scored only by its evaluator: a finished run by its final workspace, a timed-out
 run by its preserved workspace (partial credit). An evaluator crash or infrastructure error says
-nothing about the policy, so the execution is excluded, never scored 0; a run that exhausted the
-overall time budget without a valid reward is discarded.
+nothing about the policy, so the execution is excluded, never scored 0. A run that exhausted its
+overall time budget (timed_out, the time before a restart included) is trained only with the
+partial credit its workspace earns; without a valid reward (no model call, no score, or a score
+that credits nothing) it is discarded as budget_exhausted: a run cut off before it got anywhere
+says how long it took, not how good it was (the seed's rule).
 """
 
 import math
@@ -47,8 +50,21 @@ class Evaluation:
             raise ValueError(f"score must be a finite number, got {self.score}")
 
 
+def settle_budget(evaluation: Evaluation) -> Evaluation:
+    """A timed-out run's evaluation by the seed's rule: kept when its preserved workspace earns
+    partial credit (a score above 0), else budget_exhausted (no valid reward: discarded), its
+    score and detail kept in the detail. Any other evaluation is returned unchanged."""
+    if evaluation.outcome != "timed_out" or (evaluation.score is not None and evaluation.score > 0):
+        return evaluation
+    credit = "no score" if evaluation.score is None else f"no partial credit (score {evaluation.score:g})"
+    detail = f"stopped at its time budget with {credit}: {evaluation.detail}".rstrip(": ")
+    return Evaluation("budget_exhausted", None, detail, evaluation.metrics)
+
+
 def reward_of(evaluation: Evaluation) -> tuple[float | None, str | None]:
-    """(reward, None) for a scorable execution, else (None, exclusion reason)."""
+    """(reward, None) for a scorable execution, else (None, exclusion reason); a timed-out one
+    without partial credit is budget_exhausted (settle_budget), wherever its evaluation came from."""
+    evaluation = settle_budget(evaluation)
     if evaluation.outcome in HARNESS_OUTCOMES:
         if evaluation.score is None:
             return None, "no_score"
@@ -56,15 +72,18 @@ def reward_of(evaluation: Evaluation) -> tuple[float | None, str | None]:
     return None, evaluation.outcome
 
 
-def unscored_reason(exit_code: int, made_model_calls: bool) -> str | None:
+def unscored_reason(exit_code: int, made_model_calls: bool, timed_out: bool = False) -> str | None:
     """Why an ended harness run is excluded before its workspace is scored, or None to score it.
 
-    Without a model call the policy never acted, so the workspace says nothing about it: the harness
-    crashed at once (harness_failed) or did the work itself (no_model_calls). The coordinator and
-    `gyre-task run` both apply this rule.
+    Without a model call the policy never acted, so the workspace says nothing about it: the run
+    was stopped at its time budget before one ended (budget_exhausted), or the harness crashed at
+    once (harness_failed) or did the work itself (no_model_calls). The coordinator and `gyre-task
+    run` both apply this rule.
     """
     if made_model_calls:
         return None
+    if timed_out:
+        return "budget_exhausted"
     return "harness_failed" if exit_code != 0 else "no_model_calls"
 
 

@@ -95,6 +95,12 @@ def test_a_timed_out_run_without_a_valid_reward_is_budget_exhausted_not_an_evalu
     )
     good = task_of({"kind": "json_score", "command": "echo 0.5", "timeout_s": 5})
     assert (evaluate(good, workspace_of(good, tmp_path, "good"), "timed_out").outcome) == "timed_out"  # partial credit
+    nothing = task_of({"kind": "json_score", "command": "echo 0", "timeout_s": 5})  # no credit: no valid reward
+    ws = workspace_of(nothing, tmp_path, "nothing")
+    assert [(e.outcome, e.score) for e in (evaluate(nothing, ws, "finished"), evaluate(nothing, ws, "timed_out"))] == [
+        ("finished", 0.0),
+        ("budget_exhausted", None),
+    ]
 
 
 def test_files_evaluator_and_missing_workspace(tmp_path):

@@ -1,11 +1,14 @@
 """The toy agent through a real proxy and builtin engine: it completes a toy task, and its records
 rebuild into a call tree with its two sub-agents, a compaction summary, and the branch its clearing
-of old tool results makes."""
+of old tool results makes; its HTTP client retries and fails as the official SDKs do."""
 
+import asyncio
 import dataclasses
 import json
+import threading
 
 import pytest
+from aiohttp import web
 from proxy_fixtures import new_execution, start_engine, start_proxy
 
 from gyre.harness import toy_agent
@@ -105,3 +108,61 @@ def test_warm_start_transcripts_are_what_the_proxy_renders(stack):
     capped = process_execution(records, TrajectoryConfig(max_paths=3))
     assert capped.left_out["over_cap"] == 1 and capped.counts.targets_capped < capped.counts.targets_naive
     assert {s.leaf_call_id for s in capped.samples if s.path_class == "subagent"} == {records[6].call_id}
+
+
+@pytest.fixture
+def flaky_proxy():
+    """A stand-in proxy on a free port that answers each call with the next (status, body) of
+    `script` (then 200 with a reply), recording each request's headers."""
+    script, seen = [], []
+
+    async def answer(request):
+        seen.append(dict(request.headers) | {"path": request.path, "body": await request.json()})
+        status, body = script.pop(0) if script else (200, REPLIES[request.path])
+        return web.json_response(body, status=status)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    app.router.add_post("/v1/messages", answer)
+    runner, loop, ready = web.AppRunner(app), asyncio.new_event_loop(), threading.Event()
+
+    def serve():
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}", script, seen
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(30)
+
+
+REPLIES = {
+    "/v1/chat/completions": {"choices": [{"message": {"role": "assistant", "content": "ok"}}]},
+    "/v1/messages": {"content": [{"type": "text", "text": "ok"}]},
+}
+
+
+@pytest.mark.parametrize(
+    "api, key_header, overloaded", [("openai", "Authorization", 503), ("anthropic", "x-api-key", 529)]
+)
+def test_the_toy_agents_client_retries_as_the_sdks_do_and_fails_with_the_body(flaky_proxy, api, key_header, overloaded):
+    """An overloaded proxy (the status each API's proxy answers) and a rate limit are retried, up
+    to the SDKs' two retries; a refused call is not, and its error carries the body."""
+    url, script, seen = flaky_proxy
+    client = toy_agent.ApiClient(api, url, "key-1")
+    script += [(overloaded, {"error": "overloaded"}), (429, {"error": "slow down"})]
+    assert client.post({"model": "gyre"}, {"x-gyre-agent-id": "sub-1"}) == REPLIES[seen[0]["path"]]
+    assert len(seen) == 3 and "key-1" in seen[-1][key_header] and seen[-1]["x-gyre-agent-id"] == "sub-1"
+    script += [(500, {"error": "down"})] * 3
+    with pytest.raises(toy_agent.ApiCallError, match="500.*down"):
+        client.post({"model": "gyre"}, {})
+    assert len(seen) == 3 + 3  # the call and its two retries
+    script.append((400, {"error": "prompt is too long"}))
+    with pytest.raises(toy_agent.ApiCallError, match="400.*prompt is too long"):
+        client.post({"model": "gyre"}, {})
+    assert len(seen) == 3 + 3 + 1

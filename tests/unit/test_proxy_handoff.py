@@ -1,6 +1,7 @@
 """The engine pool's hand-off and rebalance over fake engine clients (the edge faked, the pool real):
 when a hand-off returns, every move has ended; a session's next call waits for its move; what
-cannot move is counted as re-prefill, never raised."""
+cannot move, and what a session routed off a dead or overloaded engine recomputes, is counted as
+re-prefill, never raised."""
 
 import asyncio
 
@@ -241,3 +242,65 @@ def test_the_pool_counts_each_engines_output_tokens_and_call_time(fake_engines, 
     a, b = engines["a"], engines["b"]
     assert a["output_tokens"] == 7 and (b["output_tokens"], b["call_s"], b["busy_s"]) == (0, 0.0, 0.0)
     assert a["busy_s"] == before == 3.0 and a["call_s"] == 2 * 2.0 + 1.0  # two calls for 2 s, then one for 1 s
+
+
+async def _rerouted(pool: EnginePool, cached_tokens: int) -> tuple[str, int]:
+    """The idle session x/main's next call: its engine, and the re-prefill counted once its first
+    answer says `cached_tokens` (what its new engine already held of the prompt)."""
+    eid = await pool.acquire("x/main", frozenset())
+    pool.count_cached("x/main", cached_tokens)
+    pool.count_cached("x/main", cached_tokens)  # every chunk reports it: counted once
+    return eid, pool.metrics.kv_reprefill_tokens
+
+
+@pytest.mark.parametrize(
+    "cached_tokens, reprefill",
+    [(0, 192), (32, 160), (500, 0)],
+    ids=["nothing-cached", "shared-prefix-cached", "all-cached"],
+)
+def test_a_session_of_an_engine_marked_dead_counts_its_reprefill(fake_engines, cached_tokens, reprefill):
+    """Its next call goes to another engine without its KV (the dead engine's is gone): what that
+    engine did not hold already (203 tokens, 16-token pages: 192) is recomputed, and counted."""
+
+    async def main():
+        pool = await _pool()
+        await pool.stop_admission("b")
+        await _idle_session(pool, "x/main", 200)
+        await pool.activate("b")
+        pool.mark_dead("a", "health check failed")
+        return await _rerouted(pool, cached_tokens)
+
+    assert asyncio.run(main()) == ("b", reprefill)
+
+
+def test_a_session_moved_for_imbalance_counts_its_reprefill_and_a_staying_one_none(fake_engines):
+    """A session whose engine carries more than max_imbalance calls beyond the least loaded one
+    moves there without its KV: counted; one within the bound stays on its engine: nothing counted."""
+
+    async def main():
+        pool = await _pool(max_imbalance=1)
+        await pool.stop_admission("b")
+        await _idle_session(pool, "x/main", 200)
+        await pool.activate("b")
+        pool.begin("c0", "a", "y/main")
+        stays = await _rerouted(pool, 0)
+        pool.begin("c1", "a", "z/main")
+        return stays, await _rerouted(pool, 0)
+
+    assert asyncio.run(main()) == (("a", 0), ("b", 192))
+
+
+def test_a_call_rerouted_mid_way_is_not_counted_twice(fake_engines):
+    """A call that leaves its engine mid-way (the engine excluded) moves its own KV (move_kv counts
+    what does not arrive): its session's reroute adds nothing on top."""
+
+    async def main():
+        pool = await _pool()
+        await pool.stop_admission("b")
+        await _idle_session(pool, "x/main", 200)
+        await pool.activate("b")
+        eid = await pool.acquire("x/main", frozenset(["a"]))
+        pool.count_cached("x/main", 0)
+        return eid, pool.metrics.kv_reprefill_tokens
+
+    assert asyncio.run(main()) == ("b", 0)

@@ -9,7 +9,7 @@ from gyre.errors import ConfigError
 from gyre.trajectory.config import TrajectoryConfig
 from gyre.trajectory.pack import make_micro_batches, pack
 from gyre.trajectory.process import process_group
-from gyre.trajectory.rewards import Evaluation, group_advantages, reward_of, unscored_reason
+from gyre.trajectory.rewards import Evaluation, group_advantages, reward_of, settle_budget, unscored_reason
 from gyre.trajectory.tree import TrajectoryError
 
 
@@ -28,7 +28,7 @@ def small(execution_id, n_turns=3, seed=0):
     [
         (Evaluation("finished", 0.75), (0.75, None)),
         (Evaluation("timed_out", 0.4), (0.4, None)),
-        (Evaluation("timed_out", 0.0), (0.0, None)),
+        (Evaluation("timed_out", 0.0), (None, "budget_exhausted")),
         (Evaluation("evaluator_error", None, "pytest crashed"), (None, "evaluator_error")),
         (Evaluation("evaluator_error", 0.0), (None, "evaluator_error")),
         (Evaluation("budget_exhausted"), (None, "budget_exhausted")),
@@ -49,11 +49,40 @@ def test_reward_rules(evaluation, expect):
 
 
 @pytest.mark.parametrize(
-    "exit_code,calls,expect",
-    [(3, False, "harness_failed"), (-9, False, "harness_failed"), (0, False, "no_model_calls"), (3, True, None)],
+    "evaluation,expect",
+    [
+        (Evaluation("timed_out", 0.4, "0.4"), ("timed_out", 0.4)),
+        (Evaluation("timed_out", 0.0, "no answer.txt"), ("budget_exhausted", None)),
+        (Evaluation("timed_out", -1.0), ("budget_exhausted", None)),
+        (Evaluation("timed_out", None, "verifier wrote no reward"), ("budget_exhausted", None)),
+        (Evaluation("finished", 0.0), ("finished", 0.0)),
+        (Evaluation("evaluator_error", None), ("evaluator_error", None)),
+    ],
+    ids=["partial-credit", "zero", "negative", "no-score", "finished-zero", "evaluator-error"],
 )
-def test_a_harness_without_model_calls_is_unscored(exit_code, calls, expect):
-    assert unscored_reason(exit_code, calls) == expect
+def test_a_timed_out_run_keeps_only_partial_credit(evaluation, expect):
+    """The seed: a run stopped at its budget is trained with the credit its workspace earns; one
+    with none has no valid reward and is discarded (a finished run's 0 is a real 0)."""
+    settled = settle_budget(evaluation)
+    assert (settled.outcome, settled.score) == expect
+    if expect[0] != evaluation.outcome:
+        assert evaluation.detail in settled.detail and "time budget" in settled.detail
+
+
+@pytest.mark.parametrize(
+    "exit_code,calls,timed_out,expect",
+    [
+        (3, False, False, "harness_failed"),
+        (-9, False, False, "harness_failed"),
+        (0, False, False, "no_model_calls"),
+        (-15, False, True, "budget_exhausted"),
+        (3, True, False, None),
+        (-15, True, True, None),
+    ],
+    ids=["crashed", "killed", "no-calls", "timed-out-before-a-call", "called", "timed-out-after-calls"],
+)
+def test_a_harness_without_model_calls_is_unscored(exit_code, calls, timed_out, expect):
+    assert unscored_reason(exit_code, calls, timed_out) == expect
 
 
 def test_evaluation_rejects_unknown_outcome_and_bad_score():
