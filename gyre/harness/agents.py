@@ -234,9 +234,41 @@ def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:
     }
 
 
-def make_mini_swe_command(binary: str, task: str, *, proxy_url: str, model: str, output: str) -> list[str]:
+MINI_SWE_SESSION_FILE = "mini-session.jsonl"
+"""mini-swe-agent's session in its HOME (which survives the job): one line per step, the messages
+that step added, appended by gyre/harness/mini_swe_session.py; a continued execution reloads it."""
+MINI_SWE_AGENT_CLASS = "gyre.harness.mini_swe_session.MiniSessionAgent"
+
+
+def read_mini_swe_session(path: Path) -> list[dict]:
+    """The messages of a mini-swe-agent session file, in order; a step whose line the kill cut
+    short is trimmed from the file first (the agent appends after what it read)."""
+    trim_torn_line(path)
+    return [message for line in path.read_text().splitlines() if line for message in json.loads(line)]
+
+
+def append_mini_swe_step(path: Path, messages: list[dict]) -> None:
+    """Append one step's messages as one line: a kill mid-write tears that line only."""
+    with open(path, "a") as f:
+        f.write(json.dumps(messages) + "\n")
+
+
+def make_mini_swe_command(
+    binary: str,
+    task: str,
+    *,
+    proxy_url: str,
+    model: str,
+    output: str,
+    session_file: str | None = None,
+    resume: bool = False,
+) -> list[str]:
     """`mini` in yolo mode, exiting when the agent submits; litellm's OpenAI route to the proxy. The
-    execution's key goes by the environment (OPENAI_API_KEY), never argv, which `ps` shows to all."""
+    execution's key goes by the environment (OPENAI_API_KEY), never argv, which `ps` shows to all.
+    With `session_file`, Gyre's agent class keeps its session there; `resume` continues it."""
+    session = (
+        ["--agent-class", MINI_SWE_AGENT_CLASS, "-c", f"agent.session_file={session_file}"] if session_file else []
+    )
     return [
         binary,
         "-y",
@@ -253,6 +285,8 @@ def make_mini_swe_command(binary: str, task: str, *, proxy_url: str, model: str,
         f"model.model_kwargs.api_base={proxy_url}/v1",
         "-c",
         "agent.cost_limit=0",
+        *session,
+        *(["-c", "agent.resume=true"] if session_file and resume else []),
     ]
 
 

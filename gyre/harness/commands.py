@@ -57,8 +57,9 @@ def make_template_command(template: str, values: dict[str, str]) -> list[str]:
 @dataclass(frozen=True)
 class HarnessSession:
     """The harness session an execution runs in: Claude Code's session id, Codex's thread (known
-    once it started), and whether this start continues it after a restart (then the harness gets
-    a short continue prompt instead of the instruction; the toy agent finds its own session file)."""
+    once it started), and whether this start continues it after a restart (then Claude Code and
+    Codex get a short continue prompt instead of the instruction; mini-swe-agent reloads its
+    session file and goes on; the toy agent finds its own session file)."""
 
     id: str | None
     resume: bool = False
@@ -122,7 +123,13 @@ def make_harness_command(
     if binary is None:
         raise HarnessNotFound("mini-swe-agent is not installed (pip install -e '.[harness]')")
     argv = agents.make_mini_swe_command(
-        binary, instruction, proxy_url=proxy_url, model=model, output=str(home / "trajectory.json")
+        binary,
+        instruction,
+        proxy_url=proxy_url,
+        model=model,
+        output=str(home / "trajectory.json"),
+        session_file=str(home / agents.MINI_SWE_SESSION_FILE),
+        resume=session.resume,
     )
     return argv, agents.make_mini_swe_env(env, str(home))
 

@@ -47,7 +47,13 @@ from pathlib import Path
 
 from gyre.cells.quota import CGROUP_ROOT, CpuQuota, make_quota
 from gyre.errors import GyreError
-from gyre.harness.agents import claude_code_session_file, claude_code_session_id, codex_thread_id, trim_torn_line
+from gyre.harness.agents import (
+    MINI_SWE_SESSION_FILE,
+    claude_code_session_file,
+    claude_code_session_id,
+    codex_thread_id,
+    trim_torn_line,
+)
 from gyre.harness.commands import HarnessSession, make_harness_command
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount
@@ -194,9 +200,9 @@ def start_host_relay(log_path: Path, host: str, port: int) -> tuple[subprocess.P
 def continuable(task: Task, cfg: HarnessConfig, sandbox_dir: Path) -> str | None:
     """Why an interrupted execution cannot continue its harness session (None: it can): the toy
     agent's session file in its home, Claude Code's session transcript (its id the execution's),
-    Codex's thread (from its log's `thread.started`); mini-swe-agent's and a command's sessions are
-    not continued yet, and a Harbor task's environment (its services, its container) does not
-    outlive the job."""
+    Codex's thread (from its log's `thread.started`), mini-swe-agent's session file (Gyre's agent
+    class writes it); Qwen Code's and a command's sessions are not continued yet, and a Harbor
+    task's environment (its services, its container) does not outlive the job."""
     workspace, home = sandbox_dir / "workspace", sandbox_dir / "home"
     if task.environment is not None:
         return "a Harbor task's environment does not outlive the job"
@@ -209,6 +215,8 @@ def continuable(task: Task, cfg: HarnessConfig, sandbox_dir: Path) -> str | None
         return None if saved is not None else "no saved Claude Code session in its home"
     elif cfg.kind == "codex":
         return None if _codex_thread(sandbox_dir) else "no thread.started event in its harness log"
+    elif cfg.kind == "mini_swe_agent":
+        saved = home / MINI_SWE_SESSION_FILE
     else:
         return f"harness.kind={cfg.kind} does not continue its sessions yet"
     return None if saved.is_file() else f"no saved session at {saved}"

@@ -1,10 +1,13 @@
 """Harness command lines and environments (pure): every model call must reach the proxy."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
+import gyre
 from gyre.harness.agents import (
+    MINI_SWE_AGENT_CLASS,
     claude_code_session_id,
     make_claude_code_command,
     make_claude_code_env,
@@ -36,6 +39,20 @@ def test_mini_swe_command_uses_the_proxy_openai_endpoint():
     cmd = make_mini_swe_command("mini", "task", proxy_url="http://127.0.0.1:9", model="gyre", output="/o.json")
     assert cmd[cmd.index("-m") + 1] == "openai/gyre" and cmd[cmd.index("-o") + 1] == "/o.json"
     assert "model.model_kwargs.api_base=http://127.0.0.1:9/v1" in cmd and not any("api_key" in w for w in cmd)
+    assert "--agent-class" not in cmd
+
+
+def test_mini_swe_command_keeps_its_session_with_gyres_agent_class():
+    start = make_mini_swe_command(
+        "mini", "t", proxy_url="http://p", model="gyre", output="/o", session_file="/h/s.jsonl"
+    )
+    assert start[start.index("--agent-class") + 1] == MINI_SWE_AGENT_CLASS and "agent.session_file=/h/s.jsonl" in start
+    again = make_mini_swe_command(
+        "mini", "t", proxy_url="http://p", model="gyre", output="/o", session_file="/h/s.jsonl", resume=True
+    )
+    assert "agent.resume=true" not in start and again[-2:] == ["-c", "agent.resume=true"]
+    module, name = MINI_SWE_AGENT_CLASS.rsplit(".", 1)
+    assert name in (Path(gyre.__file__).parent / "harness" / f"{module.rsplit('.', 1)[1]}.py").read_text()
 
 
 def test_codex_harness_runs_exec_against_the_proxy_as_its_provider(tmp_path, monkeypatch):
@@ -60,7 +77,13 @@ def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from gyre.harness.agents import claude_code_session_file, claude_code_session_id, codex_thread_id, trim_torn_line
+    from gyre.harness.agents import (
+        MINI_SWE_SESSION_FILE,
+        claude_code_session_file,
+        claude_code_session_id,
+        codex_thread_id,
+        trim_torn_line,
+    )
     from gyre.harness.config import HarnessConfig
     from gyre.harness.sandbox import continuable
     from gyre.harness.toy_agent import SESSION_FILE
@@ -73,7 +96,11 @@ def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_
     (tmp_path / "home" / SESSION_FILE).write_text("{}")
     assert continuable(task, toy, tmp_path) is None
     assert "outlive the job" in continuable(SimpleNamespace(environment=object()), toy, tmp_path)
-    assert "does not continue" in continuable(task, replace(toy, kind="mini_swe_agent"), tmp_path)
+    assert "does not continue" in continuable(task, replace(toy, kind="command", command="true"), tmp_path)
+    mini = replace(toy, kind="mini_swe_agent")
+    assert "no saved session" in continuable(task, mini, tmp_path)
+    (tmp_path / "home" / MINI_SWE_SESSION_FILE).write_text("")  # Gyre's agent class appends to it
+    assert continuable(task, mini, tmp_path) is None
     claude = replace(toy, kind="claude_code")
     assert "no saved Claude Code session" in continuable(task, claude, tmp_path)
     sid = claude_code_session_id(tmp_path.name)  # the sandbox folder is named after the execution
