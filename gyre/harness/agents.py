@@ -69,15 +69,20 @@ CONTINUE_PROMPT = "Continue the task where you left off."
 """The user turn a harness continuing its session after a restart gets (input, never trained)."""
 
 
-def claude_code_session_id(execution_id: str) -> str:
-    """The Claude Code session an execution runs in (`--session-id`), the same after a restart (`--resume`)."""
+def harness_session_id(execution_id: str) -> str:
+    """The Claude Code or Qwen Code session an execution runs in (`--session-id`), the same after a
+    restart (`--resume`)."""
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"gyre-execution:{execution_id}"))
 
 
-def claude_code_session_file(home: Path, session_id: str) -> Path | None:
-    """Where Claude Code kept a session's transcript: $HOME/.claude/projects/<its cwd, sanitised>/<id>.jsonl
-    (found by the id, unique: the folder's name follows Claude Code's own sanitising of the cwd)."""
-    return next(iter(sorted((home / ".claude" / "projects").glob(f"*/{session_id}.jsonl"))), None)
+SESSION_TRANSCRIPTS = {"claude_code": ".claude/projects/*/{id}.jsonl", "qwen_code": ".qwen/projects/*/chats/{id}.jsonl"}
+"""Where in $HOME Claude Code and Qwen Code keep a session's transcript (`*`: their cwd, sanitised)."""
+
+
+def session_transcript(kind: str, home: Path, session_id: str) -> Path | None:
+    """The transcript of session `session_id` of harness `kind` (a SESSION_TRANSCRIPTS key), found
+    by the id (unique: the folder's name follows the harness's own sanitising of the cwd)."""
+    return next(iter(sorted(home.glob(SESSION_TRANSCRIPTS[kind].format(id=session_id)))), None)
 
 
 def codex_thread_id(events: str) -> str | None:
@@ -216,11 +221,15 @@ def make_qwen_code_env(base: dict[str, str], proxy_url: str, api_key: str, home:
     }
 
 
-def make_qwen_code_command(binary: str, prompt: str, *, model: str) -> list[str]:
+def make_qwen_code_command(
+    binary: str, prompt: str, *, model: str, session_id: str | None = None, resume: bool = False
+) -> list[str]:
     """`qwen --yolo` (every tool approved: the sandbox is Gyre's), one-shot with JSON output, the
-    OpenAI route with `model`; `--prompt=`, so a prompt starting with a dash stays a prompt (after
-    `--` Qwen Code 0.24 reads no prompt at all)."""
-    return [binary, "--yolo", "--auth-type", "openai", "-m", model, "-o", "json", f"--prompt={prompt}"]
+    OpenAI route with `model`, in session `session_id` (`--session-id`; `resume`: `--resume ID`);
+    `--prompt=`, so a prompt starting with a dash stays a prompt (after `--` Qwen Code 0.24 reads
+    no prompt at all)."""
+    session = [] if session_id is None else ["--resume" if resume else "--session-id", session_id]
+    return [binary, "--yolo", "--auth-type", "openai", "-m", model, "-o", "json", *session, f"--prompt={prompt}"]
 
 
 def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:

@@ -8,7 +8,7 @@ import pytest
 import gyre
 from gyre.harness.agents import (
     MINI_SWE_AGENT_CLASS,
-    claude_code_session_id,
+    harness_session_id,
     make_claude_code_command,
     make_claude_code_env,
     make_codex_command,
@@ -79,9 +79,9 @@ def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_
 
     from gyre.harness.agents import (
         MINI_SWE_SESSION_FILE,
-        claude_code_session_file,
-        claude_code_session_id,
         codex_thread_id,
+        harness_session_id,
+        session_transcript,
         trim_torn_line,
     )
     from gyre.harness.config import HarnessConfig
@@ -102,15 +102,21 @@ def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_
     (tmp_path / "home" / MINI_SWE_SESSION_FILE).write_text("")  # Gyre's agent class appends to it
     assert continuable(task, mini, tmp_path) is None
     claude = replace(toy, kind="claude_code")
-    assert "no saved Claude Code session" in continuable(task, claude, tmp_path)
-    sid = claude_code_session_id(tmp_path.name)  # the sandbox folder is named after the execution
+    assert "no saved claude_code session" in continuable(task, claude, tmp_path)
+    sid = harness_session_id(tmp_path.name)  # the sandbox folder is named after the execution
     transcript = tmp_path / "home" / ".claude" / "projects" / "-some-cwd" / f"{sid}.jsonl"
     transcript.parent.mkdir(parents=True)
     transcript.write_bytes(b'{"type": "user"}\n{"type": "assis')  # killed mid-write
     assert continuable(task, claude, tmp_path) is None
-    assert claude_code_session_file(tmp_path / "home", sid) == transcript
+    assert session_transcript("claude_code", tmp_path / "home", sid) == transcript
     trim_torn_line(transcript)
     assert transcript.read_bytes() == b'{"type": "user"}\n'
+    qwen = replace(toy, kind="qwen_code")
+    assert "no saved qwen_code session" in continuable(task, qwen, tmp_path)  # Claude Code's is not Qwen Code's
+    chats = tmp_path / "home" / ".qwen" / "projects" / "-some-cwd" / "chats"
+    chats.mkdir(parents=True)
+    (chats / f"{sid}.jsonl").write_text('{"type": "user"}\n')
+    assert continuable(task, qwen, tmp_path) is None
     codex = replace(toy, kind="codex")
     assert "thread.started" in continuable(task, codex, tmp_path)
     (tmp_path / "harness.log").write_text('warming up\n{"type":"thread.started","thread_id":"t-42"}\n')
@@ -119,11 +125,33 @@ def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_
     )
 
 
+def test_qwen_code_starts_and_continues_the_executions_session(tmp_path, monkeypatch):
+    from gyre.harness.agents import CONTINUE_PROMPT
+    from gyre.harness.commands import HarnessSession, make_harness_command
+    from gyre.harness.config import HarnessConfig
+
+    binary = tmp_path / "qwen"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("GYRE_QWEN_CODE", str(binary))
+    cfg, home = HarnessConfig(kind="qwen_code"), tmp_path / "home"
+    start, env = make_harness_command(
+        cfg, "fix it", tmp_path, "http://127.0.0.1:9", "k1", "gyre", home, HarnessSession("s-1")
+    )
+    again, _ = make_harness_command(
+        cfg, "fix it", tmp_path, "http://127.0.0.1:9", "k1", "gyre", home, HarnessSession("s-1", resume=True)
+    )
+    assert start[start.index("--session-id") + 1] == "s-1" and start[-1] == "--prompt=fix it"
+    assert again[again.index("--resume") + 1] == "s-1" and again[-1] == f"--prompt={CONTINUE_PROMPT}"
+    assert "--resume" not in start and "--session-id" not in again
+    assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:9/v1" and env["HOME"] == str(home)
+
+
 def test_claude_code_and_codex_continue_their_own_session_by_id():
     start = make_claude_code_command("claude", "task", model="tiny", tools=["Bash"], session_id="s-1")
     again = make_claude_code_command("claude", "go on", model="tiny", tools=["Bash"], session_id="s-1", resume=True)
     assert start[start.index("--session-id") + 1] == "s-1" and again[again.index("--resume") + 1] == "s-1"
-    assert "--continue" not in again and claude_code_session_id("g00001-3") == claude_code_session_id("g00001-3")
+    assert "--continue" not in again and harness_session_id("g00001-3") == harness_session_id("g00001-3")
     cx = make_codex_command("codex", "go on", proxy_url="http://p", model="gyre", resume=True, thread_id="t-42")
     assert cx[1:4] == ["exec", "resume", "t-42"] and cx[-1] == "go on" and "--last" not in cx
 
