@@ -70,15 +70,20 @@ CONTINUE_PROMPT = "Continue the task where you left off."
 """The user turn a harness continuing its session after a restart gets (input, never trained)."""
 
 
-def claude_code_session_id(execution_id: str) -> str:
-    """The Claude Code session an execution runs in (`--session-id`), the same after a restart (`--resume`)."""
+def harness_session_id(execution_id: str) -> str:
+    """The Claude Code or Qwen Code session an execution runs in (`--session-id`), the same after a
+    restart (`--resume`)."""
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"gyre-execution:{execution_id}"))
 
 
-def claude_code_session_file(home: Path, session_id: str) -> Path | None:
-    """Where Claude Code kept a session's transcript: $HOME/.claude/projects/<its cwd, sanitised>/<id>.jsonl
-    (found by the id, unique: the folder's name follows Claude Code's own sanitising of the cwd)."""
-    return next(iter(sorted((home / ".claude" / "projects").glob(f"*/{session_id}.jsonl"))), None)
+SESSION_TRANSCRIPTS = {"claude_code": ".claude/projects/*/{id}.jsonl", "qwen_code": ".qwen/projects/*/chats/{id}.jsonl"}
+"""Where in $HOME Claude Code and Qwen Code keep a session's transcript (`*`: their cwd, sanitised)."""
+
+
+def session_transcript(kind: str, home: Path, session_id: str) -> Path | None:
+    """The transcript of session `session_id` of harness `kind` (a SESSION_TRANSCRIPTS key), found
+    by the id (unique: the folder's name follows the harness's own sanitising of the cwd)."""
+    return next(iter(sorted(home.glob(SESSION_TRANSCRIPTS[kind].format(id=session_id)))), None)
 
 
 def codex_thread_id(events: str) -> str | None:
@@ -217,11 +222,15 @@ def make_qwen_code_env(base: dict[str, str], proxy_url: str, api_key: str, home:
     }
 
 
-def make_qwen_code_command(binary: str, prompt: str, *, model: str) -> list[str]:
+def make_qwen_code_command(
+    binary: str, prompt: str, *, model: str, session_id: str | None = None, resume: bool = False
+) -> list[str]:
     """`qwen --yolo` (every tool approved: the sandbox is Gyre's), one-shot with JSON output, the
-    OpenAI route with `model`; `--prompt=`, so a prompt starting with a dash stays a prompt (after
-    `--` Qwen Code 0.24 reads no prompt at all)."""
-    return [binary, "--yolo", "--auth-type", "openai", "-m", model, "-o", "json", f"--prompt={prompt}"]
+    OpenAI route with `model`, in session `session_id` (`--session-id`; `resume`: `--resume ID`);
+    `--prompt=`, so a prompt starting with a dash stays a prompt (after `--` Qwen Code 0.24 reads
+    no prompt at all)."""
+    session = [] if session_id is None else ["--resume" if resume else "--session-id", session_id]
+    return [binary, "--yolo", "--auth-type", "openai", "-m", model, "-o", "json", *session, f"--prompt={prompt}"]
 
 
 def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:
@@ -235,9 +244,41 @@ def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:
     }
 
 
-def make_mini_swe_command(binary: str, task: str, *, proxy_url: str, model: str, output: str) -> list[str]:
+MINI_SWE_SESSION_FILE = "mini-session.jsonl"
+"""mini-swe-agent's session in its HOME (which survives the job): one line per step, the messages
+that step added, appended by gyre/harness/mini_swe_session.py; a continued execution reloads it."""
+MINI_SWE_AGENT_CLASS = "gyre.harness.mini_swe_session.MiniSessionAgent"
+
+
+def read_mini_swe_session(path: Path) -> list[dict]:
+    """The messages of a mini-swe-agent session file, in order; a step whose line the kill cut
+    short is trimmed from the file first (the agent appends after what it read)."""
+    trim_torn_line(path)
+    return [message for line in path.read_text().splitlines() if line for message in json.loads(line)]
+
+
+def append_mini_swe_step(path: Path, messages: list[dict]) -> None:
+    """Append one step's messages as one line: a kill mid-write tears that line only."""
+    with open(path, "a") as f:
+        f.write(json.dumps(messages) + "\n")
+
+
+def make_mini_swe_command(
+    binary: str,
+    task: str,
+    *,
+    proxy_url: str,
+    model: str,
+    output: str,
+    session_file: str | None = None,
+    resume: bool = False,
+) -> list[str]:
     """`mini` in yolo mode, exiting when the agent submits; litellm's OpenAI route to the proxy. The
-    execution's key goes by the environment (OPENAI_API_KEY), never argv, which `ps` shows to all."""
+    execution's key goes by the environment (OPENAI_API_KEY), never argv, which `ps` shows to all.
+    With `session_file`, Gyre's agent class keeps its session there; `resume` continues it."""
+    session = (
+        ["--agent-class", MINI_SWE_AGENT_CLASS, "-c", f"agent.session_file={session_file}"] if session_file else []
+    )
     return [
         binary,
         "-y",
@@ -254,6 +295,8 @@ def make_mini_swe_command(binary: str, task: str, *, proxy_url: str, model: str,
         f"model.model_kwargs.api_base={proxy_url}/v1",
         "-c",
         "agent.cost_limit=0",
+        *session,
+        *(["-c", "agent.resume=true"] if session_file and resume else []),
     ]
 
 

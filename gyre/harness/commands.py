@@ -56,22 +56,30 @@ def make_template_command(template: str, values: dict[str, str]) -> list[str]:
 
 @dataclass(frozen=True)
 class HarnessSession:
-    """The harness session an execution runs in: Claude Code's session id, Codex's thread (known
-    once it started), and whether this start continues it after a restart (then the harness gets
-    a short continue prompt instead of the instruction; the toy agent finds its own session file)."""
+    """The harness session an execution runs in: Claude Code's or Qwen Code's session id, Codex's
+    thread (known once it started), and whether this start continues it after a restart (then
+    Claude Code, Qwen Code and Codex get a short continue prompt instead of the instruction; mini-swe-agent reloads its
+    session file and goes on; the toy agent finds its own session file)."""
 
     id: str | None
     resume: bool = False
 
 
 def _qwen_code_command(
-    instruction: str, proxy_url: str, api_key: str, model: str, home: Path, env: dict[str, str]
+    instruction: str,
+    proxy_url: str,
+    api_key: str,
+    model: str,
+    home: Path,
+    env: dict[str, str],
+    session: HarnessSession,
 ) -> tuple[list[str], dict[str, str]]:
-    """Qwen Code's (argv, env): one-shot, the proxy as its OpenAI endpoint (not continued yet)."""
+    """Qwen Code's (argv, env): one-shot, the proxy as its OpenAI endpoint, in the execution's session."""
     binary = agents.find_qwen_code()
     if binary is None:
         raise HarnessNotFound("Qwen Code is not installed (tools/setup.sh, or set GYRE_QWEN_CODE)")
-    argv = agents.make_qwen_code_command(binary, instruction, model=model)
+    prompt = agents.CONTINUE_PROMPT if session.resume else instruction
+    argv = agents.make_qwen_code_command(binary, prompt, model=model, session_id=session.id, resume=session.resume)
     return argv, agents.make_qwen_code_env(env, proxy_url, api_key, str(home), model)
 
 
@@ -105,7 +113,7 @@ def make_harness_command(
     if cfg.kind == "toy":
         return make_toy_command(cfg, instruction, model), env
     if cfg.kind == "qwen_code":
-        return _qwen_code_command(instruction, proxy_url, api_key, model, home, env)
+        return _qwen_code_command(instruction, proxy_url, api_key, model, home, env, session)
     if cfg.kind == "command":
         values = {
             "instruction": instruction,
@@ -122,7 +130,13 @@ def make_harness_command(
     if binary is None:
         raise HarnessNotFound("mini-swe-agent is not installed (pip install -e '.[harness]')")
     argv = agents.make_mini_swe_command(
-        binary, instruction, proxy_url=proxy_url, model=model, output=str(home / "trajectory.json")
+        binary,
+        instruction,
+        proxy_url=proxy_url,
+        model=model,
+        output=str(home / "trajectory.json"),
+        session_file=str(home / agents.MINI_SWE_SESSION_FILE),
+        resume=session.resume,
     )
     return argv, agents.make_mini_swe_env(env, str(home))
 

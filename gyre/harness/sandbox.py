@@ -47,7 +47,14 @@ from pathlib import Path
 
 from gyre.cells.quota import CGROUP_ROOT, CpuQuota, make_quota
 from gyre.errors import GyreError
-from gyre.harness.agents import claude_code_session_file, claude_code_session_id, codex_thread_id, trim_torn_line
+from gyre.harness.agents import (
+    MINI_SWE_SESSION_FILE,
+    SESSION_TRANSCRIPTS,
+    codex_thread_id,
+    harness_session_id,
+    session_transcript,
+    trim_torn_line,
+)
 from gyre.harness.commands import HarnessSession, make_harness_command
 from gyre.harness.config import HarnessConfig
 from gyre.harness.contract import Mount
@@ -194,9 +201,10 @@ def start_host_relay(log_path: Path, host: str, port: int) -> tuple[subprocess.P
 def continuable(task: Task, cfg: HarnessConfig, sandbox_dir: Path) -> str | None:
     """Why an interrupted execution cannot continue its harness session (None: it can): the toy
     agent's session file in its home, Claude Code's session transcript (its id the execution's),
-    Codex's thread (from its log's `thread.started`); mini-swe-agent's and a command's sessions are
-    not continued yet, and a Harbor task's environment (its services, its container) does not
-    outlive the job."""
+    Codex's thread (from its log's `thread.started`), mini-swe-agent's session file (Gyre's agent
+    class writes it), Qwen Code's session transcript (as Claude Code's); a command's sessions are
+    not continued, and a Harbor task's environment (its services, its container) does not outlive
+    the job."""
     workspace, home = sandbox_dir / "workspace", sandbox_dir / "home"
     if task.environment is not None:
         return "a Harbor task's environment does not outlive the job"
@@ -204,11 +212,13 @@ def continuable(task: Task, cfg: HarnessConfig, sandbox_dir: Path) -> str | None
         return f"no workspace under {sandbox_dir}"
     if cfg.kind == "toy":
         saved = home / SESSION_FILE
-    elif cfg.kind == "claude_code":
-        saved = claude_code_session_file(home, claude_code_session_id(sandbox_dir.name))
-        return None if saved is not None else "no saved Claude Code session in its home"
+    elif cfg.kind in ("claude_code", "qwen_code"):
+        saved = session_transcript(cfg.kind, home, harness_session_id(sandbox_dir.name))
+        return None if saved is not None else f"no saved {cfg.kind} session in its home"
     elif cfg.kind == "codex":
         return None if _codex_thread(sandbox_dir) else "no thread.started event in its harness log"
+    elif cfg.kind == "mini_swe_agent":
+        saved = home / MINI_SWE_SESSION_FILE
     else:
         return f"harness.kind={cfg.kind} does not continue its sessions yet"
     return None if saved.is_file() else f"no saved session at {saved}"
@@ -250,7 +260,7 @@ class Sandbox:
         self._started = self._term_at = 0.0
         self._used_s = 0.0
         """The time budget a continued execution used before the restart that interrupted it."""
-        sid = claude_code_session_id(execution_id) if harness.kind == "claude_code" else None
+        sid = harness_session_id(execution_id) if harness.kind in SESSION_TRANSCRIPTS else None
         self._session = HarnessSession(sid)
         self._result: SandboxResult | None = None
 
@@ -263,8 +273,8 @@ class Sandbox:
         """
         if (why := continuable(self.task, self.cfg, self.dir)) is not None:
             raise SandboxError(f"execution {self.execution_id} cannot continue: {why}")
-        if self.cfg.kind == "claude_code":
-            trim_torn_line(claude_code_session_file(self.home, self._session.id))
+        if self.cfg.kind in SESSION_TRANSCRIPTS:
+            trim_torn_line(session_transcript(self.cfg.kind, self.home, self._session.id))
         sid = _codex_thread(self.dir) if self.cfg.kind == "codex" else self._session.id
         self._used_s, self._session = used_s, HarnessSession(sid, resume=True)
         return self.workspace

@@ -1,15 +1,27 @@
-"""SLOW (~20 s): real mini-swe-agent (PyPI) through the proxy's OpenAI API and a builtin engine
-running a scripted policy edits a file with its bash tool and submits. (Harnesses under drains:
-test_harness_drains.py.)"""
+"""SLOW (~20 s each): real mini-swe-agent (PyPI) through the proxy's OpenAI API and a builtin engine
+running a scripted policy edits a file with its bash tool and submits; killed mid-step in its
+sandbox, it continues its session. (Harnesses under drains: test_harness_drains.py.)"""
 
+import dataclasses
 import json
 import os
 
 import pytest
 from proxy_fixtures import new_execution, start_engine, start_proxy
 
-from gyre.harness.agents import find_mini_swe_agent, make_mini_swe_command, make_mini_swe_env, run_harness
+from gyre.common.wait import wait_until
+from gyre.harness.agents import (
+    MINI_SWE_SESSION_FILE,
+    find_mini_swe_agent,
+    make_mini_swe_command,
+    make_mini_swe_env,
+    read_mini_swe_session,
+    run_harness,
+)
+from gyre.harness.config import HarnessConfig
+from gyre.harness.sandbox import Sandbox
 from gyre.records.io import read_records
+from gyre.tasks.taskset import toy_taskset
 from gyre.trajectory.tree import build_call_tree
 
 pytestmark = pytest.mark.slow
@@ -61,3 +73,58 @@ def test_mini_swe_agent_completes_a_task(tmp_path):
     tree = build_call_tree(records)
     assert len(records) == 2 and tree.nodes[1].parent == 0 and tree.nodes[1].shared >= tree.nodes[0].end
     assert records[1].hints["reused_turns"] == 1 and records[0].hints["api"] == "openai"
+
+
+RESUME_RULES = [  # the second step's command blocks until the test has killed the harness and flagged its return
+    {"match": "ANSWER-WRITTEN", "emit": "Submitting. " + bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")},
+    {
+        "match": "STEP-ONE-DONE",
+        "emit": "Now the answer. "
+        + bash("test -e resumed.flag || { touch started.flag; sleep 30; }; echo ANSWER-WRITTEN | tee answer.txt"),
+    },
+    {"match": "MINI-RESUME", "emit": "First a marker. " + bash("echo STEP-ONE-DONE")},
+]
+
+
+def test_mini_swe_agent_killed_mid_step_continues_its_session(tmp_path):
+    """The sandbox's mini (Gyre's agent class) is SIGKILLed while its second step's command runs;
+    continued (Sandbox.resume) with a torn last line in its session file, it re-sends the history
+    of its interrupted call, re-issues that step and submits, in one execution."""
+    if find_mini_swe_agent() is None:
+        pytest.skip("mini-swe-agent not installed: run tools/setup.sh")
+    engine = start_engine(tmp_path, RESUME_RULES)
+    proxy = start_proxy(tmp_path, [engine.url])
+    task = dataclasses.replace(toy_taskset().get("word-apple"), instruction="MINI-RESUME: write the answer.")
+    task = dataclasses.replace(task, time_budget_s=300)
+    cfg = HarnessConfig(kind="mini_swe_agent")
+    try:
+        key = new_execution(proxy, "mini-c")
+        first = Sandbox(task, "mini-c", tmp_path / "sandboxes", cfg, proxy.url, key, "gyre")
+        first.prepare()
+        first.start()
+        wait_until(lambda: (first.workspace / "started.flag").exists() or first.poll() is not None, 240)
+        assert (first.workspace / "started.flag").exists(), first.log_path.read_text()[-3000:]
+        first.kill()
+        session = first.home / MINI_SWE_SESSION_FILE
+        before = read_mini_swe_session(session)
+        assert [m["role"] for m in before] == ["system", "user", "assistant", "tool"]  # the first whole step
+        with open(session, "a") as f:
+            f.write('[{"role": "assistant", "content": "Now the')  # a write the kill cut short
+        (first.workspace / "resumed.flag").touch()
+        again = Sandbox(task, "mini-c", tmp_path / "sandboxes", cfg, proxy.url, key, "gyre")
+        again.resume(used_s=first.poll().duration_s)
+        again.start()
+        result = again.wait()
+        assert result.exit_code == 0, result.log_path.read_text()[-3000:]
+    finally:
+        proxy.stop()
+        engine.stop()
+    assert (result.workspace / "answer.txt").read_text() == "ANSWER-WRITTEN\n"
+    traj = json.loads((again.home / "trajectory.json").read_text())
+    assert traj["info"]["exit_status"] == "Submitted" and traj["messages"] == read_mini_swe_session(session)
+    records = sorted(read_records(tmp_path / "records" / "mini-c.jsonl")[0], key=lambda r: r.seq)
+    # step one, step two (killed in its command), step two again after the restart, the submit
+    assert len(records) == 4 and records[2].input_ids.tolist() == records[1].input_ids.tolist()
+    tree = build_call_tree(records)
+    assert tree.nodes[3].parent == 2 and tree.nodes[3].shared >= tree.nodes[2].end
+    assert tree.nodes[1].parent == tree.nodes[2].parent == 0  # both continue step one's call

@@ -1,11 +1,14 @@
 """Harness command lines and environments (pure): every model call must reach the proxy."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
+import gyre
 from gyre.harness.agents import (
-    claude_code_session_id,
+    MINI_SWE_AGENT_CLASS,
+    harness_session_id,
     make_claude_code_command,
     make_claude_code_env,
     make_codex_command,
@@ -36,6 +39,20 @@ def test_mini_swe_command_uses_the_proxy_openai_endpoint():
     cmd = make_mini_swe_command("mini", "task", proxy_url="http://127.0.0.1:9", model="gyre", output="/o.json")
     assert cmd[cmd.index("-m") + 1] == "openai/gyre" and cmd[cmd.index("-o") + 1] == "/o.json"
     assert "model.model_kwargs.api_base=http://127.0.0.1:9/v1" in cmd and not any("api_key" in w for w in cmd)
+    assert "--agent-class" not in cmd
+
+
+def test_mini_swe_command_keeps_its_session_with_gyres_agent_class():
+    start = make_mini_swe_command(
+        "mini", "t", proxy_url="http://p", model="gyre", output="/o", session_file="/h/s.jsonl"
+    )
+    assert start[start.index("--agent-class") + 1] == MINI_SWE_AGENT_CLASS and "agent.session_file=/h/s.jsonl" in start
+    again = make_mini_swe_command(
+        "mini", "t", proxy_url="http://p", model="gyre", output="/o", session_file="/h/s.jsonl", resume=True
+    )
+    assert "agent.resume=true" not in start and again[-2:] == ["-c", "agent.resume=true"]
+    module, name = MINI_SWE_AGENT_CLASS.rsplit(".", 1)
+    assert name in (Path(gyre.__file__).parent / "harness" / f"{module.rsplit('.', 1)[1]}.py").read_text()
 
 
 def test_codex_harness_runs_exec_against_the_proxy_as_its_provider(tmp_path, monkeypatch):
@@ -60,7 +77,13 @@ def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from gyre.harness.agents import claude_code_session_file, claude_code_session_id, codex_thread_id, trim_torn_line
+    from gyre.harness.agents import (
+        MINI_SWE_SESSION_FILE,
+        codex_thread_id,
+        harness_session_id,
+        session_transcript,
+        trim_torn_line,
+    )
     from gyre.harness.config import HarnessConfig
     from gyre.harness.sandbox import continuable
     from gyre.harness.toy_agent import SESSION_FILE
@@ -73,17 +96,27 @@ def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_
     (tmp_path / "home" / SESSION_FILE).write_text("{}")
     assert continuable(task, toy, tmp_path) is None
     assert "outlive the job" in continuable(SimpleNamespace(environment=object()), toy, tmp_path)
-    assert "does not continue" in continuable(task, replace(toy, kind="mini_swe_agent"), tmp_path)
+    assert "does not continue" in continuable(task, replace(toy, kind="command", command="true"), tmp_path)
+    mini = replace(toy, kind="mini_swe_agent")
+    assert "no saved session" in continuable(task, mini, tmp_path)
+    (tmp_path / "home" / MINI_SWE_SESSION_FILE).write_text("")  # Gyre's agent class appends to it
+    assert continuable(task, mini, tmp_path) is None
     claude = replace(toy, kind="claude_code")
-    assert "no saved Claude Code session" in continuable(task, claude, tmp_path)
-    sid = claude_code_session_id(tmp_path.name)  # the sandbox folder is named after the execution
+    assert "no saved claude_code session" in continuable(task, claude, tmp_path)
+    sid = harness_session_id(tmp_path.name)  # the sandbox folder is named after the execution
     transcript = tmp_path / "home" / ".claude" / "projects" / "-some-cwd" / f"{sid}.jsonl"
     transcript.parent.mkdir(parents=True)
     transcript.write_bytes(b'{"type": "user"}\n{"type": "assis')  # killed mid-write
     assert continuable(task, claude, tmp_path) is None
-    assert claude_code_session_file(tmp_path / "home", sid) == transcript
+    assert session_transcript("claude_code", tmp_path / "home", sid) == transcript
     trim_torn_line(transcript)
     assert transcript.read_bytes() == b'{"type": "user"}\n'
+    qwen = replace(toy, kind="qwen_code")
+    assert "no saved qwen_code session" in continuable(task, qwen, tmp_path)  # Claude Code's is not Qwen Code's
+    chats = tmp_path / "home" / ".qwen" / "projects" / "-some-cwd" / "chats"
+    chats.mkdir(parents=True)
+    (chats / f"{sid}.jsonl").write_text('{"type": "user"}\n')
+    assert continuable(task, qwen, tmp_path) is None
     codex = replace(toy, kind="codex")
     assert "thread.started" in continuable(task, codex, tmp_path)
     (tmp_path / "harness.log").write_text('warming up\n{"type":"thread.started","thread_id":"t-42"}\n')
@@ -92,11 +125,33 @@ def test_an_interrupted_execution_continues_only_where_its_session_survived(tmp_
     )
 
 
+def test_qwen_code_starts_and_continues_the_executions_session(tmp_path, monkeypatch):
+    from gyre.harness.agents import CONTINUE_PROMPT
+    from gyre.harness.commands import HarnessSession, make_harness_command
+    from gyre.harness.config import HarnessConfig
+
+    binary = tmp_path / "qwen"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("GYRE_QWEN_CODE", str(binary))
+    cfg, home = HarnessConfig(kind="qwen_code"), tmp_path / "home"
+    start, env = make_harness_command(
+        cfg, "fix it", tmp_path, "http://127.0.0.1:9", "k1", "gyre", home, HarnessSession("s-1")
+    )
+    again, _ = make_harness_command(
+        cfg, "fix it", tmp_path, "http://127.0.0.1:9", "k1", "gyre", home, HarnessSession("s-1", resume=True)
+    )
+    assert start[start.index("--session-id") + 1] == "s-1" and start[-1] == "--prompt=fix it"
+    assert again[again.index("--resume") + 1] == "s-1" and again[-1] == f"--prompt={CONTINUE_PROMPT}"
+    assert "--resume" not in start and "--session-id" not in again
+    assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:9/v1" and env["HOME"] == str(home)
+
+
 def test_claude_code_and_codex_continue_their_own_session_by_id():
     start = make_claude_code_command("claude", "task", model="tiny", tools=["Bash"], session_id="s-1")
     again = make_claude_code_command("claude", "go on", model="tiny", tools=["Bash"], session_id="s-1", resume=True)
     assert start[start.index("--session-id") + 1] == "s-1" and again[again.index("--resume") + 1] == "s-1"
-    assert "--continue" not in again and claude_code_session_id("g00001-3") == claude_code_session_id("g00001-3")
+    assert "--continue" not in again and harness_session_id("g00001-3") == harness_session_id("g00001-3")
     cx = make_codex_command("codex", "go on", proxy_url="http://p", model="gyre", resume=True, thread_id="t-42")
     assert cx[1:4] == ["exec", "resume", "t-42"] and cx[-1] == "go on" and "--last" not in cx
 
