@@ -1,12 +1,15 @@
 """The rollout side of the run: groups admitted within the staleness bound, one sandbox per execution.
 
     admit_groups (may_admit) ─> queued ─start_queued (free slots)─> running ─poll─> evaluate ─> group ready
-    admit_held_out (first and last weights) ─> queue (groups wait) ─> ... ─> evaluate ─> HeldOutResult event
+    admit_held_out (first, every eval_every, last weights) ─> queue (groups wait) ─> ... ─> HeldOutResult event
 
 Group g belongs to step g // groups_per_step and draws its task from the task set at cursor g, so
 a resumed run continues the same sequence. Every state change is a ledger line first. Held-out
-tasks (`tasks.held_out_path`) run the same way under weight version 0 and under the last weights,
-and are never trained nor in the ledger: their scores go to the run's events only.
+tasks (`tasks.held_out_path`) run the same way under weight version 0, every `tasks.eval_every`
+steps' weights and the last weights, and are never trained nor in the ledger: their scores go to
+the run's events only. A held-out execution is labelled with the version served when it started; in
+the middle of a run, groups already admitted may train meanwhile (staleness), so its later calls may
+be served the next version.
 """
 
 import asyncio
@@ -63,6 +66,8 @@ class Rollouts(GroupBook):
         path = cfg.tasks.held_out_path
         self.held_out_tasks = TaskSet.load(path, cfg.tasks).tasks if path else []
         self.held_out_samples = cfg.tasks.eval_samples
+        self.held_out_at = cfg.tasks.eval_versions(cfg.num_steps)
+        """Weight versions to evaluate the held-out tasks under."""
         self.held_out_versions: set[int] = set()
         """Weight versions whose held-out rollouts were admitted."""
         self.taskset, self.harness, self.group_size = taskset, cfg.harness, c.group_size
@@ -105,8 +110,8 @@ class Rollouts(GroupBook):
                 self.queue.append(ex)
 
     def admit_held_out(self, version: int) -> None:
-        """Queue every held-out task under weight version 0 and the last one (no group starts meanwhile)."""
-        if not self.held_out_tasks or version not in (0, self.num_steps) or version in self.held_out_versions:
+        """Queue every held-out task under each version of `held_out_at` (no group starts meanwhile)."""
+        if not self.held_out_tasks or version not in self.held_out_at or version in self.held_out_versions:
             return
         self.held_out_versions.add(version)
         self.queue[:0] = [

@@ -6,6 +6,7 @@ switch's phases) and by the simulator (gyre.sim.report builds its panels from si
 
 import os
 from pathlib import Path
+from statistics import fmean
 
 import matplotlib
 
@@ -17,7 +18,7 @@ from matplotlib.ticker import PercentFormatter
 
 from gyre.common.files import atomic_path
 from gyre.common.run_paths import RunPaths
-from gyre.metrics.state import RunState, Span, TimelinePanel
+from gyre.metrics.state import RunState, Span, TimelinePanel, mean_se
 from gyre.scheduler.cells import PHASES
 
 ROLE_COLOURS = {
@@ -135,9 +136,19 @@ def timeline_panel(state: RunState, title: str) -> TimelinePanel:
     return TimelinePanel(title, lanes, state.levels, state.t_first, state.t_last)
 
 
+SMOOTH_STEPS = 3
+"""Steps in the trained reward's moving mean: the summary's reward_first3 / reward_last3 window."""
+
+
+def moving_mean(values: list[float], window: int) -> list[float]:
+    """Each value's mean with up to `window - 1` values before it."""
+    return [fmean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
+
+
 def plot_reward(state: RunState, path: str | os.PathLike, title: str) -> None:
-    """Each evaluated execution's reward per step (dots), the step's mean and its +-1 std band, and
-    the held-out tasks' mean reward at each weight version they were rolled out under."""
+    """Each evaluated execution's reward per step (dots), the step's mean and its +-1 std band; the
+    trained batch's mean and its moving mean; the held-out tasks' mean reward at each weight version
+    they were rolled out under, with its standard error: the rise with its spread."""
     by_step = state.step_rewards()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if by_step:
@@ -166,22 +177,26 @@ def plot_reward(state: RunState, path: str | os.PathLike, title: str) -> None:
         ax.plot(steps, means, color="tab:blue", marker="o", label="mean reward (evaluated executions)")
         trained = sorted(state.steps.items())
         if trained:
+            ks, means_trained = [k for k, _ in trained], [s.reward_mean for _, s in trained]
+            ax.plot(ks, means_trained, color="tab:orange", ls=":", marker="x", label="mean reward of the trained batch")
             ax.plot(
-                [k for k, _ in trained],
-                [s.reward_mean for _, s in trained],
+                ks,
+                moving_mean(means_trained, SMOOTH_STEPS),
                 color="tab:orange",
-                ls="--",
-                marker="x",
-                label="mean reward of the trained batch",
+                lw=2,
+                label=f"... its mean over the last {SMOOTH_STEPS} steps",
             )
-        if state.held_out:
-            versions = sorted(state.held_out)
-            ax.plot(
-                versions,
-                [sum(state.held_out[v]) / len(state.held_out[v]) for v in versions],
+        held_out = {v: r for v, r in sorted(state.held_out.items()) if r}
+        if held_out:
+            stats = [mean_se(r) for r in held_out.values()]
+            ax.errorbar(
+                list(held_out),
+                [m for m, _ in stats],
+                yerr=[se or 0.0 for _, se in stats],
                 color="tab:green",
                 marker="s",
-                label="held-out tasks (never trained), by weight version",
+                capsize=4,
+                label="held-out tasks (never trained) by weight version, +- 1 standard error",
             )
         ax.set_xticks(sorted(set(steps) | set(state.held_out)))
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)

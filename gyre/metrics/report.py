@@ -7,6 +7,7 @@ wall time) and compare_timeline.png (every run's cells on one time scale), e.g. 
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from statistics import fmean
@@ -17,7 +18,7 @@ from gyre.metrics.config import MetricsConfig
 from gyre.metrics.log import EventTail
 from gyre.metrics.plots import draw_timelines, plot_compare, timeline_panel, utilisation, write_figures
 from gyre.metrics.progress import format_duration
-from gyre.metrics.state import RunState
+from gyre.metrics.state import RunState, mean_se
 from gyre.records.io import ReadStats
 
 
@@ -108,10 +109,29 @@ def _mean_by_rank(runs: list[list[float]]) -> list[float]:
 
 
 def held_out_summary(held_out: dict[int, list[float]]) -> dict:
-    """The held-out tasks' mean reward at the first and the last weight version they were rolled out under."""
-    means = {v: round(fmean(r), 4) for v, r in sorted(held_out.items())}
-    first, last = (means[min(means)], means[max(means)]) if means else (None, None)
-    return {"eval_reward_first": first, "eval_reward_last": last, "eval_reward_per_version": means}
+    """The held-out tasks' mean reward at each weight version they were rolled out under, with its
+    standard error; the first and the last version's, and the rise between them with the standard
+    error of that difference (the two are independent samples of rollouts)."""
+    stats = {v: mean_se(r) for v, r in sorted(held_out.items()) if r}
+    first = stats[min(stats)] if stats else (None, None)
+    last = stats[max(stats)] if len(stats) > 1 else (None, None)
+    rise = last[0] - first[0] if last[0] is not None else None
+    rise_se = math.hypot(first[1], last[1]) if None not in (first[1], last[1]) else None
+    return {
+        "eval_reward_first": _round(first[0]),
+        "eval_reward_se_first": _round(first[1]),
+        "eval_reward_last": _round(last[0]),
+        "eval_reward_se_last": _round(last[1]),
+        "eval_rise": _round(rise),
+        "eval_rise_se": _round(rise_se),
+        "eval_reward_per_version": {v: _round(m) for v, (m, _) in stats.items()},
+        "eval_se_per_version": {v: _round(se) for v, (_, se) in stats.items()},
+        "eval_samples_per_version": {v: len(held_out[v]) for v in stats},
+    }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 def format_steps(state: RunState) -> str:
@@ -138,6 +158,9 @@ _COMPARE_ROWS = (
     ("steps done", lambda s: f"{s['num_steps']}/{s['num_steps_planned'] or '?'}"),
     ("reward first 3", lambda s: _f(s["reward_first3"])),
     ("reward last 3", lambda s: _f(s["reward_last3"])),
+    ("held-out first", lambda s: _pm(s["eval_reward_first"], s["eval_reward_se_first"])),
+    ("held-out last", lambda s: _pm(s["eval_reward_last"], s["eval_reward_se_last"])),
+    ("held-out rise", lambda s: _pm(s["eval_rise"], s["eval_rise_se"])),
     ("executions", lambda s: " ".join(f"{k} {v}" for k, v in s["executions"].items()) or "-"),
     ("role switches", lambda s: str(s["num_role_switches"])),
     ("switch to train s", lambda s: _f(s["switch_s"].get("to_train"))),
@@ -155,6 +178,11 @@ _COMPARE_ROWS = (
 
 def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
+
+
+def _pm(x: float | None, se: float | None) -> str:
+    """A mean with its standard error."""
+    return _f(x) if se is None or x is None else f"{x:.3f} +- {se:.3f}"
 
 
 def _mean_busy(s: dict) -> float:

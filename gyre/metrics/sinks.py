@@ -23,7 +23,7 @@ from gyre.metrics.events import (
     RoleSwitchEvent,
     WeightPublish,
 )
-from gyre.metrics.state import RunState
+from gyre.metrics.state import RunState, mean_se
 
 _LOSS_FIELDS = (
     "loss",
@@ -86,8 +86,10 @@ def make_scalars(e: Event, state: RunState) -> Scalars | None:
     if isinstance(e, Checkpoint):
         return Scalars("step", e.step, {"checkpoint/seconds": e.seconds})
     if isinstance(e, HeldOutResult) and e.reward is not None:  # the running mean at this version
-        rewards = state.held_out[e.version]
-        return Scalars("version", e.version, {"eval/reward_mean": sum(rewards) / len(rewards)})
+        mean, se = mean_se(state.held_out[e.version])
+        return Scalars(
+            "version", e.version, {"eval/reward_mean": mean} | ({"eval/reward_se": se} if se is not None else {})
+        )
     if isinstance(e, MicroStepEvent):
         return Scalars(
             "micro_step",

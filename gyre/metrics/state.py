@@ -10,10 +10,12 @@ shows a cell lost ends its lane there. Busy time: a model call occupies its cell
 [t - latency_s, t], a micro-step over [t - seconds, t]; overlaps count once.
 """
 
+import math
 from bisect import bisect_right
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import accumulate
+from statistics import fmean, stdev
 
 from gyre.metrics.events import (
     ROLES,
@@ -324,3 +326,9 @@ def fold(events, rate_window_s: float = 60.0) -> RunState:
     for e in events:
         state.add(e)
     return state
+
+
+def mean_se(values: list[float]) -> tuple[float, float | None]:
+    """A sample's mean and the standard error of that mean (sample std / sqrt n; None below 2 values)."""
+    mean = fmean(values)
+    return mean, (stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None)

@@ -14,10 +14,12 @@ class TasksConfig:
     """Task set: a directory or JSONL file of task specs (gyre.tasks.spec); None: the embedded toy set."""
     eval_path: str | None = None
     """Held-out task set (never trained on), rolled out under the first and the last weights of a
-    run (summary: eval_reward_first, eval_reward_last); None: the toy's held-out set when `path` is
-    None, else no held-out rollouts."""
+    run and every `eval_every` steps between (summary: eval_reward_first, eval_reward_last, each with
+    its standard error); None: the toy's held-out set when `path` is None, else no held-out rollouts."""
     eval_samples: int = 2
-    """Executions per held-out task at each of the two points; 0: no held-out rollouts."""
+    """Executions per held-out task at each evaluated version; 0: no held-out rollouts."""
+    eval_every: int = 0
+    """Also roll the held-out set out under every this many steps' weights (0: only the first and the last)."""
     warm_start: bool = True
     """Without coordinator.init_weights: start RL from a policy trained on the task set's reference
     solutions (gyre.launch.warmstart), so rewards vary from the first step; False: the seeded init."""
@@ -33,6 +35,7 @@ class TasksConfig:
         require(bool(self.warm_start_dir), "warm_start_dir", "must name a directory")
         require(self.max_agent_timeout_s > 0, "max_agent_timeout_s", f"must be > 0 s, got {self.max_agent_timeout_s}")
         require(self.eval_samples >= 0, "eval_samples", f"must be >= 0, got {self.eval_samples}")
+        require(self.eval_every >= 0, "eval_every", f"must be >= 0 steps, got {self.eval_every}")
 
     @property
     def held_out_path(self) -> str | None:
@@ -40,3 +43,8 @@ class TasksConfig:
         if self.eval_samples == 0:
             return None
         return self.eval_path or (TOY_HELD_OUT if self.path is None else None)
+
+    def eval_versions(self, num_steps: int) -> set[int]:
+        """The weight versions a run of `num_steps` steps evaluates its held-out set under."""
+        every = range(self.eval_every, num_steps, self.eval_every) if self.eval_every else ()
+        return {0, num_steps, *every}

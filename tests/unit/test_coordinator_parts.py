@@ -268,7 +268,7 @@ def test_held_out_tasks_run_at_the_first_and_last_weights_never_in_the_ledger(tm
 
     register_configs()
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = validate(hydra.compose(config_name="config", overrides=["num_steps=2"]))
+        cfg = validate(hydra.compose(config_name="config", overrides=["num_steps=2", "tasks.eval_every=0"]))
     results = []
     events = SimpleNamespace(execution_state=lambda entry, step: None, held_out=results.append)
     ledger = ExecutionLedger(tmp_path / "ledger.jsonl")
@@ -277,7 +277,7 @@ def test_held_out_tasks_run_at_the_first_and_last_weights_never_in_the_ledger(tm
     r.admit_held_out(0)
     r.admit_groups(0)  # the first weights' held-out rollouts run alone
     num_held_out = len(r.held_out_tasks) * cfg.tasks.eval_samples
-    assert num_held_out == 16 and [ex.held_out for ex in r.queue] == [0] * num_held_out
+    assert len(r.held_out_tasks) == 8 and [ex.held_out for ex in r.queue] == [0] * num_held_out
     assert r.counts(0) == (num_held_out, 0, 0, 0)
     r.admit_held_out(0)  # once per version
     assert len(r.queue) == num_held_out
@@ -411,3 +411,46 @@ def test_a_harness_that_never_starts_stops_the_run(tmp_path, num_unstarted, log,
     with pytest.raises(HarnessStartError, match="harness.kind=mini_swe_agent: the first 4 executions") as e:
         check_harness_started(num_unstarted, 4, "mini_swe_agent", path, "harness_failed")
     assert str(e.value).endswith(" ends: bwrap: execvp /tmp/c/.venv/bin/mini: No such file" if log else "(empty)")
+
+
+def test_held_out_versions_are_the_first_every_eval_every_steps_and_the_last():
+    from gyre.errors import ConfigError
+    from gyre.tasks.config import TasksConfig
+
+    assert TasksConfig().eval_versions(20) == {0, 20}
+    assert TasksConfig(eval_every=10).eval_versions(20) == {0, 10, 20}
+    assert TasksConfig(eval_every=7).eval_versions(20) == {0, 7, 14, 20}
+    assert TasksConfig(eval_every=30).eval_versions(20) == {0, 20}
+    with pytest.raises(ConfigError, match="eval_every"):
+        TasksConfig(eval_every=-1)
+
+
+def test_held_out_tasks_run_again_in_the_middle_of_a_run_at_each_eval_every(tmp_path):
+    """tasks.eval_every=2 on 4 steps: the held-out set is queued under versions 0, 2 and 4 only, each
+    once, ahead of the groups, and groups wait while it runs."""
+    import hydra
+
+    from gyre.common import CONF_DIR
+    from gyre.config import register_configs, validate
+    from gyre.coordinator.ledger import ExecutionLedger
+    from gyre.coordinator.rollouts import Rollouts
+    from gyre.tasks.taskset import toy_taskset
+
+    register_configs()
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = validate(hydra.compose(config_name="config", overrides=["num_steps=4", "tasks.eval_every=2"]))
+    events = SimpleNamespace(execution_state=lambda entry, step: None, held_out=lambda ex: None)
+    ledger = ExecutionLedger(tmp_path / "ledger.jsonl")
+    r = Rollouts(cfg, tmp_path, toy_taskset(), ledger, events)
+    per_version = len(r.held_out_tasks) * cfg.tasks.eval_samples
+    admitted = {}
+    for version in range(5):
+        r.admit_held_out(version)
+        r.admit_held_out(version)  # once per version
+        admitted[version] = [ex.held_out for ex in r.queue]
+        r.admit_groups(version)
+        if admitted[version]:  # the held-out executions run alone: no group joins the queue meanwhile
+            assert all(ex.held_out == version for ex in r.queue)
+        r.queue.clear()
+    assert admitted == {v: [v] * per_version if v in (0, 2, 4) else [] for v in range(5)}
+    ledger.close()

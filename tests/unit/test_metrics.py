@@ -277,9 +277,23 @@ def test_summary_of_the_fixture_run(run_events):
     assert s["targets"]["naive"] == naive
     assert s["targets"]["saved_by_cap"] == pytest.approx(1 - sum(e.targets_capped for e in steps) / naive, abs=1e-4)
     assert s["num_calls"] == sum(isinstance(e, ModelCall) for e in run_events) and s["failures"] == {"engine e1": 1}
-    # held-out rewards: means under the first and the last weights, an unscored execution left out
+    # held-out rewards: means under the first and the last weights, an unscored execution left out,
+    # each with its standard error (sample std / sqrt n), and the rise with the error of a difference
     assert (s["eval_reward_first"], s["eval_reward_last"]) == (0.3, pytest.approx(0.8))
     assert s["eval_reward_per_version"] == {0: 0.3, 4: pytest.approx(0.8)}
+    assert s["eval_samples_per_version"] == {0: 2, 4: 3}
+    se0, se4 = 0.1, 0.2 / 3**0.5  # stdev(0.2, 0.4) / sqrt 2, stdev(0.6, 1.0, 0.8) / sqrt 3
+    assert (s["eval_reward_se_first"], s["eval_reward_se_last"]) == (
+        pytest.approx(se0, abs=1e-4),
+        pytest.approx(se4, abs=1e-4),
+    )
+    assert s["eval_rise"] == pytest.approx(0.5) and s["eval_rise_se"] == pytest.approx(
+        (se0**2 + se4**2) ** 0.5, abs=1e-4
+    )
+    from gyre.metrics.report import format_summary
+    from gyre.records.io import ReadStats
+
+    assert "  held-out rise          0.500 +- 0.153\n" in format_summary("r", s, ReadStats())
 
 
 def test_the_summary_gives_ranks_per_cell_each_ranks_train_busy_time_and_its_mean_switch_phase_times():
