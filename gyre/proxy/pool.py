@@ -78,6 +78,9 @@ class PoolMetrics:
     """KV tokens a leaving engine held (or is assumed to have held: it is dead) that did not reach
     the session's new engine, and those of sessions routed off a dead or overloaded engine between
     calls that their new engine did not have cached; their next call recomputes them."""
+    kv_reprefill_rerouted_tokens: int = 0
+    """Of kv_reprefill_tokens, those of sessions routed off a dead or overloaded engine between calls
+    (the rest: KV a hand-off or a call's own move could not carry)."""
 
 
 class EnginePool:
@@ -450,7 +453,9 @@ class EnginePool:
             self.metrics.kv_reprefill_tokens += held - moved
         rerouted = self._rerouted.pop(session, None)
         if rerouted is not None:  # what the new engine had cached already was not moved, nor recomputed
-            self.metrics.kv_reprefill_tokens += rerouted - min(cached_tokens, rerouted)
+            recomputed = rerouted - min(cached_tokens, rerouted)
+            self.metrics.kv_reprefill_tokens += recomputed
+            self.metrics.kv_reprefill_rerouted_tokens += recomputed
 
     async def move_kv(self, src: str, dst: str, tokens: list[int], session: str | None = None) -> int:
         """Move the KV `src` holds for a prefix of `tokens` to `dst` over Mooncake (builtin engines),

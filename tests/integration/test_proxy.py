@@ -400,7 +400,10 @@ def test_20_drains_during_16_sessions(engines, tmp_path):
             f"{metrics}"
         )
         assert len(drained) == num_drains and sum(drained) > 0 and rerouted > 0
-        assert metrics["kv_migrated_tokens"] > 0 and metrics["kv_reprefill_tokens"] == 0
+        # the drains' hand-offs moved every session's KV; what was re-prefilled (if any) is the
+        # sessions that max_imbalance=2 moved between calls without theirs
+        assert metrics["kv_migrated_tokens"] > 0
+        assert metrics["kv_reprefill_tokens"] == metrics["kv_reprefill_rerouted_tokens"]
     finally:
         proxy.stop()
 

@@ -250,6 +250,7 @@ async def _rerouted(pool: EnginePool, cached_tokens: int) -> tuple[str, int]:
     eid = await pool.acquire("x/main", frozenset())
     pool.count_cached("x/main", cached_tokens)
     pool.count_cached("x/main", cached_tokens)  # every chunk reports it: counted once
+    assert pool.metrics.kv_reprefill_rerouted_tokens == pool.metrics.kv_reprefill_tokens
     return eid, pool.metrics.kv_reprefill_tokens
 
 
