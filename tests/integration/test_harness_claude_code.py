@@ -1,22 +1,30 @@
-"""SLOW (about a minute): real Claude Code 2.1.220 through the proxy and a builtin engine running a
-scripted policy: a tool call, a foreground and a background sub-agent, then `/compact`; its records
-must rebuild into the right call tree. Skipped without the npm package (tools/setup.sh installs it)."""
+"""SLOW (about a minute, then ~30 s): real Claude Code 2.1.220 through the proxy and a builtin engine
+running a scripted policy: a tool call, a foreground and a background sub-agent, then `/compact`; its
+records must rebuild into the right call tree. Killed mid-command in its sandbox, it resumes its
+session. Skipped without the npm package (tools/setup.sh installs it)."""
 
+import dataclasses
 import json
 import os
 
 import pytest
 from proxy_fixtures import new_execution, start_engine, start_proxy
 
+from gyre.common.wait import wait_until
 from gyre.harness.agents import (
-    claude_code_session_file,
-    claude_code_session_id,
+    CONTINUE_PROMPT,
     find_claude_code,
+    harness_session_id,
     make_claude_code_command,
     make_claude_code_env,
     run_harness,
+    session_transcript,
 )
+from gyre.harness.config import HarnessConfig
+from gyre.harness.sandbox import Sandbox
+from gyre.models.tokenizer import ByteTokenizer
 from gyre.records.io import read_records
+from gyre.tasks.taskset import toy_taskset
 from gyre.trajectory.tree import build_call_tree
 
 pytestmark = pytest.mark.slow
@@ -71,7 +79,7 @@ def test_claude_code_tool_subagents_and_compact(tmp_path):
         (tmp_path / "ws").mkdir()
         env = make_claude_code_env(dict(os.environ), proxy.url, key, str(tmp_path / "home"), "tiny")
 
-        sid = claude_code_session_id("cc")  # the session id an execution starts and continues under
+        sid = harness_session_id("cc")  # the session id an execution starts and continues under
 
         def run(prompt, resume):
             tools = ["Bash", "Agent"]
@@ -82,7 +90,7 @@ def test_claude_code_tool_subagents_and_compact(tmp_path):
         assert first.returncode == 0, first.stdout + first.stderr
         assert json.loads(first.stdout)["result"] == "All helpers finished. ALPHA-COMPLETE"
         assert (tmp_path / "ws" / "step1.txt").read_text() == "STEP1-DONE\n"  # the tool really ran
-        transcript = claude_code_session_file(tmp_path / "home", sid)
+        transcript = session_transcript("claude_code", tmp_path / "home", sid)
         assert transcript is not None  # where a continued execution finds it (gyre.harness.sandbox.continuable)
         second = run("/compact", True)  # --resume SID: the same session, as after a restart
         assert second.returncode == 0, second.stdout + second.stderr
@@ -114,3 +122,57 @@ def test_claude_code_tool_subagents_and_compact(tmp_path):
     # The foreground helper made two calls (tool call, report), the background helper one.
     assert sorted(sum(n.record.agent_id == a for n in nodes) for a in subagents) == [1, 2]
     assert all(n.record.hints["retokenized_turns"] == 0 for n in nodes)
+
+
+BLOCKING = "test -e resumed.flag || { touch started.flag; sleep 30; }; echo ANSWER-WRITTEN | tee answer.txt"
+RESUME_RULES = [  # the command blocks until the test has killed the harness and flagged its return
+    {"match": CONTINUE_PROMPT, "emit": "The command was cut short; stopping here. CC-CONTINUED"},
+    {"match": "TASK-CC", "emit": "I will run it. " + tool_call("Bash", {"command": BLOCKING, "description": "answer"})},
+    {"match": ".", "emit": "Nothing to do."},
+]
+
+
+def test_claude_code_killed_mid_command_resumes_its_session(tmp_path):
+    """Claude Code in its sandbox (`--session-id`), SIGKILLed while its Bash command runs, continued
+    by Sandbox.resume (`--resume`, the continue prompt, a torn last transcript line trimmed): the
+    resumed call re-sends the interrupted call and its answer token for token, then finishes."""
+    if find_claude_code() is None:
+        pytest.skip("Claude Code not installed: run tools/setup.sh (or set GYRE_CLAUDE_CODE)")
+    engine = start_engine(tmp_path, RESUME_RULES)
+    proxy = start_proxy(tmp_path, [engine.url])
+    task = dataclasses.replace(toy_taskset().get("word-apple"), instruction="TASK-CC: write the answer")
+    task = dataclasses.replace(task, time_budget_s=300)
+    cfg = HarnessConfig(kind="claude_code", mem_limit_gb=None, claude_code_tools=["Bash"])  # as its conf/harness
+    try:
+        key = new_execution(proxy, "cc-c")
+        first = Sandbox(task, "cc-c", tmp_path / "sandboxes", cfg, proxy.url, key, "tiny")
+        first.prepare()
+        first.start()
+        wait_until(lambda: (first.workspace / "started.flag").exists() or first.poll() is not None, 240)
+        assert (first.workspace / "started.flag").exists(), first.log_path.read_text()[-3000:]
+        first.kill()
+        transcript = session_transcript("claude_code", first.home, harness_session_id("cc-c"))
+        assert transcript is not None, sorted(p.name for p in first.home.rglob("*"))
+        with open(transcript, "a") as f:
+            f.write('{"type": "assistant", "mess')  # a write the kill cut short
+        (first.workspace / "resumed.flag").touch()
+        again = Sandbox(task, "cc-c", tmp_path / "sandboxes", cfg, proxy.url, key, "tiny")
+        again.resume(used_s=first.poll().duration_s)
+        again.start()
+        result = again.wait()
+        log = result.log_path.read_text()
+        assert result.exit_code == 0, log[-3000:]
+    finally:
+        proxy.stop()
+        engine.stop()
+    assert (
+        json.loads(log.strip().splitlines()[-1])["result"] == "The command was cut short; stopping here. CC-CONTINUED"
+    )
+    records, _ = read_records(tmp_path / "records" / "cc-c.jsonl")
+    tree = build_call_tree(records)
+    main = [i for i, n in enumerate(tree.nodes) if n.kind == "main"]
+    assert len(main) == 2, [n.kind for n in tree.nodes]
+    killed, resumed = (tree.nodes[i] for i in main)
+    assert "sleep 30" in ByteTokenizer(512).decode(killed.record.output_ids.tolist())  # the call the kill cut
+    assert resumed.parent == main[0] and resumed.shared >= killed.end  # its whole history re-sent
+    assert CONTINUE_PROMPT in ByteTokenizer(512).decode(resumed.record.input_ids[killed.end :].tolist())

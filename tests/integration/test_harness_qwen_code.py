@@ -10,8 +10,21 @@ import os
 import pytest
 from proxy_fixtures import MODEL, new_execution, start_engine, start_proxy
 
-from gyre.harness.agents import find_qwen_code, make_qwen_code_command, make_qwen_code_env, run_harness
+from gyre.common.wait import wait_until
+from gyre.harness.agents import (
+    CONTINUE_PROMPT,
+    find_qwen_code,
+    harness_session_id,
+    make_qwen_code_command,
+    make_qwen_code_env,
+    run_harness,
+    session_transcript,
+)
+from gyre.harness.config import HarnessConfig
+from gyre.harness.sandbox import Sandbox
+from gyre.models.tokenizer import ByteTokenizer
 from gyre.records.io import read_records
+from gyre.tasks.taskset import toy_taskset
 from gyre.trajectory.tree import build_call_tree
 
 pytestmark = pytest.mark.slow
@@ -62,3 +75,59 @@ def test_qwen_code_runs_a_command_through_the_proxy(tmp_path):
     # the tool result extends the first
     assert len(records) >= 2 and tree.missing_seqs == [], [r.hints for r in records]
     assert any(n.parent is not None and n.shared >= tree.nodes[n.parent].end for n in tree.nodes), tree.nodes
+
+
+BLOCKING = "test -e resumed.flag || { touch started.flag; sleep 30; }; echo ANSWER-WRITTEN | tee answer.txt"
+RESUME_RULES = [
+    {"match": "Managed memory", "emit": "Nothing to remember."},
+    {"match": CONTINUE_PROMPT, "emit": "The command was cut short; stopping here. QWEN-CONTINUED"},
+    {"match": "TASK-QWEN", "emit": "I will run it. " + tool_call("run_shell_command", {"command": BLOCKING})},
+    {"match": ".", "emit": "Nothing to do."},
+]
+
+
+def test_qwen_code_killed_mid_command_continues_its_session(tmp_path):
+    """Qwen Code in its sandbox (`--session-id`), SIGKILLed while its command runs, continued by
+    Sandbox.resume (`--resume`, the continue prompt): the resumed call carries the earlier turns
+    verbatim, the interrupted command marked failed, then the continue prompt; the run ends."""
+    if find_qwen_code() is None:
+        pytest.skip("Qwen Code not installed: run tools/setup.sh (or set GYRE_QWEN_CODE)")
+    engine = start_engine(tmp_path, RESUME_RULES, model=dataclasses.replace(MODEL, max_seq_len=131072))
+    proxy = start_proxy(tmp_path, [engine.url], context_len=131072)
+    task = dataclasses.replace(toy_taskset().get("word-apple"), instruction="TASK-QWEN: write the answer")
+    task = dataclasses.replace(task, time_budget_s=300)
+    cfg = HarnessConfig(kind="qwen_code", mem_limit_gb=None)  # as its conf/harness: Node reserves address space
+    try:
+        key = new_execution(proxy, "qw-c")
+        first = Sandbox(task, "qw-c", tmp_path / "sandboxes", cfg, proxy.url, key, "gyre")
+        first.prepare()
+        first.start()
+        wait_until(lambda: (first.workspace / "started.flag").exists() or first.poll() is not None, 480)
+        assert (first.workspace / "started.flag").exists(), first.log_path.read_text()[-3000:]
+        first.kill()
+        transcript = session_transcript("qwen_code", first.home, harness_session_id("qw-c"))
+        assert transcript is not None, sorted(p.name for p in first.home.rglob("*"))
+        with open(transcript, "a") as f:
+            f.write('{"type": "assistant", "mess')  # a write the kill cut short
+        (first.workspace / "resumed.flag").touch()
+        again = Sandbox(task, "qw-c", tmp_path / "sandboxes", cfg, proxy.url, key, "gyre")
+        again.resume(used_s=first.poll().duration_s)
+        again.start()
+        result = again.wait()
+        log = result.log_path.read_text()
+        assert result.exit_code == 0, log[-3000:]
+    finally:
+        proxy.stop()
+        engine.stop()
+    assert '"result":"The command was cut short; stopping here. QWEN-CONTINUED"' in log.replace(": ", ":")
+    records = sorted(read_records(tmp_path / "records" / "qw-c.jsonl")[0], key=lambda r: r.seq)
+    main = [r for r in records if "Managed memory" not in ByteTokenizer(512).decode(r.input_ids.tolist())]
+    assert len(main) == 2, [r.hints for r in records]
+    before, after = (ByteTokenizer(512).decode(r.input_ids.tolist()) for r in main)
+    before += ByteTokenizer(512).decode(main[0].output_ids.tolist())
+    # Qwen Code rebuilds its environment context (the folder listing, the date) when it resumes, so
+    # the prefix matches up to the listing; from the task's turn on the earlier history is verbatim.
+    turns = before[before.index("TASK-QWEN: write the answer<|im_end|>") :]
+    assert turns in after and "sleep 30" in turns
+    tail = after[after.index(turns) + len(turns) :]
+    assert "<tool_response>" in tail and tail.endswith(f"{CONTINUE_PROMPT}<|im_end|>\n<|im_start|>assistant\n")
