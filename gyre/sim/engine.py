@@ -350,9 +350,10 @@ class Simulation(RolloutSide):
         The ideal counts only work the N steps needed: executions trained or excluded, not those
         dropped as stale or still running for later steps; recomputed context is a mode's own
         waste and not counted. Decode and prefill share a cell's GPUs (gyre.sim.kv reserves
-        both against its decode throughput), so their times add; a call also holds at least its
-        context in GPU KV for at least its unloaded decode time, so serving takes at least the
-        calls' KV token-seconds / the cluster's GPU KV; training is compute on cells that are
+        both against its decode throughput), so their times add; a call also holds its grown
+        context (context, new prompt and output: gyre.sim.kv reserves it at the call's start) in
+        GPU KV for at least its unloaded decode time, so serving takes at least the calls' KV
+        token-seconds / the cluster's GPU KV; training is compute on cells that are
         not serving. Every node-second either serves or trains (or switches), so the sum bounds.
         """
         gen_cap = sum(sc.eng.gen_tok_s for sc in self.cells)

@@ -41,7 +41,7 @@ class Session:
         self.eng, self.where, self.kv, self.call = None, NONE, 0.0, 0
         self.gen, self.tool = batch.gen_tokens, batch.tool_s
         self.ver, self.marks, self.gtok, self.ptok = -1, [], 0.0, 0.0  # marks: (version, first segment under it)
-        self.kvs = 0.0  # KV token-seconds its calls held at least (context x unloaded decode time)
+        self.kvs = 0.0  # KV token-seconds its calls held at least (grown context x unloaded decode time)
 
 
 class SimGroup:

@@ -127,7 +127,7 @@ class RolloutSide:
         sc.gen_tokens += gen
         s.gtok += gen
         s.ptok += prompt
-        s.kvs += ctx * gen / self.session_tok_s
+        s.kvs += need * gen / self.session_tok_s  # the engine reserves the grown context from the start
         v = self.queue.version
         if s.ver != v:
             s.ver = v

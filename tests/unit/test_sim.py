@@ -382,3 +382,26 @@ def test_a_step_whose_every_group_is_excluded_still_steps(mode):
     profile = replace(PROFILE, groups_per_step=2, group_size=2, excluded_fraction=0.9)
     r = Simulation(profile, PRESET, SchedulerConfig(mode=mode), num_steps=6, tick_s=5.0).run()
     assert len(r.step_times_s) == 6 and r.num_excluded > 6 * 2
+
+
+def test_the_kv_bound_charges_each_call_its_grown_context():
+    """The engine reserves a call's context plus its new prompt and output (gyre.sim.kv) from the
+    call's start, so the bound's KV token-seconds count that grown context over the unloaded
+    decode time: 3 segments of 1000 tokens hold 1000, 2000 and 3000 tokens (the context before
+    each call, 0 + 1000 + 2000, would make the bound 2x looser)."""
+    profile = ProfileConfig(
+        groups_per_step=1,
+        group_size=2,
+        segments_samples=[3],
+        segments_sigma=0,
+        exec_sigma=0,
+        gen_tokens_samples=[100.0],
+        tool_s_samples=[1.0],
+        context_tokens_per_segment=1000,
+        excluded_fraction=0,
+    )
+    preset = replace(PRESET, gen_tok_s_per_node=1e6, prefill_tok_s_per_node=1e9, kv_tokens_per_node=10_000)
+    r = Simulation(profile, preset, SchedulerConfig(mode="async"), num_steps=1, tick_s=1.0).run()
+    kv_token_s = 2 * (1000 + 2000 + 3000) * 100 / preset.session_tok_s
+    assert r.rollout_work_s == pytest.approx(kv_token_s / (preset.kv_tokens_per_node * preset.num_nodes))
+    assert r.total_s >= r.work_node_s / r.num_nodes
