@@ -254,13 +254,13 @@ def read_mini_swe_session(path: Path) -> list[dict]:
     """The messages of a mini-swe-agent session file, in order; a step whose line the kill cut
     short is trimmed from the file first (the agent appends after what it read)."""
     trim_torn_line(path)
-    return [message for line in path.read_text().splitlines() if line for message in json.loads(line)]
+    return [message for line in path.read_text().splitlines() if line for message in jsonio.loads(line)]
 
 
 def append_mini_swe_step(path: Path, messages: list[dict]) -> None:
     """Append one step's messages as one line: a kill mid-write tears that line only."""
     with open(path, "a") as f:
-        f.write(json.dumps(messages) + "\n")
+        f.write(jsonio.dumps(messages) + "\n")
 
 
 def make_mini_swe_command(

@@ -417,7 +417,7 @@ def test_held_out_versions_are_the_first_every_eval_every_steps_and_the_last():
     from gyre.errors import ConfigError
     from gyre.tasks.config import TasksConfig
 
-    assert TasksConfig().eval_versions(20) == {0, 20}
+    assert TasksConfig(eval_every=0).eval_versions(20) == {0, 20}
     assert TasksConfig(eval_every=10).eval_versions(20) == {0, 10, 20}
     assert TasksConfig(eval_every=7).eval_versions(20) == {0, 7, 14, 20}
     assert TasksConfig(eval_every=30).eval_versions(20) == {0, 20}

@@ -14,7 +14,6 @@ of the two APIs interleaved with the references.
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -24,6 +23,8 @@ import threading
 from pathlib import Path
 
 from aiohttp import web
+
+from gyre.common import jsonio
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT_REPLY = {
@@ -116,7 +117,7 @@ def main() -> None:
         print(f"{name:24s} median {statistics.median(v):.3f} CPU-s  (min {min(v):.3f}, max {max(v):.3f}, n={len(v)})")
     out["runs"] = len(figures["python_bare"])
     out["load_1min"] = os.getloadavg()[0]
-    print(json.dumps(out))
+    print(jsonio.dumps(out))
 
 
 if __name__ == "__main__":
