@@ -31,9 +31,9 @@ class CoordinatorConfig:
     """G: executions of one task per group (GRPO normalises rewards within a group); >= 2. A group
     whose executions all score alike teaches nothing (excluded as `uniform_group`): with 8 that is
     about half as frequent as with 4 on the toy once its policy succeeds most of the time."""
-    groups_per_step: int = 2
+    groups_per_step: int = 3
     """Groups that make one RL step's batch."""
-    sessions_per_cell: int = 32
+    sessions_per_cell: int = 48
     """Executions one rollout cell serves at once; more wait in the queue (the waterlevel counts both)."""
     max_micro_batch_tokens: int = 8192
     """Tokens packed into one micro-batch (a longer path is an error naming this key)."""

@@ -24,6 +24,8 @@ from tests.integration.test_coordinator import (
     _events,
     _finish,
     _gyre_train,
+    _records,
+    _running,
     _taskset,
 )
 
@@ -161,22 +163,28 @@ class _CoordinatorWatch:
 
 
 @pytest.mark.timeout(1500)
-def test_usr2_mid_step_checkpoints_requeues_and_resumes_a_core_of_two_ranks_to_the_same_step_count(tmp_path):
+def test_usr2_mid_step_checkpoints_requeues_resumes_a_core_of_two_ranks_and_continues_its_executions(tmp_path):
     """A core cell of 2 nodes training alone (colocate), over MPI control (Slurm's default): one
     srun task per rank, rank 0 its leader, rank 1 on the second node its follower, both computing
-    micro-steps; USR2 checkpoints, requeues, and the restart resumes."""
+    micro-steps; USR2 while executions run with calls recorded checkpoints, requeues, and the
+    restart resumes to the same step count and continues those executions under their ids."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
     core = {**dict(o.split("=") for o in DEV), "cluster.num_cells": "1", "cluster.cell_nodes": "2"}
     proc = _gyre_train(run_dir, tasks, "num_steps=3", "scheduler=colocate", *(f"{k}={v}" for k, v in core.items()))
     job_file = run_dir / "slurm" / "job.json"
     _wait_for(
-        "step-1 checkpoint",
+        "step-1 checkpoint, then an execution with a call recorded",
         proc,
         run_dir,
-        lambda: (run_dir / "events.jsonl").exists() and any(e["step"] == 1 for e in _events(run_dir, "checkpoint")),
+        lambda: (
+            (run_dir / "events.jsonl").exists()
+            and any(e["step"] == 1 for e in _events(run_dir, "checkpoint"))
+            and bool(_calling(run_dir))
+        ),
         900,
     )
     job_id = json.loads(job_file.read_text())["job_id"]
+    in_flight = _calling(run_dir)
     signal_t = time.time()
     subprocess.run(
         ["scancel", "--signal=USR2", job_id], check=True
@@ -205,6 +213,9 @@ def test_usr2_mid_step_checkpoints_requeues_and_resumes_a_core_of_two_ranks_to_t
         if view.outcome(eid).reason == "interrupted":
             assert view.outcome(f"{eid}.r1") is not None and f"{eid}" not in trained
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
+    continued = [eid for eid in in_flight if any(e.reason == "continued" for e in view.history[eid])]
+    assert continued and summary["executions_continued"] >= len(continued), (in_flight, summary)
+    assert all(view.outcome(eid) is not None and f"{eid}.r1" not in view.history for eid in continued)
     restarted_t = _latest_start_t(job_id)
     first = _first_running_t(run_dir, starts[1]["t"])  # None: the groups left were collected before the signal
     to_rollout = "none needed" if first is None else f"{first - starts[1]['t']:.1f} s"
@@ -214,6 +225,11 @@ def test_usr2_mid_step_checkpoints_requeues_and_resumes_a_core_of_two_ranks_to_t
         f"then to cells ready (run_start): {starts[1]['t'] - restarted_t:.1f} s; "
         f"then to first rollout: {to_rollout}"
     )
+
+
+def _calling(run_dir: Path) -> list[str]:
+    """Running executions with a model call recorded: what USR2 interrupts mid-way."""
+    return [eid for eid in _running(run_dir / "ledger.jsonl") if _records(run_dir, eid)]
 
 
 @pytest.fixture
