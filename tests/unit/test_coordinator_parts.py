@@ -287,9 +287,10 @@ def test_held_out_tasks_run_at_the_first_and_last_weights_never_in_the_ledger(tm
     assert results == [ex] and not [e for e in read_ledger(tmp_path / "ledger.jsonl").entries if "heldout" in e]
     r.queue.clear()
     r.admit_groups(0)
-    assert r.counts(0) == (2 * 4 * 4, 4 * 4, 0, 0)  # then steps 0 and 1 (staleness 1)
+    step = cfg.coordinator.groups_per_step * cfg.coordinator.group_size
+    assert r.counts(0) == (2 * step, step, 0, 0)  # then steps 0 and 1 (staleness 1)
     r.running.append(r.queue.pop())  # a step-1 execution starts: ahead of step 0, not of step 1
-    assert r.counts(0) == (2 * 4 * 4 - 1, 4 * 4 - 1, 1, 1) and r.counts(1) == (2 * 4 * 4 - 1, 0, 1, 0)
+    assert r.counts(0) == (2 * step - 1, step - 1, 1, 1) and r.counts(1) == (2 * step - 1, 0, 1, 0)
     r.running.clear()
     train.version = 2
     assert not r.done(train)  # the held-out rollouts under the last weights are still to come
