@@ -133,6 +133,12 @@ def test_two_steps_train_switch_roles_checkpoint_and_exclude_a_crashing_evaluato
             _taskset(tmp_path),
             "num_steps=2",
             "scheduler.staleness=0",  # step 1's executions start under version 1: calls after an update
+            # A run of seconds: the leave rule weighs the present, not the peak decode demand of a
+            # 5-minute window (the first calls' burst kept both satellites serving), and a step's
+            # second micro-step (~2.3K tokens), unclaimed while the core computes its first, is worth
+            # a satellite's round trip (gain_factor x 12 s) at 20 tok/s.
+            "scheduler.leave_window_s=0",
+            "coordinator.train_tok_s=20",
             *_sglang_fake(tmp_path),
             env=_env(GYRE_SGLANG_FAKE_AUDIT=str(audit), GYRE_SGLANG_FAKE_L3_DIR=str(tmp_path / "l3")),
         )
