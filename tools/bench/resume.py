@@ -52,10 +52,12 @@ def _train(run_dir: Path, *extra: str, **popen) -> subprocess.Popen:
 
 
 def kill_mid_step(run_dir: Path, step: int, overrides: list[str]) -> None:
-    """Run until an execution of step `step` or later is running with calls recorded (the steps
-    before it trained), then SIGKILL the run's whole process group."""
+    """Run until an execution of step `step` or later is running with calls recorded and its first
+    turn saved in its toy session file (what continuing needs: without it the execution is re-run),
+    the steps before it trained; then SIGKILL the run's whole process group."""
     from gyre.common.run_paths import RunPaths
     from gyre.coordinator.ledger import read_ledger
+    from gyre.harness.toy_agent import SESSION_FILE
 
     proc, paths = _train(run_dir, *overrides, start_new_session=True), RunPaths(run_dir)
 
@@ -63,7 +65,8 @@ def kill_mid_step(run_dir: Path, step: int, overrides: list[str]) -> None:
         if not paths.ledger.exists() or not any(e["step"] >= step for e in _events(run_dir, "checkpoint")):
             return False
         running = [eid for eid, e in read_ledger(paths.ledger).entries.items() if e.state == "running"]
-        return any(paths.record(eid).exists() and paths.record(eid).stat().st_size > 0 for eid in running)
+        saved = [eid for eid in running if (paths.sandboxes / eid / "home" / SESSION_FILE).exists()]
+        return any(paths.record(eid).exists() and paths.record(eid).stat().st_size > 0 for eid in saved)
 
     while not mid_step():
         if proc.poll() is not None:
