@@ -315,7 +315,8 @@ def test_cells_of_two_ranks_serve_through_two_engines_and_killed_ranks_lose_a_sa
     retrains nothing. Then recovery parity: the run's records
     replayed by a two-rank core that is SIGKILLed twice and resumed train the run's weights bit for bit."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path)
-    cells = ("cluster.ranks_per_cell=2", "cluster.cell_nodes=2")
+    # executions of seconds: one the kill below finds running is still running when the run stops
+    cells = ("cluster.ranks_per_cell=2", "cluster.cell_nodes=2", *_two_commands(tmp_path))
     proc = _gyre_train(run_dir, tasks, "num_steps=4", *cells, start_new_session=True)
     try:
         _wait_for(proc, lambda: _checkpointed(run_dir, 1) and _satellite_roles(run_dir) == ["rollout", "train"])
@@ -589,27 +590,32 @@ def test_misbehaving_harnesses_and_a_broken_task_are_excluded_and_counted_while_
     assert summary["num_steps"] == 1 and counts["trained"] == 6  # apple, river and escape: 3 groups of 2
 
 
+def _two_commands(tmp_path: Path) -> tuple[str, ...]:
+    """Overrides under which the main agent runs two commands of ~0.5 s before it answers (a scripted
+    policy emits the calls; tool times seeded per execution, spread, so a group's executions drift
+    apart): an execution lasts seconds, and a kill finds executions mid-way."""
+    rules = tmp_path / "rules.json"
+    script = [("Write the word", "echo STEP-ONE"), ("STEP-ONE", "echo STEP-TWO")]
+    rules.write_text(
+        json.dumps({"rules": [{"match": m, "emit": _tool_call("run", {"command": c})} for m, c in script]})
+    )
+    return (
+        "harness.toy.max_turns=3",
+        "harness.toy.max_tokens=96",  # room for a scripted tool call
+        "harness.toy.tool_median_s=0.5",
+        "harness.toy.tool_sigma=1",
+        "harness.toy.tool_max_s=3",
+        f"engine.scripted_policy={rules}",
+    )
+
+
 def test_interrupted_executions_continue_their_sessions_after_a_sigkill(tmp_path):
     """SIGKILL the coordinator and its cells while toy executions are mid-way (a sub-agent's and two
     of the main agent's calls recorded) and resume: they continue under the same id (no `.r1`),
     their calls before and after the break one call tree, the tokens before the break kept;
     nothing is trained twice, and a group of continued and uninterrupted executions trains."""
     run_dir, tasks = tmp_path / "run", _taskset(tmp_path, ("apple", "river"))  # no crashing evaluator
-    rules = tmp_path / "rules.json"  # the main agent runs two commands of 0.5 s before it answers
-    script = [("Write the word", "echo STEP-ONE"), ("STEP-ONE", "echo STEP-TWO")]
-    rules.write_text(
-        json.dumps({"rules": [{"match": m, "emit": _tool_call("run", {"command": c})} for m, c in script]})
-    )
-    toy = (
-        "harness.toy.subagent=true",
-        "harness.toy.max_turns=3",
-        "harness.toy.max_tokens=96",  # room for a scripted tool call
-        "harness.toy.tool_median_s=0.5",  # seeded per execution, spread: a group's executions drift apart
-        "harness.toy.tool_sigma=1",
-        "harness.toy.tool_max_s=3",
-        f"engine.scripted_policy={rules}",
-        "num_steps=2",
-    )
+    toy = (*_two_commands(tmp_path), "harness.toy.subagent=true", "num_steps=2")
     proc = _gyre_train(run_dir, tasks, *toy, start_new_session=True)
     _kill_when(proc, lambda: _mid_way(run_dir, beside_finished=True))
     in_flight = _running(run_dir / "ledger.jsonl")

@@ -3,14 +3,13 @@ running a scripted policy: a tool call, a foreground and a background sub-agent,
 records must rebuild into the right call tree. Killed mid-command in its sandbox, it resumes its
 session. Skipped without the npm package (tools/setup.sh installs it)."""
 
-import dataclasses
 import json
 import os
 
 import pytest
 from proxy_fixtures import new_execution, start_engine, start_proxy
+from resume_fixtures import BLOCKING, kill_mid_command_and_resume, resumable_task, torn_transcript
 
-from gyre.common.wait import wait_until
 from gyre.harness.agents import (
     CONTINUE_PROMPT,
     find_claude_code,
@@ -21,10 +20,8 @@ from gyre.harness.agents import (
     session_transcript,
 )
 from gyre.harness.config import HarnessConfig
-from gyre.harness.sandbox import Sandbox
 from gyre.models.tokenizer import ByteTokenizer
 from gyre.records.io import read_records
-from gyre.tasks.taskset import toy_taskset
 from gyre.trajectory.tree import build_call_tree
 
 pytestmark = pytest.mark.slow
@@ -124,7 +121,6 @@ def test_claude_code_tool_subagents_and_compact(tmp_path):
     assert all(n.record.hints["retokenized_turns"] == 0 for n in nodes)
 
 
-BLOCKING = "test -e resumed.flag || { touch started.flag; sleep 30; }; echo ANSWER-WRITTEN | tee answer.txt"
 RESUME_RULES = [  # the command blocks until the test has killed the harness and flagged its return
     {"match": CONTINUE_PROMPT, "emit": "The command was cut short; stopping here. CC-CONTINUED"},
     {"match": "TASK-CC", "emit": "I will run it. " + tool_call("Bash", {"command": BLOCKING, "description": "answer"})},
@@ -141,31 +137,17 @@ def test_claude_code_killed_mid_command_resumes_its_session(tmp_path):
         pytest.skip("Claude Code not installed: run tools/setup.sh (or set GYRE_CLAUDE_CODE)")
     engine = start_engine(tmp_path, RESUME_RULES)
     proxy = start_proxy(tmp_path, [engine.url])
-    task = dataclasses.replace(toy_taskset().get("word-apple"), instruction="TASK-CC: write the answer")
-    task = dataclasses.replace(task, time_budget_s=300)
     cfg = HarnessConfig(kind="claude_code", mem_limit_gb=None, claude_code_tools=["Bash"])  # as its conf/harness
+
     try:
-        key = new_execution(proxy, "cc-c")
-        first = Sandbox(task, "cc-c", tmp_path / "sandboxes", cfg, proxy.url, key, "tiny")
-        first.prepare()
-        first.start()
-        wait_until(lambda: (first.workspace / "started.flag").exists() or first.poll() is not None, 240)
-        assert (first.workspace / "started.flag").exists(), first.log_path.read_text()[-3000:]
-        first.kill()
-        transcript = session_transcript("claude_code", first.home, harness_session_id("cc-c"))
-        assert transcript is not None, sorted(p.name for p in first.home.rglob("*"))
-        with open(transcript, "a") as f:
-            f.write('{"type": "assistant", "mess')  # a write the kill cut short
-        (first.workspace / "resumed.flag").touch()
-        again = Sandbox(task, "cc-c", tmp_path / "sandboxes", cfg, proxy.url, key, "tiny")
-        again.resume(used_s=first.poll().duration_s)
-        again.start()
-        result = again.wait()
-        log = result.log_path.read_text()
-        assert result.exit_code == 0, log[-3000:]
+        task = resumable_task("TASK-CC: write the answer")
+        _, _, result = kill_mid_command_and_resume(
+            tmp_path, task, "cc-c", cfg, proxy, "tiny", torn_transcript("claude_code", "cc-c")
+        )
     finally:
         proxy.stop()
         engine.stop()
+    log = result.log_path.read_text()
     assert (
         json.loads(log.strip().splitlines()[-1])["result"] == "The command was cut short; stopping here. CC-CONTINUED"
     )

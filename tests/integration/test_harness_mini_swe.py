@@ -2,14 +2,13 @@
 running a scripted policy edits a file with its bash tool and submits; killed mid-step in its
 sandbox, it continues its session. (Harnesses under drains: test_harness_drains.py.)"""
 
-import dataclasses
 import json
 import os
 
 import pytest
 from proxy_fixtures import new_execution, start_engine, start_proxy
+from resume_fixtures import BLOCKING, kill_mid_command_and_resume, resumable_task
 
-from gyre.common.wait import wait_until
 from gyre.harness.agents import (
     MINI_SWE_SESSION_FILE,
     find_mini_swe_agent,
@@ -19,9 +18,7 @@ from gyre.harness.agents import (
     run_harness,
 )
 from gyre.harness.config import HarnessConfig
-from gyre.harness.sandbox import Sandbox
 from gyre.records.io import read_records
-from gyre.tasks.taskset import toy_taskset
 from gyre.trajectory.tree import build_call_tree
 
 pytestmark = pytest.mark.slow
@@ -79,8 +76,7 @@ RESUME_RULES = [  # the second step's command blocks until the test has killed t
     {"match": "ANSWER-WRITTEN", "emit": "Submitting. " + bash("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")},
     {
         "match": "STEP-ONE-DONE",
-        "emit": "Now the answer. "
-        + bash("test -e resumed.flag || { touch started.flag; sleep 30; }; echo ANSWER-WRITTEN | tee answer.txt"),
+        "emit": "Now the answer. " + bash(BLOCKING),
     },
     {"match": "MINI-RESUME", "emit": "First a marker. " + bash("echo STEP-ONE-DONE")},
 ]
@@ -94,28 +90,20 @@ def test_mini_swe_agent_killed_mid_step_continues_its_session(tmp_path):
         pytest.skip("mini-swe-agent not installed: run tools/setup.sh")
     engine = start_engine(tmp_path, RESUME_RULES)
     proxy = start_proxy(tmp_path, [engine.url])
-    task = dataclasses.replace(toy_taskset().get("word-apple"), instruction="MINI-RESUME: write the answer.")
-    task = dataclasses.replace(task, time_budget_s=300)
     cfg = HarnessConfig(kind="mini_swe_agent")
-    try:
-        key = new_execution(proxy, "mini-c")
-        first = Sandbox(task, "mini-c", tmp_path / "sandboxes", cfg, proxy.url, key, "gyre")
-        first.prepare()
-        first.start()
-        wait_until(lambda: (first.workspace / "started.flag").exists() or first.poll() is not None, 240)
-        assert (first.workspace / "started.flag").exists(), first.log_path.read_text()[-3000:]
-        first.kill()
+    session, before = None, []
+
+    def tear(first):
+        nonlocal session, before
         session = first.home / MINI_SWE_SESSION_FILE
         before = read_mini_swe_session(session)
         assert [m["role"] for m in before] == ["system", "user", "assistant", "tool"]  # the first whole step
         with open(session, "a") as f:
             f.write('[{"role": "assistant", "content": "Now the')  # a write the kill cut short
-        (first.workspace / "resumed.flag").touch()
-        again = Sandbox(task, "mini-c", tmp_path / "sandboxes", cfg, proxy.url, key, "gyre")
-        again.resume(used_s=first.poll().duration_s)
-        again.start()
-        result = again.wait()
-        assert result.exit_code == 0, result.log_path.read_text()[-3000:]
+
+    try:
+        task = resumable_task("MINI-RESUME: write the answer.")
+        _, again, result = kill_mid_command_and_resume(tmp_path, task, "mini-c", cfg, proxy, "gyre", tear)
     finally:
         proxy.stop()
         engine.stop()

@@ -9,22 +9,18 @@ import os
 
 import pytest
 from proxy_fixtures import MODEL, new_execution, start_engine, start_proxy
+from resume_fixtures import BLOCKING, kill_mid_command_and_resume, resumable_task, torn_transcript
 
-from gyre.common.wait import wait_until
 from gyre.harness.agents import (
     CONTINUE_PROMPT,
     find_qwen_code,
-    harness_session_id,
     make_qwen_code_command,
     make_qwen_code_env,
     run_harness,
-    session_transcript,
 )
 from gyre.harness.config import HarnessConfig
-from gyre.harness.sandbox import Sandbox
 from gyre.models.tokenizer import ByteTokenizer
 from gyre.records.io import read_records
-from gyre.tasks.taskset import toy_taskset
 from gyre.trajectory.tree import build_call_tree
 
 pytestmark = pytest.mark.slow
@@ -77,7 +73,6 @@ def test_qwen_code_runs_a_command_through_the_proxy(tmp_path):
     assert any(n.parent is not None and n.shared >= tree.nodes[n.parent].end for n in tree.nodes), tree.nodes
 
 
-BLOCKING = "test -e resumed.flag || { touch started.flag; sleep 30; }; echo ANSWER-WRITTEN | tee answer.txt"
 RESUME_RULES = [
     {"match": "Managed memory", "emit": "Nothing to remember."},
     {"match": CONTINUE_PROMPT, "emit": "The command was cut short; stopping here. QWEN-CONTINUED"},
@@ -94,31 +89,17 @@ def test_qwen_code_killed_mid_command_continues_its_session(tmp_path):
         pytest.skip("Qwen Code not installed: run tools/setup.sh (or set GYRE_QWEN_CODE)")
     engine = start_engine(tmp_path, RESUME_RULES, model=dataclasses.replace(MODEL, max_seq_len=131072))
     proxy = start_proxy(tmp_path, [engine.url], context_len=131072)
-    task = dataclasses.replace(toy_taskset().get("word-apple"), instruction="TASK-QWEN: write the answer")
-    task = dataclasses.replace(task, time_budget_s=300)
     cfg = HarnessConfig(kind="qwen_code", mem_limit_gb=None)  # as its conf/harness: Node reserves address space
+
     try:
-        key = new_execution(proxy, "qw-c")
-        first = Sandbox(task, "qw-c", tmp_path / "sandboxes", cfg, proxy.url, key, "gyre")
-        first.prepare()
-        first.start()
-        wait_until(lambda: (first.workspace / "started.flag").exists() or first.poll() is not None, 480)
-        assert (first.workspace / "started.flag").exists(), first.log_path.read_text()[-3000:]
-        first.kill()
-        transcript = session_transcript("qwen_code", first.home, harness_session_id("qw-c"))
-        assert transcript is not None, sorted(p.name for p in first.home.rglob("*"))
-        with open(transcript, "a") as f:
-            f.write('{"type": "assistant", "mess')  # a write the kill cut short
-        (first.workspace / "resumed.flag").touch()
-        again = Sandbox(task, "qw-c", tmp_path / "sandboxes", cfg, proxy.url, key, "gyre")
-        again.resume(used_s=first.poll().duration_s)
-        again.start()
-        result = again.wait()
-        log = result.log_path.read_text()
-        assert result.exit_code == 0, log[-3000:]
+        task = resumable_task("TASK-QWEN: write the answer")
+        _, _, result = kill_mid_command_and_resume(
+            tmp_path, task, "qw-c", cfg, proxy, "gyre", torn_transcript("qwen_code", "qw-c"), 480
+        )
     finally:
         proxy.stop()
         engine.stop()
+    log = result.log_path.read_text()
     assert '"result":"The command was cut short; stopping here. QWEN-CONTINUED"' in log.replace(": ", ":")
     records = sorted(read_records(tmp_path / "records" / "qw-c.jsonl")[0], key=lambda r: r.seq)
     main = [r for r in records if "Managed memory" not in ByteTokenizer(512).decode(r.input_ids.tolist())]
