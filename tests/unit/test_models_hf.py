@@ -77,6 +77,7 @@ def test_export_round_trips_bitwise_and_transformers_loads_it(tmp_path):
 _TP_RANK = """
 import sys, torch
 from test_models_hf import IDS, _trainer_logprobs
+from gyre.common.serve import exit_at_once
 from gyre.models.config import ModelConfig
 from gyre.train.config import TrainerConfig
 from gyre.train.trainer import Trainer
@@ -86,6 +87,7 @@ lp, engine = _trainer_logprobs(tr, IDS), tr.engine_weights()
 if torch.distributed.get_rank() == 0:
     torch.save({"logprobs": lp, "engine": engine}, sys.argv[2])
 torch.distributed.destroy_process_group()
+exit_at_once(0)  # as a rank ends in gyre.train.ranks: no teardown of torch's native threads
 """
 
 

@@ -50,6 +50,7 @@ STEPS = [(5, 11), (3, 12)]  # (micro-batches, seed) of each streamed step
 
 _RANK_SCRIPT = """
 import sys, torch
+from gyre.common.serve import exit_at_once
 from dataclasses import replace
 from _train_ref import random_batches
 from test_train_ranks import MODEL, CFG, STEPS, stream_steps
@@ -92,6 +93,7 @@ def main(tp, src, dst, out):
                    owned=owned)
         torch.save(got, out)
     torch.distributed.destroy_process_group()
+    exit_at_once(0)  # as a rank ends in gyre.train.ranks: no teardown of torch's native threads
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
@@ -100,6 +102,7 @@ if __name__ == "__main__":
 
 _SATELLITE_SCRIPT = """
 import json, os, sys, threading, time, torch
+from gyre.common.serve import exit_at_once
 from dataclasses import replace
 from test_train_ranks import MODEL, CFG
 import gyre.train.ranks as ranks_module
@@ -131,6 +134,7 @@ def main(tp, address_file, out):
         pulls = {"pull_s": sat.pull_seconds, "rank_pull_s": sat.rank_pull_seconds}
         json.dump({"computed": computed, **pulls, "lost": lost}, open(out, "w"))
     torch.distributed.destroy_process_group()
+    exit_at_once(0)  # as a rank ends in gyre.train.ranks: no teardown of torch's native threads
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
