@@ -223,14 +223,21 @@ def make_qwen_code_env(base: dict[str, str], proxy_url: str, api_key: str, home:
 
 
 def make_qwen_code_command(
-    binary: str, prompt: str, *, model: str, session_id: str | None = None, resume: bool = False
+    binary: str,
+    prompt: str,
+    *,
+    model: str,
+    tools: list[str] | None = None,
+    session_id: str | None = None,
+    resume: bool = False,
 ) -> list[str]:
     """`qwen --yolo` (every tool approved: the sandbox is Gyre's), one-shot with JSON output, the
-    OpenAI route with `model`, in session `session_id` (`--session-id`; `resume`: `--resume ID`);
-    `--prompt=`, so a prompt starting with a dash stays a prompt (after `--` Qwen Code 0.24 reads
-    no prompt at all)."""
+    OpenAI route with `model`, its core tools limited to `tools` (`--core-tools`; None: all), in
+    session `session_id` (`--session-id`; `resume`: `--resume ID`); `--prompt=`, so a prompt
+    starting with a dash stays a prompt (after `--` Qwen Code 0.24 reads no prompt at all)."""
     session = [] if session_id is None else ["--resume" if resume else "--session-id", session_id]
-    return [binary, "--yolo", "--auth-type", "openai", "-m", model, "-o", "json", *session, f"--prompt={prompt}"]
+    core = [] if tools is None else ["--core-tools", *tools]
+    return [binary, "--yolo", "--auth-type", "openai", "-m", model, "-o", "json", *core, *session, f"--prompt={prompt}"]
 
 
 def make_mini_swe_env(base: dict[str, str], home: str) -> dict[str, str]:

@@ -66,6 +66,7 @@ class HarnessSession:
 
 
 def _qwen_code_command(
+    cfg: HarnessConfig,
     instruction: str,
     proxy_url: str,
     api_key: str,
@@ -79,7 +80,9 @@ def _qwen_code_command(
     if binary is None:
         raise HarnessNotFound("Qwen Code is not installed (tools/setup.sh, or set GYRE_QWEN_CODE)")
     prompt = agents.CONTINUE_PROMPT if session.resume else instruction
-    argv = agents.make_qwen_code_command(binary, prompt, model=model, session_id=session.id, resume=session.resume)
+    argv = agents.make_qwen_code_command(
+        binary, prompt, model=model, tools=cfg.qwen_code_tools, session_id=session.id, resume=session.resume
+    )
     return argv, agents.make_qwen_code_env(env, proxy_url, api_key, str(home), model)
 
 
@@ -113,7 +116,7 @@ def make_harness_command(
     if cfg.kind == "toy":
         return make_toy_command(cfg, instruction, model), env
     if cfg.kind == "qwen_code":
-        return _qwen_code_command(instruction, proxy_url, api_key, model, home, env, session)
+        return _qwen_code_command(cfg, instruction, proxy_url, api_key, model, home, env, session)
     if cfg.kind == "command":
         values = {
             "instruction": instruction,

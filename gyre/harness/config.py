@@ -86,6 +86,10 @@ class HarnessConfig:
     container_runtime: str = "apptainer"
     """apptainer | enroot."""
     claude_code_tools: list[str] = field(default_factory=lambda: ["Bash", "Read", "Write", "Edit", "Agent"])
+    qwen_code_tools: list[str] | None = None
+    """kind=qwen_code: its core tools (`--core-tools`, e.g. [run_shell_command, read_file, write_file,
+    edit]); None: all of Qwen Code's. Qwen Code 0.24's prompt is ~76k characters with all of them and
+    ~61k with [run_shell_command] (its agent, skill and other built-ins stay)."""
     toy: ToyAgentConfig = field(default_factory=ToyAgentConfig)
 
     def __post_init__(self):

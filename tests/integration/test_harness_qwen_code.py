@@ -30,6 +30,11 @@ def tool_call(name: str, args: dict) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
 
+TOOLS = ["run_shell_command"]
+"""The tests' one core tool (harness.qwen_code_tools): Qwen Code's prompt is then ~61k byte tokens
+against ~76k with all its tools, and the tiny engine's quadratic prefill of it ~1.5x cheaper."""
+SEQ = 65536
+
 RULES = [  # first match wins, on the prompt text the model has not answered yet (gyre.engines.scripted)
     {"match": "Managed memory", "emit": "Nothing to remember."},
     {"match": "QWEN-STEP-DONE", "emit": "The marker is written. QWEN-COMPLETE"},
@@ -45,16 +50,14 @@ def test_qwen_code_runs_a_command_through_the_proxy(tmp_path):
     binary = find_qwen_code()
     if binary is None:
         pytest.skip("Qwen Code not installed: run tools/setup.sh (or set GYRE_QWEN_CODE)")
-    engine = start_engine(
-        tmp_path, RULES, model=dataclasses.replace(MODEL, max_seq_len=131072)
-    )  # its prompt: ~76k tiny-tokenizer tokens
-    proxy = start_proxy(tmp_path, [engine.url], context_len=131072)
+    engine = start_engine(tmp_path, RULES, model=dataclasses.replace(MODEL, max_seq_len=SEQ))
+    proxy = start_proxy(tmp_path, [engine.url], context_len=SEQ)
     try:
         key = new_execution(proxy, "qw")
         for d in ("home", "ws"):
             (tmp_path / d).mkdir()
         env = make_qwen_code_env(dict(os.environ), proxy.url, key, str(tmp_path / "home"), "gyre")
-        command = make_qwen_code_command(binary, "TASK-QWEN: write the marker", model="gyre")
+        command = make_qwen_code_command(binary, "TASK-QWEN: write the marker", model="gyre", tools=TOOLS)
         done = run_harness(command, env, str(tmp_path / "ws"), 300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         result = json.loads(done.stdout)[-1]
@@ -87,9 +90,10 @@ def test_qwen_code_killed_mid_command_continues_its_session(tmp_path):
     verbatim, the interrupted command marked failed, then the continue prompt; the run ends."""
     if find_qwen_code() is None:
         pytest.skip("Qwen Code not installed: run tools/setup.sh (or set GYRE_QWEN_CODE)")
-    engine = start_engine(tmp_path, RESUME_RULES, model=dataclasses.replace(MODEL, max_seq_len=131072))
-    proxy = start_proxy(tmp_path, [engine.url], context_len=131072)
-    cfg = HarnessConfig(kind="qwen_code", mem_limit_gb=None)  # as its conf/harness: Node reserves address space
+    engine = start_engine(tmp_path, RESUME_RULES, model=dataclasses.replace(MODEL, max_seq_len=SEQ))
+    proxy = start_proxy(tmp_path, [engine.url], context_len=SEQ)
+    # as its conf/harness (Node reserves address space), its shell its only core tool
+    cfg = HarnessConfig(kind="qwen_code", mem_limit_gb=None, qwen_code_tools=TOOLS)
 
     try:
         task = resumable_task("TASK-QWEN: write the answer")

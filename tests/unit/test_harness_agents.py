@@ -1,6 +1,7 @@
 """Harness command lines and environments (pure): every model call must reach the proxy."""
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,11 @@ def test_qwen_code_starts_and_continues_the_executions_session(tmp_path, monkeyp
     assert again[again.index("--resume") + 1] == "s-1" and again[-1] == f"--prompt={CONTINUE_PROMPT}"
     assert "--resume" not in start and "--session-id" not in again
     assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:9/v1" and env["HOME"] == str(home)
+    assert "--core-tools" not in start  # all of its tools unless harness.qwen_code_tools names some
+    shell, _ = make_harness_command(
+        replace(cfg, qwen_code_tools=["run_shell_command", "read_file"]), "fix it", tmp_path, "http://x", "k", "m", home
+    )
+    assert shell[shell.index("--core-tools") + 1 : -1] == ["run_shell_command", "read_file"]
 
 
 def test_claude_code_and_codex_continue_their_own_session_by_id():
