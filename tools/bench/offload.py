@@ -1,8 +1,9 @@
 """Benchmark: a cell's trainer state off the device and back (the offload_trainer / onload_trainer
 role-switch phases), for the tiny model (a real megatron-core Trainer that has stepped, so it holds
-Adam state) and a Qwen3-shaped ~0.5B model (the same storages by size: fp32 weights, Adam's two
-moments, a gradient buffer; a megatron trainer of that size would not fit this box beside the
-rest), through the very functions the Trainer uses (gyre.train.trainer.move_to_host / move_back).
+Adam state) and a Qwen3-shaped ~0.5B model (the storages `Trainer.offload` moves, by size: fp32
+weights and Adam's two moments; its gradient buffer is freed, not moved; a megatron trainer of that
+size would not fit this box beside the rest), through the very functions the Trainer uses
+(gyre.train.trainer.move_to_host / move_back).
 
     PYTHONPATH=. python tools/bench/offload.py [--repeats 3] [--models tiny,qwen3_0_5b] [--smoke]
 
