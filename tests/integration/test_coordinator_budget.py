@@ -34,7 +34,7 @@ name = os.path.basename(os.path.dirname(os.getcwd()))
 credit = 0.01 + int(hashlib.sha256(name.encode()).hexdigest(), 16) % 97 / 100
 print(json.dumps({"score": credit if pathlib.Path("answer.txt").exists() else 0}))
 """
-BUDGET_S = 40
+BUDGET_S = 20
 """Each task's time budget: long past one short model call on a loaded box, so every execution but
 the hanging ones has its call recorded when the budget stops it."""
 

@@ -23,7 +23,10 @@ def server(request, tmp_path_factory):
     if request.param == "builtin":
         proc = start_builtin()
     elif request.param == "sglang_fake":
-        proc = start_sglang_fake(tmp_path_factory.mktemp("model"))
+        # a released server's /health_generate fails at SGLang's health timeout (20 s by default)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "5")
+            proc = start_sglang_fake(tmp_path_factory.mktemp("model"))
     else:
         proc = start_sglang()
     proc.kind = request.param
