@@ -337,6 +337,33 @@ def test_sglangs_scheduler_assertions_kill_a_server_with_calls_running(dirs, wha
         proc.stop()
 
 
+def test_gyres_release_pauses_first_so_a_call_still_running_does_not_kill_the_server(dirs):
+    """SGLangProcess.release, through which the coordinator (coordinator/build.py) and a cell leader
+    release an engine, with a call the proxy's drain missed still running: its abort pause ends the
+    call, so the server is idle when /release_memory_occupation asserts it (a release alone kills
+    it: the test above); /health, generation off as Gyre launches it, answers 200 while released,
+    and the engine serves again after SGLangProcess.resume."""
+    proc = _started(dirs[0])
+
+    async def go(c: EngineClient):
+        started = asyncio.Event()
+        task = asyncio.create_task(_stream(c, "r-1", started))
+        await started.wait()
+        await proc.release(c)
+        straggler, released = await task, await _status(c, "/health")
+        await proc.resume(c)
+        return straggler, released, await c.generate(PROMPT, {"max_new_tokens": 2})
+
+    try:
+        straggler, released, after = _run(go, proc.url)
+        alive = proc.proc.poll() is None
+    finally:
+        proc.stop()
+    assert alive and released == 200
+    assert straggler["meta_info"]["finish_reason"]["type"] == "abort" and len(straggler["output_ids"]) < NUM_LONG
+    assert after["meta_info"]["finish_reason"]["type"] == "length"
+
+
 async def _decoding(c: EngineClient) -> None:
     """Return once the engine's one call has decoded output tokens (its KV outgrew the prompt)."""
     while (await c.loads())["loads"][0]["num_used_tokens"] <= len(PROMPT):
