@@ -53,6 +53,7 @@ def test_a_call_during_a_load_waits_for_it_and_carries_the_new_version(tmp_path,
     (call,) = [a for a in audited if "rid" in a]
     assert call["extra_key"] == call["weight_version"] == "1"
     assert {"exclusive": "update_weights_from_disk", "paused": True} in audited  # SGLang's pause first
+    assert {"pause": "retract"} in audited  # engine.pause_mode's default
 
 
 async def _serve_while_a_call_arrives(proxy, url: str, cfg: EngineConfig, key: str, audit, v1_dir) -> None:

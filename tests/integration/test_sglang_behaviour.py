@@ -132,26 +132,37 @@ def test_an_update_not_paused_waits_for_the_calls_in_flight(fake, dirs):
     assert after["meta_info"]["weight_version"] == str(v)
 
 
-@pytest.mark.parametrize("mode,flush", [("in_place", False), ("retract", True)], ids=["in_place", "retract"])
-def test_a_paused_call_continues_across_the_update_with_both_versions(fake, dirs, mode, flush):
+@pytest.mark.parametrize(
+    "mode,flush,held_as", [("in_place", False, (1, 0)), ("retract", True, (0, 1))], ids=["in_place", "retract"]
+)
+def test_a_paused_call_continues_across_the_update_with_both_versions(fake, dirs, mode, flush, held_as):
     """retract and in_place keep the call: the update lands while it is held (the server not
     ready), it continues after /continue_generation and its final answer's `weight_versions` names
-    both versions. (in_place keeps its KV, so the update must not flush the cache.)"""
+    both versions. in_place holds it running, with its KV (so the update must not flush the cache);
+    retract puts it back in the queue without its KV, to be prefilled again (/v1/loads: running,
+    waiting)."""
 
     async def go(c: EngineClient):
         v, started = await _next_version(c), asyncio.Event()
         task = asyncio.create_task(_stream(c, f"p-{mode}", started))
         await started.wait()
         await c.pause(mode)
-        ready = await _status(c, "/ready")
+        ready, load = await _status(c, "/ready"), (await c.loads())["loads"][0]
         await c.update_weights_from_disk(str(dirs[1]), weight_version=v, flush_cache=flush)
         held = not task.done()
         await c.resume()
-        return v, ready, held, await task, await _status(c, "/ready")
+        return (
+            v,
+            ready,
+            (load["num_running_reqs"], load["num_waiting_reqs"]),
+            held,
+            await task,
+            await _status(c, "/ready"),
+        )
 
-    v, ready_paused, held, out, ready_after = _run(go, fake.url)
+    v, ready_paused, queues, held, out, ready_after = _run(go, fake.url)
     spans = out["meta_info"]["weight_versions"]
-    assert (ready_paused, held, ready_after) == (503, True, 200)
+    assert (ready_paused, queues, held, ready_after) == (503, held_as, True, 200)
     assert [s["version"] for s in spans] == [str(v - 1), str(v)] and spans[-1]["end"] == NUM_LONG
     assert out["meta_info"]["finish_reason"]["type"] == "length" and out["meta_info"]["weight_version"] == str(v)
 
@@ -335,6 +346,33 @@ def test_sglangs_scheduler_assertions_kill_a_server_with_calls_running(dirs, wha
         assert want in proc.log_tail()
     finally:
         proc.stop()
+
+
+def test_gyres_release_pauses_first_so_a_call_still_running_does_not_kill_the_server(dirs):
+    """SGLangProcess.release, through which the coordinator (coordinator/build.py) and a cell leader
+    release an engine, with a call the proxy's drain missed still running: its abort pause ends the
+    call, so the server is idle when /release_memory_occupation asserts it (a release alone kills
+    it: the test above); /health, generation off as Gyre launches it, answers 200 while released,
+    and the engine serves again after SGLangProcess.resume."""
+    proc = _started(dirs[0])
+
+    async def go(c: EngineClient):
+        started = asyncio.Event()
+        task = asyncio.create_task(_stream(c, "r-1", started))
+        await started.wait()
+        await proc.release(c)
+        straggler, released = await task, await _status(c, "/health")
+        await proc.resume(c)
+        return straggler, released, await c.generate(PROMPT, {"max_new_tokens": 2})
+
+    try:
+        straggler, released, after = _run(go, proc.url)
+        alive = proc.proc.poll() is None
+    finally:
+        proc.stop()
+    assert alive and released == 200
+    assert straggler["meta_info"]["finish_reason"]["type"] == "abort" and len(straggler["output_ids"]) < NUM_LONG
+    assert after["meta_info"]["finish_reason"]["type"] == "length"
 
 
 async def _decoding(c: EngineClient) -> None:

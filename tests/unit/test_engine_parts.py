@@ -271,6 +271,7 @@ def test_the_sglang_fake_takes_the_command_line_gyre_gives_sglang():
         pytest.param({"kv_arena_mib": -1}, "kv_arena_mib", id="negative-arena"),
         pytest.param({"mem_fraction_static": 1.5}, "mem_fraction_static", id="mem-fraction"),
         pytest.param({"weight_sync": "rsync"}, "weight_sync", id="unknown-weight-sync"),
+        pytest.param({"pause_mode": "hold"}, "pause_mode", id="unknown-pause-mode"),
         pytest.param(
             {"backend": "sglang", "model_path": "/m", "enable_hicache": False},
             "weight_sync",
@@ -303,7 +304,7 @@ def test_engine_group_composes_for_both_backends():
     sglang = compose("engine=sglang", "engine.model_path=/models/q", "engine.mooncake_master=10.0.0.1:50051")
     sg = OmegaConf.to_object(sglang.engine)
     assert sg.backend == "sglang" and sg.enable_hicache and sg.page_size == 64
-    assert sg.weight_sync == "distributed" and not sg.sglang_fake
+    assert sg.weight_sync == "distributed" and not sg.sglang_fake and sg.pause_mode == "retract"
     with pytest.raises(ConfigError) as err:  # a valid engine group, but sglang is not installed here
         validate(sglang)
     assert err.value.key == "engine.backend"
