@@ -52,8 +52,7 @@ behaves as SGLang does where Gyre depends on it, each behaviour read from the sg
 It takes `sglang.launch_server`'s command line (gyre.engines.launch.make_sglang_command), so a run
 with `engine.sglang_fake=true` starts it exactly as it would start SGLang. With
 GYRE_SGLANG_FAKE_AUDIT=FILE it appends {rid, extra_key, weight_version} per /generate as received
-(what the engine served then), for tests to check the proxy's `extra_key`, {pause: mode} per pause,
-and {exclusive, paused} per update or session call (paused, or it waited for the write lock).
+(what the engine served then), {pause: mode} per pause and {exclusive, paused} per update call.
 
     python -m gyre.engines.sglang_fake --model-path DIR --port N [sglang.launch_server flags]
 """
