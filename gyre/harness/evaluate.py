@@ -191,41 +191,38 @@ def _reward_number(value, where: str) -> float:
 def parse_reward(txt: str | None, json_text: str | None) -> tuple[float, dict[str, float]]:
     """(the reward, the other named numbers) from the texts of reward.txt and reward.json (None: no file).
 
-    As Harbor reads them (harbor src/harbor/verifier/verifier.py, reward_parser.py: "reward.txt >
-    reward.json"): reward.txt, when there, is the reward; else reward.json's "reward" key, or its only
-    key (Harbor's metrics, src/harbor/metrics/mean.py, take a one-key dict's value). reward.json's
-    other numeric keys are kept as named metrics either way. Any finite number is kept, in [0, 1] or not.
+    As Harbor reads them (harbor 0.16.1 src/harbor/verifier/verifier.py `verify`: reward.json when it
+    exists, else reward.txt): reward.json, when there, decides and reward.txt is not read; its scalar is
+    its "reward" key, else its only key (harbor src/harbor/upload/uploader.py `_extract_primary_reward`;
+    several keys without "reward" have none), and its other numeric keys are kept as named metrics.
+    Any finite number is kept, in [0, 1] or not.
 
     Raises:
-        EvaluatorFailed: no file, garbage, or a reward.json alone with several keys and no "reward".
+        EvaluatorFailed: no file, garbage, or a reward.json with several keys and no "reward".
     """
-    obj = None
-    if json_text is not None:
-        try:
-            obj = jsonio.loads(json_text)
-        except jsonio.DecodeError:
-            if txt is None:
-                raise EvaluatorFailed(f"reward.json is not JSON: {json_text[:200]!r}") from None
-        if obj is not None and not isinstance(obj, dict):
-            raise EvaluatorFailed(f"reward.json must be an object of names to numbers, got {type(obj).__name__}")
-    metrics = {
-        k: float(v)
-        for k, v in (obj or {}).items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    }
-    if txt is not None:
+    if json_text is None:
+        if txt is None:
+            raise EvaluatorFailed("the verifier wrote no reward file (/logs/verifier/reward.txt or reward.json)")
         try:
             value = float(txt.strip())
         except ValueError:
             raise EvaluatorFailed(f"reward.txt is not one number: {txt[:200]!r}") from None
-        return _reward_number(value, "reward.txt"), metrics
-    if obj is None:
-        raise EvaluatorFailed("the verifier wrote no reward file (/logs/verifier/reward.txt or reward.json)")
+        return _reward_number(value, "reward.txt"), {}
+    try:
+        obj = jsonio.loads(json_text)
+    except jsonio.DecodeError:
+        raise EvaluatorFailed(f"reward.json is not JSON: {json_text[:200]!r}") from None
+    if not isinstance(obj, dict):
+        raise EvaluatorFailed(f"reward.json must be an object of names to numbers, got {type(obj).__name__}")
     if "reward" not in obj and len(obj) != 1:
         raise EvaluatorFailed(f'reward.json needs a "reward" key or exactly one key, got {sorted(obj)}')
     key = "reward" if "reward" in obj else next(iter(obj))
     value = _reward_number(obj[key], f"reward.json's {key!r}")
-    metrics.pop(key, None)
+    metrics = {
+        k: float(v)
+        for k, v in obj.items()
+        if k != key and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
     return value, metrics
 
 

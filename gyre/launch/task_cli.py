@@ -20,8 +20,11 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from gyre.common import jsonio
+import hydra
+
+from gyre.common import CONF_DIR, jsonio
 from gyre.common.run_paths import RunPaths
+from gyre.config import register_configs
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
 from gyre.errors import GyreError
@@ -55,7 +58,11 @@ def register_execution(proxy: ProxyProcess, execution_id: str) -> str:
 
 def start_stack(args, root: Path) -> tuple[list, str, str, str]:
     """An engine and a proxy of our own: (processes to stop, proxy URL, key, records path)."""
-    model_cfg = load_checkpoint(args.model_dir)[0] if args.model_dir else ModelConfig(max_seq_len=32768)
+    if args.model_dir and args.context_len:
+        raise SystemExit("gyre-task run: --context-len sets the random tiny model's context; --model-dir has its own")
+    model_cfg = (
+        load_checkpoint(args.model_dir)[0] if args.model_dir else ModelConfig(max_seq_len=args.context_len or 32768)
+    )
     engine = BuiltinEngineProcess(
         EngineConfig(model_path=args.model_dir, scripted_policy=args.scripted_policy, startup_timeout_s=300), model_cfg
     )
@@ -89,13 +96,21 @@ def load_run_task(args):
     return TaskSet.load(args.taskset).get(args.task)
 
 
+def harness_mem_limit_gb(kind: str) -> float | None:
+    """`harness.mem_limit_gb` of conf/harness/KIND.yaml, as gyre-train composes it (None for the Node
+    harnesses and Codex, which reserve large address spaces: Node's fetch cannot start under 4 GB)."""
+    register_configs()
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra.compose(config_name="config", overrides=[f"harness={kind}"]).harness.mem_limit_gb
+
+
 def cmd_run(args) -> int:
     task = load_run_task(args)
     harness = HarnessConfig(
         kind=args.harness,
         command=args.command or "",
         isolation=args.isolation,
-        mem_limit_gb=None if args.harness == "claude_code" else 4.0,
+        mem_limit_gb=harness_mem_limit_gb(args.harness),
     )
     root = Path(args.root or tempfile.mkdtemp(prefix="gyre-task-")).resolve()
     args.execution_id = args.execution_id or f"{task.task_id}-{uuid.uuid4().hex[:8]}"
@@ -228,6 +243,12 @@ def parse_args(argv):
     run.add_argument("--model", default="gyre", help="model name the harness asks for")
     run.add_argument("--model-dir", help="own engine: weights directory (default: random tiny weights)")
     run.add_argument("--scripted-policy", help="own engine: a scripted policy file (tests, demos)")
+    run.add_argument(
+        "--context-len",
+        type=int,
+        help="own engine without --model-dir: the random tiny model's context in byte tokens (default 32768; "
+        "Codex's prompt needs 65536, Qwen Code's 131072)",
+    )
     run.add_argument("--temperature", type=float, default=None)
     run.add_argument("--isolation", choices=ISOLATIONS, default="auto")
     run.add_argument("--root", help="directory for sandboxes and records (default: a new temporary one)")

@@ -84,14 +84,17 @@ def test_bubblewrap_agent_state_and_service_reach_a_shared_verifier_only(tmp_pat
     assert holder.poll() is not None  # closed: the holder, and the service inside it, are gone
 
 
-def test_both_reward_files_keep_the_json_keys_as_metrics(tmp_path):
+def test_reward_json_decides_over_reward_txt_and_keeps_its_keys_as_metrics(tmp_path):
+    """The verifier leaves reward.txt 0 and reward.json's reward 1: Harbor's scalar is reward.json's."""
     task = TaskSet.load(SHARED_SET).get("both-rewards")
-    sb = _run_agent(task, tmp_path, "bash -c 'echo ok > a.txt'")
+    sb = _run_agent(task, tmp_path, "bash -c 'echo ok > a.txt; echo ok > b.txt'")
     try:
         ev = evaluate(task, sb.workspace, "finished", sb.environment)
+        txt = (sb.environment.verifier_logs / "reward.txt").read_text().strip()
     finally:
         sb.close()
-    assert (ev.score, ev.metrics) == (0.0, {"reward": 0.0, "tests_passed": 1.0, "tests_total": 2.0}), ev
+    assert txt == "0"
+    assert (ev.score, ev.metrics) == (1.0, {"tests_passed": 2.0, "tests_total": 2.0}), ev
 
 
 @pytest.mark.slow

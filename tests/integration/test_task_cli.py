@@ -1,6 +1,7 @@
 """`gyre-task`: check on the embedded toy set, list, and run with the command harness (own engine and proxy)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from importlib import resources
@@ -8,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from gyre.harness.agents import find_claude_code
+from gyre.harness.agents import find_claude_code, find_codex, find_qwen_code
 from gyre.launch.task_cli import main
 
 
-def gyre_task(*args: str) -> subprocess.CompletedProcess:
+def gyre_task(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gyre.launch.task_cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "gyre.launch.task_cli", *args], capture_output=True, text=True, timeout=timeout_s
     )
 
 
@@ -135,3 +136,57 @@ def test_run_claude_code_with_scripted_policy(tmp_path):
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert (out["outcome"], out["score"], out["timed_out"]) == ("finished", 1.0, False), done.stderr
+
+
+def _tool_call(name: str, args: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def _shell_rules(tool: str, key: str) -> dict:
+    """A scripted policy that writes hello.txt with the harness's shell tool, then answers."""
+    command = "echo hello > hello.txt && echo WROTE-HELLO"
+    return {
+        "rules": [
+            {"match": "Managed memory", "emit": "Nothing to remember."},  # Qwen Code's memory extractor
+            {"match": "WROTE-HELLO", "emit": "hello.txt now says hello. DONE"},
+            {"match": "Write the word", "emit": "I will write it. " + _tool_call(tool, {key: command})},
+            {"match": ".", "emit": "Nothing to do."},
+        ]
+    }
+
+
+NATIVE_CODEX = (find_codex() or "").endswith("-musl/bin/codex")
+HARNESS_RUNS = [  # (harness, its shell tool and argument, the tiny model's context its prompt needs, installed)
+    pytest.param("codex", "exec_command", "cmd", 65536, NATIVE_CODEX, id="codex-native-binary"),
+    pytest.param("qwen_code", "run_shell_command", "command", 131072, find_qwen_code() is not None, id="qwen_code"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("harness,tool,key,context_len,installed", HARNESS_RUNS)
+def test_run_a_harbor_task_with_codex_native_and_qwen_code(harness, tool, key, context_len, installed, tmp_path):
+    """gyre-task run: the harness in the Harbor bubblewrap root with its harness config (no RLIMIT_AS:
+    Node's fetch cannot start under one), through the proxy to a scripted policy; the verifier scores 1."""
+    if not installed:
+        pytest.skip(f"{harness} is not installed (tools/setup.sh); Codex: its native binary")
+    task = tmp_path / "set" / "hello-file"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "harbor_tasks" / "hello-file", task)
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace("timeout_sec = 60.0", "timeout_sec = 500.0", 1))  # a tiny model's prefill
+    (tmp_path / "rules.json").write_text(json.dumps(_shell_rules(tool, key)))
+    done = gyre_task(
+        "run",
+        str(task),
+        "--harness",
+        harness,
+        "--root",
+        str(tmp_path / "run"),
+        "--scripted-policy",
+        str(tmp_path / "rules.json"),
+        "--context-len",
+        str(context_len),
+        timeout_s=580,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (out["outcome"], out["score"], out["isolated"]) == ("finished", 1.0, True), done.stderr[-3000:]

@@ -51,6 +51,8 @@ def test_valid_configs_compose_and_validate(overrides):
         pytest.param("proxy.context_len=100000", "proxy.context_len", id="context-beyond-the-model"),
         pytest.param("cluster.num_cells=64", "cluster.num_cells", id="more-cells-than-cpus"),
         pytest.param("harness.kind=emacs", "harness.kind", id="unknown-harness"),
+        pytest.param("harness.isolation=apptainer", "harness.isolation", id="apptainer-isolation-not-built"),
+        pytest.param("harness.isolation=enroot", "harness.isolation", id="enroot-isolation-not-built"),
         pytest.param("cluster.control=zmq", "cluster.control", id="unknown-control-transport"),
         pytest.param("cluster.control_peer_timeout_s=0", "cluster.control_peer_timeout_s", id="no-peer-timeout"),
         pytest.param("engine=sglang", "engine.backend", id="sglang-not-installed"),

@@ -172,9 +172,9 @@ def test_image_registries_are_tried_in_order():
     assert qualify_image("user/img", ("quay.io", "docker.io")) == ["quay.io/user/img", "docker.io/user/img"]
 
 
-REWARDS = [  # (id, reward.txt, reward.json, reward, metrics)
-    ("txt-wins-over-json", "1", '{"reward": 0.2, "passed": 3}', 1.0, {"reward": 0.2, "passed": 3.0}),
-    ("txt-with-unreadable-json", "0.5", "{oops", 0.5, {}),
+REWARDS = [  # (id, reward.txt, reward.json, reward, metrics): reward.json decides when it exists (Harbor)
+    ("json-wins-over-txt", "0", '{"reward": 0.2, "passed": 3}', 0.2, {"passed": 3.0}),
+    ("json-one-key-wins-over-txt", "1", '{"accuracy": 0.3}', 0.3, {}),
     ("json-reward-key", None, '{"reward": 0.7, "passed": 3, "note": "x"}', 0.7, {"passed": 3.0}),
     ("json-only-key", None, '{"accuracy": 0.3}', 0.3, {}),
     ("above-one-kept", "1.5", None, 1.5, {}),
@@ -190,6 +190,14 @@ def test_rewards_as_harbor_reads_them(txt, js, reward, metrics):
 def test_several_keys_without_reward_name_them():
     with pytest.raises(EvaluatorFailed, match=r"\['a', 'b'\]"):
         parse_reward(None, '{"a": 0.1, "b": 0.2}')
+
+
+def test_an_unreadable_reward_json_is_an_error_even_beside_a_reward_txt():
+    """Harbor reads reward.json whenever it exists; garbage there fails the verification."""
+    with pytest.raises(EvaluatorFailed, match="not JSON"):
+        parse_reward("1", "{oops")
+    with pytest.raises(EvaluatorFailed, match=r"\['a', 'b'\]"):
+        parse_reward("1", '{"a": 0.1, "b": 0.2}')
 
 
 def test_an_evaluation_keeps_any_finite_score_and_its_metrics():

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,30 @@ def test_only_the_harness_install_is_bound_and_a_task_folder_inside_it_is_masked
     task = dataclasses.replace(shipped, environment=dataclasses.replace(shipped.environment, task_dir=str(inside)))
     _, flags = podman.make_agent_extras(HarnessConfig(), task, tmp_path / "r")
     assert ["--tmpfs", f"{inside}:notmpcopyup"] == flags[flags.index("--tmpfs") :][:2]
+
+
+@pytest.mark.parametrize(
+    "toml,verb",
+    [
+        pytest.param("[environment]\nbuild_timeout_sec = 0.5", "build -t", id="build"),
+        pytest.param(
+            '[environment]\ndocker_image = "user/img:1"\nbuild_timeout_sec = 0.5',
+            "pull docker.io/user/img:1",
+            id="pull",
+        ),
+    ],
+)
+def test_a_pull_or_build_past_build_timeout_sec_is_an_error_naming_the_task(toml, verb, tmp_path, monkeypatch):
+    """A podman whose pull and build hang (and which has no image): [environment].build_timeout_sec bounds each."""
+    fake = tmp_path / "bin" / "podman"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\ncase "$1" in build|pull) exec sleep 30;; esac\nexit 125\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    task = harbor_task(tmp_path, toml)
+    start = time.monotonic()
+    with pytest.raises(
+        podman.PodmanError, match=rf"^task 't1': its image cannot be had: podman {verb} took over 0.5 s"
+    ):
+        podman.ensure_image(task)
+    assert time.monotonic() - start < 10
