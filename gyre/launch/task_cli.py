@@ -1,6 +1,6 @@
 """`gyre-task`: run one execution, list a task set, check a task set's reference solutions.
 
-    gyre-task run TASK --harness toy|claude_code|mini_swe_agent|command [--proxy URL --key K --records F]
+    gyre-task run TASK --harness KIND [--set harness.KEY=VALUE ...] [--proxy URL --key K --records F]
     gyre-task list [TASKSET]
     gyre-task check [TASKSET]
 
@@ -18,16 +18,19 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import hydra
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
 
 from gyre.common import CONF_DIR, jsonio
 from gyre.common.run_paths import RunPaths
 from gyre.config import register_configs
 from gyre.engines.config import EngineConfig
 from gyre.engines.launch import BuiltinEngineProcess
-from gyre.errors import GyreError
+from gyre.errors import ConfigError, GyreError
 from gyre.harness.config import ISOLATIONS, KINDS, HarnessConfig
 from gyre.harness.evaluate import evaluate
 from gyre.harness.podman import podman_available
@@ -39,6 +42,7 @@ from gyre.models.tokenizer import has_bpe_tokenizer
 from gyre.proxy.config import ProxyConfig
 from gyre.proxy.main import ProxyProcess
 from gyre.records.io import has_records
+from gyre.tasks.spec import TaskSpecError
 from gyre.tasks.taskset import TOY_TASKSET, TaskSet
 from gyre.trajectory.rewards import Evaluation, reward_of, unscored_reason
 
@@ -96,22 +100,28 @@ def load_run_task(args):
     return TaskSet.load(args.taskset).get(args.task)
 
 
-def harness_mem_limit_gb(kind: str) -> float | None:
-    """`harness.mem_limit_gb` of conf/harness/KIND.yaml, as gyre-train composes it (None for the Node
-    harnesses and Codex, which reserve large address spaces: Node's fetch cannot start under 4 GB)."""
+def harness_config(kind: str, overrides: list[str], **values) -> HarnessConfig:
+    """conf/harness/KIND.yaml with `overrides` (harness.KEY=VALUE) and `values`, composed and checked
+    as gyre-train does it (its mem_limit_gb: None for the Node harnesses and Codex, which reserve
+    large address spaces; Node's fetch cannot start under 4 GB).
+
+    Raises:
+        ConfigError: a bad override, naming its key.
+    """
+    if bad := [o for o in overrides if not o.startswith("harness.")]:
+        raise ConfigError("--set", f"takes harness.KEY=VALUE overrides, not {bad[0]!r}")
     register_configs()
     with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra.compose(config_name="config", overrides=[f"harness={kind}"]).harness.mem_limit_gb
+        cfg = hydra.compose(config_name="config", overrides=[f"harness={kind}", *overrides])
+    try:
+        return replace(OmegaConf.to_object(cfg.harness), **values)
+    except ConfigError as e:
+        raise e.under("harness") from None
 
 
 def cmd_run(args) -> int:
+    harness = harness_config(args.harness, args.set, command=args.command or "", isolation=args.isolation)
     task = load_run_task(args)
-    harness = HarnessConfig(
-        kind=args.harness,
-        command=args.command or "",
-        isolation=args.isolation,
-        mem_limit_gb=harness_mem_limit_gb(args.harness),
-    )
     root = Path(args.root or tempfile.mkdtemp(prefix="gyre-task-")).resolve()
     args.execution_id = args.execution_id or f"{task.task_id}-{uuid.uuid4().hex[:8]}"
     procs, records = [], args.records
@@ -253,6 +263,14 @@ def parse_args(argv):
     run.add_argument("--isolation", choices=ISOLATIONS, default="auto")
     run.add_argument("--root", help="directory for sandboxes and records (default: a new temporary one)")
     run.add_argument("--execution-id")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="harness.KEY=VALUE",
+        help="override conf/harness/<kind>.yaml as gyre-train's overrides do (repeatable), "
+        "e.g. --set 'harness.qwen_code_tools=[run_shell_command]'",
+    )
     for name in ("list", "check"):
         s = sub.add_parser(
             name, help="list task ids" if name == "list" else "validate a set and score its reference solutions"
@@ -263,7 +281,11 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    sys.exit({"run": cmd_run, "list": cmd_list, "check": cmd_check}[args.cmd](args))
+    try:
+        code = {"run": cmd_run, "list": cmd_list, "check": cmd_check}[args.cmd](args)
+    except (ConfigError, HydraException, TaskSpecError) as e:  # bad input, named before anything starts
+        sys.exit(f"gyre-task {args.cmd}: {e}")
+    sys.exit(code)
 
 
 if __name__ == "__main__":
