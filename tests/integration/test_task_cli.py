@@ -4,10 +4,12 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
 import pytest
+from proxy_fixtures import MODEL, new_execution, start_engine, start_proxy
 
 from gyre.harness.agents import find_claude_code, find_codex, find_qwen_code
 from gyre.launch.task_cli import main
@@ -156,39 +158,47 @@ def _shell_rules(tool: str, key: str) -> dict:
 
 
 NATIVE_CODEX = (find_codex() or "").endswith("-musl/bin/codex")
-HARNESS_RUNS = [  # (harness, its shell tool and argument, the tiny model's context its prompt needs, installed)
-    pytest.param("codex", "exec_command", "cmd", 65536, NATIVE_CODEX, id="codex-native-binary"),
-    pytest.param("qwen_code", "run_shell_command", "command", 65536, find_qwen_code() is not None, id="qwen_code"),
+HARNESS_RUNS = [  # (harness, its shell tool and argument, installed)
+    pytest.param("codex", "exec_command", "cmd", NATIVE_CODEX, id="codex-native-binary"),
+    pytest.param("qwen_code", "run_shell_command", "command", find_qwen_code() is not None, id="qwen_code"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("harness,tool,key,context_len,installed", HARNESS_RUNS)
-def test_run_a_harbor_task_with_codex_native_and_qwen_code(harness, tool, key, context_len, installed, tmp_path):
-    """gyre-task run: the harness in the Harbor bubblewrap root with its harness config (no RLIMIT_AS:
-    Node's fetch cannot start under one), through the proxy to a scripted policy; the verifier scores 1."""
+@pytest.mark.parametrize("harness,tool,key,installed", HARNESS_RUNS)
+def test_run_a_harbor_task_with_codex_native_and_qwen_code(harness, tool, key, installed, tmp_path):
+    """gyre-task run --proxy: the harness in the Harbor bubblewrap root with its harness config (no
+    RLIMIT_AS: Node's fetch cannot start under one), through a proxy to a scripted policy on the
+    one-layer test model (the prompts are 50-61k byte tokens); the verifier scores 1."""
     if not installed:
         pytest.skip(f"{harness} is not installed (tools/setup.sh); Codex: its native binary")
     task = tmp_path / "set" / "hello-file"
     shutil.copytree(Path(__file__).resolve().parents[1] / "harbor_tasks" / "hello-file", task)
     toml = task / "task.toml"
     toml.write_text(toml.read_text().replace("timeout_sec = 60.0", "timeout_sec = 500.0", 1))  # a tiny model's prefill
-    (tmp_path / "rules.json").write_text(json.dumps(_shell_rules(tool, key)))
-    done = gyre_task(
-        "run",
-        str(task),
-        "--harness",
-        harness,
-        "--root",
-        str(tmp_path / "run"),
-        "--scripted-policy",
-        str(tmp_path / "rules.json"),
-        "--context-len",
-        str(context_len),
-        # Qwen Code with its shell its one core tool: a prompt of ~61k byte tokens (all its tools: ~76k)
-        *(["--set", f"harness.qwen_code_tools=[{tool}]"] if harness == "qwen_code" else []),
-        timeout_s=580,
-    )
+    engine = start_engine(tmp_path, _shell_rules(tool, key)["rules"], model=replace(MODEL, max_seq_len=65536))
+    proxy = start_proxy(tmp_path, [engine.url], context_len=65536)
+    try:
+        done = gyre_task(
+            "run",
+            str(task),
+            "--harness",
+            harness,
+            "--root",
+            str(tmp_path / "run"),
+            "--proxy",
+            proxy.url,
+            "--key",
+            new_execution(proxy, "hello"),
+            "--records",
+            str(tmp_path / "records" / "hello.jsonl"),
+            # Qwen Code with its shell its one core tool: a prompt of ~61k byte tokens (all its tools: ~76k)
+            *(["--set", f"harness.qwen_code_tools=[{tool}]"] if harness == "qwen_code" else []),
+            timeout_s=580,
+        )
+    finally:
+        proxy.stop()
+        engine.stop()
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert (out["outcome"], out["score"], out["isolated"]) == ("finished", 1.0, True), done.stderr[-3000:]
