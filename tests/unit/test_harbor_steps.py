@@ -1,0 +1,206 @@
+"""Harbor multi-step tasks ([[steps]]): their fields read as Harbor 0.16.1 reads them (each step's
+falling back to the task's), refusals naming the field, a step's view of its task, and the steps'
+rewards: min_reward gating, the mean and final strategies, per-step metrics."""
+
+from pathlib import Path
+
+import pytest
+
+from gyre.harness.environment import LIFETIME_MARGIN_S, lifetime_s
+from gyre.harness.evaluate import evaluate
+from gyre.harness.steps import combine, ended, stop_reason
+from gyre.tasks.harbor import load_harbor_task
+from gyre.tasks.harbor_steps import STEP_VERIFIER_TIMEOUT_S
+from gyre.tasks.spec import TaskSpecError, TaskStep, step_task
+from gyre.trajectory.rewards import Evaluation
+
+TWO_STEPS = """
+[agent]
+timeout_sec = 50
+user = "agent"
+
+[verifier]
+timeout_sec = 20
+env = { SHARED = "task", ONLY_TASK = "1" }
+user = "checker"
+
+[[steps]]
+name = "write"
+min_reward = 1.0
+
+[[steps]]
+name = "append"
+min_reward = { reward = 0.5, style = 0.2 }
+[steps.agent]
+timeout_sec = 30
+user = "second"
+[steps.verifier]
+timeout_sec = 5
+env = { SHARED = "step" }
+"""
+
+
+def steps_dir(root: Path, toml: str = TWO_STEPS, files: dict | None = None, name: str = "two") -> Path:
+    """A Harbor multi-step task folder: the task's tests/ and solution/, each step's instruction."""
+    d = root / name
+    base = {
+        "task.toml": toml,
+        "tests/test.sh": "echo 1 > /logs/verifier/reward.txt\n",
+        "tests/helper.py": "",
+        "solution/solve.sh": "true\n",
+        "steps/write/instruction.md": "write a file",
+        "steps/append/instruction.md": "append to it",
+        "steps/append/tests/test.sh": "echo 0 > /logs/verifier/reward.txt\n",
+        "steps/append/solution/solve.sh": "true\n",
+    }
+    for rel, text in {**base, **(files or {})}.items():
+        if text is not None:
+            (d / rel).parent.mkdir(parents=True, exist_ok=True)
+            (d / rel).write_text(text)
+    return d
+
+
+def test_steps_are_read_with_the_tasks_fields_as_their_defaults(tmp_path):
+    d = steps_dir(tmp_path)
+    task = load_harbor_task(d)
+    write, append = task.steps
+    assert (write.name, write.instruction, append.instruction) == ("write", "write a file", "append to it")
+    assert (write.time_budget_s, append.time_budget_s) == (50.0, 30.0)  # [agent].timeout_sec, else the step's
+    # Harbor's step verifier table carries its own 600 s default: the task's 20 s is not the fallback
+    assert (write.evaluator.timeout_s, append.evaluator.timeout_s) == (STEP_VERIFIER_TIMEOUT_S, 5.0)
+    assert write.evaluator.env == {"SHARED": "task", "ONLY_TASK": "1"}
+    assert append.evaluator.env == {"SHARED": "step", "ONLY_TASK": "1"}  # the step's over the task's
+    assert write.evaluator.tests == (str(d / "tests"),)
+    assert append.evaluator.tests == (str(d / "tests"), str(d / "steps/append/tests"))  # uploaded in order
+    assert write.reference == {"solve_sh": str(d / "solution/solve.sh")}  # no solution of its own
+    assert append.reference == {"solve_sh": str(d / "steps/append/solution/solve.sh")}
+    assert (write.min_reward, append.min_reward) == ({"reward": 1.0}, {"reward": 0.5, "style": 0.2})
+    assert (write.agent_user, append.agent_user, append.verifier_user) == (None, "second", None)
+    assert task.step_reward == "mean"
+    assert (task.instruction, task.time_budget_s) == ("write a file", 80.0)  # as listed: all the steps' budgets
+    assert lifetime_s(task) == 50 + 600 + 30 + 5 + LIFETIME_MARGIN_S
+
+
+def test_a_steps_view_is_a_task_of_one_step_with_its_fields(tmp_path):
+    task = load_harbor_task(steps_dir(tmp_path))
+    first, second = step_task(task, 0), step_task(task, 1)
+    assert first.steps == second.steps == ()
+    assert (first.instruction, first.time_budget_s, first.evaluator) == ("write a file", 50.0, task.steps[0].evaluator)
+    assert (first.environment.agent_user, first.environment.verifier_user) == ("agent", "checker")  # the task's
+    assert (second.environment.agent_user, second.environment.verifier_user) == ("second", "checker")
+    assert second.reference == task.steps[1].reference
+    assert first.environment.workdir == task.environment.workdir
+
+
+def test_final_strategy_and_no_steps(tmp_path):
+    task = load_harbor_task(steps_dir(tmp_path, 'multi_step_reward_strategy = "final"\n' + TWO_STEPS))
+    assert task.step_reward == "final"
+    single = tmp_path / "one"
+    (single / "tests").mkdir(parents=True)
+    (single / "task.toml").write_text("steps = []\n")  # Harbor: no steps is a task of one step
+    (single / "instruction.md").write_text("do it")
+    (single / "tests/test.sh").write_text("true")
+    assert load_harbor_task(single).steps == ()
+
+
+ONE = '[[steps]]\nname = "write"\n'
+REFUSED = [  # (id, task.toml, files over the two-step folder's, the field named)
+    ("strategy", 'multi_step_reward_strategy = "max"\n' + TWO_STEPS, {}, "multi_step_reward_strategy"),
+    ("healthcheck", ONE + '[steps.healthcheck]\ncommand = "true"', {}, "steps[0].healthcheck"),
+    ("artifacts", ONE + 'artifacts = ["/app/out"]', {}, "steps[0].artifacts"),
+    ("agent-network", ONE + '[steps.agent]\nnetwork_mode = "public"', {}, "steps[0].agent.network_mode"),
+    ("verifier-mode", ONE + '[steps.verifier]\nenvironment_mode = "shared"', {}, "steps[0].verifier.environment_mode"),
+    ("collect", ONE + '[[steps.verifier.collect]]\ncommand = "true"', {}, "steps[0].verifier.collect"),
+    ("workdir", TWO_STEPS, {"steps/write/workdir/setup.sh": "true"}, "steps/write/workdir"),
+    ("no-instruction", TWO_STEPS, {"steps/append/instruction.md": " \n"}, "steps/append/instruction.md"),
+    ("no-test-sh", ONE, {"tests/test.sh": None}, "steps/write/tests/test.sh"),
+    ("bad-name", '[[steps]]\nname = "../up"', {}, "steps[0].name"),
+    ("duplicate", ONE + ONE, {}, "steps"),
+    ("min-reward", ONE + 'min_reward = "high"', {}, "steps[0].min_reward"),
+    ("min-reward-key", ONE + "min_reward = { x = true }", {}, "steps[0].min_reward"),
+    ("timeout", ONE + "[steps.agent]\ntimeout_sec = 0", {}, "steps[0].agent.timeout_sec"),
+    ("step-user", ONE + "[steps.verifier]\nuser = [0]", {}, "steps[0].verifier.user"),
+    ("step-env", ONE + "[steps.verifier]\nenv = { K = 1 }", {}, "steps[0].verifier.env"),
+    ("steps-not-tables", "steps = [1]", {}, "steps[0]"),
+]
+
+
+@pytest.mark.parametrize("toml,files,field", [pytest.param(t, f, n, id=i) for i, t, f, n in REFUSED])
+def test_what_gyre_cannot_run_is_refused_naming_the_field(toml, files, field, tmp_path):
+    with pytest.raises(TaskSpecError) as e:
+        load_harbor_task(steps_dir(tmp_path, toml, files))
+    assert e.value.field_name == field, str(e.value)
+
+
+def step(name: str = "s", min_reward: dict | None = None) -> TaskStep:
+    return TaskStep(name, "do", 10.0, None, None, min_reward=min_reward)
+
+
+def ev(score: float | None, outcome: str = "finished", **metrics) -> Evaluation:
+    return Evaluation(outcome, score, f"reward {score}", metrics)
+
+
+def test_a_step_below_its_min_reward_or_without_a_reward_stops_the_rest():
+    assert stop_reason(step(), ev(0.0)) is None  # no min_reward: the next step runs whatever the reward
+    assert stop_reason(step(min_reward={"reward": 0.5}), ev(0.5)) is None
+    assert "reward=0.4 is below its min_reward 0.5" in stop_reason(step(min_reward={"reward": 0.5}), ev(0.4))
+    gate = step(min_reward={"reward": 0.5, "style": 0.2})
+    assert stop_reason(gate, ev(1.0, style=0.3)) is None
+    assert "style=-inf" in stop_reason(gate, ev(1.0))  # a key the step lacks counts as -inf
+    assert "has no reward" in stop_reason(step(), ev(None, "evaluator_error"))
+
+
+def steps_task(tmp_path: Path, strategy: str = "mean"):
+    toml = f'multi_step_reward_strategy = "{strategy}"\n' + TWO_STEPS
+    return load_harbor_task(steps_dir(tmp_path, toml))
+
+
+def test_mean_is_each_keys_mean_over_the_steps_that_ran_with_each_steps_rewards_kept(tmp_path):
+    task = steps_task(tmp_path)
+    done = [("write", ev(1.0, extra=4.0)), ("append", ev(0.5, style=0.6))]
+    assert ended(task, done)
+    got = combine(task, done)
+    assert (got.outcome, got.score) == ("finished", 0.75)
+    assert got.metrics == {
+        "extra": 2.0,  # a key a step lacks counts 0
+        "style": 0.3,
+        "steps.write.reward": 1.0,
+        "steps.write.extra": 4.0,
+        "steps.append.reward": 0.5,
+        "steps.append.style": 0.6,
+    }
+    assert got.detail.startswith("mean of 2 steps: write: reward 1.0; append: reward 0.5")
+
+
+def test_final_is_the_last_steps_reward_and_a_gated_run_stops_early(tmp_path):
+    task = steps_task(tmp_path, "final")
+    assert combine(task, [("write", ev(1.0)), ("append", ev(0.25, style=0.5))]).score == 0.25
+    stopped = [("write", ev(0.5))]  # the first step's min_reward is 1.0
+    assert ended(task, stopped)
+    got = combine(task, stopped)
+    assert (got.outcome, got.score) == ("finished", 0.5)  # Harbor's final: the last step that ran
+    assert "stopped: step 'write': reward=0.5 is below its min_reward 1" in got.detail
+    assert combine(steps_task(tmp_path / "m"), stopped).score == 0.5  # mean over the one step that ran
+    assert not ended(task, [("write", ev(1.0))])
+
+
+def test_a_step_without_a_reward_ends_the_execution_with_its_outcome(tmp_path):
+    task = steps_task(tmp_path)
+    got = combine(task, [("write", ev(1.0)), ("append", ev(None, "evaluator_error"))])
+    assert (got.outcome, got.score) == ("evaluator_error", None)
+    assert got.detail.startswith("step 'append' has no reward")
+    assert got.metrics == {"steps.write.reward": 1.0}
+
+
+def test_a_timed_out_step_makes_the_execution_timed_out_kept_only_with_partial_credit(tmp_path):
+    task = steps_task(tmp_path)
+    kept = combine(task, [("write", ev(1.0, "timed_out")), ("append", ev(0.0))])
+    assert (kept.outcome, kept.score) == ("timed_out", 0.5)
+    dropped = combine(task, [("write", ev(0.0, "timed_out")), ("append", ev(0.0))])
+    assert (dropped.outcome, dropped.score) == ("budget_exhausted", None)
+
+
+def test_evaluating_a_multi_step_task_whole_is_a_caller_bug(tmp_path):
+    task = steps_task(tmp_path)
+    with pytest.raises(ValueError, match="has steps"):
+        evaluate(task, tmp_path, "finished")
