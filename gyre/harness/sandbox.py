@@ -18,7 +18,8 @@ bubblewrap holder with a fresh root, the workspace at the workdir (gyre/harness/
 task folder masked, so tests/ and solution/ stay unseen; or, for a task that needs an image
 (docker_image or environment/Dockerfile), a podman container of it with `isolation=podman`
 (gyre/harness/podman.py: the proxy through a relay). The environment outlives the harness for the
-verifier (`environment`, ended by `close()`). `[environment].memory_mb` caps RLIMIT_AS below
+verifier (`environment`, ended by `close()`); a multi-step task's steps each start a harness in it
+(`next_step`, gyre/harness/steps.py). `[environment].memory_mb` caps RLIMIT_AS below
 `harness.mem_limit_gb` (not for harnesses run without one: Node reserves large address spaces)
 and `cpus` is a CFS quota of the sandbox's own cgroup (gyre/cells/quota.py; where no cgroup is
 writable, a warning and no cap), both the container's limits under podman. A task this sandbox
