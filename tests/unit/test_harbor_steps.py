@@ -8,7 +8,9 @@ import pytest
 
 from gyre.harness.environment import LIFETIME_MARGIN_S, lifetime_s
 from gyre.harness.evaluate import evaluate
-from gyre.harness.steps import combine, ended, stop_reason
+from gyre.harness.sandbox import SandboxResult
+from gyre.harness.steps import combine, ended, finish_step, stop_reason
+from gyre.harness.task_checks import SandboxError
 from gyre.tasks.harbor import load_harbor_task
 from gyre.tasks.harbor_steps import STEP_VERIFIER_TIMEOUT_S
 from gyre.tasks.spec import TaskSpecError, TaskStep, step_task
@@ -204,3 +206,52 @@ def test_evaluating_a_multi_step_task_whole_is_a_caller_bug(tmp_path):
     task = steps_task(tmp_path)
     with pytest.raises(ValueError, match="has steps"):
         evaluate(task, tmp_path, "finished")
+
+
+class FakeSandbox:
+    """What finish_step drives: the task, its running step, the verified ones, and the next harness."""
+
+    def __init__(self, task, fail_start: bool = False):
+        self.task, self.step, self.steps_done, self.environment = task, 0, [], "env"
+        self.fail_start, self.started = fail_start, []
+
+    def next_step(self):
+        if self.fail_start:
+            raise SandboxError("harness 'x' is missing")
+        self.step += 1
+        self.started.append(self.step)
+
+
+def scripted(monkeypatch, scores: list[float]) -> list:
+    """Each step's verifier gives the next score; returns the (instruction, outcome) it was called with."""
+    calls = []
+
+    def fake_evaluate(task, workspace, outcome, environment):
+        assert environment == "env" and not task.steps  # the step's view, in the execution's environment
+        calls.append((task.instruction, outcome))
+        return ev(scores[len(calls) - 1], outcome)
+
+    monkeypatch.setattr("gyre.harness.steps.evaluate", fake_evaluate)
+    return calls
+
+
+def test_finish_step_verifies_the_step_then_starts_the_next_or_combines(tmp_path, monkeypatch):
+    calls = scripted(monkeypatch, [1.0, 0.5])
+    sb = FakeSandbox(steps_task(tmp_path))
+    assert finish_step(sb, SandboxResult(0, True, 1.0, tmp_path, tmp_path / "log")) is None
+    assert sb.started == [1]
+    got = finish_step(sb, SandboxResult(0, False, 2.0, tmp_path, tmp_path / "log"))
+    assert (got.outcome, got.score, sb.started) == ("timed_out", 0.75, [1])  # the first step ran out of time
+    assert calls == [("write a file", "timed_out"), ("append to it", "finished")]
+
+
+def test_finish_step_below_min_reward_starts_nothing_and_a_harness_that_cannot_start_is_an_error(tmp_path, monkeypatch):
+    scripted(monkeypatch, [0.5])
+    sb = FakeSandbox(steps_task(tmp_path))
+    got = finish_step(sb, SandboxResult(0, False, 1.0, tmp_path, tmp_path / "log"))
+    assert (got.outcome, got.score, sb.started) == ("finished", 0.5, [])
+    scripted(monkeypatch, [1.0])
+    broken = FakeSandbox(steps_task(tmp_path / "b"), fail_start=True)
+    got = finish_step(broken, SandboxResult(0, False, 1.0, tmp_path, tmp_path / "log"))
+    assert (got.outcome, got.score) == ("evaluator_error", None)
+    assert got.detail == "step 'append': sandbox: harness 'x' is missing"
