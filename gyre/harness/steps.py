@@ -22,6 +22,7 @@ scores the steps before it. Each step's rewards are kept as named metrics, `step
 """
 
 import math
+from pathlib import Path
 
 from gyre.errors import GyreError
 from gyre.harness.environment import open_environment
@@ -109,7 +110,7 @@ def wait_steps(sandbox: Sandbox) -> tuple[SandboxResult, Evaluation | None]:
             return result, evaluation
 
 
-def check_steps(task: Task, workspace, oracle: bool) -> Evaluation:
+def check_steps(task: Task, workspace: Path, oracle: bool) -> Evaluation:
     """A multi-step task's steps without a harness (gyre-task check), in one environment: each step's
     oracle (its solution/solve.sh, else the task's, as harbor src/harbor/agents/oracle.py picks it; or
     nothing, for the untouched workspace), then its verifier, gated as a run is; their Evaluation.
