@@ -13,8 +13,9 @@ stopped at its time budget keeps only partial credit, a score above 0, and is ot
 Harbor verifier: after the agent ends, in the agent's own environment (Harbor's shared mode,
 gyre/harness/environment.py: what the agent installed, wrote outside the workdir or left running is
 there) or, with `[verifier].environment_mode = "separate"`, in a fresh one with only the workspace:
-a fresh copy of the task's tests/ at /tests, an emptied /logs/verifier; `bash /tests/test.sh` runs
-in the workdir under `[verifier].timeout_sec`, its exit status ignored as Harbor does.
+a fresh copy of the task's tests/ at /tests (a step's: its tests/ over the task's, gyre/harness/steps.py),
+an emptied /logs/verifier; `bash /tests/test.sh` runs in the workdir under `[verifier].timeout_sec`,
+its exit status ignored as Harbor does.
 The reward is read as Harbor reads it (`parse_reward`): reward.txt first, else reward.json's
 "reward" (or only) key; reward.json's other numbers become the evaluation's named metrics; any
 finite number is kept. No reward file, garbage or a timeout: evaluator_error.

@@ -76,6 +76,7 @@ from gyre.harness.task_checks import SandboxError, agent_network, check_isolatio
 from gyre.harness.toy_agent import SESSION_FILE
 from gyre.harness.workspace import make_workspace, run_setup
 from gyre.tasks.spec import Task, step_task
+from gyre.trajectory.rewards import Evaluation
 
 log = logging.getLogger(__name__)
 _bwrap_ok: bool | None = None
@@ -264,7 +265,7 @@ class Sandbox:
         """The time budget a continued execution used before the restart that interrupted it."""
         self.step = 0
         """A multi-step task's running step (gyre/harness/steps.py); its harness sees `step_task`."""
-        self.steps_done: list = []
+        self.steps_done: list[tuple[str, Evaluation]] = []
         """A multi-step task's verified steps: (name, Evaluation), in order (gyre/harness/steps.py)."""
         self._steps_s = 0.0
         sid = harness_session_id(execution_id) if harness.kind in SESSION_TRANSCRIPTS else None
