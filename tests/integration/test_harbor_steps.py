@@ -1,6 +1,7 @@
 """Harbor multi-step tasks ([[steps]]) end to end on bubblewrap: `gyre-task check` runs each step's oracle
 then its verifier (tests/harbor_step_tasks), a harness runs step after step in one environment with each
-step's instruction, each step verified after it, and a step below its min_reward stops the rest."""
+step's instruction, each step verified after it (also through `gyre-task run`), and a step below its
+min_reward stops the rest."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import pytest
 from gyre.harness.config import HarnessConfig
 from gyre.harness.sandbox import Sandbox, bwrap_available
 from gyre.harness.steps import wait_steps
+from gyre.launch.task_cli import main
 from gyre.tasks.taskset import TaskSet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,3 +75,16 @@ def test_a_step_below_its_min_reward_stops_the_rest(tmp_path):
     assert ev.metrics == {"steps.create.reward": 0.0}
     assert (result.workspace / "starts.txt").read_text() == "start\n"  # the extend step's harness never started
     assert sb.step == 0
+
+
+def test_gyre_task_run_runs_the_steps_and_reports_their_rewards(tmp_path, capsys):
+    """`gyre-task run` on the task folder: the steps in turn, their evaluation reported as gyre-train's."""
+    records = tmp_path / "records.jsonl"
+    records.write_text("{}\n")  # a model call was made: the execution is scored
+    run = ["run", str(SET / "two-steps"), "--harness", "command", "--root", str(tmp_path), "--command", AGENT]
+    with pytest.raises(SystemExit) as done:  # in process, against a given proxy: no engine of its own
+        main([*run, "--proxy", "http://127.0.0.1:9", "--key", "k", "--records", str(records)])
+    assert done.value.code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["outcome"], out["reason"], out["score"]) == ("finished", None, 1.0), out
+    assert out["metrics"]["steps.extend.same_environment"] == 1.0 and out["detail"].startswith("mean of 2 steps")
