@@ -2,7 +2,9 @@
 falling back to the task's), refusals naming the field, a step's view of its task, and the steps'
 rewards: min_reward gating, the mean and final strategies, per-step metrics."""
 
+import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -255,3 +257,42 @@ def test_finish_step_below_min_reward_starts_nothing_and_a_harness_that_cannot_s
     got = finish_step(broken, SandboxResult(0, False, 1.0, tmp_path, tmp_path / "log"))
     assert (got.outcome, got.score) == ("evaluator_error", None)
     assert got.detail == "step 'append': sandbox: harness 'x' is missing"
+
+
+def test_the_coordinator_runs_a_multi_step_execution_until_its_last_step(tmp_path, monkeypatch):
+    """A step's end puts its execution back among the running (its next step started, its key still
+    valid); the last step's evaluation is the steps', ledgered with their metrics, the key revoked then."""
+    import hydra
+
+    from gyre.common import CONF_DIR
+    from gyre.config import register_configs, validate
+    from gyre.coordinator.ledger import ExecutionLedger, read_ledger
+    from gyre.coordinator.rollouts import Rollouts
+    from gyre.tasks.taskset import toy_taskset
+
+    register_configs()
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = validate(hydra.compose(config_name="config", overrides=["num_steps=1", "tasks.eval_every=0"]))
+    events = SimpleNamespace(execution_state=lambda entry, step: None, held_out=lambda ex: None)
+    ledger = ExecutionLedger(tmp_path / "ledger.jsonl")
+    r = Rollouts(cfg, tmp_path, toy_taskset(), ledger, events)
+    r.admit_groups(0)
+    ex = r.queue.pop(0)
+    (tmp_path / "records.jsonl").write_text("{}\n")  # the harness made a model call
+    result = SandboxResult(0, False, 1.0, tmp_path, tmp_path / "log")
+    closed, revoked = [], []
+    ex.sandbox = SimpleNamespace(task=steps_task(tmp_path / "t"), poll=lambda: result, close=lambda: closed.append(1))
+    ex.records_path = tmp_path / "records.jsonl"
+
+    async def revoke(execution_id):
+        revoked.append(execution_id)
+
+    r.proxy = SimpleNamespace(revoke_execution=revoke)
+    answers = iter([None, Evaluation("finished", 0.75, "mean of 2 steps", {"steps.write.reward": 1.0})])
+    monkeypatch.setattr("gyre.coordinator.rollouts.finish_step", lambda sandbox, ended: next(answers))
+    r.running.append(ex)
+    assert asyncio.run(r.collect()) == [] and r.running == [ex] and not revoked and not closed
+    assert asyncio.run(r.collect()) == [ex] and r.running == [] and revoked == [ex.execution_id] and closed
+    ledger.close()
+    last = read_ledger(tmp_path / "ledger.jsonl").entries[ex.execution_id]
+    assert (last.state, last.score, last.metrics) == ("finished", 0.75, {"steps.write.reward": 1.0})
