@@ -24,6 +24,7 @@ from gyre.coordinator.source import Execution, Group, GroupBook, recorded
 from gyre.errors import GyreError
 from gyre.harness.evaluate import evaluate
 from gyre.harness.sandbox import Sandbox, continuable
+from gyre.harness.steps import finish_step
 from gyre.proxy.admin import ProxyAdmin
 from gyre.records.io import RecordFileError, has_records, read_records
 from gyre.scheduler.streaming import may_admit
@@ -236,14 +237,21 @@ class Rollouts(GroupBook):
         done = [(ex, r) for ex in self.running if (r := ex.sandbox.poll()) is not None]
         for ex, _ in done:
             self.running.remove(ex)
-        await asyncio.gather(*(self._evaluate(ex, r) for ex, r in done))
-        return [ex for ex, _ in done]
+        ended = await asyncio.gather(*(self._evaluate(ex, r) for ex, r in done))
+        return [ex for (ex, _), end in zip(done, ended, strict=True) if end]
 
-    async def _evaluate(self, ex: Execution, result) -> None:
+    async def _evaluate(self, ex: Execution, result) -> bool:
         """Score the workspace, unless the policy never acted: a harness that made no model call
         (exited at once, crashed on start, did the work itself, or was stopped at its time budget
         before a call ended) is excluded, never scored; a timed-out run without partial credit is
-        excluded as budget_exhausted (evaluate, settle_budget)."""
+        excluded as budget_exhausted (evaluate, settle_budget). A multi-step task's step is verified
+        and its next step started (running again: False), its last one's evaluation is its steps'."""
+        steps_ev = None
+        if ex.sandbox.task.steps:
+            steps_ev = await asyncio.to_thread(finish_step, ex.sandbox, result)
+            if steps_ev is None:
+                self.running.append(ex)
+                return False
         outcome = "timed_out" if result.timed_out else "finished"
         ex.duration_s = result.duration_s
         try:
@@ -257,10 +265,14 @@ class Rollouts(GroupBook):
             if self.num_unstarted is not None:
                 self.num_unstarted += 1
                 check_harness_started(self.num_unstarted, self.num_first, self.harness.kind, result.log_path, reason)
-            return
+            return True
         self.num_unstarted = None
         try:  # a Harbor task is verified in its agent's environment, ended once verified
-            ev = await asyncio.to_thread(evaluate, ex.sandbox.task, result.workspace, outcome, ex.sandbox.environment)
+            ev = steps_ev
+            if ev is None:
+                ev = await asyncio.to_thread(
+                    evaluate, ex.sandbox.task, result.workspace, outcome, ex.sandbox.environment
+                )
         finally:
             await asyncio.to_thread(ex.sandbox.close)
         ex.evaluation = ev
@@ -276,6 +288,7 @@ class Rollouts(GroupBook):
         else:
             reason = "no_score" if ev.outcome in HARNESS_OUTCOMES else ev.outcome
             self._log(ex, "excluded", reason=reason, duration_s=ex.duration_s, exit_code=result.exit_code)
+        return True
 
     def counts(self, version: int) -> tuple[int, int, int, int]:
         """(queued, of those for later steps than `version`, running, of those for later steps)."""

@@ -86,11 +86,13 @@ class BaseTaskEnv:
             Mount(self.home, str(self.home)),
         ]
 
-    def put(self, source: Path, dest: str) -> None:
-        """Replace what /tests or /solution holds with a copy of `source` (a folder)."""
+    def put(self, dest: str, *sources: Path) -> None:
+        """Replace what /tests or /solution holds with a copy of `sources` (folders), each copied over
+        the ones before it (a step's tests/ over its task's)."""
         target = self.state / dest.strip("/")
         empty_folder(target)
-        shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
+        for source in sources:
+            shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
 
     def clear_verifier_logs(self) -> None:
         """Empty /logs/verifier: whatever the agent wrote there is not the verifier's."""
@@ -218,8 +220,12 @@ class PodmanTaskEnv(BaseTaskEnv):
 
 
 def lifetime_s(task: Task) -> float:
-    """How long an environment may live: the agent's budget, the verifier's time and a margin."""
-    return task.time_budget_s + task.evaluator.timeout_s + LIFETIME_MARGIN_S
+    """How long an environment may live: the agent's budget, the verifier's time (of each step, for a
+    multi-step task) and a margin."""
+    phases = [(s.time_budget_s, s.evaluator.timeout_s) for s in task.steps] or [
+        (task.time_budget_s, task.evaluator.timeout_s)
+    ]
+    return sum(agent + verifier for agent, verifier in phases) + LIFETIME_MARGIN_S
 
 
 def open_environment(

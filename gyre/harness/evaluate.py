@@ -13,8 +13,9 @@ stopped at its time budget keeps only partial credit, a score above 0, and is ot
 Harbor verifier: after the agent ends, in the agent's own environment (Harbor's shared mode,
 gyre/harness/environment.py: what the agent installed, wrote outside the workdir or left running is
 there) or, with `[verifier].environment_mode = "separate"`, in a fresh one with only the workspace:
-a fresh copy of the task's tests/ at /tests, an emptied /logs/verifier; `bash /tests/test.sh` runs
-in the workdir under `[verifier].timeout_sec`, its exit status ignored as Harbor does.
+a fresh copy of the task's tests/ at /tests (a step's: its tests/ over the task's, gyre/harness/steps.py),
+an emptied /logs/verifier; `bash /tests/test.sh` runs in the workdir under `[verifier].timeout_sec`,
+its exit status ignored as Harbor does.
 The reward is read as Harbor reads it (`parse_reward`): reward.txt first, else reward.json's
 "reward" (or only) key; reward.json's other numbers become the evaluation's named metrics; any
 finite number is kept. No reward file, garbage or a timeout: evaluator_error.
@@ -227,12 +228,13 @@ def parse_reward(txt: str | None, json_text: str | None) -> tuple[float, dict[st
 
 
 def verify_in(env: BaseTaskEnv, task: Task) -> tuple[float, str, dict[str, float]]:
-    """Run the verifier in `env` (its task's workdir): a fresh /tests, an empty /logs/verifier, then
+    """Run the verifier in `env` (its task's workdir): a fresh /tests (the evaluator's `tests` folders,
+    a step's over its task's), an empty /logs/verifier, then
     `bash /tests/test.sh` as `[verifier].user` with `[environment].env` and `[verifier].env`, its exit
     status logged, not scored (Harbor). Past its timeout, what it started inside is killed."""
-    contract = env.task.environment
+    contract = task.environment
     env.clear_verifier_logs()
-    env.put(Path(contract.task_dir, "tests"), "/tests")
+    env.put("/tests", *map(Path, task.evaluator.tests))
     variables = {**contract.env, **task.evaluator.env}
     host_env = {"HOME": str(env.home)} if env.backend == "bwrap" else {}
     argv = env.enter(["bash", "/tests/test.sh"], variables, contract.verifier_user)
@@ -283,10 +285,12 @@ def evaluate(task: Task, workspace: Path, outcome: str, environment: BaseTaskEnv
     from an evaluator failing on a finished one (the seed's rule, settle_budget).
 
     Raises:
-        ValueError: `outcome` is not a harness outcome (a caller bug).
+        ValueError: `outcome` is not a harness outcome, or the task has steps (a caller bug).
     """
     if outcome not in HARNESS_OUTCOMES:
         raise ValueError(f"outcome must be one of {', '.join(HARNESS_OUTCOMES)}, got {outcome!r}")
+    if task.steps:
+        raise ValueError(f"task {task.task_id!r} has steps: each is evaluated on its own (gyre/harness/steps.py)")
     start = time.monotonic()
     workspace = Path(workspace)
     try:

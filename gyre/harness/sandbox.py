@@ -18,7 +18,8 @@ bubblewrap holder with a fresh root, the workspace at the workdir (gyre/harness/
 task folder masked, so tests/ and solution/ stay unseen; or, for a task that needs an image
 (docker_image or environment/Dockerfile), a podman container of it with `isolation=podman`
 (gyre/harness/podman.py: the proxy through a relay). The environment outlives the harness for the
-verifier (`environment`, ended by `close()`). `[environment].memory_mb` caps RLIMIT_AS below
+verifier (`environment`, ended by `close()`); a multi-step task's steps each start a harness in it
+(`next_step`, gyre/harness/steps.py). `[environment].memory_mb` caps RLIMIT_AS below
 `harness.mem_limit_gb` (not for harnesses run without one: Node reserves large address spaces)
 and `cpus` is a CFS quota of the sandbox's own cgroup (gyre/cells/quota.py; where no cgroup is
 writable, a warning and no cap), both the container's limits under podman. A task this sandbox
@@ -74,7 +75,8 @@ from gyre.harness.roots import list_root
 from gyre.harness.task_checks import SandboxError, agent_network, check_isolation
 from gyre.harness.toy_agent import SESSION_FILE
 from gyre.harness.workspace import make_workspace, run_setup
-from gyre.tasks.spec import Task
+from gyre.tasks.spec import Task, step_task
+from gyre.trajectory.rewards import Evaluation
 
 log = logging.getLogger(__name__)
 _bwrap_ok: bool | None = None
@@ -88,6 +90,7 @@ class SandboxResult:
     timed_out: bool
     """The wall-clock budget ended it (SIGTERM, then SIGKILL after the grace)."""
     duration_s: float
+    """The harness's seconds (a multi-step task's: of its steps so far)."""
     workspace: Path
     log_path: Path
 
@@ -260,6 +263,11 @@ class Sandbox:
         self._started = self._term_at = 0.0
         self._used_s = 0.0
         """The time budget a continued execution used before the restart that interrupted it."""
+        self.step = 0
+        """A multi-step task's running step (gyre/harness/steps.py); its harness sees `step_task`."""
+        self.steps_done: list[tuple[str, Evaluation]] = []
+        """A multi-step task's verified steps: (name, Evaluation), in order (gyre/harness/steps.py)."""
+        self._steps_s = 0.0
         sid = harness_session_id(execution_id) if harness.kind in SESSION_TRANSCRIPTS else None
         self._session = HarnessSession(sid)
         self._result: SandboxResult | None = None
@@ -367,13 +375,33 @@ class Sandbox:
             self.close()
             raise
 
+    def next_step(self) -> None:
+        """Start the next step's harness in the same environment, afresh as Harbor starts each step's
+        agent (gyre/harness/steps.py): the toy agent's saved session of the step before is removed.
+
+        Raises:
+            SandboxError: the harness cannot start.
+        """
+        self._steps_s = self._result.duration_s  # the steps' so far
+        self.step += 1
+        (self.home / SESSION_FILE).unlink(missing_ok=True)
+        self._proc = self._result = None
+        self._term_at = 0.0
+        self._start_harbor()
+
+    @property
+    def budget_s(self) -> float:
+        """The running harness's time budget: the task's, or its running step's."""
+        return self.task.steps[self.step].time_budget_s if self.task.steps else self.task.time_budget_s
+
     def _start_harbor(self) -> None:
-        """The harness in the task's environment, under the relay where there is one; without an
-        image, the harness's rlimits apply inside."""
-        contract = self.task.environment
+        """The harness in the task's environment (of its running step: instruction, user), under the
+        relay where there is one; without an image, the harness's rlimits apply inside."""
+        phase = step_task(self.task, self.step) if self.task.steps else self.task
+        contract = phase.environment
         url = f"http://127.0.0.1:{self._port}" if self._relay is not None else self.proxy_url
         argv, env = make_harness_command(
-            self.cfg, self.task.instruction, Path(contract.workdir), url, self.api_key, self.model, self.home
+            self.cfg, phase.instruction, Path(contract.workdir), url, self.api_key, self.model, self.home
         )
         env.update(GYRE_EXECUTION_ID=self.execution_id, TMPDIR=str(self.home / "tmp"), **contract.env)
         if self._relay is not None:
@@ -434,7 +462,7 @@ class Sandbox:
         now = time.monotonic()
         code = self._proc.poll()
         if code is None:
-            if not self._term_at and now - self._started + self._used_s > self.task.time_budget_s:
+            if not self._term_at and now - self._started + self._used_s > self.budget_s:
                 self._term_at = now
                 self._signal(signal.SIGTERM)
             elif self._term_at and now - self._term_at > self.cfg.grace_s:
@@ -442,11 +470,12 @@ class Sandbox:
             return None
         self._signal(signal.SIGKILL)  # what the harness left running in its group
         self._log.close()
-        self._stop_relay()
+        if self.step + 1 >= len(self.task.steps):  # no step follows that needs the relay
+            self._stop_relay()
         if self._term_at and self.environment is not None:
             self.environment.kill_all()  # past its budget: what it runs inside stops too (podman exec's do not)
         used = now - self._started + self._used_s  # a continued execution's budget counts the time before the break
-        self._result = SandboxResult(code, bool(self._term_at), used, self.workspace, self.log_path)
+        self._result = SandboxResult(code, bool(self._term_at), used + self._steps_s, self.workspace, self.log_path)
         return self._result
 
     def kill(self) -> None:

@@ -100,22 +100,35 @@ def apply_reference(task: Task, workspace: Path, timeout_s: float = 600.0) -> Ba
 
 
 def run_solve_sh(task: Task, workspace: Path) -> BaseTaskEnv:
-    """Harbor's oracle: `bash /solution/solve.sh` from the workdir, in the task's environment (as the
-    agent would run: its network, `[agent].user`, `[environment].env` and `[solution].env`) with a copy
-    of solution/ at /solution, under the agent's time budget. Its exit status is logged, not judged:
-    the verifier decides, as in Harbor (its oracle agent, src/harbor/agents/oracle.py, raises nothing
-    on a failing solve.sh). Returns the environment, left for the verifier.
+    """Harbor's oracle in a new environment of the task's (`solve_in`), returned for the verifier.
 
     Raises:
-        WorkspaceError: its environment could not start (naming the task).
+        WorkspaceError: its environment could not start, or solve.sh could not (naming the task).
     """
-    contract = task.environment
-    network = contract.agent_network
     try:
-        env = open_environment(task, workspace, network)
+        env = open_environment(task, workspace, task.environment.agent_network)
     except GyreError as e:
         raise WorkspaceError(f"task {task.task_id!r}: the oracle's environment: {e}") from e
-    env.put(Path(task.reference["solve_sh"]).parent, "/solution")
+    try:
+        solve_in(env, task)
+    except WorkspaceError:
+        env.close()
+        raise
+    return env
+
+
+def solve_in(env: BaseTaskEnv, task: Task) -> None:
+    """Harbor's oracle: `bash /solution/solve.sh` from the workdir, in the task's environment `env` (as the
+    agent would run: its network, `[agent].user`, `[environment].env` and `[solution].env`) with a copy
+    of the reference's solution/ at /solution, under the agent's time budget. Its exit status is logged,
+    not judged: the verifier decides, as in Harbor (its oracle agent, src/harbor/agents/oracle.py, raises
+    nothing on a failing solve.sh).
+
+    Raises:
+        WorkspaceError: solve.sh could not start (naming the task).
+    """
+    contract = task.environment
+    env.put("/solution", Path(task.reference["solve_sh"]).parent)
     host_env = {**os.environ, "HOME": str(env.home)} if env.backend == "bwrap" else None
     argv = env.enter(["bash", "/solution/solve.sh"], {**contract.env, **contract.solution_env}, contract.agent_user)
     try:
@@ -132,6 +145,4 @@ def run_solve_sh(task: Task, workspace: Path) -> BaseTaskEnv:
         log.warning("task %s: solution/solve.sh ran past %g s (the verifier decides)", task.task_id, task.time_budget_s)
         env.kill_all()
     except OSError as e:
-        env.close()
         raise WorkspaceError(f"task {task.task_id!r}: cannot start solve.sh: {e}") from e
-    return env

@@ -35,6 +35,7 @@ from gyre.harness.config import ISOLATIONS, KINDS, HarnessConfig
 from gyre.harness.evaluate import evaluate
 from gyre.harness.podman import podman_available
 from gyre.harness.sandbox import Sandbox, bwrap_available, check_isolation, make_task_workspace
+from gyre.harness.steps import check_steps, wait_steps
 from gyre.harness.workspace import apply_reference
 from gyre.models.checkpoint import load_checkpoint
 from gyre.models.config import ModelConfig
@@ -135,8 +136,8 @@ def cmd_run(args) -> int:
         sb = Sandbox(task, args.execution_id, RunPaths(root).sandboxes, harness, url, key, args.model)
         sb.prepare()
         sb.start()
-        result = sb.wait()
-        report = run_report(sb.task, result, records, sb.environment)
+        result, steps_ev = wait_steps(sb)
+        report = run_report(sb.task, result, records, sb.environment, steps_ev)
     finally:
         sb.close()
         for p in procs:
@@ -146,14 +147,16 @@ def cmd_run(args) -> int:
     return 0
 
 
-def run_report(task, result, records: str, environment=None) -> dict:
+def run_report(task, result, records: str, environment=None, steps_ev: Evaluation | None = None) -> dict:
     """The outcome of one ended harness run by the coordinator's rule: excluded unscored when it made no
-    model call (`unscored_reason`), else its workspace's evaluation."""
+    model call (`unscored_reason`), else its workspace's evaluation (a multi-step task's: `steps_ev`,
+    its steps' verified in turn)."""
     reason = unscored_reason(result.exit_code, has_records(records), result.timed_out)
     if reason is not None:
         ev = Evaluation("timed_out" if result.timed_out else "finished")
     else:
-        ev = evaluate(task, result.workspace, "timed_out" if result.timed_out else "finished", environment)
+        outcome = "timed_out" if result.timed_out else "finished"
+        ev = steps_ev if steps_ev is not None else evaluate(task, result.workspace, outcome, environment)
         reason = reward_of(ev)[1]
     return {
         "outcome": "excluded" if reason else ev.outcome,
@@ -187,17 +190,23 @@ def evaluate_retrying(task, ws: Path, environment=None) -> tuple[Evaluation, int
 def check_task(task, root: Path) -> tuple[bool, str, float]:
     """(ok, line, evaluator seconds) for one task: an untouched workspace scores < 1, and the
     reference (a Harbor task's solution/solve.sh in its sandbox) applied to a fresh one scores 1;
-    an evaluator that keeps failing on either, or a reference that cannot run, is a FAIL."""
+    an evaluator that keeps failing on either, or a reference that cannot run, is a FAIL. A
+    multi-step task's steps run in turn on each (check_steps: per step its oracle, then its verifier;
+    its seconds are the oracles' too)."""
     env = None
     try:
         if task.environment is not None:
             check_isolation(task, HarnessConfig(isolation="podman"), bwrap_available(), podman_available())
         untouched = make_task_workspace(task, root / task.task_id / "untouched")
         solved = make_task_workspace(task, root / task.task_id / "reference")
-        env = apply_reference(task, solved)
-        start = time.monotonic()
-        before, runs_before = evaluate_retrying(task, untouched)
-        after, runs_after = evaluate_retrying(task, solved, env)
+        if task.steps:
+            start, runs_before, runs_after = time.monotonic(), 1, 1
+            before, after = check_steps(task, untouched, oracle=False), check_steps(task, solved, oracle=True)
+        else:
+            env = apply_reference(task, solved)
+            start = time.monotonic()
+            before, runs_before = evaluate_retrying(task, untouched)
+            after, runs_after = evaluate_retrying(task, solved, env)
     except GyreError as e:
         return False, f"{task.task_id}\tFAIL\t{e}", 0.0
     finally:

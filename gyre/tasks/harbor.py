@@ -11,6 +11,8 @@ A Harbor task (Terminal-Bench 2.0, Harbor's benchmark adapters, Repo2RLEnv) is a
     environment/     a Dockerfile, or the files the workspace starts from
     tests/test.sh    run as `bash /tests/test.sh` after the agent; writes /logs/verifier/reward.txt|json
     solution/solve.sh  the oracle (optional)
+    steps/<name>/    a multi-step task's steps (`[[steps]]`: gyre/tasks/harbor_steps.py), run one after
+                     another in one environment, each verified after its agent (gyre/harness/steps.py)
 
 A folder with `task.toml` is a task (its name is the task id); any other folder is searched for
 tasks up to MAX_DEPTH levels down. Every error names the folder and the field. Without
@@ -20,6 +22,7 @@ tasks up to MAX_DEPTH levels down. Every error names the folder and the field. W
 
 import re
 import tomllib
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 from gyre.tasks.harbor_fields import (
@@ -30,6 +33,7 @@ from gyre.tasks.harbor_fields import (
     parse_verification,
     resolve_env,
 )
+from gyre.tasks.harbor_steps import parse_step_reward, parse_steps
 from gyre.tasks.spec import EvaluatorSpec, Task, TaskEnvironment, TaskSpecError, WorkspaceSource
 
 MAX_DEPTH = 3
@@ -129,10 +133,13 @@ def _table(cfg: dict, name: str, where: str) -> dict:
 
 
 def _read(folder: Path, where: str) -> tuple[dict, str]:
+    """(task.toml, instruction.md); a multi-step task has no instruction of its own (its steps' instead)."""
     try:
         cfg = tomllib.loads((folder / "task.toml").read_text())
     except (tomllib.TOMLDecodeError, UnicodeError) as e:
         raise TaskSpecError(where, "task.toml", f"not valid TOML ({e})") from None
+    if cfg.get("steps"):
+        return cfg, ""
     md = folder / "instruction.md"
     instruction = md.read_text(errors="replace") if md.is_file() else ""
     if not instruction.strip():
@@ -184,28 +191,43 @@ def load_harbor_task(folder: Path, max_agent_timeout_s: float = MAX_AGENT_TIMEOU
     if not all(c.isalnum() or c in "-_." for c in folder.name):
         raise TaskSpecError(where, "task_id", "the folder name must be letters, digits, - _ .")
     cfg, instruction = _read(folder, where)
-    check_unsupported(cfg, folder, where)
+    check_unsupported(folder, where)
     agent, verifier, env = (_table(cfg, n, where) for n in ("agent", "verifier", "environment"))
     image = env.get("docker_image", "")
     if not isinstance(image, str):
         raise TaskSpecError(where, "environment.docker_image", f"must be an image name, got {image!r}")
     env_dir = folder / "environment"
     contract = _contract(folder, cfg, image, where)
+    tests = folder / "tests"
     evaluator = EvaluatorSpec(
         "harbor",
         command=VERIFIER_COMMAND,
         timeout_s=float(_number(verifier, "timeout_sec", where, "verifier.timeout_sec", DEFAULT_TIMEOUT_S)),
         env=resolve_env(verifier, "verifier", where),
         clip_reward=clip_reward,
+        tests=(str(tests),) if tests.is_dir() else (),
     )
+    budget = float(_number(agent, "timeout_sec", where, "agent.timeout_sec", max_agent_timeout_s))
     solve = folder / "solution" / "solve.sh"
-    return Task(
+    task = Task(
         task_id=folder.name,
         instruction=instruction,
         workspace=WorkspaceSource("dir", str(env_dir)) if env_dir.is_dir() else WorkspaceSource("files"),
         setup=None,
         evaluator=evaluator,
-        time_budget_s=float(_number(agent, "timeout_sec", where, "agent.timeout_sec", max_agent_timeout_s)),
+        time_budget_s=budget,
         reference={"solve_sh": str(solve)} if solve.is_file() else None,
         environment=contract,
+    )
+    steps = parse_steps(cfg, folder, evaluator, budget, where)
+    if not steps:
+        return task
+    # The whole task, as listed: its first step's instruction, all its steps' budgets.
+    total_s = sum(s.time_budget_s for s in steps)
+    return replace(
+        task,
+        instruction=steps[0].instruction,
+        time_budget_s=total_s,
+        steps=steps,
+        step_reward=parse_step_reward(cfg, where),
     )

@@ -8,7 +8,9 @@ env       [environment].env (every phase), [verifier].env, [solution].env: a val
           exactly `${VAR}` or `${VAR:-default}` is read from the host, as harbor/utils/env.py
           `resolve_env_vars` does; a `${VAR}` the host lacks is an error naming it
 users     [agent].user, [verifier].user: a user name or uid the phase runs as
-refused   [[steps]] (multi-step tasks), environment/docker-compose.yaml (multi-container tasks)
+steps     [[steps]] and multi_step_reward_strategy: gyre/tasks/harbor_steps.py (what of a step Gyre
+          cannot run is refused there, by name)
+refused   environment/docker-compose.yaml (multi-container tasks)
 """
 
 import os
@@ -101,14 +103,12 @@ def parse_verification(verifier: dict, where: str) -> str:
     return mode
 
 
-def check_unsupported(cfg: dict, folder: Path, where: str) -> None:
-    """Refuse what Gyre does not run, naming it: multi-step and multi-container tasks.
+def check_unsupported(folder: Path, where: str) -> None:
+    """Refuse what Gyre does not run, naming it: multi-container tasks.
 
     Raises:
-        TaskSpecError: naming `steps` or the compose file.
+        TaskSpecError: naming the compose file.
     """
-    if "steps" in cfg:
-        raise TaskSpecError(where, "steps", "multi-step tasks ([[steps]]) are not run by Gyre yet")
     for name in COMPOSE_FILES:
         if (folder / "environment" / name).is_file():
             raise TaskSpecError(

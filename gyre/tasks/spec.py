@@ -12,7 +12,7 @@ Every error names the task id (or the line) and the field.
      "reference": {"files": {...}} | {"command": "..."} | null}
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -60,6 +60,9 @@ class EvaluatorSpec:
     """harbor: `[verifier].env`, added to the verifier's environment."""
     clip_reward: bool = False
     """harbor: clip the verifier's reward to [0, 1] (`tasks.clip_reward`); else kept as written."""
+    tests: tuple[str, ...] = ()
+    """harbor: the folders copied into /tests, in order (a step's tests/ over the task's, as Harbor 0.16.1
+    src/harbor/verifier/verifier.py `_resolve_tests` uploads them)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,30 @@ class TaskEnvironment:
         return self.docker_image or self.dockerfile
 
 
+STEP_REWARDS = ("mean", "final")
+"""Harbor's `multi_step_reward_strategy` (harbor 0.16.1 src/harbor/models/task/config.py)."""
+
+
+@dataclass(frozen=True)
+class TaskStep:
+    """One step of a Harbor multi-step task (`[[steps]]`, gyre/tasks/harbor_steps.py): what differs
+    from the task's own fields while the step runs (`step_task`)."""
+
+    name: str
+    instruction: str
+    """`steps/<name>/instruction.md`."""
+    time_budget_s: float
+    """The step's agent budget: `[steps.agent].timeout_sec`, else the task's."""
+    evaluator: EvaluatorSpec
+    """The step's verifier: its tests/ over the task's, its timeout and env over the task's."""
+    reference: dict | None
+    """`steps/<name>/solution/solve.sh`, else the task's solution/solve.sh (Harbor's oracle)."""
+    agent_user: str | None = None
+    verifier_user: str | None = None
+    min_reward: dict[str, float] | None = None
+    """Reward key -> threshold: below any (or missing), the steps after it do not run."""
+
+
 @dataclass(frozen=True)
 class Task:
     task_id: str
@@ -129,6 +156,31 @@ class Task:
     it and the warm start trains on its files."""
     environment: TaskEnvironment | None = None
     """Harbor tasks: the container contract (workdir, /tests, /logs, limits); None: Gyre's own spec."""
+    steps: tuple[TaskStep, ...] = ()
+    """A Harbor multi-step task's steps, run one after another in one environment
+    (gyre/harness/steps.py); empty: a task of one step (the fields above)."""
+    step_reward: str = "mean"
+    """How the steps' rewards make the execution's: one of STEP_REWARDS."""
+
+
+def step_task(task: Task, index: int) -> Task:
+    """The task as its step `index` runs: that step's instruction, budget, verifier, oracle and users,
+    a task of one step."""
+    step = task.steps[index]
+    contract = task.environment
+    users = {
+        "agent_user": step.agent_user or contract.agent_user,
+        "verifier_user": step.verifier_user or contract.verifier_user,
+    }
+    return replace(
+        task,
+        instruction=step.instruction,
+        time_budget_s=step.time_budget_s,
+        evaluator=step.evaluator,
+        reference=step.reference,
+        environment=replace(contract, **users),
+        steps=(),
+    )
 
 
 def _where(obj: dict, where: str) -> str:

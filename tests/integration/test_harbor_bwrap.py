@@ -114,7 +114,8 @@ def test_verifier_without_reward_and_past_its_timeout_is_an_evaluator_error(tmp_
     env = dataclasses.replace(task.environment, task_dir=str(tmp_path / "task"))
     for script, why in [("exit 0", "no reward file"), ("sleep 30", "past its timeout")]:
         (tests / "test.sh").write_text(script + "\n")
-        quick = dataclasses.replace(task, environment=env, evaluator=dataclasses.replace(task.evaluator, timeout_s=1))
+        verifier = dataclasses.replace(task.evaluator, timeout_s=1, tests=(str(tests),))
+        quick = dataclasses.replace(task, environment=env, evaluator=verifier)
         ev = evaluate(quick, tmp_path, "finished")
         assert ev.outcome == "evaluator_error" and ev.score is None and why in ev.detail, ev
 

@@ -70,7 +70,7 @@ BAD = [  # (id, task.toml or files, the field the error names)
     ("build-timeout-negative", "[environment]\nbuild_timeout_sec = -5", "environment.build_timeout_sec"),
     ("gpus-fraction", "[environment]\ngpus = 0.5", "environment.gpus"),
     ("environment-mode-unknown", '[verifier]\nenvironment_mode = "fresh"', "verifier.environment_mode"),
-    ("steps", '[[steps]]\nname = "one"', "steps"),
+    ("step-healthcheck", '[[steps]]\nname = "one"\n[steps.healthcheck]\ncommand = "true"', "steps[0].healthcheck"),
 ]
 
 
