@@ -16,7 +16,15 @@ mode again: runs of one seed differ in the work they train (a group whose reward
 uniform is not trained), so the live speedups are printed beside the simulated ones at equal work
 (every mode on the first run's workload).
 
-    PYTHONPATH=. python tools/bench/modes.py [--steps 10] [--modes elastic,async,async-tuned,colocate] [-- OVERRIDES...]
+    PYTHONPATH=. python tools/bench/modes.py [--steps 10] [--modes elastic,async,async-tuned,colocate]
+        [--experiment NAME] [-- OVERRIDES...]
+
+--experiment NAME runs every mode on conf/experiment/NAME.yaml (`+experiment=NAME`), at its own
+num_steps unless --steps is given: `--experiment burst` is the capacity-bound workload where the
+schedule, not the latency of the executions, decides the time. Beside each mode's live time the
+report gives the simulator's prediction over it (`sim_over_live`), the lower bound's three terms
+and which binds (`bound_terms_s`, `bound_binds`), and for each baseline the most a schedule at the
+bound could gain over its live run (`ceiling_vs_<mode>`: live / bound).
 
 --smoke (the test suite's run) is the simulator side alone, uncalibrated (every live run takes
 minutes): each mode predicted, async-tuned's pool from the oracle sweep, and the lower bound, on
@@ -34,23 +42,25 @@ from pathlib import Path
 
 from gyre.common import jsonio
 from gyre.sim.calibrate import compose_sim, live_wall, load_run, make_overrides
-from gyre.sim.result import tighter_bound_s
+from gyre.sim.result import ideal_lower_bound_s
 from gyre.sim.runner import baselines, run_modes
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("elastic", "async", "async-tuned", "colocate")
 SMOKE_SIM = ["num_steps=2", "profile.groups_per_step=2", "profile.group_size=2"]
+EXPERIMENTS = ROOT / "conf" / "experiment"
+DEFAULT_STEPS = 10
 
 
-def run_mode(mode: str, scheduler: list[str], steps: int, seed: int, out: Path, overrides: list[str]) -> dict:
-    """One main job; its summary plus the wall and CPU seconds it took."""
+def run_mode(mode: str, scheduler: list[str], steps: int | None, seed: int, out: Path, overrides: list[str]) -> dict:
+    """One main job; its summary plus the wall and CPU seconds it took (steps None: the config's)."""
     cmd = [
         sys.executable,
         "-m",
         "gyre.launch.train",
         f"hydra.run.dir={out / mode}",
         *scheduler,
-        f"num_steps={steps}",
+        *([f"num_steps={steps}"] if steps is not None else []),
         f"seed={seed}",
         *overrides,
     ]
@@ -71,7 +81,8 @@ def oracle_train_cells(sim) -> int:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=None, help=f"default: the experiment's, else {DEFAULT_STEPS}")
+    p.add_argument("--experiment", default=None, help="a conf/experiment preset for every mode (e.g. burst)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated, the first calibrates ({', '.join(MODES)})"
@@ -84,7 +95,20 @@ def parse_args() -> argparse.Namespace:
     unknown = [m for m in a.modes if m not in MODES]
     if unknown or a.modes[0] == "async-tuned":
         sys.exit(f"modes: {a.modes!r}; valid: {', '.join(MODES)}, the first calibrates the simulator (not async-tuned)")
+    a.overrides = make_train_overrides(a.experiment, a.overrides)
+    if a.steps is None and a.experiment is None:
+        a.steps = DEFAULT_STEPS
     return a
+
+
+def make_train_overrides(experiment: str | None, overrides: list[str]) -> list[str]:
+    """gyre-train overrides for every mode: the experiment preset first, so the user's win."""
+    if experiment is None:
+        return overrides
+    valid = sorted(f.stem for f in EXPERIMENTS.glob("*.yaml"))
+    if experiment not in valid:
+        sys.exit(f"--experiment: unknown {experiment!r}; valid: {', '.join(valid)}")
+    return [f"+experiment={experiment}", *overrides]
 
 
 def run_all(a: argparse.Namespace) -> tuple[dict, dict, dict, object, int | None]:
@@ -146,28 +170,48 @@ REPORT_KEYS = (
 )
 
 
-def predict_modes(sim, modes: list[str], tuned: int | None) -> tuple[dict, float]:
+def bound_terms_s(results) -> dict[str, float]:
+    """The lower bound's terms over simulated runs (gyre.sim.result.tighter_bound_s is their max):
+    work / capacity, the critical path, and work / capacity after the first group can be ready."""
+    return {
+        "work": ideal_lower_bound_s(results),
+        "critical_path": min(r.critical_path_s for r in results),
+        "startup": min(r.startup_bound_s for r in results),
+    }
+
+
+def predict_modes(sim, modes: list[str], tuned: int | None) -> tuple[dict, dict]:
     """Each mode's simulated seconds (async-tuned: async with `tuned` training cells) and the
-    tighter lower bound of the workload."""
+    terms of the workload's tighter lower bound."""
     simulated = run_modes(sim)
-    bound_s = tighter_bound_s(simulated)
+    terms = bound_terms_s(simulated)
     simulated = {r.mode: r.total_s for r in simulated}
     predicted = {m: simulated[m] for m in modes if m != "async-tuned"}
     if tuned is not None:
         (r,) = run_modes(replace(sim, scheduler=replace(sim.scheduler, async_train_cells=tuned)), modes=["async"])
         predicted["async-tuned"] = r.total_s
-    return predicted, bound_s
+    return predicted, terms
 
 
 def smoke(modes: list[str]) -> None:
     """The simulator side of the bench without live runs (see the module docstring)."""
     sim = compose_sim(SMOKE_SIM, [m for m in modes if m != "async-tuned"])
     tuned = oracle_train_cells(sim) if "async-tuned" in modes else None
-    predicted, bound_s = predict_modes(sim, modes, tuned)
+    predicted, terms = predict_modes(sim, modes, tuned)
+    bound_s = max(terms.values())
     for m, seconds in predicted.items():
         print(f"  {m:<12} predicted {seconds:7.1f} s  / bound {seconds / bound_s:.3f}")
-    report = {"predicted_s": {m: round(x, 1) for m, x in predicted.items()}, "bound_s": round(bound_s, 1)}
+    report = {"predicted_s": {m: round(x, 1) for m, x in predicted.items()}} | bound_report(terms)
     print(jsonio.dumps(report | {"async_tuned_train_cells": tuned}))
+
+
+def bound_report(terms: dict[str, float]) -> dict:
+    """The bound, its terms and the one that binds, JSON-ready."""
+    return {
+        "bound_s": round(max(terms.values()), 1),
+        "bound_terms_s": {k: round(v, 1) for k, v in terms.items()},
+        "bound_binds": max(terms, key=terms.get),
+    }
 
 
 def main() -> None:
@@ -176,20 +220,24 @@ def main() -> None:
     if a.smoke:
         return smoke(modes)
     results, live, own, sim, tuned = run_all(a)
-    predicted, bound_s = predict_modes(sim, modes, tuned)
+    predicted, terms = predict_modes(sim, modes, tuned)
+    bound_s = max(terms.values())
     own[modes[0]] = predicted[modes[0]]
 
     print_runs(results)
     report = {m: {k: r.get(k) for k in REPORT_KEYS} for m, r in results.items()}
     print(
         f"simulator calibrated on the {modes[0]} run (its lower bound max(work/capacity, critical path, startup): "
-        f"{bound_s:.1f} s), and on each mode's own run (the work it trained, its cells' rates)"
+        f"{bound_s:.1f} s, {max(terms, key=terms.get)} binds: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in terms.items())
+        + "), and on each mode's own run (the work it trained, its cells' rates)"
     )
     for m in modes:
         report[m] |= {
             "live_s": live[m],
             "predicted_s": round(predicted[m], 1),
             "predicted_ratio": round(predicted[m] / live[m], 3),
+            "sim_over_live": round(predicted[m] / live[m], 3),
             "own_predicted_s": round(own[m], 1),
             "own_predicted_ratio": round(own[m] / live[m], 3),
             "over_bound": round(live[m] / bound_s, 3),
@@ -198,7 +246,7 @@ def main() -> None:
             f"  {m:<12} live {live[m]:7.1f} s  predicted {predicted[m]:7.1f} s ({predicted[m] / live[m]:.3f}x), "
             f"from its own run {own[m]:7.1f} s ({own[m] / live[m]:.3f}x)  live / bound {live[m] / bound_s:.3f}"
         )
-    report["bound_s"] = round(bound_s, 1)
+    report |= bound_report(terms)
     if "elastic" in results:
         report |= compare(results, live, predicted, bound_s, modes)
         report["elastic_over_bound"] = report["elastic"]["over_bound"]
