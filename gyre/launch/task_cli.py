@@ -121,7 +121,8 @@ def harness_config(kind: str, overrides: list[str], **values) -> HarnessConfig:
 
 
 def cmd_run(args) -> int:
-    harness = harness_config(args.harness, args.set, command=args.command or "", isolation=args.isolation)
+    given = {"command": args.command, "isolation": args.isolation}  # over the harness config where given
+    harness = harness_config(args.harness, args.set, **{k: v for k, v in given.items() if v is not None})
     task = load_run_task(args)
     root = Path(args.root or tempfile.mkdtemp(prefix="gyre-task-")).resolve()
     args.execution_id = args.execution_id or f"{task.task_id}-{uuid.uuid4().hex[:8]}"
@@ -269,7 +270,7 @@ def parse_args(argv):
         "Codex's prompt needs 65536, Qwen Code's 131072)",
     )
     run.add_argument("--temperature", type=float, default=None)
-    run.add_argument("--isolation", choices=ISOLATIONS, default="auto")
+    run.add_argument("--isolation", choices=ISOLATIONS, help="default: the harness config's (auto)")
     run.add_argument("--root", help="directory for sandboxes and records (default: a new temporary one)")
     run.add_argument("--execution-id")
     run.add_argument(
