@@ -11,7 +11,9 @@ echo "test.sh: set-up took $((SECONDS - start)) s" >&2
 eval "$(tools/slurm-dev env)"
 
 # Without arguments: the unit tests on two workers (pure cores and in-process parts, robust to a
-# loaded box), then the integration tests one at a time (whole runs under CPU quotas, timed budgets).
+# loaded box); the integration tests that start a server or a short process, also on two workers
+# (they mostly wait on sockets and child processes: 191 s against 294 s one at a time); then the
+# `slow` and `slurm` ones one at a time (whole runs under CPU quotas, timed budgets, Slurm jobs).
 rc=0
 # Style first: the formatter and the linter as configured in pyproject.toml (a failure fails the run).
 .venv/bin/ruff format --check --quiet . || rc=1
@@ -21,7 +23,8 @@ if (($#)); then
   pytest "$@"
 else
   pytest -n 2 --durations=15 tests/unit
-  pytest --durations=15 tests/integration
+  pytest -n 2 --durations=15 -m "not slow and not slurm" tests/integration
+  pytest --durations=15 -m "slow or slurm" tests/integration
 fi
 tools/slurm-dev down
 echo "test.sh: total $((SECONDS - start)) s, pytest exit status $rc" >&2

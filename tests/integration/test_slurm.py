@@ -67,15 +67,24 @@ def test_hetjob_runs_one_task_per_cell(tmp_path):
     assert len({p.node for p in placements}) == 4, "each task runs on its own node"
 
 
+def _wait_for_state(job: submitit.Job, prefix: str, timeout_s: float = 60.0) -> str:
+    """The job's state once it starts with `prefix`, asking sacct each time (submitit's own polling
+    backs off to 2, 4, 8, ... s after a submission)."""
+    deadline = time.monotonic() + timeout_s
+    while not (state := job.get_info(mode="force").get("State", "")).startswith(prefix):
+        assert time.monotonic() < deadline, f"job {job.job_id} still {state!r}, not {prefix}"
+        time.sleep(0.2)
+    return state
+
+
 def test_cancelled_job_is_reported_failed(tmp_path):
     executor = submitit.AutoExecutor(folder=tmp_path, cluster="slurm")
     executor.update_parameters(timeout_min=5, mem_gb=1, cpus_per_task=1)
     job = executor.submit(time.sleep, 300)
-    deadline = time.monotonic() + 60
-    while job.state not in ("RUNNING",) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert job.state == "RUNNING"
+    _wait_for_state(job, "RUNNING")
     job.cancel()
+    _wait_for_state(job, "CANCELLED")
+    job._results_timeout_s = 0  # as submitit's own tests do: no shared filesystem to wait 15 s for
     with pytest.raises(submitit.core.utils.UncompletedJobError):
         job.result()
     assert job.state.startswith("CANCELLED")
