@@ -478,6 +478,10 @@ class EnginePool:
             return [(0, 0)] * len(asks)  # SGLang engines share KV through HiCache's Mooncake store instead
         ps = self._page_size.get(src, 1)
         lost = [(max(0, len(tokens) // ps * ps - kv_from), 0) for tokens, kv_from in asks]
+        # No full page beyond kv_from (a call in flight whose prompt moved and that decoded less than
+        # a page since): nothing can move, and a round trip would walk its whole chain on `src`.
+        if not any(held for held, _ in lost):
+            return lost
         if not (self.cfg.migrate_kv and d.supports_kv_export and s.status != "dead"):
             return lost
         try:
