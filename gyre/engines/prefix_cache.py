@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(slots=True)
 class Page:
     parent: int | None
     tokens: tuple[int, ...]
@@ -100,13 +100,14 @@ class PrefixCache:
             self._num_pinned = 0
 
     def _walk(self, namespace: tuple, tokens: list[int]) -> list[tuple[int, tuple[int, ...]]]:
-        keys, parent, ps = [], None, self.page_size
-        for start in range(0, len(tokens) - ps + 1, ps):
-            chunk = tuple(tokens[start : start + ps])
-            key = hash((namespace, parent, chunk))
-            keys.append((key, chunk))
-            parent = key
-        return keys
+        """Each full page's (key, tokens). The pages are cut by zip (in C): a 16K-token chain is
+        walked on every export, import and finished call, some under a hand-off's clock."""
+        chunks = list(zip(*[iter(tokens)] * self.page_size))
+        keys, parent = [], None
+        for chunk in chunks:
+            parent = hash((namespace, parent, chunk))
+            keys.append(parent)
+        return list(zip(keys, chunks))
 
     def match(self, namespace: tuple, tokens: list[int]) -> list[torch.Tensor]:
         """KV of the longest cached page-aligned prefix of `tokens`, in pieces [L, 2, n, nKV, hd]
