@@ -121,7 +121,8 @@ class KVExporter:
                 entries.append({"num_tokens": 0, "kv_from": 0, "ids": 0, "runs": []})
                 continue
             tail = [self._registered(p, own) for p in drop_tokens(pieces, kv_from)]
-            id_buf = self._landing((len(ids),), torch.int32, own).copy_(torch.tensor(ids, dtype=torch.int32))
+            id_buf = self._landing((len(ids),), torch.int32, own)
+            id_buf.numpy()[:] = ids  # numpy converts a 16K-id list ~3x faster than torch.tensor
             held += [*tail, id_buf]
             entries.append(describe_session(id_buf, tail, kv_from))
             page_shape = [*pieces[0].shape[:2], *pieces[0].shape[3:]]
