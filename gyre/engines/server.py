@@ -152,7 +152,7 @@ class BuiltinEngineServer:
     async def _start(self) -> None:
         self.core.start()
         if self.cfg.kv_arena_mib:
-            await asyncio.to_thread(self.exporter.open)  # its memory is touched now, not in a hand-off
+            await asyncio.to_thread(self.exporter.open)  # memory touched, endpoint opened: not in a hand-off
 
     async def _close(self) -> None:
         await asyncio.to_thread(self.core.stop)
