@@ -10,7 +10,7 @@ are integers (the optimizer step) on Gyre's side; on the wire they are what the 
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 
@@ -319,10 +319,10 @@ class EngineClient:
         return await self.get("/v1/loads")
 
     # --- KV migration (builtin engines only) --------------------------------------------------
-    async def export_kv(self, sessions: list[tuple[list[int], int]], extra_key: str | None = None) -> dict:
-        """Publish the cached KV of sessions' prefixes: each (input ids, kv_from: tokens the
-        importer holds already, skipped)."""
-        asks = [{"input_ids": list(ids), "kv_from": kv_from} for ids, kv_from in sessions]
+    async def export_kv(self, sessions: list[tuple[Sequence[int], int]], extra_key: str | None = None) -> dict:
+        """Publish the cached KV of sessions' prefixes: each (input ids, a list or an int array
+        written as it is, kv_from: tokens the importer holds already, skipped)."""
+        asks = [{"input_ids": ids, "kv_from": kv_from} for ids, kv_from in sessions]
         return await self.post("/gyre/export_kv", {"sessions": asks, "extra_key": extra_key})
 
     async def import_kv(self, export: dict, extra_key: str | None = None) -> dict:
@@ -334,7 +334,7 @@ class EngineClient:
 
 
 async def migrate_prefixes(
-    src: EngineClient, dst: EngineClient, sessions: list[tuple[list[int], int]], extra_key: str | None = None
+    src: EngineClient, dst: EngineClient, sessions: list[tuple[Sequence[int], int]], extra_key: str | None = None
 ) -> list[dict]:
     """Move the KV of sessions' cached prefixes from `src` to `dst` over Mooncake: one export, one
     import (one batch read), one release, whatever their number.

@@ -42,10 +42,11 @@ class EngineConfig:
     prefix_cache_tokens: int = 262144
     """Builtin prefix-cache capacity in tokens (LRU eviction beyond it)."""
     kv_arena_mib: int = 32
-    """Builtin: MiB of memory touched at start (registered with Mooncake when the engine's endpoint
-    opens) that KV hand-offs copy exports into and read imports into (an import stays there as
-    prefix-cache pages until evicted); beyond it they use new memory, whose page faults double
-    each copy's cost. Kept across release_memory (only the cache's pages in it are freed). 0: none."""
+    """Builtin: MiB of memory touched at start (and registered with Mooncake: > 0 opens the engine's
+    endpoint at start, not in its first hand-off) that KV hand-offs copy exports into and read
+    imports into (an import stays there as prefix-cache pages until evicted); beyond it they use new
+    memory, whose page faults double each copy's cost. Kept across release_memory (only the cache's
+    pages in it are freed). 0: none."""
     startup_timeout_s: float = 600.0
     """Launchers give up if /health does not answer 200 within this time."""
     request_timeout_s: float = 3600.0

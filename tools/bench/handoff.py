@@ -4,13 +4,13 @@ Two builtin engines A and B (tiny model, scripted policy) behind one proxy. Each
 (L tokens) is on A: its KV is planted on A over Mooncake (random values: a 16K-token prefill per
 session would take minutes on CPU; moving and serving KV costs the same whatever its values), then
 one call through the proxy pins the session to A and tells the proxy its context. Each engine's
-transfer arena (engine.kv_arena_mib: memory touched at start, registered with Mooncake once, that
-the prefix cache keeps its pages in and imports read into) holds twice the sessions' KV, as an
-engine's KV memory is sized for what it serves. Half the sessions then start a long call (in
-flight), and A is switched to training the way a cell does it: stop_admission, drain (one batched
-move A -> B of every idle session's KV and the in-flight calls' prompts beside their abort; answers
-once every session's KV has moved or been given up), release A's memory. Figures, side by side in
-one run:
+transfer arena (engine.kv_arena_mib: memory touched at start, registered with Mooncake once, its
+endpoint opened at start, that the prefix cache keeps its pages in and imports read into) holds
+twice the sessions' KV, as an engine's KV memory is sized for what it serves. Half the sessions
+then start a long call (in flight), and A is switched to training the way a cell does it:
+stop_admission, drain (one batched move A -> B of every idle session's KV and the in-flight calls'
+prompts beside their abort; answers once every session's KV has moved or been given up), release
+A's memory. Figures, side by side in one run:
 
   kv_bytes               bytes of KV the hand-off moved or gave up (tokens x bytes per token)
   kv_migrated_tokens     tokens whose KV moved (proxy counter); kv_reprefill_tokens: did not
@@ -23,7 +23,9 @@ one run:
   handoff_cpu_s          CPU-seconds engines A and B and the proxy used during the drain call (also
                          per process: handoff_cpu_s_by_process), and transfer_floor_cpu_s the
                          floor's (this process: both endpoints of its reads): on a loaded box these
-                         move less than wall times do
+                         move less than wall times do. Mooncake's synchronous reads spin their
+                         calling thread until they end, in both: a read that waits for a core
+                         (the source's decode step and aborts beside it, on 2 cores) costs more
   first_call_s_migrated  median latency of an idle session's first call after the hand-off (on B,
                          its KV moved), once the resumed calls are done
   first_call_s_reprefill the same through a second proxy with migrate_kv=false (B recomputes the
