@@ -2,6 +2,7 @@
 
     run dir ─ load_run ─> LiveRun (config, records, ledger, events)      (the only I/O)
       measure_workload ─> profile.*   (calls per execution, tokens per call, gaps between calls)
+      measure_start_s  ─> profile.start_s (the coordinator's seconds per execution it starts)
       measure_engines  ─> preset.*    (session and aggregate decode, prefill per cell)
       measure_training ─> preset.*    (training tokens/s per cell, the core's step overhead)
       measure_phases   ─> +phase_s.*  (role-switch phases as the cell leaders timed them)
@@ -18,6 +19,7 @@ Run: PYTHONPATH=. python -m gyre.sim.calibrate RUN_DIR [--modes elastic,async,co
 """
 
 import argparse
+import bisect
 import statistics
 import sys
 from collections import defaultdict
@@ -165,6 +167,20 @@ def measure_workload(run: LiveRun) -> dict:
         "timeout_s": round(float(np.median(timed_out)) if timed_out else max(spans), 2),
         "excluded_fraction": round(1 - len(trained) / len(execs), 4),
     }
+
+
+def measure_start_s(run: LiveRun) -> float:
+    """Seconds the coordinator spends starting one execution (proxy registration, sandbox,
+    harness): it starts a turn's executions one after another, so within a turn of its loop
+    (between two of its observations) consecutive starts are that far apart. Total span over
+    total gaps, so the long bursts that matter weigh most; 0 when no turn started two."""
+    ticks = sorted(e.t for e in _of(run, "observation"))
+    bursts = defaultdict(list)
+    for e in _of(run, "execution_state"):
+        if e.state == "running":
+            bursts[bisect.bisect(ticks, e.t)].append(e.t)
+    gaps = sum(len(b) - 1 for b in bursts.values())
+    return round(sum(max(b) - min(b) for b in bursts.values()) / gaps, 4) if gaps else 0.0
 
 
 def _concurrency(calls: list[CallRecord]) -> np.ndarray:
@@ -317,7 +333,7 @@ def make_overrides(run: LiveRun) -> list[str]:
         **measure_engines(run, cells),
         **measure_training(run, cells),
     }
-    profile = {"name": "live", **measure_workload(run)}
+    profile = {"name": "live", **measure_workload(run), "start_s": measure_start_s(run)}
     scheduler = {k: v for k, v in cfg["scheduler"].items() if k != "mode"}
     scheduler["microstep_tokens"] = cfg["coordinator"]["max_micro_batch_tokens"]
     return (
