@@ -24,6 +24,7 @@ from gyre.records.record import CallRecord
 from gyre.scheduler.config import SchedulerConfig
 from gyre.sim.calibrate import (
     CalibrationError,
+    blocked_s,
     compose_sim,
     live_wall,
     load_run,
@@ -270,3 +271,18 @@ def test_the_coordinators_start_cost_is_the_spacing_of_starts_within_a_turn(run_
         ]
     run = replace(load_run(run_dir), events=events)
     assert measure_start_s(run) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "start, end, expected",
+    [
+        pytest.param(0.0, 1.0, 0.0, id="before-any-burst"),
+        pytest.param(0.0, 3.0, 1.0, id="into-a-burst"),
+        pytest.param(2.5, 7.0, 2.5, id="from-inside-one-across-the-next"),
+        pytest.param(4.0, 5.0, 0.0, id="between-bursts"),
+    ],
+)
+def test_the_wait_for_the_coordinators_starts_is_the_overlap_with_its_bursts(start, end, expected):
+    """An execution that ended during a burst of starts is collected after it; the calibration
+    leaves that wait out of its harness time (the simulator adds it)."""
+    assert blocked_s([(2.0, 4.0), (6.0, 8.0)], start, end) == pytest.approx(expected)
