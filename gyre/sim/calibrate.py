@@ -2,6 +2,7 @@
 
     run dir ─ load_run ─> LiveRun (config, records, ledger, events)      (the only I/O)
       measure_workload ─> profile.*   (calls per execution, tokens per call, gaps between calls)
+      measure_start_s  ─> profile.start_s (the coordinator's seconds per execution it starts)
       measure_engines  ─> preset.*    (session and aggregate decode, prefill per cell)
       measure_training ─> preset.*    (training tokens/s per cell, the core's step overhead)
       measure_phases   ─> +phase_s.*  (role-switch phases as the cell leaders timed them)
@@ -18,6 +19,7 @@ Run: PYTHONPATH=. python -m gyre.sim.calibrate RUN_DIR [--modes elastic,async,co
 """
 
 import argparse
+import bisect
 import statistics
 import sys
 from collections import defaultdict
@@ -120,19 +122,26 @@ def measure_workload(run: LiveRun) -> dict:
     between calls, the harness's exit and the evaluation after its last) is spread evenly over
     its calls, one sample per call: the simulator draws each segment's tool time on its own, and
     a start-up drawn as one sample among the gaps would land in a random number of segments of
-    an execution (0, 1 or several) instead of once.
+    an execution (0, 1 or several) instead of once. An execution that ended while the coordinator
+    was starting others is collected after them; that wait is left out (the simulator adds it,
+    profile.start_s).
     """
     execs = _executions(run)
     calls_of = {e: run.records.get(e, []) for e in execs}
     with_calls = [e for e in execs if calls_of[e]]
     if not with_calls:
         raise CalibrationError(f"{run.run_dir}: no execution made a model call")
+    start_s = measure_start_s(run)
+    busy = [(b[0], b[0] + len(b) * start_s) for b in _turn_starts(run)]  # the coordinator's bursts of starts
     segments, gen, tool = [], [], []
     for e in with_calls:
         calls, hist = calls_of[e], run.ledger.history[e]
         started = next(x.t for x in hist if x.state == "running")
         ended = run.ledger.outcome(e).t
         gaps = [max(0.0, b.started_at - a.finished_at) for a, b in zip(calls, calls[1:])]
+        # an ended harness waits for the coordinator's starts before it is collected: the
+        # simulator adds that wait itself (profile.start_s)
+        ended -= blocked_s(busy, calls[-1].finished_at, ended)
         outside = sum(gaps) + max(0.0, calls[0].started_at - started) + max(0.0, ended - calls[-1].finished_at)
         tool += [outside / len(calls)] * len(calls)
         segments.append(len(calls))
@@ -165,6 +174,31 @@ def measure_workload(run: LiveRun) -> dict:
         "timeout_s": round(float(np.median(timed_out)) if timed_out else max(spans), 2),
         "excluded_fraction": round(1 - len(trained) / len(execs), 4),
     }
+
+
+def _turn_starts(run: LiveRun) -> list[list[float]]:
+    """When each turn of the coordinator's loop (between two of its observations) started its
+    executions, one after another."""
+    ticks = sorted(e.t for e in _of(run, "observation"))
+    turns = defaultdict(list)
+    for e in _of(run, "execution_state"):
+        if e.state == "running":
+            turns[bisect.bisect(ticks, e.t)].append(e.t)
+    return [sorted(b) for _, b in sorted(turns.items())]
+
+
+def measure_start_s(run: LiveRun) -> float:
+    """Seconds the coordinator spends starting one execution (proxy registration, sandbox,
+    harness): within a turn of its loop consecutive starts are that far apart. Total span over
+    total gaps, so the long bursts that matter weigh most; 0 when no turn started two."""
+    turns = _turn_starts(run)
+    gaps = sum(len(b) - 1 for b in turns)
+    return round(sum(b[-1] - b[0] for b in turns) / gaps, 4) if gaps else 0.0
+
+
+def blocked_s(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of [start, end] inside the (disjoint) `intervals`."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in intervals)
 
 
 def _concurrency(calls: list[CallRecord]) -> np.ndarray:
@@ -317,7 +351,7 @@ def make_overrides(run: LiveRun) -> list[str]:
         **measure_engines(run, cells),
         **measure_training(run, cells),
     }
-    profile = {"name": "live", **measure_workload(run)}
+    profile = {"name": "live", **measure_workload(run), "start_s": measure_start_s(run)}
     scheduler = {k: v for k, v in cfg["scheduler"].items() if k != "mode"}
     scheduler["microstep_tokens"] = cfg["coordinator"]["max_micro_batch_tokens"]
     return (

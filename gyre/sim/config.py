@@ -60,6 +60,11 @@ class ProfileConfig:
     """Measured tokens generated per segment; non-empty = drawn from these."""
     tool_s_samples: list[float] = field(default_factory=list)
     """Measured tool seconds per segment; non-empty = drawn from these."""
+    start_s: float = 0.0
+    """Coordinator seconds to start one execution (its sandbox and harness), one after another: a
+    burst of n starts holds the live coordinator's loop n x start_s, during which it sees no
+    execution end and hands training no new step (gyre.coordinator.rollouts.start_queued); 0 =
+    instant."""
 
     def __post_init__(self):
         for key in ("groups_per_step", "group_size", "max_segments", "max_context_tokens"):
@@ -69,6 +74,7 @@ class ProfileConfig:
         for key in ("segments_sigma", "exec_sigma", "tool_s_sigma"):
             require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
         require(self.train_token_factor > 0, "train_token_factor", f"must be > 0, got {self.train_token_factor}")
+        require(self.start_s >= 0, "start_s", f"must be >= 0 s, got {self.start_s}")
         require(self.timeout_s > 0, "timeout_s", f"must be > 0 s, got {self.timeout_s}")
         require(
             0 <= self.excluded_fraction < 1, "excluded_fraction", f"must be in [0, 1), got {self.excluded_fraction}"

@@ -23,6 +23,10 @@ beyond them queue (the waterlevel counts them). The policy sees each cell's serv
 the profile's mean context: sessions its GPUs hold, and the decode those calls sustain (at long
 contexts the GPU KV, not the batch limit, caps the calls in flight).
 
+The coordinator is one loop: with the profile's `start_s` it starts executions one at a time,
+and a burst of starts delays what the same turn of its loop does after it (seeing executions end,
+handing training the step an optimizer step opened), as `gyre.coordinator.loop._tick` does.
+
 This module owns the clock, the event loop, the training side, the cells' roles and the result;
 the rollout side (admission to ready group) is `gyre.sim.rollout.RolloutSide`.
 """
@@ -38,7 +42,7 @@ from gyre.scheduler.streaming import MicroStepQueue
 from gyre.sim.config import PresetConfig, ProfileConfig
 from gyre.sim.cost import derive_costs
 from gyre.sim.kv import HostTier
-from gyre.sim.parts import LOSS, MICRO_END, OPT_END, PHASE_END, SEG_END, TICK, SimCell
+from gyre.sim.parts import FEED, LOSS, MICRO_END, OPT_END, PHASE_END, SEG_END, TICK, SimCell
 from gyre.sim.result import ModeResult, critical_path_s, startup_bound_s
 from gyre.sim.rollout import RolloutSide
 from gyre.sim.workload import budget_hit_fraction, mean_context_tokens, train_share
@@ -75,6 +79,7 @@ class Simulation(RolloutSide):
         self.seq = itertools.count()
         self.now = 0.0
         self.optimizing = False
+        self.feed_at = 0.0  # the current step reaches training once the coordinator is free
         self.step_times: list[float] = []
         self.levels: list[tuple[float, int]] = []
         self.train_tokens_total = 0
@@ -121,6 +126,9 @@ class Simulation(RolloutSide):
             self._on_tick,
             self._on_loss,
             self._on_wake,
+            self._on_start,
+            self._on_collect,
+            self._on_feed,
         )
         heap, pop, queue, num_steps, start_gen = self.heap, heapq.heappop, self.queue, self.num_steps, self._start_gen
         while heap and queue.version < num_steps:
@@ -142,7 +150,7 @@ class Simulation(RolloutSide):
             self._claim(sc)
 
     def _claim(self, sc):
-        if sc.cell.role is not Role.TRAIN or sc.micro is not None or self.optimizing:
+        if sc.cell.role is not Role.TRAIN or sc.micro is not None or self.optimizing or self.now < self.feed_at:
             return
         ms = self.queue.claim()
         if ms is None:
@@ -181,9 +189,17 @@ class Simulation(RolloutSide):
                 sc.cell.leave_step()
         self.step_times.append(self.now)
         self._admit_batches()
+        # the live coordinator hands training the new step in the same turn of its loop, after
+        # starting the executions admitted: a burst of starts delays it
+        self.feed_at = self.coordinator_free
+        if self.feed_at > self.now:
+            self._at(self.feed_at, FEED, None)
         self._consult()  # before claiming: colocate sends its cells back before they touch the next step
         self._claim_all()
         self._maybe_optimize()
+
+    def _on_feed(self, _obj, _token):
+        self._claim_all()
 
     # ---- roles ----------------------------------------------------------------------------
     def _on_tick(self, _obj, _token):

@@ -8,7 +8,7 @@ from gyre.sim.kv import NONE, CellEngine, HostTier
 from gyre.sim.result import CellStats
 
 # Kinds of the events on the simulation's heap, ordered as `Simulation.run` dispatches them.
-SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS, WAKE = range(8)
+SEG_END, EXEC_END, PHASE_END, MICRO_END, OPT_END, TICK, LOSS, WAKE, START, COLLECT, FEED = range(11)
 
 
 class Session:

@@ -1,7 +1,12 @@
 """The simulator's rollout side: executions from admission to a ready group.
 
-    admit batch (staleness) -> waiting -> least-loaded serving cell -> model call (slot, KV)
-        -> tool calls -> ... -> finished or time budget -> group ready -> micro-step queue
+    admit batch (staleness) -> waiting -> least-loaded serving cell -> coordinator starts it
+        -> model call (slot, KV) -> tool calls -> ... -> finished or time budget
+        -> coordinator collects it -> group ready -> micro-step queue
+
+The coordinator starts executions one at a time (`start_s` each, the profile's); while a burst of
+starts holds it, it collects no ended execution (gyre.coordinator.rollouts: start_queued, then
+collect, in one turn of the loop).
 
 A session that loses its cell is handed off, parked while no cell serves, or rebalanced onto a
 cell back in rollout. `RolloutSide` is half of `gyre.sim.engine.Simulation`: it uses the engine's
@@ -14,7 +19,7 @@ from collections import deque
 from gyre.scheduler.policy import rebalance
 from gyre.scheduler.streaming import may_admit, trained_spans
 from gyre.sim.kv import GPU
-from gyre.sim.parts import EXEC_END, SEG_END, WAKE, Session, SimGroup
+from gyre.sim.parts import COLLECT, EXEC_END, SEG_END, START, WAKE, Session, SimGroup
 from gyre.sim.workload import draw_batch, train_tokens
 
 
@@ -27,6 +32,7 @@ class RolloutSide:
         self.running_by_step: dict[int, int] = {}
         self.blocked: dict = {}  # insertion-ordered set
         self.running = 0
+        self.coordinator_free = 0.0  # when the coordinator's last start of a burst is done
         self.next_batch = 0
         self.started = 0
         self.session_tok_s = self.preset.session_tok_s
@@ -90,9 +96,23 @@ class RolloutSide:
             self.started += 1
             s.cell = sc
             sc.join(s, self.now)
-            s.deadline = self.now + self.profile.timeout_s
+            start = self._take_coordinator()
+            s.deadline = start + self.profile.timeout_s
             self.running += 1
-            self._start_gen(s)
+            if start > self.now:
+                self._at(start, START, s)
+            else:
+                self._start_gen(s)
+
+    def _take_coordinator(self) -> float:
+        """When the coordinator starts the next execution: after the starts before it, each of
+        which holds it `start_s` (the harness's time budget runs from its start)."""
+        start = max(self.now, self.coordinator_free)
+        self.coordinator_free = start + self.profile.start_s
+        return start
+
+    def _on_start(self, s, _token):
+        self._start_gen(s)
 
     def _start_gen(self, s):
         sc = s.cell
@@ -159,7 +179,13 @@ class RolloutSide:
         self.num_timeouts += 1
         self._finish(s)
 
+    def _on_collect(self, s, _token):
+        self._finish(s)
+
     def _finish(self, s):
+        if self.now < self.coordinator_free:  # seen once the coordinator's burst of starts is done
+            self._at(self.coordinator_free, COLLECT, s)
+            return
         if s.cell is not None:
             s.cell.drop(s, self.now)
         if s.eng is not None:

@@ -405,3 +405,22 @@ def test_the_kv_bound_charges_each_call_its_grown_context():
     kv_token_s = 2 * (1000 + 2000 + 3000) * 100 / preset.session_tok_s
     assert r.rollout_work_s == pytest.approx(kv_token_s / (preset.kv_tokens_per_node * preset.num_nodes))
     assert r.total_s >= r.work_node_s / r.num_nodes
+
+
+def test_the_coordinator_starts_executions_one_at_a_time_and_feeds_training_after_its_burst():
+    """The live coordinator starts a turn's executions one after another and hands training the
+    new step only after them (gyre.coordinator.loop._tick): with start_s, every start is start_s
+    after the one before, and after each optimizer step the next step trains no earlier than the
+    burst of the batch it admitted (16 executions here, all fitting the free slots)."""
+    start_s = 50.0  # long beside the executions, so the starts decide the time
+    profile = replace(PROFILE, start_s=start_s)
+    sched = SchedulerConfig(mode="async", async_train_cells=1)
+    base = Simulation(PROFILE, PRESET, sched, num_steps=4, tick_s=5.0).run()
+    r = Simulation(profile, PRESET, sched, num_steps=4, tick_s=5.0).run()
+    n = PROFILE.executions_per_step
+    assert r.total_s >= (4 * n - 1) * start_s and r.total_s > base.total_s
+    gaps = [b - a for a, b in zip(r.step_times_s, r.step_times_s[1:])]
+    assert min(gaps[:2]) >= n * start_s  # steps 0 and 1 admit steps 2 and 3 (staleness 1); step 2 none
+    with pytest.raises(ConfigError) as err:
+        replace(PROFILE, start_s=-1.0)
+    assert err.value.key.endswith("start_s")

@@ -2,18 +2,37 @@
 with known call times, token counts and training rates must come back as exactly those values."""
 
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import yaml
 
 from gyre.coordinator.ledger import ExecutionLedger, LedgerEntry
-from gyre.metrics.events import Checkpoint, MicroStepEvent, OptimizerStep, RoleSwitchEvent, RunStart, WeightPublish
+from gyre.metrics.events import (
+    Checkpoint,
+    ExecutionState,
+    MicroStepEvent,
+    ObservationEvent,
+    OptimizerStep,
+    RoleSwitchEvent,
+    RunStart,
+    WeightPublish,
+)
 from gyre.metrics.log import EventLog
 from gyre.records.io import RecordWriter
 from gyre.records.record import CallRecord
 from gyre.scheduler.config import SchedulerConfig
-from gyre.sim.calibrate import CalibrationError, compose_sim, live_wall, load_run, make_overrides, peak_rate, predict
+from gyre.sim.calibrate import (
+    CalibrationError,
+    blocked_s,
+    compose_sim,
+    live_wall,
+    load_run,
+    make_overrides,
+    measure_start_s,
+    peak_rate,
+    predict,
+)
 from gyre.sim.config import PresetConfig
 
 T0 = 1000.0
@@ -230,3 +249,40 @@ def test_an_unfinished_run_is_refused(tmp_path):
 def test_live_sessions_per_node_caps_what_the_kv_holds(cap, expected):
     preset = PresetConfig(kv_tokens_per_node=1e6, live_sessions_per_node=cap)
     assert preset.sessions_per_node(1000.0) == expected
+
+
+@pytest.mark.parametrize(
+    "turns, expected",
+    [
+        pytest.param([[0.1, 0.3, 0.5], [1.1, 1.2, 1.5]], 0.2, id="two-bursts"),
+        pytest.param([[0.1, 0.3, 0.5], [1.1]], 0.2, id="a-lone-start-adds-no-gap"),
+        pytest.param([[0.1], [1.1]], 0.0, id="no-turn-started-two"),
+    ],
+)
+def test_the_coordinators_start_cost_is_the_spacing_of_starts_within_a_turn(run_dir, turns, expected):
+    """Starts between two observations (one turn of the coordinator's loop) are start_s apart;
+    the pause between turns is not a start's cost."""
+    events = []
+    for i, starts in enumerate(turns):
+        events.append(ObservationEvent(t=T0 + i, queued=0, running=0, roles=[], sessions=[]))
+        events += [
+            ExecutionState(t=T0 + t, execution_id=f"e{t}", task_id="t", group_id="0", step=0, state="running")
+            for t in starts
+        ]
+    run = replace(load_run(run_dir), events=events)
+    assert measure_start_s(run) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "start, end, expected",
+    [
+        pytest.param(0.0, 1.0, 0.0, id="before-any-burst"),
+        pytest.param(0.0, 3.0, 1.0, id="into-a-burst"),
+        pytest.param(2.5, 7.0, 2.5, id="from-inside-one-across-the-next"),
+        pytest.param(4.0, 5.0, 0.0, id="between-bursts"),
+    ],
+)
+def test_the_wait_for_the_coordinators_starts_is_the_overlap_with_its_bursts(start, end, expected):
+    """An execution that ended during a burst of starts is collected after it; the calibration
+    leaves that wait out of its harness time (the simulator adds it)."""
+    assert blocked_s([(2.0, 4.0), (6.0, 8.0)], start, end) == pytest.approx(expected)

@@ -17,7 +17,8 @@ uniform is not trained), so the live speedups are printed beside the simulated o
 (every mode on the first run's workload).
 
     PYTHONPATH=. python tools/bench/modes.py [--steps 10] [--modes elastic,async,async-tuned,colocate]
-        [--experiment NAME] [-- OVERRIDES...]
+        [--experiment NAME] [--out DIR] [-- OVERRIDES...]
+    PYTHONPATH=. python tools/bench/modes.py --from DIR [--modes ...]
 
 --experiment NAME runs every mode on conf/experiment/NAME.yaml (`+experiment=NAME`), at its own
 num_steps unless --steps is given: `--experiment burst` is the capacity-bound workload where the
@@ -25,6 +26,10 @@ schedule, not the latency of the executions, decides the time. Beside each mode'
 report gives the simulator's prediction over it (`sim_over_live`), the lower bound's three terms
 and which binds (`bound_terms_s`, `bound_binds`), and for each baseline the most a schedule at the
 bound could gain over its live run (`ceiling_vs_<mode>`: live / bound).
+
+--from DIR predicts again from the run directories an earlier run left under `--out DIR` (one per
+mode, no live run): the simulator calibrated on the first mode's run, each mode's prediction over
+its live time, async-tuned with the training pool its run was given; one JSON object last.
 
 --smoke (the test suite's run) is the simulator side alone, uncalibrated (every live run takes
 minutes): each mode predicted, async-tuned's pool from the oracle sweep, and the lower bound, on
@@ -89,6 +94,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", default=None, help="run directories go here (default: a temporary directory)")
     p.add_argument("overrides", nargs="*", help="gyre-train overrides for every mode (after --)")
+    p.add_argument("--from", dest="from_dir", default=None, help="predict again from an earlier --out DIR's runs")
     p.add_argument("--smoke", action="store_true", help="the simulator side alone, seconds (the test suite's run)")
     a = p.parse_args()
     a.modes = a.modes.split(",")
@@ -205,6 +211,24 @@ def smoke(modes: list[str]) -> None:
     print(jsonio.dumps(report | {"async_tuned_train_cells": tuned}))
 
 
+def repredict(out: Path, modes: list[str]) -> None:
+    """The simulator side again from the run directories under `out` (see the module docstring)."""
+    runs = {m: load_run(out / m) for m in modes}
+    sim = compose_sim(make_overrides(runs[modes[0]]), [m for m in modes if m != "async-tuned"])
+    tuned = runs["async-tuned"].config["scheduler"]["async_train_cells"] if "async-tuned" in runs else None
+    predicted, terms = predict_modes(sim, modes, tuned)
+    report = {}
+    for m in modes:
+        live = live_wall(runs[m])["live_s"]
+        report[m] = {
+            "live_s": live,
+            "predicted_s": round(predicted[m], 1),
+            "sim_over_live": round(predicted[m] / live, 3),
+        }
+        print(f"  {m:<12} live {live:7.1f} s  predicted {predicted[m]:7.1f} s ({predicted[m] / live:.3f}x)")
+    print(jsonio.dumps(report | bound_report(terms) | {"calibrated_on": modes[0]}))
+
+
 def bound_report(terms: dict[str, float]) -> dict:
     """The bound, its terms and the one that binds, JSON-ready."""
     return {
@@ -219,6 +243,8 @@ def main() -> None:
     modes = a.modes
     if a.smoke:
         return smoke(modes)
+    if a.from_dir:
+        return repredict(Path(a.from_dir), modes)
     results, live, own, sim, tuned = run_all(a)
     predicted, terms = predict_modes(sim, modes, tuned)
     bound_s = max(terms.values())
