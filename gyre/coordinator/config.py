@@ -39,6 +39,11 @@ class CoordinatorConfig:
     """Tokens packed into one micro-batch (a longer path is an error naming this key)."""
     tick_s: float = 0.2
     """Seconds between two turns of the coordinator's loop."""
+    start_budget_s: float = 1.0
+    """Seconds a turn of the loop spends starting queued executions at most (a start, its proxy key,
+    sandbox and harness, takes ~0.2 s on 2 cores); the rest start in the next turns. A step's burst
+    of starts then never keeps the loop from collecting ended executions and handing training its
+    next step: started whole, 64 of them idled the core ~13 s after each optimizer step."""
     checkpoint_every_steps: int = 1
     """Checkpoint the core after every this many optimizer steps (and at the end)."""
     on_resume: str = "continue"
@@ -69,6 +74,7 @@ class CoordinatorConfig:
             f"must be >= 16, got {self.max_micro_batch_tokens}",
         )
         require(self.tick_s > 0, "tick_s", f"must be > 0 s, got {self.tick_s}")
+        require(self.start_budget_s > 0, "start_budget_s", f"must be > 0 s, got {self.start_budget_s}")
         require(
             self.checkpoint_every_steps >= 1,
             "checkpoint_every_steps",

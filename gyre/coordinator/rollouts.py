@@ -1,6 +1,6 @@
 """The rollout side of the run: groups admitted within the staleness bound, one sandbox per execution.
 
-    admit_groups (may_admit) ─> queued ─start_queued (free slots)─> running ─poll─> evaluate ─> group ready
+    admit_groups (may_admit) ─> queued ─start_queued (slots, budget)─> running ─poll─> evaluate ─> group ready
     admit_held_out (first, every eval_every, last weights) ─> queue (groups wait) ─> ... ─> HeldOutResult event
 
 Group g belongs to step g // groups_per_step and draws its task from the task set at cursor g, so
@@ -75,6 +75,7 @@ class Rollouts(GroupBook):
         self.staleness, self.seed, self.model = cfg.scheduler.staleness, cfg.seed, cfg.proxy.model_names[0]
         self.sandbox_root, self.records_dir = RunPaths(run_dir).sandboxes, RunPaths(run_dir).records
         self.on_resume, self.max_continues = c.on_resume, c.max_continues
+        self.start_budget_s = c.start_budget_s
         self.proxy: ProxyAdmin | None = None
         self.proxy_url = ""
         self.queue: list[Execution] = []
@@ -202,10 +203,12 @@ class Rollouts(GroupBook):
 
     # ---- running ------------------------------------------------------------------------------
     async def start_queued(self, free_slots: int) -> None:
-        """Start queued executions, oldest first, into `free_slots` session slots."""
-        while self.queue and free_slots > 0:
+        """Start queued executions, oldest first, into `free_slots` session slots, for at most
+        coordinator.start_budget_s (one at least): the rest start in the next turns of the loop."""
+        t0, tried = time.monotonic(), 0
+        while self.queue and free_slots > 0 and (not tried or time.monotonic() - t0 < self.start_budget_s):
             ex = self.queue.pop(0)
-            free_slots -= 1
+            free_slots, tried = free_slots - 1, tried + 1
             try:
                 reg = await self.proxy.create_execution(ex.execution_id)
                 ex.records_path = Path(reg["records_path"])

@@ -351,7 +351,12 @@ def make_overrides(run: LiveRun) -> list[str]:
         **measure_engines(run, cells),
         **measure_training(run, cells),
     }
-    profile = {"name": "live", **measure_workload(run), "start_s": measure_start_s(run)}
+    profile = {
+        "name": "live",
+        **measure_workload(run),
+        "start_s": measure_start_s(run),
+        "start_budget_s": cfg["coordinator"].get("start_budget_s", 0.0),  # runs before it: the whole burst
+    }
     scheduler = {k: v for k, v in cfg["scheduler"].items() if k != "mode"}
     scheduler["microstep_tokens"] = cfg["coordinator"]["max_micro_batch_tokens"]
     return (

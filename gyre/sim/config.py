@@ -65,6 +65,10 @@ class ProfileConfig:
     burst of n starts holds the live coordinator's loop n x start_s, during which it sees no
     execution end and hands training no new step (gyre.coordinator.rollouts.start_queued); 0 =
     instant."""
+    start_budget_s: float = 0.0
+    """The live coordinator.start_budget_s: a turn of its loop starts executions for at most this
+    long, then collects and feeds training, so a burst holds those at most this long; 0 = the
+    whole burst (runs from before the budget)."""
 
     def __post_init__(self):
         for key in ("groups_per_step", "group_size", "max_segments", "max_context_tokens"):
@@ -75,6 +79,7 @@ class ProfileConfig:
             require(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
         require(self.train_token_factor > 0, "train_token_factor", f"must be > 0, got {self.train_token_factor}")
         require(self.start_s >= 0, "start_s", f"must be >= 0 s, got {self.start_s}")
+        require(self.start_budget_s >= 0, "start_budget_s", f"must be >= 0 s, got {self.start_budget_s}")
         require(self.timeout_s > 0, "timeout_s", f"must be > 0 s, got {self.timeout_s}")
         require(
             0 <= self.excluded_fraction < 1, "excluded_fraction", f"must be in [0, 1), got {self.excluded_fraction}"

@@ -24,8 +24,9 @@ the profile's mean context: sessions its GPUs hold, and the decode those calls s
 contexts the GPU KV, not the batch limit, caps the calls in flight).
 
 The coordinator is one loop: with the profile's `start_s` it starts executions one at a time,
-and a burst of starts delays what the same turn of its loop does after it (seeing executions end,
-handing training the step an optimizer step opened), as `gyre.coordinator.loop._tick` does.
+and a burst of starts (at most the profile's `start_budget_s` a turn) delays what the same turn of
+its loop does after it (seeing executions end, handing training the step an optimizer step
+opened), as `gyre.coordinator.loop._tick` does.
 
 This module owns the clock, the event loop, the training side, the cells' roles and the result;
 the rollout side (admission to ready group) is `gyre.sim.rollout.RolloutSide`.
@@ -191,7 +192,7 @@ class Simulation(RolloutSide):
         self._admit_batches()
         # the live coordinator hands training the new step in the same turn of its loop, after
         # starting the executions admitted: a burst of starts delays it
-        self.feed_at = self.coordinator_free
+        self.feed_at = self.loop_free_at()
         if self.feed_at > self.now:
             self._at(self.feed_at, FEED, None)
         self._consult()  # before claiming: colocate sends its cells back before they touch the next step

@@ -5,8 +5,8 @@
         -> coordinator collects it -> group ready -> micro-step queue
 
 The coordinator starts executions one at a time (`start_s` each, the profile's); while a burst of
-starts holds it, it collects no ended execution (gyre.coordinator.rollouts: start_queued, then
-collect, in one turn of the loop).
+starts holds it (at most `start_budget_s` a turn of its loop), it collects no ended execution
+(gyre.coordinator.rollouts: start_queued, then collect, in one turn of the loop).
 
 A session that loses its cell is handed off, parked while no cell serves, or rebalanced onto a
 cell back in rollout. `RolloutSide` is half of `gyre.sim.engine.Simulation`: it uses the engine's
@@ -114,6 +114,12 @@ class RolloutSide:
     def _on_start(self, s, _token):
         self._start_gen(s)
 
+    def loop_free_at(self) -> float:
+        """When the coordinator's loop next collects and feeds training: after its burst of starts,
+        or after the turn's start budget where one bounds it."""
+        budget = self.profile.start_budget_s
+        return min(self.coordinator_free, self.now + budget) if budget > 0 else self.coordinator_free
+
     def _start_gen(self, s):
         sc = s.cell
         if sc is None or not sc.serving:
@@ -183,8 +189,8 @@ class RolloutSide:
         self._finish(s)
 
     def _finish(self, s):
-        if self.now < self.coordinator_free:  # seen once the coordinator's burst of starts is done
-            self._at(self.coordinator_free, COLLECT, s)
+        if self.now < self.coordinator_free:  # seen once the coordinator's loop is free of starts
+            self._at(self.loop_free_at(), COLLECT, s)
             return
         if s.cell is not None:
             s.cell.drop(s, self.now)

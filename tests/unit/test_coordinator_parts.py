@@ -455,3 +455,53 @@ def test_held_out_tasks_run_again_in_the_middle_of_a_run_at_each_eval_every(tmp_
         r.queue.clear()
     assert admitted == {v: [v] * per_version if v in (0, 2, 4) else [] for v in range(5)}
     ledger.close()
+
+
+def test_a_turn_starts_executions_for_its_start_budget_and_leaves_the_rest_to_the_next(tmp_path, monkeypatch):
+    """A step's burst of starts is spread over turns of the loop (coordinator.start_budget_s), so
+    the loop collects and feeds training between them; a turn starts one at least, however small
+    the budget."""
+    import time
+
+    import hydra
+
+    import gyre.coordinator.rollouts as rollouts
+    from gyre.common import CONF_DIR
+    from gyre.config import register_configs, validate
+    from gyre.tasks.taskset import toy_taskset
+
+    start_s = 0.05
+
+    class SlowSandbox:  # a start costing start_s (a sandbox's files, its harness's process)
+        def __init__(self, *args):
+            pass
+
+        def prepare(self):
+            time.sleep(start_s)
+
+        def start(self):
+            pass
+
+    class Proxy:
+        async def create_execution(self, execution_id):
+            return {"records_path": str(tmp_path / execution_id), "api_key": "k"}
+
+    monkeypatch.setattr(rollouts, "Sandbox", SlowSandbox)
+    register_configs()
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = validate(
+            hydra.compose(config_name="config", overrides=["tasks.eval_every=0", "coordinator.start_budget_s=0.12"])
+        )
+    ledger = ExecutionLedger(tmp_path / "ledger.jsonl")
+    r = rollouts.Rollouts(cfg, tmp_path, toy_taskset(), ledger)
+    r.attach(Proxy(), "http://127.0.0.1:1")
+    r.queue.clear()  # no held-out rollouts: the groups alone
+    r.admit_groups(0)
+    queued = len(r.queue)
+    asyncio.run(r.start_queued(free_slots=queued))
+    first = len(r.running)
+    assert 1 <= first <= 0.12 / start_s + 1 < queued  # within the budget, not the whole burst
+    r.start_budget_s = 1e-9
+    asyncio.run(r.start_queued(free_slots=queued))
+    assert len(r.running) == first + 1 and len(r.queue) == queued - first - 1  # one at least
+    ledger.close()

@@ -424,3 +424,7 @@ def test_the_coordinator_starts_executions_one_at_a_time_and_feeds_training_afte
     with pytest.raises(ConfigError) as err:
         replace(PROFILE, start_s=-1.0)
     assert err.value.key.endswith("start_s")
+    # coordinator.start_budget_s: the loop breaks a burst to collect and feed training, which then
+    # waits one budget, not the burst; the starts themselves stay one after another
+    bounded = Simulation(replace(profile, start_budget_s=start_s), PRESET, sched, num_steps=4, tick_s=5.0).run()
+    assert bounded.total_s >= (4 * n - 1) * start_s and bounded.total_s < r.total_s
