@@ -16,7 +16,7 @@ class TasksConfig:
     """Held-out task set (never trained on), rolled out under the first and the last weights of a
     run and every `eval_every` steps between (summary: eval_reward_first, eval_reward_last, each with
     its standard error); None: the toy's held-out set when `path` is None, else no held-out rollouts."""
-    eval_samples: int = 6
+    eval_samples: int = 12
     """Executions per held-out task at each evaluated version; 0: no held-out rollouts."""
     eval_every: int = 10
     """Also roll the held-out set out under every this many steps' weights (0: only the first and the last)."""
